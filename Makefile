@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+# JAX 0.12 needs Python >= 3.12; we look for it on PATH, then under pyenv.
+PYTHON ?= $(shell for c in python3.13 python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3 $$HOME/.pyenv/versions/3.13*/bin/python3; do \
+	  $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1 && { command -v $$c || echo $$c; } && break; done)
+VENV := .venv
+BIN := $(VENV)/bin
+SPECS := $(wildcard specs/*.spk)
+# libtpu looks for TPU hosts at start-up; these keep it quiet where there is none.
+export TPU_SKIP_MDS_QUERY := 1
+
+.PHONY: run test build check clean venv
+
+$(BIN)/.installed: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: Python >= 3.12 not found (JAX 0.12 needs it); install it or set PYTHON=..." >&2; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+build: venv
+	$(BIN)/sparsegen build $(SPECS) -o generated
+
+check: venv
+	$(BIN)/sparsegen check $(SPECS) -o generated
+
+run: build
+	$(BIN)/python -m sparsegen.run_examples
+
+test: venv
+	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

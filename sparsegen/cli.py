@@ -1,0 +1,138 @@
+"""The `sparsegen` command: build, check and plan. None of them imports jax.
+
+Exit status: 0 on success, 1 when a spec has problems (or `check` finds stale
+modules), 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .compiler import Module, compile_file, plans
+from .describe import describe
+from .source import SpecError
+from .targets import DEFAULT_TARGET, TARGETS
+
+
+def _compile_all(specs: list[str], target: str) -> list[tuple[str, Module]] | None:
+    """Compile every spec; print every problem and return None if any spec fails."""
+    modules: list[tuple[str, Module]] = []
+    failed = False
+    for spec in specs:
+        try:
+            modules += [(spec, m) for m in compile_file(spec, target)]
+        except SpecError as exc:
+            print(exc.render(), file=sys.stderr)
+            failed = True
+    owners: dict[str, str] = {}
+    for spec, m in modules:
+        if m.kernel in owners and owners[m.kernel] != spec:
+            print(f"{spec}: error: kernel '{m.kernel}' is also defined in {owners[m.kernel]}; both would write {m.kernel}.py", file=sys.stderr)
+            failed = True
+        owners.setdefault(m.kernel, spec)
+    return None if failed else modules
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cmd_build(args) -> int:
+    modules = _compile_all(args.specs, args.target)
+    if modules is None:
+        return 1
+    out = Path(args.output)
+    for _, m in modules:
+        _write_atomically(out / f"{m.kernel}.py", m.code)
+        if not args.quiet:
+            print(f"wrote {out / (m.kernel + '.py')}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    modules = _compile_all(args.specs, args.target)
+    if modules is None:
+        return 1
+    out = Path(args.output)
+    stale = 0
+    for spec, m in modules:
+        path = out / f"{m.kernel}.py"
+        try:
+            current = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            print(f"missing: {path} (from {spec})")
+            stale += 1
+            continue
+        if current != m.code:
+            print(f"stale: {path} (from {spec})")
+            stale += 1
+    if stale:
+        print(f"{stale} module{'s' if stale != 1 else ''} out of date; run: sparsegen build {' '.join(args.specs)} -o {args.output}")
+        return 1
+    print(f"{len(modules)} module{'s' if len(modules) != 1 else ''} up to date in {out}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    try:
+        found = plans(args.spec, args.target)
+    except SpecError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 1
+    if args.kernel:
+        found = [p for p in found if p.name == args.kernel]
+        if not found:
+            print(f"{args.spec}: error: no kernel named '{args.kernel}'", file=sys.stderr)
+            return 1
+    for n, p in enumerate(found):
+        if n:
+            print()
+        print("\n".join(describe(p)))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsegen", description="Compile .spk specs into Pallas TPU kernel modules.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    targets = sorted(TARGETS)
+
+    build = sub.add_parser("build", help="write one module per kernel (nothing is written if any spec fails)")
+    build.add_argument("specs", nargs="+", metavar="SPEC")
+    build.add_argument("-o", "--output", default=".", metavar="DIR", help="where to write NAME.py (default: .)")
+    build.add_argument("--target", default=DEFAULT_TARGET, choices=targets, help=f"chip to check against (default: {DEFAULT_TARGET})")
+    build.add_argument("-q", "--quiet", action="store_true", help="do not list the files written")
+    build.set_defaults(func=cmd_build)
+
+    check = sub.add_parser("check", help="exit 1 if any module in DIR is missing or stale (writes nothing)")
+    check.add_argument("specs", nargs="+", metavar="SPEC")
+    check.add_argument("-o", "--output", default=".", metavar="DIR")
+    check.add_argument("--target", default=DEFAULT_TARGET, choices=targets)
+    check.set_defaults(func=cmd_check)
+
+    plan = sub.add_parser("plan", help="print the kernel's plan: grid, blocks, index maps, memory")
+    plan.add_argument("spec", metavar="SPEC")
+    plan.add_argument("--kernel", metavar="NAME", help="only this kernel of the spec")
+    plan.add_argument("--target", default=DEFAULT_TARGET, choices=targets)
+    plan.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

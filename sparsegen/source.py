@@ -1,0 +1,113 @@
+"""Source files, spans and diagnostics: how every spec problem is reported.
+
+A diagnostic prints as ``FILE:LINE:COL: error: MESSAGE`` followed by the source
+line and a caret under the offending token, the way compilers do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    """A region of a source file; lines and columns count from 1, end is exclusive."""
+
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+
+    def __str__(self) -> str:
+        return f"{self.line}:{self.col}"
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A spec's text and the name it is reported under (the path as given)."""
+
+    name: str
+    text: str
+
+    @classmethod
+    def read(cls, path: str | Path) -> "SourceFile":
+        """Read a spec file; a file that cannot be read or decoded is a SpecError."""
+        name = str(path)
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            reason = exc.strerror or exc.__class__.__name__
+            raise SpecError([Diagnostic(None, f"cannot read file: {reason}")], None, name)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data[: exc.start].count(b"\n") + 1
+            col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+            span = Span(line, col, line, col + 1)
+            source = cls(name, data.decode("utf-8", errors="replace"))
+            raise SpecError(
+                [Diagnostic(span, f"file is not UTF-8 text (invalid byte 0x{data[exc.start]:02x})")],
+                source,
+            )
+        if "\x00" in text:
+            offset = text.index("\x00")
+            line = text.count("\n", 0, offset) + 1
+            col = offset - (text.rfind("\n", 0, offset) + 1) + 1
+            raise SpecError(
+                [Diagnostic(Span(line, col, line, col + 1), "file is not text (it contains a NUL byte)")],
+                cls(name, text.replace("\x00", " ")),
+            )
+        return cls(name, text)
+
+    @property
+    def digest(self) -> str:
+        """The first 16 hex digits of the SHA-256 of the text, for generated headers."""
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()[:16]
+
+    def line(self, number: int) -> str:
+        lines = self.text.splitlines()
+        return lines[number - 1] if 0 < number <= len(lines) else ""
+
+    def snippet(self, span: Span) -> str:
+        """The text a span covers (spans inside one line only)."""
+        return self.line(span.line)[span.col - 1 : span.end_col - 1] if span.line == span.end_line else ""
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    span: Span | None
+    message: str
+    notes: tuple[str, ...] = field(default=())
+
+    def render(self, source: SourceFile | None, name: str | None = None) -> str:
+        where = source.name if source is not None else (name or "<input>")
+        if self.span is None or source is None:
+            head = f"{where}: error: {self.message}"
+            return "\n".join([head, *(f"  note: {n}" for n in self.notes)])
+        head = f"{where}:{self.span.line}:{self.span.col}: error: {self.message}"
+        raw = source.line(self.span.line)
+        # Tabs would shift the caret: expand them in both the line and the caret offset.
+        prefix = raw[: self.span.col - 1].expandtabs(4)
+        text = raw.expandtabs(4)
+        width = 1
+        if self.span.end_line == self.span.line:
+            width = max(1, len(raw[self.span.col - 1 : self.span.end_col - 1].expandtabs(4)))
+        caret = " " * len(prefix) + "^" + "~" * (width - 1)
+        lines = [head, f"    {text}", f"    {caret}"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+class SpecError(Exception):
+    """One or more diagnostics about a spec. str() gives the rendered report."""
+
+    def __init__(self, diagnostics: list[Diagnostic], source: SourceFile | None, name: str | None = None):
+        self.diagnostics = list(diagnostics)
+        self.source = source
+        self.name = name
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        return "\n".join(d.render(self.source, self.name) for d in self.diagnostics)
