@@ -1,0 +1,77 @@
+"""Shared fixtures: build kernels from spec text, run them in the three no-TPU modes."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = ROOT / "specs"
+GENERATED = ROOT / "generated"
+BUILD_CACHE = ROOT / ".pytest_cache" / "sparsegen-modules"
+
+from sparsegen.compiler import compile_source  # noqa: E402
+from sparsegen.source import SourceFile  # noqa: E402
+
+
+def spec_text(name: str) -> str:
+    return (SPECS / f"{name}.spk").read_text()
+
+
+def with_tiles(text: str, **tiles: int) -> str:
+    """The spec with its tile line replaced."""
+    line = "tile " + ", ".join(f"{k} = {v}" for k, v in tiles.items())
+    return re.sub(r"^(\s*)tile .*$", lambda m: m.group(1) + line, text, count=1, flags=re.M)
+
+
+_modules: dict[str, tuple] = {}
+
+
+def build(text: str, target: str = "v5e"):
+    """Compile spec text with one kernel; return (checked kernel, imported module)."""
+    key = hashlib.sha256(f"{target}\n{text}".encode()).hexdigest()[:20]
+    if key in _modules:
+        return _modules[key]
+    (module,) = compile_source(SourceFile("test.spk", text), target)
+    BUILD_CACHE.mkdir(parents=True, exist_ok=True)
+    path = BUILD_CACHE / f"{module.kernel}_{key}.py"
+    path.write_text(module.code)
+    spec = importlib.util.spec_from_file_location(f"sparsegen_test_{module.kernel}_{key}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    _modules[key] = (module.plan.kernel, mod)
+    return _modules[key]
+
+
+def assert_matches(kernel, out, ref):
+    from sparsegen.testing import tolerance
+
+    out = np.asarray(out).astype(np.float32)
+    ref = np.asarray(ref).astype(np.float32)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert not np.isnan(out).any(), "NaN in the output: a block was left unwritten"
+    rtol, atol = tolerance(kernel)
+    scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol * scale)
+
+
+@pytest.fixture(params=["cpu", "sim"])
+def interpret(request):
+    """The CPU interpreter and the TPU simulator (NaN-filled memory, revisit and bounds checks)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    if request.param == "cpu":
+        yield True
+    else:
+        yield pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
+        pltpu.reset_tpu_interpret_mode_state()
