@@ -69,9 +69,6 @@ class _KernelChecker:
                     self.check_identifier(ast.Name(dim.value, dim.span), "size")
                     if dim.value == "interpret" or dim.value in HELPERS:
                         self.error(dim.span, f"size '{dim.value}' would clash with a name of the generated module; rename it")
-        for line in k.tile_lines:
-            for tile in line.tiles:
-                self.check_identifier(tile.index, "index name")
         self.operands = seen
 
     # --------------------------------------------------------------- operands
@@ -165,6 +162,7 @@ class _KernelChecker:
                 if sub.offset is None:
                     continue
                 off = sub.offset
+                offsets_used.add(off.operand.text)  # used, even where the use itself is wrong
                 if acc is target:
                     self.error(off.span, "the output is written at its own blocks: no offsets on the left-hand side")
                     continue
@@ -180,7 +178,6 @@ class _KernelChecker:
                     continue
                 if ref.direction != "in":
                     continue
-                offsets_used.add(ref.name.text)
                 length = ref.dims[0].value
                 if isinstance(length, int) and not 0 <= off.position < length:
                     self.error(off.position_span, f"'{ref.name.text}' has {length} entr{'y' if length == 1 else 'ies'}; position {off.position} is out of range")
@@ -321,10 +318,12 @@ class _KernelChecker:
     def check_tiles(self) -> None:
         k = self.k
         tiles: dict[str, ast.Tile] = {}
+        declared: set[str] = set()
         indices = self.target_indices + self.summed
         for line in k.tile_lines:
             for tile in line.tiles:
                 name = tile.index.text
+                declared.add(name)
                 if name in tiles:
                     self.error(tile.index.span, f"index '{name}' already has a tile (at {tiles[name].span})")
                     continue
@@ -335,7 +334,7 @@ class _KernelChecker:
                     self.error(tile.size_span, f"tile {name} = {tile.size}: a tile must be positive")
                     continue
                 tiles[name] = tile
-        missing = [n for n in indices if n not in tiles]
+        missing = [n for n in indices if n not in declared]
         if missing:
             span = k.tile_lines[0].span if k.tile_lines else self.statement.span
             line = ", ".join(f"{n} = ..." for n in missing)
@@ -363,6 +362,7 @@ class _KernelChecker:
 
     # ---------------------------------------------------------------- layout
     def check_layout(self) -> None:
+        reported: set[str] = set()  # one report per tile, naming the first block it breaks
         for acc in (self.statement.target, *self.statement.factors):
             op = self.operands[acc.operand.text]
             if op.sparsity is not None and op.sparsity.text == "coo":
@@ -374,6 +374,9 @@ class _KernelChecker:
                 continue
             axis, reason = problem
             index = acc.subscripts[axis].index.text
+            if index in reported:
+                continue
+            reported.add(index)
             tile = self.tiles[index]
             self.error(
                 tile.size_span,
