@@ -37,16 +37,21 @@ def _compile_all(specs: list[str], target: str) -> list[tuple[str, Module]] | No
     return None if failed else modules
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def _write_all(files: dict[Path, str]) -> None:
+    """Write every file or none: all temporaries first, then renames (OSError if any fails)."""
+    staged: list[tuple[str, Path]] = []
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        for path, text in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            staged.append((tmp, path))
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+                f.write(text)
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def cmd_build(args) -> int:
@@ -54,10 +59,15 @@ def cmd_build(args) -> int:
     if modules is None:
         return 1
     out = Path(args.output)
-    for _, m in modules:
-        _write_atomically(out / f"{m.kernel}.py", m.code)
-        if not args.quiet:
-            print(f"wrote {out / (m.kernel + '.py')}")
+    files = {out / f"{m.kernel}.py": m.code for _, m in modules}
+    try:
+        _write_all(files)
+    except OSError as exc:
+        print(f"{exc.filename or out}: error: cannot write: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        for path in files:
+            print(f"wrote {path}")
     return 0
 
 
