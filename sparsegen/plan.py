@@ -242,7 +242,8 @@ class _Planner:
         self.tile = {i.name: i.tile for i in kernel.indices}
         # Public names: the spec's own, renamed only where they would clash.
         symbols = [s for s, _ in kernel.symbols]
-        self.public = NameTable(MODULE_NAMES | {kernel.name, "interpret"} | set(symbols))
+        # The public functions' bodies use only these names besides their parameters.
+        self.public = NameTable({"_prepare", "_impl", "_reference", "interpret"} | set(symbols))
         self.internal = NameTable(MODULE_NAMES | PYTHON_NAMES | FIXED_LOCALS | {kernel.name})
         self.names: dict[str, str] = {}
 

@@ -1,0 +1,72 @@
+"""The plan's rules, shown to hold where a TPU would enforce them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GENERATED, build, spec_text, with_tiles
+from jax.experimental.pallas import tpu as pltpu
+
+from sparsegen.compiler import plans
+from sparsegen.testing import example_args
+
+DSD = with_tiles(spec_text("dsd_matmul"), m=128, n=128, k=128)
+
+
+def test_no_output_is_aliased_so_the_simulator_checks_revisits():
+    for path in GENERATED.glob("*.py"):
+        assert "input_output_aliases" not in path.read_text(), path.name
+
+
+def test_simulator_catches_a_non_consecutive_output_revisit(monkeypatch):
+    """Break the plan's ordering on purpose (interleave output rows): the TPU simulator raises,
+    while the CPU interpreter, which rereads outputs, silently returns a result. This is why
+    every kernel test runs in the simulator too."""
+    kernel, mod = build(DSD)
+    args, keywords = example_args(kernel, dict(M=384, K=256, N=128), "all_full", np.random.default_rng(0))
+    steps = mod._coo_steps
+
+    def interleaved(rows, n_rows):
+        kind, block, row = steps(rows, n_rows)
+        # Swap the first step with the first step of the next row: row 0's run is split.
+        other = jnp.argmax(row != row[0])
+        order = jnp.arange(row.shape[0]).at[0].set(other).at[other].set(0)
+        return kind[order], block[order], row[order]
+
+    monkeypatch.setattr(mod, "_coo_steps", interleaved)
+    jax.clear_caches()
+    try:
+        mod.dsd_matmul(*args, **keywords, interpret=True)  # hides the bug
+        with pytest.raises(Exception, match="Revisited block"):
+            mod.dsd_matmul(*args, **keywords, interpret=pltpu.InterpretParams())
+    finally:
+        pltpu.reset_tpu_interpret_mode_state()
+        jax.clear_caches()
+
+
+def test_dimension_semantics_parallel_only_where_output_blocks_never_repeat():
+    expected = {
+        "dsd_matmul": ("parallel", "arbitrary"),
+        "dds_matmul": ("parallel", "arbitrary"),
+        "masked_matmul": ("parallel", "parallel", "arbitrary"),
+        "sdd_matmul": ("parallel", "arbitrary"),
+        "block_slice": ("parallel", "parallel"),
+    }
+    for name, semantics in expected.items():
+        (plan,) = plans(f"specs/{name}.spk")
+        assert plan.dimension_semantics == semantics, name
+        # The summed or stored-block axis is innermost: reductions on the last grid axis.
+        assert plan.axes[-1].parallel == (plan.kernel.summed is None and plan.strategy == "dense")
+
+
+def test_coo_flush_steps_hold_the_next_block():
+    """A flush step reads the block of the next real step, so it starts no new copy."""
+    kernel, mod = build(DSD)
+    rows = jnp.array([2, 0, 2, 0], jnp.int32)
+    kind, block, row = mod._coo_steps(rows, 3)
+    # Row 0: blocks 1, 3, flush; row 1: flush only; row 2: blocks 0, 2, flush.
+    np.testing.assert_array_equal(kind, [1, 1, 0, 0, 1, 1, 0])
+    np.testing.assert_array_equal(row, [0, 0, 0, 1, 2, 2, 2])
+    np.testing.assert_array_equal(block, [1, 3, 0, 0, 0, 2, 2])  # the last flush holds the last block
