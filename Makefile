@@ -26,7 +26,7 @@ check: venv
 	$(BIN)/sparsegen check $(SPECS) -o generated
 
 run: build
-	$(BIN)/python -m sparsegen.run_examples
+	$(BIN)/python scripts/run_examples.py
 
 test: venv
 	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
