@@ -82,9 +82,10 @@ from jax.experimental.pallas import tpu as pltpu
 _NAME = "dds_matmul"
 _SMEM_BYTES = 1046528  # scalar memory of a v5e TensorCore
 
-# The two kinds of step in the walk over stored blocks.
+# The kinds of step in the walk over stored blocks.
 _FLUSH = 0  # write the finished output block (zeros if no stored block reached it)
 _BLOCK = 1  # multiply one stored block into the accumulator
+_SKIP = 2  # a padding entry: nothing to do
 
 
 def _fail(message):
@@ -149,17 +150,37 @@ def _need(size, symbol, carriers):
         )
 
 
-def _check_coords(name, coords, limit, what):
-    """Block coordinates in [0, limit): checked when concrete; clamped under jit, so no copy leaves the array."""
+def _check_coords(name, coords, limit, what, padding=False):
+    """Block coordinates in [0, limit): checked when concrete; clamped under jit, so no copy
+    leaves the array. With `padding`, -1 marks a padding entry (see _check_padding)."""
+    low = -1 if padding else 0
     if not _is_traced(coords):
         host = np.asarray(coords)
-        bad = np.flatnonzero((host < 0) | (host >= limit))
+        bad = np.flatnonzero((host < low) | (host >= limit))
         if bad.size:
             i = int(bad[0])
             _fail(
                 f"{name}[{i}] = {int(host[i])} is out of range: {what} has {limit} block{'s' if limit != 1 else ''}"
             )
-    return jnp.clip(jnp.asarray(coords), 0, limit - 1).astype(jnp.int32)
+    return jnp.clip(jnp.asarray(coords), low, limit - 1).astype(jnp.int32)
+
+
+def _check_padding(names, coords):
+    """An entry whose coordinates are all -1 is padding: skipped, it starts no copy."""
+    marks = [c < 0 for c in coords]
+    pad = functools.reduce(jnp.logical_and, marks)
+    if not any(_is_traced(c) for c in coords):
+        mixed = np.flatnonzero(
+            np.any(np.stack([np.asarray(m) for m in marks]), axis=0) & ~np.asarray(pad)
+        )
+        if mixed.size:
+            i = int(mixed[0])
+            marked = next(n for n, m in zip(names, marks) if bool(m[i]))
+            other = next(n for n, m in zip(names, marks) if not bool(m[i]))
+            _fail(
+                f"{marked}[{i}] = -1 marks padding, but {other}[{i}] does not: a padding entry has every coordinate -1"
+            )
+    return pad
 
 
 def _check_smem(entries, what):
@@ -180,29 +201,36 @@ def _next_live(live):
     return jnp.where(ahead < n, ahead, jnp.maximum(behind, 0)).astype(jnp.int32)
 
 
-def _coo_steps(rows, n_rows):
+def _coo_steps(rows, n_rows, pad):
     """The walk over stored blocks: sorted by the output block (row) they feed, each row's
-    run closed by a flush step, rows that no block feeds included (they flush zeros).
+    run closed by a flush step, rows that no block feeds included (they flush zeros), and
+    padding entries last, as steps that do nothing.
 
-    Returns per step: its kind (_BLOCK or _FLUSH), the stored block it reads (a flush step
-    reads the next block, so it starts no extra copy) and the row it feeds.
+    Returns per step: its kind, the stored block it reads (flush and padding steps read
+    the next block, or the last one, so they start no extra copy) and the row it feeds.
     """
     nb = rows.shape[0]
-    # A block of row r sorts as 2r, the flush step of row r as 2r + 1 (stable).
-    keys = jnp.concatenate([rows * 2, jnp.arange(n_rows, dtype=jnp.int32) * 2 + 1])
+    # A block of row r sorts as 2r, the flush step of row r as 2r + 1 (stable); padding last.
+    keys = jnp.concatenate(
+        [jnp.where(pad, 2 * n_rows, rows * 2), jnp.arange(n_rows, dtype=jnp.int32) * 2 + 1]
+    )
     order = jnp.argsort(keys, stable=True).astype(jnp.int32)
-    is_block = order < nb
-    kind = jnp.where(is_block, _BLOCK, _FLUSH).astype(jnp.int32)
-    block = order[_next_live(is_block)]
-    row = jnp.where(is_block, rows[jnp.minimum(order, nb - 1)], order - nb).astype(jnp.int32)
+    entry = order < nb
+    is_pad = entry & pad[jnp.minimum(order, nb - 1)]
+    is_block = entry & ~is_pad
+    kind = jnp.where(is_block, _BLOCK, jnp.where(is_pad, _SKIP, _FLUSH)).astype(jnp.int32)
+    block = jnp.minimum(order[_next_live(is_block)], nb - 1)
+    row = jnp.where(entry, rows[jnp.minimum(order, nb - 1)], order - nb)
+    row = jnp.where(is_pad, n_rows - 1, row).astype(jnp.int32)
     return kind, block, row
 
 
-def _densify(blocks, coords, shape, dtype):
+def _densify(blocks, coords, pad, shape, dtype):
     """The dense array a blocked COO list stands for; repeated coordinates add up."""
     tiles = blocks.shape[1:]
     grid = tuple(s // t for s, t in zip(shape, tiles))
-    dense = jnp.zeros(grid + tiles, dtype).at[coords].add(blocks.astype(dtype))
+    coords = tuple(jnp.where(pad, g, c) for c, g in zip(coords, grid))  # padding: dropped below
+    dense = jnp.zeros(grid + tiles, dtype).at[coords].add(blocks.astype(dtype), mode="drop")
     rank = len(tiles)
     return dense.transpose([p for d in range(rank) for p in (d, rank + d)]).reshape(shape)
 
@@ -259,22 +287,23 @@ def _prepare(x, y_blocks, y_idx_0, y_idx_1, M, K, N):
     _check_multiple(M, 256, "M (the size of index m)")
     _check_multiple(N, 256, "N (the size of index n)")
     _check_multiple(K, 512, "K (the size of index k)")
-    y_idx_0 = _check_coords("y_idx_0", y_idx_0, K // 512, "y dim 0")
-    y_idx_1 = _check_coords("y_idx_1", y_idx_1, N // 256, "y dim 1")
+    y_idx_0 = _check_coords("y_idx_0", y_idx_0, K // 512, "y dim 0", padding=True)
+    y_idx_1 = _check_coords("y_idx_1", y_idx_1, N // 256, "y dim 1", padding=True)
+    pad = _check_padding(("y_idx_0", "y_idx_1"), (y_idx_0, y_idx_1))
     _check_smem(4 * (nb + N // 256), "the scalar-prefetch tables of this call")
-    return x, y_blocks, y_idx_0, y_idx_1, (M, K, N)
+    return x, y_blocks, y_idx_0, y_idx_1, pad, (M, K, N)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
-def _impl(x, y_blocks, y_idx_0, y_idx_1, sizes, interpret):
+def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
     M, K, N = sizes
     nb = y_blocks.shape[0]
     if nb == 0:
         # Nothing is stored: the result is all zeros.
         return jnp.zeros((M, N), jnp.bfloat16)
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
-    step_kind, step_block, step_row = _coo_steps(y_idx_1, N // 256)
-    step_k = y_idx_0[step_block]
+    step_kind, step_block, step_row = _coo_steps(y_idx_1, N // 256, pad)
+    step_k = jnp.maximum(y_idx_0[step_block], 0)  # 0 if every entry is padding
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(M // 256, nb + N // 256),
@@ -297,9 +326,9 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, sizes, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))
-def _reference(x, y_blocks, y_idx_0, y_idx_1, sizes):
+def _reference(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
     M, K, N = sizes
-    y_view = _densify(y_blocks, (y_idx_0, y_idx_1), (K, N), jnp.float32)
+    y_view = _densify(y_blocks, (y_idx_0, y_idx_1), pad, (K, N), jnp.float32)
     out = jnp.einsum(
         "ac,cb->ab", x, y_view, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
     )

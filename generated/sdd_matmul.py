@@ -134,17 +134,19 @@ def _check_multiple(value, tile, what):
         _fail(f"{what} = {value} is not a multiple of its tile {tile}")
 
 
-def _check_coords(name, coords, limit, what):
-    """Block coordinates in [0, limit): checked when concrete; clamped under jit, so no copy leaves the array."""
+def _check_coords(name, coords, limit, what, padding=False):
+    """Block coordinates in [0, limit): checked when concrete; clamped under jit, so no copy
+    leaves the array. With `padding`, -1 marks a padding entry (see _check_padding)."""
+    low = -1 if padding else 0
     if not _is_traced(coords):
         host = np.asarray(coords)
-        bad = np.flatnonzero((host < 0) | (host >= limit))
+        bad = np.flatnonzero((host < low) | (host >= limit))
         if bad.size:
             i = int(bad[0])
             _fail(
                 f"{name}[{i}] = {int(host[i])} is out of range: {what} has {limit} block{'s' if limit != 1 else ''}"
             )
-    return jnp.clip(jnp.asarray(coords), 0, limit - 1).astype(jnp.int32)
+    return jnp.clip(jnp.asarray(coords), low, limit - 1).astype(jnp.int32)
 
 
 def _check_smem(entries, what):

@@ -199,7 +199,13 @@ class _Emitter:
                 op = k.operand(p.operand)
                 idx = op.indices[p.dim]
                 limit = render(plan_blocks(plan, idx), "host")
-                lines.append(f'{p.internal} = _check_coords("{p.public}", {p.internal}, {limit}, "{op.name} dim {p.dim}")')
+                padding = ", padding=True" if p.kind == "coords" else ""
+                lines.append(f'{p.internal} = _check_coords("{p.public}", {p.internal}, {limit}, "{op.name} dim {p.dim}"{padding})')
+        if plan.coo is not None:
+            coo = plan.coo
+            names = [p.public for p in plan.params if p.kind == "coords"]
+            quoted = _tuple(f'"{n}"' for n in names)
+            lines.append(f"{coo.pad} = _check_padding({quoted}, {_tuple(coo.coords)})")
         if plan.offsets:
             by_param: dict[str, list] = {}
             for use in plan.offsets:
@@ -228,6 +234,8 @@ class _Emitter:
 
     def impl_args(self) -> list[str]:
         args = [p.internal for p in self.plan.params if p.kind != "index"]
+        if self.plan.coo is not None:
+            args.append(self.plan.coo.pad)
         if self.plan.offsets_var:
             args.append(self.plan.offsets_var)
         return args
@@ -246,9 +254,9 @@ class _Emitter:
             rows = flat([Var(c) for c, _ in coo.row_coords], [e for _, e in coo.row_coords])
             kind, block, row = (p.var for p in plan.prefetch[:3])
             lines.append("# Sort the stored blocks by the output block they feed; a flush step closes each output block.")
-            lines.append(f"{kind}, {block}, {row} = _coo_steps({render(rows, 'host')}, {render(coo.rows, 'host')})")
+            lines.append(f"{kind}, {block}, {row} = _coo_steps({render(rows, 'host')}, {render(coo.rows, 'host')}, {coo.pad})")
             for var, coords in coo.held:
-                lines.append(f"{var} = {coords}[{block}]")
+                lines.append(f"{var} = jnp.maximum({coords}[{block}], 0)  # 0 if every entry is padding")
         elif plan.strategy == "mask":
             m = plan.mask
             lines.append(f"# Classify the blocks of {m.operand}; skipped steps follow a map to the next step that computes.")
@@ -288,7 +296,7 @@ class _Emitter:
                 coo = plan.coo
                 view = n[f"view:{op.name}"]
                 shape = _tuple(render(plan_dim(plan, d), "host") for d in op.dims)
-                lines.append(f"{view} = _densify({coo.blocks}, {_tuple(coo.coords)}, {shape}, {acc.jnp})")
+                lines.append(f"{view} = _densify({coo.blocks}, {_tuple(coo.coords)}, {coo.pad}, {shape}, {acc.jnp})")
                 views[op.name] = view
             elif any(t.offset for t in op.terms):
                 view = n[f"view:{op.name}"]
@@ -392,6 +400,7 @@ class _Emitter:
             "coo_steps": plan.strategy == "coo_input",
             "block_kinds": plan.strategy == "mask",
             "densify": plan.strategy == "coo_input",
+            "padding": plan.strategy == "coo_input",
             "gather": plan.strategy == "coo_output",
         }
         env = _environment()

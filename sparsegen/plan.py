@@ -139,6 +139,7 @@ class CooPlan:
     rows: Expr  # number of output blocks along the indices it carries
     held: tuple[tuple[str, str], ...]  # (prefetch var, coords array) for coordinates compute operands read
     nb: str
+    pad: str  # which entries are padding (every coordinate -1)
 
 
 @dataclass(frozen=True)
@@ -538,7 +539,8 @@ class _Planner:
         extents = [self.blocks_along(n) for n in carried]
         row_coords = tuple((coords[coo.indices.index(n)], e) for n, e in zip(carried, extents))
         self.coo_plan = CooPlan(coo.name, blocks_param, coords, row_coords, self.rows,
-                                tuple((var, coords[coo.indices.index(idx)]) for idx, var in held.items()), self.nb)
+                                tuple((var, coords[coo.indices.index(idx)]) for idx, var in held.items()), self.nb,
+                                self.local("pad"))
         statics = {}
         for n in carried:
             static = self.internal.take(f"n_{self.index_var[n]}")

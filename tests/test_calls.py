@@ -64,8 +64,10 @@ def test_concrete_coordinates_out_of_range_raise():
     bad[2] = 3
     raises(lambda: mod.dsd_matmul(blocks, bad, cols, y, M=384), "x_idx_0[2] = 3 is out of range: x dim 0 has 3 blocks")
     bad = cols.copy()
+    bad[0] = -2
+    raises(lambda: mod.reference(blocks, rows, bad, y, M=384), "x_idx_1[0] = -2 is out of range")
     bad[0] = -1
-    raises(lambda: mod.reference(blocks, rows, bad, y, M=384), "x_idx_1[0] = -1 is out of range")
+    raises(lambda: mod.dsd_matmul(blocks, rows, bad, y, M=384), "x_idx_1[0] = -1 marks padding, but x_idx_0[0] does not")
     _, sdd = build(SDD)
     x = np.zeros((256, 256), jnp.bfloat16)
     raises(lambda: sdd.sdd_matmul(x, x, np.array([0, 2]), np.array([0, 0])), "o_idx_0[1] = 2 is out of range: o dim 0 has 2 blocks")
@@ -114,3 +116,17 @@ def test_keyword_sizes_and_interpret_are_keyword_only():
     blocks, rows, cols, y = dsd_args()
     with pytest.raises(TypeError):
         mod.dsd_matmul(blocks, rows, cols, y, 384)
+
+
+def test_padding_entries_change_nothing(interpret):
+    """Entries whose coordinates are all -1 are padding (what BlockCOO.pad_to appends)."""
+    kernel, mod = build(DSD)
+    blocks, rows, cols, y = dsd_args()
+    rng = np.random.default_rng(5)
+    junk = rng.standard_normal((3, 128, 128)).astype(jnp.bfloat16)  # never read
+    padded = (np.concatenate([junk[:1], blocks, junk[1:]]), np.r_[-1, rows, -1, -1].astype(np.int32), np.r_[-1, cols, -1, -1].astype(np.int32))
+    out = mod.dsd_matmul(*padded, y, M=384, interpret=interpret)
+    assert_matches(kernel, out, mod.reference(blocks, rows, cols, y, M=384))
+    assert_matches(kernel, mod.reference(*padded, y, M=384), mod.reference(blocks, rows, cols, y, M=384))
+    only_padding = mod.dsd_matmul(junk, -np.ones(3, np.int32), -np.ones(3, np.int32), y, M=384, interpret=interpret)
+    assert not np.asarray(only_padding, np.float32).any()

@@ -28,8 +28,8 @@ def test_simulator_catches_a_non_consecutive_output_revisit(monkeypatch):
     args, keywords = example_args(kernel, dict(M=384, K=256, N=128), "all_full", np.random.default_rng(0))
     steps = mod._coo_steps
 
-    def interleaved(rows, n_rows):
-        kind, block, row = steps(rows, n_rows)
+    def interleaved(rows, n_rows, pad):
+        kind, block, row = steps(rows, n_rows, pad)
         # Swap the first step with the first step of the next row: row 0's run is split.
         other = jnp.argmax(row != row[0])
         order = jnp.arange(row.shape[0]).at[0].set(other).at[other].set(0)
@@ -65,8 +65,19 @@ def test_coo_flush_steps_hold_the_next_block():
     """A flush step reads the block of the next real step, so it starts no new copy."""
     kernel, mod = build(DSD)
     rows = jnp.array([2, 0, 2, 0], jnp.int32)
-    kind, block, row = mod._coo_steps(rows, 3)
+    kind, block, row = mod._coo_steps(rows, 3, jnp.zeros(4, bool))
     # Row 0: blocks 1, 3, flush; row 1: flush only; row 2: blocks 0, 2, flush.
     np.testing.assert_array_equal(kind, [1, 1, 0, 0, 1, 1, 0])
     np.testing.assert_array_equal(row, [0, 0, 0, 1, 2, 2, 2])
     np.testing.assert_array_equal(block, [1, 3, 0, 0, 0, 2, 2])  # the last flush holds the last block
+
+
+def test_padding_entries_go_last_do_nothing_and_hold_the_last_block():
+    kernel, mod = build(DSD)
+    rows = jnp.array([-1, 2, -1, 0], jnp.int32)
+    pad = rows < 0
+    kind, block, row = mod._coo_steps(rows, 3, pad)
+    # Row 0: block 3, flush; row 1: flush; row 2: block 1, flush; then two padding steps.
+    np.testing.assert_array_equal(kind, [1, 0, 0, 1, 0, 2, 2])
+    np.testing.assert_array_equal(block, [3, 1, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(row, [0, 0, 1, 2, 2, 2, 2])
