@@ -1,4 +1,4 @@
-"""The `sparsegen` command: build, check and plan. None of them imports jax.
+"""The `sparsegen` command: build, check, plan (none of them imports jax) and verify.
 
 Exit status: 0 on success, 1 when a spec has problems (or `check` finds stale
 modules), 2 on a usage error.
@@ -113,6 +113,80 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from . import verify
+
+    try:
+        verify.require_libtpu()
+    except verify.MissingLibtpu as exc:
+        print(f"sparsegen verify: {exc}", file=sys.stderr)
+        return 2
+    targets = [t.strip() for t in args.target.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        print(f"sparsegen verify: unknown target {', '.join(unknown) or '(none)'}; choose from {', '.join(sorted(TARGETS))}", file=sys.stderr)
+        return 2
+    try:
+        shapes = verify.parse_shapes(args.shape)
+    except ValueError as exc:
+        print(f"sparsegen verify: {exc}", file=sys.stderr)
+        return 2
+    if not 0 < args.nnz <= 1:
+        print("sparsegen verify: --nnz is a fraction of the blocks, in (0, 1]", file=sys.stderr)
+        return 2
+    report, failed = [], False
+    for spec in args.specs:
+        try:
+            source, results = verify.verify_file(spec, targets, shapes, args.nnz, probe=not args.quick)
+        except SpecError as exc:
+            print(exc.render(), file=sys.stderr)
+            failed = True
+            continue
+        report.append((spec, source, results))
+        failed |= any(not r.compiled for r in results)
+    if args.json:
+        import json
+
+        payload = {"schema": 1, "results": [dict(spec=spec, **r.to_json(source)) for spec, source, results in report for r in results]}
+        print(json.dumps(payload, indent=2, sort_keys=True))
+    else:
+        _print_verify_table(report, args.verbose)
+    return 1 if failed else 0
+
+
+def _print_verify_table(report, verbose: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .targets import format_bytes
+
+    table = Table(title="sparsegen verify: ahead-of-time compiles through libtpu")
+    for column in ("kernel", "target", "compiles", "VMEM used / limit", "static estimate", "SMEM", "GFLOP", "MB accessed", "compile"):
+        table.add_column(column, justify="left" if column in ("kernel", "target", "compiles") else "right")
+    problems = []
+    for spec, source, results in report:
+        for r in results:
+            used = format_bytes(r.vmem_used) if r.vmem_used else "-"
+            table.add_row(
+                r.kernel,
+                r.target,
+                "[green]yes[/green]" if r.compiled else "[red]no[/red]",
+                f"{used} / {format_bytes(r.vmem_limit)}",
+                format_bytes(r.vmem_estimate),
+                format_bytes(r.smem_used) if r.smem_used else "-",
+                f"{r.flops / 1e9:.2f}" if r.flops else "-",
+                f"{r.bytes_accessed / 1e6:.1f}" if r.bytes_accessed else "-",
+                f"{r.compile_seconds:.1f} s" if r.compiled else "-",
+            )
+            if r.error is not None:
+                problems.append((source, r))
+    Console(width=160).print(table)
+    for source, r in problems:
+        print(r.error.render(source), file=sys.stderr)
+        if verbose and r.raw_error:
+            print(f"  raw compiler message ({r.target}):\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegen", description="Compile .spk specs into Pallas TPU kernel modules.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +210,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--kernel", metavar="NAME", help="only this kernel of the spec")
     plan.add_argument("--target", default=DEFAULT_TARGET, choices=targets)
     plan.set_defaults(func=cmd_plan)
+    verify = sub.add_parser("verify", help="compile ahead of time for TPU targets through libtpu (no TPU needed)")
+    verify.add_argument("specs", nargs="+", metavar="SPEC")
+    verify.add_argument("--target", default=DEFAULT_TARGET, help="comma-separated chips (default: v5e; any of v4, v5e, v5p, v6e)")
+    verify.add_argument("--shape", metavar="M=4096,K=...", help="sizes of symbolic dimensions (default: 8 blocks of their tile)")
+    verify.add_argument("--nnz", type=float, default=0.1, help="fraction of blocks a coo operand stores (default: 0.1)")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.add_argument("--quick", action="store_true", help="skip probing the compiler's VMEM need")
+    verify.add_argument("--verbose", action="store_true", help="print the raw compiler message of a failure")
+    verify.set_defaults(func=cmd_verify)
     return parser
 
 

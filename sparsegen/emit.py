@@ -282,6 +282,14 @@ class _Emitter:
             lines.insert(0, f"{n['nb']} = {plan.coo_out.coords[0]}.shape[0]")
         return lines
 
+    def out_bytes(self) -> Expr:
+        from .expr import Const
+
+        size = Const(self.plan.out_dtype.itemsize)
+        for e in self.plan.out_shape:
+            size = size * e
+        return size
+
     def call_args(self) -> list[str]:
         return [p.var for p in self.plan.prefetch] + [b.array for b in self.in_blocks]
 
@@ -441,6 +449,8 @@ class _Emitter:
             out_block=self.block_texts(self.out_block),
             acc_shape=acc_shape,
             vmem_limit=plan.vmem_limit,
+            cost_flops=render(plan.block_products * plan.flops_per_product, "host"),
+            cost_bytes=render(plan.block_products * plan.bytes_per_product + self.out_bytes(), "host"),
             call_args=self.call_args(),
             reference_lines=self.reference_lines(),
             kernel_signature=kernel_sig,

@@ -25,13 +25,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .dtypes import DType
+from .dtypes import DTYPES, DType
 from .expr import Bin, Call, Const, Expr, Load, Max, Var, Where, flat
 from .expr import names as expr_names
 from .layout import padded_bytes
 from .model import Kernel, Operand, Term
 from .names import FIXED_LOCALS, MODULE_NAMES, PYTHON_NAMES, NameTable
 from .targets import Target
+
+
+# VMEM the compiler keeps for itself beside a kernel's buffers (measured: 64-90 KiB).
+MOSAIC_SCRATCH = 128 * 1024
+DTYPE_I32 = DTYPES["i32"]
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,10 @@ class Plan:
     coo_out: CooOutPlan | None = None
     offsets_var: str | None = None
     reads: tuple[FactorRead, ...] = ()  # every data input as a factor, in declaration order
+    vmem_limit_override: int | None = None  # `verify` probes the compiler's VMEM need with a tiny limit
+    block_products: Expr | None = None  # grid steps that compute, at most (static: for pl.CostEstimate)
+    flops_per_product: int = 0
+    bytes_per_product: int = 0  # input block bytes one computing step reads
 
     @property
     def name(self) -> str:
@@ -220,6 +229,8 @@ class Plan:
         The estimate leaves out Mosaic's own scratch and spills, so the limit adds a
         quarter and 2 MiB on top, within the chip's capacity.
         """
+        if self.vmem_limit_override is not None:
+            return self.vmem_limit_override
         need = self.vmem_bytes
         if need <= self.target.scoped_vmem_bytes * 3 // 4:
             return None
@@ -432,6 +443,7 @@ class _Planner:
             coo_out=getattr(self, "coo_out_plan", None),
             offsets_var=self.offsets_var,
             reads=self.reads(op.name for op in self.k.data_inputs),
+            **self.cost(),
         )
 
     def block(self, op: Operand, shape, index, lets=(), about="", array=None, is_output=False) -> BlockPlan:
@@ -680,6 +692,28 @@ class _Planner:
             b = self.body
             self.body = Body(b.lets, b.scratch, b.init_when, b.compute_when, b.contraction, b.compute_factors, b.flush_when, cases, b.notes)
 
+    # ------------------------------------------------------------ cost
+    def cost(self) -> dict:
+        """Static work per call, for pl.CostEstimate: block products (an upper bound where
+        a mask's sparsity is only known at run time), flops and input bytes per product."""
+        k = self.k
+        tiles = [i.tile for i in k.indices]
+        if k.contraction:
+            flops = 2 * math.prod(tiles)
+        else:
+            flops = max(1, len(k.data_inputs)) * math.prod(tiles)
+        if self.strategy == "coo_input":
+            products = Var(self.nb)
+            for a in self.axes:
+                if a.role == "output":
+                    products = products * a.extent
+        else:
+            products = Const(1)
+            for a in self.axes:
+                products = products * a.extent
+        per = sum(math.prod(1 if s is None else s for s in b.shape) * k.operand(b.operand).dtype.itemsize for b in self.blocks if not b.is_output)
+        return {"block_products": products, "flops_per_product": flops, "bytes_per_product": per}
+
     # ------------------------------------------------------------ memory
     def vmem(self) -> tuple[VmemItem, ...]:
         items = []
@@ -687,12 +721,16 @@ class _Planner:
             op = self.k.operand(b.operand)
             shape = tuple(1 if s is None else s for s in b.shape)
             items.append(VmemItem(f"{op.name} block" + (" (output)" if b.is_output else ""), shape, op.dtype, 2))
+        out = self.k.output
+        shape = tuple(self.tile[i] for i in out.indices)
         if self.body.scratch:
-            out = self.k.output
-            shape = tuple(self.tile[i] for i in out.indices)
             items.append(VmemItem("accumulator", shape, self.k.accumulate, 1))
-            if self.body.contraction is not None:
-                items.append(VmemItem("matmul result", shape, self.k.accumulate, 1))
+        # Values the body computes on a whole block (the matmul result, the product with
+        # each end factor) may spill from vector registers to VMEM: one block each.
+        temporaries = (1 if self.body.contraction is not None else 0) + len(self.k.end_factors)
+        if temporaries:
+            items.append(VmemItem("body temporaries", shape, self.k.accumulate, temporaries))
+        items.append(VmemItem("Mosaic internal scratch", (MOSAIC_SCRATCH // 4,), DTYPE_I32, 1))
         return tuple(items)
 
 

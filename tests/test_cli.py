@@ -105,7 +105,7 @@ def test_plan_describes_grid_blocks_and_memory():
     assert "grid (M // 512, N // 512, K // 1024)" in out
     assert "dimension_semantics (parallel, parallel, arbitrary)" in out
     assert "in  mask block (512, 512)" in out and "next_mask" in out
-    assert "VMEM estimate: 9 MiB of 128 MiB on v5e" in out
+    assert "VMEM estimate: 10.1 MiB of 128 MiB on v5e" in out
     result = sparsegen("plan", "specs/dsd_matmul.spk", "--kernel", "nope")
     assert result.returncode == 1
 

@@ -1,0 +1,295 @@
+"""`sparsegen verify`: compile kernels ahead of time for TPU targets through libtpu, no TPU needed.
+
+For each kernel and target: does it compile, how much VMEM the compiler needs (found by
+probing: compile with a tiny `vmem_limit_bytes` and raise it by what each failure says
+is missing, until it compiles), SMEM for the prefetch tables, the compiled cost analysis
+and the compile time. Failures point back at the spec.
+
+jax is imported here only, and only when verify runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+import types
+from dataclasses import dataclass, field
+
+from .budget import suggest_tiles
+from .emit import emit
+from .model import Kernel
+from .plan import Plan, evaluate
+from .source import Diagnostic, SourceFile
+from .targets import TARGETS, format_bytes
+
+# The static VMEM estimate (what `build` checks) must bound the compiler's figure, and not by
+# too much: compiled <= estimate, and estimate <= ESTIMATE_SLACK * compiled + ESTIMATE_FLOOR.
+ESTIMATE_SLACK = 1.4
+ESTIMATE_FLOOR = 1 << 20
+
+_UNITS = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_NUMPY = {"bf16": "bfloat16", "f32": "float32", "i8": "int8", "i16": "int16", "i32": "int32", "u8": "uint8", "u16": "uint16", "u32": "uint32", "index": "int32"}
+
+
+class MissingLibtpu(Exception):
+    """jax or libtpu is not installed."""
+
+
+def require_libtpu() -> None:
+    import importlib.util
+
+    for module in ("jax", "libtpu"):
+        if importlib.util.find_spec(module) is None:
+            raise MissingLibtpu(f"sparsegen verify compiles through libtpu, and {module} is not installed: pip install 'sparsegen[tpu]'")
+
+
+@dataclass
+class Result:
+    kernel: str
+    target: str
+    compiled: bool
+    shapes: dict[str, int]
+    nb: int | None
+    vmem_estimate: int
+    vmem_used: int | None = None
+    vmem_limit: int = 0
+    smem_used: int = 0
+    smem_limit: int = 0
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    compile_seconds: float = 0.0
+    error: Diagnostic | None = None
+    raw_error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self, source: SourceFile) -> dict:
+        return {
+            "kernel": self.kernel,
+            "target": self.target,
+            "compiled": self.compiled,
+            "shapes": self.shapes,
+            "nb": self.nb,
+            "vmem_estimate_bytes": self.vmem_estimate,
+            "vmem_used_bytes": self.vmem_used,
+            "vmem_limit_bytes": self.vmem_limit,
+            "smem_used_bytes": self.smem_used,
+            "smem_limit_bytes": self.smem_limit,
+            "flops": self.flops,
+            "bytes_accessed": self.bytes_accessed,
+            "compile_seconds": round(self.compile_seconds, 3),
+            "error": self.error.render(source) if self.error else None,
+        }
+
+
+# ------------------------------------------------------------------ shapes
+
+
+def default_shapes(kernel: Kernel) -> dict[str, int]:
+    """Eight blocks of every tile that divides a symbol: big enough to pipeline, small to compile."""
+    shapes = {}
+    for symbol, literal in kernel.symbols:
+        if literal is not None:
+            continue
+        tiles = [i.tile for i in kernel.indices if i.size.symbol == symbol]
+        for op in kernel.data_inputs:
+            for d, t in zip(op.dims, op.terms):
+                if d.symbol == symbol and t.offset is not None:
+                    tiles.append(kernel.index(t.index).tile)
+        shapes[symbol] = 8 * math.lcm(*tiles) if tiles else 1024
+    return shapes
+
+
+def parse_shapes(text: str | None) -> dict[str, int]:
+    """`M=4096,K=4096` -> {"M": 4096, "K": 4096}; ValueError on a malformed item."""
+    out: dict[str, int] = {}
+    for item in filter(None, (text or "").split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip().isidentifier() or not value.strip().isdigit():
+            raise ValueError(f"--shape takes NAME=INT items separated by commas, got {item!r}")
+        out[name.strip()] = int(value)
+    return out
+
+
+def arg_structs(kernel: Kernel, env: dict[str, int], nb: int):
+    """(shape, numpy dtype name) per positional argument, and the keyword sizes."""
+    tile = {i.name: i.tile for i in kernel.indices}
+
+    def dims(op):
+        return tuple(d.literal if d.literal is not None else env[d.symbol] for d in op.dims)
+
+    args = []
+    for op in kernel.inputs:
+        if op.sparsity == "coo":
+            args.append(((nb, *(tile[i] for i in op.indices)), _NUMPY[op.dtype.name]))
+            args += [((nb,), "int32")] * op.rank
+        else:
+            args.append((dims(op), _NUMPY[op.dtype.name]))
+    if kernel.output.sparsity == "coo":
+        args += [((nb,), "int32")] * kernel.output.rank
+    keywords = {s: env[s] for s, lit in kernel.symbols if lit is None}
+    return args, keywords
+
+
+def stored_blocks(kernel: Kernel, env: dict[str, int], nnz: float) -> int | None:
+    """Stored (or requested) blocks for a density: `nnz` of the coo operand's block grid."""
+    op = next((o for o in kernel.operands if o.sparsity == "coo"), None)
+    if op is None:
+        return None
+    grid = 1
+    for d, i in zip(op.dims, op.indices):
+        size = d.literal if d.literal is not None else env[d.symbol]
+        grid *= size // kernel.index(i).tile
+    return max(1, round(nnz * grid))
+
+
+# ----------------------------------------------------------------- compile
+
+
+def _load(code: str, name: str):
+    module = types.ModuleType(name)
+    exec(compile(code, f"<sparsegen {name}>", "exec"), module.__dict__)
+    return module
+
+
+def _compile(plan: Plan, source: SourceFile, target_name: str, args, keywords, vmem_limit=None):
+    import jax
+    import numpy as np
+    from jax.sharding import SingleDeviceSharding
+
+    if vmem_limit is not None:
+        plan = dataclasses.replace(plan, vmem_limit_override=vmem_limit)
+    module = _load(emit(plan, source.name), f"verify_{plan.name}")
+    fn = getattr(module, plan.name)
+    device = _device(TARGETS[target_name].topology)
+    sharding = SingleDeviceSharding(device)
+    structs = [jax.ShapeDtypeStruct(shape, jax.numpy.bfloat16 if dtype == "bfloat16" else np.dtype(dtype), sharding=sharding) for shape, dtype in args]
+    return jax.jit(lambda *a: fn(*a, **keywords)).trace(*structs).lower().compile()
+
+
+_DEVICES: dict[str, object] = {}
+
+
+def _device(topology: str):
+    if topology not in _DEVICES:
+        from jax.experimental import topologies
+
+        _DEVICES[topology] = topologies.get_topology_desc(topology, "tpu").devices[0]
+    return _DEVICES[topology]
+
+
+def _size(number: str, unit: str) -> int:
+    return int(float(number) * _UNITS[unit[0].upper()])
+
+
+def probe_vmem(plan: Plan, source: SourceFile, target: str, args, keywords, start: int = 4096) -> int | None:
+    """The smallest vmem_limit_bytes the kernel compiles with (to about a KiB), or None.
+
+    Each failed compile says by how much the limit fell short; the limit grows by that
+    until it compiles. `start` should be below the need (a guess saves compiles); if the
+    kernel compiles at once, the probe starts over from 4 KiB to stay tight.
+    """
+    limit, first = start, True
+    for _ in range(24):
+        try:
+            _compile(plan, source, target, args, keywords, vmem_limit=limit)
+        except Exception as exc:  # the compiler says how much is missing
+            m = re.search(r"exceeded scoped vmem limit by ([\d.]+)\s*([KMGB])", str(exc))
+            if not m:
+                return None
+            limit += _size(*m.groups()) + 1024
+            first = False
+            continue
+        if first and limit > 4096:
+            limit, first = 4096, False
+            continue
+        return limit
+    return None
+
+
+# ------------------------------------------------------------------ errors
+
+
+def explain(plan: Plan, target: str, message: str) -> Diagnostic:
+    """Turn a libtpu/Mosaic failure into a diagnostic at the spec."""
+    k = plan.kernel
+    tiles = ", ".join(f"{i.name}={i.tile}" for i in k.indices)
+    chip = TARGETS[target]
+    vmem = re.search(r"memory space vmem.*?Used ([\d.]+)([KMG])", message, re.S) or re.search(
+        r"Scoped allocation with size ([\d.]+)([KMG])", message
+    )
+    if "vmem" in message.lower() and ("Ran out of memory" in message or "ScopedVmemOom" in message):
+        need = f"{format_bytes(_size(*vmem.groups()))} or more" if vmem else "more than it has"
+        notes = []
+        smaller = suggest_tiles(plan)
+        if smaller is not None:
+            notes.append("tiles that fit: " + ", ".join(f"{i.name}={i.tile}" for i in smaller.indices))
+        return Diagnostic(k.tile_span, f"tiles {tiles} need {need} of VMEM on {target} (limit {format_bytes(chip.vmem_bytes)})", tuple(notes))
+    if "memory space smem" in message:
+        return Diagnostic(k.tile_span, f"the scalar-prefetch tables of tiles {tiles} do not fit the SMEM of {target} ({format_bytes(chip.smem_bytes)}); use larger tiles")
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "compilation failed")
+    for b in plan.blocks:
+        shape = tuple(s for s in b.shape if s is not None)
+        patterns = ("x".join(map(str, shape)), str(shape).replace(" ", ""), str(shape))
+        if any(p in message for p in patterns):
+            op = k.operand(b.operand)
+            return Diagnostic(op.span, f"'{op.name}' block {shape} ({op.dtype.name}) does not compile for {target} (Mosaic): {first}")
+    return Diagnostic(k.name_span, f"kernel '{k.name}' does not compile for {target}: {first}")
+
+
+# -------------------------------------------------------------------- verify
+
+
+def verify_plan(plan: Plan, source: SourceFile, target: str, shapes: dict[str, int] | None = None, nnz: float = 0.1, probe: bool = True) -> Result:
+    k = plan.kernel
+    env = {**default_shapes(k), **(shapes or {})}
+    env = {s: (lit if lit is not None else env[s]) for s, lit in k.symbols}
+    nb = stored_blocks(k, env, nnz)
+    args, keywords = arg_structs(k, env, nb or 0)
+    chip = TARGETS[target]
+    values = {s.internal: env[s.symbol] for s in plan.sizes}
+    if "nb" in plan.names:
+        values[plan.names["nb"]] = nb
+    smem = sum(evaluate(p.length, values) or 0 for p in plan.prefetch) * 4
+    result = Result(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, plan.vmem_bytes, vmem_limit=chip.vmem_bytes, smem_used=smem, smem_limit=chip.smem_bytes)
+    start = time.perf_counter()
+    try:
+        compiled = _compile(plan, source, target, args, keywords)
+    except Exception as exc:
+        result.compile_seconds = time.perf_counter() - start
+        result.raw_error = str(exc)
+        result.error = explain(plan, target, str(exc))
+        return result
+    result.compile_seconds = time.perf_counter() - start
+    result.compiled = True
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    result.flops = cost.get("flops")
+    result.bytes_accessed = cost.get("bytes accessed")
+    if probe:
+        result.vmem_used = probe_vmem(plan, source, target, args, keywords, start=max(4096, plan.vmem_bytes // 2 // 4096 * 4096))
+    return result
+
+
+def verify_file(path, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
+    """Check a spec once, then plan, budget-check and compile each kernel per target.
+    A spec error raises SpecError; a kernel that does not fit a target is a failed Result."""
+    from .budget import check_budget
+    from .compiler import load
+    from .plan import plan as make_plan
+
+    source, kernels = load(path)
+    results = []
+    for kernel in kernels:
+        for target in targets:
+            p = make_plan(kernel, TARGETS[target])
+            problems = check_budget(p)
+            if problems:
+                env = {**default_shapes(kernel), **(shapes or {})}
+                results.append(Result(kernel.name, target, False, {s: env.get(s, lit) for s, lit in kernel.symbols}, None, p.vmem_bytes,
+                                      vmem_limit=TARGETS[target].vmem_bytes, smem_limit=TARGETS[target].smem_bytes, error=problems[0]))
+                continue
+            results.append(verify_plan(p, source, target, shapes, nnz, probe))
+    return source, results
