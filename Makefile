@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 SPECS := $(wildcard specs/*.spk)
 # libtpu looks for TPU hosts at start-up; these keep it quiet where there is none.
 export TPU_SKIP_MDS_QUERY := 1
+# Parallel test workers each load libtpu (for AOT compiles only); let them share it.
+export ALLOW_MULTIPLE_LIBTPU_LOAD := 1
 
 .PHONY: run test build check clean venv
 

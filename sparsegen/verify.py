@@ -228,6 +228,8 @@ def explain(plan: Plan, target: str, message: str) -> Diagnostic:
         return Diagnostic(k.tile_span, f"tiles {tiles} need {need} of VMEM on {target} (limit {format_bytes(chip.vmem_bytes)})", tuple(notes))
     if "memory space smem" in message:
         return Diagnostic(k.tile_span, f"the scalar-prefetch tables of tiles {tiles} do not fit the SMEM of {target} ({format_bytes(chip.smem_bytes)}); use larger tiles")
+    if "libtpu multi-process lockfile" in message:
+        return Diagnostic(None, "another process holds libtpu; wait for it, or set ALLOW_MULTIPLE_LIBTPU_LOAD=1 (safe for ahead-of-time compiles)")
     first = next((line.strip() for line in message.splitlines() if line.strip()), "compilation failed")
     for b in plan.blocks:
         shape = tuple(s for s in b.shape if s is not None)
@@ -276,11 +278,16 @@ def verify_plan(plan: Plan, source: SourceFile, target: str, shapes: dict[str, i
 def verify_file(path, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
     """Check a spec once, then plan, budget-check and compile each kernel per target.
     A spec error raises SpecError; a kernel that does not fit a target is a failed Result."""
-    from .budget import check_budget
-    from .compiler import load
-    from .plan import plan as make_plan
+    return verify_file_source(SourceFile.read(path), targets, shapes, nnz, probe)
 
-    source, kernels = load(path)
+
+def verify_file_source(source: SourceFile, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
+    from .budget import check_budget
+    from .check import check
+    from .plan import plan as make_plan
+    from .syntax import parse
+
+    kernels = check(parse(source))
     results = []
     for kernel in kernels:
         for target in targets:

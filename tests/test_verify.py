@@ -1,0 +1,136 @@
+"""sparsegen verify: every example compiles for v5e, v6e and v4 through libtpu; the static
+VMEM estimate bounds the compiler's figure within the margin verify.py states; failures
+point at the spec; the JSON is stable; without libtpu verify says how to get it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from conftest import ROOT, SPECS, spec_text, with_tiles
+
+from sparsegen import verify
+from sparsegen.cli import main
+from sparsegen.compiler import compile_source
+from sparsegen.source import SourceFile
+
+EXAMPLES = sorted(str(p) for p in SPECS.glob("*.spk"))
+
+
+def test_every_example_compiles_for_v5e_v6e_v4():
+    for spec in EXAMPLES:
+        source, results = verify.verify_file(spec, ["v5e", "v6e", "v4"], probe=False)
+        assert results and all(r.compiled for r in results), [(r.kernel, r.target, r.raw_error) for r in results if not r.compiled]
+        for r in results:
+            assert r.smem_used <= r.smem_limit
+            assert r.flops is not None and r.flops > 0 or r.kernel == "block_slice"
+
+
+TILINGS = [
+    ("dsd_matmul", None),
+    ("dsd_matmul", dict(m=256, n=256, k=256)),
+    ("dsd_matmul", dict(m=1024, n=1024, k=512)),
+    ("dds_matmul", None),
+    ("dds_matmul", dict(m=512, n=512, k=1024)),
+    ("masked_matmul", None),
+    ("masked_matmul", dict(m=256, n=256, k=512)),
+    ("sdd_matmul", None),
+    ("sdd_matmul", dict(m=512, n=512, k=512)),
+    ("block_slice", None),
+]
+
+
+@pytest.mark.parametrize("name,tiles", TILINGS, ids=[f"{n}-{'x'.join(map(str, t.values())) if t else 'spec'}" for n, t in TILINGS])
+def test_static_vmem_estimate_bounds_the_compiled_figure(name, tiles):
+    text = spec_text(name) if tiles is None else with_tiles(spec_text(name), **tiles)
+    source = SourceFile(f"{name}.spk", text)
+    (module,) = compile_source(source, "v5e")
+    result = verify.verify_plan(module.plan, source, "v5e")
+    assert result.compiled and result.vmem_used is not None
+    estimate, used = result.vmem_estimate, result.vmem_used
+    assert used <= estimate, f"the compiler needs {used} bytes, more than the static estimate {estimate}"
+    assert estimate <= verify.ESTIMATE_SLACK * used + verify.ESTIMATE_FLOOR, f"estimate {estimate} too loose for {used}"
+
+
+def test_no_tiling_passes_the_static_check_but_overflows_vmem_at_compile_time():
+    """Near the edge of v4's 16 MiB: tilings the static check accepts compile; one step
+    bigger, the static check rejects them (so `build` never emits a kernel that overflows)."""
+    accepted = 0
+    for m, n, k in [(1024, 512, 512), (1024, 1024, 256), (512, 1024, 1024), (1024, 1024, 512), (2048, 1024, 256)]:
+        source = SourceFile("edge.spk", with_tiles(spec_text("dsd_matmul"), m=m, n=n, k=k))
+        _, results = verify.verify_file_source(source, ["v4"], probe=False)
+        (r,) = results
+        if r.vmem_estimate <= r.vmem_limit:
+            accepted += 1
+            assert r.compiled, (m, n, k, r.raw_error)
+        else:
+            assert not r.compiled and "of VMEM on v4" in r.error.message
+    assert accepted >= 3
+
+
+def test_impossible_tiles_are_reported_at_the_tile_line(tmp_path, capsys):
+    spec = tmp_path / "huge.spk"
+    spec.write_text(with_tiles(spec_text("masked_matmul"), m=4096, n=4096, k=4096))
+    assert main(["verify", str(spec), "--quick"]) == 1
+    err = capsys.readouterr().err
+    line = next(n for n, text in enumerate(spec.read_text().splitlines(), 1) if text.strip().startswith("tile"))
+    assert f"{spec}:{line}:5: error: tiles m=4096, n=4096, k=4096 need" in err and "of VMEM on v5e (limit 128 MiB)" in err
+    assert "tiles that fit:" in err
+
+
+def test_a_compiler_failure_is_explained_at_the_spec():
+    """A real VMEM overflow from libtpu (forced with a tiny limit) becomes a tile-line error."""
+    source = SourceFile("dsd.spk", spec_text("dsd_matmul"))
+    (module,) = compile_source(source, "v5e")
+    plan = dataclasses.replace(module.plan, vmem_limit_override=64 * 1024)
+    result = verify.verify_plan(plan, source, "v5e", probe=False)
+    assert not result.compiled and "vmem" in result.raw_error.lower()
+    rendered = result.error.render(source)
+    assert rendered.startswith("dsd.spk:10:5: error: tiles m=512, n=512, k=512 need") and "of VMEM on v5e" in rendered
+    # A Mosaic error naming a block shape points at that operand's declaration.
+    sdd_source = SourceFile("sdd.spk", spec_text("sdd_matmul"))
+    (sdd,) = compile_source(sdd_source, "v5e")
+    diag = verify.explain(sdd.plan, "v5e", "Mosaic failed: unsupported layout for vector<512x128xbf16>\nmore detail")
+    assert diag.span == sdd.plan.kernel.operand("y").span
+    assert diag.message == "'y' block (512, 128) (bf16) does not compile for v5e (Mosaic): Mosaic failed: unsupported layout for vector<512x128xbf16>"
+
+
+def test_json_is_stable(capsys):
+    args = ["verify", "specs/sdd_matmul.spk", "specs/block_slice.spk", "--target", "v5e,v4", "--json", "--quick"]
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert main(args) == 0
+        first = json.loads(capsys.readouterr().out)
+        assert main(args) == 0
+        second = json.loads(capsys.readouterr().out)
+    finally:
+        os.chdir(cwd)
+    for run in (first, second):
+        for record in run["results"]:
+            record.pop("compile_seconds")
+    assert first == second and first["schema"] == 1
+    keys = {"spec", "kernel", "target", "compiled", "shapes", "nb", "vmem_estimate_bytes", "vmem_used_bytes", "vmem_limit_bytes",
+            "smem_used_bytes", "smem_limit_bytes", "flops", "bytes_accessed", "error"}
+    assert all(set(r) == keys for r in first["results"])
+    assert [(r["kernel"], r["target"]) for r in first["results"]] == [("sdd_matmul", "v5e"), ("sdd_matmul", "v4"), ("block_slice", "v5e"), ("block_slice", "v4")]
+
+
+def test_shapes_and_nnz_options(capsys):
+    assert main(["verify", str(SPECS / "dsd_matmul.spk"), "--shape", "M=2048,K=1024,N=512", "--nnz", "0.5", "--json", "--quick"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)["results"]
+    assert record["shapes"] == {"M": 2048, "K": 1024, "N": 512} and record["nb"] == 4
+    assert main(["verify", str(SPECS / "dsd_matmul.spk"), "--shape", "M=oops"]) == 2
+    assert main(["verify", str(SPECS / "dsd_matmul.spk"), "--target", "v9"]) == 2
+
+
+def test_without_libtpu_verify_says_how_to_install_it(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    assert main(["verify", EXAMPLES[0]]) == 2
+    assert "pip install 'sparsegen[tpu]'" in capsys.readouterr().err
