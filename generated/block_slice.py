@@ -198,9 +198,13 @@ def _prepare(x, start):
     return x, offsets, ()
 
 
+def _prefetch(x, offsets, sizes):
+    """The kernel's scalar-prefetch tables (SMEM) for one call; also read by `sparsegen plan --pattern`."""
+    return (offsets,)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
 def _impl(x, offsets, sizes, interpret):
-    del sizes  # every size is fixed by the spec
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(1, 1),
@@ -223,7 +227,7 @@ def _impl(x, offsets, sizes, interpret):
             bytes_accessed=131072,
         ),
         interpret=interpret,
-    )(offsets, x)
+    )(*_prefetch(x, offsets, sizes), x)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

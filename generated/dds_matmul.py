@@ -295,6 +295,15 @@ def _prepare(x, y_blocks, y_idx_0, y_idx_1, M, K, N):
     return x, y_blocks, y_idx_0, y_idx_1, pad, (M, K, N)
 
 
+def _prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
+    """The kernel's scalar-prefetch tables (SMEM) for one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    step_kind, step_block, step_row = _coo_steps(y_idx_1, N // 256, pad)
+    step_k = jnp.maximum(y_idx_0[step_block], 0)  # 0 if every entry is padding
+    return (step_kind, step_block, step_row, step_k)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
 def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
     M, K, N = sizes
@@ -302,9 +311,6 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
     if nb == 0:
         # Nothing is stored: the result is all zeros.
         return jnp.zeros((M, N), jnp.bfloat16)
-    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
-    step_kind, step_block, step_row = _coo_steps(y_idx_1, N // 256, pad)
-    step_k = jnp.maximum(y_idx_0[step_block], 0)  # 0 if every entry is padding
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(M // 256, nb + N // 256),
@@ -328,7 +334,7 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
             bytes_accessed=nb * (M // 256) * 524288 + 2 * M * N,
         ),
         interpret=interpret,
-    )(step_kind, step_block, step_row, step_k, x, y_blocks)
+    )(*_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes), x, y_blocks)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

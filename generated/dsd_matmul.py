@@ -295,6 +295,15 @@ def _prepare(x_blocks, x_idx_0, x_idx_1, y, M, K, N):
     return x_blocks, x_idx_0, x_idx_1, y, pad, (M, K, N)
 
 
+def _prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, sizes):
+    """The kernel's scalar-prefetch tables (SMEM) for one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    step_kind, step_block, step_row = _coo_steps(x_idx_0, M // 512, pad)
+    step_k = jnp.maximum(x_idx_1[step_block], 0)  # 0 if every entry is padding
+    return (step_kind, step_block, step_row, step_k)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
 def _impl(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret):
     M, K, N = sizes
@@ -302,9 +311,6 @@ def _impl(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret):
     if nb == 0:
         # Nothing is stored: the result is all zeros.
         return jnp.zeros((M, N), jnp.bfloat16)
-    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
-    step_kind, step_block, step_row = _coo_steps(x_idx_0, M // 512, pad)
-    step_k = jnp.maximum(x_idx_1[step_block], 0)  # 0 if every entry is padding
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(N // 512, nb + M // 512),
@@ -328,7 +334,7 @@ def _impl(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret):
             bytes_accessed=nb * (N // 512) * 1048576 + 2 * M * N,
         ),
         interpret=interpret,
-    )(step_kind, step_block, step_row, step_k, x_blocks, y)
+    )(*_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, sizes), x_blocks, y)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

@@ -256,14 +256,20 @@ def _prepare(x, y, mask, M, K, N):
     return x, y, mask, (M, K, N)
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
-def _impl(x, y, mask, sizes, interpret):
+def _prefetch(x, y, mask, sizes):
+    """The kernel's scalar-prefetch tables (SMEM) for one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
     # Classify the blocks of mask; skipped steps follow a map to the next step that computes.
     kind = _block_kinds(mask, (512, 512), True)
     next_step = _next_live((kind != _EMPTY).reshape(-1))
     next_mask = _next_live((kind == _PARTIAL).reshape(-1))
     kind = kind.reshape(-1)
+    return (kind, next_step, next_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+def _impl(x, y, mask, sizes, interpret):
+    M, K, N = sizes
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(M // 512, N // 512, K // 1024),
@@ -288,7 +294,7 @@ def _impl(x, y, mask, sizes, interpret):
             bytes_accessed=M // 512 * (N // 512) * (K // 1024) * 3145728 + 2 * M * N,
         ),
         interpret=interpret,
-    )(kind, next_step, next_mask, x, y, mask)
+    )(*_prefetch(x, y, mask, sizes), x, y, mask)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

@@ -221,13 +221,19 @@ def _prepare(x, y, o_idx_0, o_idx_1, M, K, N):
     return x, y, o_idx_0, o_idx_1, (M, K, N)
 
 
+def _prefetch(x, y, o_idx_0, o_idx_1, sizes):
+    """The kernel's scalar-prefetch tables (SMEM) for one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    return (o_idx_0, o_idx_1)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
 def _impl(x, y, o_idx_0, o_idx_1, sizes, interpret):
     M, K, N = sizes
     nb = o_idx_0.shape[0]
-    if o_idx_0.shape[0] == 0:
+    if nb == 0:
         # No block requested.
-        return jnp.zeros((0, 128, 128), jnp.bfloat16)
+        return jnp.zeros((nb, 128, 128), jnp.bfloat16)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(nb, K // 512),
@@ -251,7 +257,7 @@ def _impl(x, y, o_idx_0, o_idx_1, sizes, interpret):
             bytes_accessed=nb * (K // 512) * 262144 + 2 * nb * 128 * 128,
         ),
         interpret=interpret,
-    )(o_idx_0, o_idx_1, x, y)
+    )(*_prefetch(x, y, o_idx_0, o_idx_1, sizes), x, y)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

@@ -241,7 +241,8 @@ class _Emitter:
         return args
 
     # ---------------------------------------------------------------- impl
-    def impl_lines(self) -> list[str]:
+    def guard_lines(self) -> list[str]:
+        """The start of _impl: sizes of this call, and calls with nothing to compute."""
         plan, n = self.plan, self.n
         lines = []
         out_shape = _tuple(render(e, "host") for e in plan.out_shape)
@@ -251,6 +252,19 @@ class _Emitter:
             lines.append(f"if {coo.nb} == 0:")
             lines.append("    # Nothing is stored: the result is all zeros.")
             lines.append(f"    return jnp.zeros({out_shape}, {plan.out_dtype.jnp})")
+        elif plan.strategy == "coo_output":
+            lines.append(f"{n['nb']} = {plan.coo_out.coords[0]}.shape[0]")
+            lines.append(f"if {n['nb']} == 0:")
+            lines.append("    # No block requested.")
+            lines.append(f"    return jnp.zeros({out_shape}, {plan.out_dtype.jnp})")
+        return lines
+
+    def prefetch_lines(self) -> list[str]:
+        """The body of _prefetch: block kinds, step tables and maps, computed with jnp."""
+        plan = self.plan
+        lines = []
+        if plan.strategy == "coo_input":
+            coo = plan.coo
             rows = flat([Var(c) for c, _ in coo.row_coords], [e for _, e in coo.row_coords])
             kind, block, row = (p.var for p in plan.prefetch[:3])
             lines.append("# Sort the stored blocks by the output block they feed; a flush step closes each output block.")
@@ -275,11 +289,6 @@ class _Emitter:
             if m.partial_var:
                 lines.append(f"{m.partial_var} = _next_live({over_prefix(f'{m.kind_var} == _PARTIAL')})")
             lines.append(f"{m.kind_var} = {m.kind_var}.reshape(-1)")
-        elif plan.strategy == "coo_output":
-            lines.append(f"if {n['nb']} == 0:" if False else f"if {plan.coo_out.coords[0]}.shape[0] == 0:")
-            lines.append("    # No block requested.")
-            lines.append(f"    return jnp.zeros({out_shape.replace(n['nb'], '0', 1)}, {plan.out_dtype.jnp})")
-            lines.insert(0, f"{n['nb']} = {plan.coo_out.coords[0]}.shape[0]")
         return lines
 
     def out_bytes(self) -> Expr:
@@ -291,7 +300,7 @@ class _Emitter:
         return size
 
     def call_args(self) -> list[str]:
-        return [p.var for p in self.plan.prefetch] + [b.array for b in self.in_blocks]
+        return [b.array for b in self.in_blocks]
 
     # ----------------------------------------------------------- reference
     def reference_lines(self) -> list[str]:
@@ -444,7 +453,8 @@ class _Emitter:
             prepare_lines=self.prepare_lines(),
             impl_args=self.impl_args(),
             size_vars=[s.internal for s in plan.sizes],
-            impl_lines=self.impl_lines(),
+            guard_lines=self.guard_lines(),
+            prefetch_lines=self.prefetch_lines(),
             in_blocks=[self.block_texts(b) for b in self.in_blocks],
             out_block=self.block_texts(self.out_block),
             acc_shape=acc_shape,

@@ -18,7 +18,7 @@ HELPERS = frozenset(
         "_fail", "_is_traced", "_as_array", "_as_coords", "_bind", "_need", "_check_dim",
         "_check_multiple", "_check_coords", "_check_offsets", "_next_live", "_coo_steps",
         "_block_kinds", "_densify", "_gather_blocks", "_kernel", "_impl", "_reference", "_prepare",
-        "_sizes", "_check_smem", "_SMEM_BYTES", "_SKIP", "_check_padding",
+        "_sizes", "_check_smem", "_SMEM_BYTES", "_SKIP", "_check_padding", "_prefetch",
     }
 )  # fmt: skip
 MODULE_NAMES = IMPORTS | HELPERS | {"reference"}
