@@ -106,10 +106,51 @@ def cmd_plan(args) -> int:
         if not found:
             print(f"{args.spec}: error: no kernel named '{args.kernel}'", file=sys.stderr)
             return 1
-    for n, p in enumerate(found):
-        if n:
-            print()
-        print("\n".join(describe(p)))
+    if not (args.pattern or args.shape or args.json or args.png):
+        for n, p in enumerate(found):
+            if n:
+                print()
+            print("\n".join(describe(p)))
+        return 0
+    # A pattern: walk the generated kernel's grid (this needs jax, for the generated code).
+    import importlib.util
+
+    if importlib.util.find_spec("jax") is None:
+        print("sparsegen plan --pattern runs the generated index maps, which need jax: pip install 'sparsegen[jax]'", file=sys.stderr)
+        return 2
+    from . import simulate
+    from .verify import default_shapes, parse_shapes
+
+    try:
+        shapes = parse_shapes(args.shape)
+    except ValueError as exc:
+        print(f"sparsegen plan: {exc}", file=sys.stderr)
+        return 2
+    reports = []
+    for p in found:
+        sizes = {**default_shapes(p.kernel), **shapes}
+        missing = [s for s, lit in p.kernel.symbols if lit is None and s not in sizes]
+        if missing:
+            print(f"sparsegen plan: give --shape {','.join(f'{m}=...' for m in missing)}", file=sys.stderr)
+            return 2
+        try:
+            reports.append(simulate.analyse(p, sizes, args.pattern or "density=1.0", targets=tuple(sorted(TARGETS)), seed=args.seed, trace=bool(args.png)))
+        except ValueError as exc:
+            print(f"sparsegen plan: {exc}", file=sys.stderr)
+            return 2
+    if args.png:
+        from .picture import draw
+
+        draw(reports[0], args.png)
+    if args.json:
+        import json
+
+        print(json.dumps([r.to_json() for r in reports], indent=2, sort_keys=True))
+    else:
+        for n, r in enumerate(reports):
+            if n:
+                print()
+            print("\n".join(describe(r.plan) + simulate.describe_report(r)))
     return 0
 
 
@@ -209,6 +250,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("spec", metavar="SPEC")
     plan.add_argument("--kernel", metavar="NAME", help="only this kernel of the spec")
     plan.add_argument("--target", default=DEFAULT_TARGET, choices=targets)
+    plan.add_argument("--shape", metavar="M=4096,K=...", help="sizes of symbolic dimensions (default: 8 blocks of their tile)")
+    plan.add_argument("--pattern", metavar="P", help="tril | density=F | band=W | FILE.npy: simulate the pipeline on it (needs jax)")
+    plan.add_argument("--seed", type=int, default=0, help="seed of density= patterns")
+    plan.add_argument("--json", action="store_true", help="counts and estimates as JSON")
+    plan.add_argument("--png", metavar="FILE", help="draw the block pattern, the grid's traversal and its copies")
     plan.set_defaults(func=cmd_plan)
     verify = sub.add_parser("verify", help="compile ahead of time for TPU targets through libtpu (no TPU needed)")
     verify.add_argument("specs", nargs="+", metavar="SPEC")

@@ -1,0 +1,396 @@
+"""The pipeline simulator and cost model behind `sparsegen plan --pattern` and `variants`.
+
+It walks a generated kernel's grid in order with the module's own `_prefetch` and index
+map functions (evaluated on numpy arrays of every grid step at once) and counts, per
+operand, block copies HBM->VMEM (a copy whenever the block index differs from the
+previous step's, as the Pallas pipeline does), output write-backs, the steps whose compute
+runs, and wasted copies (a copy whose block no consuming step uses before the operand's
+next copy). The ideal is one copy per run of consecutive uses; the first step's copy is
+made even when no step uses the block (the pipeline's prologue), so it is not counted
+as waste. A roofline turns the counts into time on each target.
+
+Needs jax (the generated code is jax); imported lazily by the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .emit import emit
+from .expr import Bin, Call, Const, Expr, Load, Max, Var, Where
+from .model import Kernel
+from .plan import Plan, evaluate, plan as make_plan
+from .targets import TARGETS, Target
+
+# Fixed cost of one grid step of a Pallas TPU pipeline (JAX docs, "Pipelining": about 0.35 us).
+STEP_SECONDS = 0.35e-6
+
+
+@dataclass
+class Traffic:
+    operand: str
+    block_bytes: int
+    copies: int = 0
+    ideal: int = 0
+    wasted: int = 0
+
+
+@dataclass
+class Simulation:
+    grid: tuple[int, ...]
+    steps: int
+    block_products: int
+    flops: int
+    write_backs: int
+    out_block_bytes: int
+    prefetch_bytes: int
+    traffic: dict[str, Traffic]
+    trace: dict[str, np.ndarray] = field(default_factory=dict)  # per-step arrays, for pictures
+
+    @property
+    def wasted_copies(self) -> int:
+        return sum(t.wasted for t in self.traffic.values())
+
+    @property
+    def hbm_bytes(self) -> int:
+        reads = sum(t.copies * t.block_bytes for t in self.traffic.values())
+        return reads + self.write_backs * self.out_block_bytes + self.prefetch_bytes
+
+
+# ------------------------------------------------------------------ modules
+
+
+def load_module(plan: Plan, name: str | None = None):
+    """The plan's generated module, executed in memory (not black-formatted: faster)."""
+    from .emit import _Emitter
+
+    code = _Emitter(plan).module("<memory>")
+    module = types.ModuleType(name or f"sparsegen_sim_{plan.name}")
+    exec(compile(code, f"<sparsegen {plan.name}>", "exec"), module.__dict__)
+    return module
+
+
+def dense_kernel(kernel: Kernel) -> Kernel:
+    """The same statement and tiles with no sparse operand: the baseline a sparse kernel beats."""
+    operands = tuple(dataclasses.replace(op, sparsity="dense") if op.sparsity in ("coo", "mask") else op for op in kernel.operands)
+    return dataclasses.replace(kernel, operands=operands, name=f"{kernel.name}_dense")
+
+
+# ------------------------------------------------------------------ patterns
+
+
+def pattern_args(plan: Plan, env: dict[str, int], pattern: str, seed: int = 0):
+    """Arguments of `_prefetch` for a sparsity pattern (arrays the tables do not read are None).
+
+    Patterns: `tril` (causal), `density=F` (a random fraction of the blocks), `band=W`
+    (elements within W of the diagonal), or a `.npy` file holding the dense mask or the
+    block-level pattern.
+    """
+    k = plan.kernel
+    tile = {i.name: i.tile for i in k.indices}
+    sparse = next((o for o in k.operands if o.sparsity in ("coo", "mask")), None)
+    args = {}
+    if sparse is not None:
+        shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims)
+        tiles = tuple(tile[i] for i in sparse.indices)
+        elements = _pattern_elements(pattern, shape, tiles, seed)
+        if sparse.sparsity == "mask":
+            mask = elements
+            if sparse.name not in k.end_factors:
+                mask = mask.astype(np.float32)
+            args[sparse.name] = mask.astype(_numpy_dtype(sparse.dtype.numpy))
+        else:
+            grid = tuple(s // t for s, t in zip(shape, tiles))
+            blocks = elements.reshape([v for g, t in zip(grid, tiles) for v in (g, t)]).any(axis=tuple(range(1, 2 * len(grid), 2)))
+            coords = np.nonzero(blocks)
+            args[sparse.name] = tuple(c.astype(np.int32) for c in coords)
+    out = []
+    for p in plan.params:
+        if p.kind == "mask":
+            out.append(args[p.operand])
+        elif p.kind in ("coords", "out_coords"):
+            out.append(args[p.operand][p.dim])
+        elif p.kind != "index":
+            out.append(None)  # data the tables never read
+    return out, args
+
+
+def _numpy_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _pattern_elements(pattern: str, shape, tiles, seed: int) -> np.ndarray:
+    rank = len(shape)
+    if pattern.endswith(".npy"):
+        data = np.load(Path(pattern))
+        if data.shape == tuple(shape):
+            return data != 0
+        grid = tuple(s // t for s, t in zip(shape, tiles))
+        if data.shape == grid:
+            return np.kron(data != 0, np.ones(tiles, bool))
+        raise ValueError(f"{pattern} has shape {data.shape}; expected the operand's {tuple(shape)} or its block grid {grid}")
+    if rank != 2 and not pattern.startswith("density="):
+        raise ValueError(f"pattern {pattern!r} needs a 2-D operand")
+    if pattern == "tril":
+        return np.tril(np.ones(shape, bool))
+    if pattern.startswith("band="):
+        width = int(pattern.split("=", 1)[1])
+        i = np.arange(shape[0])[:, None]
+        j = np.arange(shape[1])[None, :]
+        return np.abs(i - j) < width
+    if pattern.startswith("density="):
+        fraction = float(pattern.split("=", 1)[1])
+        grid = tuple(s // t for s, t in zip(shape, tiles))
+        blocks = np.random.default_rng(seed).random(grid) < fraction
+        return np.kron(blocks, np.ones(tiles, bool))
+    raise ValueError(f"unknown pattern {pattern!r}: use tril, density=F, band=W or FILE.npy")
+
+
+# ----------------------------------------------------------------- simulate
+
+
+def _evaluate(e: Expr, env: dict):
+    if isinstance(e, Const):
+        return e.value
+    if isinstance(e, Var):
+        return env[e.name]
+    if isinstance(e, Load):
+        return np.asarray(env[e.array])[np.asarray(_evaluate(e.index, env))]
+    if isinstance(e, Max):
+        return np.maximum(_evaluate(e.a, env), _evaluate(e.b, env))
+    if isinstance(e, Where):
+        return np.where(_evaluate(e.cond, env), _evaluate(e.a, env), _evaluate(e.b, env))
+    if isinstance(e, Call):
+        (arg,) = e.args
+        d = _evaluate(arg, env)
+        return env["__axes__"][d] if e.fn == "pl.program_id" else env["__grid__"][d]
+    if isinstance(e, Bin):
+        a, b = _evaluate(e.a, env), _evaluate(e.b, env)
+        ops = {
+            "+": np.add, "-": np.subtract, "*": np.multiply, "//": np.floor_divide, "%": np.remainder,
+            "==": np.equal, "!=": np.not_equal, "<": np.less, ">": np.greater, "&": np.logical_and, "|": np.logical_or,
+        }  # fmt: skip
+        return ops[e.op](a, b)
+    raise TypeError(e)
+
+
+def _runs(keys: np.ndarray) -> np.ndarray:
+    """Per step: does its key differ from the previous step's (a new run)."""
+    changed = np.ones(keys.shape[-1], bool)
+    if keys.shape[-1] > 1:
+        changed[1:] = np.any(keys[:, 1:] != keys[:, :-1], axis=0)
+    return changed
+
+
+def simulate(plan: Plan, module, impl_args: list, sizes: dict[str, int], keep_trace: bool = False) -> Simulation:
+    """Walk the grid of `plan` (whose generated module is `module`) for these arguments."""
+    env = {s.internal: sizes[s.symbol] for s in plan.sizes}
+    k = plan.kernel
+    nb = None
+    if plan.strategy in ("coo_input", "coo_output"):
+        coords = next(a for a, p in zip(impl_args, [p for p in plan.params if p.kind != "index"]) if p.kind in ("coords", "out_coords"))
+        nb = int(np.shape(coords)[0])
+        env[plan.names["nb"]] = nb
+    out_block = next(b for b in plan.blocks if b.is_output)
+    out_bytes = math.prod(1 if s is None else s for s in out_block.shape) * plan.out_dtype.itemsize
+    traffic = {b.operand: Traffic(b.operand, math.prod(1 if s is None else s for s in b.shape) * k.operand(b.operand).dtype.itemsize) for b in plan.blocks if not b.is_output}
+    if nb == 0:  # the generated function returns early: no grid at all
+        return Simulation((), 0, 0, 0, 0, out_bytes, 0, traffic)
+    grid = tuple(int(evaluate(a.extent, env)) for a in plan.axes)
+    steps = math.prod(grid)
+    axes = np.indices(grid, dtype=np.int32).reshape(len(grid), steps)
+    if plan.prefetch:
+        sizes_tuple = tuple(sizes[s.symbol] for s in plan.sizes)
+        if plan.coo is not None:  # the pad argument (every coordinate -1), as _prepare computes it
+            coords_args = [a for a, p in zip(impl_args, [q for q in plan.params if q.kind != "index"]) if p.kind == "coords"]
+            impl_args = list(impl_args) + [np.all(np.stack([np.asarray(c) < 0 for c in coords_args]), axis=0)]
+        if plan.offsets_var:
+            impl_args = list(impl_args) + [np.zeros(len(plan.offsets), np.int32)]
+        prefetch = [np.asarray(a) for a in module._prefetch(*impl_args, sizes_tuple)]
+    else:
+        prefetch = []
+    statics = {name: int(evaluate(value, env)) for b in plan.blocks for name, value in b.statics}
+    names = {p.var: arr for p, arr in zip(plan.prefetch, prefetch)}
+    body_env = {**names, "__axes__": axes, "__grid__": grid}
+    for const in ("_BLOCK", "_FLUSH", "_SKIP", "_EMPTY", "_PARTIAL", "_FULL"):
+        if hasattr(module, const):
+            body_env[const] = getattr(module, const)
+    for name, value in plan.body.lets:
+        body_env[name] = _evaluate(value, body_env)
+
+    def condition(e):
+        return np.ones(steps, bool) if e is None else np.broadcast_to(np.asarray(_evaluate(e, body_env), bool), (steps,))
+
+    body = plan.body
+    compute = condition(body.compute_when) if body.scratch else np.zeros(steps, bool)
+    flush = condition(body.flush_when)
+    consumers = {}
+    contracted = set()
+    if body.contraction is not None:
+        contracted = {body.contraction.lhs.operand, body.contraction.rhs.operand}
+    contracted |= {f.operand for f in body.compute_factors}
+    for name in traffic:
+        if name in contracted and body.scratch:
+            consumers[name] = compute
+        else:
+            used = np.zeros(steps, bool)
+            for case in body.flush_cases:
+                if case.factors is not None and any(f.operand == name for f in case.factors):
+                    used |= flush & condition(case.when)
+            consumers[name] = used
+    trace = {"compute": compute, "flush": flush} if keep_trace else {}
+    for b in plan.blocks:
+        fn = getattr(module, b.fn)
+        kwargs = {name: statics[name] for name, _ in b.statics}
+        coords = fn(*axes, *prefetch, **kwargs)
+        keys = np.stack([np.broadcast_to(np.asarray(c, np.int64), (steps,)) for c in coords])
+        new = _runs(keys)
+        if b.is_output:
+            write_backs = int(new.sum())
+            if keep_trace:
+                trace["out"] = keys
+            continue
+        t = traffic[b.operand]
+        used = consumers[b.operand]
+        t.copies = int(new.sum())
+        run_id = np.cumsum(new) - 1
+        used_runs = np.zeros(t.copies, bool)
+        np.logical_or.at(used_runs, run_id[used], True)
+        t.wasted = int((~used_runs).sum())
+        if not used.any():
+            t.wasted -= 1  # the prologue copy: made even when no step uses the block
+        t.ideal = max(1, int(_runs(keys[:, used]).sum())) if used.any() else 1
+        if keep_trace:
+            trace[f"copy:{b.operand}"] = new
+            trace[f"wasted:{b.operand}"] = new & ~used_runs[run_id]
+            trace[f"use:{b.operand}"] = used
+    products = int(compute.sum()) if body.scratch else int(flush.sum())
+    prefetch_bytes = sum(a.nbytes for a in prefetch)
+    return Simulation(grid, steps, products, products * plan.flops_per_product, write_backs, out_bytes, prefetch_bytes, traffic, trace)
+
+
+# ------------------------------------------------------------------- costs
+
+
+def peak_ops(target: Target, kernel: Kernel) -> float:
+    """Peak multiply-add throughput for the kernel's operand dtypes (f32 matmuls take about
+    three bf16 passes at full precision)."""
+    dtypes = {kernel.operand(n).dtype.name for n in (kernel.contraction or [o.name for o in kernel.data_inputs])}
+    if dtypes <= {"bf16"}:
+        return target.bf16_flops
+    if dtypes & {"i8", "u8"} and target.int8_ops:
+        return target.int8_ops
+    return target.bf16_flops / 3
+
+
+def roofline(sim: Simulation, kernel: Kernel, target: Target, parallel: bool) -> dict:
+    """Seconds as the larger of compute and HBM time, plus the per-step overhead."""
+    cores = target.cores if parallel else 1
+    compute = sim.flops / (peak_ops(target, kernel) * cores / target.cores)
+    memory = sim.hbm_bytes / target.hbm_bytes_per_s
+    seconds = max(compute, memory) + sim.steps * STEP_SECONDS / cores
+    return {"seconds": seconds, "compute_seconds": compute, "memory_seconds": memory, "bound": "compute" if compute >= memory else "memory"}
+
+
+@dataclass
+class Report:
+    plan: Plan
+    sizes: dict[str, int]
+    pattern: str
+    sim: Simulation
+    dense: Simulation
+    estimates: dict[str, dict]
+    blocks: np.ndarray | None = None  # the sparse operand's block pattern (kinds or counts), for pictures
+
+    def to_json(self) -> dict:
+        sim = self.sim
+        return {
+            "kernel": self.plan.name,
+            "pattern": self.pattern,
+            "shapes": self.sizes,
+            "grid": list(sim.grid),
+            "grid_steps": sim.steps,
+            "block_products": sim.block_products,
+            "dense_block_products": self.dense.block_products,
+            "copies": {t.operand: t.copies for t in sim.traffic.values()},
+            "ideal_copies": {t.operand: t.ideal for t in sim.traffic.values()},
+            "wasted_copies": sim.wasted_copies,
+            "write_backs": sim.write_backs,
+            "hbm_bytes": sim.hbm_bytes,
+            "dense_hbm_bytes": self.dense.hbm_bytes,
+            "flops": sim.flops,
+            "dense_flops": self.dense.flops,
+            "vmem_bytes": self.plan.vmem_bytes,
+            "estimate": self.estimates,
+        }
+
+
+def analyse(plan: Plan, sizes: dict[str, int], pattern: str, targets=("v5e",), seed: int = 0, module=None, trace: bool = False) -> Report:
+    """Simulate a plan on a pattern and its dense twin on everything; estimate both per target."""
+    k = plan.kernel
+    env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
+    module = module or load_module(plan)
+    args, by_operand = pattern_args(plan, env, pattern, seed)
+    sim = simulate(plan, module, args, env, keep_trace=trace)
+    dense_plan = make_plan(dense_kernel(k), plan.target)
+    dense_module = load_module(dense_plan)
+    dense_args = [None for p in dense_plan.params if p.kind != "index"]
+    dense = simulate(dense_plan, dense_module, dense_args, env)
+    estimates = {}
+    parallel = any(a.parallel for a in plan.axes)
+    for name in targets:
+        target = TARGETS[name]
+        ours = roofline(sim, k, target, parallel)
+        base = roofline(dense, k, target, any(a.parallel for a in dense_plan.axes))
+        estimates[name] = {
+            "seconds": ours["seconds"],
+            "dense_seconds": base["seconds"],
+            "speedup": base["seconds"] / ours["seconds"] if ours["seconds"] else float("inf"),
+            "bound": ours["bound"],
+        }
+    return Report(plan, env, pattern, sim, dense, estimates, _block_picture(plan, env, by_operand))
+
+
+def _block_picture(plan: Plan, env: dict[str, int], by_operand: dict) -> np.ndarray | None:
+    """Per block of the sparse operand: 0 empty, 1 partial, 2 full (a mask) or a count (coo)."""
+    k = plan.kernel
+    sparse = next((o for o in k.operands if o.sparsity in ("coo", "mask")), None)
+    if sparse is None or sparse.rank != 2:
+        return None
+    tiles = [k.index(i).tile for i in sparse.indices]
+    shape = [d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims]
+    grid = [s // t for s, t in zip(shape, tiles)]
+    if sparse.sparsity == "mask":
+        blocks = np.asarray(by_operand[sparse.name]).reshape(grid[0], tiles[0], grid[1], tiles[1])
+        nonzero = (blocks != 0).any(axis=(1, 3))
+        ones = (blocks == 1).all(axis=(1, 3))
+        return np.where(ones, 2, nonzero.astype(int))
+    counts = np.zeros(grid, int)
+    np.add.at(counts, tuple(by_operand[sparse.name]), 1)
+    return counts
+
+
+def describe_report(report: Report) -> list[str]:
+    from .targets import format_bytes
+
+    sim, dense = report.sim, report.dense
+    lines = [f"  pattern {report.pattern} at " + ", ".join(f"{k}={v}" for k, v in report.sizes.items())]
+    lines.append(f"    grid {sim.grid}: {sim.steps} steps; block products {sim.block_products} of {dense.block_products} dense")
+    for t in sim.traffic.values():
+        lines.append(f"    {t.operand}: {t.copies} copies of {format_bytes(t.block_bytes)} (ideal {t.ideal}, wasted {t.wasted})")
+    lines.append(f"    output write-backs {sim.write_backs}; HBM {format_bytes(sim.hbm_bytes)} (dense {format_bytes(dense.hbm_bytes)}); "
+                 f"{sim.flops / 1e9:.2f} GFLOP (dense {dense.flops / 1e9:.2f})")
+    for name, e in report.estimates.items():
+        lines.append(f"    {name}: ~{e['seconds'] * 1e3:.3f} ms ({e['bound']}-bound), dense ~{e['dense_seconds'] * 1e3:.3f} ms: "
+                     f"{e['speedup']:.2f}x")
+    return lines
