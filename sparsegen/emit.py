@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import functools
 
-import black
 import jinja2
 
 from .describe import describe
+from .formatting import format_module
 from .dtypes import DType
 from .expr import Expr, Var, flat, render
 from .plan import BlockPlan, FactorRead, Plan
 from .resources import resource_dir
 
-BLACK_MODE = black.Mode(line_length=100, target_versions={black.TargetVersion.PY312})
 
 
 @functools.cache
@@ -483,5 +482,4 @@ def plan_blocks(plan: Plan, index: str) -> Expr:
 
 def emit(plan: Plan, source_name: str) -> str:
     """The generated module's source, formatted by black."""
-    raw = _Emitter(plan).module(source_name)
-    return black.format_str(raw, mode=BLACK_MODE)
+    return format_module(_Emitter(plan).module(source_name))
