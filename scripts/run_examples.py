@@ -12,8 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+from sparsegen.jaxenv import quiet_libtpu  # noqa: E402
+
+quiet_libtpu()
 
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402

@@ -118,6 +118,7 @@ def cmd_plan(args) -> int:
     if importlib.util.find_spec("jax") is None:
         print("sparsegen plan --pattern runs the generated index maps, which need jax: pip install 'sparsegen[jax]'", file=sys.stderr)
         return 2
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the index maps run on the host
     from . import simulate
     from .verify import default_shapes, parse_shapes
 
@@ -156,7 +157,9 @@ def cmd_plan(args) -> int:
 
 def cmd_verify(args) -> int:
     from . import verify
+    from .jaxenv import quiet_libtpu
 
+    quiet_libtpu()
     try:
         verify.require_libtpu()
     except verify.MissingLibtpu as exc:
@@ -228,6 +231,132 @@ def _print_verify_table(report, verbose: bool) -> None:
             print(f"  raw compiler message ({r.target}):\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
 
 
+def cmd_variants(args) -> int:
+    import importlib.util
+
+    from . import variants as vs
+    from .jaxenv import quiet_libtpu
+
+    if importlib.util.find_spec("jax") is None:
+        print("sparsegen variants runs the generated index maps, which need jax: pip install 'sparsegen[jax]'", file=sys.stderr)
+        return 2
+    targets = [t.strip() for t in args.target.split(",") if t.strip()]
+    if not targets or any(t not in TARGETS for t in targets):
+        print(f"sparsegen variants: --target takes chips from {', '.join(sorted(TARGETS))}", file=sys.stderr)
+        return 2
+    if args.no_compile and not vs.tpu_present_cheap():
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    quiet_libtpu()
+    try:
+        found = plans(args.spec, targets[0])
+    except SpecError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 1
+    if args.kernel:
+        found = [p for p in found if p.name == args.kernel]
+    if len(found) != 1:
+        names = ", ".join(p.name for p in plans(args.spec, targets[0]))
+        print(f"sparsegen variants: choose one kernel with --kernel (the spec has: {names})", file=sys.stderr)
+        return 2
+    kernel = found[0].kernel
+    from .verify import parse_shapes
+
+    try:
+        options = vs.parse_tile_options(args.tile, kernel)
+        sizes = {**vs.default_sizes(kernel, options), **parse_shapes(args.shape)}
+    except ValueError as exc:
+        print(f"sparsegen variants: {exc}", file=sys.stderr)
+        return 2
+    candidates = vs.expand(kernel, args.spec, options)
+    for v in candidates:
+        v.target = targets[0]
+    timed = vs.tpu_present()
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True, width=150)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("checking and planning", total=len(candidates))
+        for v in candidates:
+            vs.build(v, targets[0])
+            progress.advance(task)
+        alive = [v for v in candidates if v.rejected is None]
+        task = progress.add_task(f"simulating on {args.pattern}", total=len(alive))
+        for v in alive:
+            vs.model(v, sizes, args.pattern, targets, args.seed)
+            progress.advance(task)
+        if not args.no_compile:
+            alive = [v for v in candidates if v.rejected is None]
+            task = progress.add_task("compiling ahead of time", total=len(alive))
+            for v in alive:
+                vs.compile_check(v, sizes, targets, args.nnz)
+                progress.advance(task)
+        if timed:
+            alive = [v for v in candidates if v.rejected is None]
+            task = progress.add_task("timing on the TPU", total=len(alive))
+            for v in alive:
+                vs.time_on_tpu(v, sizes, args.pattern, args.seed)
+                progress.advance(task)
+    for v in candidates:
+        if v.rejected is not None:
+            print(f"dropped {v.name}: {v.rejected}", file=sys.stderr)
+    ranked = vs.rank(candidates)
+    _print_variants(ranked, targets, args.pattern, sizes, timed)
+    if args.output and ranked:
+        out = Path(args.output)
+        try:
+            _write_all({out / f"{v.name}.py": v.code for v in ranked})
+        except OSError as exc:
+            print(f"{exc.filename or out}: error: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+    if args.json_file:
+        import json
+
+        payload = {
+            "schema": 1,
+            "spec": args.spec,
+            "pattern": args.pattern,
+            "shapes": sizes,
+            "targets": targets,
+            "variants": [
+                {
+                    "name": v.name,
+                    "tiles": v.tiles,
+                    "rank": ranked.index(v) + 1 if v in ranked else None,
+                    "rejected": v.rejected,
+                    "compiled": v.compiled,
+                    "measured_seconds": v.measured,
+                    "model": v.report.to_json() if v.report else None,
+                }
+                for v in candidates
+            ],
+        }
+        Path(args.json_file).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    return 0 if ranked else 1
+
+
+def _print_variants(ranked, targets, pattern, sizes, timed) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .targets import format_bytes
+
+    shapes = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    table = Table(title=f"variants ranked by {'measured time' if timed else 'the model'}: pattern {pattern}, {shapes}")
+    for column in ("#", "variant", "VMEM", "block products", "wasted copies", "HBM", *(f"{t} est." for t in targets), "vs dense", *(["measured"] if timed else [])):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for n, v in enumerate(ranked, 1):
+        r = v.report
+        row = [str(n), v.name, format_bytes(v.plan.vmem_bytes), f"{r.sim.block_products} / {r.dense.block_products}", str(r.sim.wasted_copies), format_bytes(r.sim.hbm_bytes)]
+        row += [f"{r.estimates[t]['seconds'] * 1e3:.3f} ms" for t in targets]
+        row.append(f"{r.estimates[targets[0]]['speedup']:.2f}x")
+        if timed:
+            row.append(f"{v.measured * 1e3:.3f} ms" if v.measured is not None else "-")
+        table.add_row(*row)
+    Console(width=160).print(table)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegen", description="Compile .spk specs into Pallas TPU kernel modules.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -265,6 +394,19 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--quick", action="store_true", help="skip probing the compiler's VMEM need")
     verify.add_argument("--verbose", action="store_true", help="print the raw compiler message of a failure")
     verify.set_defaults(func=cmd_verify)
+    variants = sub.add_parser("variants", help="expand tile choices, drop what cannot work, rank the rest by a pipeline model")
+    variants.add_argument("spec", metavar="SPEC")
+    variants.add_argument("--kernel", metavar="NAME", help="the kernel, if the spec has several")
+    variants.add_argument("--tile", action="append", default=[], metavar="INDEX=SIZE,...", help="tile choices for one index (repeat)")
+    variants.add_argument("--pattern", default="density=0.1", metavar="P", help="tril | density=F | band=W | FILE.npy (default: density=0.1)")
+    variants.add_argument("--shape", metavar="M=4096,...", help="sizes of symbolic dimensions (default: 8 blocks of the largest tile)")
+    variants.add_argument("--target", default=DEFAULT_TARGET, help="comma-separated chips; the first ranks (default: v5e)")
+    variants.add_argument("--nnz", type=float, default=0.1, help="stored-block fraction for the compile check (default: 0.1)")
+    variants.add_argument("--seed", type=int, default=0)
+    variants.add_argument("--no-compile", action="store_true", help="skip ahead-of-time compiles (model only)")
+    variants.add_argument("-o", "--output", metavar="DIR", help="write the surviving variants' modules here")
+    variants.add_argument("--json", dest="json_file", metavar="FILE", help="write the full report as JSON")
+    variants.set_defaults(func=cmd_variants)
     return parser
 
 

@@ -66,14 +66,56 @@ class Simulation:
 # ------------------------------------------------------------------ modules
 
 
-def load_module(plan: Plan, name: str | None = None):
-    """The plan's generated module, executed in memory (not black-formatted: faster)."""
+def load_module(plan: Plan, name: str | None = None, host: bool = True):
+    """The plan's generated module, executed in memory (not black-formatted: faster).
+
+    With `host`, its `jnp` and `lax` are numpy stand-ins: the module's own `_prefetch` and
+    index maps then run on numpy arrays of every grid step at once, with no XLA compile
+    per array shape (which made variants slow), and the same code path as on a TPU.
+    """
     from .emit import _Emitter
 
     code = _Emitter(plan).module("<memory>")
     module = types.ModuleType(name or f"sparsegen_sim_{plan.name}")
     exec(compile(code, f"<sparsegen {plan.name}>", "exec"), module.__dict__)
+    if host:
+        module.jnp, module.lax = _HOST_JNP, _HOST_LAX
     return module
+
+
+class _HostNumpy(types.ModuleType):
+    """`jnp` for host evaluation: numpy, with jnp's spellings where they differ."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def argsort(a, stable=False):
+        return np.argsort(a, kind="stable" if stable else None)
+
+
+class _HostLax(types.ModuleType):
+    """The few `lax` functions generated code uses, for non-negative integers on the host."""
+
+    @staticmethod
+    def div(a, b):
+        return np.floor_divide(a, b)
+
+    @staticmethod
+    def rem(a, b):
+        return np.remainder(a, b)
+
+    @staticmethod
+    def cummin(x, reverse=False):
+        return np.minimum.accumulate(x[::-1])[::-1] if reverse else np.minimum.accumulate(x)
+
+    @staticmethod
+    def cummax(x, reverse=False):
+        return np.maximum.accumulate(x[::-1])[::-1] if reverse else np.maximum.accumulate(x)
+
+
+_HOST_JNP = _HostNumpy("jnp (numpy on the host)")
+_HOST_LAX = _HostLax("lax (numpy on the host)")
 
 
 def dense_kernel(kernel: Kernel) -> Kernel:
@@ -99,16 +141,14 @@ def pattern_args(plan: Plan, env: dict[str, int], pattern: str, seed: int = 0):
     if sparse is not None:
         shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims)
         tiles = tuple(tile[i] for i in sparse.indices)
-        elements = _pattern_elements(pattern, shape, tiles, seed)
+        for d, (size, t) in enumerate(zip(shape, tiles)):
+            if size % t:
+                raise ValueError(f"{sparse.name} dim {d} = {size} is not a multiple of its tile {t}")
         if sparse.sparsity == "mask":
-            mask = elements
-            if sparse.name not in k.end_factors:
-                mask = mask.astype(np.float32)
+            mask = _pattern_elements(pattern, shape, tiles, seed)
             args[sparse.name] = mask.astype(_numpy_dtype(sparse.dtype.numpy))
         else:
-            grid = tuple(s // t for s, t in zip(shape, tiles))
-            blocks = elements.reshape([v for g, t in zip(grid, tiles) for v in (g, t)]).any(axis=tuple(range(1, 2 * len(grid), 2)))
-            coords = np.nonzero(blocks)
+            coords = np.nonzero(_pattern_blocks(pattern, shape, tiles, seed))
             args[sparse.name] = tuple(c.astype(np.int32) for c in coords)
     out = []
     for p in plan.params:
@@ -127,6 +167,27 @@ def _numpy_dtype(name: str):
 
         return ml_dtypes.bfloat16
     return np.dtype(name)
+
+
+def _pattern_blocks(pattern: str, shape, tiles, seed: int) -> np.ndarray:
+    """Which blocks a pattern touches, computed per block (no element-level array)."""
+    grid = tuple(s // t for s, t in zip(shape, tiles))
+    if pattern.endswith(".npy") or pattern.startswith("density="):
+        if pattern.startswith("density="):
+            return np.random.default_rng(seed).random(grid) < float(pattern.split("=", 1)[1])
+        elements = _pattern_elements(pattern, shape, tiles, seed)
+        return elements.reshape([v for g, t in zip(grid, tiles) for v in (g, t)]).any(axis=tuple(range(1, 2 * len(grid), 2)))
+    if len(shape) != 2:
+        raise ValueError(f"pattern {pattern!r} needs a 2-D operand")
+    rows = np.arange(grid[0])[:, None] * tiles[0]  # first element row of each block row
+    cols = np.arange(grid[1])[None, :] * tiles[1]
+    if pattern == "tril":  # some element with i >= j: the block's last row reaches its first column
+        return rows + tiles[0] - 1 >= cols
+    if pattern.startswith("band="):
+        width = int(pattern.split("=", 1)[1])
+        gap = np.maximum(rows - (cols + tiles[1] - 1), cols - (rows + tiles[0] - 1))  # closest |i - j| in the block
+        return np.maximum(gap, 0) < width
+    raise ValueError(f"unknown pattern {pattern!r}: use tril, density=F, band=W or FILE.npy")
 
 
 def _pattern_elements(pattern: str, shape, tiles, seed: int) -> np.ndarray:

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-# Test workers each load libtpu for ahead-of-time compiles; without this they race for its lockfile.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+from sparsegen.jaxenv import quiet_libtpu  # noqa: E402
+
+quiet_libtpu()  # also lets test workers share libtpu for ahead-of-time compiles
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"

@@ -1,0 +1,187 @@
+"""`sparsegen variants`: expand tile choices, drop what cannot work, rank the rest.
+
+Each variant is a kernel of its own (renamed `NAME_m512_n256_k512`), re-printed from the
+checked model with new tiles and compiled through the whole pipeline, so it obeys every
+rule `build` does. Variants the checks reject are dropped with their reason; unless
+`--no-compile`, so are those that fail to compile ahead of time for a target. The rest are
+ranked by the pipeline simulator's roofline estimate on the pattern, and, where a TPU is
+present, timed and ranked by measured time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from .compiler import compile_source
+from .emit import spec_text
+from .model import Kernel
+from .source import SourceFile, SpecError
+
+
+@dataclass
+class Variant:
+    name: str
+    tiles: dict[str, int]
+    source: SourceFile
+    code: str | None = None
+    plan: object | None = None
+    rejected: str | None = None  # why the checks or the compiler dropped it
+    report: object | None = None
+    compiled: dict[str, bool] = field(default_factory=dict)
+    measured: float | None = None  # median seconds on a TPU
+
+    @property
+    def estimate(self) -> float:
+        return self.report.estimates[self.target]["seconds"] if self.report else math.inf
+
+    target: str = "v5e"
+
+
+def parse_tile_options(items: list[str], kernel: Kernel) -> dict[str, list[int]]:
+    """`["n=128,256", "k=512"]` -> {"n": [128, 256], "k": [512]} (ValueError on a bad item)."""
+    options: dict[str, list[int]] = {}
+    names = [i.name for i in kernel.indices]
+    for item in items:
+        name, sep, values = item.partition("=")
+        name = name.strip()
+        if not sep or name not in names:
+            raise ValueError(f"--tile takes INDEX=SIZE,SIZE,... with INDEX one of {', '.join(names)}; got {item!r}")
+        try:
+            sizes = [int(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--tile {name}: sizes must be integers, got {values!r}") from None
+        if not sizes or any(s <= 0 for s in sizes):
+            raise ValueError(f"--tile {name}: give positive sizes")
+        options[name] = list(dict.fromkeys(options.get(name, []) + sizes))
+    return options
+
+
+def expand(kernel: Kernel, spec_name: str, options: dict[str, list[int]]) -> list[Variant]:
+    """The cross product of tile options, in a deterministic order, as variant specs."""
+    names = [i.name for i in kernel.indices]
+    choices = [options.get(n, [kernel.index(n).tile]) for n in names]
+    variants = []
+    for values in itertools.product(*choices):
+        tiles = dict(zip(names, values))
+        name = kernel.name + "_" + "_".join(f"{n}{t}" for n, t in tiles.items())
+        text = spec_text(kernel, name=name, tiles=tiles)
+        variants.append(Variant(name, tiles, SourceFile(f"{spec_name} (variant {name})", text)))
+    return variants
+
+
+def default_sizes(kernel: Kernel, options: dict[str, list[int]]) -> dict[str, int]:
+    """Eight blocks of the largest tile choice of each symbol (variants whose tiles do not
+    divide it are dropped, saying so; --shape sets sizes)."""
+    sizes = {}
+    for symbol, literal in kernel.symbols:
+        if literal is not None:
+            continue
+        tiles = []
+        for index in kernel.indices:
+            if index.size.symbol == symbol:
+                tiles += options.get(index.name, [index.tile])
+        sizes[symbol] = 8 * max(tiles) if tiles else 1024
+    return sizes
+
+
+def build(variant: Variant, target: str) -> None:
+    try:
+        (module,) = compile_source(variant.source, target)
+    except SpecError as exc:
+        variant.rejected = exc.diagnostics[0].message
+        return
+    variant.code, variant.plan = module.code, module.plan
+
+
+def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[str], seed: int) -> None:
+    from .simulate import analyse
+
+    k = variant.plan.kernel
+    for index in k.indices:
+        size = index.size.literal or sizes.get(index.size.symbol)
+        if size is not None and size % index.tile:
+            variant.rejected = f"tile {index.name} = {index.tile} does not divide {index.size.symbol} = {size} (set sizes with --shape)"
+            return
+    try:
+        variant.report = analyse(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed)
+    except (ValueError, KeyError) as exc:
+        variant.rejected = f"cannot model it on {pattern}: {exc}"
+
+
+def compile_check(variant: Variant, sizes: dict[str, int], targets: list[str], nnz: float) -> None:
+    from .verify import verify_plan
+
+    for target in targets:
+        plan = variant.plan if target == variant.plan.target.name else compile_source(variant.source, target)[0].plan
+        result = verify_plan(plan, variant.source, target, sizes, nnz, probe=False)
+        variant.compiled[target] = result.compiled
+        if not result.compiled:
+            variant.rejected = f"does not compile for {target}: {result.error.message if result.error else result.raw_error}"
+            return
+
+
+def time_on_tpu(variant: Variant, sizes: dict[str, int], pattern: str, seed: int, repeats: int = 7) -> None:
+    """Median wall time of the compiled kernel on the local TPU, after a warm-up call."""
+    import jax
+    import numpy as np
+
+    from .simulate import _numpy_dtype, load_module, pattern_args
+
+    plan = variant.plan
+    module = load_module(plan, f"timed_{variant.name}")
+    k = plan.kernel
+    env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
+    _, sparse = pattern_args(plan, env, pattern, seed)
+    rng = np.random.default_rng(seed)
+    args = []
+    tile = {i.name: i.tile for i in k.indices}
+    for op in k.inputs:
+        shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in op.dims)
+        if op.sparsity == "coo":
+            coords = sparse[op.name]
+            args.append(rng.standard_normal((len(coords[0]), *(tile[i] for i in op.indices))).astype(_numpy_dtype(op.dtype.numpy)))
+            args += list(coords)
+        elif op.sparsity == "mask":
+            args.append(sparse[op.name])
+        elif op.sparsity == "index":
+            args.append(np.zeros(op.dims[0].literal, np.int32))
+        else:
+            args.append(rng.standard_normal(shape).astype(_numpy_dtype(op.dtype.numpy)))
+    if k.output.sparsity == "coo":
+        args += list(sparse[k.output.name])
+    keywords = {s: env[s] for s, lit in k.symbols if lit is None}
+    args = [jax.device_put(a) for a in args]
+    fn = getattr(module, plan.name)
+    jax.block_until_ready(fn(*args, **keywords))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args, **keywords))
+        times.append(time.perf_counter() - start)
+    variant.measured = statistics.median(times)
+
+
+def tpu_present_cheap() -> bool:
+    """Whether this machine may have a TPU, without loading jax."""
+    from .jaxenv import tpu_device_files
+
+    return tpu_device_files()
+
+
+def tpu_present() -> bool:
+    try:
+        import jax
+
+        return any(d.platform == "tpu" for d in jax.devices())
+    except Exception:
+        return False
+
+
+def rank(variants: list[Variant]) -> list[Variant]:
+    """Survivors by measured time where there is one, else by the model; ties by name."""
+    alive = [v for v in variants if v.rejected is None]
+    return sorted(alive, key=lambda v: (v.measured if v.measured is not None else math.inf, v.estimate, v.name))
