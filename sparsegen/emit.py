@@ -483,4 +483,4 @@ def plan_blocks(plan: Plan, index: str) -> Expr:
 
 def emit(plan: Plan, source_name: str) -> str:
     """The generated module's source, formatted by black."""
-    return format_module(_Emitter(plan).module(source_name))
+    return format_module(_Emitter(plan).module(source_name), names=(plan.name,))

@@ -7,7 +7,7 @@ whole module (tests/test_formatting.py checks that on every example and many var
 - black formats top-level statements independently; the emitter separates them by two
   blank lines, which is also what black puts between them. So a module is formatted chunk
   by chunk, and the chunks every module shares (helpers) are formatted once.
-- variants differ mostly in integer literals (tile sizes). A chunk is formatted with each
+- variants differ mostly in integer literals (tile sizes) and their names. A chunk is formatted with each
   integer replaced by a same-width placeholder name, which black lays out exactly as it
   would the number; the numbers are put back afterwards. The layout is cached by the
   placeholder form, so a chunk is formatted once per shape of its numbers.
@@ -26,12 +26,52 @@ BLACK_MODE = black.Mode(line_length=100, target_versions={black.TargetVersion.PY
 _PLACEHOLDER = re.compile(r"^Q+$")
 
 
-def format_module(source: str) -> str:
-    """black.format_str(source), computed chunk by chunk with caching."""
+def format_module(source: str, names: tuple[str, ...] = ()) -> str:
+    """black.format_str(source), computed chunk by chunk with caching.
+
+    `names` (the kernel's name) vary between variants but never change black's layout:
+    they are swapped for same-length stand-ins while formatting, so chunks that mention
+    them are cached too.
+    """
+    stand_ins = [(name, "Z" * len(name)) for name in names if name and "Z" * len(name) not in source]
+    for name, stand_in in stand_ins:
+        source = re.sub(rf"\b{re.escape(name)}\b", stand_in, source)
+    text = _format_module(source)
+    for name, stand_in in stand_ins:
+        text = re.sub(rf"\b{stand_in}\b", name, text)
+    return text
+
+
+def _format_module(source: str) -> str:
     chunks = source.strip("\n").split("\n\n\n")
+    head = _split_docstring(chunks[0])
+    if head is not None:
+        # The header comments and module docstring are emitted black-clean (they vary with
+        # every variant, so caching would not help); black keeps one blank line after them.
+        docstring, rest = head
+        chunks[0] = rest
+        return docstring + "\n\n" + "\n\n\n".join(_format_chunk(c).rstrip("\n") for c in chunks) + "\n"
     return "\n\n\n".join(_format_chunk(chunk).rstrip("\n") for chunk in chunks) + "\n"
 
 
+def _split_docstring(chunk: str) -> tuple[str, str] | None:
+    """(comments and module docstring, the rest) of a module's first chunk, if it starts so."""
+    lines = chunk.split("\n")
+    n = 0
+    while n < len(lines) and lines[n].startswith("#"):
+        n += 1
+    if n >= len(lines) or not lines[n].startswith('"""'):
+        return None
+    end = chunk.find('"""', len("\n".join(lines[:n])) + 4)
+    if end < 0:
+        return None
+    close = chunk.find("\n", end)
+    if close < 0 or not chunk[close:].startswith("\n\n"):
+        return None
+    return chunk[:close], chunk[close:].lstrip("\n")
+
+
+@functools.lru_cache(maxsize=4096)
 def _format_chunk(chunk: str) -> str:
     try:
         tokens = list(tokenize.generate_tokens(io.StringIO(chunk).readline))
