@@ -172,9 +172,12 @@ def _numpy_dtype(name: str):
 def _pattern_blocks(pattern: str, shape, tiles, seed: int) -> np.ndarray:
     """Which blocks a pattern touches, computed per block (no element-level array)."""
     grid = tuple(s // t for s, t in zip(shape, tiles))
-    if pattern.endswith(".npy") or pattern.startswith("density="):
-        if pattern.startswith("density="):
-            return np.random.default_rng(seed).random(grid) < float(pattern.split("=", 1)[1])
+    if pattern.startswith("density="):
+        return np.random.default_rng(seed).random(grid) < float(pattern.split("=", 1)[1])
+    if pattern.endswith(".npy"):
+        data = np.load(Path(pattern))
+        if data.shape == grid:
+            return data != 0
         elements = _pattern_elements(pattern, shape, tiles, seed)
         return elements.reshape([v for g, t in zip(grid, tiles) for v in (g, t)]).any(axis=tuple(range(1, 2 * len(grid), 2)))
     if len(shape) != 2:
