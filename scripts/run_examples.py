@@ -7,7 +7,6 @@ non-consecutive output revisits, so a pass here is the closest thing to a TPU ru
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import time
 from pathlib import Path

@@ -11,7 +11,7 @@ import dataclasses
 from .model import Kernel
 from .plan import Plan, plan as make_plan, smem_entries
 from .source import Diagnostic
-from .targets import Target, format_bytes
+from .targets import format_bytes
 
 
 def _tiles_text(kernel: Kernel) -> str:
@@ -86,8 +86,3 @@ def check_budget(plan: Plan) -> list[Diagnostic]:
             if op.dtype.bits == 8:
                 errors.append(Diagnostic(op.dtype_span, f"{target.name} has no int8 matmul: '{op.name}' is {op.dtype.name}"))
     return errors
-
-
-def plan_checked(kernel: Kernel, target: Target) -> tuple[Plan, list[Diagnostic]]:
-    p = make_plan(kernel, target)
-    return p, check_budget(p)

@@ -208,7 +208,7 @@ def _print_verify_table(report, verbose: bool) -> None:
     for column in ("kernel", "target", "compiles", "VMEM used / limit", "static estimate", "SMEM", "GFLOP", "MB accessed", "compile"):
         table.add_column(column, justify="left" if column in ("kernel", "target", "compiles") else "right")
     problems = []
-    for spec, source, results in report:
+    for _, source, results in report:
         for r in results:
             used = format_bytes(r.vmem_used) if r.vmem_used else "-"
             table.add_row(

@@ -364,9 +364,6 @@ class _Planner:
         self.statics = {a.static: a.extent for a in axes}
 
     # ------------------------------------------------------------ helpers
-    def program_id(self, axis: Axis) -> Expr:
-        return Var(axis.var)
-
     def factor_read(self, op: Operand, ref: str) -> FactorRead:
         out = list(self.k.output.indices)
         mine = [t.index for t in op.terms]
@@ -763,8 +760,3 @@ def evaluate(e: Expr, env: dict[str, int | None]) -> int | None:
             return None
         return {"+": a + b, "-": a - b, "*": a * b, "//": a // b if b else None, "%": a % b if b else None}.get(e.op)
     return None
-
-
-def grid_size(plan: Plan, env: dict[str, int]) -> int | None:
-    sizes = [evaluate(a.extent, env) for a in plan.axes]
-    return None if any(s is None for s in sizes) else math.prod(sizes)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .emit import emit
 from .expr import Bin, Call, Const, Expr, Load, Max, Var, Where
 from .model import Kernel
 from .plan import Plan, evaluate, plan as make_plan

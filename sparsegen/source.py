@@ -39,7 +39,7 @@ class SourceFile:
             data = Path(path).read_bytes()
         except OSError as exc:
             reason = exc.strerror or exc.__class__.__name__
-            raise SpecError([Diagnostic(None, f"cannot read file: {reason}")], None, name)
+            raise SpecError([Diagnostic(None, f"cannot read file: {reason}")], None, name) from None
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -50,7 +50,7 @@ class SourceFile:
             raise SpecError(
                 [Diagnostic(span, f"file is not UTF-8 text (invalid byte 0x{data[exc.start]:02x})")],
                 source,
-            )
+            ) from None
         if "\x00" in text:
             offset = text.index("\x00")
             line = text.count("\n", 0, offset) + 1
@@ -69,10 +69,6 @@ class SourceFile:
     def line(self, number: int) -> str:
         lines = self.text.splitlines()
         return lines[number - 1] if 0 < number <= len(lines) else ""
-
-    def snippet(self, span: Span) -> str:
-        """The text a span covers (spans inside one line only)."""
-        return self.line(span.line)[span.col - 1 : span.end_col - 1] if span.line == span.end_line else ""
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def oracle(kernel, args, keywords) -> np.ndarray:
     for op in kernel.data_inputs:
         if any(t.offset for t in op.terms):
             sl = []
-            for d, t in enumerate(op.terms):
+            for t in op.terms:
                 if t.offset is None:
                     sl.append(slice(None))
                 else:
