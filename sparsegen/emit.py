@@ -92,8 +92,11 @@ class _Emitter:
     def ref(self, f: FactorRead) -> str:
         return f"{f.ref}[...]"
 
-    def dot(self, lhs: str, rhs: str, lhs_dim: int, rhs_dim: int, same_dtype: bool) -> str:
+    def dot(self, lhs: str, rhs: str, lhs_dim: int, rhs_dim: int, same_dtype: bool, f32: bool = False) -> str:
         pref = f"preferred_element_type={self.acc.jnp}"
+        if f32:
+            # The MXU rounds f32 operands to bf16 unless asked for full precision.
+            pref += ", precision=lax.Precision.HIGHEST"
         if not same_dtype:
             lhs, rhs = f"{lhs}.astype({self.acc.jnp})", f"{rhs}.astype({self.acc.jnp})"
         if (lhs_dim, rhs_dim) == (1, 0):
@@ -104,7 +107,8 @@ class _Emitter:
         body = self.plan.body
         if body.contraction is not None:
             c = body.contraction
-            return self.dot(self.ref(c.lhs), self.ref(c.rhs), c.lhs_dim, c.rhs_dim, c.lhs.dtype == c.rhs.dtype)
+            f32 = "f32" in (c.lhs.dtype.name, c.rhs.dtype.name)
+            return self.dot(self.ref(c.lhs), self.ref(c.rhs), c.lhs_dim, c.rhs_dim, c.lhs.dtype == c.rhs.dtype, f32)
         parts = [self.read(f, self.ref(f)) for f in body.compute_factors]
         return " * ".join(parts) if parts else f"jnp.ones({self.n['acc_ref']}.shape, {self.acc.jnp})"
 

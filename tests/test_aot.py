@@ -52,3 +52,16 @@ def test_generated_kernel_runs_compiled_on_tpu(name):
     args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(1))
     out = getattr(mod, name)(*args, **keywords, interpret=False)
     assert_matches(kernel, out, mod.reference(*args, **keywords))
+
+
+@pytest.mark.parametrize("which", ["NASTY", "NASTY_MASK", "TRANSPOSED", "XMASK"])
+def test_other_shapes_of_kernel_compile_for_tpu(which):
+    """f32 matmuls at full precision, transposed reads, 1-D masks, masks on a summed factor."""
+    import hygiene_specs
+    from conftest import build
+
+    kernel, mod = build(getattr(hygiene_specs, which))
+    symbols = {s: 1024 for s, lit in kernel.symbols if lit is None}
+    args, keywords = example_args(kernel, symbols, "random", np.random.default_rng(0))
+    fn = getattr(mod, kernel.name)
+    assert "tpu_custom_call" in compile_for(lambda *a: fn(*a, **keywords), args).as_text()
