@@ -165,7 +165,9 @@ def _compile(plan: Plan, source: SourceFile, target_name: str, args, keywords, v
     device = _device(TARGETS[target_name].topology)
     sharding = SingleDeviceSharding(device)
     structs = [jax.ShapeDtypeStruct(shape, jax.numpy.bfloat16 if dtype == "bfloat16" else np.dtype(dtype), sharding=sharding) for shape, dtype in args]
-    return jax.jit(lambda *a: fn(*a, **keywords)).trace(*structs).lower().compile()
+    # Some Mosaic lowerings ask which TPU they target: the default device tells them.
+    with jax.default_device(device):
+        return jax.jit(lambda *a: fn(*a, **keywords)).trace(*structs).lower().compile()
 
 
 _DEVICES: dict[str, object] = {}

@@ -19,9 +19,12 @@ def compile_for(fn, args, topology: str = "v5e:2x2"):
     """Lower and compile `fn(*args)` for the topology's first device; returns the compiled object."""
     from jax.sharding import SingleDeviceSharding
 
-    sharding = SingleDeviceSharding(topology_device(topology))
+    device = topology_device(topology)
+    sharding = SingleDeviceSharding(device)
     structs = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=sharding) for a in args]
-    return jax.jit(fn).trace(*structs).lower().compile()
+    # Some Mosaic lowerings ask which TPU they target: the default device tells them.
+    with jax.default_device(device):
+        return jax.jit(fn).trace(*structs).lower().compile()
 
 
 def tpu_present() -> bool:
