@@ -106,7 +106,10 @@ def cmd_plan(args) -> int:
         if not found:
             print(f"{args.spec}: error: no kernel named '{args.kernel}'", file=sys.stderr)
             return 1
-    if not (args.pattern or args.shape or args.json or args.png):
+    if not args.pattern:
+        if args.shape or args.json or args.png:
+            print("sparsegen plan: --shape, --json and --png describe a run on a pattern: add --pattern", file=sys.stderr)
+            return 2
         for n, p in enumerate(found):
             if n:
                 print()
@@ -135,7 +138,7 @@ def cmd_plan(args) -> int:
             print(f"sparsegen plan: give --shape {','.join(f'{m}=...' for m in missing)}", file=sys.stderr)
             return 2
         try:
-            reports.append(simulate.analyse(p, sizes, args.pattern or "density=1.0", targets=tuple(sorted(TARGETS)), seed=args.seed, trace=bool(args.png)))
+            reports.append(simulate.analyse(p, sizes, args.pattern, targets=tuple(sorted(TARGETS)), seed=args.seed, trace=bool(args.png)))
         except ValueError as exc:
             print(f"sparsegen plan: {exc}", file=sys.stderr)
             return 2
