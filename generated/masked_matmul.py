@@ -72,7 +72,7 @@ Plan (target v5e):
         accumulator: 1 x 512x512 f32 = 1 MiB
         body temporaries: 2 x 512x512 f32 = 2 MiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
-      SMEM: 4 bytes per prefetch entry; depends on size (limit 1022 KiB)
+      SMEM: 4 bytes per prefetch entry; depends on size (limit 1016 KiB)
 """
 
 import functools
@@ -85,7 +85,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 _NAME = "masked_matmul"
-_SMEM_BYTES = 1046528  # scalar memory of a v5e TensorCore
+_SMEM_BYTES = 1040384  # scalar memory of a v5e TensorCore
 
 # Kinds of mask block.
 _EMPTY = 0  # all zero: no compute, no new copies

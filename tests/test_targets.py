@@ -47,3 +47,29 @@ def test_vmem_capacity_and_default_scoped_limit(target):
     assert not compiles(target, chip.vmem_bytes + 2 * MiB, 256 * MiB)
     assert compiles(target, chip.scoped_vmem_bytes - 2 * MiB, None)
     assert not compiles(target, chip.scoped_vmem_bytes + 4 * MiB, None)
+
+
+def smem_compiles(target, entries: int) -> bool:
+    def kernel(s_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[...] + s_ref[pl.program_id(0)]
+
+    def fn(s, x):
+        spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(8,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, s: (s[i] % 8, 0))], out_specs=pl.BlockSpec((8, 128), lambda i, s: (i, 0)),
+        )  # fmt: skip
+        return pl.pallas_call(kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(s, x)
+
+    try:
+        compile_for(fn, [np.broadcast_to(np.int32(0), (entries,)), np.zeros((64, 128), np.int32)], TARGETS[target].topology)
+        return True
+    except Exception as exc:
+        assert "smem" in str(exc).lower(), str(exc)[:300]
+        return False
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_smem_budget(target):
+    budget = TARGETS[target].smem_bytes // 4
+    assert smem_compiles(target, budget)
+    assert not smem_compiles(target, (1 << 20) // 4)
