@@ -328,8 +328,7 @@ class _Emitter:
                         starts.append("0")
                         sizes.append(render(plan_dim(plan, op.dims[d]), "host"))
                     else:
-                        slot = next(i for i, u in enumerate(plan.offsets) if u.operand == t.offset.operand and u.position == t.offset.position
-                                    and u.tile == self.plan_tile(t.index) and u.target == f"{op.name} dim {d}")
+                        slot = next(i for i, u in enumerate(plan.offsets) if u.target == f"{op.name} dim {d}")
                         starts.append(f"{plan.offsets_var}[{slot}] * {self.plan_tile(t.index)}")
                         sizes.append(render(plan_dim(plan, k.index(t.index).size), "host"))
                 lines.append(f"{view} = lax.dynamic_slice({param}, {_tuple(starts)}, {_tuple(sizes)})")

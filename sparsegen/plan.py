@@ -372,10 +372,10 @@ class _Planner:
         expand = tuple(pos for pos, i in enumerate(out) if i not in mine)
         return FactorRead(op.name, ref, perm if perm != tuple(range(len(perm))) else None, expand, op.dtype, op.sparsity == "coo")
 
-    def term_expr(self, term: Term, coord: Expr) -> Expr:
-        if term.offset is None:
+    def term_expr(self, op: Operand, d: int, coord: Expr) -> Expr:
+        if op.terms[d].offset is None:
             return coord
-        return Load(self.offsets_var, Const(self.offset_slot[(term.offset.operand, term.offset.position, term.index)])) + coord
+        return Load(self.offsets_var, Const(self.offset_slot[(op.name, d)])) + coord
 
     # ------------------------------------------------------------ offsets
     def plan_offsets(self) -> None:
@@ -385,10 +385,8 @@ class _Planner:
             for d, term in enumerate(op.terms):
                 if term.offset is None:
                     continue
-                key = (term.offset.operand, term.offset.position, term.index)
-                if key in self.offset_slot:
-                    continue
-                self.offset_slot[key] = len(uses)
+                # One slot per offset subscript: each is clamped to its own operand's extent.
+                self.offset_slot[(op.name, d)] = len(uses)
                 dim = self.dim_expr(op.dims[d])
                 span = self.dim_expr(self.k.index(term.index).size)
                 uses.append(OffsetUse(self.param(term.offset.operand).internal, term.offset.operand, term.offset.position,
@@ -454,7 +452,7 @@ class _Planner:
 
     def natural_block(self, op: Operand, coord_of, about: str, is_output=False) -> BlockPlan:
         shape = [self.tile[t.index] for t in op.terms]
-        index = [self.term_expr(t, coord_of(t.index)) for t in op.terms]
+        index = [self.term_expr(op, d, coord_of(t.index)) for d, t in enumerate(op.terms)]
         return self.block(op, shape, index, about=about, is_output=is_output)
 
     def grid_coord(self, index: str) -> Expr:
@@ -663,7 +661,7 @@ class _Planner:
                 return Where(Var(live_var), Var(axis.var), Where(nxt.gt(Var(cell_var)), 0, Var(axis.static) - 1))
 
             shape = [self.tile[t.index] for t in op.terms]
-            index = [self.term_expr(t, coord(t.index)) for t in op.terms]
+            index = [self.term_expr(op, d, coord(t.index)) for d, t in enumerate(op.terms)]
             return self.block(op, shape, index, lets=lets, about=about)
 
         self.blocks = []

@@ -43,3 +43,15 @@ kernel xmask {
     tile m = 128, n = 128, k = 128
 }
 """
+
+# One offset read by two operands of different extents: each is clamped to its own.
+TWO_OFFSETS = """
+kernel window {
+    in  x: f32[512, 256]
+    in  w: f32[1024, 256]
+    in  at: index[1]
+    out o: f32[128, 256]
+    o[i, j] = x[at[0] + i, j] * w[at[0] + i, j]
+    tile i = 128, j = 256
+}
+"""

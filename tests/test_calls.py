@@ -130,3 +130,17 @@ def test_padding_entries_change_nothing(interpret):
     assert_matches(kernel, mod.reference(*padded, y, M=384), mod.reference(blocks, rows, cols, y, M=384))
     only_padding = mod.dsd_matmul(junk, -np.ones(3, np.int32), -np.ones(3, np.int32), y, M=384, interpret=interpret)
     assert not np.asarray(only_padding, np.float32).any()
+
+
+def test_one_offset_on_operands_of_different_extents(interpret):
+    from hygiene_specs import TWO_OFFSETS
+
+    kernel, mod = build(TWO_OFFSETS)
+    x = np.arange(512 * 256, dtype=np.float32).reshape(512, 256)
+    w = np.ones((1024, 256), np.float32)
+    np.testing.assert_array_equal(mod.window(x, w, np.array([384]), interpret=interpret), x[384:])
+    raises(lambda: mod.window(x, w, np.array([512])), "at[0] = 512 reads x dim 0 out of bounds: 0 <= at[0] <= 384")
+    # Under jit, 700 rounds down to 640: clamped to 384 for x, kept at 640 for w.
+    w2 = np.arange(1024 * 256, dtype=np.float32).reshape(1024, 256)
+    out = jax.jit(lambda a, b, s: mod.window(a, b, s, interpret=interpret))(x, w2, np.array([700], np.int32))
+    np.testing.assert_array_equal(out, x[384:] * w2[640:768])
