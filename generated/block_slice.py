@@ -163,7 +163,7 @@ def _kernel(offsets, x_ref, o_ref):
     i = pl.program_id(0)
     j = pl.program_id(1)
 
-    # write the block
+    # Write the block.
     o_ref[...] = x_ref[...].astype(o_ref.dtype)
 
 

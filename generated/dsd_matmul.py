@@ -52,9 +52,9 @@ Plan (target v5e):
         step_k[nb + M // 512]: coordinate k of the stored block a step reads
       blocks:
         in  x block (squeezed, 512, 512), index map (step_block[step], 0, 0)
-            (the stored block this step multiplies)
+            (The stored block this step multiplies (flush steps hold the next one).)
         in  y block (512, 512), index map (step_k[step], n)
-            (follows the stored block)
+            (The block the stored block of this step meets (flush steps hold the next one).)
         out o block (512, 512), index map (step_row[step], n)
       body:
         init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
@@ -239,7 +239,7 @@ def _densify(blocks, coords, pad, shape, dtype):
 def _kernel(step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref):
     n = pl.program_id(0)
     step = pl.program_id(1)
-    # a run of steps accumulates one output block: it starts after a flush step
+    # A run of steps accumulates one output block; it starts after a flush step.
 
     @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
     def _init():
@@ -251,17 +251,17 @@ def _kernel(step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_re
 
     @pl.when(step_kind[step] == _FLUSH)
     def _flush():
-        # write the finished block
+        # Write the finished block (zeros if no stored block reached it).
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
 def _x_index_map(n, step, step_kind, step_block, step_row, step_k):
-    # the stored block this step multiplies
+    # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
 
 
 def _y_index_map(n, step, step_kind, step_block, step_row, step_k):
-    # follows the stored block
+    # The block the stored block of this step meets (flush steps hold the next one).
     return (step_k[step], n)
 
 

@@ -51,12 +51,12 @@ Plan (target v5e):
         next_step[M // 512 * (N // 512)]: per grid cell over m, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
         next_mask[M // 512 * (N // 512)]: per grid cell: the next cell whose mask block is partial, the only blocks the kernel reads
       blocks:
-        in  x block (512, 1024), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[m * n_n + n] != _EMPTY; -> (nxt // n_n, (k if live else (0 if nxt > cell else n_k - 1)))
-            (follows the next computing step)
-        in  y block (1024, 512), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[m * n_n + n] != _EMPTY; -> ((k if live else (0 if nxt > cell else n_k - 1)), nxt % n_n)
-            (follows the next computing step)
+        in  x block (512, 1024), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[cell] != _EMPTY; -> (nxt // n_n, (k if live else (0 if nxt > cell else n_k - 1)))
+            (Skipped steps hold the block of the next step that computes, so they start no copy.)
+        in  y block (1024, 512), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[cell] != _EMPTY; -> ((k if live else (0 if nxt > cell else n_k - 1)), nxt % n_n)
+            (Skipped steps hold the block of the next step that computes, so they start no copy.)
         in  mask block (512, 512), index map cell = m * n_n + n; nxt = next_mask[cell]; -> (nxt // n_n, nxt % n_n)
-            (follows the next partial mask block)
+            (Only partial mask blocks are read: every other step holds the next partial one.)
         out o block (512, 512), index map (m, n)
       body:
         init accumulator when k == 0
@@ -184,6 +184,7 @@ def _kernel(kind, next_step, next_mask, x_ref, y_ref, mask_ref, o_ref, acc_ref):
     n = pl.program_id(1)
     k = pl.program_id(2)
     block_kind = kind[m * pl.num_programs(1) + n]
+    # Steps whose mask block is all zero skip the compute (and their copies).
 
     @pl.when(k == 0)
     def _init():
@@ -195,38 +196,38 @@ def _kernel(kind, next_step, next_mask, x_ref, y_ref, mask_ref, o_ref, acc_ref):
 
     @pl.when((k == pl.num_programs(2) - 1) & (block_kind == _EMPTY))
     def _flush_empty():
-        # mask is all zero here: the block is zero
+        # mask is all zero here: the block is zero.
         o_ref[...] = jnp.zeros_like(o_ref)
 
     @pl.when((k == pl.num_programs(2) - 1) & (block_kind == _PARTIAL))
     def _flush_partial():
-        # apply mask
+        # Apply mask.
         o_ref[...] = (acc_ref[...] * mask_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
 
     @pl.when((k == pl.num_programs(2) - 1) & (block_kind == _FULL))
     def _flush_full():
-        # mask is all ones here: no need to read it
+        # mask is all ones here: no need to read it.
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
 def _x_index_map(m, n, k, kind, next_step, next_mask, *, n_n, n_k):
-    # follows the next computing step
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = m * n_n + n
     nxt = next_step[cell]
-    live = kind[m * n_n + n] != _EMPTY
+    live = kind[cell] != _EMPTY
     return (lax.div(nxt, n_n), jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)))
 
 
 def _y_index_map(m, n, k, kind, next_step, next_mask, *, n_n, n_k):
-    # follows the next computing step
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = m * n_n + n
     nxt = next_step[cell]
-    live = kind[m * n_n + n] != _EMPTY
+    live = kind[cell] != _EMPTY
     return (jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)), lax.rem(nxt, n_n))
 
 
 def _mask_index_map(m, n, k, kind, next_step, next_mask, *, n_n):
-    # follows the next partial mask block
+    # Only partial mask blocks are read: every other step holds the next partial one.
     cell = m * n_n + n
     nxt = next_mask[cell]
     return (lax.div(nxt, n_n), lax.rem(nxt, n_n))

@@ -52,7 +52,7 @@ Plan (target v5e):
         in  x block (128, 512), index map (o_idx_0[b], k)
         in  y block (512, 128), index map (k, o_idx_1[b])
         out o block (squeezed, 128, 128), index map (b, 0, 0)
-            (block b of the stacked output)
+            (Block b of the stacked output.)
       body:
         init accumulator when k == 0
         accumulate the matmul every step
@@ -181,7 +181,7 @@ def _kernel(o_idx_0, o_idx_1, x_ref, y_ref, o_ref, acc_ref):
 
     @pl.when(k == pl.num_programs(1) - 1)
     def _flush():
-        # write the block
+        # Write the block.
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
@@ -194,7 +194,7 @@ def _y_index_map(b, k, o_idx_0, o_idx_1):
 
 
 def _o_index_map(b, k, o_idx_0, o_idx_1):
-    # block b of the stacked output
+    # Block b of the stacked output.
     return (b, 0, 0)
 
 

@@ -22,6 +22,7 @@ Strategies (see README "How kernels are planned"):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -486,7 +487,7 @@ class _Planner:
         k = self.k
         lets = self.grid_lets() + list(extra_lets)
         contraction = self.contraction()
-        flush = (FlushCase(None, self.reads(k.end_factors), "flush", "write the block"),)
+        flush = (FlushCase(None, self.reads(k.end_factors), "flush", "Write the block."),)
         if k.summed is None:
             self.body = Body(tuple(lets), False, None, None, None, (), None, flush)
             return
@@ -511,7 +512,7 @@ class _Planner:
         self.blocks = [self.natural_block(op, coord, "") for op in k.data_inputs]
         shape = (None, *(self.tile[i] for i in out.indices))
         self.blocks.append(self.block(out, shape, (b, *([Const(0)] * out.rank)), is_output=True,
-                                      about="block b of the stacked output"))
+                                      about="Block b of the stacked output."))
         self.reduction_body()
 
     # coo_input ---------------------------------------------------------------
@@ -577,11 +578,11 @@ class _Planner:
             if op is coo:
                 shape = (None, *(self.tile[i] for i in op.indices))
                 self.blocks.append(self.block(op, shape, (Load(block, step), *([Const(0)] * op.rank)), array=blocks_param,
-                                              about="the stored block this step multiplies"))
+                                              about="The stored block this step multiplies (flush steps hold the next one)."))
             elif op in compute_ops:
-                self.blocks.append(self.natural_block(op, compute_coord, "follows the stored block"))
+                self.blocks.append(self.natural_block(op, compute_coord, "The block the stored block of this step meets (flush steps hold the next one)."))
             else:
-                self.blocks.append(self.natural_block(op, flush_coord, "follows the output block"))
+                self.blocks.append(self.natural_block(op, flush_coord, "Read when the output block is flushed."))
         self.blocks.append(self.natural_block(k.output, flush_coord, "", is_output=True))
         init = step.eq(0) | Load(kind, Max(step - 1, 0)).eq(Var("_FLUSH"))
         compute = Load(kind, step).eq(Var("_BLOCK"))
@@ -592,8 +593,8 @@ class _Planner:
             # No sum: the product is accumulated per stored block, so duplicates add up.
             compute_factors, flush_factors = self.reads(op.name for op in k.data_inputs), ()
         self.body = Body(tuple(self.grid_lets()), True, init, compute, self.contraction(), compute_factors, flush,
-                         (FlushCase(None, flush_factors, "flush", "write the finished block"),),
-                         ("a run of steps accumulates one output block: it starts after a flush step",))
+                         (FlushCase(None, flush_factors, "flush", "Write the finished block (zeros if no stored block reached it)."),),
+                         ("A run of steps accumulates one output block; it starts after a flush step.",))
 
     # mask --------------------------------------------------------------------
     def plan_mask(self) -> None:
@@ -650,7 +651,8 @@ class _Planner:
             lets = [(cell_var, cell), (nxt_var, Load(array, Var(cell_var)))]
             needs_live = any(t.index in {a.index for a in after} for t in op.terms)
             if needs_live:
-                lets.append((live_var, Load(kind_var, kind_cell).ne(Var("_EMPTY"))))
+                same = [a.var for a in kind_axes] == [a.var for a in prefix]
+                lets.append((live_var, Load(kind_var, Var(cell_var) if same else kind_cell).ne(Var("_EMPTY"))))
 
             def coord(index):
                 axis = self.axis_of[index]
@@ -667,22 +669,23 @@ class _Planner:
         self.blocks = []
         for op in k.data_inputs:
             if op is mask and ones:
-                self.blocks.append(follow(op, partial_var, "follows the next partial mask block"))
+                self.blocks.append(follow(op, partial_var, "Only partial mask blocks are read: every other step holds the next partial one."))
             else:
-                self.blocks.append(follow(op, next_var, "follows the next computing step"))
+                self.blocks.append(follow(op, next_var, "Skipped steps hold the block of the next step that computes, so they start no copy."))
         self.blocks.append(self.natural_block(k.output, self.grid_coord, "", is_output=True))
         # Body: the kind of the current cell decides compute and flush.
         here = self.internal.take("block_kind")
         kernel_kind_cell = flat([Var(a.var) for a in kind_axes], [Call("pl.num_programs", (Const(pos[a.index]),)) for a in kind_axes])
         self.reduction_body(extra_lets=[(here, Load(kind_var, kernel_kind_cell))], compute_when=Var(here).ne(Var("_EMPTY")))
+        self.body = dataclasses.replace(self.body, notes=(f"Steps whose {mask.name} block is all zero skip the compute (and their copies).",))
         if ones:
             ends = list(k.end_factors)
             reads = dict(zip(ends, self.reads(ends)))
             others = tuple(reads[n] for n in ends if n != mask.name)
             cases = (
-                FlushCase(Var(here).eq(Var("_EMPTY")), None, "flush_empty", f"{mask.name} is all zero here: the block is zero"),
-                FlushCase(Var(here).eq(Var("_PARTIAL")), tuple(reads[n] for n in ends), "flush_partial", f"apply {mask.name}"),
-                FlushCase(Var(here).eq(Var("_FULL")), others, "flush_full", f"{mask.name} is all ones here: no need to read it"),
+                FlushCase(Var(here).eq(Var("_EMPTY")), None, "flush_empty", f"{mask.name} is all zero here: the block is zero."),
+                FlushCase(Var(here).eq(Var("_PARTIAL")), tuple(reads[n] for n in ends), "flush_partial", f"Apply {mask.name}."),
+                FlushCase(Var(here).eq(Var("_FULL")), others, "flush_full", f"{mask.name} is all ones here: no need to read it."),
             )
             b = self.body
             self.body = Body(b.lets, b.scratch, b.init_when, b.compute_when, b.contraction, b.compute_factors, b.flush_when, cases, b.notes)
