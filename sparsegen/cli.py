@@ -116,10 +116,7 @@ def cmd_plan(args) -> int:
             print("\n".join(describe(p)))
         return 0
     # A pattern: walk the generated kernel's grid (this needs jax, for the generated code).
-    import importlib.util
-
-    if importlib.util.find_spec("jax") is None:
-        print("sparsegen plan --pattern runs the generated index maps, which need jax: pip install 'sparsegen[jax]'", file=sys.stderr)
+    if not _have_jax("plan --pattern"):
         return 2
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the index maps run on the host
     from . import simulate
@@ -234,14 +231,20 @@ def _print_verify_table(report, verbose: bool) -> None:
             print(f"  raw compiler message ({r.target}):\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
 
 
-def cmd_variants(args) -> int:
+def _have_jax(command: str) -> bool:
     import importlib.util
 
+    if importlib.util.find_spec("jax") is None:
+        print(f"sparsegen {command} runs the generated module, which needs jax: pip install 'sparsegen[jax]'", file=sys.stderr)
+        return False
+    return True
+
+
+def cmd_variants(args) -> int:
     from . import variants as vs
     from .jaxenv import quiet_libtpu
 
-    if importlib.util.find_spec("jax") is None:
-        print("sparsegen variants runs the generated index maps, which need jax: pip install 'sparsegen[jax]'", file=sys.stderr)
+    if not _have_jax("variants"):
         return 2
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     if not targets or any(t not in TARGETS for t in targets):

@@ -274,9 +274,9 @@ def simulate(plan: Plan, module, impl_args: list, sizes: dict[str, int], keep_tr
     axes = np.indices(grid, dtype=np.int32).reshape(len(grid), steps)
     if plan.prefetch:
         sizes_tuple = tuple(sizes[s.symbol] for s in plan.sizes)
-        if plan.coo is not None:  # the pad argument (every coordinate -1), as _prepare computes it
-            coords_args = [a for a, p in zip(impl_args, [q for q in plan.params if q.kind != "index"]) if p.kind == "coords"]
-            impl_args = list(impl_args) + [np.all(np.stack([np.asarray(c) < 0 for c in coords_args]), axis=0)]
+        if plan.coo is not None:  # the pad argument, from the module's own _check_padding, as _prepare does
+            coords = [(p.public, a) for a, p in zip(impl_args, [q for q in plan.params if q.kind != "index"]) if p.kind == "coords"]
+            impl_args = list(impl_args) + [module._check_padding(*zip(*coords))]
         if plan.offsets_var:
             impl_args = list(impl_args) + [np.zeros(len(plan.offsets), np.int32)]
         prefetch = [np.asarray(a) for a in module._prefetch(*impl_args, sizes_tuple)]
