@@ -46,15 +46,15 @@ Plan (target v5e):
         step: the stored blocks of y in output-block order, plus one flush step per output block [arbitrary]
       dimension_semantics (parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        step_kind[nb + N // 256]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block
+        step_kind[nb + N // 256]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
         step_block[nb + N // 256]: the stored block of y a step reads (flush steps hold the next one, so they start no copy)
         step_row[nb + N // 256]: the output block a step accumulates into, row-major over n
         step_k[nb + N // 256]: coordinate k of the stored block a step reads
       blocks:
         in  x block (256, 512), index map (m, step_k[step])
-            (The block the stored block of this step meets (flush steps hold the next one).)
+            The block the stored block of this step meets (flush steps hold the next one).
         in  y block (squeezed, 512, 256), index map (step_block[step], 0, 0)
-            (The stored block this step multiplies (flush steps hold the next one).)
+            The stored block this step multiplies (flush steps hold the next one).
         out o block (256, 256), index map (m, step_row[step])
       body:
         init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)

@@ -46,15 +46,15 @@ Plan (target v5e):
         step: the stored blocks of x in output-block order, plus one flush step per output block [arbitrary]
       dimension_semantics (parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        step_kind[nb + M // 512]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block
+        step_kind[nb + M // 512]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
         step_block[nb + M // 512]: the stored block of x a step reads (flush steps hold the next one, so they start no copy)
         step_row[nb + M // 512]: the output block a step accumulates into, row-major over m
         step_k[nb + M // 512]: coordinate k of the stored block a step reads
       blocks:
         in  x block (squeezed, 512, 512), index map (step_block[step], 0, 0)
-            (The stored block this step multiplies (flush steps hold the next one).)
+            The stored block this step multiplies (flush steps hold the next one).
         in  y block (512, 512), index map (step_k[step], n)
-            (The block the stored block of this step meets (flush steps hold the next one).)
+            The block the stored block of this step meets (flush steps hold the next one).
         out o block (512, 512), index map (step_row[step], n)
       body:
         init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)

@@ -52,11 +52,11 @@ Plan (target v5e):
         next_mask[M // 512 * (N // 512)]: per grid cell: the next cell whose mask block is partial, the only blocks the kernel reads
       blocks:
         in  x block (512, 1024), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[cell] != _EMPTY; -> (nxt // n_n, (k if live else (0 if nxt > cell else n_k - 1)))
-            (Skipped steps hold the block of the next step that computes, so they start no copy.)
+            Skipped steps hold the block of the next step that computes, so they start no copy.
         in  y block (1024, 512), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[cell] != _EMPTY; -> ((k if live else (0 if nxt > cell else n_k - 1)), nxt % n_n)
-            (Skipped steps hold the block of the next step that computes, so they start no copy.)
+            Skipped steps hold the block of the next step that computes, so they start no copy.
         in  mask block (512, 512), index map cell = m * n_n + n; nxt = next_mask[cell]; -> (nxt // n_n, nxt % n_n)
-            (Only partial mask blocks are read: every other step holds the next partial one.)
+            Only partial mask blocks are read: every other step holds the next partial one.
         out o block (512, 512), index map (m, n)
       body:
         init accumulator when k == 0

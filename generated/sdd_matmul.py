@@ -52,7 +52,7 @@ Plan (target v5e):
         in  x block (128, 512), index map (o_idx_0[b], k)
         in  y block (512, 128), index map (k, o_idx_1[b])
         out o block (squeezed, 128, 128), index map (b, 0, 0)
-            (Block b of the stacked output.)
+            Block b of the stacked output.
       body:
         init accumulator when k == 0
         accumulate the matmul every step

@@ -64,7 +64,7 @@ def describe(plan: Plan, nb: int | None = None) -> list[str]:
         role = "out" if b.is_output else "in "
         out.append(f"    {role} {b.operand} block {_shape(b.shape)}, index map {_index_map(plan, b)}")
         if b.about:
-            out.append(f"        ({b.about})")
+            out.append(f"        {b.about}")
     out.append("  body:")
     out += [f"    {line}" for line in _calls(plan)]
     if plan.strategy == "coo_input":

@@ -537,7 +537,7 @@ class _Planner:
                 if t.index in coo.indices and t.index not in held:
                     held[t.index] = self.internal.take(f"step_{t.index}")
         self.prefetch = [
-            Prefetch(kind, Var(self.nb) + self.rows, "_BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block"),
+            Prefetch(kind, Var(self.nb) + self.rows, "_BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding"),
             Prefetch(block, Var(self.nb) + self.rows, f"the stored block of {coo.name} a step reads (flush steps hold the next one, so they start no copy)"),
         ]
         if row:
