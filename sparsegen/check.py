@@ -245,11 +245,11 @@ class _KernelChecker:
     # ------------------------------------------------------------- sparsity
     def check_sparsity(self) -> None:
         sparse = next((op for op in self.k.operands if op.direction == "in" and op.sparsity is not None), None)
-        if self.output.sparsity is not None and sparse is not None:
+        if self.output.sparsity is not None and sparse is not None and sparse.sparsity.text == "coo":
             self.error(
                 sparse.sparsity.span,
-                f"a sparse input with a coo output is not supported yet ('{sparse.name.text}' is {sparse.sparsity.text}, '{self.output.name.text}' is coo)",
-                "compute the dense product into a coo output, or keep the sparse input and a dense output",
+                f"a coo input with a coo output is not supported yet ('{sparse.name.text}' and '{self.output.name.text}' are both coo)",
+                "declare the input 'mask' (a dense array whose zero blocks are skipped), or make the output dense",
             )
         if sparse is not None and sparse.sparsity.text == "coo" and self.summed and self.contraction and sparse.name.text not in self.contraction:
             self.error(

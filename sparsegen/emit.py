@@ -275,10 +275,12 @@ class _Emitter:
             lines.append(f"{kind}, {block}, {row} = _coo_steps({render(rows, 'host')}, {render(coo.rows, 'host')}, {coo.pad})")
             for var, coords in coo.held:
                 lines.append(f"{var} = jnp.maximum({coords}[{block}], 0)  # 0 if every entry is padding")
-        elif plan.strategy == "mask":
+        if plan.mask is not None:
             m = plan.mask
             lines.append(f"# Classify the blocks of {m.operand}; skipped steps follow a map to the next step that computes.")
             lines.append(f"{m.kind_var} = _block_kinds({m.array}, {_tuple(map(str, m.tiles))}, {m.ones})")
+            if m.gather is not None:
+                lines.append(f"{m.kind_var} = {m.kind_var}[{', '.join(m.gather)}]  # at the requested output blocks")
             if m.to_grid is not None:
                 lines.append(f"{m.kind_var} = {m.kind_var}.transpose({_tuple(map(str, m.to_grid))})")
             full = [render(e, "host") for e, _ in m.prefix]
@@ -416,9 +418,9 @@ class _Emitter:
             "coords": any(p.kind in ("coords", "out_coords") for p in plan.params),
             "offsets": bool(plan.offsets),
             "smem": bool(plan.prefetch),
-            "next_live": plan.strategy in ("coo_input", "mask"),
+            "next_live": plan.strategy == "coo_input" or plan.mask is not None,
             "coo_steps": plan.strategy == "coo_input",
-            "block_kinds": plan.strategy == "mask",
+            "block_kinds": plan.mask is not None,
             "densify": plan.strategy == "coo_input",
             "padding": plan.strategy == "coo_input",
             "gather": plan.strategy == "coo_output",

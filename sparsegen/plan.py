@@ -159,6 +159,7 @@ class MaskPlan:
     next_var: str
     prefix: tuple[tuple[Expr, bool], ...]  # grid axes the next-step maps cover: (extent, walks a mask dim)
     partial_var: str | None
+    gather: tuple[str, ...] | None = None  # coo output: index the block-kind grid at the requested blocks
 
 
 @dataclass(frozen=True)
@@ -509,11 +510,35 @@ class _Planner:
         def coord(index):
             return coord_of_out[index] if index in coord_of_out else self.grid_coord(index)
 
-        self.blocks = [self.natural_block(op, coord, "") for op in k.data_inputs]
         shape = (None, *(self.tile[i] for i in out.indices))
-        self.blocks.append(self.block(out, shape, (b, *([Const(0)] * out.rank)), is_output=True,
-                                      about="Block b of the stacked output."))
+        output_block = self.block(out, shape, (b, *([Const(0)] * out.rank)), is_output=True, about="Block b of the stacked output.")
+        if k.sparse_input is not None:
+            self.coo_output_masked(coords, output_block)
+            return
+        self.blocks = [self.natural_block(op, coord, "") for op in k.data_inputs]
+        self.blocks.append(output_block)
         self.reduction_body()
+
+    def coo_output_masked(self, coords: tuple[str, ...], output_block: BlockPlan) -> None:
+        """A mask input with a coo output: the mask's block kinds are gathered at the
+        requested output blocks (and along the summed axis), then skipped as usual."""
+        k = self.k
+        out, mask = k.output, k.sparse_input
+        block_axis = self.axes[0]
+        through = {index: coords[d] for d, index in enumerate(out.indices)}
+
+        def source(index):
+            return (block_axis, through[index]) if index in through else (self.axis_of[index], None)
+
+        summed = k.summed
+        gather = []
+        for index in mask.indices:
+            if index in through:
+                gather.append(f"{through[index]}[:, None]" if summed is not None and summed.name in mask.indices else through[index])
+            else:
+                extent = self.axis_of[index].extent
+                gather.append(f"jnp.arange({_host(extent)})[None, :]")
+        self.mask_body(source, output_block, tuple(gather))
 
     # coo_input ---------------------------------------------------------------
     def plan_coo_input(self) -> None:
@@ -598,12 +623,20 @@ class _Planner:
 
     # mask --------------------------------------------------------------------
     def plan_mask(self) -> None:
+        self.prefetch = []
+        self.mask_body(lambda index: (self.axis_of[index], None),
+                       self.natural_block(self.k.output, self.grid_coord, "", is_output=True), None)
+
+    def mask_body(self, source, output_block: BlockPlan, gather: tuple[str, ...] | None) -> None:
+        """The mask machinery over this plan's grid. `source(index)` names the grid axis that
+        determines a mask index and, for a coo output, the coordinate array it is read
+        through; `gather` says how the block-kind grid is gathered for those arrays."""
         k = self.k
         mask = k.sparse_input
         axes = self.axes
-        pos = {a.index: n for n, a in enumerate(axes)}
-        kind_axes = sorted((self.axis_of[i] for i in mask.indices), key=lambda a: pos[a.index])
-        last = max(pos[a.index] for a in kind_axes)
+        pos = {id(a): n for n, a in enumerate(axes)}
+        kind_axes = sorted({id(source(i)[0]): source(i)[0] for i in mask.indices}.values(), key=lambda a: pos[id(a)])
+        last = max(pos[id(a)] for a in kind_axes)
         prefix = axes[: last + 1]
         after = axes[last + 1 :]
         ones = mask.name in k.end_factors
@@ -612,19 +645,20 @@ class _Planner:
         partial_var = self.internal.take(f"next_{mask.name}") if ones else None
         mask_param = self.param(mask.name).internal
         # The kind grid comes out of the mask in the mask's index order; transpose to grid order.
-        order = [mask.indices.index(a.index) for a in kind_axes]
+        order = [mask.indices.index(a.index) for a in kind_axes] if gather is None else list(range(len(kind_axes)))
         to_grid = tuple(order) if order != list(range(len(order))) else None
         self.mask_plan = MaskPlan(mask.name, mask_param, tuple(self.tile[i] for i in mask.indices), to_grid, ones, kind_var,
-                                  next_var, tuple((a.extent, a in kind_axes) for a in prefix), partial_var)
+                                  next_var, tuple((a.extent, any(a is b for b in kind_axes)) for a in prefix), partial_var, gather)
         size_kind = Const(1)
         for a in kind_axes:
             size_kind = size_kind * a.extent
         size_prefix = Const(1)
         for a in prefix:
             size_prefix = size_prefix * a.extent
-        self.prefetch = [
+        where = "per block of" if gather is None else "per requested output block, the kind of its block of"
+        self.prefetch += [
             Prefetch(kind_var, size_kind,
-                     f"per block of {mask.name}: _EMPTY (all zero: skip), _PARTIAL" + (", _FULL (all ones: no mask read)" if ones else " (compute)")),
+                     f"{where} {mask.name}: _EMPTY (all zero: skip), _PARTIAL" + (", _FULL (all ones: no mask read)" if ones else " (compute)")),
             Prefetch(next_var, size_prefix, "per grid cell over " + ", ".join(a.var for a in prefix)
                      + ": the next cell that computes (the last one after it), so skipped steps fetch nothing new"),
         ]
@@ -645,22 +679,24 @@ class _Planner:
             return value
 
         cell_var, nxt_var, live_var = self.local("cell"), self.local("nxt"), self.local("live")
+        after_ids = {id(a) for a in after}
 
         def follow(op: Operand, array: str, about: str) -> BlockPlan:
             nxt = Var(nxt_var)
             lets = [(cell_var, cell), (nxt_var, Load(array, Var(cell_var)))]
-            needs_live = any(t.index in {a.index for a in after} for t in op.terms)
-            if needs_live:
+            if any(id(source(t.index)[0]) in after_ids for t in op.terms):
                 same = [a.var for a in kind_axes] == [a.var for a in prefix]
                 lets.append((live_var, Load(kind_var, Var(cell_var) if same else kind_cell).ne(Var("_EMPTY"))))
 
             def coord(index):
-                axis = self.axis_of[index]
-                if axis in prefix:
-                    return decode(nxt, prefix.index(axis))
-                # Past the mask's axes: walk them while computing; otherwise park at
-                # the first (next computing cell ahead) or last (none ahead) block.
-                return Where(Var(live_var), Var(axis.var), Where(nxt.gt(Var(cell_var)), 0, Var(axis.static) - 1))
+                axis, through = source(index)
+                if id(axis) in after_ids:
+                    # Past the mask's axes: walk them while computing; otherwise park at
+                    # the first (next computing cell ahead) or last (none ahead) block.
+                    value = Where(Var(live_var), Var(axis.var), Where(nxt.gt(Var(cell_var)), 0, Var(axis.static) - 1))
+                else:
+                    value = decode(nxt, pos[id(axis)])
+                return Load(through, value) if through is not None else value
 
             shape = [self.tile[t.index] for t in op.terms]
             index = [self.term_expr(op, d, coord(t.index)) for d, t in enumerate(op.terms)]
@@ -672,10 +708,10 @@ class _Planner:
                 self.blocks.append(follow(op, partial_var, "Only partial mask blocks are read: every other step holds the next partial one."))
             else:
                 self.blocks.append(follow(op, next_var, "Skipped steps hold the block of the next step that computes, so they start no copy."))
-        self.blocks.append(self.natural_block(k.output, self.grid_coord, "", is_output=True))
+        self.blocks.append(output_block)
         # Body: the kind of the current cell decides compute and flush.
         here = self.internal.take("block_kind")
-        kernel_kind_cell = flat([Var(a.var) for a in kind_axes], [Call("pl.num_programs", (Const(pos[a.index]),)) for a in kind_axes])
+        kernel_kind_cell = flat([Var(a.var) for a in kind_axes], [Call("pl.num_programs", (Const(pos[id(a)]),)) for a in kind_axes])
         self.reduction_body(extra_lets=[(here, Load(kind_var, kernel_kind_cell))], compute_when=Var(here).ne(Var("_EMPTY")))
         self.body = dataclasses.replace(self.body, notes=(f"Steps whose {mask.name} block is all zero skip the compute (and their copies).",))
         if ones:
@@ -730,6 +766,12 @@ class _Planner:
             items.append(VmemItem("body temporaries", shape, self.k.accumulate, temporaries))
         items.append(VmemItem("Mosaic internal scratch", (MOSAIC_SCRATCH // 4,), DTYPE_I32, 1))
         return tuple(items)
+
+
+def _host(e: Expr) -> str:
+    from .expr import render
+
+    return render(e, "host")
 
 
 def plan(kernel: Kernel, target: Target) -> Plan:

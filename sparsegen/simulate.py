@@ -135,9 +135,8 @@ def pattern_args(plan: Plan, env: dict[str, int], pattern: str, seed: int = 0):
     """
     k = plan.kernel
     tile = {i.name: i.tile for i in k.indices}
-    sparse = next((o for o in k.operands if o.sparsity in ("coo", "mask")), None)
     args = {}
-    if sparse is not None:
+    for sparse in (o for o in k.operands if o.sparsity in ("coo", "mask")):
         shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims)
         tiles = tuple(tile[i] for i in sparse.indices)
         for d, (size, t) in enumerate(zip(shape, tiles)):

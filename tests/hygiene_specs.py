@@ -55,3 +55,26 @@ kernel window {
     tile i = 128, j = 256
 }
 """
+
+# A mask input with a coo output: sampled and masked (the attention-score pattern).
+MASKED_SDD = """
+kernel masked_sdd {
+    in  q: bf16[S, D]
+    in  kt: bf16[D, T]
+    in  causal: i32[S, T] mask
+    out scores: f32[S, T] coo
+    scores[s, t] = causal[s, t] * q[s, d] * kt[d, t]
+    tile s = 128, t = 128, d = 128
+}
+"""
+
+# A coo output whose summed factor is mask-sparse.
+XMASK_SDD = """
+kernel xmask_sdd {
+    in  x: f32[M, K] mask
+    in  y: f32[K, N]
+    out o: f32[M, N] coo
+    o[m, n] = x[m, k] * y[k, n]
+    tile m = 128, n = 128, k = 128
+}
+"""

@@ -54,7 +54,7 @@ def test_generated_kernel_runs_compiled_on_tpu(name):
     assert_matches(kernel, out, mod.reference(*args, **keywords))
 
 
-@pytest.mark.parametrize("which", ["NASTY", "NASTY_MASK", "TRANSPOSED", "XMASK"])
+@pytest.mark.parametrize("which", ["NASTY", "NASTY_MASK", "TRANSPOSED", "XMASK", "MASKED_SDD", "XMASK_SDD"])
 def test_other_shapes_of_kernel_compile_for_tpu(which):
     """f32 matmuls at full precision, transposed reads, 1-D masks, masks on a summed factor."""
     import hygiene_specs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import black
 import pytest
 from conftest import SPECS, spec_text, with_tiles
-from hygiene_specs import NASTY, NASTY_MASK, TRANSPOSED, XMASK
+from hygiene_specs import MASKED_SDD, NASTY, NASTY_MASK, TRANSPOSED, XMASK, XMASK_SDD
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +14,7 @@ from sparsegen.emit import _Emitter
 from sparsegen.formatting import BLACK_MODE, format_module
 from sparsegen.source import SourceFile, SpecError
 
-TEXTS = [spec_text(p.stem) for p in sorted(SPECS.glob("*.spk"))] + [NASTY, NASTY_MASK, TRANSPOSED, XMASK]
+TEXTS = [spec_text(p.stem) for p in sorted(SPECS.glob("*.spk"))] + [NASTY, NASTY_MASK, TRANSPOSED, XMASK, MASKED_SDD, XMASK_SDD]
 
 
 def raw_and_name(text):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from conftest import assert_matches, build
 from oracle import oracle
 
 from sparsegen.testing import example_args
 
-from hygiene_specs import NASTY, NASTY_MASK, TRANSPOSED  # noqa: E402
+from hygiene_specs import MASKED_SDD, NASTY, NASTY_MASK, TRANSPOSED, XMASK_SDD  # noqa: E402
 
 
 def run(text, sizes, pattern, interpret):
@@ -35,3 +36,9 @@ def test_names_that_shadow_generated_locals(interpret):
 
 def test_transposed_reads_and_a_mask_on_one_output_index(interpret):
     run(TRANSPOSED, dict(M=256, K=384, N=384), "empty_lines", interpret)
+
+
+@pytest.mark.parametrize("pattern", ["tril", "random", "all_empty", "all_full", "duplicates"])
+def test_mask_input_with_coo_output(pattern, interpret):
+    run(MASKED_SDD, dict(S=384, D=256, T=384), pattern, interpret)
+    run(XMASK_SDD, dict(M=256, K=384, N=256), pattern, interpret)

@@ -20,7 +20,7 @@ from oracle import oracle
 from sparsegen.testing import PATTERNS, example_args
 
 SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
-KINDS = ("dense", "dsd", "dds", "masked", "xmask", "sdd")
+KINDS = ("dense", "dsd", "dds", "masked", "xmask", "sdd", "masked_sdd", "xmask_sdd")
 
 
 @st.composite
@@ -42,9 +42,15 @@ def matmul_specs(draw):
         sparsity["o"] = " coo"
     elif kind == "masked":
         sparsity["mask"] = draw(st.sampled_from(["i32", "f32", "bf16"]))
+    elif kind == "masked_sdd":
+        sparsity["mask"] = draw(st.sampled_from(["i32", "f32", "bf16"]))
+        sparsity["o"] = " coo"
+    elif kind == "xmask_sdd":
+        sparsity["x"] = " mask"
+        sparsity["o"] = " coo"
     # Which indices end up as the last (lane) dim of a block-specced array?
     lane = set()
-    dense_arrays = [] if kind == "sdd" else [("m", "n")]
+    dense_arrays = [] if sparsity["o"] else [("m", "n")]
     if sparsity["x"] != " coo":
         dense_arrays.append(tuple(x_sub.split(", ")))
     if sparsity["y"] != " coo":

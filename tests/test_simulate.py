@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 from conftest import ROOT, SPECS, spec_text, with_tiles
-from hygiene_specs import NASTY_MASK, TRANSPOSED, XMASK
+from hygiene_specs import MASKED_SDD, NASTY_MASK, TRANSPOSED, XMASK, XMASK_SDD
 
 from sparsegen.cli import main
 from sparsegen.compiler import compile_source, plans
@@ -46,7 +46,9 @@ def test_every_example_hits_the_ideal(name, pattern):
     "text,sizes,pattern",
     [(NASTY_MASK, dict(M=1024, K=1024, N=1024), p) for p in ("tril", "density=0.3", "density=0.0")]
     + [(TRANSPOSED, dict(M=512, K=768, N=1024), p) for p in ("density=0.3", "density=0.0", "density=1.0")]  # a 1-D mask
-    + [(XMASK, dict(M=512, K=1024, N=512), p) for p in ("tril", "density=0.3", "band=200", "density=0.0")],
+    + [(XMASK, dict(M=512, K=1024, N=512), p) for p in ("tril", "density=0.3", "band=200", "density=0.0")]
+    + [(MASKED_SDD, dict(S=1024, D=512, T=1024), p) for p in ("tril", "density=0.3", "band=200", "density=0.0", "density=1.0")]
+    + [(XMASK_SDD, dict(M=512, K=1024, N=512), p) for p in ("tril", "density=0.3", "band=200", "density=0.0")],
 )
 def test_mask_variants_hit_the_ideal(text, sizes, pattern):
     report = analyse(plan_of(text), sizes, pattern)
