@@ -25,6 +25,17 @@ class DType:
         return self.kind == "float"
 
     @property
+    def np_dtype(self):
+        """The numpy dtype of this data (bfloat16 from ml_dtypes, which comes with jax)."""
+        if self.numpy == "bfloat16":
+            import ml_dtypes
+
+            return ml_dtypes.bfloat16
+        import numpy as np
+
+        return np.dtype(self.numpy)
+
+    @property
     def sublanes(self) -> int:
         """Rows of one native (sublane x 128) VMEM tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit."""
         return 8 * 32 // self.bits

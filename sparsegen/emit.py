@@ -15,7 +15,7 @@ import jinja2
 from .describe import describe
 from .formatting import format_module
 from .dtypes import DType
-from .expr import Expr, Var, flat, render
+from .expr import Const, Expr, Var, flat, render
 from .plan import BlockPlan, FactorRead, Plan
 from .resources import resource_dir
 
@@ -298,8 +298,6 @@ class _Emitter:
         return lines
 
     def out_bytes(self) -> Expr:
-        from .expr import Const
-
         size = Const(self.plan.out_dtype.itemsize)
         for e in self.plan.out_shape:
             size = size * e
@@ -476,8 +474,6 @@ class _Emitter:
 
 
 def plan_dim(plan: Plan, size) -> Expr:
-    from .expr import Const
-
     return Const(size.literal) if size.literal is not None else Var(plan.size_var(size.symbol))
 
 

@@ -30,7 +30,7 @@ from .dtypes import DTYPES, DType
 from .expr import Bin, Call, Const, Expr, Load, Max, Var, Where, flat
 from .expr import names as expr_names
 from .layout import padded_bytes
-from .model import Kernel, Operand, Term
+from .model import Kernel, Operand
 from .names import FIXED_LOCALS, MODULE_NAMES, PYTHON_NAMES, NameTable
 from .targets import Target
 

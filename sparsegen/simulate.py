@@ -144,7 +144,7 @@ def pattern_args(plan: Plan, env: dict[str, int], pattern: str, seed: int = 0):
                 raise ValueError(f"{sparse.name} dim {d} = {size} is not a multiple of its tile {t}")
         if sparse.sparsity == "mask":
             mask = _pattern_elements(pattern, shape, tiles, seed)
-            args[sparse.name] = mask.astype(_numpy_dtype(sparse.dtype.numpy))
+            args[sparse.name] = mask.astype(sparse.dtype.np_dtype)
         else:
             coords = np.nonzero(_pattern_blocks(pattern, shape, tiles, seed))
             args[sparse.name] = tuple(c.astype(np.int32) for c in coords)
@@ -157,14 +157,6 @@ def pattern_args(plan: Plan, env: dict[str, int], pattern: str, seed: int = 0):
         elif p.kind != "index":
             out.append(None)  # data the tables never read
     return out, args
-
-
-def _numpy_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
 
 
 def _pattern_blocks(pattern: str, shape, tiles, seed: int) -> np.ndarray:

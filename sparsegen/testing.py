@@ -19,20 +19,10 @@ import math
 
 import numpy as np
 
+from .dtypes import DTYPES
 from .model import Kernel, Operand
 
 PATTERNS = ("random", "empty_lines", "duplicates", "all_empty", "all_full", "tril")
-
-
-def _np_dtype(name: str):
-    if name == "bf16":
-        import ml_dtypes  # ships with jax
-
-        return ml_dtypes.bfloat16
-    return {
-        "f32": np.float32, "i8": np.int8, "i16": np.int16, "i32": np.int32,
-        "u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "index": np.int32,
-    }[name]  # fmt: skip
 
 
 def resolve_sizes(kernel: Kernel, sizes: dict[str, int]) -> dict[str, int]:
@@ -48,7 +38,7 @@ def dims(op: Operand, env: dict[str, int]) -> tuple[int, ...]:
 
 
 def random_values(shape, dtype_name: str, rng: np.random.Generator) -> np.ndarray:
-    dtype = _np_dtype(dtype_name)
+    dtype = DTYPES[dtype_name].np_dtype
     if dtype_name in ("f32", "bf16"):
         return rng.standard_normal(shape).astype(np.float32).astype(dtype)
     if dtype_name.startswith("u"):
@@ -80,7 +70,7 @@ def block_pattern(grid: tuple[int, ...], pattern: str, rng: np.random.Generator)
 
 
 def _mask(shape, tiles, pattern: str, rng: np.random.Generator, dtype_name: str) -> np.ndarray:
-    dtype = _np_dtype(dtype_name)
+    dtype = DTYPES[dtype_name].np_dtype
     if pattern == "tril" and len(shape) == 2:
         return np.tril(np.ones(shape, np.int32)).astype(dtype)
     grid = tuple(s // t for s, t in zip(shape, tiles))
@@ -120,7 +110,7 @@ def example_args(kernel: Kernel, sizes: dict[str, int], pattern: str, rng: np.ra
             mask = _mask(shape, tiles, pattern, rng, op.dtype.name)
             if op.name not in kernel.end_factors:
                 # A data operand whose zero blocks mark skipped work: random values on its nonzero blocks.
-                mask = (random_values(shape, op.dtype.name, rng).astype(np.float32) * (mask != 0)).astype(_np_dtype(op.dtype.name))
+                mask = (random_values(shape, op.dtype.name, rng).astype(np.float32) * (mask != 0)).astype(op.dtype.np_dtype)
             args.append(mask)
         elif op.sparsity == "index":
             args.append(_offsets(kernel, op, env, tile, rng))

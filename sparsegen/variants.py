@@ -129,7 +129,7 @@ def time_on_tpu(variant: Variant, sizes: dict[str, int], pattern: str, seed: int
     import jax
     import numpy as np
 
-    from .simulate import _numpy_dtype, load_module, pattern_args
+    from .simulate import load_module, pattern_args
 
     plan = variant.plan
     module = load_module(plan, f"timed_{variant.name}")
@@ -143,14 +143,14 @@ def time_on_tpu(variant: Variant, sizes: dict[str, int], pattern: str, seed: int
         shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in op.dims)
         if op.sparsity == "coo":
             coords = sparse[op.name]
-            args.append(rng.standard_normal((len(coords[0]), *(tile[i] for i in op.indices))).astype(_numpy_dtype(op.dtype.numpy)))
+            args.append(rng.standard_normal((len(coords[0]), *(tile[i] for i in op.indices))).astype(op.dtype.np_dtype))
             args += list(coords)
         elif op.sparsity == "mask":
             args.append(sparse[op.name])
         elif op.sparsity == "index":
             args.append(np.zeros(op.dims[0].literal, np.int32))
         else:
-            args.append(rng.standard_normal(shape).astype(_numpy_dtype(op.dtype.numpy)))
+            args.append(rng.standard_normal(shape).astype(op.dtype.np_dtype))
     if k.output.sparsity == "coo":
         args += list(sparse[k.output.name])
     keywords = {s: env[s] for s, lit in k.symbols if lit is None}

@@ -17,6 +17,8 @@ import time
 import types
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .budget import suggest_tiles
 from .emit import emit
 from .model import Kernel
@@ -30,7 +32,6 @@ ESTIMATE_SLACK = 1.4
 ESTIMATE_FLOOR = 1 << 20
 
 _UNITS = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_NUMPY = {"bf16": "bfloat16", "f32": "float32", "i8": "int8", "i16": "int16", "i32": "int32", "u8": "uint8", "u16": "uint16", "u32": "uint32", "index": "int32"}
 
 
 class MissingLibtpu(Exception):
@@ -113,7 +114,7 @@ def parse_shapes(text: str | None) -> dict[str, int]:
 
 
 def arg_structs(kernel: Kernel, env: dict[str, int], nb: int):
-    """(shape, numpy dtype name) per positional argument, and the keyword sizes."""
+    """(shape, numpy dtype) per positional argument, and the keyword sizes."""
     tile = {i.name: i.tile for i in kernel.indices}
 
     def dims(op):
@@ -122,12 +123,12 @@ def arg_structs(kernel: Kernel, env: dict[str, int], nb: int):
     args = []
     for op in kernel.inputs:
         if op.sparsity == "coo":
-            args.append(((nb, *(tile[i] for i in op.indices)), _NUMPY[op.dtype.name]))
-            args += [((nb,), "int32")] * op.rank
+            args.append(((nb, *(tile[i] for i in op.indices)), op.dtype.np_dtype))
+            args += [((nb,), np.dtype(np.int32))] * op.rank
         else:
-            args.append((dims(op), _NUMPY[op.dtype.name]))
+            args.append((dims(op), op.dtype.np_dtype))
     if kernel.output.sparsity == "coo":
-        args += [((nb,), "int32")] * kernel.output.rank
+        args += [((nb,), np.dtype(np.int32))] * kernel.output.rank
     keywords = {s: env[s] for s, lit in kernel.symbols if lit is None}
     return args, keywords
 
@@ -155,7 +156,6 @@ def _load(code: str, name: str):
 
 def _compile(plan: Plan, source: SourceFile, target_name: str, args, keywords, vmem_limit=None):
     import jax
-    import numpy as np
     from jax.sharding import SingleDeviceSharding
 
     if vmem_limit is not None:
@@ -164,7 +164,7 @@ def _compile(plan: Plan, source: SourceFile, target_name: str, args, keywords, v
     fn = getattr(module, plan.name)
     device = _device(TARGETS[target_name].topology)
     sharding = SingleDeviceSharding(device)
-    structs = [jax.ShapeDtypeStruct(shape, jax.numpy.bfloat16 if dtype == "bfloat16" else np.dtype(dtype), sharding=sharding) for shape, dtype in args]
+    structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in args]
     # Some Mosaic lowerings ask which TPU they target: the default device tells them.
     with jax.default_device(device):
         return jax.jit(lambda *a: fn(*a, **keywords)).trace(*structs).lower().compile()

@@ -29,15 +29,19 @@ def copy_kernel(rows: int, limit: int | None):
     return fn, [np.broadcast_to(np.float32(0), (2 * rows, 1024))]  # shape and dtype only: no memory
 
 
-def compiles(target, footprint: int, limit: int | None) -> bool:
-    rows = footprint // (4 * 4096) // 8 * 8
-    fn, args = copy_kernel(rows, limit)
+def fits(fn, args, target, space: str) -> bool:
+    """Whether it compiles; a failure must be for lack of `space` (vmem or smem), nothing else."""
     try:
         compile_for(fn, args, TARGETS[target].topology)
         return True
     except Exception as exc:
-        assert "vmem" in str(exc).lower(), str(exc)[:300]
+        assert space in str(exc).lower(), str(exc)[:300]
         return False
+
+
+def compiles(target, footprint: int, limit: int | None) -> bool:
+    fn, args = copy_kernel(footprint // (4 * 4096) // 8 * 8, limit)
+    return fits(fn, args, target, "vmem")
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -60,12 +64,7 @@ def smem_compiles(target, entries: int) -> bool:
         )  # fmt: skip
         return pl.pallas_call(kernel, grid_spec=spec, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(s, x)
 
-    try:
-        compile_for(fn, [np.broadcast_to(np.int32(0), (entries,)), np.zeros((64, 128), np.int32)], TARGETS[target].topology)
-        return True
-    except Exception as exc:
-        assert "smem" in str(exc).lower(), str(exc)[:300]
-        return False
+    return fits(fn, [np.broadcast_to(np.int32(0), (entries,)), np.zeros((64, 128), np.int32)], target, "smem")
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
