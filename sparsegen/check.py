@@ -1,32 +1,41 @@
-"""Check: turn a parsed spec into checked kernels, or report every problem found.
+"""Check: turn a parsed spec into checked kernels (the IR), or report every problem found.
 
 Each rule of the language page is one method below; each diagnostic points at the
 token that breaks the rule. Checks that would only repeat an earlier error stop early.
+Only the language's rules live here: what a chip can or cannot do is its target's
+business (`sparsegen.tpu.rules`).
 """
 
 from __future__ import annotations
 
 import keyword
+import sys
 
 from . import syntax as ast
 from .dtypes import DATA_DTYPES, DTYPES
-from .layout import layout_problem
+from .ir import Einsum, Group, Index, Kernel, Number, OffsetRef, Operand, Read, Relation, Size, Sub
 from .names import HELPERS, MODULE_NAMES
-from .model import Index, Kernel, Operand, OffsetRef, Size, Term
 from .source import Diagnostic, Span, SpecError
 
 # Module-level names of a generated module: a kernel may not take one of them as its name.
 RESERVED_KERNEL_NAMES = MODULE_NAMES | {"numpy"}
+# A module named like these would shadow them for anything run beside it (`import jax.numpy` dies).
+SHADOWED_MODULES = frozenset(sys.stdlib_module_names) | {
+    "jax", "jaxlib", "numpy", "ml_dtypes", "opt_einsum", "scipy", "libtpu", "sparsegen", "generated", "__init__", "__main__",
+}  # fmt: skip
 SPARSITIES = ("coo", "mask")
-ACCUMULATE_DTYPES = ("f32", "i32")
+ACCUMULATE_DTYPES = tuple(DATA_DTYPES)
+# Sizes and tiles index arrays with int32 (grid coordinates, prefetch tables, offsets).
+INT32_MAX = 2**31 - 1
+LATER = "conditions, expressions, reductions and local tensors (language v1, sections 3-5) arrive with the attention kernels"
 
 
 class _Stop(Exception):
     """Later checks of this kernel would only restate the errors already found."""
 
 
-def _article(word: str) -> str:
-    return "an" if word[:1] in "aeiou" else "a"
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 class _KernelChecker:
@@ -57,6 +66,12 @@ class _KernelChecker:
                 f"kernel name '{k.name.text}' is taken by the generated module itself; choose another name",
                 "a generated module defines `reference`, helpers named `_...`, and imports jax, jnp, np, lax, pl, pltpu and functools",
             )
+        elif k.name.text in SHADOWED_MODULES:
+            self.error(
+                k.name.span,
+                f"kernel name '{k.name.text}' would write {k.name.text}.py, which shadows the module '{k.name.text}' for code run beside it",
+                "the standard library, jax and its dependencies, and sparsegen's own package names are refused; choose another name",
+            )
         seen: dict[str, ast.Operand] = {}
         for op in k.operands:
             self.check_identifier(op.name, "operand name")
@@ -76,8 +91,6 @@ class _KernelChecker:
         outs = [op for op in self.k.operands if op.direction == "out"]
         if not outs:
             self.error(self.k.name.span, f"kernel '{self.k.name.text}' declares no output; add a line `out NAME: DTYPE[...]`")
-        for extra in outs[1:]:
-            self.error(extra.name.span, f"kernel '{self.k.name.text}' declares a second output; v0 kernels have exactly one")
         for op in self.k.operands:
             dtype = op.dtype.text
             if dtype not in DTYPES:
@@ -101,73 +114,140 @@ class _KernelChecker:
             for dim in op.dims:
                 if isinstance(dim.value, int) and dim.value <= 0:
                     self.error(dim.span, f"dimension size must be positive, got {dim.value}")
+                elif isinstance(dim.value, int) and dim.value > INT32_MAX:
+                    self.error(dim.span, f"dimension size {dim.value} is larger than an int32 index can address ({INT32_MAX})")
         sparse = [op for op in self.k.operands if op.direction == "in" and op.sparsity is not None and op.sparsity.text in SPARSITIES]
         for extra in sparse[1:]:
             self.error(
                 extra.sparsity.span,
-                f"'{extra.name.text}' is a second sparse input; v0 allows one (here '{sparse[0].name.text}' at {sparse[0].sparsity.span})",
+                f"'{extra.name.text}' is a second sparse input; a kernel has at most one (here '{sparse[0].name.text}' at {sparse[0].sparsity.span})",
             )
         self.stop_if_errors()
-        self.output = outs[0]
+        self.outputs = outs
 
-    # --------------------------------------------------------------- statement
-    def check_statement(self) -> None:
+    # -------------------------------------------------------------- statements
+    def check_statements(self) -> None:
         k = self.k
         if not k.statements:
             self.error(k.name.span, f"kernel '{k.name.text}' has no statement; add one like `o[i, j] = x[i, k] * y[k, j]`")
             raise _Stop
-        for extra in k.statements[1:]:
-            self.error(extra.span, "a kernel has one statement; split this into another kernel")
-        st = k.statements[0]
-        self.statement = st
-        target = st.target
-        if target.operand.text not in self.operands:
-            self.error(target.operand.span, f"'{target.operand.text}' is not declared")
-        elif target.operand.text != self.output.name.text:
-            self.error(target.operand.span, f"the statement must assign the output '{self.output.name.text}', not '{target.operand.text}'")
-        used: dict[str, ast.Access] = {}
-        for acc in st.factors:
-            name = acc.operand.text
+        assigned: dict[str, ast.Statement] = {}
+        self.parsed: list[tuple[ast.Statement, list[ast.Access], list[ast.Number]]] = []
+        used: set[str] = set()
+        offsets_used: set[str] = set()
+        for st in k.statements:
+            target = st.target
+            name = target.operand.text
             op = self.operands.get(name)
             if op is None:
-                self.error(acc.operand.span, f"'{name}' is not declared")
+                self.error(target.operand.span, f"'{name}' is not declared; local tensors are not supported yet", LATER)
                 continue
-            if op.direction == "out":
-                self.error(acc.operand.span, f"the output '{name}' cannot be read on the right-hand side")
+            if op.direction != "out":
+                self.error(target.operand.span, f"a statement assigns an output; '{name}' is an input")
+                continue
+            if name in assigned:
+                self.error(target.operand.span, f"output '{name}' is assigned twice (first at {assigned[name].span}); each output is assigned once")
+                continue
+            if st.condition is not None:
+                self.error(st.condition.span, "conditions (`where`) are not supported yet", LATER)
+            factors, numbers = self.product(st.value)
+            if factors is None:
+                continue
+            seen: dict[str, ast.Access] = {}
+            for acc in factors:
+                fname = acc.operand.text
+                fop = self.operands.get(fname)
+                if fop is None:
+                    self.error(acc.operand.span, f"'{fname}' is not declared")
+                    continue
+                if fop.direction == "out":
+                    if fname not in assigned:
+                        self.error(acc.operand.span, f"'{fname}' is read before it is assigned; statements come in dependency order")
+                        continue
+                    if fop.sparsity is not None:
+                        self.error(acc.operand.span, f"'{fname}' is a coo output; reading it in a later statement is not supported yet")
+                        continue
+                if fop.dtype.text == "index":
+                    self.error(acc.operand.span, f"'{fname}' is an index operand: it can only offset a subscript, as in `x[{fname}[0] + i]`")
+                    continue
+                if fname in seen:
+                    self.error(acc.operand.span, f"'{fname}' appears twice in the statement; reading an operand twice is not supported yet")
+                    continue
+                seen[fname] = acc
+                used.add(fname)
+            assigned[name] = st
+            for acc in (target, *factors):
+                for sub in acc.subscripts:
+                    if sub.offset is not None:
+                        offsets_used.add(sub.offset.operand.text)
+            self.parsed.append((st, factors, numbers))
+        for op in self.outputs:
+            if op.name.text not in assigned:
+                self.error(op.name.span, f"output '{op.name.text}' is never assigned; add a statement `{op.name.text}[...] = ...`")
+        self.stop_if_errors()
+        for op in self.k.operands:
+            if op.direction != "in":
                 continue
             if op.dtype.text == "index":
-                self.error(acc.operand.span, f"'{name}' is an index operand: it can only offset a subscript, as in `x[{name}[0] + i]`")
-                continue
-            if name in used:
-                self.error(acc.operand.span, f"'{name}' appears twice in the statement; v0 reads each input once")
-                continue
-            used[name] = acc
+                if op.name.text not in offsets_used:
+                    self.error(op.name.span, f"index operand '{op.name.text}' is never used; read it in a subscript, as in `x[{op.name.text}[0] + i]`")
+            elif op.name.text not in used:
+                self.error(op.name.span, f"input '{op.name.text}' is not used in any statement")
         self.stop_if_errors()
-        # Every access: rank, offsets, repeated indices.
-        offsets_used: set[str] = set()
-        for acc in (target, *st.factors):
+        for st, factors, _ in self.parsed:
+            self.check_accesses(st, factors)
+        self.stop_if_errors()
+
+    def product(self, value: ast.Expr) -> tuple[list[ast.Access] | None, list[ast.Number]]:
+        """The factors of a right side: operand reads and numeric literals multiplied together."""
+        accesses, numbers, ok = [], [], True
+        for f in ast.factors(value):
+            if isinstance(f, ast.Access):
+                accesses.append(f)
+            elif isinstance(f, ast.Number):
+                numbers.append(f)
+            elif isinstance(f, ast.Neg) and isinstance(f.a, ast.Number):
+                numbers.append(ast.Number(f"-{f.a.text}", -f.a.value, f.span))
+            else:
+                ok = False
+                self.error(f.span, f"not supported yet: {_describe(f)}; a right side is a product of operand reads and numbers", LATER)
+        if ok and not accesses:
+            self.error(value.span, "a statement reads at least one operand")
+            ok = False
+        return (accesses if ok else None), numbers
+
+    def check_accesses(self, st: ast.Statement, factors: list[ast.Access]) -> None:
+        """Ranks, offsets, divided subscripts and repeated indices of every access."""
+        target = st.target
+        for acc in (target, *factors):
             op = self.operands[acc.operand.text]
             if len(acc.subscripts) != len(op.dims):
                 self.error(
                     acc.span,
-                    f"'{op.name.text}' has {len(op.dims)} dimension{'s' if len(op.dims) != 1 else ''} but is accessed with {len(acc.subscripts)} subscript{'s' if len(acc.subscripts) != 1 else ''}",
+                    f"'{op.name.text}' has {_plural(len(op.dims), 'dimension')} but is accessed with {_plural(len(acc.subscripts), 'subscript')}",
                 )
                 continue
             seen: dict[str, ast.Subscript] = {}
             for sub in acc.subscripts:
                 self.check_identifier(sub.index, "index name")
+                if sub.index.text in self.operands:
+                    self.error(sub.index.span, f"'{sub.index.text}' names an operand; index, operand and local names share one namespace")
                 if sub.index.text in seen:
-                    self.error(sub.index.span, f"index '{sub.index.text}' is used twice in one access (a diagonal); v0 does not support that")
+                    self.error(sub.index.span, f"index '{sub.index.text}' is used twice in one access (a diagonal), which is not supported")
                 seen[sub.index.text] = sub
+                if sub.divisor is not None:
+                    if acc is target:
+                        self.error(sub.span, "a divided subscript (`h // 4`) reads an input; the left side uses plain indices")
+                    elif op.sparsity is not None:
+                        self.error(sub.span, f"'{op.name.text}' is {op.sparsity.text}; a divided subscript reads a dense operand")
+                    elif sub.divisor < 1:
+                        self.error(sub.span, f"a subscript is divided by a positive integer, not {sub.divisor}")
                 if sub.offset is None:
                     continue
                 off = sub.offset
-                offsets_used.add(off.operand.text)  # used, even where the use itself is wrong
-                if acc is target:
-                    self.error(off.span, "the output is written at its own blocks: no offsets on the left-hand side")
-                    continue
                 if op.sparsity is not None:
-                    self.error(off.span, f"'{op.name.text}' is sparse; offsets apply to dense operands only")
+                    what = "output" if acc is target else "operand"
+                    self.error(off.span, f"'{op.name.text}' is {op.sparsity.text}; offsets apply to a dense {what} only")
                     continue
                 ref = self.operands.get(off.operand.text)
                 if ref is None:
@@ -180,127 +260,153 @@ class _KernelChecker:
                     continue
                 length = ref.dims[0].value
                 if isinstance(length, int) and not 0 <= off.position < length:
-                    self.error(off.position_span, f"'{ref.name.text}' has {length} entr{'y' if length == 1 else 'ies'}; position {off.position} is out of range")
-        for op in self.k.operands:
-            if op.direction != "in":
-                continue
-            if op.dtype.text == "index":
-                if op.name.text not in offsets_used:
-                    self.error(op.name.span, f"index operand '{op.name.text}' is never used; read it in a subscript, as in `x[{op.name.text}[0] + i]`")
-            elif op.name.text not in used:
-                self.error(op.name.span, f"input '{op.name.text}' is not used in the statement")
-        self.stop_if_errors()
-        target_indices = [s.index.text for s in target.subscripts]
-        factor_indices = {s.index.text for acc in st.factors for s in acc.subscripts}
+                    entries = "1 entry" if length == 1 else f"{length} entries"
+                    self.error(off.position_span, f"'{ref.name.text}' has {entries}; position {off.position} is out of range")
+        factor_indices = {s.index.text for acc in factors for s in acc.subscripts}
         for sub in target.subscripts:
             if sub.index.text not in factor_indices:
                 self.error(sub.index.span, f"index '{sub.index.text}' of the output appears in no factor")
-        self.stop_if_errors()
-        self.target_indices = target_indices
-        self.summed = []
-        for acc in st.factors:
-            for s in acc.subscripts:
-                if s.index.text not in target_indices and s.index.text not in self.summed:
-                    self.summed.append(s.index.text)
 
-    # ------------------------------------------------------------ contraction
-    def check_contraction(self) -> None:
-        st = self.statement
-        self.contraction = None
-        self.end_factors = tuple(a.operand.text for a in st.factors if not set(self.summed) & {s.index.text for s in a.subscripts})
-        if not self.summed:
-            return
-        if len(self.summed) > 1:
-            second = next(s for a in st.factors for s in a.subscripts if s.index.text == self.summed[1])
-            self.error(second.index.span, f"v0 sums over one index; this statement also sums over '{self.summed[1]}' (after '{self.summed[0]}')")
-            raise _Stop
-        k = self.summed[0]
-        summed_factors = [a for a in st.factors if k in {s.index.text for s in a.subscripts}]
-        shape_note = "v0 sums only in a matrix product: o[i, j] = x[i, k] * y[k, j], with either factor's subscripts in any order"
-        if len(summed_factors) != 2:
-            span = summed_factors[0].span if len(summed_factors) == 1 else summed_factors[2].span
-            self.error(span, f"the sum over '{k}' must be a product of exactly two factors (found {len(summed_factors)})", shape_note)
-            raise _Stop
-        if len(st.target.subscripts) != 2:
-            self.error(st.target.span, f"a sum over '{k}' needs a 2-D output (a matrix product)", shape_note)
-            raise _Stop
-        free = []
-        for acc in summed_factors:
-            if len(acc.subscripts) != 2:
-                self.error(acc.span, f"'{acc.operand.text}' takes part in the sum over '{k}' and must be 2-D", shape_note)
+    # ------------------------------------------------------------- einsums
+    def build_einsums(self) -> None:
+        """Classify indices, group the factors, and check the sparse operands' roles."""
+        self.einsums: list[Einsum] = []
+        for st, factors, numbers in self.parsed:
+            reads = tuple(self.read(a) for a in factors)
+            target = self.read(st.target)
+            out = set(target.indices)
+            summed: list[str] = []
+            for r in reads:
+                for i in r.indices:
+                    if i not in out and i not in summed:
+                        summed.append(i)
+            groups = self.group(reads, set(summed), factors)
+            if groups is None:
                 continue
-            other = [s.index.text for s in acc.subscripts if s.index.text != k]
-            free.append(other[0])
+            summed_groups, end_groups = groups
+            e = Einsum(target, reads, tuple(Number(n.value) for n in numbers), tuple(summed), summed_groups, end_groups, st.span)
+            self.check_sparse_roles(e, factors)
+            self.einsums.append(e)
         self.stop_if_errors()
-        if free[0] == free[1]:
-            self.error(summed_factors[1].span, f"both factors of the sum over '{k}' share '{free[0]}'; a matrix product needs one output index from each", shape_note)
-            raise _Stop
-        # lhs is the factor whose free index comes first in the output, so the
-        # matmul result needs no transpose.
-        a, b = summed_factors
-        if self.target_indices.index(free[0]) > self.target_indices.index(free[1]):
-            a, b = b, a
-        self.contraction = (a.operand.text, b.operand.text)
 
-    # ------------------------------------------------------------- sparsity
-    def check_sparsity(self) -> None:
-        sparse = next((op for op in self.k.operands if op.direction == "in" and op.sparsity is not None), None)
-        if self.output.sparsity is not None and sparse is not None and sparse.sparsity.text == "coo":
+    def read(self, acc: ast.Access) -> Read:
+        subs = tuple(
+            Sub(s.index.text, OffsetRef(s.offset.operand.text, s.offset.position) if s.offset else None, s.divisor or 1) for s in acc.subscripts
+        )
+        return Read(acc.operand.text, subs, acc.span)
+
+    def group(self, reads, summed: set[str], accesses) -> tuple[tuple[Group, ...], tuple[Group, ...]] | None:
+        """Factors with a summed index whose indices another such factor covers are multiplied
+        into it before the sum; at most two groups may remain."""
+        with_sum = [n for n, r in enumerate(reads) if summed & set(r.indices)]
+        # The widest factor covers; among equals a data factor before a mask, then the first written.
+        order = sorted(with_sum, key=lambda n: (-len(reads[n].indices), self.operands[reads[n].operand].sparsity is not None, n))
+        mains: list[int] = []
+        extras: dict[int, list[int]] = {}
+        for n in order:
+            cover = next((m for m in mains if set(reads[n].indices) <= set(reads[m].indices)), None)
+            if cover is None:
+                mains.append(n)
+                extras[n] = []
+            else:
+                extras[cover].append(n)
+        if len(mains) > 2:
+            names = ", ".join(f"'{reads[m].operand}'" for m in sorted(mains))
+            third = sorted(mains)[2]
             self.error(
-                sparse.sparsity.span,
-                f"a coo input with a coo output is not supported yet ('{sparse.name.text}' and '{self.output.name.text}' are both coo)",
-                "declare the input 'mask' (a dense array whose zero blocks are skipped), or make the output dense",
+                accesses[third].span,
+                f"a sum multiplies at most two factors after covered ones are multiplied in; here {len(mains)} hold a summed index ({names})",
+                "a factor whose indices another factor has is multiplied into it first; a longer chain needs a local tensor (not supported yet)",
             )
-        if sparse is not None and sparse.sparsity.text == "coo" and self.summed and self.contraction and sparse.name.text not in self.contraction:
-            self.error(
-                sparse.sparsity.span,
-                f"a coo input drives the grid, so it must take part in the sum over '{self.summed[0]}'",
-                "to skip work by a sparse factor applied at the end, declare it 'mask' instead",
-            )
-        self.stop_if_errors()
+            return None
+        summed_groups = tuple(Group(m, tuple(sorted(extras[m]))) for m in sorted(mains))
+        end_groups = tuple(Group(n, ()) for n in range(len(reads)) if n not in with_sum)
+        return summed_groups, end_groups
+
+    def check_sparse_roles(self, e: Einsum, accesses) -> None:
+        for n, r in enumerate(e.factors):
+            op = self.operands[r.operand]
+            if op.sparsity is None or op.sparsity.text != "coo":
+                continue
+            if e.summed and not any(n in g.members for g in e.summed_groups):
+                self.error(
+                    op.sparsity.span,
+                    f"a coo input drives the walk over its stored blocks, so it must take part in the sum over '{e.summed[0]}'",
+                    "to skip work by a sparse factor applied after the sum, declare it 'mask' instead",
+                )
+                continue
+            missing = [i for i in e.summed if i not in r.indices]
+            if missing:
+                self.error(
+                    accesses[n].span,
+                    f"the walk over the stored blocks of '{r.operand}' covers its own indices only; summing over '{missing[0]}' too is not supported yet",
+                )
 
     # ----------------------------------------------------------------- sizes
     def check_sizes(self) -> None:
-        """Bind every index to one size; fix symbols bound to literals."""
+        """Bind every index to one size; fix symbols bound to literals; collect `h // n` relations."""
         bindings: dict[str, tuple[Size, Span]] = {}
         fixed: dict[str, tuple[int, Span]] = {}
-        st = self.statement
+        divided: list[tuple[ast.Subscript, ast.Dim, str]] = []
 
         def size_of(dim: ast.Dim) -> Size:
             return Size(dim.value, None) if isinstance(dim.value, str) else Size(None, dim.value)
 
-        for acc in (st.target, *st.factors):
-            op = self.operands[acc.operand.text]
-            for sub, dim in zip(acc.subscripts, op.dims):
-                if sub.offset is not None:
-                    continue
-                size = size_of(dim)
-                name = sub.index.text
-                if name not in bindings:
-                    bindings[name] = (size, sub.index.span)
-                    continue
-                prev, prev_span = bindings[name]
-                if prev == size:
-                    continue
-                if prev.symbol is not None and size.symbol is not None:
-                    self.error(
-                        sub.index.span,
-                        f"index '{name}' has size {size.symbol} here but {prev.symbol} at {prev_span}",
-                        "an index ranges over one size; write a transposed operand as y[n, k] instead of declaring swapped sizes",
-                    )
-                elif prev.literal is not None and size.literal is not None:
-                    self.error(sub.index.span, f"index '{name}' has size {size.literal} here but {prev.literal} at {prev_span}")
-                else:
-                    sym = prev.symbol or size.symbol
-                    lit = prev.literal if prev.literal is not None else size.literal
-                    if sym in fixed and fixed[sym][0] != lit:
-                        self.error(sub.index.span, f"size {sym} is fixed to {fixed[sym][0]} at {fixed[sym][1]} but to {lit} here")
-                    fixed.setdefault(sym, (lit, sub.index.span))
-                    bindings[name] = (Size(None, lit), prev_span)
-        for name in self.target_indices + self.summed:
+        for st, factors, _ in self.parsed:
+            for acc in (st.target, *factors):
+                op = self.operands[acc.operand.text]
+                for d, (sub, dim) in enumerate(zip(acc.subscripts, op.dims)):
+                    if sub.divisor is not None:
+                        divided.append((sub, dim, f"{op.name.text} dim {d}"))
+                        continue
+                    if sub.offset is not None:
+                        continue
+                    size = size_of(dim)
+                    name = sub.index.text
+                    if name not in bindings:
+                        bindings[name] = (size, sub.index.span)
+                        continue
+                    prev, prev_span = bindings[name]
+                    if prev == size:
+                        continue
+                    if prev.symbol is not None and size.symbol is not None:
+                        self.error(
+                            sub.index.span,
+                            f"index '{name}' has size {size.symbol} here but {prev.symbol} at {prev_span}",
+                            "an index ranges over one size; write a transposed operand as y[n, k] instead of declaring swapped sizes",
+                        )
+                    elif prev.literal is not None and size.literal is not None:
+                        self.error(sub.index.span, f"index '{name}' has size {size.literal} here but {prev.literal} at {prev_span}")
+                    else:
+                        sym = prev.symbol or size.symbol
+                        lit = prev.literal if prev.literal is not None else size.literal
+                        self.fix(fixed, sym, lit, sub.index.span)
+                        bindings[name] = (Size(None, lit), prev_span)
+        indices = self.all_indices()
+        for name in indices:
             if name not in bindings:
-                span = next(s.index.span for a in st.factors for s in a.subscripts if s.index.text == name)
-                self.error(span, f"index '{name}' has no size: every use of it carries an offset; use it plainly once")
+                span = next(s.index.span for st, fs, _ in self.parsed for a in (st.target, *fs) for s in a.subscripts if s.index.text == name)
+                self.error(span, f"index '{name}' has no size: every use of it is offset or divided; use it plainly once")
+        self.stop_if_errors()
+        # h // n: the dimension's size is size(h) / n. Literals on either side fix the other.
+        relations = []
+        for sub, dim, what in divided:
+            n = sub.divisor
+            index_size = bindings[sub.index.text][0]
+            lit_index = index_size.literal if index_size.literal is not None else fixed.get(index_size.symbol, (None,))[0]
+            lit_dim = dim.value if isinstance(dim.value, int) else fixed.get(dim.value, (None,))[0]
+            if lit_index is not None and lit_index % n:
+                self.error(sub.span, f"index '{sub.index.text}' has size {lit_index}, which {n} does not divide")
+                continue
+            if lit_index is not None and lit_dim is not None:
+                if lit_dim * n != lit_index:
+                    self.error(sub.span, f"{what} has size {lit_dim}, but {sub.index.text} // {n} ranges over {lit_index // n}")
+                continue
+            if lit_index is not None:
+                self.fix(fixed, dim.value, lit_index // n, sub.span)
+            elif lit_dim is not None:
+                self.fix(fixed, index_size.symbol, lit_dim * n, sub.span)
+            relations.append((sub, dim, what))
         self.stop_if_errors()
         self.fixed = {sym: v for sym, (v, _) in fixed.items()}
         self.bindings = {}
@@ -308,6 +414,25 @@ class _KernelChecker:
             if size.symbol is not None and size.symbol in self.fixed:
                 size = Size(size.symbol, self.fixed[size.symbol])
             self.bindings[name] = size
+        self.relations = tuple(
+            Relation(self.resolve(dim), sub.index.text, sub.divisor, what)
+            for sub, dim, what in relations
+            if self.resolve(dim).literal is None or self.bindings[sub.index.text].literal is None
+        )
+
+    def fix(self, fixed, symbol: str, value: int, span: Span) -> None:
+        if symbol in fixed and fixed[symbol][0] != value:
+            self.error(span, f"size {symbol} is fixed to {fixed[symbol][0]} at {fixed[symbol][1]} but to {value} here")
+        fixed.setdefault(symbol, (value, span))
+
+    def all_indices(self) -> list[str]:
+        out: list[str] = []
+        for st, factors, _ in self.parsed:
+            for acc in (st.target, *factors):
+                for s in acc.subscripts:
+                    if s.index.text not in out:
+                        out.append(s.index.text)
+        return out
 
     def resolve(self, dim: ast.Dim) -> Size:
         if isinstance(dim.value, int):
@@ -319,7 +444,7 @@ class _KernelChecker:
         k = self.k
         tiles: dict[str, ast.Tile] = {}
         declared: set[str] = set()
-        indices = self.target_indices + self.summed
+        indices = self.all_indices()
         for line in k.tile_lines:
             for tile in line.tiles:
                 name = tile.index.text
@@ -328,110 +453,72 @@ class _KernelChecker:
                     self.error(tile.index.span, f"index '{name}' already has a tile (at {tiles[name].span})")
                     continue
                 if name not in indices:
-                    self.error(tile.index.span, f"'{name}' is not an index of the statement (its indices: {', '.join(indices)})")
+                    self.error(tile.index.span, f"'{name}' is not an index of any statement (the indices: {', '.join(indices)})")
                     continue
                 if tile.size <= 0:
                     self.error(tile.size_span, f"tile {name} = {tile.size}: a tile must be positive")
                     continue
+                if tile.size > INT32_MAX:
+                    self.error(tile.size_span, f"tile {name} = {tile.size} is larger than an int32 index can address")
+                    continue
                 tiles[name] = tile
         missing = [n for n in indices if n not in declared]
         if missing:
-            span = k.tile_lines[0].span if k.tile_lines else self.statement.span
+            span = k.tile_lines[0].span if k.tile_lines else self.parsed[0][0].span
             line = ", ".join(f"{n} = ..." for n in missing)
             self.error(span, f"no tile for index{'es' if len(missing) > 1 else ''} {', '.join(repr(n) for n in missing)}", f"add `tile {line}`")
         self.stop_if_errors()
         self.tiles = tiles
         for name in indices:
-            size = self.bindings[name]
-            tile = tiles[name]
+            size, tile = self.bindings[name], tiles[name]
+            # A symbolic size may be ragged (its last block partial); a literal one is divided.
             if size.literal is not None and size.literal % tile.size:
                 self.error(tile.size_span, f"tile {name} = {tile.size} does not divide its size {size.describe()}")
         # Offset accesses address the operand in blocks of the index's tile.
-        for acc in self.statement.factors:
-            op = self.operands[acc.operand.text]
-            for sub, dim in zip(acc.subscripts, op.dims):
-                if sub.offset is None or not isinstance(dim.value, int):
-                    continue
-                name, tile = sub.index.text, tiles[sub.index.text].size
-                if dim.value % tile:
-                    self.error(tiles[name].size_span, f"tile {name} = {tile} does not divide {op.name.text}'s dimension of {dim.value}, which is read at an offset")
-                extent = self.bindings[name].literal
-                if extent is not None and extent > dim.value:
-                    self.error(sub.span, f"'{op.name.text}' has {dim.value} here, fewer than the {extent} that index '{name}' ranges over")
+        for st, factors, _ in self.parsed:
+            for acc in (st.target, *factors):
+                op = self.operands[acc.operand.text]
+                for sub, dim in zip(acc.subscripts, op.dims):
+                    if sub.offset is None or not isinstance(dim.value, int):
+                        continue
+                    name, tile = sub.index.text, tiles[sub.index.text].size
+                    if dim.value % tile:
+                        self.error(tiles[name].size_span, f"tile {name} = {tile} does not divide {op.name.text}'s dimension of {dim.value}, which is read at an offset")
+                    extent = self.bindings[name].literal
+                    if extent is not None and extent > dim.value:
+                        self.error(sub.span, f"'{op.name.text}' has {dim.value} here, fewer than the {extent} that index '{name}' ranges over")
         self.stop_if_errors()
-
-    # ---------------------------------------------------------------- layout
-    def check_layout(self) -> None:
-        reported: set[str] = set()  # one report per tile, naming the first block it breaks
-        for acc in (self.statement.target, *self.statement.factors):
-            op = self.operands[acc.operand.text]
-            if op.sparsity is not None and op.sparsity.text == "coo":
-                continue  # stored blocks are whole arrays of the tile's shape
-            block = tuple(self.tiles[s.index.text].size for s in acc.subscripts)
-            dims = tuple(self.resolve(d).literal for d in op.dims)
-            problem = layout_problem(block, dims, DTYPES[op.dtype.text])
-            if problem is None:
-                continue
-            axis, reason = problem
-            index = acc.subscripts[axis].index.text
-            if index in reported:
-                continue
-            reported.add(index)
-            tile = self.tiles[index]
-            self.error(
-                tile.size_span,
-                f"tile {index} = {tile.size} breaks the TPU layout rule for '{op.name.text}' ({op.dtype.text}): its block dim {axis} {reason}",
-            )
 
     # ------------------------------------------------------------ accumulate
     def check_accumulate(self) -> None:
         k = self.k
         data = [op for op in k.operands if op.dtype.text in DATA_DTYPES]
         floats = any(DTYPES[op.dtype.text].is_float for op in data)
-        self.accumulate = DTYPES["f32" if floats else "i32"]
+        fractions = [n for _, _, numbers in self.parsed for n in numbers if isinstance(n.value, float)]
+        self.accumulate = DTYPES["f32" if floats or fractions else "i32"]
         for extra in k.accumulates[1:]:
             self.error(extra.span, "accumulate is given twice")
         if not k.accumulates:
             return
         acc = k.accumulates[0].dtype
-        if acc.text not in DTYPES or acc.text == "index":
-            self.error(acc.span, f"unknown accumulate dtype '{acc.text}'; expected f32 or i32")
-        elif acc.text not in ACCUMULATE_DTYPES:
-            self.error(acc.span, f"accumulate {acc.text}: the TPU accumulates in 32 bits; use f32 or i32")
-        elif floats and acc.text == "i32":
-            self.error(acc.span, "accumulate i32 cannot hold a sum of float operands; use f32")
+        if acc.text not in ACCUMULATE_DTYPES:
+            self.error(acc.span, f"unknown accumulate dtype '{acc.text}'; expected one of {', '.join(ACCUMULATE_DTYPES)}")
+        elif floats and not DTYPES[acc.text].is_float:
+            self.error(acc.span, f"accumulate {acc.text} cannot hold a sum of float operands; use f32")
+        elif fractions and not DTYPES[acc.text].is_float:
+            self.error(fractions[0].span, f"the number {fractions[0].text} is not an integer, but this kernel accumulates in {acc.text}")
         else:
             self.accumulate = DTYPES[acc.text]
 
     # ---------------------------------------------------------------- result
     def build(self) -> Kernel:
         k = self.k
-        st = self.statement
-        terms_of: dict[str, tuple[Term, ...]] = {}
-        for acc in (st.target, *st.factors):
-            terms_of[acc.operand.text] = tuple(
-                Term(s.index.text, OffsetRef(s.offset.operand.text, s.offset.position) if s.offset else None) for s in acc.subscripts
-            )
         operands = []
         for op in k.operands:
             dtype = DTYPES[op.dtype.text]
             sparsity = "index" if dtype.kind == "index" else (op.sparsity.text if op.sparsity else "dense")
-            operands.append(
-                Operand(
-                    op.name.text,
-                    op.direction,
-                    dtype,
-                    tuple(self.resolve(d) for d in op.dims),
-                    sparsity,
-                    terms_of.get(op.name.text, ()),
-                    op.span,
-                    op.dtype.span,
-                )
-            )
-        indices = tuple(
-            Index(n, self.bindings[n], self.tiles[n].size, n in self.summed, self.tiles[n].span)
-            for n in self.target_indices + self.summed
-        )
+            operands.append(Operand(op.name.text, op.direction, dtype, tuple(self.resolve(d) for d in op.dims), sparsity, op.span, op.dtype.span))
+        indices = tuple(Index(n, self.bindings[n], self.tiles[n].size, self.tiles[n].span) for n in self.all_indices())
         symbols: dict[str, int | None] = {}
         for op in operands:
             for d in op.dims:
@@ -441,33 +528,44 @@ class _KernelChecker:
             name=k.name.text,
             source_name=self.source_name,
             digest=self.digest,
-            text=k.text,
             operands=tuple(operands),
             indices=indices,
-            contraction=self.contraction,
-            end_factors=self.end_factors,
+            statements=tuple(self.einsums),
             accumulate=self.accumulate,
             name_span=k.name.span,
             tile_span=k.tile_lines[0].span,
             symbols=tuple(symbols.items()),
+            relations=self.relations,
+            accumulate_span=k.accumulates[0].dtype.span if k.accumulates else None,
         )
 
     def run(self) -> Kernel | None:
         try:
             self.check_names()
             self.check_operands()
-            self.check_statement()
-            self.check_contraction()
-            self.check_sparsity()
+            self.check_statements()
+            self.build_einsums()
             self.check_sizes()
             self.check_tiles()
-            self.check_layout()
             self.check_accumulate()
             self.stop_if_errors()
         except _Stop:
             return None
         return self.build()
 
+
+def _describe(e: ast.Expr) -> str:
+    if isinstance(e, ast.Call):
+        return f"the function '{e.fn.text}'"
+    if isinstance(e, ast.Binary):
+        return f"the operator '{e.op}'"
+    if isinstance(e, ast.Value):
+        return f"'{e.name.text}' as a value"
+    if isinstance(e, ast.Neg):
+        return "unary minus"
+    if isinstance(e, (ast.Compare, ast.Logic, ast.Not)):
+        return "a comparison outside `where`"
+    return "this expression"
 
 
 def check(spec: ast.Spec) -> list[Kernel]:

@@ -1,25 +1,29 @@
-"""One way through: source -> syntax -> check -> plan (+ budget) -> emit."""
+"""One way through: source -> syntax -> check (IR) -> schedule + TPU lowering -> target rules -> emit.
+
+Every command goes through `lower_source` (build, check, plan, verify, variants), so a
+rule checked here is checked for all of them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from .budget import check_budget
 from .check import check
-from .emit import emit
-from .model import Kernel
-from .plan import Plan, plan as make_plan
+from .ir import Kernel
 from .source import SourceFile, SpecError
 from .syntax import parse
-from .targets import DEFAULT_TARGET, TARGETS
+from .tpu.emit import emit
+from .tpu.lower import LayoutError, TpuModule, lower
+from .tpu.rules import check_kernel, check_module
+from .tpu.targets import DEFAULT_TARGET, TARGETS
 
 
 @dataclass(frozen=True)
 class Module:
     kernel: str
     code: str
-    plan: Plan
+    plan: TpuModule
 
 
 def load(path: str | Path) -> tuple[SourceFile, list[Kernel]]:
@@ -28,30 +32,40 @@ def load(path: str | Path) -> tuple[SourceFile, list[Kernel]]:
     return source, check(parse(source))
 
 
-def plans(path: str | Path, target: str = DEFAULT_TARGET) -> list[Plan]:
-    source, kernels = load(path)
+def lower_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAULT_TARGET) -> list[TpuModule]:
+    """Schedule, lower and check every kernel against the target (SpecError listing every problem)."""
     result, errors = [], []
+    chip = TARGETS[target]
     for kernel in kernels:
-        p = make_plan(kernel, TARGETS[target])
-        errors += check_budget(p)
-        result.append(p)
+        problems = check_kernel(kernel, chip)
+        if problems:
+            errors += problems
+            continue
+        try:
+            m = lower(kernel, chip)
+        except LayoutError as exc:
+            errors += exc.diagnostics
+            continue
+        errors += check_module(m)
+        result.append(m)
     if errors:
-        raise SpecError(errors, source)
+        raise SpecError(sorted(errors, key=lambda d: (d.span.line, d.span.col) if d.span else (0, 0)), source)
     return result
 
 
-def compile_source(source: SourceFile, target: str = DEFAULT_TARGET) -> list[Module]:
-    kernels = check(parse(source))
-    modules, errors = [], []
-    for kernel in kernels:
-        p = make_plan(kernel, TARGETS[target])
-        errors += check_budget(p)
-        modules.append(Module(kernel.name, emit(p, source.name), p))
-    if errors:
-        raise SpecError(errors, source)
-    return modules
+def lower_source(source: SourceFile, target: str = DEFAULT_TARGET) -> list[TpuModule]:
+    return lower_kernels(source, check(parse(source)), target)
 
 
-def compile_file(path: str | Path, target: str = DEFAULT_TARGET) -> list[Module]:
+def plans(path: str | Path, target: str = DEFAULT_TARGET) -> list[TpuModule]:
+    return lower_source(SourceFile.read(path), target)
+
+
+def compile_source(source: SourceFile, target: str = DEFAULT_TARGET, origin: str | None = None) -> list[Module]:
+    """Every kernel of a spec as generated module source; `origin` names the spec in headers."""
+    return [Module(m.name, emit(m, origin or source.name), m) for m in lower_source(source, target)]
+
+
+def compile_file(path: str | Path, target: str = DEFAULT_TARGET, origin: str | None = None) -> list[Module]:
     """Every kernel of a spec file as generated module source (SpecError on any problem)."""
-    return compile_source(SourceFile.read(path), target)
+    return compile_source(SourceFile.read(path), target, origin)

@@ -50,6 +50,16 @@ class Expr:
     def rem(self, other):
         return _bin("%", self, lift(other))
 
+    def cdiv(self, other):
+        """Ceiling division: the number of blocks of `other` that cover `self`."""
+        return _bin("cdiv", self, lift(other))
+
+    def le(self, other):
+        return _bin("<=", self, lift(other))
+
+    def ge(self, other):
+        return _bin(">=", self, lift(other))
+
 
 @dataclass(frozen=True, eq=False)
 class Var(Expr):
@@ -97,6 +107,16 @@ class Max(Expr):
     b: Expr
 
 
+@dataclass(frozen=True, eq=False)
+class Min(Expr):
+    a: Expr
+    b: Expr
+
+
+def clip(e: Expr, low, high) -> Expr:
+    return Max(Min(e, lift(high)), lift(low))
+
+
 def lift(value) -> Expr:
     return value if isinstance(value, Expr) else Const(int(value))
 
@@ -107,6 +127,7 @@ _FOLD = {
     "*": lambda a, b: a * b,
     "//": lambda a, b: a // b,
     "%": lambda a, b: a % b,
+    "cdiv": lambda a, b: -(-a // b),
 }
 
 
@@ -115,7 +136,7 @@ def _bin(op: str, a: Expr, b: Expr) -> Expr:
     if isinstance(a, Const) and isinstance(b, Const) and op in _FOLD:
         return Const(_FOLD[op](a.value, b.value))
     if isinstance(b, Const):
-        if (op in ("+", "-") and b.value == 0) or (op in ("*", "//") and b.value == 1):
+        if (op in ("+", "-") and b.value == 0) or (op in ("*", "//", "cdiv") and b.value == 1):
             return a
         if op == "%" and b.value == 1:
             return Const(0)
@@ -136,7 +157,7 @@ def flat(coords: list[Expr], extents: list[Expr]) -> Expr:
 
 
 # Python's precedence: comparisons bind loosest (and chain), then | and &.
-_PREC = {"==": 1, "!=": 1, "<": 1, ">": 1, "|": 2, "&": 3, "+": 4, "-": 4, "*": 5, "//": 5, "%": 5}
+_PREC = {"==": 1, "!=": 1, "<": 1, ">": 1, "<=": 1, ">=": 1, "|": 2, "&": 3, "+": 4, "-": 4, "*": 5, "//": 5, "%": 5}
 
 
 def _render(e: Expr, style: str) -> tuple[str, int]:
@@ -150,14 +171,19 @@ def _render(e: Expr, style: str) -> tuple[str, int]:
     if isinstance(e, Call):
         fn = e.fn if style != "text" else e.fn.split(".")[-1]
         return f"{fn}({', '.join(render(a, style) for a in e.args)})", 9
-    if isinstance(e, Max):
-        fn = "jnp.maximum" if style == "py" else "max"
+    if isinstance(e, (Max, Min)):
+        word = "max" if isinstance(e, Max) else "min"
+        fn = f"jnp.{word}imum" if style == "py" else word
         return f"{fn}({render(e.a, style)}, {render(e.b, style)})", 9
     if isinstance(e, Where):
         if style != "text":
             return f"jnp.where({render(e.cond, style)}, {render(e.a, style)}, {render(e.b, style)})", 9
         return f"({render(e.a, style)} if {render(e.cond, style)} else {render(e.b, style)})", 9
     if isinstance(e, Bin):
+        if e.op == "cdiv":
+            if style == "text":
+                return f"ceil({render(e.a, style)} / {render(e.b, style)})", 9
+            return f"pl.cdiv({render(e.a, style)}, {render(e.b, style)})", 9
         if style == "py" and e.op in ("//", "%"):  # device code
             fn = "lax.div" if e.op == "//" else "lax.rem"
             return f"{fn}({render(e.a, style)}, {render(e.b, style)})", 9
@@ -190,8 +216,28 @@ def names(e: Expr) -> set[str]:
         return {e.array} | names(e.index)
     if isinstance(e, Call):
         return set().union(*(names(a) for a in e.args))
-    if isinstance(e, (Bin, Max)):
+    if isinstance(e, (Bin, Max, Min)):
         return names(e.a) | names(e.b)
     if isinstance(e, Where):
         return names(e.cond) | names(e.a) | names(e.b)
     raise TypeError(e)
+
+
+def evaluate(e: Expr, env: dict[str, int | None]) -> int | None:
+    """An integer expression over sizes (None where a name is unknown)."""
+    if isinstance(e, Const):
+        return e.value
+    if isinstance(e, Var):
+        return env.get(e.name)
+    if isinstance(e, (Bin, Max, Min)):
+        a, b = evaluate(e.a, env), evaluate(e.b, env)
+        if a is None or b is None:
+            return None
+        if isinstance(e, Max):
+            return max(a, b)
+        if isinstance(e, Min):
+            return min(a, b)
+        if e.op in ("//", "%", "cdiv") and not b:
+            return None
+        return _FOLD[e.op](a, b) if e.op in _FOLD else None
+    return None

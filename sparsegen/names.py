@@ -37,3 +37,23 @@ class NameTable:
             name += "_"
         self.used.add(name)
         return name
+
+
+class ModuleNames:
+    """The names of one generated module: public parameters keep the spec's names where they
+    can; internal names (locals, tables, grid coordinates) avoid every name the module uses."""
+
+    def __init__(self, kernel):
+        symbols = [s for s, _ in kernel.symbols]
+        # The public functions' bodies use only these names besides their parameters.
+        self.public = NameTable({"_prepare", "_impl", "_reference", "interpret"} | set(symbols))
+        self.internal = NameTable(MODULE_NAMES | PYTHON_NAMES | FIXED_LOCALS | {kernel.name})
+        self.functions = NameTable(MODULE_NAMES | {kernel.name})
+
+    def local(self, preferred: str) -> str:
+        return self.internal.take(preferred)
+
+    def function(self, preferred: str) -> str:
+        name = self.functions.take(preferred)
+        self.internal.used.add(name)
+        return name

@@ -6,6 +6,7 @@ line and a caret under the offending token, the way compilers do.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,8 @@ class SourceFile:
                 [Diagnostic(span, f"file is not UTF-8 text (invalid byte 0x{data[exc.start]:02x})")],
                 source,
             ) from None
+        if text.startswith("\ufeff"):  # a UTF-8 byte-order mark, as some editors write
+            text = text[1:]
         if "\x00" in text:
             offset = text.index("\x00")
             line = text.count("\n", 0, offset) + 1
@@ -61,14 +64,18 @@ class SourceFile:
             )
         return cls(name, text)
 
-    @property
+    # Computed once per file (not per kernel or diagnostic): a spec may hold thousands of kernels.
+    @functools.cached_property
     def digest(self) -> str:
         """The first 16 hex digits of the SHA-256 of the text, for generated headers."""
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()[:16]
 
+    @functools.cached_property
+    def lines(self) -> tuple[str, ...]:
+        return tuple(self.text.splitlines())
+
     def line(self, number: int) -> str:
-        lines = self.text.splitlines()
-        return lines[number - 1] if 0 < number <= len(lines) else ""
+        return self.lines[number - 1] if 0 < number <= len(self.lines) else ""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Syntax: the lark grammar, parsed into a typed AST whose nodes carry source spans.
 
-Nothing here judges meaning (unknown dtypes, unbound indices...): that is the
-checker's job. A parse error becomes a Diagnostic at the offending token.
+Nothing here judges meaning (unknown dtypes, unbound indices, which expressions a
+statement may use...): that is the checker's job. A parse error becomes a Diagnostic
+at the offending token.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from lark import Lark, Token, Tree
 
 from .resources import read_resource
 from .source import Diagnostic, SourceFile, Span, SpecError
-
 
 # ---------------------------------------------------------------------------- AST
 
@@ -57,20 +57,88 @@ class Offset:
 class Subscript:
     index: Name
     offset: Offset | None
+    divisor: int | None  # `h // 4`
     span: Span
+
+
+# Expressions. Every node has a span; the checker decides which ones a statement may use.
 
 
 @dataclass(frozen=True)
 class Access:
+    """`x[i, j]`: a read of an operand or a local (or, on the left, the assigned tensor)."""
+
     operand: Name
     subscripts: tuple[Subscript, ...]
     span: Span
 
 
 @dataclass(frozen=True)
+class Number:
+    text: str
+    value: int | float
+    span: Span
+
+
+@dataclass(frozen=True)
+class Value:
+    """A bare name in an expression: an index's value or a size."""
+
+    name: Name
+    span: Span
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: Name
+    args: tuple["Expr", ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Binary:
+    op: str  # + - * / // %
+    a: "Expr"
+    b: "Expr"
+    span: Span
+
+
+@dataclass(frozen=True)
+class Neg:
+    a: "Expr"
+    span: Span
+
+
+@dataclass(frozen=True)
+class Compare:
+    """`a < b <= c`: a chain, as in Python."""
+
+    first: "Expr"
+    rest: tuple[tuple[str, "Expr"], ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Logic:
+    op: str  # "and" | "or"
+    values: tuple["Expr", ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Not:
+    a: "Expr"
+    span: Span
+
+
+Expr = Access | Number | Value | Call | Binary | Neg | Compare | Logic | Not
+
+
+@dataclass(frozen=True)
 class Statement:
     target: Access
-    factors: tuple[Access, ...]
+    value: Expr
+    condition: Expr | None
     span: Span
 
 
@@ -102,13 +170,19 @@ class Kernel:
     tile_lines: tuple[TileLine, ...]
     accumulates: tuple[Accumulate, ...]
     span: Span
-    text: str  # the kernel's source text, for generated docstrings
 
 
 @dataclass(frozen=True)
 class Spec:
     source: SourceFile
     kernels: tuple[Kernel, ...]
+
+
+def factors(e: Expr) -> list[Expr]:
+    """The factors of a product `a * b * c` (a single expression is its own factor)."""
+    if isinstance(e, Binary) and e.op == "*":
+        return factors(e.a) + factors(e.b)
+    return [e]
 
 
 # ------------------------------------------------------------------------- parser
@@ -130,12 +204,12 @@ def _name(tok: Token) -> Name:
     return Name(str(tok), _span(tok))
 
 
-class _Builder:
-    def __init__(self, source: SourceFile):
-        self.source = source
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%"}
 
-    def spec(self, tree: Tree) -> Spec:
-        return Spec(self.source, tuple(self.kernel(k) for k in tree.children))
+
+class _Builder:
+    def spec(self, source: SourceFile, tree: Tree) -> Spec:
+        return Spec(source, tuple(self.kernel(k) for k in tree.children))
 
     def kernel(self, tree: Tree) -> Kernel:
         _, name, *items = tree.children
@@ -150,17 +224,7 @@ class _Builder:
                 tile_lines.append(self.tiles(item))
             elif kind == "accumulate":
                 accumulates.append(Accumulate(_name(item.children[1]), _span(item)))
-        span = _span(tree)
-        lines = self.source.text.splitlines()[span.line - 1 : span.end_line]
-        return Kernel(
-            _name(name),
-            tuple(operands),
-            tuple(statements),
-            tuple(tile_lines),
-            tuple(accumulates),
-            span,
-            "\n".join(lines),
-        )
+        return Kernel(_name(name), tuple(operands), tuple(statements), tuple(tile_lines), tuple(accumulates), _span(tree))
 
     def operand(self, tree: Tree) -> Operand:
         direction, name, dtype, *rest = tree.children
@@ -181,8 +245,9 @@ class _Builder:
         return Dim(value, _span(tok))
 
     def statement(self, tree: Tree) -> Statement:
-        target, *factors = (self.access(a) for a in tree.children)
-        return Statement(target, tuple(factors), _span(tree))
+        target, value, *rest = tree.children
+        condition = self.expr(rest[1]) if rest else None
+        return Statement(self.access(target), self.expr(value), condition, _span(tree))
 
     def access(self, tree: Tree) -> Access:
         name, *subs = tree.children
@@ -191,14 +256,48 @@ class _Builder:
     def subscript(self, tree: Tree) -> Subscript:
         if tree.data == "plain":
             (tok,) = tree.children
-            return Subscript(_name(tok), None, _span(tree))
+            return Subscript(_name(tok), None, None, _span(tree))
+        if tree.data == "divided":
+            tok, divisor = tree.children
+            return Subscript(_name(tok), None, int(divisor), _span(tree))
         if tree.data == "offset_first":
             off, tok = tree.children
         else:
             tok, off = tree.children
         op, pos = off.children
         offset = Offset(_name(op), int(pos), _span(pos), _span(off))
-        return Subscript(_name(tok), offset, _span(tree))
+        return Subscript(_name(tok), offset, None, _span(tree))
+
+    def expr(self, node: Tree | Token) -> Expr:
+        span = _span(node)
+        kind = node.data
+        if kind == "access":
+            return self.access(node)
+        if kind == "number":
+            (tok,) = node.children
+            text = str(tok)
+            return Number(text, int(text) if tok.type == "INT" else float(text), span)
+        if kind == "value":
+            (tok,) = node.children
+            return Value(_name(tok), span)
+        if kind == "call":
+            fn, *args = node.children
+            return Call(_name(fn), tuple(self.expr(a) for a in args), span)
+        if kind in _BINARY:
+            a, b = node.children
+            return Binary(_BINARY[kind], self.expr(a), self.expr(b), span)
+        if kind == "neg":
+            return Neg(self.expr(node.children[0]), span)
+        if kind == "not_":
+            return Not(self.expr(node.children[1]), span)
+        if kind in ("and_", "or_"):
+            values = [c for c in node.children if not isinstance(c, Token)]
+            return Logic(kind[:-1], tuple(self.expr(v) for v in values), span)
+        if kind == "compare":
+            first, *rest = node.children
+            pairs = tuple((str(rest[i]), self.expr(rest[i + 1])) for i in range(0, len(rest), 2))
+            return Compare(self.expr(first), pairs, span)
+        raise AssertionError(f"unexpected expression node {kind}")
 
     def tiles(self, tree: Tree) -> TileLine:
         tiles = []
@@ -212,20 +311,32 @@ class _Builder:
 _TERMINALS = {
     "NAME": "a name",
     "INT": "an integer",
+    "NUMBER": "a number",
     "KERNEL": "'kernel'",
     "DIRECTION": "'in' or 'out'",
     "TILE": "'tile'",
     "ACCUMULATE": "'accumulate'",
+    "WHERE": "'where'",
+    "AND": "'and'",
+    "OR": "'or'",
+    "NOT": "'not'",
+    "COMPARE": "a comparison",
     "_NL": "a line break",
     "LBRACE": "'{'",
     "RBRACE": "'}'",
     "LSQB": "'['",
     "RSQB": "']'",
+    "LPAR": "'('",
+    "RPAR": "')'",
     "COMMA": "','",
     "COLON": "':'",
     "EQUAL": "'='",
     "STAR": "'*'",
     "PLUS": "'+'",
+    "MINUS": "'-'",
+    "SLASH": "'/'",
+    "PERCENT": "'%'",
+    "__ANON_0": "'//'",
     "$END": "end of file",
 }
 
@@ -242,21 +353,29 @@ def _expected(names) -> str:
     words = sorted({_TERMINALS.get(n, n) for n in names})
     if not words:
         return "something else"
+    if len(words) > 6:  # inside an expression almost anything may follow: say so briefly
+        return "an operator or the end of the expression"
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _end_of(source: SourceFile) -> Span:
+    lines = source.lines or ("",)
+    line, col = len(lines), len(lines[-1]) + 1
+    return Span(line, col, line, col + 1)
 
 
 def _syntax_error(source: SourceFile, exc: lark.exceptions.LarkError) -> Diagnostic:
     if isinstance(exc, lark.exceptions.UnexpectedToken):
         tok = exc.token
         if tok.type == "$END":
-            lines = source.text.splitlines() or [""]
-            line = len(lines)
-            col = len(lines[-1]) + 1
-            return Diagnostic(Span(line, col, line, col + 1), f"unexpected end of file: expected {_expected(exc.expected)}")
+            return Diagnostic(_end_of(source), f"unexpected end of file: expected {_expected(exc.expected)}")
         span = Span(tok.line, tok.column, tok.end_line or tok.line, tok.end_column or tok.column + 1)
         if tok.type == "_NL":
             # The newline token starts at the end of the line where something is missing.
             span = Span(tok.line, tok.column, tok.line, tok.column + 1)
+        if tok.type == "NAME" and str(tok) == "kernel" and "KERNEL" in exc.expected:
+            # `kernel 9k {`: the keyword is one only before a name.
+            return Diagnostic(span, "'kernel' must be followed by the kernel's name (a letter or '_', then letters, digits or '_')")
         return Diagnostic(span, f"expected {_expected(exc.expected)}, found {_describe_token(tok)}")
     if isinstance(exc, lark.exceptions.UnexpectedCharacters):
         char = source.line(exc.line)[exc.column - 1 : exc.column] or "?"
@@ -265,9 +384,7 @@ def _syntax_error(source: SourceFile, exc: lark.exceptions.LarkError) -> Diagnos
         hint = f": expected {_expected(allowed)}" if allowed else ""
         return Diagnostic(span, f"unexpected character '{char}'{hint}")
     if isinstance(exc, lark.exceptions.UnexpectedEOF):
-        lines = source.text.splitlines() or [""]
-        line, col = len(lines), len(lines[-1]) + 1
-        return Diagnostic(Span(line, col, line, col + 1), f"unexpected end of file: expected {_expected(exc.expected)}")
+        return Diagnostic(_end_of(source), f"unexpected end of file: expected {_expected(exc.expected)}")
     return Diagnostic(None, f"cannot parse: {exc}")
 
 
@@ -277,4 +394,4 @@ def parse(source: SourceFile) -> Spec:
         tree = _parser().parse(source.text)
     except lark.exceptions.LarkError as exc:
         raise SpecError([_syntax_error(source, exc)], source) from None
-    return _Builder(source).spec(tree)
+    return _Builder().spec(source, tree)

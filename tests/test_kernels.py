@@ -73,6 +73,6 @@ def test_tolerance_is_strict_enough_to_catch_a_missing_block():
     blocks, i0, i1, y = args
     ref = mod.reference(*args, **keywords)
     out = mod.dsd_matmul(blocks[1:], i0[1:], i1[1:], y, **keywords, interpret=True)
-    assert tolerance(kernel)[0] < 0.1
+    assert tolerance(kernel, "o")[0] < 0.1
     with pytest.raises(AssertionError):
         assert_matches(kernel, out, ref)

@@ -1,0 +1,228 @@
+"""The IR: what the checker proves about a spec, and what every later stage reads.
+
+A kernel holds operands, indices (one size and one tile each, kernel-wide) and
+statements in dependency order. Everything is validated: names are identifiers, sizes
+bind consistently, literal tiles divide literal sizes. No strategy lives here: how a
+statement is walked is the schedule's business, how it runs on a chip the target's.
+Spans are kept so that later stages can still point back at the spec.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .dtypes import DType
+from .source import Span
+
+
+@dataclass(frozen=True)
+class Size:
+    """A dimension size: a literal, or a symbol bound at call time (or fixed by a literal)."""
+
+    symbol: str | None
+    literal: int | None
+
+    @property
+    def text(self) -> str:
+        return self.symbol if self.symbol is not None else str(self.literal)
+
+    def describe(self) -> str:
+        if self.symbol is not None and self.literal is not None:
+            return f"{self.symbol} = {self.literal}"
+        return self.text
+
+
+@dataclass(frozen=True)
+class OffsetRef:
+    """`start[0]`: a scalar of an `index` operand, added to an index (block-aligned)."""
+
+    operand: str
+    position: int
+
+
+@dataclass(frozen=True)
+class Sub:
+    """One subscript of an access: an index, maybe shifted by an offset or divided (`h // 4`)."""
+
+    index: str
+    offset: OffsetRef | None = None
+    divisor: int = 1
+
+    @property
+    def text(self) -> str:
+        if self.offset is not None:
+            return f"{self.offset.operand}[{self.offset.position}] + {self.index}"
+        return f"{self.index} // {self.divisor}" if self.divisor != 1 else self.index
+
+
+@dataclass(frozen=True)
+class Operand:
+    name: str
+    direction: str  # "in" | "out"
+    dtype: DType
+    dims: tuple[Size, ...]
+    sparsity: str  # "dense" | "coo" | "mask" | "index"
+    span: Span
+    dtype_span: Span
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    @property
+    def decl(self) -> str:
+        sparsity = "" if self.sparsity in ("dense", "index") else f" {self.sparsity}"
+        return f"{self.name}: {self.dtype.name}[{', '.join(d.text for d in self.dims)}]{sparsity}"
+
+
+@dataclass(frozen=True)
+class Read:
+    """An access of an operand in a statement (its target, or one factor)."""
+
+    operand: str
+    subs: tuple[Sub, ...]
+    span: Span
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        return tuple(s.index for s in self.subs)
+
+    @property
+    def text(self) -> str:
+        return f"{self.operand}[{', '.join(s.text for s in self.subs)}]"
+
+
+@dataclass(frozen=True)
+class Group:
+    """Factors multiplied elementwise before the sum: `main` and the factors it covers."""
+
+    main: int  # position of the factor in Einsum.factors
+    extras: tuple[int, ...]
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return (self.main, *self.extras)
+
+
+@dataclass(frozen=True)
+class Number:
+    """A numeric literal factor, as validated text (re-printed, never copied from the file)."""
+
+    value: int | float
+
+    @property
+    def text(self) -> str:
+        return repr(self.value)
+
+
+@dataclass(frozen=True)
+class Einsum:
+    """`target[...] = f1[...] * f2[...] * ... * literals`: indices on the right only are summed.
+
+    `summed_groups` hold the factors with a summed index (at most two, after covered
+    factors are multiplied into the factor covering them); `end_groups` the factors with
+    none, applied once after the sum. Without a summed index every factor is an end
+    group and the statement is an elementwise product.
+    """
+
+    target: Read
+    factors: tuple[Read, ...]
+    numbers: tuple[Number, ...]
+    summed: tuple[str, ...]  # in order of first appearance
+    summed_groups: tuple[Group, ...]
+    end_groups: tuple[Group, ...]
+    span: Span
+
+    @property
+    def out_indices(self) -> tuple[str, ...]:
+        return self.target.indices
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        return self.out_indices + self.summed
+
+    def kind(self, index: str) -> str:
+        """"summed", "batch" (on the left and in two or more factors) or "free"."""
+        if index in self.summed:
+            return "summed"
+        uses = sum(index in f.indices for f in self.factors)
+        return "batch" if uses >= 2 else "free"
+
+    @property
+    def scale(self) -> int | float | None:
+        """The product of the literal factors (None without any)."""
+        if not self.numbers:
+            return None
+        return functools.reduce(lambda a, b: a * b, (n.value for n in self.numbers))
+
+    @property
+    def text(self) -> str:
+        rhs = [f.text for f in self.factors] + [n.text for n in self.numbers]
+        return f"{self.target.text} = {' * '.join(rhs)}"
+
+
+@dataclass(frozen=True)
+class Index:
+    name: str
+    size: Size
+    tile: int
+    tile_span: Span
+
+    @property
+    def blocks(self) -> str:
+        """The number of blocks along this index, as text."""
+        if self.size.literal is not None:
+            return str(self.size.literal // self.tile)
+        return f"ceil({self.size.symbol} / {self.tile})"
+
+
+@dataclass(frozen=True)
+class Relation:
+    """A dimension read through `h // n`: its size is size(h) / n (checked at call time when symbolic)."""
+
+    dim: Size
+    index: str
+    divisor: int
+    what: str  # "k dim 1", for messages
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    source_name: str
+    digest: str
+    operands: tuple[Operand, ...]  # declaration order
+    indices: tuple[Index, ...]  # in order of first appearance
+    statements: tuple[Einsum, ...]  # in dependency order
+    accumulate: DType
+    name_span: Span
+    tile_span: Span
+    symbols: tuple[tuple[str, int | None], ...]  # every size symbol, with its fixed value
+    relations: tuple[Relation, ...] = ()
+    accumulate_span: Span | None = None  # where `accumulate` is written, if it is
+
+    @property
+    def inputs(self) -> tuple[Operand, ...]:
+        return tuple(o for o in self.operands if o.direction == "in")
+
+    @property
+    def outputs(self) -> tuple[Operand, ...]:
+        return tuple(o for o in self.operands if o.direction == "out")
+
+    @property
+    def data_inputs(self) -> tuple[Operand, ...]:
+        return tuple(o for o in self.inputs if o.sparsity != "index")
+
+    @property
+    def sparse_input(self) -> Operand | None:
+        return next((o for o in self.inputs if o.sparsity in ("coo", "mask")), None)
+
+    def operand(self, name: str) -> Operand:
+        return next(o for o in self.operands if o.name == name)
+
+    def index(self, name: str) -> Index:
+        return next(i for i in self.indices if i.name == name)
+
+    def statement_of(self, output: str) -> Einsum:
+        return next(s for s in self.statements if s.target.operand == output)

@@ -1,0 +1,119 @@
+"""The coo-input walk: the grid walks the stored blocks of the sparse input.
+
+The stored blocks are sorted by the output block (row) they feed and each row's run is
+closed by a *flush step*, so every output block is written exactly once — rows that no
+stored block reaches included (they flush zeros) — with no look-ahead and no output
+aliased to an input. Output indices the coo operand does not carry are parallel grid
+axes before the walk. Flush steps hold the next stored block, so they start no copy;
+padding entries (every coordinate -1) sort last and do nothing.
+"""
+
+from __future__ import annotations
+
+from ..expr import Const, Load, Max, Var, flat, render
+from .build import PassBuilder
+from .core import Body, FlushCase, Pass, Product
+
+
+class CooInputWalk(PassBuilder):
+    walk = "coo input"
+
+    def build(self) -> Pass:
+        st, k = self.st, self.k
+        n_coo = next(n for n, r in enumerate(st.factors) if k.operand(r.operand).sparsity == "coo")
+        coo_read = st.factors[n_coo]
+        coo = k.operand(coo_read.operand)
+        carried = [i for i in st.out_indices if i in coo_read.indices]
+        for i in st.out_indices:
+            if i not in carried:
+                self.axis("blocks", i, self.blocks_along(i), True, f"output blocks along {i}")
+        nb = self.local("nb")
+        rows = Const(1)
+        for i in carried:
+            rows = rows * self.blocks_along(i)
+        steps = self.axis("steps", None, Var(nb) + rows, False,
+                          f"the stored blocks of {coo.name} in output-block order, plus one flush step per output block", var=self.local("step"))
+        step = Var(steps.var)
+        blocks_param = self.conv.param(coo.name, "blocks").internal
+        coords = {i: self.conv.param(coo.name, "coords", d).internal for d, i in enumerate(coo_read.indices)}
+        self.kinds = ["_FLUSH", "_BLOCK", "_SKIP"]
+        length = Var(nb) + rows
+        kind = self.table("step_kind", length, "_BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding")
+        block = self.table("step_block", length, f"the stored block of {coo.name} a step reads (flush steps hold the next one, so they start no copy)")
+        row = self.table("step_row", length, "the output block a step accumulates into, row-major over " + ", ".join(carried)) if carried else None
+        # Compute steps read the coordinates of their stored block; the other operands follow them.
+        compute = [n for g in st.summed_groups for n in g.members] if st.summed else list(range(len(st.factors)))
+        needed = [i for n in compute if n != n_coo for i in st.factors[n].indices if i in coords]
+        needed += [i for i in st.summed if self.ragged(i)]
+        held = {}
+        for i in coo_read.indices:
+            if i in needed:
+                held[i] = self.table(f"step_{i}", length, f"coordinate {i} of the stored block a step reads")
+        row_coords = flat([Var(coords[i]) for i in carried], [self.blocks_along(i) for i in carried]) if carried else Const(0)
+        self.host.append("# Sort the stored blocks by the output block they feed; a flush step closes each output block.")
+        targets = ", ".join([kind, block, row] if row else [kind, block, "_"])
+        self.host.append(f"{targets} = _coo_steps({render(row_coords, 'host')}, {render(rows, 'host')}, {self.conv.pad(coo.name)})")
+        for i, var in held.items():
+            self.host.append(f"{var} = jnp.maximum({coords[i]}[{block}], 0)  # 0 if every entry is padding")
+        statics = {}
+        for i in carried:
+            static = self.local(f"n_{i}")
+            statics[i] = Var(static)
+            self.statics[static] = self.blocks_along(i)
+
+        def decode_row(index):
+            # Position of `index` inside the flattened row number.
+            pos = carried.index(index)
+            value = Load(row, step)
+            later = Const(1)
+            for n in carried[pos + 1 :]:
+                later = later * statics[n]
+            value = value.div(later)
+            if pos > 0:
+                value = value.rem(statics[index])
+            return value
+
+        def compute_coord(index):
+            return Load(held[index], step) if index in held else Var(self.axis_of(index).var)
+
+        def flush_coord(index):
+            return decode_row(index) if index in carried else Var(self.axis_of(index).var)
+
+        blocks = {}
+        for n, read in enumerate(st.factors):
+            if n == n_coo:
+                b = self.factor_block(n, (Load(block, step),) + (Const(0),) * len(self.stored_dims(read)),
+                                      "The stored block this step multiplies (flush steps hold the next one).")
+            elif n in compute:
+                b = self.natural_block(n, compute_coord, "The block the stored block of this step meets (flush steps hold the next one).")
+            else:
+                b = self.natural_block(n, flush_coord, "Read when the output block is flushed.")
+            blocks[b.key] = b
+        blocks["out"] = self.out_block(self.coords(st.target, flush_coord))
+        init = step.eq(0) | Load(kind, Max(step - 1, 0)).eq(Var("_FLUSH"))
+        computes = Load(kind, step).eq(Var("_BLOCK"))
+        flushes = Load(kind, step).eq(Var("_FLUSH"))
+        summed, end = self.products(blocks)
+        out = blocks["out"]
+        note = ("A run of steps accumulates one output block; it starts after a flush step.",)
+        about = "Write the finished block (zeros if no stored block reached it)."
+        if st.summed:
+            acc_live, acc_shape = self.acc_layout(out, summed)
+            body = Body(True, init, computes, summed, (), flushes, (FlushCase(None, end, "flush", about),), st.summed, acc_live,
+                        acc_shape, out.live, tails=self.tails(compute_coord), notes=note)
+        else:
+            # No sum: the product is accumulated per stored block, so duplicates add up.
+            factors = tuple(f for p in end for f in p.factors)
+            acc_live, acc_shape = self.acc_layout(out, ())
+            body = Body(True, init, computes, (), (Product(factors),), flushes, (FlushCase(None, (), "flush", about),), (), acc_live,
+                        acc_shape, out.live, notes=note)
+        self.counts.append((nb, f"{blocks_param}.shape[0]"))
+        self.guard += [f"if {nb} == 0:", "    # Nothing is stored: the result is all zeros."]
+        products = Var(nb)
+        for a in self.axes:
+            if a.role == "blocks":
+                products = products * a.extent
+        return self.finish(list(blocks.values()), body, "the grid walks the stored blocks", self.dense_out_shape(), products)
+
+    def stored_dims(self, read):
+        return [s for s in read.subs if self.tile[s.index] != 1]

@@ -1,0 +1,176 @@
+"""The schedule's vocabulary: a backend-neutral description of the kernel to generate.
+
+A module runs one *pass* per statement. A pass walks a grid of axes; before it runs, the
+wrapper computes per-step integer *tables* (which stored block a step reads, the next step
+that computes, ...); at every step each operand's *block* is given by coordinates over the
+axes and tables; the *body* says what a step computes into the accumulator and when it is
+initialised and flushed. A target lowers this (TPU: scalar prefetch, BlockSpecs, pl.when
+phases) without deciding any of it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import DType
+from ..expr import Expr
+from ..ir import Einsum, Number
+
+
+@dataclass(frozen=True)
+class Axis:
+    var: str  # the grid coordinate's name in kernels and index maps
+    role: str  # "blocks" (an index's blocks) | "steps" | "out_blocks" | "reduce"
+    index: str | None  # the spec index it walks, if any
+    extent: Expr  # number of steps, over the wrapper's size variables
+    static: str  # the name under which index maps and kernels receive the extent
+    parallel: bool
+    about: str  # what the axis walks, for people
+
+
+@dataclass(frozen=True)
+class Table:
+    """An int32 array computed before the pass runs, read by index maps and the body."""
+
+    var: str
+    length: Expr
+    about: str
+
+
+@dataclass(frozen=True)
+class BlockDim:
+    index: str | None  # the index walked along this array dimension; None: the stored-block dim
+    extent: int  # elements per block along it; 1 is a squeezed dimension
+    divisor: int = 1  # read through `index // divisor`
+
+    @property
+    def live(self) -> bool:
+        """Does the kernel see this dimension (an index it computes along)?"""
+        return self.index is not None and self.extent > 1
+
+
+@dataclass(frozen=True)
+class Block:
+    """Which block of an array each step touches."""
+
+    key: str  # "f0", "f1", ... for factors (statement order), "out" for the output
+    operand: str
+    array: str  # the array the call receives
+    stored: bool  # a coo blocks array: dim 0 is the stored block
+    dims: tuple[BlockDim, ...]
+    coords: tuple[Expr, ...]  # block coordinates per array dimension
+    lets: tuple[tuple[str, Expr], ...]
+    about: str
+    is_output: bool = False
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        return tuple(d.index for d in self.dims if d.live)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(d.extent for d in self.dims if d.live)
+
+
+@dataclass(frozen=True)
+class Factor:
+    """A factor's block as the body computes with it."""
+
+    block: str  # Block.key
+    operand: str
+    live: tuple[str, ...]
+    dtype: DType
+
+
+@dataclass(frozen=True)
+class Product:
+    """Factors multiplied elementwise; the first sets the dtype (the language's covering factor)."""
+
+    factors: tuple[Factor, ...]
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        return self.factors[0].live
+
+    @property
+    def indices(self) -> set[str]:
+        return set().union(*(f.live for f in self.factors))
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A symbolic size that need not be a multiple of its tile: elements at or past it are absent."""
+
+    index: str
+    coord: Expr  # the block coordinate along the index at a computing step
+    size: str  # the size variable
+    tile: int
+
+
+@dataclass(frozen=True)
+class FlushCase:
+    when: Expr | None
+    products: tuple[Product, ...] | None  # multiplied into the result; None writes zeros
+    name: str
+    about: str
+    scale: bool = True  # apply the statement's literal factors
+
+
+@dataclass(frozen=True)
+class Body:
+    accumulator: bool
+    init_when: Expr | None
+    compute_when: Expr | None
+    summed: tuple[Product, ...]  # the sum's one or two groups; () without a sum
+    step: tuple[Product, ...]  # without a sum, accumulated per step (a coo input's duplicates add up)
+    flush_when: Expr | None
+    flush_cases: tuple[FlushCase, ...]
+    summed_indices: tuple[str, ...]
+    acc_live: tuple[str, ...]  # the accumulator's indices (output indices the sum produces)
+    acc_shape: tuple[int, ...]
+    out_live: tuple[str, ...]  # the output block's indices, in order
+    tails: tuple[Tail, ...] = ()  # ragged summed indices, applied to the summed products
+    out_tails: tuple[Tail, ...] = ()  # ragged output indices of a stored (coo) output block
+    notes: tuple[str, ...] = ()
+    lets: tuple[tuple[str, Expr], ...] = ()  # values the phases read (over axes, extents and tables)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One statement's kernel: its grid, tables, blocks and body, and how the wrapper feeds it."""
+
+    statement: Einsum
+    output: str
+    walk: str  # "dense" | "coo input" | "mask" | "window" | "coo output" | "coo join"
+    about: str
+    axes: tuple[Axis, ...]
+    tables: tuple[Table, ...]
+    blocks: tuple[Block, ...]  # factors in statement order, then the output
+    body: Body
+    host: tuple[str, ...]  # wrapper lines computing the tables (jnp), run before the call
+    guard: tuple[str, ...]  # wrapper lines returning early when nothing is stored or requested
+    pre: tuple[str, ...]  # wrapper lines run before the tables (summing a coo input's duplicates)
+    counts: tuple[tuple[str, str], ...]  # (variable, host expression): stored or requested block counts
+    statics: tuple[tuple[str, Expr], ...]  # extents index maps and the kernel receive by name
+    out_shape: tuple[Expr, ...]
+    out_dtype: DType
+    block_products: Expr  # steps that compute, at most (for cost estimates)
+    flops_per_product: int
+    accumulate: DType
+    scale: Number | None = None
+    kinds: tuple[str, ...] = ()  # named step or block kinds the tables use (_BLOCK, _EMPTY, ...)
+
+    @property
+    def inputs(self) -> tuple[Block, ...]:
+        return tuple(b for b in self.blocks if not b.is_output)
+
+    @property
+    def out(self) -> Block:
+        return next(b for b in self.blocks if b.is_output)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kernel: object  # ir.Kernel
+    passes: tuple[Pass, ...]
+    outputs: tuple[tuple[str, str], ...]  # each output and the wrapper variable that holds it

@@ -1,0 +1,213 @@
+"""The kernel body in Pallas TPU code: reading blocks, the sum, the phases.
+
+Values carry the indices of their axes, so aligning a factor to another (a transpose, a
+broadcast) is decided here from the schedule's index lists. The common matrix products
+read like the tutorial (`jnp.dot`, `lax.dot_general` for transposed operands); anything
+else is a `jnp.einsum` over the block's indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import DType
+from ..expr import render
+from ..schedule.core import Factor, Product, Tail
+from .lower import Spec, TpuPass
+
+
+@dataclass(frozen=True)
+class Val:
+    code: str
+    axes: tuple[str, ...]
+    dtype: DType
+    simple: bool = True  # a ref read or a name: safe to use twice, no parentheses needed
+
+
+def _tuple(items) -> str:
+    items = list(items)
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+def align(v: Val, target: tuple[str, ...]) -> str:
+    """`v` with its axes in `target`'s order, unit axes where it lacks one (numpy broadcasting)."""
+    if v.axes == target or not v.axes:
+        return v.code
+    present = [a for a in target if a in v.axes]
+    perm = [v.axes.index(a) for a in present]
+    code = v.code if v.simple else f"({v.code})"
+    if perm != sorted(perm):
+        code = f"{code}.T" if len(perm) == 2 else f"jnp.transpose({code}, {_tuple(map(str, perm))})"
+    if len(present) < len(target):
+        code = f"{code}[{', '.join(':' if a in v.axes else 'None' for a in target)}]"
+    return code
+
+
+def cast(code: str, frm: DType, to: DType) -> str:
+    return code if frm == to else f"{code}.astype({to.jnp})"
+
+
+class BodyWriter:
+    def __init__(self, kernel, tp: TpuPass):
+        self.k = kernel
+        self.tp = tp
+        self.p = tp.p
+        self.body = tp.p.body
+        self.acc = tp.p.accumulate
+        self.spec = {s.block.key: s for s in tp.specs}
+        self.letters = {}
+        for i in self.p.statement.indices:
+            self.letters[i] = "abcdefghijklmnopqrstuvwxyz"[len(self.letters)]
+
+    # ------------------------------------------------------------ values
+    def read(self, f: Factor) -> Val:
+        spec: Spec = self.spec[f.block]
+        code = f"{spec.ref}[...]"
+        shape = tuple(d.extent for d in spec.block.dims if d.live)
+        if f.live and spec.view.ref_shape != shape:
+            code = f"{code}.reshape({_tuple(map(str, shape))})"
+            return Val(code, f.live, f.dtype, False)
+        return Val(code, f.live, f.dtype)
+
+    def product(self, q: Product) -> Val:
+        main = self.read(q.factors[0])
+        if len(q.factors) == 1:
+            return main
+        parts = [cast(main.code, main.dtype, self.acc)]
+        for f in q.factors[1:]:
+            v = self.read(f)
+            parts.append(cast(align(v, main.axes) if v.simple else f"({align(v, main.axes)})", v.dtype, self.acc))
+        code = " * ".join(parts)
+        if main.dtype != self.acc:
+            code = f"({code}).astype({main.dtype.jnp})"
+        return Val(code, main.axes, main.dtype, False)
+
+    # ------------------------------------------------------------ the sum
+    def contraction(self, vals: list[Val]) -> str:
+        acc, target = self.acc, self.body.acc_live
+        summed = set(self.body.summed_indices)
+        pref = f"preferred_element_type={acc.jnp}"
+        if any(v.dtype.name == "f32" for v in vals):
+            # The MXU rounds f32 operands to bf16 unless asked for full precision.
+            pref += ", precision=lax.Precision.HIGHEST"
+        if len(vals) == 1:
+            (v,) = vals
+            axes = [n for n, a in enumerate(v.axes) if a in summed]
+            code = cast(v.code if v.simple else f"({v.code})", v.dtype, acc)
+            if not axes:
+                return align(Val(code, v.axes, acc, v.simple), target)
+            rest = tuple(a for a in v.axes if a not in summed)
+            total = f"jnp.sum({code}, axis={_tuple(map(str, axes)) if len(axes) > 1 else axes[0]})"
+            return align(Val(total, rest, acc, True), target)
+        a, b = vals
+        if a.dtype != b.dtype:
+            a = Val(cast(a.code, a.dtype, acc), a.axes, acc, False)
+            b = Val(cast(b.code, b.dtype, acc), b.axes, acc, False)
+        shared = [i for i in a.axes if i in b.axes]
+        contracted = [i for i in shared if i in summed]
+        batch = [i for i in shared if i not in summed]
+        alone = [i for i in (*a.axes, *b.axes) if i in summed and i not in shared]
+        fa = [i for i in a.axes if i not in b.axes and i not in summed]
+        fb = [i for i in b.axes if i not in a.axes and i not in summed]
+        if len(a.axes) == 2 and len(b.axes) == 2 and len(contracted) == 1 and not batch and not alone:
+            lhs, rhs = (a, b) if tuple(fa + fb) == target else (b, a) if tuple(fb + fa) == target else (None, None)
+            if lhs is not None:
+                (c,) = contracted
+                dims = (lhs.axes.index(c), rhs.axes.index(c))
+                lc = lhs.code if lhs.simple else f"({lhs.code})"
+                rc = rhs.code if rhs.simple else f"({rhs.code})"
+                if dims == (1, 0):
+                    return f"jnp.dot({lhs.code}, {rhs.code}, {pref})"
+                return f"lax.dot_general({lc}, {rc}, ((({dims[0]},), ({dims[1]},)), ((), ())), {pref})"
+        spec = f"{self.sub(a.axes)},{self.sub(b.axes)}->{self.sub(target)}"
+        return f'jnp.einsum("{spec}", {a.code}, {b.code}, {pref})'
+
+    def sub(self, axes) -> str:
+        return "".join(self.letters[i] for i in axes)
+
+    # ------------------------------------------------------------ tails
+    def tail_lines(self, name: str, v: Val, tails: tuple[Tail, ...]) -> list[str]:
+        lines = []
+        for t in tails:
+            if t.index in v.axes:
+                limit = f"{t.size} - {render(t.coord, 'py')} * {t.tile}"
+                lines.append(f"{name} = _mask_tail({name}, {v.axes.index(t.index)}, {limit})")
+        return lines
+
+    def guarded(self, tails: tuple[Tail, ...], lines: list[str]) -> list[str]:
+        """Tail masks run only where a size is ragged: decided at trace time (sizes are static)."""
+        if not lines:
+            return []
+        sizes = list(dict.fromkeys(f"{t.size} % {t.tile}" for t in tails))
+        cond = " or ".join(sizes)
+        return [f"if {cond}:  # a partial last block: what lies past the end is absent", *("    " + line for line in lines)]
+
+    def compute_lines(self) -> tuple[list[str], str]:
+        """Lines before the accumulation, and the accumulated value."""
+        body = self.body
+        groups = body.summed or body.step
+        vals = [self.product(q) for q in groups]
+        tails = body.tails
+        needs_locals = any(t.index in v.axes for v in vals for t in tails)
+        lines: list[str] = []
+        if needs_locals:
+            masked = []
+            named = []
+            for q, v in zip(groups, vals):
+                name = self.tp_local(q.factors[0].operand)
+                lines.append(f"{name} = {v.code}")
+                named.append(Val(name, v.axes, v.dtype, True))
+                masked += self.tail_lines(name, named[-1], tails)
+            lines += self.guarded(tails, masked)
+            vals = named
+        if body.summed:
+            return lines, self.contraction(vals)
+        # No sum: an elementwise product, accumulated per step.
+        parts = [cast(align(v, body.acc_live) if v.simple else f"({align(v, body.acc_live)})", v.dtype, self.acc) for v in vals]
+        return lines, " * ".join(parts)
+
+    def tp_local(self, operand: str) -> str:
+        name = operand if operand.isidentifier() else "v"
+        used = {s.ref for s in self.tp.specs} | {self.tp.acc_ref} | {a.var for a in self.p.axes} | {t.var for t in self.p.tables}
+        used |= {a.static for a in self.p.axes} | {n for n, _ in self.body.lets} | set(self.tp.sizes)
+        used |= {"jnp", "lax", "pl", "pltpu", "np", "jax", "functools"}
+        while name in used or name in self._locals:
+            name += "_"
+        self._locals.add(name)
+        return name
+
+    _locals: set = set()
+
+    def flush_value(self, products: tuple[Product, ...] | None) -> tuple[list[str], str]:
+        """The value written to the output block at a flush (zeros for None)."""
+        out = self.tp.out_spec
+        ref = out.ref
+        if products is None:
+            return [], f"jnp.zeros_like({ref})"
+        body = self.body
+        parts = []
+        if body.accumulator:
+            parts.append(align(Val(f"{self.tp.acc_ref}[...]", body.acc_live, self.acc), body.out_live))
+        for q in products:
+            v = self.product(q)
+            parts.append(cast(align(v, body.out_live) if v.simple else f"({align(v, body.out_live)})", v.dtype, self.acc))
+        if self.p.scale is not None:
+            parts.append(self.p.scale.text)
+        if not parts:
+            parts = [f"jnp.ones({ref}.shape, {self.acc.jnp})"]
+        value = " * ".join(parts)
+        lines = []
+        if body.out_tails and any(t.index in body.out_live for t in body.out_tails):
+            name = self.tp_local("value")
+            lines.append(f"{name} = {value}")
+            masked = self.tail_lines(name, Val(name, body.out_live, self.acc), body.out_tails)
+            lines += self.guarded(body.out_tails, masked)
+            value = name
+        shape = tuple(d.extent for d in out.block.dims if d.live)
+        cast_to = f"{ref}.dtype"
+        if len(parts) > 1 and value != parts[0] and not lines:
+            value = f"({value})"
+        value = f"{value}.astype({cast_to})"
+        if out.view.ref_shape != shape:
+            value = f"{value}.reshape({ref}.shape)"
+        return lines, value

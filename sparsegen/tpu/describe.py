@@ -1,0 +1,99 @@
+"""The plan in words a kernel author understands: for `sparsegen plan` and docstrings."""
+
+from __future__ import annotations
+
+from ..expr import render
+from .lower import TpuModule, TpuPass, smem_entries
+from .targets import format_bytes
+
+
+def _shape(block: tuple[int | None, ...]) -> str:
+    return "(" + ", ".join("squeezed" if s is None else str(s) for s in block) + ")"
+
+
+def _index_map(spec) -> str:
+    lets = "; ".join(f"{name} = {render(e, 'text')}" for name, e in spec.block.lets)
+    coords = "(" + ", ".join(render(e, "text") for e in spec.index) + ")"
+    return f"{lets}; -> {coords}" if lets else coords
+
+
+def _calls(tp: TpuPass) -> list[str]:
+    body = tp.p.body
+    lines = []
+    if body.accumulator:
+        if body.init_when is not None:
+            lines.append(f"init accumulator when {render(body.init_when, 'text')}")
+        if body.summed:
+            what = " x ".join("(" + " * ".join(f.operand for f in q.factors) + ")" if len(q.factors) > 1 else q.factors[0].operand for q in body.summed)
+            what = f"the sum over {', '.join(body.summed_indices)} of {what}"
+        else:
+            what = "the product " + " * ".join(f.operand for q in body.step for f in q.factors)
+        when = f" when {render(body.compute_when, 'text')}" if body.compute_when is not None else " every step"
+        lines.append(f"accumulate {what}{when}")
+        for t in body.tails:
+            lines.append(f"  past {t.size} along {t.index} (a partial last block) the factors are zero")
+    for case in body.flush_cases:
+        when = [render(e, "text") for e in (body.flush_when, case.when) if e is not None]
+        cond = " and ".join(when) if when else "every step"
+        if case.products is None:
+            value = "zeros"
+        else:
+            parts = (["accumulator"] if body.accumulator else []) + [f.operand for q in case.products for f in q.factors]
+            if tp.p.scale is not None:
+                parts.append(tp.p.scale.text)
+            value = " * ".join(parts) if parts else "ones"
+        lines.append(f"write output when {cond}: {value}")
+    return lines
+
+
+def describe_pass(m: TpuModule, tp: TpuPass) -> list[str]:
+    p = tp.p
+    out = [f"{p.statement.text}  ({p.walk}: {p.about})"]
+    out.append(f"  grid ({', '.join(render(a.extent, 'text') for a in p.axes)})")
+    for a in p.axes:
+        out.append(f"    {a.var}: {a.about} [{'parallel' if a.parallel else 'arbitrary'}]")
+    out.append(f"  dimension_semantics ({', '.join(tp.dimension_semantics)})")
+    if p.tables:
+        out.append("  scalar prefetch (SMEM, int32):")
+        for t in p.tables:
+            out.append(f"    {t.var}[{render(t.length, 'text')}]: {t.about}")
+    out.append("  blocks:")
+    for s in tp.specs:
+        role = "out" if s.block.is_output else "in "
+        view = " (viewed with unit dims)" if s.view.reshapes else ""
+        out.append(f"    {role} {s.block.operand} block {_shape(s.shape)}{view}, index map {_index_map(s)}")
+        if s.block.about:
+            out.append(f"        {s.block.about}")
+    out.append("  body:")
+    out += [f"    {line}" for line in _calls(tp)]
+    if p.walk == "coo input":
+        out.append("    output blocks no stored block reaches are written as zeros by their flush step")
+    target = m.target
+    out.append(f"  VMEM estimate: {format_bytes(tp.vmem_bytes)} of {format_bytes(target.vmem_bytes)} on {target.name}")
+    for item in tp.vmem:
+        shape = "x".join(str(s) for s in item.shape)
+        out.append(f"    {item.what}: {item.buffers} x {shape} {item.dtype.name} = {format_bytes(item.bytes)}")
+    if p.tables:
+        env = {s.internal: s.literal for s in m.conv.sizes}
+        entries = smem_entries(tp, env)
+        if entries is None:
+            out.append(f"  SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit {format_bytes(target.smem_bytes)})")
+        else:
+            out.append(f"  SMEM estimate: {format_bytes(entries * 4)} of {format_bytes(target.smem_bytes)}")
+    return out
+
+
+def describe(m: TpuModule) -> list[str]:
+    """Lines describing the plan (no trailing newlines)."""
+    k = m.kernel
+    several = len(m.passes) > 1
+    lines = [f"kernel {k.name}" + (f": {len(m.passes)} passes, one per statement, in order" if several else "")]
+    for n, tp in enumerate(m.passes):
+        sub = describe_pass(m, tp)
+        if several:
+            lines.append(f"  pass {n + 1}: {sub[0]}")
+            lines += ["  " + line for line in sub[1:]]
+        else:
+            lines.append(f"  {sub[0]}")
+            lines += sub[1:]
+    return lines

@@ -1,0 +1,279 @@
+"""Emit: render a lowered kernel through the Jinja templates into a black-formatted module.
+
+Only validated identifiers and numbers from the spec reach the output: names come from
+the IR or the module's name tables, the docstring's spec is re-printed from the IR, and
+the source path appears only as an escaped comment.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import jinja2
+
+from ..expr import Call, Const, Expr, Var, names as expr_names, render
+from ..formatting import format_module
+from ..resources import resource_dir
+from ..wrapper import Wrapper, spec_text
+from .body import BodyWriter
+from .describe import describe
+from .lower import TpuModule, TpuPass
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(resource_dir("templates"))),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["py"] = lambda e: render(e, "py")
+    env.filters["host"] = lambda e: render(e, "host")
+    env.filters["pytuple"] = _tuple
+    env.filters["quote"] = lambda text: f'"{text}"'
+    return env
+
+
+def _tuple(items) -> str:
+    items = list(items)
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+# Helpers emitted only where the module calls them (helpers calling helpers included).
+_OPTIONAL = {
+    "multiple": "_check_multiple", "span": "_check_span", "relate": "_relate", "blocks": "_as_blocks", "need": "_need",
+    "coords": "_check_coords", "padding": "_check_padding", "offsets": "_check_offsets", "smem": "_check_smem",
+    "next_live": "_next_live", "coo_steps": "_coo_steps", "block_kinds": "_block_kinds", "densify": "_densify",
+    "gather": "_gather_blocks", "tails": "_mask_tail", "window": "_window", "join": "_block_slots",
+}  # fmt: skip
+
+
+class _Emitter:
+    def __init__(self, m: TpuModule):
+        self.m = m
+        self.k = m.kernel
+        self.wrapper = Wrapper(m.kernel, m.conv, m.spans, m.names.local("size"))
+        self.outputs = dict(m.schedule.outputs)
+
+    # ------------------------------------------------------------ kernels
+    def kernel_text(self, tp: TpuPass) -> dict:
+        p, body = tp.p, tp.p.body
+        w = BodyWriter(self.k, tp)
+        w._locals = set()
+        params = [t.var for t in p.tables] + [s.ref for s in tp.in_specs] + [tp.out_spec.ref]
+        if body.accumulator:
+            params.append(tp.acc_ref)
+        sig = ", ".join(params) + (", *, " + ", ".join(tp.sizes) if tp.sizes else "")
+        phase_exprs = [e for e in (body.init_when, body.compute_when, body.flush_when) if e is not None]
+        phase_exprs += [c.when for c in body.flush_cases if c.when is not None] + [v for _, v in body.lets]
+        phase_exprs += [t.coord for t in (*body.tails, *body.out_tails)]
+        used = set()
+        for e in phase_exprs:
+            used |= expr_names(e)
+        lets = [(a.var, render(Call("pl.program_id", (Const(d),)), "py")) for d, a in enumerate(p.axes)]
+        lets += [(a.static, render(Call("pl.num_programs", (Const(d),)), "py")) for d, a in enumerate(p.axes) if a.static in used]
+        lets += [(name, render(value, "py")) for name, value in body.lets]
+        compute_lines, compute_value = ([], "")
+        if body.accumulator:
+            compute_lines, compute_value = w.compute_lines()
+        cases = []
+        for case in body.flush_cases:
+            whens = [render(e, "py") for e in (body.flush_when, case.when) if e is not None]
+            when = " & ".join(f"({x})" if len(whens) > 1 else x for x in whens) if whens else None
+            lines, value = w.flush_value(case.products)
+            cases.append({"when": when, "lines": lines, "value": value, "name": case.name, "about": case.about})
+        return {
+            "fn": tp.kernel_fn,
+            "signature": sig,
+            "lets": lets,
+            "notes": body.notes,
+            "accumulator": body.accumulator,
+            "init_when": render(body.init_when, "py") if body.init_when is not None else None,
+            "compute_when": render(body.compute_when, "py") if body.compute_when is not None else None,
+            "compute_lines": compute_lines,
+            "compute_value": compute_value,
+            "cases": cases,
+            "acc": tp.acc_ref,
+            "out_ref": tp.out_spec.ref,
+        }
+
+    def maps(self, tp: TpuPass) -> list[dict]:
+        params = [a.var for a in tp.p.axes] + [t.var for t in tp.p.tables]
+        out = []
+        for s in tp.specs:
+            out.append({"fn": s.fn, "params": params, "statics": s.statics, "about": s.block.about, "lets": s.block.lets, "index": s.index})
+        return out
+
+    def spec_text(self, s) -> dict:
+        shape = _tuple("None" if x is None else str(x) for x in s.shape)
+        if s.statics:
+            kw = ", ".join(f"{name}={render(value, 'host')}" for name, value in s.statics)
+            map_text = f"functools.partial({s.fn}, {kw})"
+        else:
+            map_text = s.fn
+        return {"shape": shape, "map": map_text}
+
+    def call(self, tp: TpuPass) -> dict:
+        """The lines that run one pass's pallas_call, for `_impl` (or its own function)."""
+        p = tp.p
+        conv = self.m.conv
+        arrays = []
+        for s in tp.in_specs:
+            a = s.block.array
+            if s.view.reshapes:
+                shape = self.view_shape(s)
+                a = f"{a}.reshape({shape})"
+            arrays.append(a)
+        out = tp.out_spec
+        out_shape = _tuple(render(e, "host") for e in p.out_shape)
+        view_shape = self.view_shape(out) if out.view.reshapes else out_shape
+        kernel = tp.kernel_fn
+        if tp.sizes:
+            kernel = f"functools.partial({kernel}, " + ", ".join(f"{v}={v}" for v in tp.sizes) + ")"
+        products = p.block_products
+        per = sum(math.prod(s.view.ref_shape or (1,)) * self.k.operand(s.block.operand).dtype.itemsize for s in tp.in_specs)
+        out_bytes = Const(p.out_dtype.itemsize)
+        for e in p.out_shape:
+            out_bytes = out_bytes * e
+        guard = [f"{var} = {value}" for var, value in p.counts] + list(p.guard)
+        if p.guard:
+            guard.append(f"    return jnp.zeros({out_shape}, {p.out_dtype.jnp})")
+        return {
+            "fn": tp.call_fn,
+            "args": list(conv.impl_args),
+            "pre": list(p.pre),
+            "guard": guard,
+            "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes), " if p.tables else "",
+            "tables": len(p.tables),
+            "grid": _tuple(render(a.extent, "host") for a in p.axes),
+            "in_specs": [self.spec_text(s) for s in tp.in_specs],
+            "out_spec": self.spec_text(out),
+            "scratch": f"pltpu.VMEM({_tuple(map(str, p.body.acc_shape or (1, 1)))}, {p.accumulate.jnp})" if p.body.accumulator else "",
+            "kernel": kernel,
+            "out_struct": f"jax.ShapeDtypeStruct({view_shape}, {p.out_dtype.jnp})",
+            "reshape_out": out_shape if out.view.reshapes else None,
+            "lead": f"{self.outputs[p.output]} = " if out.view.reshapes else "return ",
+            "semantics": _tuple(f'"{x}"' for x in tp.dimension_semantics),
+            "vmem_limit": tp.vmem_limit(self.m.target),
+            "flops": render(products * p.flops_per_product, "host"),
+            "bytes": render(products * per + out_bytes, "host"),
+            "arrays": arrays,
+        }
+
+    def view_shape(self, s) -> str:
+        """The array's shape with the view's unit dimensions, as host code."""
+        from .layout import view_shape
+
+        op = self.k.operand(s.block.operand)
+        if s.block.stored:
+            lead = render(self.pass_of(s).p.out_shape[0], "host") if s.block.is_output else f"{s.block.array}.shape[0]"
+            dims = [lead] + [str(d.extent) for d in s.block.dims[1:]]
+        else:
+            dims = [render(self.m.conv.size(d), "host") for d in op.dims]
+        return _tuple(view_shape(tuple(dims), s.view.inserted))
+
+    def pass_of(self, spec):
+        return next(tp for tp in self.m.passes if spec in tp.specs)
+
+    def prefetch(self, tp: TpuPass) -> dict:
+        return {"fn": tp.prefetch_fn, "lines": list(tp.p.host), "tables": [t.var for t in tp.p.tables]}
+
+    # ------------------------------------------------------------ module
+    def smem_checks(self) -> list[str]:
+        lines = []
+        counted = set()
+        for tp in self.m.passes:
+            for var, value in tp.p.counts:
+                if tp.p.tables and var not in counted:
+                    counted.add(var)
+                    lines.append(f"{var} = {value}")
+            if not tp.p.tables:
+                continue
+            counts: dict[str, int] = {}
+            for t in tp.p.tables:
+                text = render(t.length, "host")
+                counts[text] = counts.get(text, 0) + 1
+            terms = [text if c == 1 else f"{c} * ({text})" if " " in text else f"{c} * {text}" for text, c in counts.items()]
+            what = "the scalar-prefetch tables of this call" + (f" ({tp.p.output})" if len(self.m.passes) > 1 else "")
+            lines.append(f'_check_smem({" + ".join(terms)}, "{what}")')
+        return lines
+
+    def docstring(self) -> tuple[str, str]:
+        k, w = self.k, self.wrapper
+        returns = w.returns()
+        call = f"{k.name}({w.signature()[0]})"
+        args = w.argument_lines()
+        args.append("    interpret: False compiles for the TPU; True runs the CPU interpreter;")
+        args.append("        pltpu.InterpretParams() runs the TPU simulator.")
+        spec = "\n".join("    " + line for line in spec_text(k).splitlines())
+        plan_lines = "\n".join("    " + line for line in describe(self.m))
+        doc = (
+            f"{k.name}: a Pallas TPU kernel generated by sparsegen.\n\n"
+            f"Spec:\n\n{spec}\n\n"
+            f"Call:\n\n    {call}\n\n"
+            f"Arguments:\n\n" + "\n".join(args) + "\n\n"
+            f"Returns:\n\n    {returns}\n\n"
+            "Bad shapes, dtypes, and concrete coordinates or offsets out of range raise a\n"
+            "ValueError naming the argument and dimension; under jax.jit, traced\n"
+            "coordinates are clamped and offsets rounded down to their tile, so no copy\n"
+            "ever leaves its array.\n\n"
+            f"Plan (target {self.m.target.name}):\n\n{plan_lines}\n"
+        )
+        call_doc = f"Run the kernel: {returns}.\n\n    Arguments are the inputs in declaration order (see the module docstring).\n    "
+        return doc, call_doc
+
+    def module(self, source_name: str) -> str:
+        m, k, conv = self.m, self.k, self.m.conv
+        env = _environment()
+        doc, call_doc = self.docstring()
+        kernel_sig, reference_sig = self.wrapper.signature()
+        size_vars = [s.internal for s in conv.sizes]
+        passes = [{"kernel": self.kernel_text(tp), "maps": self.maps(tp), "prefetch": self.prefetch(tp), "call": self.call(tp),
+                   "output": self.outputs[tp.p.output]} for tp in m.passes]
+        kinds = []
+        for tp in m.passes:
+            for name in tp.p.kinds:
+                if name not in kinds:
+                    kinds.append(name)
+        main = env.get_template("tpu/module.py.j2").render(
+            k=k,
+            source=source_name.encode("unicode_escape").decode("ascii"),
+            digest=k.digest,
+            doc=doc,
+            call_doc=call_doc,
+            helpers="{helpers}",
+            smem=m.target.smem_bytes if any(tp.p.tables for tp in m.passes) else None,
+            target=m.target.name,
+            kinds=kinds,
+            passes=passes,
+            single=len(passes) == 1,
+            public_params=[p.internal for p in conv.params] + size_vars,
+            prepare_lines=self.wrapper.prepare_lines(self.smem_checks()),
+            impl_args=list(conv.impl_args),
+            size_vars=size_vars,
+            reference_lines=self.wrapper.reference_lines(self.outputs),
+            kernel_signature=kernel_sig,
+            reference_signature=reference_sig,
+            forward=[p.public for p in conv.params] + [s.symbol for s in conv.sizes],
+            results=[self.outputs[o.name] for o in k.outputs],
+        )
+        uses = {key: False for key in _OPTIONAL}
+        text = main
+        for _ in range(3):  # helpers call helpers: until nothing new is used
+            for key, fn in _OPTIONAL.items():
+                if re.search(rf"\b{fn}\(", text):
+                    uses[key] = True
+            helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
+            text = main + helpers
+        helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
+        return main.replace("{helpers}", helpers, 1)
+
+
+def emit(m: TpuModule, source_name: str) -> str:
+    """The generated module's source, formatted by black."""
+    return format_module(_Emitter(m).module(source_name), names=(m.name,))

@@ -1,0 +1,258 @@
+"""TPU lowering: a schedule becomes Pallas TPU terms, without deciding anything again.
+
+Per pass: the grid and `dimension_semantics` (parallel axes, then arbitrary ones), the
+tables as scalar-prefetch operands (SMEM), one BlockSpec per block — squeezed dimensions
+as `None`, arrays viewed with unit dimensions where the layout rule needs them
+(`layout.view`) — the accumulator in VMEM scratch, the VMEM estimate and limit, and the
+work for `pl.CostEstimate`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..callconv import Convention, convention
+from ..dtypes import DTYPES, DType
+from ..expr import Const, Expr, names as expr_names
+from ..ir import Kernel
+from ..names import ModuleNames
+from ..schedule import Pass, Schedule, schedule
+from ..schedule.core import Block
+from ..source import Diagnostic
+from .layout import LayoutProblem, View, padded_bytes, view
+from .targets import Target
+
+# VMEM the compiler keeps for itself beside a kernel's buffers (measured: 64-90 KiB).
+MOSAIC_SCRATCH = 128 * 1024
+DTYPE_I32 = DTYPES["i32"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One BlockSpec: a block of the schedule over its array's TPU view."""
+
+    block: Block
+    fn: str  # the index map function
+    ref: str  # the kernel's ref
+    view: View
+    index: tuple[Expr, ...]  # block coordinates over the view's dimensions
+    statics: tuple[tuple[str, Expr], ...]  # extents bound with functools.partial
+
+    @property
+    def shape(self) -> tuple[int | None, ...]:
+        return self.view.block
+
+
+@dataclass(frozen=True)
+class VmemItem:
+    what: str
+    shape: tuple[int, ...]
+    dtype: DType
+    buffers: int
+
+    @property
+    def bytes(self) -> int:
+        return self.buffers * padded_bytes(self.shape, self.dtype)
+
+
+@dataclass(frozen=True)
+class TpuPass:
+    p: Pass
+    kernel_fn: str
+    prefetch_fn: str
+    call_fn: str  # the function that runs this pass's pallas_call ("" when _impl runs the only pass)
+    specs: tuple[Spec, ...]  # inputs in block order, then the output
+    acc_ref: str
+    sizes: tuple[str, ...]  # size variables the kernel reads (ragged tails)
+    vmem: tuple[VmemItem, ...]
+    vmem_limit_override: int | None = None
+
+    @property
+    def in_specs(self) -> tuple[Spec, ...]:
+        return tuple(s for s in self.specs if not s.block.is_output)
+
+    @property
+    def out_spec(self) -> Spec:
+        return next(s for s in self.specs if s.block.is_output)
+
+    @property
+    def vmem_bytes(self) -> int:
+        return sum(item.bytes for item in self.vmem)
+
+    @property
+    def dimension_semantics(self) -> tuple[str, ...]:
+        return tuple("parallel" if a.parallel else "arbitrary" for a in self.p.axes)
+
+    def vmem_limit(self, target: Target) -> int | None:
+        """vmem_limit_bytes for the compiler: None while the default scoped limit is ample.
+
+        The estimate leaves out Mosaic's own scratch and spills, so the limit adds a
+        quarter and 2 MiB on top, within the chip's capacity.
+        """
+        if self.vmem_limit_override is not None:
+            return self.vmem_limit_override
+        need = self.vmem_bytes
+        if need <= target.scoped_vmem_bytes * 3 // 4:
+            return None
+        limit = need * 5 // 4 + 2 * (1 << 20)
+        limit = -(-limit // (1 << 20)) * (1 << 20)
+        return min(max(limit, target.scoped_vmem_bytes), target.vmem_bytes)
+
+
+@dataclass(frozen=True)
+class TpuModule:
+    """Everything the emitter, `plan`, `verify` and the simulator need to know about one kernel."""
+
+    kernel: Kernel
+    target: Target
+    conv: Convention
+    names: ModuleNames
+    schedule: Schedule
+    passes: tuple[TpuPass, ...]
+    layout_errors: tuple[Diagnostic, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    @property
+    def vmem_bytes(self) -> int:
+        """The largest pass's footprint (passes run one after another)."""
+        return max(p.vmem_bytes for p in self.passes)
+
+    @property
+    def vmem(self) -> tuple[VmemItem, ...]:
+        return max(self.passes, key=lambda p: p.vmem_bytes).vmem
+
+    @property
+    def spans(self) -> tuple[tuple[str, int, int], ...]:
+        """(operand, dim, tile): tiles that must span a symbolic dimension, checked at call time."""
+        out = []
+        for tp in self.passes:
+            for s in tp.specs:
+                if s.block.stored:
+                    continue
+                for dim, tile in s.view.spans:
+                    item = (s.block.operand, dim, tile)
+                    if item not in out:
+                        out.append(item)
+        return tuple(out)
+
+
+class LayoutError(Exception):
+    def __init__(self, diagnostics):
+        self.diagnostics = diagnostics
+
+
+def lower(kernel: Kernel, target: Target) -> TpuModule:
+    """Schedule and lower a kernel; LayoutError (diagnostics at the spec) where no walk or view serves."""
+    names = ModuleNames(kernel)
+    conv = convention(kernel, names)
+    sched, errors = schedule(kernel, conv, names)
+    if sched is None:
+        raise LayoutError(errors)
+    passes, errors = [], []
+    several = len(sched.passes) > 1
+    for p in sched.passes:
+        try:
+            passes.append(_lower_pass(kernel, names, p, several))
+        except LayoutError as exc:
+            errors += exc.diagnostics
+    if errors:
+        raise LayoutError(_unique(errors))
+    return TpuModule(kernel, target, conv, names, sched, tuple(passes))
+
+
+def _unique(diags):
+    out, seen = [], set()
+    for d in diags:
+        if (d.span, d.message) not in seen:
+            seen.add((d.span, d.message))
+            out.append(d)
+    return out
+
+
+def _lower_pass(kernel: Kernel, names: ModuleNames, p: Pass, several: bool) -> TpuPass:
+    prefix = f"{p.output}_" if several else ""
+    kernel_fn = names.function(f"_{prefix}kernel") if several else "_kernel"
+    prefetch_fn = names.function(f"_{prefix}prefetch") if several else "_prefetch"
+    call_fn = names.function(f"_{prefix}call") if several else ""
+    statics = dict(p.statics)
+    specs, errors = [], []
+    for b in p.blocks:
+        try:
+            specs.append(_spec(kernel, names, b, statics, prefix))
+        except LayoutError as exc:
+            errors += exc.diagnostics
+    if errors:
+        raise LayoutError(errors)
+    acc_ref = names.local(f"{prefix}acc_ref") if several else names.local("acc_ref")
+    sizes = tuple(dict.fromkeys(t.size for t in (*p.body.tails, *p.body.out_tails)))
+    return TpuPass(p, kernel_fn, prefetch_fn, call_fn, tuple(specs), acc_ref, sizes, _vmem(kernel, p, specs))
+
+
+def _spec(kernel: Kernel, names: ModuleNames, b: Block, statics: dict[str, Expr], prefix: str) -> Spec:
+    op = kernel.operand(b.operand)
+    block = tuple(None if d.extent == 1 else d.extent for d in b.dims)
+    if b.stored:
+        dims = tuple(d.extent for d in b.dims)  # stored blocks span their array
+        dims = (None,) + dims[1:]
+    else:
+        reads = [r for st in kernel.statements for r in (st.target, *st.factors) if r.operand == op.name]
+        dims = tuple(d.literal for d in op.dims)
+        del reads
+    v = view(block, dims, op.dtype)
+    if isinstance(v, LayoutProblem):
+        d = b.dims[v.dim]
+        index = kernel.index(d.index)
+        raise LayoutError([Diagnostic(index.tile_span,
+                                      f"tile {d.index} = {index.tile} breaks the TPU layout rule for '{op.name}' ({op.dtype.name}): its block dim {v.dim} {v.reason}")])
+    index = list(b.coords)
+    for pos in sorted(v.inserted):
+        index.insert(pos, Const(0))
+    used = set()
+    for e in (*index, *(val for _, val in b.lets)):
+        used |= expr_names(e)
+    spec_statics = tuple((name, value) for name, value in statics.items() if name in used)
+    fn = names.function(f"_{prefix}{op.name}_index_map")
+    ref = names.local(f"{prefix}{op.name}_ref")
+    return Spec(b, fn, ref, v, tuple(index), spec_statics)
+
+
+def _vmem(kernel: Kernel, p: Pass, specs: list[Spec]) -> tuple[VmemItem, ...]:
+    items = []
+    for s in specs:
+        op = kernel.operand(s.block.operand)
+        items.append(VmemItem(f"{op.name} block" + (" (output)" if s.block.is_output else ""), s.view.ref_shape or (1,), op.dtype, 2))
+    body = p.body
+    acc_shape = body.acc_shape or (1, 1)
+    if body.accumulator:
+        items.append(VmemItem("accumulator", acc_shape, p.accumulate, 1))
+    # Values the body computes on a whole block (the product of the sum, the product with
+    # each end factor, each covered factor multiplied in) may spill to VMEM: one block each.
+    out_shape = tuple(d.extent for d in p.out.dims if d.live) or (1, 1)
+    temporaries = (1 if body.summed or body.step else 0) + sum(1 for c in body.flush_cases[-1:] for _ in (c.products or ()))
+    temporaries += sum(len(q.factors) - 1 for q in body.summed)
+    if temporaries:
+        items.append(VmemItem("body temporaries", out_shape, p.accumulate, temporaries))
+    items.append(VmemItem("Mosaic internal scratch", (MOSAIC_SCRATCH // 4,), DTYPE_I32, 1))
+    return tuple(items)
+
+
+def smem_entries(tp: TpuPass, env: dict[str, int | None]) -> int | None:
+    """Int32 entries of a pass's scalar-prefetch tables, or None when a size is unknown."""
+    from ..expr import evaluate
+
+    total = 0
+    for t in tp.p.tables:
+        value = evaluate(t.length, env)
+        if value is None:
+            return None
+        total += value
+    return total
+
+
+def block_bytes(kernel: Kernel, spec: Spec) -> int:
+    op = kernel.operand(spec.block.operand)
+    return math.prod(spec.view.ref_shape or (1,)) * op.dtype.itemsize

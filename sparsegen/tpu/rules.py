@@ -1,0 +1,98 @@
+"""The TPU's rules on a lowered kernel: 32-bit accumulation, the MXU's dtypes, VMEM and SMEM.
+
+Layout problems are found while lowering (`layout.view`); the rest here, after, because
+the footprint depends on the blocks and scratch. Diagnostics still point at the spec
+(the tile line, an operand's dtype, the accumulate line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..ir import Kernel
+from ..source import Diagnostic
+from .lower import LayoutError, TpuModule, lower, smem_entries
+from .targets import Target, format_bytes
+
+ACCUMULATORS = ("f32", "i32")
+
+
+def _tiles_text(kernel: Kernel) -> str:
+    return ", ".join(f"{i.name}={i.tile}" for i in kernel.indices)
+
+
+def with_tile(kernel: Kernel, name: str, tile: int) -> Kernel:
+    return dataclasses.replace(kernel, indices=tuple(dataclasses.replace(i, tile=tile) if i.name == name else i for i in kernel.indices))
+
+
+def _lowers(kernel: Kernel, target: Target) -> TpuModule | None:
+    for i in kernel.indices:
+        if i.tile < 1 or (i.size.literal is not None and i.size.literal % i.tile):
+            return None
+    try:
+        return lower(kernel, target)
+    except LayoutError:
+        return None
+
+
+def suggest_tiles(kernel: Kernel, target: Target) -> Kernel | None:
+    """Smaller tiles that fit the target's VMEM: halve the largest tile until it fits."""
+    for _ in range(64):
+        m = _lowers(kernel, target)
+        if m is not None and m.vmem_bytes <= target.vmem_bytes:
+            return kernel
+        for index in sorted(kernel.indices, key=lambda i: -i.tile):
+            trial = with_tile(kernel, index.name, index.tile // 2)
+            if _lowers(trial, target) is not None:
+                kernel = trial
+                break
+        else:
+            return None
+    return None
+
+
+def check_kernel(kernel: Kernel, target: Target) -> list[Diagnostic]:
+    """Rules that need no lowering: the accumulator's width."""
+    if kernel.accumulate.name not in ACCUMULATORS:
+        return [Diagnostic(kernel.accumulate_span, f"accumulate {kernel.accumulate.name}: the TPU accumulates in 32 bits; use f32 or i32")]
+    return []
+
+
+def check_module(m: TpuModule) -> list[Diagnostic]:
+    k, target = m.kernel, m.target
+    errors = []
+    need = m.vmem_bytes
+    if need > target.vmem_bytes:
+        notes = [
+            "VMEM holds two buffers of every block (double buffering) plus the accumulator: "
+            + ", ".join(f"{item.what} {format_bytes(item.bytes)}" for item in m.vmem)
+        ]
+        smaller = suggest_tiles(k, target)
+        if smaller is not None:
+            notes.append(f"tiles that fit: {_tiles_text(smaller)}")
+        errors.append(
+            Diagnostic(k.tile_span, f"tiles {_tiles_text(k)} need {format_bytes(need)} of VMEM on {target.name} (limit {format_bytes(target.vmem_bytes)})", tuple(notes))
+        )
+    env = {s.internal: s.literal for s in m.conv.sizes}
+    for tp in m.passes:
+        entries = smem_entries(tp, env)
+        if entries is not None and entries * 4 > target.smem_bytes:
+            errors.append(
+                Diagnostic(
+                    k.tile_span,
+                    f"tiles {_tiles_text(k)} need {format_bytes(entries * 4)} of SMEM for the prefetch tables on {target.name} "
+                    f"(limit {format_bytes(target.smem_bytes)}); use larger tiles",
+                )
+            )
+            break
+    if not target.int8_matmul:
+        reported = set()
+        for tp in m.passes:
+            if len(tp.p.body.summed) != 2:
+                continue
+            for q in tp.p.body.summed:
+                op = k.operand(q.factors[0].operand)
+                if op.dtype.bits == 8 and op.name not in reported:
+                    reported.add(op.name)
+                    errors.append(Diagnostic(op.dtype_span, f"{target.name} has no int8 matmul: '{op.name}' is {op.dtype.name}"))
+    return errors

@@ -1,0 +1,253 @@
+"""The wrapper of a generated module, the same for every target: argument checks (`_prepare`),
+`reference` in plain jax.numpy, and the docstring's calling convention.
+
+Only validated identifiers and numbers from the spec reach the output: names come from
+the IR or the module's name tables, the spec is re-printed from the IR.
+"""
+
+from __future__ import annotations
+
+from .callconv import Convention
+from .expr import render
+from .ir import Einsum, Kernel
+
+
+def _tuple(items) -> str:
+    items = list(items)
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+def spec_text(kernel: Kernel, name: str | None = None, tiles: dict[str, int] | None = None) -> str:
+    """A kernel's spec, re-printed from the IR (identifiers and numbers only), optionally
+    renamed and retiled (how `variants` derives its specs)."""
+    k = kernel
+    tiles = {i.name: i.tile for i in k.indices} | (tiles or {})
+    lines = [f"kernel {name or k.name} {{"]
+    for op in k.operands:
+        lines.append(f"    {'in ' if op.direction == 'in' else 'out'} {op.decl}")
+    for st in k.statements:
+        lines.append(f"    {st.text}")
+    lines.append("    tile " + ", ".join(f"{i.name} = {tiles[i.name]}" for i in k.indices))
+    lines.append(f"    accumulate {k.accumulate.name}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def host(e) -> str:
+    return render(e, "host")
+
+
+class Wrapper:
+    def __init__(self, kernel: Kernel, conv: Convention, spans=(), size_table: str = "size"):
+        self.k = kernel
+        self.conv = conv
+        self.spans = spans  # (operand, dim, tile): tiles that must span a symbolic dimension
+        self.size = size_table
+
+    # ---------------------------------------------------------------- _prepare
+    def prepare_lines(self, smem_checks: list[str]) -> list[str]:
+        k, conv, size = self.k, self.conv, self.size
+        lines = []
+        keywords = ", ".join(f'"{s.symbol}": {s.internal}' for s in conv.sizes)
+        fixed = ", ".join(f'"{s.symbol}": {s.literal}' for s in conv.sizes if s.literal is not None)
+        if conv.sizes:
+            lines.append(f"{size} = _sizes({{{keywords}}}, {{{fixed}}})")
+        nb: dict[str, str] = {}
+        for p in conv.params:
+            op = k.operand(p.operand)
+            name = p.internal
+            if p.kind in ("dense", "mask"):
+                lines.append(f'{name} = _as_array("{p.public}", {name}, {op.rank}, {op.dtype.jnp})')
+                for d, dim in enumerate(op.dims):
+                    what = f"{p.public} dim {d}"
+                    if dim.symbol is not None:
+                        lines.append(f'_bind({size}, "{dim.symbol}", {name}.shape[{d}], "{what}")')
+                    else:
+                        lines.append(f'_check_dim({name}.shape[{d}], {dim.literal}, "{what}")')
+            elif p.kind == "blocks":
+                read = self.read_of(op.name)
+                tiles = tuple(k.index(i).tile for i in read.indices)
+                kept = [t for t in tiles if t != 1]
+                if len(kept) == len(tiles):
+                    lines.append(f'{name} = _as_array("{p.public}", {name}, {op.rank + 1}, {op.dtype.jnp})')
+                else:
+                    # Tile-1 dimensions are dropped from the stored blocks; given kept, they are squeezed.
+                    lines.append(f'{name} = _as_blocks("{p.public}", {name}, {_tuple(map(str, tiles))}, {op.dtype.jnp})')
+                indices = [i for i, t in zip(read.indices, tiles) if t != 1]
+                for d, (idx, tile) in enumerate(zip(indices, kept)):
+                    lines.append(f'_check_dim({name}.shape[{d + 1}], {tile}, "{p.public} dim {d + 1} (the tile of {idx})")')
+                nb[op.name] = f"{name}.shape[0]"
+            elif p.kind in ("coords", "out_coords"):
+                lines.append(f'{name} = _as_array("{p.public}", {name}, 1, None)')
+                if op.name not in nb:
+                    nb[op.name] = f"{name}.shape[0]"
+                else:
+                    first = next(q for q in conv.params if q.operand == p.operand and q.kind in ("blocks", "out_coords"))
+                    lines.append(f'_check_dim({name}.shape[0], {nb[op.name]}, "{p.public} length (one per block of {first.public})")')
+            elif p.kind == "index":
+                length = op.dims[0].literal
+                lines.append(f'{name} = _as_array("{p.public}", {name}, 1, None)')
+                lines.append(f'_check_dim({name}.shape[0], {length}, "{p.public} length")')
+        for rel in k.relations:
+            big = k.index(rel.index).size
+            small = rel.dim
+            lines.append(f'_relate({size}, {_sym(big)}, {_sym(small)}, {rel.divisor}, "{rel.what}, read as {rel.index} // {rel.divisor}")')
+        for s in conv.sizes:
+            if s.keyword_only:
+                lines.append(f'_need({size}, "{s.symbol}", "{s.carriers}")')
+        if conv.sizes:
+            targets = ", ".join(s.internal for s in conv.sizes)
+            values = ", ".join(f'{size}["{s.symbol}"][0]' for s in conv.sizes)
+            lines.append(f"{targets}{',' if len(conv.sizes) == 1 else ''} = {values}")
+        # A tile that breaks the layout rule on a symbolic dimension must span it.
+        for operand, d, tile in self.spans:
+            dim = k.operand(operand).dims[d]
+            if dim.symbol is not None:
+                lines.append(f'_check_span({conv.size_var(dim.symbol)}, {tile}, "{operand} dim {d} ({dim.symbol})")')
+        # Dimensions read at an offset are addressed in whole blocks.
+        checked = set()
+        for use in conv.offset_uses:
+            dim = k.operand(use.operand).dims[use.dim]
+            if dim.literal is None and (dim.symbol, use.tile) not in checked:
+                checked.add((dim.symbol, use.tile))
+                lines.append(f'_check_multiple({conv.size_var(dim.symbol)}, {use.tile}, "{use.what}, read in blocks at an offset")')
+        for p in conv.params:
+            if p.kind in ("coords", "out_coords"):
+                op = k.operand(p.operand)
+                idx = self.read_of(op.name).indices[p.dim]
+                limit = host(conv.size(op.dims[p.dim]).cdiv(k.index(idx).tile))
+                lines.append(f'{p.internal} = _check_coords("{p.public}", {p.internal}, {limit}, "{op.name} dim {p.dim}")')
+        for operand, var in conv.pads:
+            coords = [p for p in conv.params if p.operand == operand and p.kind in ("coords", "out_coords")]
+            quoted = _tuple(f'"{p.public}"' for p in coords)
+            lines.append(f"{var} = _check_padding({quoted}, {_tuple(p.internal for p in coords)})")
+        if conv.offset_uses:
+            by_param: dict[str, list] = {}
+            for use in conv.offset_uses:
+                by_param.setdefault(use.param, []).append(use)
+            parts = []
+            for param, uses in by_param.items():
+                public = next(p.public for p in conv.params if p.internal == param)
+                spec = ", ".join(f'({u.position}, {u.tile}, {host(u.max_start)}, "{u.what}")' for u in uses)
+                parts.append(f'*_check_offsets("{public}", {param}, ({spec},))')
+            lines.append(f"{conv.offsets} = jnp.stack([{', '.join(parts)}])")
+        lines += smem_checks
+        sizes = _tuple(s.internal for s in conv.sizes)
+        lines.append(f"return {', '.join(list(conv.impl_args) + [sizes])}")
+        return lines
+
+    def read_of(self, operand: str):
+        return next(r for st in self.k.statements for r in (st.target, *st.factors) if r.operand == operand)
+
+    # --------------------------------------------------------------- reference
+    def reference_lines(self, outputs: dict[str, str]) -> list[str]:
+        """Each statement in plain jax.numpy, over dense views of its operands."""
+        k, conv = self.k, self.conv
+        acc = k.accumulate
+        lines = []
+        values: dict[str, str] = {}
+        for st in k.statements:
+            out = k.operand(st.target.operand)
+            views = [self.view(st, n, lines, outputs) for n in range(len(st.factors))]
+            letters = {i: "abcdefghijklmnopqrstuvwxyz"[n] for n, i in enumerate(st.indices)}
+            spec = ",".join("".join(letters[i] for i in f.indices) for f in st.factors) + "->" + "".join(letters[i] for i in st.out_indices)
+            precision = ", precision=lax.Precision.HIGHEST" if acc.is_float else ""
+            var = outputs[out.name]
+            lines.append(f'{var} = jnp.einsum("{spec}", {", ".join(views)}, preferred_element_type={acc.jnp}{precision})')
+            if st.scale is not None:
+                lines.append(f"{var} = {var} * {_number(st.scale)}")
+            if any(s.offset for s in st.target.subs):
+                # Offsets on the left: the statement writes its window; the rest is zeros.
+                starts = []
+                for d, s in enumerate(st.target.subs):
+                    if s.offset is None:
+                        starts.append("0")
+                    else:
+                        slot = conv.offset_slot(out.name, out.name, d)
+                        starts.append(f"{conv.offsets}[{slot}] * {k.index(s.index).tile}")
+                shape = _tuple(host(conv.size(d)) for d in out.dims)
+                lines.append(f"{var} = lax.dynamic_update_slice(jnp.zeros({shape}, {acc.jnp}), {var}, {_tuple(starts)})")
+            lines.append(f"{var} = {var}.astype({out.dtype.jnp})")
+            if out.sparsity == "coo":
+                tiles = _tuple(str(k.index(i).tile) for i in st.out_indices)
+                coords = _tuple(p.internal for p in conv.params if p.operand == out.name and p.kind == "out_coords")
+                lines.append(f"{var} = _gather_blocks({var}, {coords}, {conv.pad(out.name)}, {tiles})")
+            values[out.name] = var
+        result = [values[o.name] for o in k.outputs]
+        lines.append(f"return {result[0]}" if len(result) == 1 else f"return {', '.join(result)}")
+        return lines
+
+    def view(self, st: Einsum, n: int, lines: list[str], outputs: dict[str, str]) -> str:
+        """A factor as a dense array over its indices' full ranges."""
+        k, conv = self.k, self.conv
+        read = st.factors[n]
+        op = k.operand(read.operand)
+        if op.direction == "out":
+            return outputs[op.name]
+        param = conv.param(op.name, "blocks" if op.sparsity == "coo" else None).internal
+        if op.sparsity == "coo":
+            coords = _tuple(p.internal for p in conv.params if p.operand == op.name and p.kind == "coords")
+            shape = _tuple(host(conv.size(d)) for d in op.dims)
+            tiles = _tuple(str(k.index(i).tile) for i in read.indices)
+            name = f"{param}_dense"
+            lines.append(f"{name} = _densify({param}, {coords}, {conv.pad(op.name)}, {shape}, {tiles}, {k.accumulate.jnp})")
+            return name
+        value = param
+        if any(s.offset for s in read.subs):
+            starts, sizes = [], []
+            for d, s in enumerate(read.subs):
+                if s.offset is None:
+                    starts.append("0")
+                    sizes.append(host(conv.size(op.dims[d])))
+                else:
+                    slot = conv.offset_slot(st.target.operand, op.name, d)
+                    starts.append(f"{conv.offsets}[{slot}] * {k.index(s.index).tile}")
+                    sizes.append(host(conv.size(k.index(s.index).size)))
+            value = f"lax.dynamic_slice({value}, {_tuple(starts)}, {_tuple(sizes)})"
+        for d, s in enumerate(read.subs):
+            if s.divisor != 1:
+                # h // n: each element serves n consecutive values of h.
+                value = f"jnp.repeat({value}, {s.divisor}, axis={d})"
+        return value
+
+    # --------------------------------------------------------------- docstring
+    def signature(self) -> tuple[str, str]:
+        """Parameter lists of the kernel function and of `reference`."""
+        public = [p.public for p in self.conv.params]
+        keywords = [f"{s.symbol}=None" for s in self.conv.sizes]
+        kernel = ", ".join(public + ["*"] + keywords + ["interpret=False"])
+        reference = ", ".join(public + (["*"] + keywords if keywords else []))
+        return kernel, reference
+
+    def returns(self) -> str:
+        k = self.k
+        parts = []
+        for out in k.outputs:
+            if out.sparsity == "coo":
+                tiles = ", ".join(str(k.index(i).tile) for i in self.read_of(out.name).indices if k.index(i).tile != 1)
+                parts.append(f"{out.name}: {out.dtype.name}[nb, {tiles}], one block per requested coordinate, in the order given")
+            else:
+                parts.append(f"{out.name}: {out.dtype.name}[{', '.join(d.text for d in out.dims)}]")
+        return parts[0] if len(parts) == 1 else "a tuple (" + "; ".join(parts) + ")"
+
+    def argument_lines(self) -> list[str]:
+        args = []
+        for p in self.conv.params:
+            shape = f"{p.dtype}[{', '.join(p.shape)}]"
+            args.append(f"    {p.public}: {shape}" + (f"  {p.about}" if p.about else ""))
+        for s in self.conv.sizes:
+            if s.literal is not None:
+                args.append(f"    {s.symbol}: int, keyword, optional  (fixed to {s.literal} by the spec)")
+            elif s.keyword_only:
+                args.append(f"    {s.symbol}: int, keyword, required  (carried only by {s.carriers})")
+            else:
+                args.append(f"    {s.symbol}: int, keyword, optional  (taken from the arguments; must agree if given)")
+        return args
+
+
+def _sym(size) -> str:
+    return f'"{size.symbol}"' if size.symbol is not None else str(size.literal)
+
+
+def _number(value) -> str:
+    return repr(value)
