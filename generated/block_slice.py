@@ -35,7 +35,8 @@ ever leaves its array.
 
 Plan (target v5e):
 
-    kernel block_slice (dense: a plain tiled kernel over every block)
+    kernel block_slice
+      o[i, j] = x[start[0] + i, start[1] + j]  (dense: a plain tiled kernel over every block)
       grid (1, 1)
         i: output blocks along i [parallel]
         j: output blocks along j [parallel]
@@ -80,6 +81,8 @@ def _as_array(name, value, rank, dtype):
     """`value` as an array of the declared rank and dtype (a ValueError naming it otherwise)."""
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         value = np.asarray(value)
+        if dtype is None and value.size == 0:
+            value = value.astype(np.int32)  # `[]`: no coordinates
     if len(value.shape) != rank:
         _fail(
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
@@ -93,6 +96,15 @@ def _as_array(name, value, rank, dtype):
 
 def _sizes(keywords, fixed):
     """The size table: symbol -> (value, where it came from), or None while unbound."""
+    for symbol, value in keywords.items():
+        if _is_traced(value):
+            _fail(
+                f'size {symbol} is traced: sizes shape the grid, so pass them as static arguments (jax.jit(..., static_argnames=("{symbol}", "interpret")))'
+            )
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, np.integer))
+        ):
+            _fail(f"size {symbol} must be an integer, got {value!r}")
     size = {symbol: None for symbol in keywords}
     for symbol, value in fixed.items():
         size[symbol] = (value, "the spec")
@@ -118,9 +130,17 @@ def _check_dim(value, expected, what):
         _fail(f"{what} is {value}, but the spec declares {expected}")
 
 
-def _check_multiple(value, tile, what):
-    if value % tile:
-        _fail(f"{what} = {value} is not a multiple of its tile {tile}")
+def _check_interpret(interpret):
+    if _is_traced(interpret):
+        _fail(
+            'interpret is traced: pass it as a static argument (jax.jit(..., static_argnames=("interpret",)))'
+        )
+    if not isinstance(interpret, bool) and type(interpret).__name__ not in (
+        "InterpretParams",
+        "InterpretGPUParams",
+    ):
+        _fail(f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}")
+    return interpret
 
 
 def _check_offsets(name, value, uses):
@@ -175,6 +195,11 @@ def _o_index_map(i, j, offsets):
     return (i, j)
 
 
+def _prefetch(x, offsets, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    return (offsets,)
+
+
 def _prepare(x, start):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     x = _as_array("x", x, 2, jnp.int32)
@@ -196,11 +221,6 @@ def _prepare(x, start):
     )
     _check_smem(2, "the scalar-prefetch tables of this call")
     return x, offsets, ()
-
-
-def _prefetch(x, offsets, sizes):
-    """The kernel's scalar-prefetch tables (SMEM) for one call; also read by `sparsegen plan --pattern`."""
-    return (offsets,)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
@@ -233,9 +253,13 @@ def _impl(x, offsets, sizes, interpret):
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x, offsets, sizes):
     del sizes  # every size is fixed by the spec
-    x_view = lax.dynamic_slice(x, (offsets[0] * 128, offsets[1] * 128), (128, 128))
-    out = x_view
-    return out.astype(jnp.int32)
+    o = jnp.einsum(
+        "ab->ab",
+        lax.dynamic_slice(x, (offsets[0] * 128, offsets[1] * 128), (128, 128)),
+        preferred_element_type=jnp.int32,
+    )
+    o = o.astype(jnp.int32)
+    return o
 
 
 def block_slice(x, start, *, interpret=False):
@@ -243,7 +267,7 @@ def block_slice(x, start, *, interpret=False):
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(*_prepare(x, start), interpret)
+    return _impl(*_prepare(x, start), _check_interpret(interpret))
 
 
 def reference(x, start):

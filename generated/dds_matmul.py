@@ -21,8 +21,8 @@ Arguments:
 
     x: bf16[M, K]
     y_blocks: bf16[nb, 512, 256]  the stored blocks of y
-    y_idx_0: int32[nb]  block coordinate of each stored block along y dim 0 (0 <= . < K / 512)
-    y_idx_1: int32[nb]  block coordinate of each stored block along y dim 1 (0 <= . < N / 256)
+    y_idx_0: int32[nb]  block coordinate of each stored block along y dim 0 (0 <= . < ceil(K / 512))
+    y_idx_1: int32[nb]  block coordinate of each stored block along y dim 1 (0 <= . < ceil(N / 256))
     M: int, keyword, optional  (taken from the arguments; must agree if given)
     K: int, keyword, optional  (taken from the arguments; must agree if given)
     N: int, keyword, required  (carried only by 'y' and 'o')
@@ -40,16 +40,17 @@ ever leaves its array.
 
 Plan (target v5e):
 
-    kernel dds_matmul (coo input: the grid walks the stored blocks)
-      grid (M // 256, nb + N // 256)
+    kernel dds_matmul
+      o[m, n] = x[m, k] * y[k, n]  (coo input: the grid walks the stored blocks)
+      grid (ceil(M / 256), nb + ceil(N / 256))
         m: output blocks along m [parallel]
         step: the stored blocks of y in output-block order, plus one flush step per output block [arbitrary]
       dimension_semantics (parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        step_kind[nb + N // 256]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
-        step_block[nb + N // 256]: the stored block of y a step reads (flush steps hold the next one, so they start no copy)
-        step_row[nb + N // 256]: the output block a step accumulates into, row-major over n
-        step_k[nb + N // 256]: coordinate k of the stored block a step reads
+        step_kind[nb + ceil(N / 256)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+        step_block[nb + ceil(N / 256)]: the stored block of y a step reads (flush steps hold the next one, so they start no copy)
+        step_row[nb + ceil(N / 256)]: the output block a step accumulates into, row-major over n
+        step_k[nb + ceil(N / 256)]: coordinate k of the stored block a step reads
       blocks:
         in  x block (256, 512), index map (m, step_k[step])
             The block the stored block of this step meets (flush steps hold the next one).
@@ -58,17 +59,18 @@ Plan (target v5e):
         out o block (256, 256), index map (m, step_row[step])
       body:
         init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
-        accumulate the matmul when step_kind[step] == _BLOCK
+        accumulate the sum over k of x x y when step_kind[step] == _BLOCK
+          past K along k (a partial last block) the factors are zero
         write output when step_kind[step] == _FLUSH: accumulator
         output blocks no stored block reaches are written as zeros by their flush step
       VMEM estimate: 1.9 MiB of 128 MiB on v5e
         x block: 2 x 256x512 bf16 = 512 KiB
-        y block: 2 x 1x512x256 bf16 = 512 KiB
+        y block: 2 x 512x256 bf16 = 512 KiB
         o block (output): 2 x 256x256 bf16 = 256 KiB
         accumulator: 1 x 256x256 f32 = 256 KiB
         body temporaries: 1 x 256x256 f32 = 256 KiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
-      SMEM: 4 bytes per prefetch entry; depends on nb (limit 1016 KiB)
+      SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
 """
 
 import functools
@@ -101,6 +103,8 @@ def _as_array(name, value, rank, dtype):
     """`value` as an array of the declared rank and dtype (a ValueError naming it otherwise)."""
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         value = np.asarray(value)
+        if dtype is None and value.size == 0:
+            value = value.astype(np.int32)  # `[]`: no coordinates
     if len(value.shape) != rank:
         _fail(
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
@@ -114,6 +118,15 @@ def _as_array(name, value, rank, dtype):
 
 def _sizes(keywords, fixed):
     """The size table: symbol -> (value, where it came from), or None while unbound."""
+    for symbol, value in keywords.items():
+        if _is_traced(value):
+            _fail(
+                f'size {symbol} is traced: sizes shape the grid, so pass them as static arguments (jax.jit(..., static_argnames=("{symbol}", "interpret")))'
+            )
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, np.integer))
+        ):
+            _fail(f"size {symbol} must be an integer, got {value!r}")
     size = {symbol: None for symbol in keywords}
     for symbol, value in fixed.items():
         size[symbol] = (value, "the spec")
@@ -139,9 +152,17 @@ def _check_dim(value, expected, what):
         _fail(f"{what} is {value}, but the spec declares {expected}")
 
 
-def _check_multiple(value, tile, what):
-    if value % tile:
-        _fail(f"{what} = {value} is not a multiple of its tile {tile}")
+def _check_interpret(interpret):
+    if _is_traced(interpret):
+        _fail(
+            'interpret is traced: pass it as a static argument (jax.jit(..., static_argnames=("interpret",)))'
+        )
+    if not isinstance(interpret, bool) and type(interpret).__name__ not in (
+        "InterpretParams",
+        "InterpretGPUParams",
+    ):
+        _fail(f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}")
+    return interpret
 
 
 def _need(size, symbol, carriers):
@@ -151,19 +172,18 @@ def _need(size, symbol, carriers):
         )
 
 
-def _check_coords(name, coords, limit, what, padding=False):
+def _check_coords(name, coords, limit, what):
     """Block coordinates in [0, limit): checked when concrete; clamped under jit, so no copy
-    leaves the array. With `padding`, -1 marks a padding entry (see _check_padding)."""
-    low = -1 if padding else 0
+    leaves the array. -1 marks a padding entry (see _check_padding)."""
     if not _is_traced(coords):
         host = np.asarray(coords)
-        bad = np.flatnonzero((host < low) | (host >= limit))
+        bad = np.flatnonzero((host < -1) | (host >= limit))
         if bad.size:
             i = int(bad[0])
             _fail(
                 f"{name}[{i}] = {int(host[i])} is out of range: {what} has {limit} block{'s' if limit != 1 else ''}"
             )
-    return jnp.clip(jnp.asarray(coords), low, limit - 1).astype(jnp.int32)
+    return jnp.clip(jnp.asarray(coords), -1, limit - 1).astype(jnp.int32)
 
 
 def _check_padding(names, coords):
@@ -226,17 +246,27 @@ def _coo_steps(rows, n_rows, pad):
     return kind, block, row
 
 
-def _densify(blocks, coords, pad, shape, dtype):
-    """The dense array a blocked COO list stands for; repeated coordinates add up."""
-    tiles = blocks.shape[1:]
-    grid = tuple(s // t for s, t in zip(shape, tiles))
+def _densify(blocks, coords, pad, shape, tiles, dtype):
+    """The dense array a blocked COO list stands for; repeated coordinates add up, padding
+    entries are dropped, and a partial last block is cut at the array's end."""
+    blocks = blocks.reshape((blocks.shape[0], *tiles)).astype(dtype)
+    grid = tuple(-(-s // t) for s, t in zip(shape, tiles))
     coords = tuple(jnp.where(pad, g, c) for c, g in zip(coords, grid))  # padding: dropped below
-    dense = jnp.zeros(grid + tiles, dtype).at[coords].add(blocks.astype(dtype), mode="drop")
+    dense = jnp.zeros(grid + tuple(tiles), dtype).at[coords].add(blocks, mode="drop")
     rank = len(tiles)
-    return dense.transpose([p for d in range(rank) for p in (d, rank + d)]).reshape(shape)
+    dense = dense.transpose([p for d in range(rank) for p in (d, rank + d)])
+    dense = dense.reshape([g * t for g, t in zip(grid, tiles)])
+    return dense[tuple(slice(0, s) for s in shape)]
 
 
-def _kernel(step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref):
+def _mask_tail(value, axis, limit):
+    """Zero the elements at or past `limit` along `axis`: past the end of a partial last
+    block, memory holds anything (NaN too), and absent elements add nothing to a sum."""
+    inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit
+    return jnp.where(inside, value, jnp.zeros_like(value))
+
+
+def _kernel(step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref, *, K):
     m = pl.program_id(0)
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
@@ -247,7 +277,12 @@ def _kernel(step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_re
 
     @pl.when(step_kind[step] == _BLOCK)
     def _compute():
-        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+        x = x_ref[...]
+        y = y_ref[...]
+        if K % 512:  # a partial last block: what lies past the end is absent
+            x = _mask_tail(x, 1, K - step_k[step] * 512)
+            y = _mask_tail(y, 0, K - step_k[step] * 512)
+        acc_ref[...] += jnp.dot(x, y, preferred_element_type=jnp.float32)
 
     @pl.when(step_kind[step] == _FLUSH)
     def _flush():
@@ -269,6 +304,15 @@ def _o_index_map(m, step, step_kind, step_block, step_row, step_k):
     return (m, step_row[step])
 
 
+def _prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    step_kind, step_block, step_row = _coo_steps(y_idx_1, pl.cdiv(N, 256), pad)
+    step_k = jnp.maximum(y_idx_0[step_block], 0)  # 0 if every entry is padding
+    return (step_kind, step_block, step_row, step_k)
+
+
 def _prepare(x, y_blocks, y_idx_0, y_idx_1, M, K, N):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"M": M, "K": K, "N": N}, {})
@@ -278,30 +322,18 @@ def _prepare(x, y_blocks, y_idx_0, y_idx_1, M, K, N):
     y_blocks = _as_array("y_blocks", y_blocks, 3, jnp.bfloat16)
     _check_dim(y_blocks.shape[1], 512, "y_blocks dim 1 (the tile of k)")
     _check_dim(y_blocks.shape[2], 256, "y_blocks dim 2 (the tile of n)")
-    nb = y_blocks.shape[0]
     y_idx_0 = _as_array("y_idx_0", y_idx_0, 1, None)
-    _check_dim(y_idx_0.shape[0], nb, "y_idx_0 length (one per block of y_blocks)")
+    _check_dim(y_idx_0.shape[0], y_blocks.shape[0], "y_idx_0 length (one per block of y_blocks)")
     y_idx_1 = _as_array("y_idx_1", y_idx_1, 1, None)
-    _check_dim(y_idx_1.shape[0], nb, "y_idx_1 length (one per block of y_blocks)")
+    _check_dim(y_idx_1.shape[0], y_blocks.shape[0], "y_idx_1 length (one per block of y_blocks)")
     _need(size, "N", "'y' and 'o'")
     M, K, N = size["M"][0], size["K"][0], size["N"][0]
-    _check_multiple(M, 256, "M (the size of index m)")
-    _check_multiple(N, 256, "N (the size of index n)")
-    _check_multiple(K, 512, "K (the size of index k)")
-    y_idx_0 = _check_coords("y_idx_0", y_idx_0, K // 512, "y dim 0", padding=True)
-    y_idx_1 = _check_coords("y_idx_1", y_idx_1, N // 256, "y dim 1", padding=True)
+    y_idx_0 = _check_coords("y_idx_0", y_idx_0, pl.cdiv(K, 512), "y dim 0")
+    y_idx_1 = _check_coords("y_idx_1", y_idx_1, pl.cdiv(N, 256), "y dim 1")
     pad = _check_padding(("y_idx_0", "y_idx_1"), (y_idx_0, y_idx_1))
-    _check_smem(4 * (nb + N // 256), "the scalar-prefetch tables of this call")
+    nb = y_blocks.shape[0]
+    _check_smem(4 * (nb + pl.cdiv(N, 256)), "the scalar-prefetch tables of this call")
     return x, y_blocks, y_idx_0, y_idx_1, pad, (M, K, N)
-
-
-def _prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
-    """The kernel's scalar-prefetch tables (SMEM) for one call; also read by `sparsegen plan --pattern`."""
-    M, K, N = sizes
-    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
-    step_kind, step_block, step_row = _coo_steps(y_idx_1, N // 256, pad)
-    step_k = jnp.maximum(y_idx_0[step_block], 0)  # 0 if every entry is padding
-    return (step_kind, step_block, step_row, step_k)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
@@ -313,7 +345,7 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
         return jnp.zeros((M, N), jnp.bfloat16)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(M // 256, nb + N // 256),
+        grid=(pl.cdiv(M, 256), nb + pl.cdiv(N, 256)),
         in_specs=[
             pl.BlockSpec((256, 512), _x_index_map),
             pl.BlockSpec((None, 512, 256), _y_index_map),
@@ -322,16 +354,16 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
         scratch_shapes=[pltpu.VMEM((256, 256), jnp.float32)],
     )
     return pl.pallas_call(
-        _kernel,
+        functools.partial(_kernel, K=K),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((M, N), jnp.bfloat16),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
         cost_estimate=pl.CostEstimate(
-            flops=nb * (M // 256) * 67108864,
+            flops=nb * pl.cdiv(M, 256) * 67108864,
             transcendentals=0,
-            bytes_accessed=nb * (M // 256) * 524288 + 2 * M * N,
+            bytes_accessed=nb * pl.cdiv(M, 256) * 524288 + 2 * M * N,
         ),
         interpret=interpret,
     )(*_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes), x, y_blocks)
@@ -340,11 +372,16 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
     M, K, N = sizes
-    y_view = _densify(y_blocks, (y_idx_0, y_idx_1), pad, (K, N), jnp.float32)
-    out = jnp.einsum(
-        "ac,cb->ab", x, y_view, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+    y_blocks_dense = _densify(y_blocks, (y_idx_0, y_idx_1), pad, (K, N), (512, 256), jnp.float32)
+    o = jnp.einsum(
+        "ac,cb->ab",
+        x,
+        y_blocks_dense,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST,
     )
-    return out.astype(jnp.bfloat16)
+    o = o.astype(jnp.bfloat16)
+    return o
 
 
 def dds_matmul(x, y_blocks, y_idx_0, y_idx_1, *, M=None, K=None, N=None, interpret=False):
@@ -352,7 +389,7 @@ def dds_matmul(x, y_blocks, y_idx_0, y_idx_1, *, M=None, K=None, N=None, interpr
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(*_prepare(x, y_blocks, y_idx_0, y_idx_1, M, K, N), interpret)
+    return _impl(*_prepare(x, y_blocks, y_idx_0, y_idx_1, M, K, N), _check_interpret(interpret))
 
 
 def reference(x, y_blocks, y_idx_0, y_idx_1, *, M=None, K=None, N=None):

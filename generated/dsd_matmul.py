@@ -20,8 +20,8 @@ Call:
 Arguments:
 
     x_blocks: bf16[nb, 512, 512]  the stored blocks of x
-    x_idx_0: int32[nb]  block coordinate of each stored block along x dim 0 (0 <= . < M / 512)
-    x_idx_1: int32[nb]  block coordinate of each stored block along x dim 1 (0 <= . < K / 512)
+    x_idx_0: int32[nb]  block coordinate of each stored block along x dim 0 (0 <= . < ceil(M / 512))
+    x_idx_1: int32[nb]  block coordinate of each stored block along x dim 1 (0 <= . < ceil(K / 512))
     y: bf16[K, N]
     M: int, keyword, required  (carried only by 'x' and 'o')
     K: int, keyword, optional  (taken from the arguments; must agree if given)
@@ -40,16 +40,17 @@ ever leaves its array.
 
 Plan (target v5e):
 
-    kernel dsd_matmul (coo input: the grid walks the stored blocks)
-      grid (N // 512, nb + M // 512)
+    kernel dsd_matmul
+      o[m, n] = x[m, k] * y[k, n]  (coo input: the grid walks the stored blocks)
+      grid (ceil(N / 512), nb + ceil(M / 512))
         n: output blocks along n [parallel]
         step: the stored blocks of x in output-block order, plus one flush step per output block [arbitrary]
       dimension_semantics (parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        step_kind[nb + M // 512]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
-        step_block[nb + M // 512]: the stored block of x a step reads (flush steps hold the next one, so they start no copy)
-        step_row[nb + M // 512]: the output block a step accumulates into, row-major over m
-        step_k[nb + M // 512]: coordinate k of the stored block a step reads
+        step_kind[nb + ceil(M / 512)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+        step_block[nb + ceil(M / 512)]: the stored block of x a step reads (flush steps hold the next one, so they start no copy)
+        step_row[nb + ceil(M / 512)]: the output block a step accumulates into, row-major over m
+        step_k[nb + ceil(M / 512)]: coordinate k of the stored block a step reads
       blocks:
         in  x block (squeezed, 512, 512), index map (step_block[step], 0, 0)
             The stored block this step multiplies (flush steps hold the next one).
@@ -58,17 +59,18 @@ Plan (target v5e):
         out o block (512, 512), index map (step_row[step], n)
       body:
         init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
-        accumulate the matmul when step_kind[step] == _BLOCK
+        accumulate the sum over k of x x y when step_kind[step] == _BLOCK
+          past K along k (a partial last block) the factors are zero
         write output when step_kind[step] == _FLUSH: accumulator
         output blocks no stored block reaches are written as zeros by their flush step
       VMEM estimate: 5.1 MiB of 128 MiB on v5e
-        x block: 2 x 1x512x512 bf16 = 1 MiB
+        x block: 2 x 512x512 bf16 = 1 MiB
         y block: 2 x 512x512 bf16 = 1 MiB
         o block (output): 2 x 512x512 bf16 = 1 MiB
         accumulator: 1 x 512x512 f32 = 1 MiB
         body temporaries: 1 x 512x512 f32 = 1 MiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
-      SMEM: 4 bytes per prefetch entry; depends on nb (limit 1016 KiB)
+      SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
 """
 
 import functools
@@ -101,6 +103,8 @@ def _as_array(name, value, rank, dtype):
     """`value` as an array of the declared rank and dtype (a ValueError naming it otherwise)."""
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         value = np.asarray(value)
+        if dtype is None and value.size == 0:
+            value = value.astype(np.int32)  # `[]`: no coordinates
     if len(value.shape) != rank:
         _fail(
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
@@ -114,6 +118,15 @@ def _as_array(name, value, rank, dtype):
 
 def _sizes(keywords, fixed):
     """The size table: symbol -> (value, where it came from), or None while unbound."""
+    for symbol, value in keywords.items():
+        if _is_traced(value):
+            _fail(
+                f'size {symbol} is traced: sizes shape the grid, so pass them as static arguments (jax.jit(..., static_argnames=("{symbol}", "interpret")))'
+            )
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, np.integer))
+        ):
+            _fail(f"size {symbol} must be an integer, got {value!r}")
     size = {symbol: None for symbol in keywords}
     for symbol, value in fixed.items():
         size[symbol] = (value, "the spec")
@@ -139,9 +152,17 @@ def _check_dim(value, expected, what):
         _fail(f"{what} is {value}, but the spec declares {expected}")
 
 
-def _check_multiple(value, tile, what):
-    if value % tile:
-        _fail(f"{what} = {value} is not a multiple of its tile {tile}")
+def _check_interpret(interpret):
+    if _is_traced(interpret):
+        _fail(
+            'interpret is traced: pass it as a static argument (jax.jit(..., static_argnames=("interpret",)))'
+        )
+    if not isinstance(interpret, bool) and type(interpret).__name__ not in (
+        "InterpretParams",
+        "InterpretGPUParams",
+    ):
+        _fail(f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}")
+    return interpret
 
 
 def _need(size, symbol, carriers):
@@ -151,19 +172,18 @@ def _need(size, symbol, carriers):
         )
 
 
-def _check_coords(name, coords, limit, what, padding=False):
+def _check_coords(name, coords, limit, what):
     """Block coordinates in [0, limit): checked when concrete; clamped under jit, so no copy
-    leaves the array. With `padding`, -1 marks a padding entry (see _check_padding)."""
-    low = -1 if padding else 0
+    leaves the array. -1 marks a padding entry (see _check_padding)."""
     if not _is_traced(coords):
         host = np.asarray(coords)
-        bad = np.flatnonzero((host < low) | (host >= limit))
+        bad = np.flatnonzero((host < -1) | (host >= limit))
         if bad.size:
             i = int(bad[0])
             _fail(
                 f"{name}[{i}] = {int(host[i])} is out of range: {what} has {limit} block{'s' if limit != 1 else ''}"
             )
-    return jnp.clip(jnp.asarray(coords), low, limit - 1).astype(jnp.int32)
+    return jnp.clip(jnp.asarray(coords), -1, limit - 1).astype(jnp.int32)
 
 
 def _check_padding(names, coords):
@@ -226,17 +246,27 @@ def _coo_steps(rows, n_rows, pad):
     return kind, block, row
 
 
-def _densify(blocks, coords, pad, shape, dtype):
-    """The dense array a blocked COO list stands for; repeated coordinates add up."""
-    tiles = blocks.shape[1:]
-    grid = tuple(s // t for s, t in zip(shape, tiles))
+def _densify(blocks, coords, pad, shape, tiles, dtype):
+    """The dense array a blocked COO list stands for; repeated coordinates add up, padding
+    entries are dropped, and a partial last block is cut at the array's end."""
+    blocks = blocks.reshape((blocks.shape[0], *tiles)).astype(dtype)
+    grid = tuple(-(-s // t) for s, t in zip(shape, tiles))
     coords = tuple(jnp.where(pad, g, c) for c, g in zip(coords, grid))  # padding: dropped below
-    dense = jnp.zeros(grid + tiles, dtype).at[coords].add(blocks.astype(dtype), mode="drop")
+    dense = jnp.zeros(grid + tuple(tiles), dtype).at[coords].add(blocks, mode="drop")
     rank = len(tiles)
-    return dense.transpose([p for d in range(rank) for p in (d, rank + d)]).reshape(shape)
+    dense = dense.transpose([p for d in range(rank) for p in (d, rank + d)])
+    dense = dense.reshape([g * t for g, t in zip(grid, tiles)])
+    return dense[tuple(slice(0, s) for s in shape)]
 
 
-def _kernel(step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref):
+def _mask_tail(value, axis, limit):
+    """Zero the elements at or past `limit` along `axis`: past the end of a partial last
+    block, memory holds anything (NaN too), and absent elements add nothing to a sum."""
+    inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit
+    return jnp.where(inside, value, jnp.zeros_like(value))
+
+
+def _kernel(step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref, *, K):
     n = pl.program_id(0)
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
@@ -247,7 +277,12 @@ def _kernel(step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_re
 
     @pl.when(step_kind[step] == _BLOCK)
     def _compute():
-        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+        x = x_ref[...]
+        y = y_ref[...]
+        if K % 512:  # a partial last block: what lies past the end is absent
+            x = _mask_tail(x, 1, K - step_k[step] * 512)
+            y = _mask_tail(y, 0, K - step_k[step] * 512)
+        acc_ref[...] += jnp.dot(x, y, preferred_element_type=jnp.float32)
 
     @pl.when(step_kind[step] == _FLUSH)
     def _flush():
@@ -269,39 +304,36 @@ def _o_index_map(n, step, step_kind, step_block, step_row, step_k):
     return (step_row[step], n)
 
 
+def _prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    step_kind, step_block, step_row = _coo_steps(x_idx_0, pl.cdiv(M, 512), pad)
+    step_k = jnp.maximum(x_idx_1[step_block], 0)  # 0 if every entry is padding
+    return (step_kind, step_block, step_row, step_k)
+
+
 def _prepare(x_blocks, x_idx_0, x_idx_1, y, M, K, N):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"M": M, "K": K, "N": N}, {})
     x_blocks = _as_array("x_blocks", x_blocks, 3, jnp.bfloat16)
     _check_dim(x_blocks.shape[1], 512, "x_blocks dim 1 (the tile of m)")
     _check_dim(x_blocks.shape[2], 512, "x_blocks dim 2 (the tile of k)")
-    nb = x_blocks.shape[0]
     x_idx_0 = _as_array("x_idx_0", x_idx_0, 1, None)
-    _check_dim(x_idx_0.shape[0], nb, "x_idx_0 length (one per block of x_blocks)")
+    _check_dim(x_idx_0.shape[0], x_blocks.shape[0], "x_idx_0 length (one per block of x_blocks)")
     x_idx_1 = _as_array("x_idx_1", x_idx_1, 1, None)
-    _check_dim(x_idx_1.shape[0], nb, "x_idx_1 length (one per block of x_blocks)")
+    _check_dim(x_idx_1.shape[0], x_blocks.shape[0], "x_idx_1 length (one per block of x_blocks)")
     y = _as_array("y", y, 2, jnp.bfloat16)
     _bind(size, "K", y.shape[0], "y dim 0")
     _bind(size, "N", y.shape[1], "y dim 1")
     _need(size, "M", "'x' and 'o'")
     M, K, N = size["M"][0], size["K"][0], size["N"][0]
-    _check_multiple(M, 512, "M (the size of index m)")
-    _check_multiple(N, 512, "N (the size of index n)")
-    _check_multiple(K, 512, "K (the size of index k)")
-    x_idx_0 = _check_coords("x_idx_0", x_idx_0, M // 512, "x dim 0", padding=True)
-    x_idx_1 = _check_coords("x_idx_1", x_idx_1, K // 512, "x dim 1", padding=True)
+    x_idx_0 = _check_coords("x_idx_0", x_idx_0, pl.cdiv(M, 512), "x dim 0")
+    x_idx_1 = _check_coords("x_idx_1", x_idx_1, pl.cdiv(K, 512), "x dim 1")
     pad = _check_padding(("x_idx_0", "x_idx_1"), (x_idx_0, x_idx_1))
-    _check_smem(4 * (nb + M // 512), "the scalar-prefetch tables of this call")
+    nb = x_blocks.shape[0]
+    _check_smem(4 * (nb + pl.cdiv(M, 512)), "the scalar-prefetch tables of this call")
     return x_blocks, x_idx_0, x_idx_1, y, pad, (M, K, N)
-
-
-def _prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, sizes):
-    """The kernel's scalar-prefetch tables (SMEM) for one call; also read by `sparsegen plan --pattern`."""
-    M, K, N = sizes
-    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
-    step_kind, step_block, step_row = _coo_steps(x_idx_0, M // 512, pad)
-    step_k = jnp.maximum(x_idx_1[step_block], 0)  # 0 if every entry is padding
-    return (step_kind, step_block, step_row, step_k)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
@@ -313,7 +345,7 @@ def _impl(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret):
         return jnp.zeros((M, N), jnp.bfloat16)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(N // 512, nb + M // 512),
+        grid=(pl.cdiv(N, 512), nb + pl.cdiv(M, 512)),
         in_specs=[
             pl.BlockSpec((None, 512, 512), _x_index_map),
             pl.BlockSpec((512, 512), _y_index_map),
@@ -322,16 +354,16 @@ def _impl(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret):
         scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
     )
     return pl.pallas_call(
-        _kernel,
+        functools.partial(_kernel, K=K),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((M, N), jnp.bfloat16),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
         cost_estimate=pl.CostEstimate(
-            flops=nb * (N // 512) * 268435456,
+            flops=nb * pl.cdiv(N, 512) * 268435456,
             transcendentals=0,
-            bytes_accessed=nb * (N // 512) * 1048576 + 2 * M * N,
+            bytes_accessed=nb * pl.cdiv(N, 512) * 1048576 + 2 * M * N,
         ),
         interpret=interpret,
     )(*_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, sizes), x_blocks, y)
@@ -340,11 +372,16 @@ def _impl(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret):
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x_blocks, x_idx_0, x_idx_1, y, pad, sizes):
     M, K, N = sizes
-    x_view = _densify(x_blocks, (x_idx_0, x_idx_1), pad, (M, K), jnp.float32)
-    out = jnp.einsum(
-        "ac,cb->ab", x_view, y, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+    x_blocks_dense = _densify(x_blocks, (x_idx_0, x_idx_1), pad, (M, K), (512, 512), jnp.float32)
+    o = jnp.einsum(
+        "ac,cb->ab",
+        x_blocks_dense,
+        y,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST,
     )
-    return out.astype(jnp.bfloat16)
+    o = o.astype(jnp.bfloat16)
+    return o
 
 
 def dsd_matmul(x_blocks, x_idx_0, x_idx_1, y, *, M=None, K=None, N=None, interpret=False):
@@ -352,7 +389,7 @@ def dsd_matmul(x_blocks, x_idx_0, x_idx_1, y, *, M=None, K=None, N=None, interpr
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(*_prepare(x_blocks, x_idx_0, x_idx_1, y, M, K, N), interpret)
+    return _impl(*_prepare(x_blocks, x_idx_0, x_idx_1, y, M, K, N), _check_interpret(interpret))
 
 
 def reference(x_blocks, x_idx_0, x_idx_1, y, *, M=None, K=None, N=None):

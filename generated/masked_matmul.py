@@ -9,7 +9,7 @@ Spec:
         in  y: bf16[K, N]
         in  mask: i32[M, N] mask
         out o: bf16[M, N]
-        o[m, n] = x[m, k] * y[k, n] * mask[m, n]
+        o[m, n] = mask[m, n] * x[m, k] * y[k, n]
         tile m = 512, n = 512, k = 1024
         accumulate f32
     }
@@ -40,39 +40,41 @@ ever leaves its array.
 
 Plan (target v5e):
 
-    kernel masked_matmul (mask: a dense grid that skips all-zero mask blocks)
-      grid (M // 512, N // 512, K // 1024)
+    kernel masked_matmul
+      o[m, n] = mask[m, n] * x[m, k] * y[k, n]  (mask: a dense grid that skips empty blocks of mask block)
+      grid (ceil(M / 512), ceil(N / 512), ceil(K / 1024))
         m: output blocks along m [parallel]
         n: output blocks along n [parallel]
         k: the sum over k, innermost so each output block's visits are consecutive [arbitrary]
       dimension_semantics (parallel, parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        kind[M // 512 * (N // 512)]: per block of mask: _EMPTY (all zero: skip), _PARTIAL, _FULL (all ones: no mask read)
-        next_step[M // 512 * (N // 512)]: per grid cell over m, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
-        next_mask[M // 512 * (N // 512)]: per grid cell: the next cell whose mask block is partial, the only blocks the kernel reads
+        kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell of mask block
+        next_step[ceil(M / 512) * ceil(N / 512)]: per grid cell over m, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+        next_mask[ceil(M / 512) * ceil(N / 512)]: per grid cell: the next cell whose mask block is partial, the only blocks the kernel reads
       blocks:
+        in  mask block (512, 512), index map cell = m * n_n + n; nxt = next_mask[cell]; -> (nxt // n_n, nxt % n_n)
+            Only partial mask blocks are read: every other step holds the next partial one.
         in  x block (512, 1024), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[cell] != _EMPTY; -> (nxt // n_n, (k if live else (0 if nxt > cell else n_k - 1)))
             Skipped steps hold the block of the next step that computes, so they start no copy.
         in  y block (1024, 512), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[cell] != _EMPTY; -> ((k if live else (0 if nxt > cell else n_k - 1)), nxt % n_n)
             Skipped steps hold the block of the next step that computes, so they start no copy.
-        in  mask block (512, 512), index map cell = m * n_n + n; nxt = next_mask[cell]; -> (nxt // n_n, nxt % n_n)
-            Only partial mask blocks are read: every other step holds the next partial one.
         out o block (512, 512), index map (m, n)
       body:
         init accumulator when k == 0
-        accumulate the matmul when block_kind != _EMPTY
-        write output when k == num_programs(2) - 1 and block_kind == _EMPTY: zeros
-        write output when k == num_programs(2) - 1 and block_kind == _PARTIAL: accumulator * mask
-        write output when k == num_programs(2) - 1 and block_kind == _FULL: accumulator
-      VMEM estimate: 10.1 MiB of 128 MiB on v5e
+        accumulate the sum over k of x x y when block_kind != _EMPTY
+          past K along k (a partial last block) the factors are zero
+        write output when k == n_k - 1 and block_kind == _EMPTY: zeros
+        write output when k == n_k - 1 and block_kind == _PARTIAL: accumulator * mask
+        write output when k == n_k - 1 and block_kind == _FULL: accumulator
+      VMEM estimate: 9.1 MiB of 128 MiB on v5e
+        mask block: 2 x 512x512 i32 = 2 MiB
         x block: 2 x 512x1024 bf16 = 2 MiB
         y block: 2 x 1024x512 bf16 = 2 MiB
-        mask block: 2 x 512x512 i32 = 2 MiB
         o block (output): 2 x 512x512 bf16 = 1 MiB
         accumulator: 1 x 512x512 f32 = 1 MiB
-        body temporaries: 2 x 512x512 f32 = 2 MiB
+        body temporaries: 1 x 512x512 f32 = 1 MiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
-      SMEM: 4 bytes per prefetch entry; depends on size (limit 1016 KiB)
+      SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
 """
 
 import functools
@@ -87,10 +89,10 @@ from jax.experimental.pallas import tpu as pltpu
 _NAME = "masked_matmul"
 _SMEM_BYTES = 1040384  # scalar memory of a v5e TensorCore
 
-# Kinds of mask block.
-_EMPTY = 0  # all zero: no compute, no new copies
-_PARTIAL = 1  # mixed: compute, then apply the mask
-_FULL = 2  # all ones: compute, and skip reading the mask
+# Kinds of block.
+_EMPTY = 0  # nothing to compute: no compute, no new copies
+_PARTIAL = 1  # compute (a mask block that is mixed: apply it)
+_FULL = 2  # compute (a mask block that is all ones: skip reading it)
 
 
 def _fail(message):
@@ -105,6 +107,8 @@ def _as_array(name, value, rank, dtype):
     """`value` as an array of the declared rank and dtype (a ValueError naming it otherwise)."""
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         value = np.asarray(value)
+        if dtype is None and value.size == 0:
+            value = value.astype(np.int32)  # `[]`: no coordinates
     if len(value.shape) != rank:
         _fail(
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
@@ -118,6 +122,15 @@ def _as_array(name, value, rank, dtype):
 
 def _sizes(keywords, fixed):
     """The size table: symbol -> (value, where it came from), or None while unbound."""
+    for symbol, value in keywords.items():
+        if _is_traced(value):
+            _fail(
+                f'size {symbol} is traced: sizes shape the grid, so pass them as static arguments (jax.jit(..., static_argnames=("{symbol}", "interpret")))'
+            )
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, np.integer))
+        ):
+            _fail(f"size {symbol} must be an integer, got {value!r}")
     size = {symbol: None for symbol in keywords}
     for symbol, value in fixed.items():
         size[symbol] = (value, "the spec")
@@ -143,9 +156,17 @@ def _check_dim(value, expected, what):
         _fail(f"{what} is {value}, but the spec declares {expected}")
 
 
-def _check_multiple(value, tile, what):
-    if value % tile:
-        _fail(f"{what} = {value} is not a multiple of its tile {tile}")
+def _check_interpret(interpret):
+    if _is_traced(interpret):
+        _fail(
+            'interpret is traced: pass it as a static argument (jax.jit(..., static_argnames=("interpret",)))'
+        )
+    if not isinstance(interpret, bool) and type(interpret).__name__ not in (
+        "InterpretParams",
+        "InterpretGPUParams",
+    ):
+        _fail(f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}")
+    return interpret
 
 
 def _check_smem(entries, what):
@@ -167,7 +188,9 @@ def _next_live(live):
 
 
 def _block_kinds(mask, tiles, ones):
-    """Per block of `mask`: _EMPTY (all zero), _PARTIAL, or with `ones` _FULL (all one)."""
+    """Per block of `mask`: _EMPTY (all zero), _PARTIAL, or with `ones` _FULL (all one).
+    A partial last block is padded with zeros: what lies past the end is absent."""
+    mask = jnp.pad(mask, [(0, -size % tile) for size, tile in zip(mask.shape, tiles)])
     shape = []
     for size, tile in zip(mask.shape, tiles):
         shape += [size // tile, tile]
@@ -179,12 +202,21 @@ def _block_kinds(mask, tiles, ones):
     return kind.astype(jnp.int32)
 
 
-def _kernel(kind, next_step, next_mask, x_ref, y_ref, mask_ref, o_ref, acc_ref):
+def _mask_tail(value, axis, limit):
+    """Zero the elements at or past `limit` along `axis`: past the end of a partial last
+    block, memory holds anything (NaN too), and absent elements add nothing to a sum."""
+    inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit
+    return jnp.where(inside, value, jnp.zeros_like(value))
+
+
+def _kernel(kind, next_step, next_mask, mask_ref, x_ref, y_ref, o_ref, acc_ref, *, K):
     m = pl.program_id(0)
     n = pl.program_id(1)
     k = pl.program_id(2)
-    block_kind = kind[m * pl.num_programs(1) + n]
-    # Steps whose mask block is all zero skip the compute (and their copies).
+    n_n = pl.num_programs(1)
+    n_k = pl.num_programs(2)
+    block_kind = kind[m * n_n + n]
+    # Steps whose mask block is empty skip the compute (and their copies).
 
     @pl.when(k == 0)
     def _init():
@@ -192,22 +224,34 @@ def _kernel(kind, next_step, next_mask, x_ref, y_ref, mask_ref, o_ref, acc_ref):
 
     @pl.when(block_kind != _EMPTY)
     def _compute():
-        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+        x = x_ref[...]
+        y = y_ref[...]
+        if K % 1024:  # a partial last block: what lies past the end is absent
+            x = _mask_tail(x, 1, K - k * 1024)
+            y = _mask_tail(y, 0, K - k * 1024)
+        acc_ref[...] += jnp.dot(x, y, preferred_element_type=jnp.float32)
 
-    @pl.when((k == pl.num_programs(2) - 1) & (block_kind == _EMPTY))
+    @pl.when((k == n_k - 1) & (block_kind == _EMPTY))
     def _flush_empty():
-        # mask is all zero here: the block is zero.
+        # Nothing to compute here (mask block): the block is zero.
         o_ref[...] = jnp.zeros_like(o_ref)
 
-    @pl.when((k == pl.num_programs(2) - 1) & (block_kind == _PARTIAL))
+    @pl.when((k == n_k - 1) & (block_kind == _PARTIAL))
     def _flush_partial():
         # Apply mask.
         o_ref[...] = (acc_ref[...] * mask_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
 
-    @pl.when((k == pl.num_programs(2) - 1) & (block_kind == _FULL))
+    @pl.when((k == n_k - 1) & (block_kind == _FULL))
     def _flush_full():
         # mask is all ones here: no need to read it.
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _mask_index_map(m, n, k, kind, next_step, next_mask, *, n_n):
+    # Only partial mask blocks are read: every other step holds the next partial one.
+    cell = m * n_n + n
+    nxt = next_mask[cell]
+    return (lax.div(nxt, n_n), lax.rem(nxt, n_n))
 
 
 def _x_index_map(m, n, k, kind, next_step, next_mask, *, n_n, n_k):
@@ -226,15 +270,19 @@ def _y_index_map(m, n, k, kind, next_step, next_mask, *, n_n, n_k):
     return (jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)), lax.rem(nxt, n_n))
 
 
-def _mask_index_map(m, n, k, kind, next_step, next_mask, *, n_n):
-    # Only partial mask blocks are read: every other step holds the next partial one.
-    cell = m * n_n + n
-    nxt = next_mask[cell]
-    return (lax.div(nxt, n_n), lax.rem(nxt, n_n))
-
-
 def _o_index_map(m, n, k, kind, next_step, next_mask):
     return (m, n)
+
+
+def _prefetch(x, y, mask, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    # Classify the blocks of mask; skipped steps follow a map to the next step that computes.
+    kind = _block_kinds(mask, (512, 512), True)
+    next_step = _next_live((kind != _EMPTY).reshape(-1))
+    next_mask = _next_live((kind == _PARTIAL).reshape(-1))
+    kind = kind.reshape(-1)
+    return (kind, next_step, next_mask)
 
 
 def _prepare(x, y, mask, M, K, N):
@@ -250,22 +298,8 @@ def _prepare(x, y, mask, M, K, N):
     _bind(size, "M", mask.shape[0], "mask dim 0")
     _bind(size, "N", mask.shape[1], "mask dim 1")
     M, K, N = size["M"][0], size["K"][0], size["N"][0]
-    _check_multiple(M, 512, "M (the size of index m)")
-    _check_multiple(N, 512, "N (the size of index n)")
-    _check_multiple(K, 1024, "K (the size of index k)")
-    _check_smem(3 * (M // 512 * (N // 512)), "the scalar-prefetch tables of this call")
+    _check_smem(3 * (pl.cdiv(M, 512) * pl.cdiv(N, 512)), "the scalar-prefetch tables of this call")
     return x, y, mask, (M, K, N)
-
-
-def _prefetch(x, y, mask, sizes):
-    """The kernel's scalar-prefetch tables (SMEM) for one call; also read by `sparsegen plan --pattern`."""
-    M, K, N = sizes
-    # Classify the blocks of mask; skipped steps follow a map to the next step that computes.
-    kind = _block_kinds(mask, (512, 512), True)
-    next_step = _next_live((kind != _EMPTY).reshape(-1))
-    next_mask = _next_live((kind == _PARTIAL).reshape(-1))
-    kind = kind.reshape(-1)
-    return (kind, next_step, next_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
@@ -273,39 +307,51 @@ def _impl(x, y, mask, sizes, interpret):
     M, K, N = sizes
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(M // 512, N // 512, K // 1024),
+        grid=(pl.cdiv(M, 512), pl.cdiv(N, 512), pl.cdiv(K, 1024)),
         in_specs=[
-            pl.BlockSpec((512, 1024), functools.partial(_x_index_map, n_n=N // 512, n_k=K // 1024)),
-            pl.BlockSpec((1024, 512), functools.partial(_y_index_map, n_n=N // 512, n_k=K // 1024)),
-            pl.BlockSpec((512, 512), functools.partial(_mask_index_map, n_n=N // 512)),
+            pl.BlockSpec((512, 512), functools.partial(_mask_index_map, n_n=pl.cdiv(N, 512))),
+            pl.BlockSpec(
+                (512, 1024),
+                functools.partial(_x_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(K, 1024)),
+            ),
+            pl.BlockSpec(
+                (1024, 512),
+                functools.partial(_y_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(K, 1024)),
+            ),
         ],
         out_specs=pl.BlockSpec((512, 512), _o_index_map),
         scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
     )
     return pl.pallas_call(
-        _kernel,
+        functools.partial(_kernel, K=K),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((M, N), jnp.bfloat16),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
         ),
         cost_estimate=pl.CostEstimate(
-            flops=M // 512 * (N // 512) * (K // 1024) * 536870912,
+            flops=pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 1024) * 536870912,
             transcendentals=0,
-            bytes_accessed=M // 512 * (N // 512) * (K // 1024) * 3145728 + 2 * M * N,
+            bytes_accessed=pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 1024) * 3145728
+            + 2 * M * N,
         ),
         interpret=interpret,
-    )(*_prefetch(x, y, mask, sizes), x, y, mask)
+    )(*_prefetch(x, y, mask, sizes), mask, x, y)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x, y, mask, sizes):
     M, K, N = sizes
-    out = jnp.einsum(
-        "ac,cb->ab", x, y, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+    o = jnp.einsum(
+        "ab,ac,cb->ab",
+        mask,
+        x,
+        y,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST,
     )
-    out = out * mask.astype(jnp.float32)
-    return out.astype(jnp.bfloat16)
+    o = o.astype(jnp.bfloat16)
+    return o
 
 
 def masked_matmul(x, y, mask, *, M=None, K=None, N=None, interpret=False):
@@ -313,7 +359,7 @@ def masked_matmul(x, y, mask, *, M=None, K=None, N=None, interpret=False):
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(*_prepare(x, y, mask, M, K, N), interpret)
+    return _impl(*_prepare(x, y, mask, M, K, N), _check_interpret(interpret))
 
 
 def reference(x, y, mask, *, M=None, K=None, N=None):

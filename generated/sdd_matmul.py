@@ -21,8 +21,8 @@ Arguments:
 
     x: bf16[M, K]
     y: bf16[K, N]
-    o_idx_0: int32[nb]  block coordinate of each requested output block along o dim 0 (0 <= . < M / 128)
-    o_idx_1: int32[nb]  block coordinate of each requested output block along o dim 1 (0 <= . < N / 128)
+    o_idx_0: int32[nb]  block coordinate of each requested output block along o dim 0 (0 <= . < ceil(M / 128))
+    o_idx_1: int32[nb]  block coordinate of each requested output block along o dim 1 (0 <= . < ceil(N / 128))
     M: int, keyword, optional  (taken from the arguments; must agree if given)
     K: int, keyword, optional  (taken from the arguments; must agree if given)
     N: int, keyword, optional  (taken from the arguments; must agree if given)
@@ -40,31 +40,38 @@ ever leaves its array.
 
 Plan (target v5e):
 
-    kernel sdd_matmul (coo output: the grid walks the requested output blocks)
-      grid (nb, K // 512)
+    kernel sdd_matmul
+      o[m, n] = x[m, k] * y[k, n]  (coo output: the grid walks the requested output blocks (padding entries are written as zeros))
+      grid (nb, ceil(K / 512))
         b: the requested blocks of o [parallel]
         k: the sum over k, innermost so each output block's visits are consecutive [arbitrary]
       dimension_semantics (parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        o_idx_0[nb]: requested block coordinate along o dim 0
-        o_idx_1[nb]: requested block coordinate along o dim 1
+        o_at_0[nb]: requested block coordinate along o dim 0 (0 for padding)
+        o_at_1[nb]: requested block coordinate along o dim 1 (0 for padding)
+        requested_o[nb]: _EMPTY (skip), _PARTIAL, _FULL: per cell of requested o block
+        next_step[nb]: per grid cell over b: the next cell that computes (the last one after it), so skipped steps fetch nothing new
       blocks:
-        in  x block (128, 512), index map (o_idx_0[b], k)
-        in  y block (512, 128), index map (k, o_idx_1[b])
+        in  x block (128, 512), index map cell = b; nxt = next_step[cell]; live = requested_o[cell] != _EMPTY; -> (o_at_0[nxt], (k if live else (0 if nxt > cell else n_k - 1)))
+            Skipped steps hold the block of the next step that computes, so they start no copy.
+        in  y block (512, 128), index map cell = b; nxt = next_step[cell]; live = requested_o[cell] != _EMPTY; -> ((k if live else (0 if nxt > cell else n_k - 1)), o_at_1[nxt])
+            Skipped steps hold the block of the next step that computes, so they start no copy.
         out o block (squeezed, 128, 128), index map (b, 0, 0)
             Block b of the stacked output.
       body:
         init accumulator when k == 0
-        accumulate the matmul every step
-        write output when k == num_programs(1) - 1: accumulator
+        accumulate the sum over k of x x y when block_kind != _EMPTY
+          past K along k (a partial last block) the factors are zero
+        write output when k == n_k - 1 and block_kind == _EMPTY: zeros
+        write output when k == n_k - 1 and block_kind != _EMPTY: accumulator
       VMEM estimate: 832 KiB of 128 MiB on v5e
         x block: 2 x 128x512 bf16 = 256 KiB
         y block: 2 x 512x128 bf16 = 256 KiB
-        o block (output): 2 x 1x128x128 bf16 = 64 KiB
+        o block (output): 2 x 128x128 bf16 = 64 KiB
         accumulator: 1 x 128x128 f32 = 64 KiB
         body temporaries: 1 x 128x128 f32 = 64 KiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
-      SMEM: 4 bytes per prefetch entry; depends on nb (limit 1016 KiB)
+      SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
 """
 
 import functools
@@ -79,6 +86,11 @@ from jax.experimental.pallas import tpu as pltpu
 _NAME = "sdd_matmul"
 _SMEM_BYTES = 1040384  # scalar memory of a v5e TensorCore
 
+# Kinds of block.
+_EMPTY = 0  # nothing to compute: no compute, no new copies
+_PARTIAL = 1  # compute (a mask block that is mixed: apply it)
+_FULL = 2  # compute (a mask block that is all ones: skip reading it)
+
 
 def _fail(message):
     raise ValueError(f"{_NAME}: {message}")
@@ -92,6 +104,8 @@ def _as_array(name, value, rank, dtype):
     """`value` as an array of the declared rank and dtype (a ValueError naming it otherwise)."""
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         value = np.asarray(value)
+        if dtype is None and value.size == 0:
+            value = value.astype(np.int32)  # `[]`: no coordinates
     if len(value.shape) != rank:
         _fail(
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
@@ -105,6 +119,15 @@ def _as_array(name, value, rank, dtype):
 
 def _sizes(keywords, fixed):
     """The size table: symbol -> (value, where it came from), or None while unbound."""
+    for symbol, value in keywords.items():
+        if _is_traced(value):
+            _fail(
+                f'size {symbol} is traced: sizes shape the grid, so pass them as static arguments (jax.jit(..., static_argnames=("{symbol}", "interpret")))'
+            )
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, np.integer))
+        ):
+            _fail(f"size {symbol} must be an integer, got {value!r}")
     size = {symbol: None for symbol in keywords}
     for symbol, value in fixed.items():
         size[symbol] = (value, "the spec")
@@ -130,24 +153,49 @@ def _check_dim(value, expected, what):
         _fail(f"{what} is {value}, but the spec declares {expected}")
 
 
-def _check_multiple(value, tile, what):
-    if value % tile:
-        _fail(f"{what} = {value} is not a multiple of its tile {tile}")
+def _check_interpret(interpret):
+    if _is_traced(interpret):
+        _fail(
+            'interpret is traced: pass it as a static argument (jax.jit(..., static_argnames=("interpret",)))'
+        )
+    if not isinstance(interpret, bool) and type(interpret).__name__ not in (
+        "InterpretParams",
+        "InterpretGPUParams",
+    ):
+        _fail(f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}")
+    return interpret
 
 
-def _check_coords(name, coords, limit, what, padding=False):
+def _check_coords(name, coords, limit, what):
     """Block coordinates in [0, limit): checked when concrete; clamped under jit, so no copy
-    leaves the array. With `padding`, -1 marks a padding entry (see _check_padding)."""
-    low = -1 if padding else 0
+    leaves the array. -1 marks a padding entry (see _check_padding)."""
     if not _is_traced(coords):
         host = np.asarray(coords)
-        bad = np.flatnonzero((host < low) | (host >= limit))
+        bad = np.flatnonzero((host < -1) | (host >= limit))
         if bad.size:
             i = int(bad[0])
             _fail(
                 f"{name}[{i}] = {int(host[i])} is out of range: {what} has {limit} block{'s' if limit != 1 else ''}"
             )
-    return jnp.clip(jnp.asarray(coords), low, limit - 1).astype(jnp.int32)
+    return jnp.clip(jnp.asarray(coords), -1, limit - 1).astype(jnp.int32)
+
+
+def _check_padding(names, coords):
+    """An entry whose coordinates are all -1 is padding: skipped, it starts no copy."""
+    marks = [c < 0 for c in coords]
+    pad = functools.reduce(jnp.logical_and, marks)
+    if not any(_is_traced(c) for c in coords):
+        mixed = np.flatnonzero(
+            np.any(np.stack([np.asarray(m) for m in marks]), axis=0) & ~np.asarray(pad)
+        )
+        if mixed.size:
+            i = int(mixed[0])
+            marked = next(n for n, m in zip(names, marks) if bool(m[i]))
+            other = next(n for n, m in zip(names, marks) if not bool(m[i]))
+            _fail(
+                f"{marked}[{i}] = -1 marks padding, but {other}[{i}] does not: a padding entry has every coordinate -1"
+            )
+    return pad
 
 
 def _check_smem(entries, what):
@@ -157,8 +205,21 @@ def _check_smem(entries, what):
         )
 
 
-def _gather_blocks(dense, coords, tiles):
-    """The blocks of `dense` at the given block coordinates, stacked."""
+def _next_live(live):
+    """Per position: the next live position at or after it; past the last live one, that
+    last one; 0 when none is live. A prefetch map built from it never starts a copy that
+    no live step uses."""
+    n = live.shape[0]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    ahead = lax.cummin(jnp.where(live, pos, n), reverse=True)
+    behind = lax.cummax(jnp.where(live, pos, -1))
+    return jnp.where(ahead < n, ahead, jnp.maximum(behind, 0)).astype(jnp.int32)
+
+
+def _gather_blocks(dense, coords, pad, tiles):
+    """The blocks of `dense` at the given block coordinates, stacked (tile-1 dimensions
+    dropped); padding entries and what lies past a partial last block are zeros."""
+    dense = jnp.pad(dense, [(0, -size % tile) for size, tile in zip(dense.shape, tiles)])
     shape = []
     for size, tile in zip(dense.shape, tiles):
         shape += [size // tile, tile]
@@ -166,36 +227,84 @@ def _gather_blocks(dense, coords, tiles):
     blocked = dense.reshape(shape).transpose(
         [2 * d for d in range(rank)] + [2 * d + 1 for d in range(rank)]
     )
-    return blocked[coords]
+    picked = blocked[tuple(jnp.maximum(c, 0) for c in coords)]
+    picked = jnp.where(pad.reshape((-1,) + (1,) * rank), 0, picked).astype(dense.dtype)
+    return picked.reshape((picked.shape[0], *[t for t in tiles if t != 1]))
 
 
-def _kernel(o_idx_0, o_idx_1, x_ref, y_ref, o_ref, acc_ref):
+def _mask_tail(value, axis, limit):
+    """Zero the elements at or past `limit` along `axis`: past the end of a partial last
+    block, memory holds anything (NaN too), and absent elements add nothing to a sum."""
+    inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit
+    return jnp.where(inside, value, jnp.zeros_like(value))
+
+
+def _kernel(o_at_0, o_at_1, requested_o, next_step, x_ref, y_ref, o_ref, acc_ref, *, K, M, N):
     b = pl.program_id(0)
     k = pl.program_id(1)
+    n_k = pl.num_programs(1)
+    block_kind = requested_o[b]
+    # Steps whose requested o block is empty skip the compute (and their copies).
 
     @pl.when(k == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+    @pl.when(block_kind != _EMPTY)
+    def _compute():
+        x = x_ref[...]
+        y = y_ref[...]
+        if K % 512:  # a partial last block: what lies past the end is absent
+            x = _mask_tail(x, 1, K - k * 512)
+            y = _mask_tail(y, 0, K - k * 512)
+        acc_ref[...] += jnp.dot(x, y, preferred_element_type=jnp.float32)
 
-    @pl.when(k == pl.num_programs(1) - 1)
+    @pl.when((k == n_k - 1) & (block_kind == _EMPTY))
+    def _flush_empty():
+        # Nothing to compute here (requested o block): the block is zero.
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.when((k == n_k - 1) & (block_kind != _EMPTY))
     def _flush():
         # Write the block.
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+        value = acc_ref[...]
+        if M % 128 or N % 128:  # a partial last block: what lies past the end is absent
+            value = _mask_tail(value, 0, M - o_at_0[b] * 128)
+            value = _mask_tail(value, 1, N - o_at_1[b] * 128)
+        o_ref[...] = value.astype(o_ref.dtype)
 
 
-def _x_index_map(b, k, o_idx_0, o_idx_1):
-    return (o_idx_0[b], k)
+def _x_index_map(b, k, o_at_0, o_at_1, requested_o, next_step, *, n_k):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = b
+    nxt = next_step[cell]
+    live = requested_o[cell] != _EMPTY
+    return (o_at_0[nxt], jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)))
 
 
-def _y_index_map(b, k, o_idx_0, o_idx_1):
-    return (k, o_idx_1[b])
+def _y_index_map(b, k, o_at_0, o_at_1, requested_o, next_step, *, n_k):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = b
+    nxt = next_step[cell]
+    live = requested_o[cell] != _EMPTY
+    return (jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)), o_at_1[nxt])
 
 
-def _o_index_map(b, k, o_idx_0, o_idx_1):
+def _o_index_map(b, k, o_at_0, o_at_1, requested_o, next_step):
     # Block b of the stacked output.
     return (b, 0, 0)
+
+
+def _prefetch(x, y, o_idx_0, o_idx_1, pad, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    # Where the requested blocks are (padding entries: block 0, and skipped).
+    o_at_0 = jnp.maximum(o_idx_0, 0)
+    o_at_1 = jnp.maximum(o_idx_1, 0)
+    requested_o = jnp.where(pad, _EMPTY, _FULL).astype(jnp.int32)
+    next_step = _next_live((requested_o != _EMPTY).reshape(-1))
+    requested_o = requested_o.reshape(-1)
+    return (o_at_0, o_at_1, requested_o, next_step)
 
 
 def _prepare(x, y, o_idx_0, o_idx_1, M, K, N):
@@ -208,65 +317,59 @@ def _prepare(x, y, o_idx_0, o_idx_1, M, K, N):
     _bind(size, "K", y.shape[0], "y dim 0")
     _bind(size, "N", y.shape[1], "y dim 1")
     o_idx_0 = _as_array("o_idx_0", o_idx_0, 1, None)
-    nb = o_idx_0.shape[0]
     o_idx_1 = _as_array("o_idx_1", o_idx_1, 1, None)
-    _check_dim(o_idx_1.shape[0], nb, "o_idx_1 length (one per block of o_idx_0)")
+    _check_dim(o_idx_1.shape[0], o_idx_0.shape[0], "o_idx_1 length (one per block of o_idx_0)")
     M, K, N = size["M"][0], size["K"][0], size["N"][0]
-    _check_multiple(M, 128, "M (the size of index m)")
-    _check_multiple(N, 128, "N (the size of index n)")
-    _check_multiple(K, 512, "K (the size of index k)")
-    o_idx_0 = _check_coords("o_idx_0", o_idx_0, M // 128, "o dim 0")
-    o_idx_1 = _check_coords("o_idx_1", o_idx_1, N // 128, "o dim 1")
-    _check_smem(2 * nb, "the scalar-prefetch tables of this call")
-    return x, y, o_idx_0, o_idx_1, (M, K, N)
-
-
-def _prefetch(x, y, o_idx_0, o_idx_1, sizes):
-    """The kernel's scalar-prefetch tables (SMEM) for one call; also read by `sparsegen plan --pattern`."""
-    M, K, N = sizes
-    return (o_idx_0, o_idx_1)
+    o_idx_0 = _check_coords("o_idx_0", o_idx_0, pl.cdiv(M, 128), "o dim 0")
+    o_idx_1 = _check_coords("o_idx_1", o_idx_1, pl.cdiv(N, 128), "o dim 1")
+    pad = _check_padding(("o_idx_0", "o_idx_1"), (o_idx_0, o_idx_1))
+    nb = o_idx_0.shape[0]
+    _check_smem(4 * nb, "the scalar-prefetch tables of this call")
+    return x, y, o_idx_0, o_idx_1, pad, (M, K, N)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
-def _impl(x, y, o_idx_0, o_idx_1, sizes, interpret):
+def _impl(x, y, o_idx_0, o_idx_1, pad, sizes, interpret):
     M, K, N = sizes
     nb = o_idx_0.shape[0]
     if nb == 0:
         # No block requested.
         return jnp.zeros((nb, 128, 128), jnp.bfloat16)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(nb, K // 512),
+        num_scalar_prefetch=4,
+        grid=(nb, pl.cdiv(K, 512)),
         in_specs=[
-            pl.BlockSpec((128, 512), _x_index_map),
-            pl.BlockSpec((512, 128), _y_index_map),
+            pl.BlockSpec((128, 512), functools.partial(_x_index_map, n_k=pl.cdiv(K, 512))),
+            pl.BlockSpec((512, 128), functools.partial(_y_index_map, n_k=pl.cdiv(K, 512))),
         ],
         out_specs=pl.BlockSpec((None, 128, 128), _o_index_map),
         scratch_shapes=[pltpu.VMEM((128, 128), jnp.float32)],
     )
     return pl.pallas_call(
-        _kernel,
+        functools.partial(_kernel, K=K, M=M, N=N),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((nb, 128, 128), jnp.bfloat16),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
         cost_estimate=pl.CostEstimate(
-            flops=nb * (K // 512) * 16777216,
+            flops=nb * pl.cdiv(K, 512) * 16777216,
             transcendentals=0,
-            bytes_accessed=nb * (K // 512) * 262144 + 2 * nb * 128 * 128,
+            bytes_accessed=nb * pl.cdiv(K, 512) * 262144 + 2 * nb * 128 * 128,
         ),
         interpret=interpret,
-    )(*_prefetch(x, y, o_idx_0, o_idx_1, sizes), x, y)
+    )(*_prefetch(x, y, o_idx_0, o_idx_1, pad, sizes), x, y)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))
-def _reference(x, y, o_idx_0, o_idx_1, sizes):
+def _reference(x, y, o_idx_0, o_idx_1, pad, sizes):
     M, K, N = sizes
-    out = jnp.einsum(
+    o = jnp.einsum(
         "ac,cb->ab", x, y, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
     )
-    return _gather_blocks(out.astype(jnp.bfloat16), (o_idx_0, o_idx_1), (128, 128))
+    o = o.astype(jnp.bfloat16)
+    o = _gather_blocks(o, (o_idx_0, o_idx_1), pad, (128, 128))
+    return o
 
 
 def sdd_matmul(x, y, o_idx_0, o_idx_1, *, M=None, K=None, N=None, interpret=False):
@@ -274,7 +377,7 @@ def sdd_matmul(x, y, o_idx_0, o_idx_1, *, M=None, K=None, N=None, interpret=Fals
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(*_prepare(x, y, o_idx_0, o_idx_1, M, K, N), interpret)
+    return _impl(*_prepare(x, y, o_idx_0, o_idx_1, M, K, N), _check_interpret(interpret))
 
 
 def reference(x, y, o_idx_0, o_idx_1, *, M=None, K=None, N=None):

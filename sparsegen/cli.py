@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 
 from .compiler import Module, compile_file, plans
-from .describe import describe
 from .source import SpecError
-from .targets import DEFAULT_TARGET, TARGETS
+from .tpu.describe import describe
+from .tpu.targets import DEFAULT_TARGET, TARGETS
 
 
 def _compile_all(specs: list[str], target: str) -> list[tuple[str, Module]] | None:
@@ -119,8 +119,8 @@ def cmd_plan(args) -> int:
     if not _have_jax("plan --pattern"):
         return 2
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the index maps run on the host
-    from . import simulate
-    from .verify import default_shapes, parse_shapes
+    from .tpu import simulate
+    from .tpu.verify import default_shapes, parse_shapes
 
     try:
         shapes = parse_shapes(args.shape)
@@ -140,7 +140,7 @@ def cmd_plan(args) -> int:
             print(f"sparsegen plan: {exc}", file=sys.stderr)
             return 2
     if args.png:
-        from .picture import draw
+        from .tpu.picture import draw
 
         draw(reports[0], args.png)
     if args.json:
@@ -156,7 +156,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from . import verify
+    from .tpu import verify
     from .jaxenv import quiet_libtpu
 
     quiet_libtpu()
@@ -202,7 +202,7 @@ def _print_verify_table(report, verbose: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .targets import format_bytes
+    from .tpu.targets import format_bytes
 
     table = Table(title="sparsegen verify: ahead-of-time compiles through libtpu")
     for column in ("kernel", "target", "compiles", "VMEM used / limit", "static estimate", "SMEM", "GFLOP", "MB accessed", "compile"):
@@ -265,7 +265,7 @@ def cmd_variants(args) -> int:
         print(f"sparsegen variants: choose one kernel with --kernel (the spec has: {names})", file=sys.stderr)
         return 2
     kernel = found[0].kernel
-    from .verify import parse_shapes
+    from .tpu.verify import parse_shapes
 
     try:
         options = vs.parse_tile_options(args.tile, kernel)
@@ -346,7 +346,7 @@ def _print_variants(ranked, targets, pattern, sizes, timed) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .targets import format_bytes
+    from .tpu.targets import format_bytes
 
     shapes = ", ".join(f"{k}={v}" for k, v in sizes.items())
     table = Table(title=f"variants ranked by {'measured time' if timed else 'the model'}: pattern {pattern}, {shapes}")

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from .compiler import compile_source
-from .emit import spec_text
-from .model import Kernel
+from .ir import Kernel
+from .wrapper import spec_text
 from .source import SourceFile, SpecError
 
 
@@ -98,14 +98,8 @@ def build(variant: Variant, target: str) -> None:
 
 
 def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[str], seed: int) -> None:
-    from .simulate import analyse
+    from .tpu.simulate import analyse
 
-    k = variant.plan.kernel
-    for index in k.indices:
-        size = index.size.literal or sizes.get(index.size.symbol)
-        if size is not None and size % index.tile:
-            variant.rejected = f"tile {index.name} = {index.tile} does not divide {index.size.symbol} = {size} (set sizes with --shape)"
-            return
     try:
         variant.report = analyse(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed)
     except (ValueError, KeyError) as exc:
@@ -113,7 +107,7 @@ def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[s
 
 
 def compile_check(variant: Variant, sizes: dict[str, int], targets: list[str], nnz: float) -> None:
-    from .verify import verify_plan
+    from .tpu.verify import verify_plan
 
     for target in targets:
         plan = variant.plan if target == variant.plan.target.name else compile_source(variant.source, target)[0].plan
@@ -129,7 +123,8 @@ def time_on_tpu(variant: Variant, sizes: dict[str, int], pattern: str, seed: int
     import jax
     import numpy as np
 
-    from .simulate import load_module, pattern_args
+    from .callconv import stored_tiles
+    from .tpu.simulate import load_module, pattern_args
 
     plan = variant.plan
     module = load_module(plan, f"timed_{variant.name}")
@@ -138,21 +133,19 @@ def time_on_tpu(variant: Variant, sizes: dict[str, int], pattern: str, seed: int
     _, sparse = pattern_args(plan, env, pattern, seed)
     rng = np.random.default_rng(seed)
     args = []
-    tile = {i.name: i.tile for i in k.indices}
-    for op in k.inputs:
+    for p in plan.conv.params:
+        op = k.operand(p.operand)
         shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in op.dims)
-        if op.sparsity == "coo":
-            coords = sparse[op.name]
-            args.append(rng.standard_normal((len(coords[0]), *(tile[i] for i in op.indices))).astype(op.dtype.np_dtype))
-            args += list(coords)
-        elif op.sparsity == "mask":
+        if p.kind == "blocks":
+            args.append(rng.standard_normal((len(sparse[op.name][0]), *stored_tiles(k, op))).astype(op.dtype.np_dtype))
+        elif p.kind in ("coords", "out_coords"):
+            args.append(sparse[op.name][p.dim])
+        elif p.kind == "mask":
             args.append(sparse[op.name])
-        elif op.sparsity == "index":
+        elif p.kind == "index":
             args.append(np.zeros(op.dims[0].literal, np.int32))
         else:
             args.append(rng.standard_normal(shape).astype(op.dtype.np_dtype))
-    if k.output.sparsity == "coo":
-        args += list(sparse[k.output.name])
     keywords = {s: env[s] for s, lit in k.symbols if lit is None}
     args = [jax.device_put(a) for a in args]
     fn = getattr(module, plan.name)

@@ -182,13 +182,18 @@ class KindsMixin(PassBuilder):
         kernel_kind_cell = kind_cell
         body = self.reduction_body(blocks, compute_when=Var(here).ne(Var("_EMPTY")))
         summed, end = self.products(blocks)
-        cases = [FlushCase(Var(here).eq(Var("_EMPTY")), None, "flush_empty", f"Nothing to compute here ({about}): the block is zero.")]
-        if mask:
-            others = tuple(p for p in end if p.factors[0].operand != mask)
-            cases += [FlushCase(Var(here).eq(Var("_PARTIAL")), end, "flush_partial", f"Apply {mask}."),
-                      FlushCase(Var(here).eq(Var("_FULL")), others, "flush_full", f"{mask} is all ones here: no need to read it.")]
+        if any(a.role == "reduce" for a in kind_axes):
+            # Kinds vary along the sum: the accumulator holds what the computing steps added
+            # (zeros if none did), so the flush always writes it.
+            cases = [FlushCase(None, end, "flush", "Write the block.")]
         else:
-            cases.append(FlushCase(Var(here).ne(Var("_EMPTY")), end, "flush", "Write the block."))
+            cases = [FlushCase(Var(here).eq(Var("_EMPTY")), None, "flush_empty", f"Nothing to compute here ({about}): the block is zero.")]
+            if mask:
+                others = tuple(p for p in end if p.factors[0].operand != mask)
+                cases += [FlushCase(Var(here).eq(Var("_PARTIAL")), end, "flush_partial", f"Apply {mask}."),
+                          FlushCase(Var(here).eq(Var("_FULL")), others, "flush_full", f"{mask} is all ones here: no need to read it.")]
+            else:
+                cases.append(FlushCase(Var(here).ne(Var("_EMPTY")), end, "flush", "Write the block."))
         notes = (f"Steps whose {about} is empty skip the compute (and their copies).",)
         body = Body(body.accumulator, body.init_when, body.compute_when, body.summed, body.step, body.flush_when, tuple(cases),
                     body.summed_indices, body.acc_live, body.acc_shape, body.out_live, body.tails, body.out_tails, notes,

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .expr import Bin, Call, Const, Expr, Load, Max, Var, Where
-from .model import Kernel
-from .plan import Plan, evaluate, plan as make_plan
+from ..callconv import operand_indices
+from ..expr import Bin, Call, Const, Expr, Load, Max, Min, Var, Where, evaluate
+from ..ir import Kernel
+from .lower import TpuModule, TpuPass, block_bytes, lower
 from .targets import TARGETS, Target
 
 # Fixed cost of one grid step of a Pallas TPU pipeline (JAX docs, "Pipelining": about 0.35 us).
@@ -65,7 +66,7 @@ class Simulation:
 # ------------------------------------------------------------------ modules
 
 
-def load_module(plan: Plan, name: str | None = None, host: bool = True):
+def load_module(plan: TpuModule, name: str | None = None, host: bool = True):
     """The plan's generated module, executed in memory (not black-formatted: faster).
 
     With `host`, its `jnp` and `lax` are numpy stand-ins: the module's own `_prefetch` and
@@ -79,6 +80,7 @@ def load_module(plan: Plan, name: str | None = None, host: bool = True):
     exec(compile(code, f"<sparsegen {plan.name}>", "exec"), module.__dict__)
     if host:
         module.jnp, module.lax = _HOST_JNP, _HOST_LAX
+        module.pl = _HOST_PL
     return module
 
 
@@ -112,9 +114,20 @@ class _HostLax(types.ModuleType):
     def cummax(x, reverse=False):
         return np.maximum.accumulate(x[::-1])[::-1] if reverse else np.maximum.accumulate(x)
 
+    @staticmethod
+    def cond(pred, true_fn, false_fn, *operands):
+        return true_fn(*operands) if pred else false_fn(*operands)
+
+
+class _HostPallas(types.ModuleType):
+    @staticmethod
+    def cdiv(a, b):
+        return -(-a // b)
+
 
 _HOST_JNP = _HostNumpy("jnp (numpy on the host)")
 _HOST_LAX = _HostLax("lax (numpy on the host)")
+_HOST_PL = _HostPallas("pl (numpy on the host)")
 
 
 def dense_kernel(kernel: Kernel) -> Kernel:
@@ -126,8 +139,9 @@ def dense_kernel(kernel: Kernel) -> Kernel:
 # ------------------------------------------------------------------ patterns
 
 
-def pattern_args(plan: Plan, env: dict[str, int], pattern: str, seed: int = 0):
-    """Arguments of `_prefetch` for a sparsity pattern (arrays the tables do not read are None).
+def pattern_args(plan: TpuModule, env: dict[str, int], pattern: str, seed: int = 0):
+    """Arguments of the `_prefetch` functions for a sparsity pattern (arrays the tables do not read
+    are None), in the order of the calling convention's params.
 
     Patterns: `tril` (causal), `density=F` (a random fraction of the blocks), `band=W`
     (elements within W of the diagonal), or a `.npy` file holding the dense mask or the
@@ -138,10 +152,7 @@ def pattern_args(plan: Plan, env: dict[str, int], pattern: str, seed: int = 0):
     args = {}
     for sparse in (o for o in k.operands if o.sparsity in ("coo", "mask")):
         shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims)
-        tiles = tuple(tile[i] for i in sparse.indices)
-        for d, (size, t) in enumerate(zip(shape, tiles)):
-            if size % t:
-                raise ValueError(f"{sparse.name} dim {d} = {size} is not a multiple of its tile {t}")
+        tiles = tuple(tile[i] for i in operand_indices(k, sparse))
         if sparse.sparsity == "mask":
             mask = _pattern_elements(pattern, shape, tiles, seed)
             args[sparse.name] = mask.astype(sparse.dtype.np_dtype)
@@ -149,11 +160,13 @@ def pattern_args(plan: Plan, env: dict[str, int], pattern: str, seed: int = 0):
             coords = np.nonzero(_pattern_blocks(pattern, shape, tiles, seed))
             args[sparse.name] = tuple(c.astype(np.int32) for c in coords)
     out = []
-    for p in plan.params:
+    for p in plan.conv.params:
         if p.kind == "mask":
             out.append(args[p.operand])
         elif p.kind in ("coords", "out_coords"):
             out.append(args[p.operand][p.dim])
+        elif p.kind == "blocks":
+            out.append(np.zeros((len(args[p.operand][0]), 1), np.float32))  # only its length is read
         elif p.kind != "index":
             out.append(None)  # data the tables never read
     return out, args
@@ -161,7 +174,7 @@ def pattern_args(plan: Plan, env: dict[str, int], pattern: str, seed: int = 0):
 
 def _pattern_blocks(pattern: str, shape, tiles, seed: int) -> np.ndarray:
     """Which blocks a pattern touches, computed per block (no element-level array)."""
-    grid = tuple(s // t for s, t in zip(shape, tiles))
+    grid = tuple(-(-s // t) for s, t in zip(shape, tiles))
     if pattern.startswith("density="):
         return np.random.default_rng(seed).random(grid) < float(pattern.split("=", 1)[1])
     if pattern.endswith(".npy"):
@@ -222,6 +235,8 @@ def _evaluate(e: Expr, env: dict):
         return np.asarray(env[e.array])[np.asarray(_evaluate(e.index, env))]
     if isinstance(e, Max):
         return np.maximum(_evaluate(e.a, env), _evaluate(e.b, env))
+    if isinstance(e, Min):
+        return np.minimum(_evaluate(e.a, env), _evaluate(e.b, env))
     if isinstance(e, Where):
         return np.where(_evaluate(e.cond, env), _evaluate(e.a, env), _evaluate(e.b, env))
     if isinstance(e, Call):
@@ -232,7 +247,8 @@ def _evaluate(e: Expr, env: dict):
         a, b = _evaluate(e.a, env), _evaluate(e.b, env)
         ops = {
             "+": np.add, "-": np.subtract, "*": np.multiply, "//": np.floor_divide, "%": np.remainder,
-            "==": np.equal, "!=": np.not_equal, "<": np.less, ">": np.greater, "&": np.logical_and, "|": np.logical_or,
+            "==": np.equal, "!=": np.not_equal, "<": np.less, ">": np.greater, "<=": np.less_equal, ">=": np.greater_equal,
+            "&": np.logical_and, "|": np.logical_or, "cdiv": lambda a, b: -(-a // b),
         }  # fmt: skip
         return ops[e.op](a, b)
     raise TypeError(e)
@@ -246,76 +262,97 @@ def _runs(keys: np.ndarray) -> np.ndarray:
     return changed
 
 
-def simulate(plan: Plan, module, impl_args: list, sizes: dict[str, int], keep_trace: bool = False) -> Simulation:
-    """Walk the grid of `plan` (whose generated module is `module`) for these arguments."""
-    env = {s.internal: sizes[s.symbol] for s in plan.sizes}
+def impl_args(plan: TpuModule, module, args: list) -> list:
+    """The arrays `_prepare` hands the kernel: the params, padding flags and offsets."""
+    conv = plan.conv
+    out = list(args)
+    for operand, _ in conv.pads:
+        coords = [(p.public, a) for a, p in zip(args, [q for q in conv.params if q.kind != "index"]) if p.operand == operand]
+        out.append(module._check_padding(*zip(*coords)))
+    if conv.offsets:
+        out.append(np.zeros(len(conv.offset_uses), np.int32))
+    return out
+
+
+def simulate(plan: TpuModule, module, args: list, sizes: dict[str, int], keep_trace: bool = False) -> Simulation:
+    """Walk the grid of every pass of `plan` (whose generated module is `module`) for these
+    arguments (`pattern_args`), adding up the passes."""
+    full = impl_args(plan, module, args)
+    sims = [_simulate_pass(plan, tp, module, full, sizes, keep_trace) for tp in plan.passes]
+    if len(sims) == 1:
+        return sims[0]
+    total = sims[0]
+    for sim in sims[1:]:
+        traffic = dict(total.traffic)
+        for name, t in sim.traffic.items():
+            key = name if name not in traffic else f"{name} ({len(traffic)})"
+            traffic[key] = t
+        total = Simulation(total.grid, total.steps + sim.steps, total.block_products + sim.block_products, total.flops + sim.flops,
+                           total.write_backs + sim.write_backs, total.out_block_bytes, total.prefetch_bytes + sim.prefetch_bytes, traffic, total.trace)
+    return total
+
+
+def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict[str, int], keep_trace: bool) -> Simulation:
+    conv, p = plan.conv, tp.p
+    env = {s.internal: sizes[s.symbol] for s in conv.sizes}
+    by_name = dict(zip(conv.impl_args, args))
+    for var, value in p.counts:  # `x_blocks.shape[0]`: the stored or requested blocks
+        array = by_name[value.split(".shape")[0]]
+        env[var] = int(np.shape(array)[0])
     k = plan.kernel
-    nb = None
-    if plan.strategy in ("coo_input", "coo_output"):
-        coords = next(a for a, p in zip(impl_args, [p for p in plan.params if p.kind != "index"]) if p.kind in ("coords", "out_coords"))
-        nb = int(np.shape(coords)[0])
-        env[plan.names["nb"]] = nb
-    out_block = next(b for b in plan.blocks if b.is_output)
-    out_bytes = math.prod(1 if s is None else s for s in out_block.shape) * plan.out_dtype.itemsize
-    traffic = {b.operand: Traffic(b.operand, math.prod(1 if s is None else s for s in b.shape) * k.operand(b.operand).dtype.itemsize) for b in plan.blocks if not b.is_output}
-    if nb == 0:  # the generated function returns early: no grid at all
+    out_bytes = block_bytes(k, tp.out_spec)
+    traffic = {s.block.operand: Traffic(s.block.operand, block_bytes(k, s)) for s in tp.in_specs}
+    if any(env[var] == 0 for var, _ in p.counts):  # the generated function returns early: no grid at all
         return Simulation((), 0, 0, 0, 0, out_bytes, 0, traffic)
-    grid = tuple(int(evaluate(a.extent, env)) for a in plan.axes)
+    grid = tuple(int(evaluate(a.extent, env)) for a in p.axes)
     steps = math.prod(grid)
     axes = np.indices(grid, dtype=np.int32).reshape(len(grid), steps)
-    if plan.prefetch:
-        sizes_tuple = tuple(sizes[s.symbol] for s in plan.sizes)
-        if plan.coo is not None:  # the pad argument, from the module's own _check_padding, as _prepare does
-            coords = [(p.public, a) for a, p in zip(impl_args, [q for q in plan.params if q.kind != "index"]) if p.kind == "coords"]
-            impl_args = list(impl_args) + [module._check_padding(*zip(*coords))]
-        if plan.offsets_var:
-            impl_args = list(impl_args) + [np.zeros(len(plan.offsets), np.int32)]
-        prefetch = [np.asarray(a) for a in module._prefetch(*impl_args, sizes_tuple)]
-    else:
-        prefetch = []
-    statics = {name: int(evaluate(value, env)) for b in plan.blocks for name, value in b.statics}
-    names = {p.var: arr for p, arr in zip(plan.prefetch, prefetch)}
+    sizes_tuple = tuple(sizes[s.symbol] for s in conv.sizes)
+    prefetch = [np.asarray(a) for a in getattr(module, tp.prefetch_fn)(*args, sizes_tuple)] if p.tables else []
+    statics = {name: int(evaluate(value, env)) for s in tp.specs for name, value in s.statics}
+    names = {t.var: arr for t, arr in zip(p.tables, prefetch)}
     body_env = {**names, "__axes__": axes, "__grid__": grid}
+    for d, a in enumerate(p.axes):
+        body_env[a.var] = axes[d]
+        body_env[a.static] = grid[d]
     for const in ("_BLOCK", "_FLUSH", "_SKIP", "_EMPTY", "_PARTIAL", "_FULL"):
         if hasattr(module, const):
             body_env[const] = getattr(module, const)
-    for name, value in plan.body.lets:
+    body = p.body
+    for name, value in body.lets:
         body_env[name] = _evaluate(value, body_env)
 
     def condition(e):
         return np.ones(steps, bool) if e is None else np.broadcast_to(np.asarray(_evaluate(e, body_env), bool), (steps,))
 
-    body = plan.body
-    compute = condition(body.compute_when) if body.scratch else np.zeros(steps, bool)
+    compute = condition(body.compute_when) if body.accumulator else np.zeros(steps, bool)
     flush = condition(body.flush_when)
+    computing = {f.block for q in (*body.summed, *body.step) for f in q.factors}
     consumers = {}
-    contracted = set()
-    if body.contraction is not None:
-        contracted = {body.contraction.lhs.operand, body.contraction.rhs.operand}
-    contracted |= {f.operand for f in body.compute_factors}
-    for name in traffic:
-        if name in contracted and body.scratch:
-            consumers[name] = compute
+    for s in tp.in_specs:
+        if s.block.key in computing and body.accumulator:
+            consumers[s.block.key] = compute
         else:
             used = np.zeros(steps, bool)
             for case in body.flush_cases:
-                if case.factors is not None and any(f.operand == name for f in case.factors):
+                if case.products is not None and any(f.block == s.block.key for q in case.products for f in q.factors):
                     used |= flush & condition(case.when)
-            consumers[name] = used
+            consumers[s.block.key] = used
     trace = {"compute": compute, "flush": flush} if keep_trace else {}
-    for b in plan.blocks:
-        fn = getattr(module, b.fn)
-        kwargs = {name: statics[name] for name, _ in b.statics}
+    write_backs = 0
+    for s in tp.specs:
+        fn = getattr(module, s.fn)
+        kwargs = {name: statics[name] for name, _ in s.statics}
         coords = fn(*axes, *prefetch, **kwargs)
         keys = np.stack([np.broadcast_to(np.asarray(c, np.int64), (steps,)) for c in coords])
         new = _runs(keys)
-        if b.is_output:
+        if s.block.is_output:
             write_backs = int(new.sum())
             if keep_trace:
                 trace["out"] = keys
             continue
-        t = traffic[b.operand]
-        used = consumers[b.operand]
+        t = traffic[s.block.operand]
+        used = consumers[s.block.key]
         t.copies = int(new.sum())
         run_id = np.cumsum(new) - 1
         used_runs = np.zeros(t.copies, bool)
@@ -325,12 +362,12 @@ def simulate(plan: Plan, module, impl_args: list, sizes: dict[str, int], keep_tr
             t.wasted -= 1  # the prologue copy: made even when no step uses the block
         t.ideal = max(1, int(_runs(keys[:, used]).sum())) if used.any() else 1
         if keep_trace:
-            trace[f"copy:{b.operand}"] = new
-            trace[f"wasted:{b.operand}"] = new & ~used_runs[run_id]
-            trace[f"use:{b.operand}"] = used
-    products = int(compute.sum()) if body.scratch else int(flush.sum())
+            trace[f"copy:{s.block.operand}"] = new
+            trace[f"wasted:{s.block.operand}"] = new & ~used_runs[run_id]
+            trace[f"use:{s.block.operand}"] = used
+    products = int(compute.sum()) if body.accumulator else int(flush.sum())
     prefetch_bytes = sum(a.nbytes for a in prefetch)
-    return Simulation(grid, steps, products, products * plan.flops_per_product, write_backs, out_bytes, prefetch_bytes, traffic, trace)
+    return Simulation(grid, steps, products, products * p.flops_per_product, write_backs, out_bytes, prefetch_bytes, traffic, trace)
 
 
 # ------------------------------------------------------------------- costs
@@ -339,7 +376,7 @@ def simulate(plan: Plan, module, impl_args: list, sizes: dict[str, int], keep_tr
 def peak_ops(target: Target, kernel: Kernel) -> float:
     """Peak multiply-add throughput for the kernel's operand dtypes (f32 matmuls take about
     three bf16 passes at full precision)."""
-    dtypes = {kernel.operand(n).dtype.name for n in (kernel.contraction or [o.name for o in kernel.data_inputs])}
+    dtypes = {o.dtype.name for o in kernel.data_inputs}
     if dtypes <= {"bf16"}:
         return target.bf16_flops
     if dtypes & {"i8", "u8"} and target.int8_ops:
@@ -358,7 +395,7 @@ def roofline(sim: Simulation, kernel: Kernel, target: Target, parallel: bool) ->
 
 @dataclass
 class Report:
-    plan: Plan
+    plan: TpuModule
     sizes: dict[str, int]
     pattern: str
     sim: Simulation
@@ -389,23 +426,27 @@ class Report:
         }
 
 
-def analyse(plan: Plan, sizes: dict[str, int], pattern: str, targets=("v5e",), seed: int = 0, module=None, trace: bool = False) -> Report:
+def dense_twin(plan: TpuModule) -> TpuModule:
+    return lower(dense_kernel(plan.kernel), plan.target)
+
+
+def analyse(plan: TpuModule, sizes: dict[str, int], pattern: str, targets=("v5e",), seed: int = 0, module=None, trace: bool = False) -> Report:
     """Simulate a plan on a pattern and its dense twin on everything; estimate both per target."""
     k = plan.kernel
     env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
     module = module or load_module(plan)
     args, by_operand = pattern_args(plan, env, pattern, seed)
     sim = simulate(plan, module, args, env, keep_trace=trace)
-    dense_plan = make_plan(dense_kernel(k), plan.target)
+    dense_plan = dense_twin(plan)
     dense_module = load_module(dense_plan)
-    dense_args = [None for p in dense_plan.params if p.kind != "index"]
+    dense_args = [None for p in dense_plan.conv.params if p.kind != "index"]
     dense = simulate(dense_plan, dense_module, dense_args, env)
     estimates = {}
-    parallel = any(a.parallel for a in plan.axes)
+    parallel = any(a.parallel for tp in plan.passes for a in tp.p.axes)
     for name in targets:
         target = TARGETS[name]
         ours = roofline(sim, k, target, parallel)
-        base = roofline(dense, k, target, any(a.parallel for a in dense_plan.axes))
+        base = roofline(dense, k, target, any(a.parallel for tp in dense_plan.passes for a in tp.p.axes))
         estimates[name] = {
             "seconds": ours["seconds"],
             "dense_seconds": base["seconds"],
@@ -415,17 +456,18 @@ def analyse(plan: Plan, sizes: dict[str, int], pattern: str, targets=("v5e",), s
     return Report(plan, env, pattern, sim, dense, estimates, _block_picture(plan, env, by_operand))
 
 
-def _block_picture(plan: Plan, env: dict[str, int], by_operand: dict) -> np.ndarray | None:
+def _block_picture(plan: TpuModule, env: dict[str, int], by_operand: dict) -> np.ndarray | None:
     """Per block of the sparse operand: 0 empty, 1 partial, 2 full (a mask) or a count (coo)."""
     k = plan.kernel
-    sparse = next((o for o in k.operands if o.sparsity in ("coo", "mask")), None)
+    sparse = next((o for o in k.operands if o.sparsity in ("coo", "mask") and o.name in by_operand), None)
     if sparse is None or sparse.rank != 2:
         return None
-    tiles = [k.index(i).tile for i in sparse.indices]
+    tiles = [k.index(i).tile for i in operand_indices(k, sparse)]
     shape = [d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims]
-    grid = [s // t for s, t in zip(shape, tiles)]
+    grid = [-(-s // t) for s, t in zip(shape, tiles)]
     if sparse.sparsity == "mask":
-        blocks = np.asarray(by_operand[sparse.name]).reshape(grid[0], tiles[0], grid[1], tiles[1])
+        mask = np.pad(np.asarray(by_operand[sparse.name]), [(0, -s % t) for s, t in zip(shape, tiles)])
+        blocks = mask.reshape(grid[0], tiles[0], grid[1], tiles[1])
         nonzero = (blocks != 0).any(axis=(1, 3))
         ones = (blocks == 1).all(axis=(1, 3))
         return np.where(ones, 2, nonzero.astype(int))

@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .budget import suggest_tiles
+from ..callconv import convention, operand_indices, stored_tiles
+from ..expr import evaluate
+from ..ir import Kernel
+from ..names import ModuleNames
+from ..source import Diagnostic, SourceFile
 from .emit import emit
-from .model import Kernel
-from .plan import Plan, evaluate
-from .source import Diagnostic, SourceFile
+from .lower import TpuModule
+from .rules import suggest_tiles
 from .targets import TARGETS, format_bytes
 
 # The static VMEM estimate (what `build` checks) must bound the compiler's figure, and not by
@@ -94,11 +97,18 @@ def default_shapes(kernel: Kernel) -> dict[str, int]:
         if literal is not None:
             continue
         tiles = [i.tile for i in kernel.indices if i.size.symbol == symbol]
-        for op in kernel.data_inputs:
-            for d, t in zip(op.dims, op.terms):
-                if d.symbol == symbol and t.offset is not None:
-                    tiles.append(kernel.index(t.index).tile)
+        for st in kernel.statements:
+            for r in (st.target, *st.factors):
+                for d, s in zip(kernel.operand(r.operand).dims, r.subs):
+                    if d.symbol == symbol and (s.offset is not None or s.divisor != 1):
+                        tiles.append(kernel.index(s.index).tile)
         shapes[symbol] = 8 * math.lcm(*tiles) if tiles else 1024
+    # A `h // n` relation: the smaller size follows from the larger one.
+    for rel in kernel.relations:
+        big = kernel.index(rel.index).size.symbol
+        if big in shapes and rel.dim.symbol in shapes:
+            shapes[big] = math.lcm(shapes[big], rel.divisor)
+            shapes[rel.dim.symbol] = shapes[big] // rel.divisor
     return shapes
 
 
@@ -114,21 +124,21 @@ def parse_shapes(text: str | None) -> dict[str, int]:
 
 
 def arg_structs(kernel: Kernel, env: dict[str, int], nb: int):
-    """(shape, numpy dtype) per positional argument, and the keyword sizes."""
-    tile = {i.name: i.tile for i in kernel.indices}
+    """(shape, numpy dtype) per positional argument (the calling convention), and the keyword sizes."""
+    conv = convention(kernel, ModuleNames(kernel))
 
     def dims(op):
         return tuple(d.literal if d.literal is not None else env[d.symbol] for d in op.dims)
 
     args = []
-    for op in kernel.inputs:
-        if op.sparsity == "coo":
-            args.append(((nb, *(tile[i] for i in op.indices)), op.dtype.np_dtype))
-            args += [((nb,), np.dtype(np.int32))] * op.rank
+    for p in conv.params:
+        op = kernel.operand(p.operand)
+        if p.kind == "blocks":
+            args.append(((nb, *stored_tiles(kernel, op)), op.dtype.np_dtype))
+        elif p.kind in ("coords", "out_coords", "index"):
+            args.append(((nb,) if p.kind != "index" else dims(op), np.dtype(np.int32)))
         else:
             args.append((dims(op), op.dtype.np_dtype))
-    if kernel.output.sparsity == "coo":
-        args += [((nb,), np.dtype(np.int32))] * kernel.output.rank
     keywords = {s: env[s] for s, lit in kernel.symbols if lit is None}
     return args, keywords
 
@@ -139,9 +149,9 @@ def stored_blocks(kernel: Kernel, env: dict[str, int], nnz: float) -> int | None
     if op is None:
         return None
     grid = 1
-    for d, i in zip(op.dims, op.indices):
+    for d, i in zip(op.dims, operand_indices(kernel, op)):
         size = d.literal if d.literal is not None else env[d.symbol]
-        grid *= size // kernel.index(i).tile
+        grid *= -(-size // kernel.index(i).tile)
     return max(1, round(nnz * grid))
 
 
@@ -154,12 +164,12 @@ def _load(code: str, name: str):
     return module
 
 
-def _compile(plan: Plan, source: SourceFile, target_name: str, args, keywords, vmem_limit=None):
+def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, vmem_limit=None):
     import jax
     from jax.sharding import SingleDeviceSharding
 
     if vmem_limit is not None:
-        plan = dataclasses.replace(plan, vmem_limit_override=vmem_limit)
+        plan = dataclasses.replace(plan, passes=tuple(dataclasses.replace(tp, vmem_limit_override=vmem_limit) for tp in plan.passes))
     module = _load(emit(plan, source.name), f"verify_{plan.name}")
     fn = getattr(module, plan.name)
     device = _device(TARGETS[target_name].topology)
@@ -185,7 +195,7 @@ def _size(number: str, unit: str) -> int:
     return int(float(number) * _UNITS[unit[0].upper()])
 
 
-def probe_vmem(plan: Plan, source: SourceFile, target: str, args, keywords, start: int = 4096) -> int | None:
+def probe_vmem(plan: TpuModule, source: SourceFile, target: str, args, keywords, start: int = 4096) -> int | None:
     """The smallest vmem_limit_bytes the kernel compiles with (to about a KiB), or None.
 
     Each failed compile says by how much the limit fell short; the limit grows by that
@@ -213,7 +223,7 @@ def probe_vmem(plan: Plan, source: SourceFile, target: str, args, keywords, star
 # ------------------------------------------------------------------ errors
 
 
-def explain(plan: Plan, target: str, message: str) -> Diagnostic:
+def explain(plan: TpuModule, target: str, message: str) -> Diagnostic:
     """Turn a libtpu/Mosaic failure into a diagnostic at the spec."""
     k = plan.kernel
     tiles = ", ".join(f"{i.name}={i.tile}" for i in k.indices)
@@ -224,7 +234,7 @@ def explain(plan: Plan, target: str, message: str) -> Diagnostic:
     if "vmem" in message.lower() and ("Ran out of memory" in message or "ScopedVmemOom" in message):
         need = f"{format_bytes(_size(*vmem.groups()))} or more" if vmem else "more than it has"
         notes = []
-        smaller = suggest_tiles(plan)
+        smaller = suggest_tiles(k, chip)
         if smaller is not None:
             notes.append("tiles that fit: " + ", ".join(f"{i.name}={i.tile}" for i in smaller.indices))
         return Diagnostic(k.tile_span, f"tiles {tiles} need {need} of VMEM on {target} (limit {format_bytes(chip.vmem_bytes)})", tuple(notes))
@@ -233,29 +243,31 @@ def explain(plan: Plan, target: str, message: str) -> Diagnostic:
     if "libtpu multi-process lockfile" in message:
         return Diagnostic(None, "another process holds libtpu; wait for it, or set ALLOW_MULTIPLE_LIBTPU_LOAD=1 (safe for ahead-of-time compiles)")
     first = next((line.strip() for line in message.splitlines() if line.strip()), "compilation failed")
-    for b in plan.blocks:
-        shape = tuple(s for s in b.shape if s is not None)
-        patterns = ("x".join(map(str, shape)), str(shape).replace(" ", ""), str(shape))
-        if any(p in message for p in patterns):
-            op = k.operand(b.operand)
-            return Diagnostic(op.span, f"'{op.name}' block {shape} ({op.dtype.name}) does not compile for {target} (Mosaic): {first}")
+    for tp in plan.passes:
+        for spec in tp.specs:
+            shape = spec.view.ref_shape
+            patterns = ("x".join(map(str, shape)), str(shape).replace(" ", ""), str(shape))
+            if shape and any(p in message for p in patterns):
+                op = k.operand(spec.block.operand)
+                return Diagnostic(op.span, f"'{op.name}' block {shape} ({op.dtype.name}) does not compile for {target} (Mosaic): {first}")
     return Diagnostic(k.name_span, f"kernel '{k.name}' does not compile for {target}: {first}")
 
 
 # -------------------------------------------------------------------- verify
 
 
-def verify_plan(plan: Plan, source: SourceFile, target: str, shapes: dict[str, int] | None = None, nnz: float = 0.1, probe: bool = True) -> Result:
+def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[str, int] | None = None, nnz: float = 0.1, probe: bool = True) -> Result:
     k = plan.kernel
     env = {**default_shapes(k), **(shapes or {})}
     env = {s: (lit if lit is not None else env[s]) for s, lit in k.symbols}
     nb = stored_blocks(k, env, nnz)
     args, keywords = arg_structs(k, env, nb or 0)
     chip = TARGETS[target]
-    values = {s.internal: env[s.symbol] for s in plan.sizes}
-    if "nb" in plan.names:
-        values[plan.names["nb"]] = nb
-    smem = sum(evaluate(p.length, values) or 0 for p in plan.prefetch) * 4
+    values = {s.internal: env[s.symbol] for s in plan.conv.sizes}
+    for tp in plan.passes:
+        for var, _ in tp.p.counts:
+            values[var] = nb
+    smem = max(sum(evaluate(t.length, values) or 0 for t in tp.p.tables) for tp in plan.passes) * 4
     result = Result(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, plan.vmem_bytes, vmem_limit=chip.vmem_bytes, smem_used=smem, smem_limit=chip.smem_bytes)
     start = time.perf_counter()
     try:
@@ -284,21 +296,21 @@ def verify_file(path, targets, shapes=None, nnz: float = 0.1, probe: bool = True
 
 
 def verify_file_source(source: SourceFile, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
-    from .budget import check_budget
-    from .check import check
-    from .plan import plan as make_plan
-    from .syntax import parse
+    from ..check import check
+    from ..compiler import lower_kernels
+    from ..source import SpecError
+    from ..syntax import parse
 
     kernels = check(parse(source))
     results = []
     for kernel in kernels:
         for target in targets:
-            p = make_plan(kernel, TARGETS[target])
-            problems = check_budget(p)
-            if problems:
+            try:
+                (p,) = lower_kernels(source, [kernel], target)
+            except SpecError as exc:
                 env = {**default_shapes(kernel), **(shapes or {})}
-                results.append(Result(kernel.name, target, False, {s: env.get(s, lit) for s, lit in kernel.symbols}, None, p.vmem_bytes,
-                                      vmem_limit=TARGETS[target].vmem_bytes, smem_limit=TARGETS[target].smem_bytes, error=problems[0]))
+                results.append(Result(kernel.name, target, False, {s: env.get(s, lit) for s, lit in kernel.symbols}, None, 0,
+                                      vmem_limit=TARGETS[target].vmem_bytes, smem_limit=TARGETS[target].smem_bytes, error=exc.diagnostics[0]))
                 continue
             results.append(verify_plan(p, source, target, shapes, nnz, probe))
     return source, results

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..callconv import operand_indices
 from .simulate import Report
 
 
@@ -30,8 +31,8 @@ def draw(report: Report, path: str) -> None:
         else:
             ax.imshow(report.blocks, cmap="Blues", vmin=0)
             ax.set_title(f"{sparse.name}: stored blocks per block")
-        ax.set_xlabel(f"block along {sparse.indices[1]}")
-        ax.set_ylabel(f"block along {sparse.indices[0]}")
+        ax.set_xlabel(f"block along {operand_indices(plan.kernel, sparse)[1]}")
+        ax.set_ylabel(f"block along {operand_indices(plan.kernel, sparse)[0]}")
     else:
         ax.text(0.5, 0.5, "no 2-D sparse operand", ha="center", va="center")
         ax.set_axis_off()
