@@ -322,6 +322,7 @@ def _o_index_map(n, step, step_kind, step_block, step_row, step_b, step_k, *, n_
 def _prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     B, M, K, N = sizes
+    nb = x_blocks.shape[0]
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
     step_kind, step_block, step_row = _coo_steps(
         x_idx_0 * pl.cdiv(M, 512) + x_idx_1, B * pl.cdiv(M, 512), pad

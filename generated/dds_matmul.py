@@ -307,6 +307,7 @@ def _o_index_map(m, step, step_kind, step_block, step_row, step_k):
 def _prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
+    nb = y_blocks.shape[0]
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
     step_kind, step_block, step_row = _coo_steps(y_idx_1, pl.cdiv(N, 256), pad)
     step_k = jnp.maximum(y_idx_0[step_block], 0)  # 0 if every entry is padding

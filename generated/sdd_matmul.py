@@ -298,6 +298,7 @@ def _o_index_map(b, k, o_at_0, o_at_1, requested_o, next_step):
 def _prefetch(x, y, o_idx_0, o_idx_1, pad, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
+    nb = o_idx_0.shape[0]
     # Where the requested blocks are (padding entries: block 0, and skipped).
     o_at_0 = jnp.maximum(o_idx_0, 0)
     o_at_1 = jnp.maximum(o_idx_1, 0)

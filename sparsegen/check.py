@@ -182,7 +182,7 @@ class _KernelChecker:
                         offsets_used.add(sub.offset.operand.text)
             self.parsed.append((st, factors, numbers))
         for op in self.outputs:
-            if op.name.text not in assigned:
+            if op.name.text not in assigned and not self.errors:  # else a misspelt target is the cause
                 self.error(op.name.span, f"output '{op.name.text}' is never assigned; add a statement `{op.name.text}[...] = ...`")
         self.stop_if_errors()
         for op in self.k.operands:
@@ -518,7 +518,7 @@ class _KernelChecker:
             dtype = DTYPES[op.dtype.text]
             sparsity = "index" if dtype.kind == "index" else (op.sparsity.text if op.sparsity else "dense")
             operands.append(Operand(op.name.text, op.direction, dtype, tuple(self.resolve(d) for d in op.dims), sparsity, op.span, op.dtype.span))
-        indices = tuple(Index(n, self.bindings[n], self.tiles[n].size, self.tiles[n].span) for n in self.all_indices())
+        indices = tuple(Index(n, self.bindings[n], self.tiles[n].size, self.tiles[n].size_span) for n in self.all_indices())
         symbols: dict[str, int | None] = {}
         for op in operands:
             for d in op.dims:

@@ -41,8 +41,16 @@ def test_bad_shapes_name_the_argument_and_dimension():
     blocks, rows, cols, y = dsd_args()
     raises(lambda: mod.dsd_matmul(blocks[:, :64], rows, cols, y, M=384), "x_blocks dim 1 (the tile of m) is 64, but the spec declares 128")
     raises(lambda: mod.dsd_matmul(blocks, rows[:2], cols, y, M=384), "x_idx_0 length")
-    raises(lambda: mod.dsd_matmul(blocks, rows, cols, y[:200], M=384), "K (the size of index k) = 200 is not a multiple of its tile 128")
-    raises(lambda: mod.dsd_matmul(blocks, rows, cols, y, M=400), "M (the size of index m) = 400 is not a multiple of its tile 128")
+    raises(lambda: mod.dsd_matmul(blocks, rows, cols, y, M=256), "x_idx_0[2] = 2 is out of range: x dim 0 has 2 blocks")
+
+
+def test_ragged_sizes_are_not_errors(interpret):
+    """Sizes need not be multiples of their tiles: the last block is partial."""
+    kernel, mod = build(DSD)
+    blocks, rows, cols, y = dsd_args()
+    out = mod.dsd_matmul(blocks, rows, cols, y[:200, :250], M=300, interpret=interpret)
+    assert out.shape == (300, 250)
+    assert_matches(kernel, out, mod.reference(blocks, rows, cols, y[:200, :250], M=300))
     raises(lambda: mod.dsd_matmul(blocks, rows, cols, y, M=384, N=512), "y dim 1 is 256, but N = 512 from the keyword N=")
     raises(lambda: mod.dsd_matmul(blocks, rows, cols, y[None], M=384), "y must have 2 dimensions, got shape (1, 256, 256)")
     raises(lambda: mod.dsd_matmul(blocks.astype(np.float32), rows, cols, y, M=384), "x_blocks has dtype float32, but the spec declares bfloat16")

@@ -49,7 +49,7 @@ def test_corpus_covers_every_check():
 def test_all_problems_of_a_file_are_reported_together(tmp_path):
     spec = tmp_path / "two.spk"
     spec.write_text("kernel a {\n    in  x: f64[M]\n    out o: f32[M]\n    o[i] = x[i]\n    tile i = 128\n}\n"
-                    "kernel b {\n    in  x: f32[M]\n    out o: f32[M]\n    o[i] = x[i]\n    tile i = 100\n}\n")
+                    "kernel b {\n    in  x: f32[1000]\n    out o: f32[1000]\n    o[i] = x[i]\n    tile i = 300\n}\n")
     with pytest.raises(SpecError) as info:
         compile_file(spec)
     heads = [line for line in info.value.render().splitlines() if ": error: " in line]

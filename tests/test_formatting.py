@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsegen.compiler import compile_source
-from sparsegen.emit import _Emitter
+from sparsegen.tpu.emit import _Emitter
 from sparsegen.formatting import BLACK_MODE, format_module
 from sparsegen.source import SourceFile, SpecError
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GENERATED, build, spec_text, with_tiles
+from conftest import GENERATED, assert_matches, build, spec_text, with_tiles
 from jax.experimental.pallas import tpu as pltpu
 
 from sparsegen.compiler import plans
@@ -38,7 +38,10 @@ def test_simulator_catches_a_non_consecutive_output_revisit(monkeypatch):
     monkeypatch.setattr(mod, "_coo_steps", interleaved)
     jax.clear_caches()
     try:
-        mod.dsd_matmul(*args, **keywords, interpret=True)  # hides the bug
+        # The CPU interpreter raises nothing: its result is silently wrong.
+        wrong = mod.dsd_matmul(*args, **keywords, interpret=True)
+        with pytest.raises(AssertionError):
+            assert_matches(kernel, wrong, mod.reference(*args, **keywords))
         with pytest.raises(Exception, match="Revisited block"):
             mod.dsd_matmul(*args, **keywords, interpret=pltpu.InterpretParams())
     finally:
@@ -53,12 +56,17 @@ def test_dimension_semantics_parallel_only_where_output_blocks_never_repeat():
         "masked_matmul": ("parallel", "parallel", "arbitrary"),
         "sdd_matmul": ("parallel", "arbitrary"),
         "block_slice": ("parallel", "parallel"),
+        "batched_dsd": ("parallel", "arbitrary"),
+        "masked_matmul_dx": ("parallel", "parallel", "arbitrary"),
+        "masked_matmul_dy": ("parallel", "parallel", "arbitrary"),
     }
+    found = {p.name: p for spec in ("dsd_matmul", "dds_matmul", "masked_matmul", "sdd_matmul", "block_slice", "batched_dsd", "masked_backward")
+             for p in plans(f"specs/{spec}.spk")}
     for name, semantics in expected.items():
-        (plan,) = plans(f"specs/{name}.spk")
-        assert plan.dimension_semantics == semantics, name
+        (tp,) = found[name].passes
+        assert tp.dimension_semantics == semantics, name
         # The summed or stored-block axis is innermost: reductions on the last grid axis.
-        assert plan.axes[-1].parallel == (plan.kernel.summed is None and plan.strategy == "dense")
+        assert tp.p.axes[-1].parallel == (not tp.p.statement.summed and tp.p.walk == "dense")
 
 
 def test_coo_flush_steps_hold_the_next_block():

@@ -10,7 +10,7 @@ from aot import compile_for
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparsegen.targets import TARGETS
+from sparsegen.tpu.targets import TARGETS
 
 MiB = 1 << 20
 

@@ -10,7 +10,7 @@ import json
 import pytest
 from conftest import ROOT, SPECS, spec_text, with_tiles
 
-from sparsegen import verify
+from sparsegen.tpu import verify
 from sparsegen.cli import main
 from sparsegen.compiler import compile_source
 from sparsegen.source import SourceFile
@@ -83,7 +83,8 @@ def test_a_compiler_failure_is_explained_at_the_spec():
     """A real VMEM overflow from libtpu (forced with a tiny limit) becomes a tile-line error."""
     source = SourceFile("dsd.spk", spec_text("dsd_matmul"))
     (module,) = compile_source(source, "v5e")
-    plan = dataclasses.replace(module.plan, vmem_limit_override=64 * 1024)
+    plan = module.plan
+    plan = dataclasses.replace(plan, passes=tuple(dataclasses.replace(tp, vmem_limit_override=64 * 1024) for tp in plan.passes))
     result = verify.verify_plan(plan, source, "v5e", probe=False)
     assert not result.compiled and "vmem" in result.raw_error.lower()
     rendered = result.error.render(source)

@@ -84,7 +84,7 @@ class KindsMixin(PassBuilder):
         count = self.blocks_along(index)
         host = [f"# The blocks of {self.out.name} the statement writes along {index}; the others are zeros.",
                 f"{var} = _window({_host(axis.extent)}, {self.conv.offsets}[{slot}], {_host(count)})"]
-        return KindSource(f"window along {index}", [axis], host, var)
+        return KindSource(f"place in the window along {index}", [axis], host, var)
 
     def apply_kinds(self, sources: list[KindSource], out_block: Block, custom: dict[int, object] | None = None):
         """Blocks and body over this pass's grid, skipping the cells the sources call empty.
@@ -119,7 +119,7 @@ class KindsMixin(PassBuilder):
         next_var = self.local("next_step")
         partial_var = self.local(f"next_{mask}") if mask else None
         about = "; ".join(s.about for s in sources)
-        kinds_about = "_EMPTY (skip), _PARTIAL" + (", _FULL (all ones: no mask read)" if mask else ", _FULL") + f": per cell of {about}"
+        kinds_about = "_EMPTY (skip), _PARTIAL" + (", _FULL (all ones: no mask read)" if mask else ", _FULL") + f": per cell, the kind of its {about}"
         self.tables.append(_table(kind, size_kind, kinds_about))
         self.tables.append(_table(next_var, size_prefix, "per grid cell over " + ", ".join(a.var for a in prefix)
                                   + ": the next cell that computes (the last one after it), so skipped steps fetch nothing new"))
@@ -195,6 +195,7 @@ class KindsMixin(PassBuilder):
             else:
                 cases.append(FlushCase(Var(here).ne(Var("_EMPTY")), end, "flush", "Write the block."))
         notes = (f"Steps whose {about} is empty skip the compute (and their copies).",)
+        self.kind_about = about
         body = Body(body.accumulator, body.init_when, body.compute_when, body.summed, body.step, body.flush_when, tuple(cases),
                     body.summed_indices, body.acc_live, body.acc_shape, body.out_live, body.tails, body.out_tails, notes,
                     lets=((here, Load(kind, kernel_kind_cell)),))

@@ -39,7 +39,7 @@ class MaskedWalk(KindsMixin):
         products = Const(1)
         for a in self.axes:
             products = products * a.extent
-        about = "a dense grid that skips empty blocks" + (" of " + ", ".join(sorted({s.about for s in sources})) if sources else "")
+        about = f"a dense grid that skips the cells whose {self.kind_about} is empty"
         return self.finish(list(blocks.values()), body, about, self.dense_out_shape(), products)
 
     def index_coord(self, index, axis_value):

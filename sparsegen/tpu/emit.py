@@ -181,7 +181,8 @@ class _Emitter:
         return next(tp for tp in self.m.passes if spec in tp.specs)
 
     def prefetch(self, tp: TpuPass) -> dict:
-        return {"fn": tp.prefetch_fn, "lines": list(tp.p.host), "tables": [t.var for t in tp.p.tables]}
+        counts = [f"{var} = {value}" for var, value in tp.p.counts]
+        return {"fn": tp.prefetch_fn, "lines": counts + list(tp.p.host), "tables": [t.var for t in tp.p.tables]}
 
     # ------------------------------------------------------------ module
     def smem_checks(self) -> list[str]:

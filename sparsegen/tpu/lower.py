@@ -165,10 +165,11 @@ def lower(kernel: Kernel, target: Target) -> TpuModule:
 
 
 def _unique(diags):
+    """One report per spec token (a tile that breaks the layout rule names the first block it breaks)."""
     out, seen = [], set()
     for d in diags:
-        if (d.span, d.message) not in seen:
-            seen.add((d.span, d.message))
+        if d.span not in seen:
+            seen.add(d.span)
             out.append(d)
     return out
 
@@ -186,7 +187,7 @@ def _lower_pass(kernel: Kernel, names: ModuleNames, p: Pass, several: bool) -> T
         except LayoutError as exc:
             errors += exc.diagnostics
     if errors:
-        raise LayoutError(errors)
+        raise LayoutError(_unique(errors))
     acc_ref = names.local(f"{prefix}acc_ref") if several else names.local("acc_ref")
     sizes = tuple(dict.fromkeys(t.size for t in (*p.body.tails, *p.body.out_tails)))
     return TpuPass(p, kernel_fn, prefetch_fn, call_fn, tuple(specs), acc_ref, sizes, _vmem(kernel, p, specs))
@@ -232,7 +233,7 @@ def _vmem(kernel: Kernel, p: Pass, specs: list[Spec]) -> tuple[VmemItem, ...]:
     # Values the body computes on a whole block (the product of the sum, the product with
     # each end factor, each covered factor multiplied in) may spill to VMEM: one block each.
     out_shape = tuple(d.extent for d in p.out.dims if d.live) or (1, 1)
-    temporaries = (1 if body.summed or body.step else 0) + sum(1 for c in body.flush_cases[-1:] for _ in (c.products or ()))
+    temporaries = (1 if body.summed or body.step else 0) + max(len(c.products or ()) for c in body.flush_cases)
     temporaries += sum(len(q.factors) - 1 for q in body.summed)
     if temporaries:
         items.append(VmemItem("body temporaries", out_shape, p.accumulate, temporaries))

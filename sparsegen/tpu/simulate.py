@@ -267,7 +267,8 @@ def impl_args(plan: TpuModule, module, args: list) -> list:
     conv = plan.conv
     out = list(args)
     for operand, _ in conv.pads:
-        coords = [(p.public, a) for a, p in zip(args, [q for q in conv.params if q.kind != "index"]) if p.operand == operand]
+        coords = [(p.public, a) for a, p in zip(args, [q for q in conv.params if q.kind != "index"])
+                  if p.operand == operand and p.kind in ("coords", "out_coords")]
         out.append(module._check_padding(*zip(*coords)))
     if conv.offsets:
         out.append(np.zeros(len(conv.offset_uses), np.int32))

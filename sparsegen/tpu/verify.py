@@ -297,20 +297,26 @@ def verify_file(path, targets, shapes=None, nnz: float = 0.1, probe: bool = True
 
 def verify_file_source(source: SourceFile, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
     from ..check import check
-    from ..compiler import lower_kernels
-    from ..source import SpecError
     from ..syntax import parse
+    from .lower import LayoutError, lower
+    from .rules import check_kernel, check_module
 
     kernels = check(parse(source))
     results = []
     for kernel in kernels:
         for target in targets:
-            try:
-                (p,) = lower_kernels(source, [kernel], target)
-            except SpecError as exc:
+            chip = TARGETS[target]
+            plan, problems = None, check_kernel(kernel, chip)
+            if not problems:
+                try:
+                    plan = lower(kernel, chip)
+                    problems = check_module(plan)
+                except LayoutError as exc:
+                    problems = exc.diagnostics
+            if problems:
                 env = {**default_shapes(kernel), **(shapes or {})}
-                results.append(Result(kernel.name, target, False, {s: env.get(s, lit) for s, lit in kernel.symbols}, None, 0,
-                                      vmem_limit=TARGETS[target].vmem_bytes, smem_limit=TARGETS[target].smem_bytes, error=exc.diagnostics[0]))
+                results.append(Result(kernel.name, target, False, {s: env.get(s, lit) for s, lit in kernel.symbols}, None,
+                                      plan.vmem_bytes if plan else 0, vmem_limit=chip.vmem_bytes, smem_limit=chip.smem_bytes, error=problems[0]))
                 continue
-            results.append(verify_plan(p, source, target, shapes, nnz, probe))
+            results.append(verify_plan(plan, source, target, shapes, nnz, probe))
     return source, results
