@@ -59,7 +59,7 @@ Plan (target v5e):
         out o block (256, 256), index map (m, step_row[step])
       body:
         init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
-        accumulate the sum over k of x x y when step_kind[step] == _BLOCK
+        accumulate the product of x and y summed over k when step_kind[step] == _BLOCK
           past K along k (a partial last block) the factors are zero
         write output when step_kind[step] == _FLUSH: accumulator
         output blocks no stored block reaches are written as zeros by their flush step

@@ -41,14 +41,14 @@ ever leaves its array.
 Plan (target v5e):
 
     kernel masked_matmul
-      o[m, n] = mask[m, n] * x[m, k] * y[k, n]  (mask: a dense grid that skips empty blocks of mask block)
+      o[m, n] = mask[m, n] * x[m, k] * y[k, n]  (mask: a dense grid that skips the cells whose mask block is empty)
       grid (ceil(M / 512), ceil(N / 512), ceil(K / 1024))
         m: output blocks along m [parallel]
         n: output blocks along n [parallel]
         k: the sum over k, innermost so each output block's visits are consecutive [arbitrary]
       dimension_semantics (parallel, parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell of mask block
+        kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its mask block
         next_step[ceil(M / 512) * ceil(N / 512)]: per grid cell over m, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
         next_mask[ceil(M / 512) * ceil(N / 512)]: per grid cell: the next cell whose mask block is partial, the only blocks the kernel reads
       blocks:
@@ -61,18 +61,18 @@ Plan (target v5e):
         out o block (512, 512), index map (m, n)
       body:
         init accumulator when k == 0
-        accumulate the sum over k of x x y when block_kind != _EMPTY
+        accumulate the product of x and y summed over k when block_kind != _EMPTY
           past K along k (a partial last block) the factors are zero
         write output when k == n_k - 1 and block_kind == _EMPTY: zeros
         write output when k == n_k - 1 and block_kind == _PARTIAL: accumulator * mask
         write output when k == n_k - 1 and block_kind == _FULL: accumulator
-      VMEM estimate: 9.1 MiB of 128 MiB on v5e
+      VMEM estimate: 10.1 MiB of 128 MiB on v5e
         mask block: 2 x 512x512 i32 = 2 MiB
         x block: 2 x 512x1024 bf16 = 2 MiB
         y block: 2 x 1024x512 bf16 = 2 MiB
         o block (output): 2 x 512x512 bf16 = 1 MiB
         accumulator: 1 x 512x512 f32 = 1 MiB
-        body temporaries: 1 x 512x512 f32 = 1 MiB
+        body temporaries: 2 x 512x512 f32 = 2 MiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
 """

@@ -41,14 +41,14 @@ ever leaves its array.
 Plan (target v5e):
 
     kernel masked_matmul_dx
-      dx[m, k] = g[m, n] * keep[m, n] * y[k, n]  (mask: a dense grid that skips empty blocks of keep block)
+      dx[m, k] = g[m, n] * keep[m, n] * y[k, n]  (mask: a dense grid that skips the cells whose keep block is empty)
       grid (ceil(M / 512), ceil(K / 512), ceil(N / 512))
         m: output blocks along m [parallel]
         k: output blocks along k [parallel]
         n: the sum over n, innermost so each output block's visits are consecutive [arbitrary]
       dimension_semantics (parallel, parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell of keep block
+        kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its keep block
         next_step[ceil(M / 512) * ceil(K / 512) * ceil(N / 512)]: per grid cell over m, k, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
       blocks:
         in  g block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
@@ -60,7 +60,7 @@ Plan (target v5e):
         out dx block (512, 512), index map (m, k)
       body:
         init accumulator when n == 0
-        accumulate the sum over n of (g * keep) x y when block_kind != _EMPTY
+        accumulate the product of (g * keep) and y summed over n when block_kind != _EMPTY
           past N along n (a partial last block) the factors are zero
         write output when n == n_n - 1: accumulator
       VMEM estimate: 7.1 MiB of 128 MiB on v5e

@@ -41,14 +41,14 @@ ever leaves its array.
 Plan (target v5e):
 
     kernel masked_matmul_dy
-      dy[k, n] = x[m, k] * g[m, n] * keep[m, n]  (mask: a dense grid that skips empty blocks of keep block)
+      dy[k, n] = x[m, k] * g[m, n] * keep[m, n]  (mask: a dense grid that skips the cells whose keep block is empty)
       grid (ceil(K / 512), ceil(N / 512), ceil(M / 512))
         k: output blocks along k [parallel]
         n: output blocks along n [parallel]
         m: the sum over m, innermost so each output block's visits are consecutive [arbitrary]
       dimension_semantics (parallel, parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell of keep block
+        kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its keep block
         next_step[ceil(K / 512) * ceil(N / 512) * ceil(M / 512)]: per grid cell over k, n, m: the next cell that computes (the last one after it), so skipped steps fetch nothing new
       blocks:
         in  x block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // (n_n * n_m))
@@ -60,7 +60,7 @@ Plan (target v5e):
         out dy block (512, 512), index map (k, n)
       body:
         init accumulator when m == 0
-        accumulate the sum over m of x x (g * keep) when block_kind != _EMPTY
+        accumulate the product of x and (g * keep) summed over m when block_kind != _EMPTY
           past M along m (a partial last block) the factors are zero
         write output when m == n_m - 1: accumulator
       VMEM estimate: 7.1 MiB of 128 MiB on v5e

@@ -49,7 +49,7 @@ Plan (target v5e):
       scalar prefetch (SMEM, int32):
         o_at_0[nb]: requested block coordinate along o dim 0 (0 for padding)
         o_at_1[nb]: requested block coordinate along o dim 1 (0 for padding)
-        requested_o[nb]: _EMPTY (skip), _PARTIAL, _FULL: per cell of requested o block
+        requested_o[nb]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its requested o block
         next_step[nb]: per grid cell over b: the next cell that computes (the last one after it), so skipped steps fetch nothing new
       blocks:
         in  x block (128, 512), index map cell = b; nxt = next_step[cell]; live = requested_o[cell] != _EMPTY; -> (o_at_0[nxt], (k if live else (0 if nxt > cell else n_k - 1)))
@@ -60,7 +60,7 @@ Plan (target v5e):
             Block b of the stacked output.
       body:
         init accumulator when k == 0
-        accumulate the sum over k of x x y when block_kind != _EMPTY
+        accumulate the product of x and y summed over k when block_kind != _EMPTY
           past K along k (a partial last block) the factors are zero
         write output when k == n_k - 1 and block_kind == _EMPTY: zeros
         write output when k == n_k - 1 and block_kind != _EMPTY: accumulator

@@ -98,8 +98,17 @@ def build(variant: Variant, target: str) -> None:
 
 
 def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[str], seed: int) -> None:
+    from .callconv import operand_indices
     from .tpu.simulate import analyse
 
+    k = variant.plan.kernel
+    for operand, d, tile in variant.plan.spans:
+        dim = k.operand(operand).dims[d]
+        if dim.symbol is not None and sizes.get(dim.symbol, tile) != tile:
+            index = operand_indices(k, k.operand(operand))[d]
+            variant.rejected = (f"tile {index} = {tile} breaks the TPU layout rule for '{operand}' unless it spans "
+                                f"{dim.symbol}, which is {sizes[dim.symbol]} (set sizes with --shape)")
+            return
     try:
         variant.report = analyse(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed)
     except (ValueError, KeyError) as exc:

@@ -18,7 +18,7 @@ TEXTS = [spec_text(p.stem) for p in sorted(SPECS.glob("*.spk"))] + [NASTY, NASTY
 
 
 def raw_and_name(text):
-    (module,) = compile_source(SourceFile("f.spk", text))
+    module, *_ = compile_source(SourceFile("f.spk", text))
     return _Emitter(module.plan).module("f.spk"), module.plan.name
 
 
