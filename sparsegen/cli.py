@@ -18,13 +18,31 @@ from .source import SpecError
 from .targets import DEFAULT_TARGET, TARGETS
 
 
-def _compile_all(specs: list[str], target: str) -> list[tuple[str, Module]] | None:
-    """Compile every spec; print every problem and return None if any spec fails."""
+def _resolved(path: str | Path) -> Path:
+    # os.path.realpath, not Path.resolve: that raises RuntimeError on a symlink loop.
+    return Path(os.path.realpath(path))
+
+
+def _origin(spec: str, out: Path) -> str:
+    """How a module written to `out` names its spec in its header: relative to the project
+    root of `out` (the nearest folder at or above it holding pyproject.toml or .git), else
+    by file name. Output then does not depend on how the path is spelled or on the cwd."""
+    path, out = _resolved(spec), _resolved(out)
+    for root in (out, *out.parents):
+        if os.path.exists(root / "pyproject.toml") or os.path.exists(root / ".git"):
+            if path.is_relative_to(root):
+                return path.relative_to(root).as_posix()
+            break
+    return path.name
+
+
+def _compile_all(specs: list[str], target: str, out: Path) -> list[tuple[str, Module]] | None:
+    """Compile every spec for `out`; print every problem and return None if any spec fails."""
     modules: list[tuple[str, Module]] = []
     failed = False
     for spec in specs:
         try:
-            modules += [(spec, m) for m in compile_file(spec, target)]
+            modules += [(spec, m) for m in compile_file(spec, target, origin=_origin(spec, out))]
         except SpecError as exc:
             print(exc.render(), file=sys.stderr)
             failed = True
@@ -55,10 +73,10 @@ def _write_all(files: dict[Path, str]) -> None:
 
 
 def cmd_build(args) -> int:
-    modules = _compile_all(args.specs, args.target)
+    out = Path(args.output)
+    modules = _compile_all(args.specs, args.target, out)
     if modules is None:
         return 1
-    out = Path(args.output)
     files = {out / f"{m.kernel}.py": m.code for _, m in modules}
     try:
         _write_all(files)
@@ -72,10 +90,10 @@ def cmd_build(args) -> int:
 
 
 def cmd_check(args) -> int:
-    modules = _compile_all(args.specs, args.target)
+    out = Path(args.output)
+    modules = _compile_all(args.specs, args.target, out)
     if modules is None:
         return 1
-    out = Path(args.output)
     stale = 0
     for spec, m in modules:
         path = out / f"{m.kernel}.py"

@@ -40,18 +40,19 @@ def plans(path: str | Path, target: str = DEFAULT_TARGET) -> list[Plan]:
     return result
 
 
-def compile_source(source: SourceFile, target: str = DEFAULT_TARGET) -> list[Module]:
+def compile_source(source: SourceFile, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:
+    """`origin`: how the generated header names the spec (default: the source's name)."""
     kernels = check(parse(source))
     modules, errors = [], []
     for kernel in kernels:
         p = make_plan(kernel, TARGETS[target])
         errors += check_budget(p)
-        modules.append(Module(kernel.name, emit(p, source.name), p))
+        modules.append(Module(kernel.name, emit(p, source.name if origin is None else origin), p))
     if errors:
         raise SpecError(errors, source)
     return modules
 
 
-def compile_file(path: str | Path, target: str = DEFAULT_TARGET) -> list[Module]:
+def compile_file(path: str | Path, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:
     """Every kernel of a spec file as generated module source (SpecError on any problem)."""
-    return compile_source(SourceFile.read(path), target)
+    return compile_source(SourceFile.read(path), target, origin=origin)
