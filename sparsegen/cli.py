@@ -7,6 +7,7 @@ modules), 2 on a usage error.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import tempfile
@@ -55,25 +56,63 @@ def _compile_all(specs: list[str], target: str, out: Path) -> list[tuple[str, Mo
     return None if failed else modules
 
 
+def _output_problem(out: Path) -> str | None:
+    """Why `-o out` cannot be an output folder (it or a folder above it is a file), if so."""
+    for path in (out, *out.parents):
+        if os.path.isdir(path):
+            return None
+        if os.path.lexists(path):
+            what = "a file" if os.path.isfile(path) else "a broken link" if not os.path.exists(path) else "a special file"
+            return f"-o {out} is {what}, not a directory" if path == out else f"-o {out}: {path} is {what}, not a directory"
+    return None
+
+
 def _write_all(files: dict[Path, str]) -> None:
-    """Write every file or none: all temporaries first, then renames (OSError if any fails)."""
+    """Write every file or none: all temporaries first, then renames.
+
+    An OSError names the file being written (never a temporary), with filename set to it.
+    """
     staged: list[tuple[str, Path]] = []
     try:
         for path, text in files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            staged.append((tmp, path))
-            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-                f.write(text)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # Checked before any rename, so that a too-long kernel name writes nothing.
+                if len(os.fsencode(path.name)) > _name_max(path.parent):
+                    raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+                # A short temporary name: one built from NAME.py can be too long where NAME.py is not.
+                fd, tmp = tempfile.mkstemp(prefix=".sparsegen-", suffix=".tmp", dir=path.parent)
+                staged.append((tmp, path))
+                with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+                    f.write(text)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
         for tmp, path in staged:
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
     finally:
         for tmp, _ in staged:
             Path(tmp).unlink(missing_ok=True)
 
 
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # not known here: let the write itself fail
+        return sys.maxsize
+
+
+def _write_error(exc: OSError) -> None:
+    print(f"{exc.filename}: error: cannot write: {exc.strerror}", file=sys.stderr)
+
+
 def cmd_build(args) -> int:
     out = Path(args.output)
+    if problem := _output_problem(out):
+        print(f"sparsegen build: {problem}", file=sys.stderr)
+        return 2
     modules = _compile_all(args.specs, args.target, out)
     if modules is None:
         return 1
@@ -81,7 +120,7 @@ def cmd_build(args) -> int:
     try:
         _write_all(files)
     except OSError as exc:
-        print(f"{exc.filename or out}: error: cannot write: {exc.strerror or exc}", file=sys.stderr)
+        _write_error(exc)
         return 1
     if not args.quiet:
         for path in files:
@@ -91,6 +130,9 @@ def cmd_build(args) -> int:
 
 def cmd_check(args) -> int:
     out = Path(args.output)
+    if problem := _output_problem(out):
+        print(f"sparsegen check: {problem}", file=sys.stderr)
+        return 2
     modules = _compile_all(args.specs, args.target, out)
     if modules is None:
         return 1
@@ -268,6 +310,9 @@ def cmd_variants(args) -> int:
     if not targets or any(t not in TARGETS for t in targets):
         print(f"sparsegen variants: --target takes chips from {', '.join(sorted(TARGETS))}", file=sys.stderr)
         return 2
+    if args.output and (problem := _output_problem(Path(args.output))):
+        print(f"sparsegen variants: {problem}", file=sys.stderr)
+        return 2
     if args.no_compile and not vs.tpu_present_cheap():
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     quiet_libtpu()
@@ -328,11 +373,10 @@ def cmd_variants(args) -> int:
     ranked = vs.rank(candidates)
     _print_variants(ranked, targets, args.pattern, sizes, timed)
     if args.output and ranked:
-        out = Path(args.output)
         try:
-            _write_all({out / f"{v.name}.py": v.code for v in ranked})
+            _write_all({Path(args.output) / f"{v.name}.py": v.code for v in ranked})
         except OSError as exc:
-            print(f"{exc.filename or out}: error: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            _write_error(exc)
             return 1
     if args.json_file:
         import json

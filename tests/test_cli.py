@@ -167,9 +167,32 @@ def test_generated_modules_import_only_jax_numpy_and_stdlib():
             assert roots <= allowed, (path.name, roots)
 
 
-def test_unwritable_output_is_an_error_not_a_traceback(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a folder")
-    result = sparsegen("build", "specs/dsd_matmul.spk", "-o", blocker / "out")
-    assert result.returncode == 1
-    assert "error: cannot write" in result.stderr and "Traceback" not in result.stderr
+def test_output_that_is_a_file_is_a_usage_error(tmp_path):
+    (tmp_path / "out.txt").write_text("not a folder")
+    for command in ("build", "check"):
+        result = sparsegen(command, ROOT / "specs" / "dsd_matmul.spk", "-o", "out.txt", cwd=tmp_path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert result.stderr == f"sparsegen {command}: -o out.txt is a file, not a directory\n"
+        result = sparsegen(command, ROOT / "specs" / "dsd_matmul.spk", "-o", "out.txt/deeper", cwd=tmp_path)
+        assert result.returncode == 2
+        assert result.stderr == f"sparsegen {command}: -o out.txt/deeper: out.txt is a file, not a directory\n"
+    assert (tmp_path / "out.txt").read_text() == "not a folder"
+
+
+def _spec_named(tmp_path, name):
+    spec = tmp_path / "long.spk"
+    spec.write_text((SPECS / "dsd_matmul.spk").read_text().replace("kernel dsd_matmul", f"kernel {name}"))
+    return spec
+
+
+def test_write_errors_name_the_target_not_a_temporary(tmp_path):
+    # NAME.py fits in a file name (255 bytes) but a temporary named after it would not.
+    fits = "k" * 245
+    result = sparsegen("build", _spec_named(tmp_path, fits), "-o", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"{fits}.py"]
+    # NAME.py itself is too long: the message names it, and nothing else is written.
+    result = sparsegen("build", "specs/dsd_matmul.spk", _spec_named(tmp_path, "k" * 260), "-o", tmp_path / "out2")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr == f"{tmp_path / 'out2' / ('k' * 260 + '.py')}: error: cannot write: File name too long\n"
+    assert not any((tmp_path / "out2").iterdir())
