@@ -41,7 +41,11 @@ def _compile_all(specs: list[str], target: str, out: Path) -> list[tuple[str, Mo
     """Compile every spec for `out`; print every problem and return None if any spec fails."""
     modules: list[tuple[str, Module]] = []
     failed = False
+    seen: set[Path] = set()
     for spec in specs:
+        if _resolved(spec) in seen:
+            continue  # another spelling of a file already given (./a.spk, an absolute path, a link)
+        seen.add(_resolved(spec))
         try:
             modules += [(spec, m) for m in compile_file(spec, target, origin=_origin(spec, out))]
         except SpecError as exc:

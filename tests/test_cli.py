@@ -125,6 +125,16 @@ def test_same_kernel_name_in_two_specs_is_an_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_two_spellings_of_one_spec_compile_it_once(tmp_path):
+    (tmp_path / "link.spk").symlink_to(SPECS / "dsd_matmul.spk")
+    spellings = ["specs/dsd_matmul.spk", "./specs/dsd_matmul.spk", SPECS / "dsd_matmul.spk", "specs/../specs/dsd_matmul.spk", tmp_path / "link.spk"]
+    result = sparsegen("build", *spellings, "-o", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"wrote {tmp_path / 'out' / 'dsd_matmul.py'}\n"
+    result = sparsegen("check", *spellings, "-o", "generated")
+    assert result.returncode == 0 and "1 module up to date" in result.stdout, result.stdout + result.stderr
+
+
 def test_plan_describes_grid_blocks_and_memory():
     result = sparsegen("plan", "specs/masked_matmul.spk")
     assert result.returncode == 0, result.stderr
