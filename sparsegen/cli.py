@@ -206,7 +206,8 @@ def cmd_plan(args) -> int:
             print("\n".join(describe(p)))
         return 0
     # A pattern: walk the generated kernel's grid (this needs jax, for the generated code).
-    if not _have_jax("plan --pattern"):
+    # Usage problems first, before loading jax or simulating anything.
+    if not _pattern_ok("plan", args.pattern) or not _have_jax("plan --pattern"):
         return 2
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the index maps run on the host
     from . import simulate
@@ -321,6 +322,17 @@ def _print_verify_table(report, verbose: bool) -> None:
             print(f"  raw compiler message ({r.target}):\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
 
 
+def _pattern_ok(command: str, pattern: str) -> bool:
+    from .patterns import PatternError, parse_pattern
+
+    try:
+        parse_pattern(pattern)
+    except PatternError as exc:
+        print(f"sparsegen {command}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def _have_jax(command: str) -> bool:
     import importlib.util
 
@@ -342,6 +354,8 @@ def cmd_variants(args) -> int:
         return 2
     if args.output and (problem := _output_problem(Path(args.output))):
         print(f"sparsegen variants: {problem}", file=sys.stderr)
+        return 2
+    if not _pattern_ok("variants", args.pattern):
         return 2
     if args.no_compile and not vs.tpu_present_cheap():
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
