@@ -207,7 +207,7 @@ def cmd_plan(args) -> int:
         return 0
     # A pattern: walk the generated kernel's grid (this needs jax, for the generated code).
     # Usage problems first, before loading jax or simulating anything.
-    if not _pattern_ok("plan", args.pattern) or not _have_jax("plan --pattern"):
+    if not _pattern_ok("plan", args.pattern) or (args.png and not _png_ok(args.png)) or not _have_jax("plan --pattern"):
         return 2
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the index maps run on the host
     from . import simulate
@@ -233,7 +233,11 @@ def cmd_plan(args) -> int:
     if args.png:
         from .picture import draw
 
-        draw(reports[0], args.png)
+        try:
+            draw(reports[0], args.png)
+        except OSError as exc:
+            print(f"{args.png}: error: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     if args.json:
         import json
 
@@ -329,6 +333,21 @@ def _pattern_ok(command: str, pattern: str) -> bool:
         parse_pattern(pattern)
     except PatternError as exc:
         print(f"sparsegen {command}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def _png_ok(path: str) -> bool:
+    """--png can be drawn (matplotlib is there) and written: known before simulating."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("sparsegen plan: --png draws with matplotlib, which is not installed: pip install 'sparsegen[viz]'", file=sys.stderr)
+        return False
+    folder = Path(path).parent
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        why = "is a directory" if os.path.isdir(path) else f"{folder} is not a directory" if os.path.lexists(folder) else f"{folder} does not exist"
+        print(f"sparsegen plan: --png {path}: {why}", file=sys.stderr)
         return False
     return True
 
