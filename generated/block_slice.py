@@ -85,7 +85,9 @@ def _as_array(name, value, rank, dtype):
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
         )
     if dtype is not None and value.dtype != jnp.dtype(dtype):
-        _fail(f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}")
+        _fail(
+            f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}"
+        )
     if dtype is None and not jnp.issubdtype(value.dtype, jnp.integer):
         _fail(f"{name} must hold integers, got dtype {value.dtype}")
     return value
@@ -110,7 +112,9 @@ def _bind(size, symbol, value, origin):
     if size[symbol] is None:
         size[symbol] = (value, origin)
     elif size[symbol][0] != value:
-        _fail(f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}")
+        _fail(
+            f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}"
+        )
 
 
 def _check_dim(value, expected, what):

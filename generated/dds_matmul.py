@@ -106,7 +106,9 @@ def _as_array(name, value, rank, dtype):
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
         )
     if dtype is not None and value.dtype != jnp.dtype(dtype):
-        _fail(f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}")
+        _fail(
+            f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}"
+        )
     if dtype is None and not jnp.issubdtype(value.dtype, jnp.integer):
         _fail(f"{name} must hold integers, got dtype {value.dtype}")
     return value
@@ -131,7 +133,9 @@ def _bind(size, symbol, value, origin):
     if size[symbol] is None:
         size[symbol] = (value, origin)
     elif size[symbol][0] != value:
-        _fail(f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}")
+        _fail(
+            f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}"
+        )
 
 
 def _check_dim(value, expected, what):
@@ -213,13 +217,18 @@ def _coo_steps(rows, n_rows, pad):
     nb = rows.shape[0]
     # A block of row r sorts as 2r, the flush step of row r as 2r + 1 (stable); padding last.
     keys = jnp.concatenate(
-        [jnp.where(pad, 2 * n_rows, rows * 2), jnp.arange(n_rows, dtype=jnp.int32) * 2 + 1]
+        [
+            jnp.where(pad, 2 * n_rows, rows * 2),
+            jnp.arange(n_rows, dtype=jnp.int32) * 2 + 1,
+        ]
     )
     order = jnp.argsort(keys, stable=True).astype(jnp.int32)
     entry = order < nb
     is_pad = entry & pad[jnp.minimum(order, nb - 1)]
     is_block = entry & ~is_pad
-    kind = jnp.where(is_block, _BLOCK, jnp.where(is_pad, _SKIP, _FLUSH)).astype(jnp.int32)
+    kind = jnp.where(is_block, _BLOCK, jnp.where(is_pad, _SKIP, _FLUSH)).astype(
+        jnp.int32
+    )
     block = jnp.minimum(order[_next_live(is_block)], nb - 1)
     row = jnp.where(entry, rows[jnp.minimum(order, nb - 1)], order - nb)
     row = jnp.where(is_pad, n_rows - 1, row).astype(jnp.int32)
@@ -230,10 +239,16 @@ def _densify(blocks, coords, pad, shape, dtype):
     """The dense array a blocked COO list stands for; repeated coordinates add up."""
     tiles = blocks.shape[1:]
     grid = tuple(s // t for s, t in zip(shape, tiles))
-    coords = tuple(jnp.where(pad, g, c) for c, g in zip(coords, grid))  # padding: dropped below
-    dense = jnp.zeros(grid + tiles, dtype).at[coords].add(blocks.astype(dtype), mode="drop")
+    coords = tuple(
+        jnp.where(pad, g, c) for c, g in zip(coords, grid)
+    )  # padding: dropped below
+    dense = (
+        jnp.zeros(grid + tiles, dtype).at[coords].add(blocks.astype(dtype), mode="drop")
+    )
     rank = len(tiles)
-    return dense.transpose([p for d in range(rank) for p in (d, rank + d)]).reshape(shape)
+    return dense.transpose([p for d in range(rank) for p in (d, rank + d)]).reshape(
+        shape
+    )
 
 
 def _kernel(step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref):
@@ -247,7 +262,9 @@ def _kernel(step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_re
 
     @pl.when(step_kind[step] == _BLOCK)
     def _compute():
-        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+        acc_ref[...] += jnp.dot(
+            x_ref[...], y_ref[...], preferred_element_type=jnp.float32
+        )
 
     @pl.when(step_kind[step] == _FLUSH)
     def _flush():
@@ -342,12 +359,18 @@ def _reference(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
     M, K, N = sizes
     y_view = _densify(y_blocks, (y_idx_0, y_idx_1), pad, (K, N), jnp.float32)
     out = jnp.einsum(
-        "ac,cb->ab", x, y_view, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+        "ac,cb->ab",
+        x,
+        y_view,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST,
     )
     return out.astype(jnp.bfloat16)
 
 
-def dds_matmul(x, y_blocks, y_idx_0, y_idx_1, *, M=None, K=None, N=None, interpret=False):
+def dds_matmul(
+    x, y_blocks, y_idx_0, y_idx_1, *, M=None, K=None, N=None, interpret=False
+):
     """Run the kernel: o: bf16[M, N].
 
     Arguments are the inputs in declaration order (see the module docstring).

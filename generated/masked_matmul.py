@@ -110,7 +110,9 @@ def _as_array(name, value, rank, dtype):
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
         )
     if dtype is not None and value.dtype != jnp.dtype(dtype):
-        _fail(f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}")
+        _fail(
+            f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}"
+        )
     if dtype is None and not jnp.issubdtype(value.dtype, jnp.integer):
         _fail(f"{name} must hold integers, got dtype {value.dtype}")
     return value
@@ -135,7 +137,9 @@ def _bind(size, symbol, value, origin):
     if size[symbol] is None:
         size[symbol] = (value, origin)
     elif size[symbol][0] != value:
-        _fail(f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}")
+        _fail(
+            f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}"
+        )
 
 
 def _check_dim(value, expected, what):
@@ -192,7 +196,9 @@ def _kernel(kind, next_step, next_mask, x_ref, y_ref, mask_ref, o_ref, acc_ref):
 
     @pl.when(block_kind != _EMPTY)
     def _compute():
-        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+        acc_ref[...] += jnp.dot(
+            x_ref[...], y_ref[...], preferred_element_type=jnp.float32
+        )
 
     @pl.when((k == pl.num_programs(2) - 1) & (block_kind == _EMPTY))
     def _flush_empty():
@@ -202,7 +208,9 @@ def _kernel(kind, next_step, next_mask, x_ref, y_ref, mask_ref, o_ref, acc_ref):
     @pl.when((k == pl.num_programs(2) - 1) & (block_kind == _PARTIAL))
     def _flush_partial():
         # Apply mask.
-        o_ref[...] = (acc_ref[...] * mask_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
+        o_ref[...] = (acc_ref[...] * mask_ref[...].astype(jnp.float32)).astype(
+            o_ref.dtype
+        )
 
     @pl.when((k == pl.num_programs(2) - 1) & (block_kind == _FULL))
     def _flush_full():
@@ -275,8 +283,14 @@ def _impl(x, y, mask, sizes, interpret):
         num_scalar_prefetch=3,
         grid=(M // 512, N // 512, K // 1024),
         in_specs=[
-            pl.BlockSpec((512, 1024), functools.partial(_x_index_map, n_n=N // 512, n_k=K // 1024)),
-            pl.BlockSpec((1024, 512), functools.partial(_y_index_map, n_n=N // 512, n_k=K // 1024)),
+            pl.BlockSpec(
+                (512, 1024),
+                functools.partial(_x_index_map, n_n=N // 512, n_k=K // 1024),
+            ),
+            pl.BlockSpec(
+                (1024, 512),
+                functools.partial(_y_index_map, n_n=N // 512, n_k=K // 1024),
+            ),
             pl.BlockSpec((512, 512), functools.partial(_mask_index_map, n_n=N // 512)),
         ],
         out_specs=pl.BlockSpec((512, 512), _o_index_map),
@@ -302,7 +316,11 @@ def _impl(x, y, mask, sizes, interpret):
 def _reference(x, y, mask, sizes):
     M, K, N = sizes
     out = jnp.einsum(
-        "ac,cb->ab", x, y, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+        "ac,cb->ab",
+        x,
+        y,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST,
     )
     out = out * mask.astype(jnp.float32)
     return out.astype(jnp.bfloat16)

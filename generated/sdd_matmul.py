@@ -97,7 +97,9 @@ def _as_array(name, value, rank, dtype):
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
         )
     if dtype is not None and value.dtype != jnp.dtype(dtype):
-        _fail(f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}")
+        _fail(
+            f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}"
+        )
     if dtype is None and not jnp.issubdtype(value.dtype, jnp.integer):
         _fail(f"{name} must hold integers, got dtype {value.dtype}")
     return value
@@ -122,7 +124,9 @@ def _bind(size, symbol, value, origin):
     if size[symbol] is None:
         size[symbol] = (value, origin)
     elif size[symbol][0] != value:
-        _fail(f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}")
+        _fail(
+            f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}"
+        )
 
 
 def _check_dim(value, expected, what):
@@ -264,7 +268,11 @@ def _impl(x, y, o_idx_0, o_idx_1, sizes, interpret):
 def _reference(x, y, o_idx_0, o_idx_1, sizes):
     M, K, N = sizes
     out = jnp.einsum(
-        "ac,cb->ab", x, y, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+        "ac,cb->ab",
+        x,
+        y,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST,
     )
     return _gather_blocks(out.astype(jnp.bfloat16), (o_idx_0, o_idx_1), (128, 128))
 
