@@ -70,7 +70,9 @@ def _load(path: str) -> np.ndarray:
         with open(path, "rb") as f:
             magic = f.read(len(_NPY_MAGIC))
             if magic.startswith(_ZIP_MAGIC):
-                raise PatternError(f"pattern file {path} is an .npz archive (numpy.savez), not a .npy array: save one array with numpy.save")
+                raise PatternError(
+                    f"pattern file {path} is an .npz archive (numpy.savez), not a .npy array: save one array with numpy.save"
+                )
             if magic != _NPY_MAGIC:
                 raise PatternError(f"pattern file {path} is not a .npy array (numpy.save format)")
             # The header first: object arrays (pickles) are never loaded, strings are refused by name.
@@ -79,7 +81,11 @@ def _load(path: str) -> np.ndarray:
             header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             _, _, dtype = header(f)
             if dtype.kind not in "biuf":
-                what = "Python objects (dtype object)" if dtype.hasobject else f"strings (dtype {dtype})" if dtype.kind in "SU" else f"{dtype} values"
+                what = (
+                    "Python objects (dtype object)"
+                    if dtype.hasobject
+                    else f"strings (dtype {dtype})" if dtype.kind in "SU" else f"{dtype} values"
+                )
                 raise PatternError(f"pattern file {path} holds {what}; expected bool or numbers")
             f.seek(0)
             return np.load(f, allow_pickle=False)
@@ -136,7 +142,9 @@ def _pattern_blocks(pattern: Pattern, shape, tiles, seed: int) -> np.ndarray:
         if pattern.data.shape == grid:
             return pattern.data != 0
         elements = _pattern_elements(pattern, shape, tiles, seed)
-        return elements.reshape([v for g, t in zip(grid, tiles) for v in (g, t)]).any(axis=tuple(range(1, 2 * len(grid), 2)))
+        return elements.reshape([v for g, t in zip(grid, tiles) for v in (g, t)]).any(
+            axis=tuple(range(1, 2 * len(grid), 2))
+        )
     if len(shape) != 2:
         raise PatternError(f"pattern {pattern.text!r} needs a 2-D operand")
     rows = np.arange(grid[0])[:, None] * tiles[0]  # first element row of each block row
@@ -156,7 +164,9 @@ def _pattern_elements(pattern: Pattern, shape, tiles, seed: int) -> np.ndarray:
         grid = tuple(s // t for s, t in zip(shape, tiles))
         if data.shape == grid:
             return np.kron(data != 0, np.ones(tiles, bool))
-        raise PatternError(f"pattern file {pattern.text} has shape {data.shape}; expected the operand's {tuple(shape)} or its block grid {grid}")
+        raise PatternError(
+            f"pattern file {pattern.text} has shape {data.shape}; expected the operand's {tuple(shape)} or its block grid {grid}"
+        )
     if len(shape) != 2 and pattern.kind != "density":
         raise PatternError(f"pattern {pattern.text!r} needs a 2-D operand")
     if pattern.kind == "tril":

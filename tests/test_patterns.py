@@ -60,7 +60,10 @@ def test_bad_patterns_are_pattern_errors_naming_the_file_or_value(tmp_path, monk
     for name, says in bad_files(tmp_path).items():
         with pytest.raises(PatternError) as caught:
             parse_pattern(name)
-        assert str(caught.value).startswith(f"pattern file {name} ") and says in str(caught.value), (name, str(caught.value))
+        assert str(caught.value).startswith(f"pattern file {name} ") and says in str(caught.value), (
+            name,
+            str(caught.value),
+        )
     for value, says in BAD_VALUES.items():
         with pytest.raises(PatternError, match="^" + says.replace(".", r"\.") + "$"):
             parse_pattern(value)
@@ -101,7 +104,10 @@ def test_bad_pattern_is_reported_before_jax_loads(tmp_path):
 def test_variants_rejects_a_bad_pattern_up_front(capsys):
     argv = ["variants", str(SPECS / "dsd_matmul.spk"), "--tile", "n=256,512", "--pattern", "band=0", "--no-compile"]
     assert main(argv) == 2
-    assert capsys.readouterr().err == "sparsegen variants: band=0: the band's width must be a whole number of elements, at least 1\n"
+    assert (
+        capsys.readouterr().err
+        == "sparsegen variants: band=0: the band's width must be a whole number of elements, at least 1\n"
+    )
 
 
 def test_a_file_of_the_wrong_shape_is_named(tmp_path, capsys):
