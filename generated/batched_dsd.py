@@ -113,7 +113,9 @@ def _as_array(name, value, rank, dtype):
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
         )
     if dtype is not None and value.dtype != jnp.dtype(dtype):
-        _fail(f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}")
+        _fail(
+            f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}"
+        )
     if dtype is None and not jnp.issubdtype(value.dtype, jnp.integer):
         _fail(f"{name} must hold integers, got dtype {value.dtype}")
     return value
@@ -147,7 +149,9 @@ def _bind(size, symbol, value, origin):
     if size[symbol] is None:
         size[symbol] = (value, origin)
     elif size[symbol][0] != value:
-        _fail(f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}")
+        _fail(
+            f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}"
+        )
 
 
 def _check_dim(value, expected, what):
@@ -164,7 +168,9 @@ def _check_interpret(interpret):
         "InterpretParams",
         "InterpretGPUParams",
     ):
-        _fail(f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}")
+        _fail(
+            f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}"
+        )
     return interpret
 
 
@@ -248,13 +254,18 @@ def _coo_steps(rows, n_rows, pad):
     nb = rows.shape[0]
     # A block of row r sorts as 2r, the flush step of row r as 2r + 1 (stable); padding last.
     keys = jnp.concatenate(
-        [jnp.where(pad, 2 * n_rows, rows * 2), jnp.arange(n_rows, dtype=jnp.int32) * 2 + 1]
+        [
+            jnp.where(pad, 2 * n_rows, rows * 2),
+            jnp.arange(n_rows, dtype=jnp.int32) * 2 + 1,
+        ]
     )
     order = jnp.argsort(keys, stable=True).astype(jnp.int32)
     entry = order < nb
     is_pad = entry & pad[jnp.minimum(order, nb - 1)]
     is_block = entry & ~is_pad
-    kind = jnp.where(is_block, _BLOCK, jnp.where(is_pad, _SKIP, _FLUSH)).astype(jnp.int32)
+    kind = jnp.where(is_block, _BLOCK, jnp.where(is_pad, _SKIP, _FLUSH)).astype(
+        jnp.int32
+    )
     block = jnp.minimum(order[_next_live(is_block)], nb - 1)
     row = jnp.where(entry, rows[jnp.minimum(order, nb - 1)], order - nb)
     row = jnp.where(is_pad, n_rows - 1, row).astype(jnp.int32)
@@ -266,7 +277,9 @@ def _densify(blocks, coords, pad, shape, tiles, dtype):
     entries are dropped, and a partial last block is cut at the array's end."""
     blocks = blocks.reshape((blocks.shape[0], *tiles)).astype(dtype)
     grid = tuple(-(-s // t) for s, t in zip(shape, tiles))
-    coords = tuple(jnp.where(pad, g, c) for c, g in zip(coords, grid))  # padding: dropped below
+    coords = tuple(
+        jnp.where(pad, g, c) for c, g in zip(coords, grid)
+    )  # padding: dropped below
     dense = jnp.zeros(grid + tuple(tiles), dtype).at[coords].add(blocks, mode="drop")
     rank = len(tiles)
     dense = dense.transpose([p for d in range(rank) for p in (d, rank + d)])
@@ -281,7 +294,9 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
-def _kernel(step_kind, step_block, step_row, step_b, step_k, x_ref, y_ref, o_ref, acc_ref, *, K):
+def _kernel(
+    step_kind, step_block, step_row, step_b, step_k, x_ref, y_ref, o_ref, acc_ref, *, K
+):
     n = pl.program_id(0)
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
@@ -339,11 +354,23 @@ def _prepare(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, B, M, K, N):
     _check_dim(x_blocks.shape[1], 512, "x_blocks dim 1 (the tile of m)")
     _check_dim(x_blocks.shape[2], 256, "x_blocks dim 2 (the tile of k)")
     x_idx_0 = _as_array("x_idx_0", x_idx_0, 1, None)
-    _check_dim(x_idx_0.shape[0], x_blocks.shape[0], "x_idx_0 length (one per block of x_blocks)")
+    _check_dim(
+        x_idx_0.shape[0],
+        x_blocks.shape[0],
+        "x_idx_0 length (one per block of x_blocks)",
+    )
     x_idx_1 = _as_array("x_idx_1", x_idx_1, 1, None)
-    _check_dim(x_idx_1.shape[0], x_blocks.shape[0], "x_idx_1 length (one per block of x_blocks)")
+    _check_dim(
+        x_idx_1.shape[0],
+        x_blocks.shape[0],
+        "x_idx_1 length (one per block of x_blocks)",
+    )
     x_idx_2 = _as_array("x_idx_2", x_idx_2, 1, None)
-    _check_dim(x_idx_2.shape[0], x_blocks.shape[0], "x_idx_2 length (one per block of x_blocks)")
+    _check_dim(
+        x_idx_2.shape[0],
+        x_blocks.shape[0],
+        "x_idx_2 length (one per block of x_blocks)",
+    )
     y = _as_array("y", y, 3, jnp.bfloat16)
     _bind(size, "B", y.shape[0], "y dim 0")
     _bind(size, "K", y.shape[1], "y dim 1")
@@ -355,7 +382,9 @@ def _prepare(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, B, M, K, N):
     x_idx_2 = _check_coords("x_idx_2", x_idx_2, pl.cdiv(K, 256), "x dim 2")
     pad = _check_padding(("x_idx_0", "x_idx_1", "x_idx_2"), (x_idx_0, x_idx_1, x_idx_2))
     nb = x_blocks.shape[0]
-    _check_smem(5 * (nb + B * pl.cdiv(M, 512)), "the scalar-prefetch tables of this call")
+    _check_smem(
+        5 * (nb + B * pl.cdiv(M, 512)), "the scalar-prefetch tables of this call"
+    )
     return x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, (B, M, K, N)
 
 
@@ -398,7 +427,12 @@ def _impl(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret):
 def _reference(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes):
     B, M, K, N = sizes
     x_blocks_dense = _densify(
-        x_blocks, (x_idx_0, x_idx_1, x_idx_2), pad, (B, M, K), (1, 512, 256), jnp.float32
+        x_blocks,
+        (x_idx_0, x_idx_1, x_idx_2),
+        pad,
+        (B, M, K),
+        (1, 512, 256),
+        jnp.float32,
     )
     o = jnp.einsum(
         "abd,adc->abc",
@@ -412,17 +446,30 @@ def _reference(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes):
 
 
 def batched_dsd(
-    x_blocks, x_idx_0, x_idx_1, x_idx_2, y, *, B=None, M=None, K=None, N=None, interpret=False
+    x_blocks,
+    x_idx_0,
+    x_idx_1,
+    x_idx_2,
+    y,
+    *,
+    B=None,
+    M=None,
+    K=None,
+    N=None,
+    interpret=False,
 ):
     """Run the kernel: o: bf16[B, M, N].
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
     return _impl(
-        *_prepare(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, B, M, K, N), _check_interpret(interpret)
+        *_prepare(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, B, M, K, N),
+        _check_interpret(interpret),
     )
 
 
-def reference(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, *, B=None, M=None, K=None, N=None):
+def reference(
+    x_blocks, x_idx_0, x_idx_1, x_idx_2, y, *, B=None, M=None, K=None, N=None
+):
     """The same computation in plain jax.numpy, for tests: same arguments as `batched_dsd`."""
     return _reference(*_prepare(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, B, M, K, N))

@@ -114,7 +114,9 @@ def _as_array(name, value, rank, dtype):
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
         )
     if dtype is not None and value.dtype != jnp.dtype(dtype):
-        _fail(f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}")
+        _fail(
+            f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}"
+        )
     if dtype is None and not jnp.issubdtype(value.dtype, jnp.integer):
         _fail(f"{name} must hold integers, got dtype {value.dtype}")
     return value
@@ -148,7 +150,9 @@ def _bind(size, symbol, value, origin):
     if size[symbol] is None:
         size[symbol] = (value, origin)
     elif size[symbol][0] != value:
-        _fail(f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}")
+        _fail(
+            f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}"
+        )
 
 
 def _check_dim(value, expected, what):
@@ -165,7 +169,9 @@ def _check_interpret(interpret):
         "InterpretParams",
         "InterpretGPUParams",
     ):
-        _fail(f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}")
+        _fail(
+            f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}"
+        )
     return interpret
 
 
@@ -239,7 +245,9 @@ def _kernel(kind, next_step, next_mask, mask_ref, x_ref, y_ref, o_ref, acc_ref, 
     @pl.when((k == n_k - 1) & (block_kind == _PARTIAL))
     def _flush_partial():
         # Apply mask.
-        o_ref[...] = (acc_ref[...] * mask_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
+        o_ref[...] = (acc_ref[...] * mask_ref[...].astype(jnp.float32)).astype(
+            o_ref.dtype
+        )
 
     @pl.when((k == n_k - 1) & (block_kind == _FULL))
     def _flush_full():
@@ -298,7 +306,10 @@ def _prepare(x, y, mask, M, K, N):
     _bind(size, "M", mask.shape[0], "mask dim 0")
     _bind(size, "N", mask.shape[1], "mask dim 1")
     M, K, N = size["M"][0], size["K"][0], size["N"][0]
-    _check_smem(3 * (pl.cdiv(M, 512) * pl.cdiv(N, 512)), "the scalar-prefetch tables of this call")
+    _check_smem(
+        3 * (pl.cdiv(M, 512) * pl.cdiv(N, 512)),
+        "the scalar-prefetch tables of this call",
+    )
     return x, y, mask, (M, K, N)
 
 
@@ -309,14 +320,20 @@ def _impl(x, y, mask, sizes, interpret):
         num_scalar_prefetch=3,
         grid=(pl.cdiv(M, 512), pl.cdiv(N, 512), pl.cdiv(K, 1024)),
         in_specs=[
-            pl.BlockSpec((512, 512), functools.partial(_mask_index_map, n_n=pl.cdiv(N, 512))),
+            pl.BlockSpec(
+                (512, 512), functools.partial(_mask_index_map, n_n=pl.cdiv(N, 512))
+            ),
             pl.BlockSpec(
                 (512, 1024),
-                functools.partial(_x_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(K, 1024)),
+                functools.partial(
+                    _x_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(K, 1024)
+                ),
             ),
             pl.BlockSpec(
                 (1024, 512),
-                functools.partial(_y_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(K, 1024)),
+                functools.partial(
+                    _y_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(K, 1024)
+                ),
             ),
         ],
         out_specs=pl.BlockSpec((512, 512), _o_index_map),
@@ -332,7 +349,10 @@ def _impl(x, y, mask, sizes, interpret):
         cost_estimate=pl.CostEstimate(
             flops=pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 1024) * 536870912,
             transcendentals=0,
-            bytes_accessed=pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 1024) * 3145728
+            bytes_accessed=pl.cdiv(M, 512)
+            * pl.cdiv(N, 512)
+            * pl.cdiv(K, 1024)
+            * 3145728
             + 2 * M * N,
         ),
         interpret=interpret,

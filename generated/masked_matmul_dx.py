@@ -111,7 +111,9 @@ def _as_array(name, value, rank, dtype):
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
         )
     if dtype is not None and value.dtype != jnp.dtype(dtype):
-        _fail(f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}")
+        _fail(
+            f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}"
+        )
     if dtype is None and not jnp.issubdtype(value.dtype, jnp.integer):
         _fail(f"{name} must hold integers, got dtype {value.dtype}")
     return value
@@ -145,7 +147,9 @@ def _bind(size, symbol, value, origin):
     if size[symbol] is None:
         size[symbol] = (value, origin)
     elif size[symbol][0] != value:
-        _fail(f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}")
+        _fail(
+            f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}"
+        )
 
 
 def _check_dim(value, expected, what):
@@ -162,7 +166,9 @@ def _check_interpret(interpret):
         "InterpretParams",
         "InterpretGPUParams",
     ):
-        _fail(f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}")
+        _fail(
+            f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}"
+        )
     return interpret
 
 
@@ -291,7 +297,8 @@ def _prepare(g, keep, y, M, N, K):
     _bind(size, "N", y.shape[1], "y dim 1")
     M, N, K = size["M"][0], size["N"][0], size["K"][0]
     _check_smem(
-        pl.cdiv(M, 512) * pl.cdiv(N, 512) + pl.cdiv(M, 512) * pl.cdiv(K, 512) * pl.cdiv(N, 512),
+        pl.cdiv(M, 512) * pl.cdiv(N, 512)
+        + pl.cdiv(M, 512) * pl.cdiv(K, 512) * pl.cdiv(N, 512),
         "the scalar-prefetch tables of this call",
     )
     return g, keep, y, (M, N, K)
@@ -306,15 +313,21 @@ def _impl(g, keep, y, sizes, interpret):
         in_specs=[
             pl.BlockSpec(
                 (512, 512),
-                functools.partial(_g_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)),
+                functools.partial(
+                    _g_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)
+                ),
             ),
             pl.BlockSpec(
                 (512, 512),
-                functools.partial(_keep_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)),
+                functools.partial(
+                    _keep_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)
+                ),
             ),
             pl.BlockSpec(
                 (512, 512),
-                functools.partial(_y_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)),
+                functools.partial(
+                    _y_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)
+                ),
             ),
         ],
         out_specs=pl.BlockSpec((512, 512), _dx_index_map),

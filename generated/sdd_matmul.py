@@ -111,7 +111,9 @@ def _as_array(name, value, rank, dtype):
             f"{name} must have {rank} dimension{'s' if rank != 1 else ''}, got shape {tuple(value.shape)}"
         )
     if dtype is not None and value.dtype != jnp.dtype(dtype):
-        _fail(f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}")
+        _fail(
+            f"{name} has dtype {value.dtype}, but the spec declares {jnp.dtype(dtype).name}"
+        )
     if dtype is None and not jnp.issubdtype(value.dtype, jnp.integer):
         _fail(f"{name} must hold integers, got dtype {value.dtype}")
     return value
@@ -145,7 +147,9 @@ def _bind(size, symbol, value, origin):
     if size[symbol] is None:
         size[symbol] = (value, origin)
     elif size[symbol][0] != value:
-        _fail(f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}")
+        _fail(
+            f"{origin} is {value}, but {symbol} = {size[symbol][0]} from {size[symbol][1]}"
+        )
 
 
 def _check_dim(value, expected, what):
@@ -162,7 +166,9 @@ def _check_interpret(interpret):
         "InterpretParams",
         "InterpretGPUParams",
     ):
-        _fail(f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}")
+        _fail(
+            f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}"
+        )
     return interpret
 
 
@@ -219,7 +225,9 @@ def _next_live(live):
 def _gather_blocks(dense, coords, pad, tiles):
     """The blocks of `dense` at the given block coordinates, stacked (tile-1 dimensions
     dropped); padding entries and what lies past a partial last block are zeros."""
-    dense = jnp.pad(dense, [(0, -size % tile) for size, tile in zip(dense.shape, tiles)])
+    dense = jnp.pad(
+        dense, [(0, -size % tile) for size, tile in zip(dense.shape, tiles)]
+    )
     shape = []
     for size, tile in zip(dense.shape, tiles):
         shape += [size // tile, tile]
@@ -239,7 +247,9 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
-def _kernel(o_at_0, o_at_1, requested_o, next_step, x_ref, y_ref, o_ref, acc_ref, *, K, M, N):
+def _kernel(
+    o_at_0, o_at_1, requested_o, next_step, x_ref, y_ref, o_ref, acc_ref, *, K, M, N
+):
     b = pl.program_id(0)
     k = pl.program_id(1)
     n_k = pl.num_programs(1)
@@ -319,7 +329,9 @@ def _prepare(x, y, o_idx_0, o_idx_1, M, K, N):
     _bind(size, "N", y.shape[1], "y dim 1")
     o_idx_0 = _as_array("o_idx_0", o_idx_0, 1, None)
     o_idx_1 = _as_array("o_idx_1", o_idx_1, 1, None)
-    _check_dim(o_idx_1.shape[0], o_idx_0.shape[0], "o_idx_1 length (one per block of o_idx_0)")
+    _check_dim(
+        o_idx_1.shape[0], o_idx_0.shape[0], "o_idx_1 length (one per block of o_idx_0)"
+    )
     M, K, N = size["M"][0], size["K"][0], size["N"][0]
     o_idx_0 = _check_coords("o_idx_0", o_idx_0, pl.cdiv(M, 128), "o dim 0")
     o_idx_1 = _check_coords("o_idx_1", o_idx_1, pl.cdiv(N, 128), "o dim 1")
@@ -340,8 +352,12 @@ def _impl(x, y, o_idx_0, o_idx_1, pad, sizes, interpret):
         num_scalar_prefetch=4,
         grid=(nb, pl.cdiv(K, 512)),
         in_specs=[
-            pl.BlockSpec((128, 512), functools.partial(_x_index_map, n_k=pl.cdiv(K, 512))),
-            pl.BlockSpec((512, 128), functools.partial(_y_index_map, n_k=pl.cdiv(K, 512))),
+            pl.BlockSpec(
+                (128, 512), functools.partial(_x_index_map, n_k=pl.cdiv(K, 512))
+            ),
+            pl.BlockSpec(
+                (512, 128), functools.partial(_y_index_map, n_k=pl.cdiv(K, 512))
+            ),
         ],
         out_specs=pl.BlockSpec((None, 128, 128), _o_index_map),
         scratch_shapes=[pltpu.VMEM((128, 128), jnp.float32)],
@@ -366,7 +382,11 @@ def _impl(x, y, o_idx_0, o_idx_1, pad, sizes, interpret):
 def _reference(x, y, o_idx_0, o_idx_1, pad, sizes):
     M, K, N = sizes
     o = jnp.einsum(
-        "ac,cb->ab", x, y, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+        "ac,cb->ab",
+        x,
+        y,
+        preferred_element_type=jnp.float32,
+        precision=lax.Precision.HIGHEST,
     )
     o = o.astype(jnp.bfloat16)
     o = _gather_blocks(o, (o_idx_0, o_idx_1), pad, (128, 128))
@@ -378,7 +398,9 @@ def sdd_matmul(x, y, o_idx_0, o_idx_1, *, M=None, K=None, N=None, interpret=Fals
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(*_prepare(x, y, o_idx_0, o_idx_1, M, K, N), _check_interpret(interpret))
+    return _impl(
+        *_prepare(x, y, o_idx_0, o_idx_1, M, K, N), _check_interpret(interpret)
+    )
 
 
 def reference(x, y, o_idx_0, o_idx_1, *, M=None, K=None, N=None):

@@ -7,6 +7,7 @@ modules), 2 on a usage error.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import tempfile
@@ -18,13 +19,35 @@ from .tpu.describe import describe
 from .tpu.targets import DEFAULT_TARGET, TARGETS
 
 
-def _compile_all(specs: list[str], target: str) -> list[tuple[str, Module]] | None:
-    """Compile every spec; print every problem and return None if any spec fails."""
+def _resolved(path: str | Path) -> Path:
+    # os.path.realpath, not Path.resolve: that raises RuntimeError on a symlink loop.
+    return Path(os.path.realpath(path))
+
+
+def _origin(spec: str, out: Path) -> str:
+    """How a module written to `out` names its spec in its header: relative to the project
+    root of `out` (the nearest folder at or above it holding pyproject.toml or .git), else
+    by file name. Output then does not depend on how the path is spelled or on the cwd."""
+    path, out = _resolved(spec), _resolved(out)
+    for root in (out, *out.parents):
+        if os.path.exists(root / "pyproject.toml") or os.path.exists(root / ".git"):
+            if path.is_relative_to(root):
+                return path.relative_to(root).as_posix()
+            break
+    return path.name
+
+
+def _compile_all(specs: list[str], target: str, out: Path) -> list[tuple[str, Module]] | None:
+    """Compile every spec for `out`; print every problem and return None if any spec fails."""
     modules: list[tuple[str, Module]] = []
     failed = False
+    seen: set[Path] = set()
     for spec in specs:
+        if _resolved(spec) in seen:
+            continue  # another spelling of a file already given (./a.spk, an absolute path, a link)
+        seen.add(_resolved(spec))
         try:
-            modules += [(spec, m) for m in compile_file(spec, target)]
+            modules += [(spec, m) for m in compile_file(spec, target, origin=_origin(spec, out))]
         except SpecError as exc:
             print(exc.render(), file=sys.stderr)
             failed = True
@@ -37,33 +60,71 @@ def _compile_all(specs: list[str], target: str) -> list[tuple[str, Module]] | No
     return None if failed else modules
 
 
+def _output_problem(out: Path) -> str | None:
+    """Why `-o out` cannot be an output folder (it or a folder above it is a file), if so."""
+    for path in (out, *out.parents):
+        if os.path.isdir(path):
+            return None
+        if os.path.lexists(path):
+            what = "a file" if os.path.isfile(path) else "a broken link" if not os.path.exists(path) else "a special file"
+            return f"-o {out} is {what}, not a directory" if path == out else f"-o {out}: {path} is {what}, not a directory"
+    return None
+
+
 def _write_all(files: dict[Path, str]) -> None:
-    """Write every file or none: all temporaries first, then renames (OSError if any fails)."""
+    """Write every file or none: all temporaries first, then renames.
+
+    An OSError names the file being written (never a temporary), with filename set to it.
+    """
     staged: list[tuple[str, Path]] = []
     try:
         for path, text in files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            staged.append((tmp, path))
-            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-                f.write(text)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # Checked before any rename, so that a too-long kernel name writes nothing.
+                if len(os.fsencode(path.name)) > _name_max(path.parent):
+                    raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+                # A short temporary name: one built from NAME.py can be too long where NAME.py is not.
+                fd, tmp = tempfile.mkstemp(prefix=".sparsegen-", suffix=".tmp", dir=path.parent)
+                staged.append((tmp, path))
+                with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+                    f.write(text)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
         for tmp, path in staged:
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
     finally:
         for tmp, _ in staged:
             Path(tmp).unlink(missing_ok=True)
 
 
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # not known here: let the write itself fail
+        return sys.maxsize
+
+
+def _write_error(exc: OSError) -> None:
+    print(f"{exc.filename}: error: cannot write: {exc.strerror}", file=sys.stderr)
+
+
 def cmd_build(args) -> int:
-    modules = _compile_all(args.specs, args.target)
+    out = Path(args.output)
+    if problem := _output_problem(out):
+        print(f"sparsegen build: {problem}", file=sys.stderr)
+        return 2
+    modules = _compile_all(args.specs, args.target, out)
     if modules is None:
         return 1
-    out = Path(args.output)
     files = {out / f"{m.kernel}.py": m.code for _, m in modules}
     try:
         _write_all(files)
     except OSError as exc:
-        print(f"{exc.filename or out}: error: cannot write: {exc.strerror or exc}", file=sys.stderr)
+        _write_error(exc)
         return 1
     if not args.quiet:
         for path in files:
@@ -71,11 +132,33 @@ def cmd_build(args) -> int:
     return 0
 
 
+# The first line of every generated module (templates/module.py.j2): what marks a file in
+# the output folder as ours; other .py files there (__init__.py, hand-written code) are not.
+GENERATED_HEADER = "# Generated by sparsegen from "
+
+
+def _generated_modules(out: Path) -> list[Path]:
+    """The modules in `out` that sparsegen wrote, by their first line."""
+    found = []
+    for path in sorted(out.glob("*.py")):
+        try:
+            with path.open(encoding="utf-8") as f:
+                first = f.readline(len(GENERATED_HEADER))
+        except (OSError, UnicodeDecodeError):
+            continue
+        if first == GENERATED_HEADER:
+            found.append(path)
+    return found
+
+
 def cmd_check(args) -> int:
-    modules = _compile_all(args.specs, args.target)
+    out = Path(args.output)
+    if problem := _output_problem(out):
+        print(f"sparsegen check: {problem}", file=sys.stderr)
+        return 2
+    modules = _compile_all(args.specs, args.target, out)
     if modules is None:
         return 1
-    out = Path(args.output)
     stale = 0
     for spec, m in modules:
         path = out / f"{m.kernel}.py"
@@ -88,8 +171,15 @@ def cmd_check(args) -> int:
         if current != m.code:
             print(f"stale: {path} (from {spec})")
             stale += 1
+    kernels = {m.kernel for _, m in modules}
+    orphans = [path for path in _generated_modules(out) if path.stem not in kernels]
+    for path in orphans:
+        print(f"orphan: {path} (no spec defines kernel '{path.stem}')")
     if stale:
         print(f"{stale} module{'s' if stale != 1 else ''} out of date; run: sparsegen build {' '.join(args.specs)} -o {args.output}")
+    if orphans:
+        print(f"{len(orphans)} orphan module{'s' if len(orphans) != 1 else ''}: delete {'them' if len(orphans) != 1 else 'it'}, or give the specs that define their kernels")
+    if stale or orphans:
         return 1
     print(f"{len(modules)} module{'s' if len(modules) != 1 else ''} up to date in {out}")
     return 0
@@ -116,7 +206,8 @@ def cmd_plan(args) -> int:
             print("\n".join(describe(p)))
         return 0
     # A pattern: walk the generated kernel's grid (this needs jax, for the generated code).
-    if not _have_jax("plan --pattern"):
+    # Usage problems first, before loading jax or simulating anything.
+    if not _pattern_ok("plan", args.pattern) or (args.png and not _png_ok(args.png)) or not _have_jax("plan --pattern"):
         return 2
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the index maps run on the host
     from .tpu import simulate
@@ -142,7 +233,11 @@ def cmd_plan(args) -> int:
     if args.png:
         from .tpu.picture import draw
 
-        draw(reports[0], args.png)
+        try:
+            draw(reports[0], args.png)
+        except OSError as exc:
+            print(f"{args.png}: error: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     if args.json:
         import json
 
@@ -231,6 +326,32 @@ def _print_verify_table(report, verbose: bool) -> None:
             print(f"  raw compiler message ({r.target}):\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
 
 
+def _pattern_ok(command: str, pattern: str) -> bool:
+    from .patterns import PatternError, parse_pattern
+
+    try:
+        parse_pattern(pattern)
+    except PatternError as exc:
+        print(f"sparsegen {command}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def _png_ok(path: str) -> bool:
+    """--png can be drawn (matplotlib is there) and written: known before simulating."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("sparsegen plan: --png draws with matplotlib, which is not installed: pip install 'sparsegen[viz]'", file=sys.stderr)
+        return False
+    folder = Path(path).parent
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        why = "is a directory" if os.path.isdir(path) else f"{folder} is not a directory" if os.path.lexists(folder) else f"{folder} does not exist"
+        print(f"sparsegen plan: --png {path}: {why}", file=sys.stderr)
+        return False
+    return True
+
+
 def _have_jax(command: str) -> bool:
     import importlib.util
 
@@ -249,6 +370,11 @@ def cmd_variants(args) -> int:
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     if not targets or any(t not in TARGETS for t in targets):
         print(f"sparsegen variants: --target takes chips from {', '.join(sorted(TARGETS))}", file=sys.stderr)
+        return 2
+    if args.output and (problem := _output_problem(Path(args.output))):
+        print(f"sparsegen variants: {problem}", file=sys.stderr)
+        return 2
+    if not _pattern_ok("variants", args.pattern):
         return 2
     if args.no_compile and not vs.tpu_present_cheap():
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -310,11 +436,10 @@ def cmd_variants(args) -> int:
     ranked = vs.rank(candidates)
     _print_variants(ranked, targets, args.pattern, sizes, timed)
     if args.output and ranked:
-        out = Path(args.output)
         try:
-            _write_all({out / f"{v.name}.py": v.code for v in ranked})
+            _write_all({Path(args.output) / f"{v.name}.py": v.code for v in ranked})
         except OSError as exc:
-            print(f"{exc.filename or out}: error: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            _write_error(exc)
             return 1
     if args.json_file:
         import json

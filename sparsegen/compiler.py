@@ -61,11 +61,12 @@ def plans(path: str | Path, target: str = DEFAULT_TARGET) -> list[TpuModule]:
     return lower_source(SourceFile.read(path), target)
 
 
-def compile_source(source: SourceFile, target: str = DEFAULT_TARGET, origin: str | None = None) -> list[Module]:
-    """Every kernel of a spec as generated module source; `origin` names the spec in headers."""
-    return [Module(m.name, emit(m, origin or source.name), m) for m in lower_source(source, target)]
+def compile_source(source: SourceFile, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:
+    """Every kernel of a spec as generated module source; `origin` is how the generated header
+    names the spec (default: the source's name)."""
+    return [Module(m.name, emit(m, source.name if origin is None else origin), m) for m in lower_source(source, target)]
 
 
-def compile_file(path: str | Path, target: str = DEFAULT_TARGET, origin: str | None = None) -> list[Module]:
+def compile_file(path: str | Path, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:
     """Every kernel of a spec file as generated module source (SpecError on any problem)."""
-    return compile_source(SourceFile.read(path), target, origin)
+    return compile_source(SourceFile.read(path), target, origin=origin)

@@ -5,6 +5,8 @@ the metric catches waste when there is some; `plan --pattern` and `--png` work."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -130,6 +132,32 @@ def test_plan_png(tmp_path):
     out = tmp_path / "plan.png"
     assert main(["plan", str(SPECS / "masked_matmul.spk"), "--shape", "M=2048,N=2048,K=2048", "--pattern", "tril", "--png", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_plan_png_without_matplotlib_says_which_extra_before_simulating(tmp_path):
+    out = tmp_path / "plan.png"
+    code = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # as if it were not installed\n"
+        "from sparsegen.cli import main\n"
+        f"rc = main(['plan', {str(SPECS / 'masked_matmul.spk')!r}, '--pattern', 'tril', '--png', {str(out)!r}])\n"
+        "assert 'jax' not in sys.modules, 'it simulated first'\n"
+        "sys.exit(rc)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "sparsegen plan: --png draws with matplotlib, which is not installed: pip install 'sparsegen[viz]'\n"
+    assert not out.exists()
+
+
+def test_plan_png_into_a_missing_folder_is_a_usage_error(tmp_path, capsys):
+    argv = ["plan", str(SPECS / "masked_matmul.spk"), "--shape", "M=2048,N=2048,K=2048", "--pattern", "tril", "--png"]
+    assert main([*argv, str(tmp_path / "no" / "plan.png")]) == 2
+    assert capsys.readouterr().err == f"sparsegen plan: --png {tmp_path / 'no' / 'plan.png'}: {tmp_path / 'no'} does not exist\n"
+    assert main([*argv, str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"sparsegen plan: --png {tmp_path}: is a directory\n"
+    assert main([*argv, str(tmp_path / "plan.txt")]) == 0  # a PNG, whatever its name
+    assert (tmp_path / "plan.txt").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cost_estimate_in_every_pallas_call():

@@ -74,5 +74,5 @@ def draw(report: Report, path: str) -> None:
     ax.set_title("copies HBM->VMEM per operand (red: wasted) and compute steps")
     ax.set_xlim(-0.5, max(sim.steps, 1) - 0.5)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format="png")  # whatever the file is called
     plt.close(fig)

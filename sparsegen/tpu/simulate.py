@@ -18,7 +18,6 @@ import dataclasses
 import math
 import types
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -26,6 +25,7 @@ from ..callconv import operand_indices
 from ..expr import Bin, Call, Const, Expr, Load, Max, Min, Var, Where, evaluate
 from ..ir import Kernel
 from .lower import TpuModule, TpuPass, block_bytes, lower
+from ..patterns import pattern_args
 from .targets import TARGETS, Target
 
 # Fixed cost of one grid step of a Pallas TPU pipeline (JAX docs, "Pipelining": about 0.35 us).
@@ -134,93 +134,6 @@ def dense_kernel(kernel: Kernel) -> Kernel:
     """The same statement and tiles with no sparse operand: the baseline a sparse kernel beats."""
     operands = tuple(dataclasses.replace(op, sparsity="dense") if op.sparsity in ("coo", "mask") else op for op in kernel.operands)
     return dataclasses.replace(kernel, operands=operands, name=f"{kernel.name}_dense")
-
-
-# ------------------------------------------------------------------ patterns
-
-
-def pattern_args(plan: TpuModule, env: dict[str, int], pattern: str, seed: int = 0):
-    """Arguments of the `_prefetch` functions for a sparsity pattern (arrays the tables do not read
-    are None), in the order of the calling convention's params.
-
-    Patterns: `tril` (causal), `density=F` (a random fraction of the blocks), `band=W`
-    (elements within W of the diagonal), or a `.npy` file holding the dense mask or the
-    block-level pattern.
-    """
-    k = plan.kernel
-    tile = {i.name: i.tile for i in k.indices}
-    args = {}
-    for sparse in (o for o in k.operands if o.sparsity in ("coo", "mask")):
-        shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims)
-        tiles = tuple(tile[i] for i in operand_indices(k, sparse))
-        if sparse.sparsity == "mask":
-            mask = _pattern_elements(pattern, shape, tiles, seed)
-            args[sparse.name] = mask.astype(sparse.dtype.np_dtype)
-        else:
-            coords = np.nonzero(_pattern_blocks(pattern, shape, tiles, seed))
-            args[sparse.name] = tuple(c.astype(np.int32) for c in coords)
-    out = []
-    for p in plan.conv.params:
-        if p.kind == "mask":
-            out.append(args[p.operand])
-        elif p.kind in ("coords", "out_coords"):
-            out.append(args[p.operand][p.dim])
-        elif p.kind == "blocks":
-            out.append(np.zeros((len(args[p.operand][0]), 1), np.float32))  # only its length is read
-        elif p.kind != "index":
-            out.append(None)  # data the tables never read
-    return out, args
-
-
-def _pattern_blocks(pattern: str, shape, tiles, seed: int) -> np.ndarray:
-    """Which blocks a pattern touches, computed per block (no element-level array)."""
-    grid = tuple(-(-s // t) for s, t in zip(shape, tiles))
-    if pattern.startswith("density="):
-        return np.random.default_rng(seed).random(grid) < float(pattern.split("=", 1)[1])
-    if pattern.endswith(".npy"):
-        data = np.load(Path(pattern))
-        if data.shape == grid:
-            return data != 0
-        elements = _pattern_elements(pattern, shape, tiles, seed)
-        return elements.reshape([v for g, t in zip(grid, tiles) for v in (g, t)]).any(axis=tuple(range(1, 2 * len(grid), 2)))
-    if len(shape) != 2:
-        raise ValueError(f"pattern {pattern!r} needs a 2-D operand")
-    rows = np.arange(grid[0])[:, None] * tiles[0]  # first element row of each block row
-    cols = np.arange(grid[1])[None, :] * tiles[1]
-    if pattern == "tril":  # some element with i >= j: the block's last row reaches its first column
-        return rows + tiles[0] - 1 >= cols
-    if pattern.startswith("band="):
-        width = int(pattern.split("=", 1)[1])
-        gap = np.maximum(rows - (cols + tiles[1] - 1), cols - (rows + tiles[0] - 1))  # closest |i - j| in the block
-        return np.maximum(gap, 0) < width
-    raise ValueError(f"unknown pattern {pattern!r}: use tril, density=F, band=W or FILE.npy")
-
-
-def _pattern_elements(pattern: str, shape, tiles, seed: int) -> np.ndarray:
-    rank = len(shape)
-    if pattern.endswith(".npy"):
-        data = np.load(Path(pattern))
-        if data.shape == tuple(shape):
-            return data != 0
-        grid = tuple(s // t for s, t in zip(shape, tiles))
-        if data.shape == grid:
-            return np.kron(data != 0, np.ones(tiles, bool))
-        raise ValueError(f"{pattern} has shape {data.shape}; expected the operand's {tuple(shape)} or its block grid {grid}")
-    if rank != 2 and not pattern.startswith("density="):
-        raise ValueError(f"pattern {pattern!r} needs a 2-D operand")
-    if pattern == "tril":
-        return np.tril(np.ones(shape, bool))
-    if pattern.startswith("band="):
-        width = int(pattern.split("=", 1)[1])
-        i = np.arange(shape[0])[:, None]
-        j = np.arange(shape[1])[None, :]
-        return np.abs(i - j) < width
-    if pattern.startswith("density="):
-        fraction = float(pattern.split("=", 1)[1])
-        grid = tuple(s // t for s, t in zip(shape, tiles))
-        blocks = np.random.default_rng(seed).random(grid) < fraction
-        return np.kron(blocks, np.ones(tiles, bool))
-    raise ValueError(f"unknown pattern {pattern!r}: use tril, density=F, band=W or FILE.npy")
 
 
 # ----------------------------------------------------------------- simulate

@@ -1,0 +1,190 @@
+"""Sparsity patterns for `plan --pattern` and `variants`: parsed and checked up front, then
+laid over a kernel's sparse operand. Backend-neutral: numpy only.
+
+A pattern is `tril` (causal), `density=F` (a random fraction F of the blocks, 0 <= F <= 1),
+`band=W` (elements within W of the diagonal, W >= 1), or a `.npy` file (numpy.save) holding
+a bool or numeric array: the operand's dense mask or its block-level pattern (nonzero: set).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .tpu.lower import TpuModule
+
+USAGE = "use tril, density=F, band=W or FILE.npy"
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = b"PK\x03\x04"  # numpy.savez writes zip archives
+
+
+class PatternError(ValueError):
+    """A pattern that cannot be used; the message names the file or value."""
+
+
+@dataclass(frozen=True, eq=False)
+class Pattern:
+    text: str  # as given
+    kind: str  # tril, density, band or file
+    value: float = 0.0  # density's fraction, band's width
+    data: np.ndarray | None = None  # a file's array
+
+
+def parse_pattern(pattern: str) -> Pattern:
+    """The pattern, checked as far as it can be without an operand (PatternError if bad).
+
+    A file is read here, so the CLI reports a bad one before any long work.
+    """
+    if pattern.endswith(".npy"):
+        return Pattern(pattern, "file", data=_load(pattern))
+    if pattern == "tril":
+        return Pattern(pattern, "tril")
+    if pattern.startswith("density="):
+        raw = pattern.split("=", 1)[1]
+        try:
+            fraction = float(raw)
+        except ValueError:
+            fraction = math.nan
+        if not 0 <= fraction <= 1:  # also rejects nan
+            raise PatternError(f"{pattern}: the fraction of blocks must be a number from 0 to 1")
+        return Pattern(pattern, "density", fraction)
+    if pattern.startswith("band="):
+        raw = pattern.split("=", 1)[1]
+        width = int(raw) if raw.strip().isdigit() else 0
+        if width < 1:
+            raise PatternError(f"{pattern}: the band's width must be a whole number of elements, at least 1")
+        return Pattern(pattern, "band", width)
+    if os.path.isfile(pattern):
+        raise PatternError(f"pattern file {pattern} is not a .npy file: save the pattern with numpy.save")
+    raise PatternError(f"unknown pattern {pattern!r}: {USAGE}")
+
+
+def _load(path: str) -> np.ndarray:
+    """A .npy file's array; PatternError saying what is wrong with the file otherwise."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(_NPY_MAGIC))
+            if magic.startswith(_ZIP_MAGIC):
+                raise PatternError(
+                    f"pattern file {path} is an .npz archive (numpy.savez), not a .npy array: save one array with numpy.save"
+                )
+            if magic != _NPY_MAGIC:
+                raise PatternError(f"pattern file {path} is not a .npy array (numpy.save format)")
+            # The header first: object arrays (pickles) are never loaded, strings are refused by name.
+            f.seek(0)
+            version = np.lib.format.read_magic(f)
+            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            _, _, dtype = header(f)
+            if dtype.kind not in "biuf":
+                what = (
+                    "Python objects (dtype object)"
+                    if dtype.hasobject
+                    else f"strings (dtype {dtype})" if dtype.kind in "SU" else f"{dtype} values"
+                )
+                raise PatternError(f"pattern file {path} holds {what}; expected bool or numbers")
+            f.seek(0)
+            return np.load(f, allow_pickle=False)
+    except PatternError:
+        raise
+    except FileNotFoundError:
+        raise PatternError(f"pattern file {path} does not exist") from None
+    except IsADirectoryError:
+        raise PatternError(f"pattern file {path} is a directory") from None
+    except OSError as exc:
+        raise PatternError(f"pattern file {path}: cannot read: {exc.strerror or exc}") from None
+    except (ValueError, EOFError) as exc:  # a damaged header or truncated data
+        raise PatternError(f"pattern file {path} is not a readable .npy array: {exc}") from None
+
+
+def pattern_args(plan: TpuModule, env: dict[str, int], pattern: str | Pattern, seed: int = 0):
+    """Arguments of `_prefetch` for a sparsity pattern (arrays the tables do not read are None).
+
+    Also the pattern per sparse operand: {name: mask array or coordinate arrays}.
+    """
+    from .callconv import operand_indices
+
+    pattern = pattern if isinstance(pattern, Pattern) else parse_pattern(pattern)
+    k = plan.kernel
+    tile = {i.name: i.tile for i in k.indices}
+    args = {}
+    for sparse in (o for o in k.operands if o.sparsity in ("coo", "mask")):
+        shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims)
+        tiles = tuple(tile[i] for i in operand_indices(k, sparse))
+        if sparse.sparsity == "mask":
+            mask = _pattern_elements(pattern, shape, tiles, seed)
+            args[sparse.name] = mask.astype(sparse.dtype.np_dtype)
+        else:
+            coords = np.nonzero(_pattern_blocks(pattern, shape, tiles, seed))
+            args[sparse.name] = tuple(c.astype(np.int32) for c in coords)
+    out = []
+    for p in plan.conv.params:
+        if p.kind == "mask":
+            out.append(args[p.operand])
+        elif p.kind in ("coords", "out_coords"):
+            out.append(args[p.operand][p.dim])
+        elif p.kind == "blocks":
+            out.append(np.zeros((len(args[p.operand][0]), 1), np.float32))  # only its length is read
+        elif p.kind != "index":
+            out.append(None)  # data the tables never read
+    return out, args
+
+
+def _grid(shape, tiles) -> tuple[int, ...]:
+    """Blocks along each dimension; a partial last block counts."""
+    return tuple(-(-s // t) for s, t in zip(shape, tiles))
+
+
+def _pattern_blocks(pattern: Pattern, shape, tiles, seed: int) -> np.ndarray:
+    """Which blocks a pattern touches, computed per block (no element-level array)."""
+    grid = _grid(shape, tiles)
+    if pattern.kind == "density":
+        return np.random.default_rng(seed).random(grid) < pattern.value
+    if pattern.kind == "file":
+        if pattern.data.shape == grid:
+            return pattern.data != 0
+        elements = _pattern_elements(pattern, shape, tiles, seed)
+        elements = np.pad(elements, [(0, -s % t) for s, t in zip(shape, tiles)])
+        return elements.reshape([v for g, t in zip(grid, tiles) for v in (g, t)]).any(
+            axis=tuple(range(1, 2 * len(grid), 2))
+        )
+    if len(shape) != 2:
+        raise PatternError(f"pattern {pattern.text!r} needs a 2-D operand")
+    rows = np.arange(grid[0])[:, None] * tiles[0]  # first element row of each block row
+    cols = np.arange(grid[1])[None, :] * tiles[1]
+    if pattern.kind == "tril":  # some element with i >= j: the block's last row reaches its first column
+        return rows + tiles[0] - 1 >= cols
+    # band: the closest |i - j| in the block is under the width
+    gap = np.maximum(rows - (cols + tiles[1] - 1), cols - (rows + tiles[0] - 1))
+    return np.maximum(gap, 0) < pattern.value
+
+
+def _pattern_elements(pattern: Pattern, shape, tiles, seed: int) -> np.ndarray:
+    if pattern.kind == "file":
+        data = pattern.data
+        if data.shape == tuple(shape):
+            return data != 0
+        grid = _grid(shape, tiles)
+        if data.shape == grid:
+            return _crop(np.kron(data != 0, np.ones(tiles, bool)), shape)
+        raise PatternError(
+            f"pattern file {pattern.text} has shape {data.shape}; expected the operand's {tuple(shape)} or its block grid {grid}"
+        )
+    if len(shape) != 2 and pattern.kind != "density":
+        raise PatternError(f"pattern {pattern.text!r} needs a 2-D operand")
+    if pattern.kind == "tril":
+        return np.tril(np.ones(shape, bool))
+    if pattern.kind == "band":
+        i = np.arange(shape[0])[:, None]
+        j = np.arange(shape[1])[None, :]
+        return np.abs(i - j) < pattern.value
+    blocks = np.random.default_rng(seed).random(_grid(shape, tiles)) < pattern.value
+    return _crop(np.kron(blocks, np.ones(tiles, bool)), shape)
+
+
+def _crop(a: np.ndarray, shape) -> np.ndarray:
+    return a[tuple(slice(0, s) for s in shape)]
