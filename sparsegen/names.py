@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import builtins
 import keyword
+import re
+
+from .resources import read_resource
 
 IMPORTS = frozenset({"functools", "jax", "jnp", "np", "lax", "pl", "pltpu"})
-HELPERS = frozenset(
-    {
-        "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL",
-        "_fail", "_is_traced", "_as_array", "_as_coords", "_bind", "_need", "_check_dim",
-        "_check_multiple", "_check_coords", "_check_offsets", "_next_live", "_coo_steps",
-        "_block_kinds", "_densify", "_gather_blocks", "_kernel", "_impl", "_reference", "_prepare",
-        "_sizes", "_check_smem", "_SMEM_BYTES", "_SKIP", "_check_padding", "_prefetch",
-    }
-)  # fmt: skip
+# Every helper the templates define (read from them, so a new helper is reserved the day it
+# is written), the module's constants, and its fixed functions.
+HELPERS = frozenset(re.findall(r"^def (_\w+)\(", read_resource("templates", "helpers.py.j2"), re.M)) | {
+    "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES",
+    "_kernel", "_impl", "_reference", "_prepare", "_prefetch", "_init", "_compute", "_flush",
+}  # fmt: skip
 MODULE_NAMES = IMPORTS | HELPERS | {"reference"}
 # Fixed parameter and local names of the generated functions.
 FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec"})
