@@ -98,7 +98,7 @@ class Wrapper:
         if conv.sizes:
             targets = ", ".join(s.internal for s in conv.sizes)
             values = ", ".join(f'{size}["{s.symbol}"][0]' for s in conv.sizes)
-            lines.append(f"{targets}{',' if len(conv.sizes) == 1 else ''} = {values}")
+            lines.append(f"{targets} = {values}")
         # A tile that breaks the layout rule on a symbolic dimension must span it.
         for operand, d, tile in self.spans:
             dim = k.operand(operand).dims[d]

@@ -75,7 +75,7 @@ def oracle(kernel, args, keywords):
             views.append(v)
         letters = {i: chr(ord("a") + n) for n, i in enumerate(st.indices)}
         spec = ",".join("".join(letters[i] for i in r.indices) for r in st.factors) + "->" + "".join(letters[i] for i in st.out_indices)
-        result = np.einsum(spec, *views)
+        result = np.einsum(spec, *views, optimize=True)
         if st.scale is not None:
             result = result * st.scale
         if any(s.offset for s in st.target.subs):

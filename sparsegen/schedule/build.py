@@ -154,10 +154,9 @@ class PassBuilder:
         return out.live
 
     def acc_layout(self, out: Block, summed) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """The accumulator holds the output indices the sum produces (the rest come from end factors)."""
-        produced = set().union(*(p.indices for p in summed)) if summed else set(out.live)
-        live = tuple(i for i in out.live if i in produced)
-        return live, tuple(self.tile[i] for i in live)
+        """The accumulator has the output block's indices (a sum that lacks some is broadcast)."""
+        del summed
+        return out.live, tuple(self.tile[i] for i in out.live)
 
     def tails(self, coord_at_compute) -> tuple[Tail, ...]:
         return tuple(Tail(i, coord_at_compute(i), self.conv.size_var(self.k.index(i).size.symbol), self.tile[i]) for i in self.st.summed if self.ragged(i))

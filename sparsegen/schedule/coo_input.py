@@ -52,7 +52,9 @@ class CooInputWalk(PassBuilder):
         row_coords = flat([Var(coords[i]) for i in carried], [self.blocks_along(i) for i in carried]) if carried else Const(0)
         self.host.append("# Sort the stored blocks by the output block they feed; a flush step closes each output block.")
         targets = ", ".join([kind, block, row] if row else [kind, block, "_"])
-        self.host.append(f"{targets} = _coo_steps({render(row_coords, 'host')}, {render(rows, 'host')}, {self.conv.pad(coo.name)})")
+        pad = self.conv.pad(coo.name)
+        rows_text = render(row_coords, "host") if carried else f"jnp.zeros({pad}.shape, jnp.int32)"  # one output row
+        self.host.append(f"{targets} = _coo_steps({rows_text}, {render(rows, 'host')}, {pad})")
         for i, var in held.items():
             self.host.append(f"{var} = jnp.maximum({coords[i]}[{block}], 0)  # 0 if every entry is padding")
         statics = {}

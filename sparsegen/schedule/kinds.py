@@ -170,9 +170,15 @@ class KindsMixin(PassBuilder):
 
             return self.factor_block(n, self.coords(read, coord), about, lets)
 
+        # Where kinds vary along the sum, every output block is flushed whatever its kind, so the
+        # factors applied after the sum are read at their own blocks (once per output block).
+        along_sum = any(a.role == "reduce" for a in kind_axes)
+        ends = {g.main for g in self.st.end_groups}
         blocks = {}
         for n, read in enumerate(self.st.factors):
-            if read.operand == mask:
+            if along_sum and n in ends and n not in custom:
+                b = self.factor_block(n, self.coords(read, lambda i: self.natural_coord(i)), "Read when the output block is flushed.")
+            elif read.operand == mask:
                 b = follow(n, partial_var, "Only partial mask blocks are read: every other step holds the next partial one.")
             else:
                 b = follow(n, next_var, "Skipped steps hold the block of the next step that computes, so they start no copy.")
@@ -182,7 +188,7 @@ class KindsMixin(PassBuilder):
         kernel_kind_cell = kind_cell
         body = self.reduction_body(blocks, compute_when=Var(here).ne(Var("_EMPTY")))
         summed, end = self.products(blocks)
-        if any(a.role == "reduce" for a in kind_axes):
+        if along_sum:
             # Kinds vary along the sum: the accumulator holds what the computing steps added
             # (zeros if none did), so the flush always writes it.
             cases = [FlushCase(None, end, "flush", "Write the block.")]
@@ -200,6 +206,11 @@ class KindsMixin(PassBuilder):
                     body.summed_indices, body.acc_live, body.acc_shape, body.out_live, body.tails, body.out_tails, notes,
                     lets=((here, Load(kind, kernel_kind_cell)),))
         return blocks, body
+
+    def natural_coord(self, index: str) -> Expr:
+        """An index's block at the current cell."""
+        axis, through = self.source_of(index)
+        return Load(through, Var(axis.var)) if through is not None else self.index_coord(index, Var(axis.var))
 
     def index_coord(self, index: str, axis_value: Expr) -> Expr:
         """An index's block coordinate from its axis's coordinate (windows shift it)."""

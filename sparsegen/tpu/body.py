@@ -84,7 +84,18 @@ class BodyWriter:
 
     # ------------------------------------------------------------ the sum
     def contraction(self, vals: list[Val]) -> str:
-        acc, target = self.acc, self.body.acc_live
+        """The sum of one step, with the accumulator's axes (broadcast where the sum lacks one)."""
+        acc = self.acc
+        summed = set(self.body.summed_indices)
+        have = {a for v in vals for a in v.axes if a not in summed}
+        target = tuple(a for a in self.body.acc_live if a in have)
+        value = self._contraction(vals, target)
+        if target == self.body.acc_live:
+            return value
+        return align(Val(value, target, acc), self.body.acc_live)  # a call or a cast: no parentheses needed
+
+    def _contraction(self, vals: list[Val], target: tuple[str, ...]) -> str:
+        acc = self.acc
         summed = set(self.body.summed_indices)
         pref = f"preferred_element_type={acc.jnp}"
         if any(v.dtype.name == "f32" for v in vals):
@@ -191,11 +202,17 @@ class BodyWriter:
         for q in products:
             v = self.product(q)
             parts.append(cast(align(v, body.out_live) if v.simple else f"({align(v, body.out_live)})", v.dtype, self.acc))
+        if not parts:  # every factor is all ones here (a full mask block)
+            parts = [f"jnp.ones({_tuple(map(str, body.acc_shape))}, {self.acc.jnp})"]
         if self.p.scale is not None:
             parts.append(self.p.scale.text)
-        if not parts:
-            parts = [f"jnp.ones({ref}.shape, {self.acc.jnp})"]
         value = " * ".join(parts)
+        covered = set(body.out_live if body.accumulator else ())
+        for q in products:
+            covered |= q.indices
+        if not covered >= set(body.out_live):
+            # Factors that lack some of the output's indices: the block repeats along them.
+            value = f"jnp.broadcast_to({value}, {_tuple(map(str, self.body.acc_shape))})"
         lines = []
         if body.out_tails and any(t.index in body.out_live for t in body.out_tails):
             name = self.tp_local("value")

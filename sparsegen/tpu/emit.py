@@ -175,7 +175,7 @@ class _Emitter:
             dims = [lead] + [str(d.extent) for d in s.block.dims[1:]]
         else:
             dims = [render(self.m.conv.size(d), "host") for d in op.dims]
-        return _tuple(view_shape(tuple(dims), s.view.inserted))
+        return _tuple(map(str, view_shape(tuple(dims), s.view.inserted)))
 
     def pass_of(self, spec):
         return next(tp for tp in self.m.passes if spec in tp.specs)

@@ -1,0 +1,74 @@
+"""Property test over random einsums (language v1 section 1): index sets, batch indices,
+transposed reads, three factors, literal factors, one sparse operand of each kind, ragged
+sizes. Every kernel equals `reference`, and `reference` equals an independent numpy
+oracle. Each sparse kind is drawn on its own, so none goes untested.
+
+The CPU interpreter runs more examples; the TPU simulator, slower, fewer. Set
+SPARSEGEN_SWEEP=1 for a long sweep (the `slow` tests run bounded by default, as in CI).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import assert_matches, build
+from einsum_specs import SPARSE, einsum_specs
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
+from oracle import oracle
+
+from sparsegen.source import SpecError
+from sparsegen.testing import PATTERNS, example_args, resolve_sizes
+from sparsegen.tpu.lower import lower
+from sparsegen.tpu.targets import TARGETS
+
+SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
+COMMON = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+
+
+def check_example(text, sizes, pattern, seed, interpret):
+    try:
+        kernel, mod = build(text)
+    except SpecError as exc:
+        # Only what the target cannot hold is refused (VMEM, a rare layout); never the language.
+        assume("VMEM" not in str(exc) and "at most two factors" not in str(exc))
+        raise
+    # A tile the layout rule refuses on a symbolic dimension must span it (checked on the call).
+    sizes, spanned = dict(sizes), {}
+    for operand, d, tile in lower(kernel, TARGETS["v5e"]).spans:
+        symbol = kernel.operand(operand).dims[d].symbol
+        assume(spanned.setdefault(symbol, tile) == tile)  # two tiles cannot both span one size
+        sizes[symbol] = tile
+    args, keywords = example_args(kernel, sizes, pattern, np.random.default_rng(seed))
+    env = resolve_sizes(kernel, sizes)
+    ref = mod.reference(*args, **keywords)
+    assert_matches(kernel, ref, oracle(kernel, args, keywords), env)
+    out = getattr(mod, kernel.name)(*args, **keywords, interpret=interpret)
+    assert_matches(kernel, out, ref, env)
+
+
+@pytest.mark.parametrize("sparse", SPARSE)
+def test_einsums_in_cpu_interpreter(sparse):
+    @settings(max_examples=60 if SWEEP else 8, **COMMON)
+    @given(einsum_specs(sparse), st.sampled_from(PATTERNS), st.integers(0, 2**16))
+    def run(spec, pattern, seed):
+        check_example(*spec, pattern, seed, True)
+
+    run()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sparse", SPARSE)
+def test_einsums_in_tpu_simulator(sparse):
+    @settings(max_examples=30 if SWEEP else 3, **COMMON)
+    @given(einsum_specs(sparse), st.sampled_from([p for p in PATTERNS if p != "all_empty"]), st.integers(0, 2**16))
+    def run(spec, pattern, seed):
+        try:
+            check_example(*spec, pattern, seed, pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan"))
+        finally:
+            pltpu.reset_tpu_interpret_mode_state()
+
+    run()
