@@ -92,7 +92,8 @@ class BodyWriter:
         value = self._contraction(vals, target)
         if target == self.body.acc_live:
             return value
-        return align(Val(value, target, acc), self.body.acc_live)  # a call or a cast: no parentheses needed
+        simple = not any(op in value.replace("[...]", "") for op in (" * ", " + "))  # else a product of parts
+        return align(Val(value, target, acc, simple), self.body.acc_live)
 
     def _contraction(self, vals: list[Val], target: tuple[str, ...]) -> str:
         acc = self.acc
@@ -120,6 +121,18 @@ class BodyWriter:
         alone = [i for i in (*a.axes, *b.axes) if i in summed and i not in shared]
         fa = [i for i in a.axes if i not in b.axes and i not in summed]
         fb = [i for i in b.axes if i not in a.axes and i not in summed]
+        if not contracted:
+            # Nothing to contract within the block (the summed indices have tiles of 1): an
+            # elementwise product, after summing what only one factor holds.
+            parts = []
+            for v in (a, b):
+                own = [n for n, i in enumerate(v.axes) if i in summed]
+                code = cast(v.code if v.simple else f"({v.code})", v.dtype, acc)
+                if own:
+                    code = f"jnp.sum({code}, axis={_tuple(map(str, own)) if len(own) > 1 else own[0]})"
+                rest = tuple(i for i in v.axes if i not in summed)
+                parts.append(align(Val(code, rest, acc), target))
+            return " * ".join(parts)
         if len(a.axes) == 2 and len(b.axes) == 2 and len(contracted) == 1 and not batch and not alone:
             lhs, rhs = (a, b) if tuple(fa + fb) == target else (b, a) if tuple(fb + fa) == target else (None, None)
             if lhs is not None:

@@ -68,7 +68,12 @@ def view(block: tuple[int | None, ...], dims: tuple[int | None, ...], dtype: DTy
     if problem:
         return problem
     if rank == 1:
-        return View((), block, tuple(spans))
+        # Mosaic takes a 1-D block that spans its array, or a power of two of at least 128
+        # 32-bit words, or a multiple of 1024; any other lane multiple is read as a row (1, t).
+        size, native = last, LANES * 32 // dtype.bits
+        if size == dims[0] or size % 1024 == 0 or (size & (size - 1) == 0 and size >= native):
+            return View((), block, tuple(spans))
+        return View((0,), (1, last), tuple(spans))
     if second is None:
         return View((rank - 1,), block[:-1] + (1, last), tuple(spans))
     problem = fits(rank - 2, dtype.sublanes, f"sublanes for {dtype.bits}-bit data")

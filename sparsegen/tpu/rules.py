@@ -85,6 +85,19 @@ def check_module(m: TpuModule) -> list[Diagnostic]:
                 )
             )
             break
+    if target.name == "v4":
+        # Measured: Mosaic on v4 cannot sum a block over its last dimension (lanes) outside a
+        # matrix product: the result needs a "sublane gather" that generation lacks.
+        for tp in m.passes:
+            body = tp.p.body
+            for q in body.summed:
+                others = [o for o in body.summed if o is not q]
+                last = q.live[-1] if q.live else None
+                if last in body.summed_indices and not any(last in o.live for o in others):
+                    errors.append(Diagnostic(tp.p.statement.span, f"v4 cannot sum over '{last}' here: it is the last dimension of "
+                                             f"'{q.factors[0].operand}' blocks and no matrix product contracts it "
+                                             "(Mosaic has no sublane gather on v4); build for v5e or v6e"))
+                    break
     if not target.int8_matmul:
         reported = set()
         for tp in m.passes:
