@@ -230,13 +230,20 @@ def _vmem(kernel: Kernel, p: Pass, specs: list[Spec]) -> tuple[VmemItem, ...]:
     acc_shape = body.acc_shape or (1, 1)
     if body.accumulator:
         items.append(VmemItem("accumulator", acc_shape, p.accumulate, 1))
-    # Values the body computes on a whole block (the product of the sum, the product with
-    # each end factor, each covered factor multiplied in) may spill to VMEM: one block each.
+    # Values the body computes on a whole block may spill from vector registers to VMEM: the
+    # product of the sum and the product with each end factor (output-sized), and for each
+    # factor of the sum that covered factors are multiplied into, or whose ragged tail is
+    # zeroed, its widened copies (factor-sized).
     out_shape = tuple(d.extent for d in p.out.dims if d.live) or (1, 1)
     temporaries = (1 if body.summed or body.step else 0) + max(len(c.products or ()) for c in body.flush_cases)
-    temporaries += sum(len(q.factors) - 1 for q in body.summed)
     if temporaries:
         items.append(VmemItem("body temporaries", out_shape, p.accumulate, temporaries))
+    shape_of = {b.key: tuple(d.extent for d in b.dims if d.live) or (1, 1) for b in p.blocks}
+    tails = {t.index for t in body.tails}
+    for q in (*body.summed, *body.step):
+        copies = 2 * (len(q.factors) - 1) + (2 if tails & set(q.live) else 0)
+        if copies:
+            items.append(VmemItem(f"{q.factors[0].operand} block, widened", shape_of[q.factors[0].block], p.accumulate, copies))
     items.append(VmemItem("Mosaic internal scratch", (MOSAIC_SCRATCH // 4,), DTYPE_I32, 1))
     return tuple(items)
 
