@@ -231,19 +231,19 @@ def _vmem(kernel: Kernel, p: Pass, specs: list[Spec]) -> tuple[VmemItem, ...]:
     if body.accumulator:
         items.append(VmemItem("accumulator", acc_shape, p.accumulate, 1))
     # Values the body computes on a whole block may spill from vector registers to VMEM: the
-    # product of the sum and the product with each end factor (output-sized), and for each
-    # factor of the sum that covered factors are multiplied into, or whose ragged tail is
-    # zeroed, its widened copies (factor-sized).
+    # product of the sum and the product with each end factor (output-sized), and a factor of
+    # the sum that a covered factor is broadcast into (one copy in the accumulate dtype:
+    # measured, 8 MiB for f32 128x128x128 blocks; same-shaped covered factors and ragged
+    # tails are computed in place).
     out_shape = tuple(d.extent for d in p.out.dims if d.live) or (1, 1)
     temporaries = (1 if body.summed or body.step else 0) + max(len(c.products or ()) for c in body.flush_cases)
     if temporaries:
         items.append(VmemItem("body temporaries", out_shape, p.accumulate, temporaries))
-    shape_of = {b.key: tuple(d.extent for d in b.dims if d.live) or (1, 1) for b in p.blocks}
-    tails = {t.index for t in body.tails}
     for q in (*body.summed, *body.step):
-        copies = 2 * (len(q.factors) - 1) + (2 if tails & set(q.live) else 0)
-        if copies:
-            items.append(VmemItem(f"{q.factors[0].operand} block, widened", shape_of[q.factors[0].block], p.accumulate, copies))
+        main = q.factors[0]
+        if any(len(f.live) < len(main.live) for f in q.factors[1:]):
+            shape = next(tuple(d.extent for d in b.dims if d.live) for b in p.blocks if b.key == main.block)
+            items.append(VmemItem(f"{main.operand} block, widened", shape, p.accumulate, 1))
     items.append(VmemItem("Mosaic internal scratch", (MOSAIC_SCRATCH // 4,), DTYPE_I32, 1))
     return tuple(items)
 
