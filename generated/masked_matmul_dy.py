@@ -63,13 +63,13 @@ Plan (target v5e):
         accumulate the product of x and (g * keep) summed over m when block_kind != _EMPTY
           past M along m (a partial last block) the factors are zero
         write output when m == n_m - 1: accumulator
-      VMEM estimate: 7.1 MiB of 128 MiB on v5e
+      VMEM estimate: 6.1 MiB of 128 MiB on v5e
         x block: 2 x 512x512 bf16 = 1 MiB
         g block: 2 x 512x512 bf16 = 1 MiB
         keep block: 2 x 512x512 bf16 = 1 MiB
         dy block (output): 2 x 512x512 bf16 = 1 MiB
         accumulator: 1 x 512x512 f32 = 1 MiB
-        body temporaries: 2 x 512x512 f32 = 2 MiB
+        body temporaries: 1 x 512x512 f32 = 1 MiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
 """
