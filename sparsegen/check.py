@@ -13,7 +13,7 @@ import sys
 
 from . import syntax as ast
 from .dtypes import DATA_DTYPES, DTYPES
-from .ir import Einsum, Group, Index, Kernel, Number, OffsetRef, Operand, Read, Relation, Size, Sub
+from .ir import Einsum, Index, Kernel, Number, OffsetRef, Operand, Read, Relation, Size, Sub, group_factors
 from .names import HELPERS, MODULE_NAMES
 from .source import Diagnostic, Span, SpecError
 
@@ -298,29 +298,17 @@ class _KernelChecker:
     def group(self, reads, summed: set[str], accesses) -> tuple[tuple[Group, ...], tuple[Group, ...]] | None:
         """Factors with a summed index whose indices another such factor covers are multiplied
         into it before the sum; at most two groups may remain."""
-        with_sum = [n for n, r in enumerate(reads) if summed & set(r.indices)]
-        # The widest factor covers; among equals a data factor before a mask, then the first written.
-        order = sorted(with_sum, key=lambda n: (-len(reads[n].indices), self.operands[reads[n].operand].sparsity is not None, n))
-        mains: list[int] = []
-        extras: dict[int, list[int]] = {}
-        for n in order:
-            cover = next((m for m in mains if set(reads[n].indices) <= set(reads[m].indices)), None)
-            if cover is None:
-                mains.append(n)
-                extras[n] = []
-            else:
-                extras[cover].append(n)
-        if len(mains) > 2:
-            names = ", ".join(f"'{reads[m].operand}'" for m in sorted(mains))
-            third = sorted(mains)[2]
+        masks = {r.operand for r in reads if self.operands[r.operand].sparsity is not None and self.operands[r.operand].sparsity.text == "mask"}
+        summed_groups, end_groups = group_factors(reads, summed, masks)
+        if len(summed_groups) > 2:
+            mains = [g.main for g in summed_groups]
+            names = ", ".join(f"'{reads[m].operand}'" for m in mains)
             self.error(
-                accesses[third].span,
+                accesses[mains[2]].span,
                 f"a sum multiplies at most two factors after covered ones are multiplied in; here {len(mains)} hold a summed index ({names})",
                 "a factor whose indices another factor has is multiplied into it first; a longer chain needs a local tensor (not supported yet)",
             )
             return None
-        summed_groups = tuple(Group(m, tuple(sorted(extras[m]))) for m in sorted(mains))
-        end_groups = tuple(Group(n, ()) for n in range(len(reads)) if n not in with_sum)
         return summed_groups, end_groups
 
     def check_sparse_roles(self, e: Einsum, accesses) -> None:

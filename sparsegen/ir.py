@@ -105,6 +105,26 @@ class Group:
         return (self.main, *self.extras)
 
 
+def group_factors(reads, summed: set[str], masks: set[str] = frozenset()) -> tuple[tuple[Group, ...], tuple[Group, ...]]:
+    """(summed groups, end groups): a factor with a summed index whose indices another such
+    factor has is multiplied into it before the sum. The widest factor covers; among equals
+    a data factor before a mask, then the first written. The language allows two groups."""
+    with_sum = [n for n, r in enumerate(reads) if summed & set(r.indices)]
+    order = sorted(with_sum, key=lambda n: (-len(reads[n].indices), reads[n].operand in masks, n))
+    mains: list[int] = []
+    extras: dict[int, list[int]] = {}
+    for n in order:
+        cover = next((m for m in mains if set(reads[n].indices) <= set(reads[m].indices)), None)
+        if cover is None:
+            mains.append(n)
+            extras[n] = []
+        else:
+            extras[cover].append(n)
+    summed_groups = tuple(Group(m, tuple(sorted(extras[m]))) for m in sorted(mains))
+    end_groups = tuple(Group(n, ()) for n in range(len(reads)) if n not in with_sum)
+    return summed_groups, end_groups
+
+
 @dataclass(frozen=True)
 class Number:
     """A numeric literal factor, as validated text (re-printed, never copied from the file)."""
