@@ -55,6 +55,7 @@ class OffsetUse:
     tile: int
     max_start: Expr  # largest valid offset, over sizes
     what: str  # "x dim 0", for messages
+    slot: int = 0  # its entry in the offsets array
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Convention:
     pads: tuple[tuple[str, str], ...]  # per coo operand: its padding flags (every coordinate -1), from _prepare
     offsets: str | None  # block offsets read from index operands, computed by _prepare
     offset_uses: tuple[OffsetUse, ...] = ()  # one slot of `offsets` each
+    args: tuple[str, ...] | None = None  # the arrays a derived kernel receives, where not the params'
 
     def pad(self, operand: str) -> str:
         return dict(self.pads)[operand]
@@ -73,7 +75,7 @@ class Convention:
         return Const(size.literal) if size.literal is not None else Var(self.size_var(size.symbol))
 
     def offset_slot(self, statement: str, operand: str, dim: int) -> int:
-        return next(n for n, u in enumerate(self.offset_uses) if (u.statement, u.operand, u.dim) == (statement, operand, dim))
+        return next(u.slot for u in self.offset_uses if (u.statement, u.operand, u.dim) == (statement, operand, dim))
 
     def param(self, operand: str, kind: str | None = None, dim: int | None = None) -> Param:
         return next(p for p in self.params if p.operand == operand and (kind is None or p.kind == kind) and (dim is None or p.dim == dim))
@@ -84,6 +86,8 @@ class Convention:
     @property
     def impl_args(self) -> tuple[str, ...]:
         """What `_prepare` hands the kernel: the arrays, the padding flags, the offsets."""
+        if self.args is not None:
+            return self.args
         args = [p.internal for p in self.params if p.kind != "index"]
         args += [var for _, var in self.pads]
         return tuple(args + ([self.offsets] if self.offsets else []))
@@ -172,7 +176,7 @@ def convention(kernel: Kernel, names: ModuleNames) -> Convention:
                 index = kernel.index(sub.index)
                 span = conv.size(op.dims[d]) - conv.size(index.size)
                 uses.append(OffsetUse(st.target.operand, op.name, d, conv.param(sub.offset.operand).internal, sub.offset.operand,
-                                      sub.offset.position, index.tile, span, f"{op.name} dim {d}"))
+                                      sub.offset.position, index.tile, span, f"{op.name} dim {d}", len(uses)))
     return Convention(conv.params, conv.sizes, pads, offsets, tuple(uses))
 
 

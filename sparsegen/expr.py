@@ -206,6 +206,19 @@ def render(e: Expr, style: str = "py") -> str:
     return _render(e, style)[0]
 
 
+def substitute(e: Expr, values: dict[str, Expr]) -> Expr:
+    """`e` with the variables in `values` replaced (folding constants again)."""
+    if isinstance(e, Var):
+        return values.get(e.name, e)
+    if isinstance(e, Bin):
+        return _bin(e.op, substitute(e.a, values), substitute(e.b, values))
+    if isinstance(e, Max):
+        return Max(substitute(e.a, values), substitute(e.b, values))
+    if isinstance(e, Min):
+        return Min(substitute(e.a, values), substitute(e.b, values))
+    return e
+
+
 def names(e: Expr) -> set[str]:
     """Variables and arrays an expression reads."""
     if isinstance(e, Var):

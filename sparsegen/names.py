@@ -56,4 +56,16 @@ class ModuleNames:
     def function(self, preferred: str) -> str:
         name = self.functions.take(preferred)
         self.internal.used.add(name)
+        if self.parent is not None:
+            self.parent.internal.used.add(name)
         return name
+
+    parent: "ModuleNames | None" = None
+
+    def scope(self) -> "ModuleNames":
+        """Names local to one pass (its kernel, index maps and tables): they avoid every
+        module-level name taken so far, and each other, but not other passes' locals."""
+        child = ModuleNames.__new__(ModuleNames)
+        child.public, child.functions, child.parent = self.public, self.functions, self
+        child.internal = NameTable(self.internal.used)
+        return child

@@ -43,7 +43,7 @@ def schedule(kernel: Kernel, conv: Convention, names: ModuleNames) -> tuple[Sche
     for st in kernel.statements:
         prefix = f"{st.target.operand}_" if several else ""
         try:
-            p = walk_of(kernel, st)(kernel, conv, names, st, prefix, outputs).build()
+            p = walk_of(kernel, st)(kernel, conv, names.scope(), st, prefix, outputs).build()
         except ScheduleError as exc:
             errors.append(exc.diagnostic)
             continue

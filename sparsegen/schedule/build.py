@@ -210,6 +210,7 @@ class PassBuilder:
             accumulate=self.k.accumulate,
             scale=_scale(self.st),
             kinds=tuple(self.kinds),
+            names=self.names,
         )
 
     def dense_out_shape(self) -> tuple[Expr, ...]:

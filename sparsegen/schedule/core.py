@@ -159,6 +159,7 @@ class Pass:
     accumulate: DType
     scale: Number | None = None
     kinds: tuple[str, ...] = ()  # named step or block kinds the tables use (_BLOCK, _EMPTY, ...)
+    names: object = None  # the pass's own name scope (names.ModuleNames), for the target's locals
 
     @property
     def inputs(self) -> tuple[Block, ...]:

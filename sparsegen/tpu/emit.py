@@ -13,7 +13,7 @@ import re
 
 import jinja2
 
-from ..expr import Call, Const, Expr, Var, names as expr_names, render
+from ..expr import Call, Const, Expr, Var, names as expr_names, render, substitute
 from ..formatting import format_module
 from ..resources import resource_dir
 from ..wrapper import Wrapper, spec_text
@@ -49,7 +49,7 @@ _OPTIONAL = {
     "multiple": "_check_multiple", "span": "_check_span", "relate": "_relate", "blocks": "_as_blocks", "need": "_need",
     "coords": "_check_coords", "padding": "_check_padding", "offsets": "_check_offsets", "smem": "_check_smem",
     "next_live": "_next_live", "coo_steps": "_coo_steps", "block_kinds": "_block_kinds", "densify": "_densify",
-    "gather": "_gather_blocks", "tails": "_mask_tail", "window": "_window", "join": "_block_slots",
+    "gather": "_gather_blocks", "tails": "_mask_tail", "window": "_window", "join": "_block_slots", "no_gradient": "_no_gradient",
 }  # fmt: skip
 
 
@@ -61,9 +61,9 @@ class _Emitter:
         self.outputs = dict(m.schedule.outputs)
 
     # ------------------------------------------------------------ kernels
-    def kernel_text(self, tp: TpuPass) -> dict:
+    def kernel_text(self, tp: TpuPass, mod: TpuModule) -> dict:
         p, body = tp.p, tp.p.body
-        w = BodyWriter(self.k, tp)
+        w = BodyWriter(mod.kernel, tp)
         w._locals = set()
         params = [t.var for t in p.tables] + [s.ref for s in tp.in_specs] + [tp.out_spec.ref]
         if body.accumulator:
@@ -118,10 +118,11 @@ class _Emitter:
             map_text = s.fn
         return {"shape": shape, "map": map_text}
 
-    def call(self, tp: TpuPass) -> dict:
+    def call(self, tp: TpuPass, mod: TpuModule) -> dict:
         """The lines that run one pass's pallas_call, for `_impl` (or its own function)."""
         p = tp.p
-        conv = self.m.conv
+        conv = mod.conv
+        outputs = dict(mod.schedule.outputs)
         arrays = []
         for s in tp.in_specs:
             a = s.block.array
@@ -136,7 +137,9 @@ class _Emitter:
         if tp.sizes:
             kernel = f"functools.partial({kernel}, " + ", ".join(f"{v}={v}" for v in tp.sizes) + ")"
         products = p.block_products
-        per = sum(math.prod(s.view.ref_shape or (1,)) * self.k.operand(s.block.operand).dtype.itemsize for s in tp.in_specs)
+        per = sum(math.prod(s.view.ref_shape or (1,)) * mod.kernel.operand(s.block.operand).dtype.itemsize for s in tp.in_specs)
+        reads = [outputs[self.kernel_of(mod).operand(b.operand).name] for b in p.inputs
+                 if self.kernel_of(mod).operand(b.operand).direction == "out"]
         out_bytes = Const(p.out_dtype.itemsize)
         for e in p.out_shape:
             out_bytes = out_bytes * e
@@ -146,6 +149,7 @@ class _Emitter:
         return {
             "fn": tp.call_fn,
             "args": list(conv.impl_args),
+            "reads": list(dict.fromkeys(reads)),
             "pre": list(p.pre),
             "guard": guard,
             "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes), " if p.tables else "",
@@ -157,7 +161,7 @@ class _Emitter:
             "kernel": kernel,
             "out_struct": f"jax.ShapeDtypeStruct({view_shape}, {p.out_dtype.jnp})",
             "reshape_out": out_shape if out.view.reshapes else None,
-            "lead": f"{self.outputs[p.output]} = " if out.view.reshapes else "return ",
+            "lead": f"{outputs[p.output]} = " if out.view.reshapes else "return ",
             "semantics": _tuple(f'"{x}"' for x in tp.dimension_semantics),
             "vmem_limit": tp.vmem_limit(self.m.target),
             "flops": render(products * p.flops_per_product, "host"),
@@ -165,39 +169,74 @@ class _Emitter:
             "arrays": arrays,
         }
 
+    def kernel_of(self, mod: TpuModule):
+        return mod.kernel
+
     def view_shape(self, s) -> str:
         """The array's shape with the view's unit dimensions, as host code."""
         from .layout import view_shape
 
-        op = self.k.operand(s.block.operand)
+        tp, mod = self.pass_of(s)
+        op = mod.kernel.operand(s.block.operand)
         if s.block.stored:
-            lead = render(self.pass_of(s).p.out_shape[0], "host") if s.block.is_output else f"{s.block.array}.shape[0]"
+            lead = render(tp.p.out_shape[0], "host") if s.block.is_output else f"{s.block.array}.shape[0]"
             dims = [lead] + [str(d.extent) for d in s.block.dims[1:]]
         else:
-            dims = [render(self.m.conv.size(d), "host") for d in op.dims]
+            dims = [render(mod.conv.size(d), "host") for d in op.dims]
         return _tuple(map(str, view_shape(tuple(dims), s.view.inserted)))
 
     def pass_of(self, spec):
-        return next(tp for tp in self.m.passes if spec in tp.specs)
+        mods = [self.m] + ([self.m.backward_module] if self.m.backward_module else [])
+        return next((tp, mod) for mod in mods for tp in mod.passes if spec in tp.specs)
 
-    def prefetch(self, tp: TpuPass) -> dict:
+    def prefetch(self, tp: TpuPass, mod: TpuModule) -> dict:
         counts = [f"{var} = {value}" for var, value in tp.p.counts]
-        return {"fn": tp.prefetch_fn, "lines": counts + list(tp.p.host), "tables": [t.var for t in tp.p.tables]}
+        return {"fn": tp.prefetch_fn, "lines": counts + list(tp.p.host), "tables": [t.var for t in tp.p.tables], "args": list(mod.conv.impl_args)}
+
+    def pass_dicts(self, mod: TpuModule) -> list[dict]:
+        outputs = dict(mod.schedule.outputs)
+        return [{"kernel": self.kernel_text(tp, mod), "maps": self.maps(tp), "prefetch": self.prefetch(tp, mod), "call": self.call(tp, mod),
+                 "output": outputs[tp.p.output]} for tp in mod.passes]
+
+    def gradient(self) -> dict:
+        """The custom_vjp glue: residuals, the backward passes, and a cotangent per argument."""
+        m = self.m
+        args = list(m.conv.impl_args)
+        cotangents = [a for _, a in m.backward.cotangents] if m.backward else [self.m.names.local(f"g_{o.name}") for o in self.k.outputs]
+        info = {"args": args, "cotangents": cotangents, "error": None, "passes": [], "partials": [], "returns": []}
+        if m.backward_error:
+            info["error"] = repr(m.backward_error)
+            return info
+        bm = m.backward_module
+        by_operand: dict[str, list[str]] = {}
+        if bm is not None:
+            info["passes"] = self.pass_dicts(bm)
+            info["bargs"] = list(bm.conv.impl_args)
+            outputs = dict(bm.schedule.outputs)
+            info["partials"] = [outputs[tp.p.output] for tp in bm.passes]
+            for part in m.backward.partials:
+                by_operand.setdefault(part.operand, []).append(outputs[part.output])
+        returns = []
+        for a in args:
+            param = next((p for p in m.conv.params if p.internal == a), None)
+            if param is not None and param.kind in ("dense", "blocks") and param.operand in by_operand:
+                returns.append(" + ".join(by_operand[param.operand]))
+            else:
+                returns.append(f"_no_gradient({a})")
+        info["returns"] = returns
+        return info
 
     # ------------------------------------------------------------ module
     def smem_checks(self) -> list[str]:
         lines = []
-        counted = set()
         for tp in self.m.passes:
-            for var, value in tp.p.counts:
-                if tp.p.tables and var not in counted:
-                    counted.add(var)
-                    lines.append(f"{var} = {value}")
             if not tp.p.tables:
                 continue
+            # Block counts are the pass's own locals: read them from the arrays here.
+            stored = {var: Var(value) for var, value in tp.p.counts}
             counts: dict[str, int] = {}
             for t in tp.p.tables:
-                text = render(t.length, "host")
+                text = render(substitute(t.length, stored), "host")
                 counts[text] = counts.get(text, 0) + 1
             terms = [text if c == 1 else f"{c} * ({text})" if " " in text else f"{c} * {text}" for text, c in counts.items()]
             what = "the scalar-prefetch tables of this call" + (f" ({tp.p.output})" if len(self.m.passes) > 1 else "")
@@ -234,10 +273,10 @@ class _Emitter:
         doc, call_doc = self.docstring()
         kernel_sig, reference_sig = self.wrapper.signature()
         size_vars = [s.internal for s in conv.sizes]
-        passes = [{"kernel": self.kernel_text(tp), "maps": self.maps(tp), "prefetch": self.prefetch(tp), "call": self.call(tp),
-                   "output": self.outputs[tp.p.output]} for tp in m.passes]
+        passes = self.pass_dicts(m)
+        gradient = self.gradient()
         kinds = []
-        for tp in m.passes:
+        for tp in (*m.passes, *(m.backward_module.passes if m.backward_module and not m.backward_error else ())):
             for name in tp.p.kinds:
                 if name not in kinds:
                     kinds.append(name)
@@ -248,7 +287,7 @@ class _Emitter:
             doc=doc,
             call_doc=call_doc,
             helpers="{helpers}",
-            smem=m.target.smem_bytes if any(tp.p.tables for tp in m.passes) else None,
+            smem=m.target.smem_bytes if any(tp.p.tables for tp in m.passes) or any(ps["prefetch"]["tables"] for ps in gradient["passes"]) else None,
             target=m.target.name,
             kinds=kinds,
             passes=passes,
@@ -262,6 +301,8 @@ class _Emitter:
             reference_signature=reference_sig,
             forward=[p.public for p in conv.params] + [s.symbol for s in conv.sizes],
             results=[self.outputs[o.name] for o in k.outputs],
+            gradient=gradient,
+            n_args=len(conv.impl_args),
         )
         uses = {key: False for key in _OPTIONAL}
         text = main

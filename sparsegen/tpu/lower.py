@@ -110,7 +110,9 @@ class TpuModule:
     names: ModuleNames
     schedule: Schedule
     passes: tuple[TpuPass, ...]
-    layout_errors: tuple[Diagnostic, ...] = ()
+    backward: object | None = None  # autodiff.Backward: how the gradients are derived
+    backward_module: "TpuModule | None" = None  # its passes, lowered like any kernel's
+    backward_error: str | None = None  # why `jax.grad` cannot go through this kernel
 
     @property
     def name(self) -> str:
@@ -145,10 +147,11 @@ class LayoutError(Exception):
         self.diagnostics = diagnostics
 
 
-def lower(kernel: Kernel, target: Target) -> TpuModule:
-    """Schedule and lower a kernel; LayoutError (diagnostics at the spec) where no walk or view serves."""
-    names = ModuleNames(kernel)
-    conv = convention(kernel, names)
+def lower(kernel: Kernel, target: Target, names: ModuleNames | None = None, conv: Convention | None = None, backward: bool = True) -> TpuModule:
+    """Schedule and lower a kernel, and the backward kernel its gradients need; LayoutError
+    (diagnostics at the spec) where no walk or view serves the forward kernel."""
+    names = names or ModuleNames(kernel)
+    conv = conv or convention(kernel, names)
     sched, errors = schedule(kernel, conv, names)
     if sched is None:
         raise LayoutError(errors)
@@ -161,7 +164,29 @@ def lower(kernel: Kernel, target: Target) -> TpuModule:
             errors += exc.diagnostics
     if errors:
         raise LayoutError(_unique(errors))
-    return TpuModule(kernel, target, conv, names, sched, tuple(passes))
+    module = TpuModule(kernel, target, conv, names, sched, tuple(passes))
+    return _with_backward(module) if backward else module
+
+
+def _with_backward(m: TpuModule) -> TpuModule:
+    """Derive and lower the backward kernel. A backward the target cannot run leaves the
+    forward kernel as it is: asking for its gradient raises, saying why."""
+    import dataclasses
+
+    from ..autodiff import derive
+    from .rules import check_kernel, check_module
+
+    b = derive(m.kernel, m.conv, m.names)
+    if not b.differentiable or b.kernel is None:
+        return dataclasses.replace(m, backward=b, backward_error=b.error)
+    try:
+        bm = lower(b.kernel, m.target, m.names, b.conv, backward=False)
+        problems = check_kernel(b.kernel, m.target) + check_module(bm)
+    except LayoutError as exc:
+        bm, problems = None, exc.diagnostics
+    if problems:
+        return dataclasses.replace(m, backward=b, backward_error=f"the backward kernel does not fit {m.target.name}: {problems[0].message}")
+    return dataclasses.replace(m, backward=b, backward_module=bm)
 
 
 def _unique(diags):
@@ -183,26 +208,24 @@ def _lower_pass(kernel: Kernel, names: ModuleNames, p: Pass, several: bool) -> T
     specs, errors = [], []
     for b in p.blocks:
         try:
-            specs.append(_spec(kernel, names, b, statics, prefix))
+            specs.append(_spec(kernel, names, p.names, b, statics, prefix))
         except LayoutError as exc:
             errors += exc.diagnostics
     if errors:
         raise LayoutError(_unique(errors))
-    acc_ref = names.local(f"{prefix}acc_ref") if several else names.local("acc_ref")
+    acc_ref = p.names.local("acc_ref")
     sizes = tuple(dict.fromkeys(t.size for t in (*p.body.tails, *p.body.out_tails)))
     return TpuPass(p, kernel_fn, prefetch_fn, call_fn, tuple(specs), acc_ref, sizes, _vmem(kernel, p, specs))
 
 
-def _spec(kernel: Kernel, names: ModuleNames, b: Block, statics: dict[str, Expr], prefix: str) -> Spec:
+def _spec(kernel: Kernel, names: ModuleNames, local: ModuleNames, b: Block, statics: dict[str, Expr], prefix: str) -> Spec:
     op = kernel.operand(b.operand)
     block = tuple(None if d.extent == 1 else d.extent for d in b.dims)
     if b.stored:
         dims = tuple(d.extent for d in b.dims)  # stored blocks span their array
         dims = (None,) + dims[1:]
     else:
-        reads = [r for st in kernel.statements for r in (st.target, *st.factors) if r.operand == op.name]
         dims = tuple(d.literal for d in op.dims)
-        del reads
     v = view(block, dims, op.dtype)
     if isinstance(v, LayoutProblem):
         d = b.dims[v.dim]
@@ -217,7 +240,7 @@ def _spec(kernel: Kernel, names: ModuleNames, b: Block, statics: dict[str, Expr]
         used |= expr_names(e)
     spec_statics = tuple((name, value) for name, value in statics.items() if name in used)
     fn = names.function(f"_{prefix}{op.name}_index_map")
-    ref = names.local(f"{prefix}{op.name}_ref")
+    ref = local.local(f"{op.name}_ref")
     return Spec(b, fn, ref, v, tuple(index), spec_statics)
 
 

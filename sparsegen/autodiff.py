@@ -1,0 +1,191 @@
+"""Reverse-mode differentiation of the IR (language v1, section 6).
+
+The gradient of an einsum is an einsum over the same sparsity: for `o[O] = c * f1 * ... * fn`
+and a float factor `fj`, `dfj[Ij] = c * g[O] * (every other factor)`, summed over the
+indices `fj` lacks, where `g` is the cotangent of `o`. The backward statements form a
+kernel of their own (forward inputs and cotangents in, partial gradients out) that the
+same pipeline schedules, lowers, checks and emits:
+
+- a `coo` input's gradient is a `coo` output on its own stored blocks, in the same order
+  (padding entries get zeros, a repeated block the full gradient of its position);
+- a `coo` output's cotangent is a `coo` input on that output's topology;
+- offsets on the right become offsets on the left, and back;
+- a `mask` factor multiplies the cotangent and gets no gradient; where a backward
+  statement walks a coo operand, the mask is read as a dense factor (the walk skips by
+  the stored blocks);
+- `index`, `mask` and integer inputs get no gradient.
+
+An input read by several statements gets the sum of its partial gradients (added by the
+wrapper). What cannot be derived yet comes back as a reason, raised when a gradient is
+asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .callconv import Convention, OffsetUse, Param
+from .ir import Einsum, Kernel, Operand, Read, group_factors
+from .names import ModuleNames, NameTable
+
+
+@dataclass(frozen=True)
+class Partial:
+    operand: str  # the forward input this is (a part of) the gradient of
+    output: str  # the backward kernel's output that holds it
+
+
+@dataclass(frozen=True)
+class Backward:
+    kernel: Kernel | None  # forward inputs and cotangents in, partial gradients out
+    conv: Convention | None
+    cotangents: tuple[tuple[str, str], ...]  # (forward output, its cotangent's array in the wrapper)
+    partials: tuple[Partial, ...]
+    error: str | None = None  # why the gradient cannot be derived
+
+    @property
+    def differentiable(self) -> bool:
+        return self.error is None
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def derive(kernel: Kernel, conv: Convention, names: ModuleNames) -> Backward:
+    try:
+        return _Deriver(kernel, conv, names).run()
+    except _Unsupported as exc:
+        return Backward(None, None, (), (), str(exc))
+
+
+class _Deriver:
+    def __init__(self, kernel: Kernel, conv: Convention, names: ModuleNames):
+        self.k = kernel
+        self.conv = conv
+        self.names = names
+        # Operand names of the backward kernel: the forward's, then new ones that avoid them.
+        self.operand_names = NameTable({op.name for op in kernel.operands} | {i.name for i in kernel.indices})
+        self.operands: dict[str, Operand] = {op.name: op for op in kernel.operands}
+        self.params: list[Param] = list(conv.params)
+        self.pads: list[tuple[str, str]] = list(conv.pads)
+        self.uses: list[OffsetUse] = []
+        self.dense_alias: dict[str, str] = {}
+
+    def run(self) -> Backward:
+        k, conv = self.k, self.conv
+        for st in k.statements:
+            for r in st.factors:
+                if k.operand(r.operand).direction == "out":
+                    raise _Unsupported(f"gradients through chained statements (here '{st.target.operand}' reads '{r.operand}') are not supported yet")
+        cotangents = {}
+        args = list(conv.impl_args)
+        for out in k.outputs:
+            name = self.operand_names.take(f"g_{out.name}")
+            array = self.names.local(f"g_{out.name}")
+            cotangents[out.name] = (name, array)
+            args.append(array)
+            self.operands[name] = Operand(name, "in", out.dtype, out.dims, "coo" if out.sparsity == "coo" else "dense", out.span, out.dtype_span)
+            if out.sparsity == "coo":
+                self.params.append(Param(name, array, name, "blocks", None, (), out.dtype.name, f"the cotangent of {out.name}"))
+                for p in conv.params:
+                    if p.operand == out.name and p.kind == "out_coords":
+                        self.params.append(Param(p.public, p.internal, name, "coords", p.dim, p.shape, p.dtype, p.about))
+                self.pads.append((name, conv.pad(out.name)))
+            else:
+                self.params.append(Param(name, array, name, "dense", None, (), out.dtype.name, f"the cotangent of {out.name}"))
+        statements, partials = [], []
+        for st in k.statements:
+            gname = cotangents[st.target.operand][0]
+            for n, f in enumerate(st.factors):
+                op = k.operand(f.operand)
+                if op.sparsity in ("mask", "index") or not op.dtype.is_float:
+                    continue  # no gradient
+                if any(s.divisor != 1 for s in f.subs):
+                    raise _Unsupported(f"the gradient of '{op.name}', read as {f.text}, is not supported yet (a divided subscript on the left)")
+                statements.append(self.statement(st, n, gname, partials))
+        if not statements:
+            return Backward(None, None, tuple((o, a) for o, (_, a) in cotangents.items()), (), None)
+        operands = [op for op in self.operands.values()]
+        bwd = Kernel(
+            name=f"{k.name}_backward",
+            source_name=k.source_name,
+            digest=k.digest,
+            operands=tuple(operands),
+            indices=k.indices,
+            statements=tuple(statements),
+            accumulate=k.accumulate,
+            name_span=k.name_span,
+            tile_span=k.tile_span,
+            symbols=k.symbols,
+            relations=k.relations,
+            accumulate_span=k.accumulate_span,
+        )
+        bconv = Convention(tuple(self.params), conv.sizes, tuple(self.pads), conv.offsets, tuple(self.uses), tuple(args))
+        return Backward(bwd, bconv, tuple((o, a) for o, (_, a) in cotangents.items()), tuple(partials))
+
+    def statement(self, st: Einsum, n: int, gname: str, partials: list[Partial]) -> Einsum:
+        k, conv = self.k, self.conv
+        f = st.factors[n]
+        op = k.operand(f.operand)
+        dname = self.operand_names.take(f"d_{op.name}")
+        self.operands[dname] = Operand(dname, "out", op.dtype, op.dims, "coo" if op.sparsity == "coo" else "dense", op.span, op.dtype_span)
+        if op.sparsity == "coo":
+            # The gradient lives on the input's own stored blocks: requested at its coordinates.
+            for p in conv.params:
+                if p.operand == op.name and p.kind == "coords":
+                    self.params.append(Param(p.public, p.internal, dname, "out_coords", p.dim, p.shape, p.dtype, p.about))
+            self.pads.append((dname, conv.pad(op.name)))
+        target = Read(dname, f.subs, f.span)
+        g = Read(gname, st.target.subs, st.target.span)
+        others = [r for m, r in enumerate(st.factors) if m != n]
+        sparse_in = [r for r in [g, *others] if self.operands[r.operand].sparsity == "coo"]
+        if len(sparse_in) > 1:
+            names = " and ".join(f"'{r.operand}'" for r in sparse_in)
+            raise _Unsupported(f"the gradient of '{op.name}' multiplies two coo operands ({names}), which is not supported yet")
+        if sparse_in:
+            # A coo operand drives the walk: a mask here is read as a dense factor.
+            others = [self.dense(r) if self.operands[r.operand].sparsity == "mask" else r for r in others]
+        factors = (g, *others)
+        out = set(target.indices)
+        summed: list[str] = []
+        for r in factors:
+            for i in r.indices:
+                if i not in out and i not in summed:
+                    summed.append(i)
+        masks = {r.operand for r in factors if self.operands[r.operand].sparsity == "mask"}
+        summed_groups, end_groups = group_factors(factors, set(summed), masks)
+        if len(summed_groups) > 2:
+            raise _Unsupported(f"the gradient of '{op.name}' multiplies more than two factors in one sum, which needs local tensors (not supported yet)")
+        for c in sparse_in:
+            pos = factors.index(c)
+            if summed and not any(pos in grp.members for grp in summed_groups):
+                raise _Unsupported(f"in the gradient of '{op.name}', the coo operand '{c.operand}' takes no part in the sum (not supported yet)")
+            if any(i not in c.indices for i in summed):
+                raise _Unsupported(f"in the gradient of '{op.name}', the sum runs over indices the coo operand '{c.operand}' lacks (not supported yet)")
+        e = Einsum(target, factors, st.numbers, tuple(summed), summed_groups, end_groups, st.span)
+        # Offsets keep their slots: the backward reads the same offsets where the forward did.
+        forward_name = {dname: op.name, gname: st.target.operand}
+        for r in (target, *factors):
+            base = forward_name.get(r.operand, self.dense_alias_of(r.operand))
+            for d, s in enumerate(r.subs):
+                if s.offset is None:
+                    continue
+                use = next(u for u in conv.offset_uses if (u.statement, u.operand, u.dim) == (st.target.operand, base, d))
+                self.uses.append(OffsetUse(dname, r.operand, d, use.param, use.index_operand, use.position, use.tile, use.max_start, use.what, use.slot))
+        partials.append(Partial(op.name, dname))
+        return e
+
+    def dense(self, r: Read) -> Read:
+        """A mask read as an ordinary dense factor (the same array)."""
+        op = self.operands[r.operand]
+        if op.name not in self.dense_alias:
+            alias = self.operand_names.take(f"{op.name}_values")
+            self.dense_alias[op.name] = alias
+            self.operands[alias] = Operand(alias, "in", op.dtype, op.dims, "dense", op.span, op.dtype_span)
+            p = self.conv.param(op.name)
+            self.params.append(Param(p.public, p.internal, alias, "dense", None, p.shape, p.dtype, p.about))
+        return Read(self.dense_alias[op.name], r.subs, r.span)
+
+    def dense_alias_of(self, name: str) -> str:
+        return next((m for m, a in self.dense_alias.items() if a == name), name)
