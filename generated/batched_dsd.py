@@ -93,6 +93,11 @@ _FLUSH = 0  # write the finished output block (zeros if no stored block reached 
 _BLOCK = 1  # multiply one stored block into the accumulator
 _SKIP = 2  # a padding entry: nothing to do
 
+# Kinds of block.
+_EMPTY = 0  # nothing to compute: no compute, no new copies
+_PARTIAL = 1  # compute (a mask block that is mixed: apply it)
+_FULL = 2  # compute (a mask block that is all ones: skip reading it)
+
 
 def _fail(message):
     raise ValueError(f"{_NAME}: {message}")
@@ -294,6 +299,14 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
+def _no_gradient(value):
+    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
+    for integers (coordinates, offsets, padding flags), as JAX requires."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.zeros_like(value)
+    return np.zeros(value.shape, jax.dtypes.float0)
+
+
 def _kernel(
     step_kind, step_block, step_row, step_b, step_k, x_ref, y_ref, o_ref, acc_ref, *, K
 ):
@@ -347,6 +360,171 @@ def _prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes):
     return (step_kind, step_block, step_row, step_b, step_k)
 
 
+def _d_x_kernel(
+    d_x_at_0,
+    d_x_at_1,
+    d_x_at_2,
+    requested_d_x,
+    next_step,
+    g_o_ref,
+    y_ref,
+    d_x_ref,
+    acc_ref,
+    *,
+    N,
+    M,
+    K,
+):
+    b = pl.program_id(0)
+    n = pl.program_id(1)
+    n_n = pl.num_programs(1)
+    block_kind = requested_d_x[b]
+    # Steps whose requested d_x block is empty skip the compute (and their copies).
+
+    @pl.when(n == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(block_kind != _EMPTY)
+    def _compute():
+        g_o = g_o_ref[...]
+        y = y_ref[...]
+        if N % 256:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 1, N - n * 256)
+            y = _mask_tail(y, 1, N - n * 256)
+        acc_ref[...] += lax.dot_general(
+            g_o, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when((n == n_n - 1) & (block_kind == _EMPTY))
+    def _flush_empty():
+        # Nothing to compute here (requested d_x block): the block is zero.
+        d_x_ref[...] = jnp.zeros_like(d_x_ref)
+
+    @pl.when((n == n_n - 1) & (block_kind != _EMPTY))
+    def _flush():
+        # Write the block.
+        value = acc_ref[...]
+        if M % 512 or K % 256:  # a partial last block: what lies past the end is absent
+            value = _mask_tail(value, 0, M - d_x_at_1[b] * 512)
+            value = _mask_tail(value, 1, K - d_x_at_2[b] * 256)
+        d_x_ref[...] = value.astype(d_x_ref.dtype)
+
+
+def _d_x_g_o_index_map(
+    b, n, d_x_at_0, d_x_at_1, d_x_at_2, requested_d_x, next_step, *, n_n
+):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = b
+    nxt = next_step[cell]
+    live = requested_d_x[cell] != _EMPTY
+    return (
+        d_x_at_0[nxt],
+        d_x_at_1[nxt],
+        jnp.where(live, n, jnp.where(nxt > cell, 0, n_n - 1)),
+    )
+
+
+def _d_x_y_index_map(
+    b, n, d_x_at_0, d_x_at_1, d_x_at_2, requested_d_x, next_step, *, n_n
+):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = b
+    nxt = next_step[cell]
+    live = requested_d_x[cell] != _EMPTY
+    return (
+        d_x_at_0[nxt],
+        d_x_at_2[nxt],
+        jnp.where(live, n, jnp.where(nxt > cell, 0, n_n - 1)),
+    )
+
+
+def _d_x_d_x_index_map(b, n, d_x_at_0, d_x_at_1, d_x_at_2, requested_d_x, next_step):
+    # Block b of the stacked output.
+    return (b, 0, 0)
+
+
+def _d_x_prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    B, M, K, N = sizes
+    nb = x_idx_0.shape[0]
+    # Where the requested blocks are (padding entries: block 0, and skipped).
+    d_x_at_0 = jnp.maximum(x_idx_0, 0)
+    d_x_at_1 = jnp.maximum(x_idx_1, 0)
+    d_x_at_2 = jnp.maximum(x_idx_2, 0)
+    requested_d_x = jnp.where(pad, _EMPTY, _FULL).astype(jnp.int32)
+    next_step = _next_live((requested_d_x != _EMPTY).reshape(-1))
+    requested_d_x = requested_d_x.reshape(-1)
+    return (d_x_at_0, d_x_at_1, d_x_at_2, requested_d_x, next_step)
+
+
+def _d_y_kernel(
+    step_kind,
+    step_block,
+    step_row,
+    step_b,
+    step_m,
+    g_o_ref,
+    x_ref,
+    d_y_ref,
+    acc_ref,
+    *,
+    M,
+):
+    n = pl.program_id(0)
+    step = pl.program_id(1)
+    # A run of steps accumulates one output block; it starts after a flush step.
+
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(step_kind[step] == _BLOCK)
+    def _compute():
+        g_o = g_o_ref[...]
+        x = x_ref[...]
+        if M % 512:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 0, M - step_m[step] * 512)
+            x = _mask_tail(x, 0, M - step_m[step] * 512)
+        acc_ref[...] += lax.dot_general(
+            x, g_o, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(step_kind[step] == _FLUSH)
+    def _flush():
+        # Write the finished block (zeros if no stored block reached it).
+        d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
+
+
+def _d_y_g_o_index_map(n, step, step_kind, step_block, step_row, step_b, step_m):
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (step_b[step], step_m[step], n)
+
+
+def _d_y_x_index_map(n, step, step_kind, step_block, step_row, step_b, step_m):
+    # The stored block this step multiplies (flush steps hold the next one).
+    return (step_block[step], 0, 0)
+
+
+def _d_y_d_y_index_map(
+    n, step, step_kind, step_block, step_row, step_b, step_m, *, n_k
+):
+    return (lax.div(step_row[step], n_k), lax.rem(step_row[step], n_k), n)
+
+
+def _d_y_prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    B, M, K, N = sizes
+    nb = x_blocks.shape[0]
+    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    step_kind, step_block, step_row = _coo_steps(
+        x_idx_0 * pl.cdiv(K, 256) + x_idx_2, B * pl.cdiv(K, 256), pad
+    )
+    step_b = jnp.maximum(x_idx_0[step_block], 0)  # 0 if every entry is padding
+    step_m = jnp.maximum(x_idx_1[step_block], 0)  # 0 if every entry is padding
+    return (step_kind, step_block, step_row, step_b, step_m)
+
+
 def _prepare(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, B, M, K, N):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"B": B, "M": M, "K": K, "N": N}, {})
@@ -381,9 +559,9 @@ def _prepare(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, B, M, K, N):
     x_idx_1 = _check_coords("x_idx_1", x_idx_1, pl.cdiv(M, 512), "x dim 1")
     x_idx_2 = _check_coords("x_idx_2", x_idx_2, pl.cdiv(K, 256), "x dim 2")
     pad = _check_padding(("x_idx_0", "x_idx_1", "x_idx_2"), (x_idx_0, x_idx_1, x_idx_2))
-    nb = x_blocks.shape[0]
     _check_smem(
-        5 * (nb + B * pl.cdiv(M, 512)), "the scalar-prefetch tables of this call"
+        5 * (x_blocks.shape[0] + B * pl.cdiv(M, 512)),
+        "the scalar-prefetch tables of this call",
     )
     return x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, (B, M, K, N)
 
@@ -421,6 +599,136 @@ def _impl(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret):
         ),
         interpret=interpret,
     )(*_prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes), x_blocks, y)
+
+
+def _d_x_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret):
+    """The pass that computes d_x."""
+    B, M, K, N = sizes
+    nb = x_idx_0.shape[0]
+    if nb == 0:
+        # No block requested.
+        return jnp.zeros((nb, 512, 256), jnp.bfloat16)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(nb, pl.cdiv(N, 256)),
+        in_specs=[
+            pl.BlockSpec(
+                (None, 512, 256),
+                functools.partial(_d_x_g_o_index_map, n_n=pl.cdiv(N, 256)),
+            ),
+            pl.BlockSpec(
+                (None, 256, 256),
+                functools.partial(_d_x_y_index_map, n_n=pl.cdiv(N, 256)),
+            ),
+        ],
+        out_specs=pl.BlockSpec((None, 512, 256), _d_x_d_x_index_map),
+        scratch_shapes=[pltpu.VMEM((512, 256), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_x_kernel, N=N, M=M, K=K),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((nb, 512, 256), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=nb * pl.cdiv(N, 256) * 67108864,
+            transcendentals=0,
+            bytes_accessed=nb * pl.cdiv(N, 256) * 393216 + 2 * nb * 512 * 256,
+        ),
+        interpret=interpret,
+    )(*_d_x_prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes), g_o, y)
+
+
+def _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret):
+    """The pass that computes d_y."""
+    B, M, K, N = sizes
+    nb = x_blocks.shape[0]
+    if nb == 0:
+        # Nothing is stored: the result is all zeros.
+        return jnp.zeros((B, K, N), jnp.bfloat16)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(pl.cdiv(N, 256), nb + B * pl.cdiv(K, 256)),
+        in_specs=[
+            pl.BlockSpec((None, 512, 256), _d_y_g_o_index_map),
+            pl.BlockSpec((None, 512, 256), _d_y_x_index_map),
+        ],
+        out_specs=pl.BlockSpec(
+            (None, 256, 256), functools.partial(_d_y_d_y_index_map, n_k=pl.cdiv(K, 256))
+        ),
+        scratch_shapes=[pltpu.VMEM((256, 256), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_y_kernel, M=M),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((B, K, N), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=nb * pl.cdiv(N, 256) * 67108864,
+            transcendentals=0,
+            bytes_accessed=nb * pl.cdiv(N, 256) * 524288 + 2 * B * K * N,
+        ),
+        interpret=interpret,
+    )(
+        *_d_y_prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes),
+        g_o,
+        x_blocks,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+def _backward(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret):
+    """The partial gradients: one pass per differentiable factor of each statement."""
+    d_x = _d_x_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret)
+    d_y = _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret)
+    return d_x, d_y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _run(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret):
+    return _impl(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret)
+
+
+def _run_forward(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret):
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
+    return _impl(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret), (
+        x_blocks,
+        x_idx_0,
+        x_idx_1,
+        x_idx_2,
+        y,
+        pad,
+    )
+
+
+def _run_backward(sizes, interpret, residuals, cotangent):
+    (
+        x_blocks,
+        x_idx_0,
+        x_idx_1,
+        x_idx_2,
+        y,
+        pad,
+    ) = residuals
+    g_o = cotangent
+    (
+        d_x,
+        d_y,
+    ) = _backward(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret)
+    return (
+        d_x,
+        _no_gradient(x_idx_0),
+        _no_gradient(x_idx_1),
+        _no_gradient(x_idx_2),
+        d_y,
+        _no_gradient(pad),
+    )
+
+
+_run.defvjp(_run_forward, _run_backward)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))
@@ -462,7 +770,7 @@ def batched_dsd(
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(
+    return _run(
         *_prepare(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, B, M, K, N),
         _check_interpret(interpret),
     )

@@ -185,6 +185,14 @@ def _check_smem(entries, what):
         )
 
 
+def _no_gradient(value):
+    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
+    for integers (coordinates, offsets, padding flags), as JAX requires."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.zeros_like(value)
+    return np.zeros(value.shape, jax.dtypes.float0)
+
+
 def _kernel(offsets, x_ref, o_ref):
     i = pl.program_id(0)
     j = pl.program_id(1)
@@ -256,6 +264,34 @@ def _impl(x, offsets, sizes, interpret):
     )(*_prefetch(x, offsets, sizes), x)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _run(x, offsets, sizes, interpret):
+    return _impl(x, offsets, sizes, interpret)
+
+
+def _run_forward(x, offsets, sizes, interpret):
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
+    return _impl(x, offsets, sizes, interpret), (
+        x,
+        offsets,
+    )
+
+
+def _run_backward(sizes, interpret, residuals, cotangent):
+    (
+        x,
+        offsets,
+    ) = residuals
+    g_o = cotangent
+    return (
+        _no_gradient(x),
+        _no_gradient(offsets),
+    )
+
+
+_run.defvjp(_run_forward, _run_backward)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x, offsets, sizes):
     del sizes  # every size is fixed by the spec
@@ -273,7 +309,7 @@ def block_slice(x, start, *, interpret=False):
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(*_prepare(x, start), _check_interpret(interpret))
+    return _run(*_prepare(x, start), _check_interpret(interpret))
 
 
 def reference(x, start):

@@ -90,6 +90,11 @@ _FLUSH = 0  # write the finished output block (zeros if no stored block reached 
 _BLOCK = 1  # multiply one stored block into the accumulator
 _SKIP = 2  # a padding entry: nothing to do
 
+# Kinds of block.
+_EMPTY = 0  # nothing to compute: no compute, no new copies
+_PARTIAL = 1  # compute (a mask block that is mixed: apply it)
+_FULL = 2  # compute (a mask block that is all ones: skip reading it)
+
 
 def _fail(message):
     raise ValueError(f"{_NAME}: {message}")
@@ -279,6 +284,14 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
+def _no_gradient(value):
+    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
+    for integers (coordinates, offsets, padding flags), as JAX requires."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.zeros_like(value)
+    return np.zeros(value.shape, jax.dtypes.float0)
+
+
 def _kernel(
     step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref, *, K
 ):
@@ -329,6 +342,142 @@ def _prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
     return (step_kind, step_block, step_row, step_k)
 
 
+def _d_x_kernel(
+    step_kind, step_block, step_row, step_n, g_o_ref, y_ref, d_x_ref, acc_ref, *, N
+):
+    m = pl.program_id(0)
+    step = pl.program_id(1)
+    # A run of steps accumulates one output block; it starts after a flush step.
+
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(step_kind[step] == _BLOCK)
+    def _compute():
+        g_o = g_o_ref[...]
+        y = y_ref[...]
+        if N % 256:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 1, N - step_n[step] * 256)
+            y = _mask_tail(y, 1, N - step_n[step] * 256)
+        acc_ref[...] += lax.dot_general(
+            g_o, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(step_kind[step] == _FLUSH)
+    def _flush():
+        # Write the finished block (zeros if no stored block reached it).
+        d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
+
+
+def _d_x_g_o_index_map(m, step, step_kind, step_block, step_row, step_n):
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (m, step_n[step])
+
+
+def _d_x_y_index_map(m, step, step_kind, step_block, step_row, step_n):
+    # The stored block this step multiplies (flush steps hold the next one).
+    return (step_block[step], 0, 0)
+
+
+def _d_x_d_x_index_map(m, step, step_kind, step_block, step_row, step_n):
+    return (m, step_row[step])
+
+
+def _d_x_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    nb = y_blocks.shape[0]
+    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    step_kind, step_block, step_row = _coo_steps(y_idx_0, pl.cdiv(K, 512), pad)
+    step_n = jnp.maximum(y_idx_1[step_block], 0)  # 0 if every entry is padding
+    return (step_kind, step_block, step_row, step_n)
+
+
+def _d_y_kernel(
+    d_y_at_0,
+    d_y_at_1,
+    requested_d_y,
+    next_step,
+    g_o_ref,
+    x_ref,
+    d_y_ref,
+    acc_ref,
+    *,
+    M,
+    K,
+    N,
+):
+    b = pl.program_id(0)
+    m = pl.program_id(1)
+    n_m = pl.num_programs(1)
+    block_kind = requested_d_y[b]
+    # Steps whose requested d_y block is empty skip the compute (and their copies).
+
+    @pl.when(m == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(block_kind != _EMPTY)
+    def _compute():
+        g_o = g_o_ref[...]
+        x = x_ref[...]
+        if M % 256:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 0, M - m * 256)
+            x = _mask_tail(x, 0, M - m * 256)
+        acc_ref[...] += lax.dot_general(
+            x, g_o, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when((m == n_m - 1) & (block_kind == _EMPTY))
+    def _flush_empty():
+        # Nothing to compute here (requested d_y block): the block is zero.
+        d_y_ref[...] = jnp.zeros_like(d_y_ref)
+
+    @pl.when((m == n_m - 1) & (block_kind != _EMPTY))
+    def _flush():
+        # Write the block.
+        value = acc_ref[...]
+        if K % 512 or N % 256:  # a partial last block: what lies past the end is absent
+            value = _mask_tail(value, 0, K - d_y_at_0[b] * 512)
+            value = _mask_tail(value, 1, N - d_y_at_1[b] * 256)
+        d_y_ref[...] = value.astype(d_y_ref.dtype)
+
+
+def _d_y_g_o_index_map(b, m, d_y_at_0, d_y_at_1, requested_d_y, next_step, *, n_m):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = b
+    nxt = next_step[cell]
+    live = requested_d_y[cell] != _EMPTY
+    return (jnp.where(live, m, jnp.where(nxt > cell, 0, n_m - 1)), d_y_at_1[nxt])
+
+
+def _d_y_x_index_map(b, m, d_y_at_0, d_y_at_1, requested_d_y, next_step, *, n_m):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = b
+    nxt = next_step[cell]
+    live = requested_d_y[cell] != _EMPTY
+    return (jnp.where(live, m, jnp.where(nxt > cell, 0, n_m - 1)), d_y_at_0[nxt])
+
+
+def _d_y_d_y_index_map(b, m, d_y_at_0, d_y_at_1, requested_d_y, next_step):
+    # Block b of the stacked output.
+    return (b, 0, 0)
+
+
+def _d_y_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    nb = y_idx_0.shape[0]
+    # Where the requested blocks are (padding entries: block 0, and skipped).
+    d_y_at_0 = jnp.maximum(y_idx_0, 0)
+    d_y_at_1 = jnp.maximum(y_idx_1, 0)
+    requested_d_y = jnp.where(pad, _EMPTY, _FULL).astype(jnp.int32)
+    next_step = _next_live((requested_d_y != _EMPTY).reshape(-1))
+    requested_d_y = requested_d_y.reshape(-1)
+    return (d_y_at_0, d_y_at_1, requested_d_y, next_step)
+
+
 def _prepare(x, y_blocks, y_idx_0, y_idx_1, M, K, N):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"M": M, "K": K, "N": N}, {})
@@ -355,8 +504,10 @@ def _prepare(x, y_blocks, y_idx_0, y_idx_1, M, K, N):
     y_idx_0 = _check_coords("y_idx_0", y_idx_0, pl.cdiv(K, 512), "y dim 0")
     y_idx_1 = _check_coords("y_idx_1", y_idx_1, pl.cdiv(N, 256), "y dim 1")
     pad = _check_padding(("y_idx_0", "y_idx_1"), (y_idx_0, y_idx_1))
-    nb = y_blocks.shape[0]
-    _check_smem(4 * (nb + pl.cdiv(N, 256)), "the scalar-prefetch tables of this call")
+    _check_smem(
+        4 * (y_blocks.shape[0] + pl.cdiv(N, 256)),
+        "the scalar-prefetch tables of this call",
+    )
     return x, y_blocks, y_idx_0, y_idx_1, pad, (M, K, N)
 
 
@@ -393,6 +544,125 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
     )(*_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes), x, y_blocks)
 
 
+def _d_x_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
+    """The pass that computes d_x."""
+    M, K, N = sizes
+    nb = y_blocks.shape[0]
+    if nb == 0:
+        # Nothing is stored: the result is all zeros.
+        return jnp.zeros((M, K), jnp.bfloat16)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(pl.cdiv(M, 256), nb + pl.cdiv(K, 512)),
+        in_specs=[
+            pl.BlockSpec((256, 256), _d_x_g_o_index_map),
+            pl.BlockSpec((None, 512, 256), _d_x_y_index_map),
+        ],
+        out_specs=pl.BlockSpec((256, 512), _d_x_d_x_index_map),
+        scratch_shapes=[pltpu.VMEM((256, 512), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_x_kernel, N=N),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=nb * pl.cdiv(M, 256) * 67108864,
+            transcendentals=0,
+            bytes_accessed=nb * pl.cdiv(M, 256) * 393216 + 2 * M * K,
+        ),
+        interpret=interpret,
+    )(*_d_x_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes), g_o, y_blocks)
+
+
+def _d_y_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
+    """The pass that computes d_y."""
+    M, K, N = sizes
+    nb = y_idx_0.shape[0]
+    if nb == 0:
+        # No block requested.
+        return jnp.zeros((nb, 512, 256), jnp.bfloat16)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(nb, pl.cdiv(M, 256)),
+        in_specs=[
+            pl.BlockSpec(
+                (256, 256), functools.partial(_d_y_g_o_index_map, n_m=pl.cdiv(M, 256))
+            ),
+            pl.BlockSpec(
+                (256, 512), functools.partial(_d_y_x_index_map, n_m=pl.cdiv(M, 256))
+            ),
+        ],
+        out_specs=pl.BlockSpec((None, 512, 256), _d_y_d_y_index_map),
+        scratch_shapes=[pltpu.VMEM((512, 256), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_y_kernel, M=M, K=K, N=N),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((nb, 512, 256), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=nb * pl.cdiv(M, 256) * 67108864,
+            transcendentals=0,
+            bytes_accessed=nb * pl.cdiv(M, 256) * 393216 + 2 * nb * 512 * 256,
+        ),
+        interpret=interpret,
+    )(*_d_y_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes), g_o, x)
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+def _backward(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
+    """The partial gradients: one pass per differentiable factor of each statement."""
+    d_x = _d_x_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret)
+    d_y = _d_y_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret)
+    return d_x, d_y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _run(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
+    return _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret)
+
+
+def _run_forward(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
+    return _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret), (
+        x,
+        y_blocks,
+        y_idx_0,
+        y_idx_1,
+        pad,
+    )
+
+
+def _run_backward(sizes, interpret, residuals, cotangent):
+    (
+        x,
+        y_blocks,
+        y_idx_0,
+        y_idx_1,
+        pad,
+    ) = residuals
+    g_o = cotangent
+    (
+        d_x,
+        d_y,
+    ) = _backward(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret)
+    return (
+        d_x,
+        d_y,
+        _no_gradient(y_idx_0),
+        _no_gradient(y_idx_1),
+        _no_gradient(pad),
+    )
+
+
+_run.defvjp(_run_forward, _run_backward)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
     M, K, N = sizes
@@ -417,7 +687,7 @@ def dds_matmul(
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(
+    return _run(
         *_prepare(x, y_blocks, y_idx_0, y_idx_1, M, K, N), _check_interpret(interpret)
     )
 

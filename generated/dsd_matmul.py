@@ -90,6 +90,11 @@ _FLUSH = 0  # write the finished output block (zeros if no stored block reached 
 _BLOCK = 1  # multiply one stored block into the accumulator
 _SKIP = 2  # a padding entry: nothing to do
 
+# Kinds of block.
+_EMPTY = 0  # nothing to compute: no compute, no new copies
+_PARTIAL = 1  # compute (a mask block that is mixed: apply it)
+_FULL = 2  # compute (a mask block that is all ones: skip reading it)
+
 
 def _fail(message):
     raise ValueError(f"{_NAME}: {message}")
@@ -279,6 +284,14 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
+def _no_gradient(value):
+    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
+    for integers (coordinates, offsets, padding flags), as JAX requires."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.zeros_like(value)
+    return np.zeros(value.shape, jax.dtypes.float0)
+
+
 def _kernel(
     step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref, *, K
 ):
@@ -329,6 +342,142 @@ def _prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, sizes):
     return (step_kind, step_block, step_row, step_k)
 
 
+def _d_x_kernel(
+    d_x_at_0,
+    d_x_at_1,
+    requested_d_x,
+    next_step,
+    g_o_ref,
+    y_ref,
+    d_x_ref,
+    acc_ref,
+    *,
+    N,
+    M,
+    K,
+):
+    b = pl.program_id(0)
+    n = pl.program_id(1)
+    n_n = pl.num_programs(1)
+    block_kind = requested_d_x[b]
+    # Steps whose requested d_x block is empty skip the compute (and their copies).
+
+    @pl.when(n == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(block_kind != _EMPTY)
+    def _compute():
+        g_o = g_o_ref[...]
+        y = y_ref[...]
+        if N % 512:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 1, N - n * 512)
+            y = _mask_tail(y, 1, N - n * 512)
+        acc_ref[...] += lax.dot_general(
+            g_o, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when((n == n_n - 1) & (block_kind == _EMPTY))
+    def _flush_empty():
+        # Nothing to compute here (requested d_x block): the block is zero.
+        d_x_ref[...] = jnp.zeros_like(d_x_ref)
+
+    @pl.when((n == n_n - 1) & (block_kind != _EMPTY))
+    def _flush():
+        # Write the block.
+        value = acc_ref[...]
+        if M % 512 or K % 512:  # a partial last block: what lies past the end is absent
+            value = _mask_tail(value, 0, M - d_x_at_0[b] * 512)
+            value = _mask_tail(value, 1, K - d_x_at_1[b] * 512)
+        d_x_ref[...] = value.astype(d_x_ref.dtype)
+
+
+def _d_x_g_o_index_map(b, n, d_x_at_0, d_x_at_1, requested_d_x, next_step, *, n_n):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = b
+    nxt = next_step[cell]
+    live = requested_d_x[cell] != _EMPTY
+    return (d_x_at_0[nxt], jnp.where(live, n, jnp.where(nxt > cell, 0, n_n - 1)))
+
+
+def _d_x_y_index_map(b, n, d_x_at_0, d_x_at_1, requested_d_x, next_step, *, n_n):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = b
+    nxt = next_step[cell]
+    live = requested_d_x[cell] != _EMPTY
+    return (d_x_at_1[nxt], jnp.where(live, n, jnp.where(nxt > cell, 0, n_n - 1)))
+
+
+def _d_x_d_x_index_map(b, n, d_x_at_0, d_x_at_1, requested_d_x, next_step):
+    # Block b of the stacked output.
+    return (b, 0, 0)
+
+
+def _d_x_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    nb = x_idx_0.shape[0]
+    # Where the requested blocks are (padding entries: block 0, and skipped).
+    d_x_at_0 = jnp.maximum(x_idx_0, 0)
+    d_x_at_1 = jnp.maximum(x_idx_1, 0)
+    requested_d_x = jnp.where(pad, _EMPTY, _FULL).astype(jnp.int32)
+    next_step = _next_live((requested_d_x != _EMPTY).reshape(-1))
+    requested_d_x = requested_d_x.reshape(-1)
+    return (d_x_at_0, d_x_at_1, requested_d_x, next_step)
+
+
+def _d_y_kernel(
+    step_kind, step_block, step_row, step_m, g_o_ref, x_ref, d_y_ref, acc_ref, *, M
+):
+    n = pl.program_id(0)
+    step = pl.program_id(1)
+    # A run of steps accumulates one output block; it starts after a flush step.
+
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(step_kind[step] == _BLOCK)
+    def _compute():
+        g_o = g_o_ref[...]
+        x = x_ref[...]
+        if M % 512:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 0, M - step_m[step] * 512)
+            x = _mask_tail(x, 0, M - step_m[step] * 512)
+        acc_ref[...] += lax.dot_general(
+            x, g_o, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(step_kind[step] == _FLUSH)
+    def _flush():
+        # Write the finished block (zeros if no stored block reached it).
+        d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
+
+
+def _d_y_g_o_index_map(n, step, step_kind, step_block, step_row, step_m):
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (step_m[step], n)
+
+
+def _d_y_x_index_map(n, step, step_kind, step_block, step_row, step_m):
+    # The stored block this step multiplies (flush steps hold the next one).
+    return (step_block[step], 0, 0)
+
+
+def _d_y_d_y_index_map(n, step, step_kind, step_block, step_row, step_m):
+    return (step_row[step], n)
+
+
+def _d_y_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    nb = x_blocks.shape[0]
+    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    step_kind, step_block, step_row = _coo_steps(x_idx_1, pl.cdiv(K, 512), pad)
+    step_m = jnp.maximum(x_idx_0[step_block], 0)  # 0 if every entry is padding
+    return (step_kind, step_block, step_row, step_m)
+
+
 def _prepare(x_blocks, x_idx_0, x_idx_1, y, M, K, N):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"M": M, "K": K, "N": N}, {})
@@ -355,8 +504,10 @@ def _prepare(x_blocks, x_idx_0, x_idx_1, y, M, K, N):
     x_idx_0 = _check_coords("x_idx_0", x_idx_0, pl.cdiv(M, 512), "x dim 0")
     x_idx_1 = _check_coords("x_idx_1", x_idx_1, pl.cdiv(K, 512), "x dim 1")
     pad = _check_padding(("x_idx_0", "x_idx_1"), (x_idx_0, x_idx_1))
-    nb = x_blocks.shape[0]
-    _check_smem(4 * (nb + pl.cdiv(M, 512)), "the scalar-prefetch tables of this call")
+    _check_smem(
+        4 * (x_blocks.shape[0] + pl.cdiv(M, 512)),
+        "the scalar-prefetch tables of this call",
+    )
     return x_blocks, x_idx_0, x_idx_1, y, pad, (M, K, N)
 
 
@@ -393,6 +544,125 @@ def _impl(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret):
     )(*_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, sizes), x_blocks, y)
 
 
+def _d_x_call(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes, interpret):
+    """The pass that computes d_x."""
+    M, K, N = sizes
+    nb = x_idx_0.shape[0]
+    if nb == 0:
+        # No block requested.
+        return jnp.zeros((nb, 512, 512), jnp.bfloat16)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(nb, pl.cdiv(N, 512)),
+        in_specs=[
+            pl.BlockSpec(
+                (512, 512), functools.partial(_d_x_g_o_index_map, n_n=pl.cdiv(N, 512))
+            ),
+            pl.BlockSpec(
+                (512, 512), functools.partial(_d_x_y_index_map, n_n=pl.cdiv(N, 512))
+            ),
+        ],
+        out_specs=pl.BlockSpec((None, 512, 512), _d_x_d_x_index_map),
+        scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_x_kernel, N=N, M=M, K=K),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((nb, 512, 512), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=nb * pl.cdiv(N, 512) * 268435456,
+            transcendentals=0,
+            bytes_accessed=nb * pl.cdiv(N, 512) * 1048576 + 2 * nb * 512 * 512,
+        ),
+        interpret=interpret,
+    )(*_d_x_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes), g_o, y)
+
+
+def _d_y_call(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes, interpret):
+    """The pass that computes d_y."""
+    M, K, N = sizes
+    nb = x_blocks.shape[0]
+    if nb == 0:
+        # Nothing is stored: the result is all zeros.
+        return jnp.zeros((K, N), jnp.bfloat16)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(pl.cdiv(N, 512), nb + pl.cdiv(K, 512)),
+        in_specs=[
+            pl.BlockSpec((512, 512), _d_y_g_o_index_map),
+            pl.BlockSpec((None, 512, 512), _d_y_x_index_map),
+        ],
+        out_specs=pl.BlockSpec((512, 512), _d_y_d_y_index_map),
+        scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_y_kernel, M=M),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((K, N), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=nb * pl.cdiv(N, 512) * 268435456,
+            transcendentals=0,
+            bytes_accessed=nb * pl.cdiv(N, 512) * 1048576 + 2 * K * N,
+        ),
+        interpret=interpret,
+    )(*_d_y_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes), g_o, x_blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+def _backward(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes, interpret):
+    """The partial gradients: one pass per differentiable factor of each statement."""
+    d_x = _d_x_call(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes, interpret)
+    d_y = _d_y_call(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes, interpret)
+    return d_x, d_y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _run(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret):
+    return _impl(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret)
+
+
+def _run_forward(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret):
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
+    return _impl(x_blocks, x_idx_0, x_idx_1, y, pad, sizes, interpret), (
+        x_blocks,
+        x_idx_0,
+        x_idx_1,
+        y,
+        pad,
+    )
+
+
+def _run_backward(sizes, interpret, residuals, cotangent):
+    (
+        x_blocks,
+        x_idx_0,
+        x_idx_1,
+        y,
+        pad,
+    ) = residuals
+    g_o = cotangent
+    (
+        d_x,
+        d_y,
+    ) = _backward(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes, interpret)
+    return (
+        d_x,
+        _no_gradient(x_idx_0),
+        _no_gradient(x_idx_1),
+        d_y,
+        _no_gradient(pad),
+    )
+
+
+_run.defvjp(_run_forward, _run_backward)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x_blocks, x_idx_0, x_idx_1, y, pad, sizes):
     M, K, N = sizes
@@ -417,7 +687,7 @@ def dsd_matmul(
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(
+    return _run(
         *_prepare(x_blocks, x_idx_0, x_idx_1, y, M, K, N), _check_interpret(interpret)
     )
 

@@ -215,6 +215,14 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
+def _no_gradient(value):
+    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
+    for integers (coordinates, offsets, padding flags), as JAX requires."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.zeros_like(value)
+    return np.zeros(value.shape, jax.dtypes.float0)
+
+
 def _kernel(kind, next_step, next_mask, mask_ref, x_ref, y_ref, o_ref, acc_ref, *, K):
     m = pl.program_id(0)
     n = pl.program_id(1)
@@ -293,6 +301,148 @@ def _prefetch(x, y, mask, sizes):
     return (kind, next_step, next_mask)
 
 
+def _d_x_kernel(kind, next_step, g_o_ref, mask_ref, y_ref, d_x_ref, acc_ref, *, N):
+    m = pl.program_id(0)
+    k = pl.program_id(1)
+    n = pl.program_id(2)
+    n_n = pl.num_programs(2)
+    block_kind = kind[m * n_n + n]
+    # Steps whose mask block is empty skip the compute (and their copies).
+
+    @pl.when(n == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(block_kind != _EMPTY)
+    def _compute():
+        g_o = (
+            g_o_ref[...].astype(jnp.float32) * mask_ref[...].astype(jnp.float32)
+        ).astype(jnp.bfloat16)
+        y = y_ref[...]
+        if N % 512:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 1, N - n * 512)
+            y = _mask_tail(y, 1, N - n * 512)
+        acc_ref[...] += lax.dot_general(
+            g_o, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(n == n_n - 1)
+    def _flush():
+        # Write the block.
+        d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
+
+
+def _d_x_g_o_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = (m * n_k + k) * n_n + n
+    nxt = next_step[cell]
+    return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
+
+
+def _d_x_mask_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = (m * n_k + k) * n_n + n
+    nxt = next_step[cell]
+    return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
+
+
+def _d_x_y_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = (m * n_k + k) * n_n + n
+    nxt = next_step[cell]
+    return (lax.rem(lax.div(nxt, n_n), n_k), lax.rem(nxt, n_n))
+
+
+def _d_x_d_x_index_map(m, k, n, kind, next_step):
+    return (m, k)
+
+
+def _d_x_prefetch(x, y, mask, g_o, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    # Classify the blocks of mask; skipped steps follow a map to the next step that computes.
+    kind = _block_kinds(mask, (512, 512), False)
+    next_step = _next_live(
+        jnp.broadcast_to(
+            (kind != _EMPTY).reshape((pl.cdiv(M, 512), 1, pl.cdiv(N, 512))),
+            (pl.cdiv(M, 512), pl.cdiv(K, 1024), pl.cdiv(N, 512)),
+        ).reshape(-1)
+    )
+    kind = kind.reshape(-1)
+    return (kind, next_step)
+
+
+def _d_y_kernel(kind, next_step, g_o_ref, mask_ref, x_ref, d_y_ref, acc_ref, *, M):
+    k = pl.program_id(0)
+    n = pl.program_id(1)
+    m = pl.program_id(2)
+    n_m = pl.num_programs(2)
+    block_kind = kind[n * n_m + m]
+    # Steps whose mask block is empty skip the compute (and their copies).
+
+    @pl.when(m == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(block_kind != _EMPTY)
+    def _compute():
+        g_o = (
+            g_o_ref[...].astype(jnp.float32) * mask_ref[...].astype(jnp.float32)
+        ).astype(jnp.bfloat16)
+        x = x_ref[...]
+        if M % 512:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 0, M - m * 512)
+            x = _mask_tail(x, 0, M - m * 512)
+        acc_ref[...] += lax.dot_general(
+            x, g_o, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(m == n_m - 1)
+    def _flush():
+        # Write the block.
+        d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
+
+
+def _d_y_g_o_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = (k * n_n + n) * n_m + m
+    nxt = next_step[cell]
+    return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
+
+
+def _d_y_mask_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = (k * n_n + n) * n_m + m
+    nxt = next_step[cell]
+    return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
+
+
+def _d_y_x_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = (k * n_n + n) * n_m + m
+    nxt = next_step[cell]
+    return (lax.rem(nxt, n_m), lax.div(nxt, n_n * n_m))
+
+
+def _d_y_d_y_index_map(k, n, m, kind, next_step):
+    return (k, n)
+
+
+def _d_y_prefetch(x, y, mask, g_o, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    # Classify the blocks of mask; skipped steps follow a map to the next step that computes.
+    kind = _block_kinds(mask, (512, 512), False).transpose((1, 0))
+    next_step = _next_live(
+        jnp.broadcast_to(
+            (kind != _EMPTY).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512))),
+            (pl.cdiv(K, 1024), pl.cdiv(N, 512), pl.cdiv(M, 512)),
+        ).reshape(-1)
+    )
+    kind = kind.reshape(-1)
+    return (kind, next_step)
+
+
 def _prepare(x, y, mask, M, K, N):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"M": M, "K": K, "N": N}, {})
@@ -359,6 +509,147 @@ def _impl(x, y, mask, sizes, interpret):
     )(*_prefetch(x, y, mask, sizes), mask, x, y)
 
 
+def _d_x_call(x, y, mask, g_o, sizes, interpret):
+    """The pass that computes d_x."""
+    M, K, N = sizes
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(pl.cdiv(M, 512), pl.cdiv(K, 1024), pl.cdiv(N, 512)),
+        in_specs=[
+            pl.BlockSpec(
+                (512, 512),
+                functools.partial(
+                    _d_x_g_o_index_map, n_k=pl.cdiv(K, 1024), n_n=pl.cdiv(N, 512)
+                ),
+            ),
+            pl.BlockSpec(
+                (512, 512),
+                functools.partial(
+                    _d_x_mask_index_map, n_k=pl.cdiv(K, 1024), n_n=pl.cdiv(N, 512)
+                ),
+            ),
+            pl.BlockSpec(
+                (1024, 512),
+                functools.partial(
+                    _d_x_y_index_map, n_k=pl.cdiv(K, 1024), n_n=pl.cdiv(N, 512)
+                ),
+            ),
+        ],
+        out_specs=pl.BlockSpec((512, 1024), _d_x_d_x_index_map),
+        scratch_shapes=[pltpu.VMEM((512, 1024), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_x_kernel, N=N),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=pl.cdiv(M, 512) * pl.cdiv(K, 1024) * pl.cdiv(N, 512) * 536870912,
+            transcendentals=0,
+            bytes_accessed=pl.cdiv(M, 512)
+            * pl.cdiv(K, 1024)
+            * pl.cdiv(N, 512)
+            * 2621440
+            + 2 * M * K,
+        ),
+        interpret=interpret,
+    )(*_d_x_prefetch(x, y, mask, g_o, sizes), g_o, mask, y)
+
+
+def _d_y_call(x, y, mask, g_o, sizes, interpret):
+    """The pass that computes d_y."""
+    M, K, N = sizes
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(pl.cdiv(K, 1024), pl.cdiv(N, 512), pl.cdiv(M, 512)),
+        in_specs=[
+            pl.BlockSpec(
+                (512, 512),
+                functools.partial(
+                    _d_y_g_o_index_map, n_n=pl.cdiv(N, 512), n_m=pl.cdiv(M, 512)
+                ),
+            ),
+            pl.BlockSpec(
+                (512, 512),
+                functools.partial(
+                    _d_y_mask_index_map, n_n=pl.cdiv(N, 512), n_m=pl.cdiv(M, 512)
+                ),
+            ),
+            pl.BlockSpec(
+                (512, 1024),
+                functools.partial(
+                    _d_y_x_index_map, n_n=pl.cdiv(N, 512), n_m=pl.cdiv(M, 512)
+                ),
+            ),
+        ],
+        out_specs=pl.BlockSpec((1024, 512), _d_y_d_y_index_map),
+        scratch_shapes=[pltpu.VMEM((1024, 512), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_y_kernel, M=M),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((K, N), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=pl.cdiv(K, 1024) * pl.cdiv(N, 512) * pl.cdiv(M, 512) * 536870912,
+            transcendentals=0,
+            bytes_accessed=pl.cdiv(K, 1024)
+            * pl.cdiv(N, 512)
+            * pl.cdiv(M, 512)
+            * 2621440
+            + 2 * K * N,
+        ),
+        interpret=interpret,
+    )(*_d_y_prefetch(x, y, mask, g_o, sizes), g_o, mask, x)
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+def _backward(x, y, mask, g_o, sizes, interpret):
+    """The partial gradients: one pass per differentiable factor of each statement."""
+    d_x = _d_x_call(x, y, mask, g_o, sizes, interpret)
+    d_y = _d_y_call(x, y, mask, g_o, sizes, interpret)
+    return d_x, d_y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _run(x, y, mask, sizes, interpret):
+    return _impl(x, y, mask, sizes, interpret)
+
+
+def _run_forward(x, y, mask, sizes, interpret):
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
+    return _impl(x, y, mask, sizes, interpret), (
+        x,
+        y,
+        mask,
+    )
+
+
+def _run_backward(sizes, interpret, residuals, cotangent):
+    (
+        x,
+        y,
+        mask,
+    ) = residuals
+    g_o = cotangent
+    (
+        d_x,
+        d_y,
+    ) = _backward(x, y, mask, g_o, sizes, interpret)
+    return (
+        d_x,
+        d_y,
+        _no_gradient(mask),
+    )
+
+
+_run.defvjp(_run_forward, _run_backward)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x, y, mask, sizes):
     M, K, N = sizes
@@ -379,7 +670,7 @@ def masked_matmul(x, y, mask, *, M=None, K=None, N=None, interpret=False):
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(*_prepare(x, y, mask, M, K, N), _check_interpret(interpret))
+    return _run(*_prepare(x, y, mask, M, K, N), _check_interpret(interpret))
 
 
 def reference(x, y, mask, *, M=None, K=None, N=None):

@@ -212,6 +212,14 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
+def _no_gradient(value):
+    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
+    for integers (coordinates, offsets, padding flags), as JAX requires."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.zeros_like(value)
+    return np.zeros(value.shape, jax.dtypes.float0)
+
+
 def _kernel(kind, next_step, x_ref, g_ref, keep_ref, dy_ref, acc_ref, *, M):
     k = pl.program_id(0)
     n = pl.program_id(1)
@@ -283,6 +291,157 @@ def _prefetch(x, g, keep, sizes):
     return (kind, next_step)
 
 
+def _d_x_kernel(kind, next_step, g_dy_ref, g_ref, keep_ref, d_x_ref, acc_ref, *, N):
+    m = pl.program_id(0)
+    k = pl.program_id(1)
+    n = pl.program_id(2)
+    n_n = pl.num_programs(2)
+    block_kind = kind[m * n_n + n]
+    # Steps whose keep block is empty skip the compute (and their copies).
+
+    @pl.when(n == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(block_kind != _EMPTY)
+    def _compute():
+        g_dy = g_dy_ref[...]
+        g = (g_ref[...].astype(jnp.float32) * keep_ref[...].astype(jnp.float32)).astype(
+            jnp.bfloat16
+        )
+        if N % 512:  # a partial last block: what lies past the end is absent
+            g_dy = _mask_tail(g_dy, 1, N - n * 512)
+            g = _mask_tail(g, 1, N - n * 512)
+        acc_ref[...] += lax.dot_general(
+            g, g_dy, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(n == n_n - 1)
+    def _flush():
+        # Write the block.
+        d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
+
+
+def _d_x_g_dy_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = (m * n_k + k) * n_n + n
+    nxt = next_step[cell]
+    return (lax.rem(lax.div(nxt, n_n), n_k), lax.rem(nxt, n_n))
+
+
+def _d_x_g_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = (m * n_k + k) * n_n + n
+    nxt = next_step[cell]
+    return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
+
+
+def _d_x_keep_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = (m * n_k + k) * n_n + n
+    nxt = next_step[cell]
+    return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
+
+
+def _d_x_d_x_index_map(m, k, n, kind, next_step):
+    return (m, k)
+
+
+def _d_x_prefetch(x, g, keep, g_dy, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    # Classify the blocks of keep; skipped steps follow a map to the next step that computes.
+    kind = _block_kinds(keep, (512, 512), False)
+    next_step = _next_live(
+        jnp.broadcast_to(
+            (kind != _EMPTY).reshape((pl.cdiv(M, 512), 1, pl.cdiv(N, 512))),
+            (pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
+        ).reshape(-1)
+    )
+    kind = kind.reshape(-1)
+    return (kind, next_step)
+
+
+def _d_g_kernel(
+    kind, next_step, next_keep, g_dy_ref, x_ref, keep_ref, d_g_ref, acc_ref, *, K
+):
+    m = pl.program_id(0)
+    n = pl.program_id(1)
+    k = pl.program_id(2)
+    n_n = pl.num_programs(1)
+    n_k = pl.num_programs(2)
+    block_kind = kind[m * n_n + n]
+    # Steps whose keep block is empty skip the compute (and their copies).
+
+    @pl.when(k == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(block_kind != _EMPTY)
+    def _compute():
+        g_dy = g_dy_ref[...]
+        x = x_ref[...]
+        if K % 512:  # a partial last block: what lies past the end is absent
+            g_dy = _mask_tail(g_dy, 0, K - k * 512)
+            x = _mask_tail(x, 1, K - k * 512)
+        acc_ref[...] += jnp.dot(x, g_dy, preferred_element_type=jnp.float32)
+
+    @pl.when((k == n_k - 1) & (block_kind == _EMPTY))
+    def _flush_empty():
+        # Nothing to compute here (keep block): the block is zero.
+        d_g_ref[...] = jnp.zeros_like(d_g_ref)
+
+    @pl.when((k == n_k - 1) & (block_kind == _PARTIAL))
+    def _flush_partial():
+        # Apply keep.
+        d_g_ref[...] = (acc_ref[...] * keep_ref[...].astype(jnp.float32)).astype(
+            d_g_ref.dtype
+        )
+
+    @pl.when((k == n_k - 1) & (block_kind == _FULL))
+    def _flush_full():
+        # keep is all ones here: no need to read it.
+        d_g_ref[...] = acc_ref[...].astype(d_g_ref.dtype)
+
+
+def _d_g_g_dy_index_map(m, n, k, kind, next_step, next_keep, *, n_n, n_k):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = m * n_n + n
+    nxt = next_step[cell]
+    live = kind[cell] != _EMPTY
+    return (jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)), lax.rem(nxt, n_n))
+
+
+def _d_g_x_index_map(m, n, k, kind, next_step, next_keep, *, n_n, n_k):
+    # Skipped steps hold the block of the next step that computes, so they start no copy.
+    cell = m * n_n + n
+    nxt = next_step[cell]
+    live = kind[cell] != _EMPTY
+    return (lax.div(nxt, n_n), jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)))
+
+
+def _d_g_keep_index_map(m, n, k, kind, next_step, next_keep, *, n_n):
+    # Only partial mask blocks are read: every other step holds the next partial one.
+    cell = m * n_n + n
+    nxt = next_keep[cell]
+    return (lax.div(nxt, n_n), lax.rem(nxt, n_n))
+
+
+def _d_g_d_g_index_map(m, n, k, kind, next_step, next_keep):
+    return (m, n)
+
+
+def _d_g_prefetch(x, g, keep, g_dy, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    # Classify the blocks of keep; skipped steps follow a map to the next step that computes.
+    kind = _block_kinds(keep, (512, 512), True)
+    next_step = _next_live((kind != _EMPTY).reshape(-1))
+    next_keep = _next_live((kind == _PARTIAL).reshape(-1))
+    kind = kind.reshape(-1)
+    return (kind, next_step, next_keep)
+
+
 def _prepare(x, g, keep, M, K, N):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"M": M, "K": K, "N": N}, {})
@@ -350,6 +509,138 @@ def _impl(x, g, keep, sizes, interpret):
     )(*_prefetch(x, g, keep, sizes), x, g, keep)
 
 
+def _d_x_call(x, g, keep, g_dy, sizes, interpret):
+    """The pass that computes d_x."""
+    M, K, N = sizes
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
+        in_specs=[
+            pl.BlockSpec(
+                (512, 512),
+                functools.partial(
+                    _d_x_g_dy_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)
+                ),
+            ),
+            pl.BlockSpec(
+                (512, 512),
+                functools.partial(
+                    _d_x_g_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)
+                ),
+            ),
+            pl.BlockSpec(
+                (512, 512),
+                functools.partial(
+                    _d_x_keep_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)
+                ),
+            ),
+        ],
+        out_specs=pl.BlockSpec((512, 512), _d_x_d_x_index_map),
+        scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_x_kernel, N=N),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=pl.cdiv(M, 512) * pl.cdiv(K, 512) * pl.cdiv(N, 512) * 268435456,
+            transcendentals=0,
+            bytes_accessed=pl.cdiv(M, 512) * pl.cdiv(K, 512) * pl.cdiv(N, 512) * 1572864
+            + 2 * M * K,
+        ),
+        interpret=interpret,
+    )(*_d_x_prefetch(x, g, keep, g_dy, sizes), g_dy, g, keep)
+
+
+def _d_g_call(x, g, keep, g_dy, sizes, interpret):
+    """The pass that computes d_g."""
+    M, K, N = sizes
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(pl.cdiv(M, 512), pl.cdiv(N, 512), pl.cdiv(K, 512)),
+        in_specs=[
+            pl.BlockSpec(
+                (512, 512),
+                functools.partial(
+                    _d_g_g_dy_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(K, 512)
+                ),
+            ),
+            pl.BlockSpec(
+                (512, 512),
+                functools.partial(
+                    _d_g_x_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(K, 512)
+                ),
+            ),
+            pl.BlockSpec(
+                (512, 512), functools.partial(_d_g_keep_index_map, n_n=pl.cdiv(N, 512))
+            ),
+        ],
+        out_specs=pl.BlockSpec((512, 512), _d_g_d_g_index_map),
+        scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_g_kernel, K=K),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((M, N), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 512) * 268435456,
+            transcendentals=0,
+            bytes_accessed=pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 512) * 1572864
+            + 2 * M * N,
+        ),
+        interpret=interpret,
+    )(*_d_g_prefetch(x, g, keep, g_dy, sizes), g_dy, x, keep)
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+def _backward(x, g, keep, g_dy, sizes, interpret):
+    """The partial gradients: one pass per differentiable factor of each statement."""
+    d_x = _d_x_call(x, g, keep, g_dy, sizes, interpret)
+    d_g = _d_g_call(x, g, keep, g_dy, sizes, interpret)
+    return d_x, d_g
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _run(x, g, keep, sizes, interpret):
+    return _impl(x, g, keep, sizes, interpret)
+
+
+def _run_forward(x, g, keep, sizes, interpret):
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
+    return _impl(x, g, keep, sizes, interpret), (
+        x,
+        g,
+        keep,
+    )
+
+
+def _run_backward(sizes, interpret, residuals, cotangent):
+    (
+        x,
+        g,
+        keep,
+    ) = residuals
+    g_dy = cotangent
+    (
+        d_x,
+        d_g,
+    ) = _backward(x, g, keep, g_dy, sizes, interpret)
+    return (
+        d_x,
+        d_g,
+        _no_gradient(keep),
+    )
+
+
+_run.defvjp(_run_forward, _run_backward)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x, g, keep, sizes):
     M, K, N = sizes
@@ -370,7 +661,7 @@ def masked_matmul_dy(x, g, keep, *, M=None, K=None, N=None, interpret=False):
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(*_prepare(x, g, keep, M, K, N), _check_interpret(interpret))
+    return _run(*_prepare(x, g, keep, M, K, N), _check_interpret(interpret))
 
 
 def reference(x, g, keep, *, M=None, K=None, N=None):

@@ -86,6 +86,11 @@ from jax.experimental.pallas import tpu as pltpu
 _NAME = "sdd_matmul"
 _SMEM_BYTES = 1040384  # scalar memory of a v5e TensorCore
 
+# The kinds of step in the walk over stored blocks.
+_FLUSH = 0  # write the finished output block (zeros if no stored block reached it)
+_BLOCK = 1  # multiply one stored block into the accumulator
+_SKIP = 2  # a padding entry: nothing to do
+
 # Kinds of block.
 _EMPTY = 0  # nothing to compute: no compute, no new copies
 _PARTIAL = 1  # compute (a mask block that is mixed: apply it)
@@ -222,6 +227,35 @@ def _next_live(live):
     return jnp.where(ahead < n, ahead, jnp.maximum(behind, 0)).astype(jnp.int32)
 
 
+def _coo_steps(rows, n_rows, pad):
+    """The walk over stored blocks: sorted by the output block (row) they feed, each row's
+    run closed by a flush step, rows that no block feeds included (they flush zeros), and
+    padding entries last, as steps that do nothing.
+
+    Returns per step: its kind, the stored block it reads (flush and padding steps read
+    the next block, or the last one, so they start no extra copy) and the row it feeds.
+    """
+    nb = rows.shape[0]
+    # A block of row r sorts as 2r, the flush step of row r as 2r + 1 (stable); padding last.
+    keys = jnp.concatenate(
+        [
+            jnp.where(pad, 2 * n_rows, rows * 2),
+            jnp.arange(n_rows, dtype=jnp.int32) * 2 + 1,
+        ]
+    )
+    order = jnp.argsort(keys, stable=True).astype(jnp.int32)
+    entry = order < nb
+    is_pad = entry & pad[jnp.minimum(order, nb - 1)]
+    is_block = entry & ~is_pad
+    kind = jnp.where(is_block, _BLOCK, jnp.where(is_pad, _SKIP, _FLUSH)).astype(
+        jnp.int32
+    )
+    block = jnp.minimum(order[_next_live(is_block)], nb - 1)
+    row = jnp.where(entry, rows[jnp.minimum(order, nb - 1)], order - nb)
+    row = jnp.where(is_pad, n_rows - 1, row).astype(jnp.int32)
+    return kind, block, row
+
+
 def _gather_blocks(dense, coords, pad, tiles):
     """The blocks of `dense` at the given block coordinates, stacked (tile-1 dimensions
     dropped); padding entries and what lies past a partial last block are zeros."""
@@ -245,6 +279,14 @@ def _mask_tail(value, axis, limit):
     block, memory holds anything (NaN too), and absent elements add nothing to a sum."""
     inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit
     return jnp.where(inside, value, jnp.zeros_like(value))
+
+
+def _no_gradient(value):
+    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
+    for integers (coordinates, offsets, padding flags), as JAX requires."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.zeros_like(value)
+    return np.zeros(value.shape, jax.dtypes.float0)
 
 
 def _kernel(
@@ -318,6 +360,110 @@ def _prefetch(x, y, o_idx_0, o_idx_1, pad, sizes):
     return (o_at_0, o_at_1, requested_o, next_step)
 
 
+def _d_x_kernel(
+    step_kind, step_block, step_row, step_n, g_o_ref, y_ref, d_x_ref, acc_ref, *, N
+):
+    k = pl.program_id(0)
+    step = pl.program_id(1)
+    # A run of steps accumulates one output block; it starts after a flush step.
+
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(step_kind[step] == _BLOCK)
+    def _compute():
+        g_o = g_o_ref[...]
+        y = y_ref[...]
+        if N % 128:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 1, N - step_n[step] * 128)
+            y = _mask_tail(y, 1, N - step_n[step] * 128)
+        acc_ref[...] += lax.dot_general(
+            g_o, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(step_kind[step] == _FLUSH)
+    def _flush():
+        # Write the finished block (zeros if no stored block reached it).
+        d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
+
+
+def _d_x_g_o_index_map(k, step, step_kind, step_block, step_row, step_n):
+    # The stored block this step multiplies (flush steps hold the next one).
+    return (step_block[step], 0, 0)
+
+
+def _d_x_y_index_map(k, step, step_kind, step_block, step_row, step_n):
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (k, step_n[step])
+
+
+def _d_x_d_x_index_map(k, step, step_kind, step_block, step_row, step_n):
+    return (step_row[step], k)
+
+
+def _d_x_prefetch(x, y, o_idx_0, o_idx_1, pad, g_o, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    nb = g_o.shape[0]
+    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    step_kind, step_block, step_row = _coo_steps(o_idx_0, pl.cdiv(M, 128), pad)
+    step_n = jnp.maximum(o_idx_1[step_block], 0)  # 0 if every entry is padding
+    return (step_kind, step_block, step_row, step_n)
+
+
+def _d_y_kernel(
+    step_kind, step_block, step_row, step_m, g_o_ref, x_ref, d_y_ref, acc_ref, *, M
+):
+    k = pl.program_id(0)
+    step = pl.program_id(1)
+    # A run of steps accumulates one output block; it starts after a flush step.
+
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(step_kind[step] == _BLOCK)
+    def _compute():
+        g_o = g_o_ref[...]
+        x = x_ref[...]
+        if M % 128:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 0, M - step_m[step] * 128)
+            x = _mask_tail(x, 0, M - step_m[step] * 128)
+        acc_ref[...] += lax.dot_general(
+            x, g_o, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(step_kind[step] == _FLUSH)
+    def _flush():
+        # Write the finished block (zeros if no stored block reached it).
+        d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
+
+
+def _d_y_g_o_index_map(k, step, step_kind, step_block, step_row, step_m):
+    # The stored block this step multiplies (flush steps hold the next one).
+    return (step_block[step], 0, 0)
+
+
+def _d_y_x_index_map(k, step, step_kind, step_block, step_row, step_m):
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (step_m[step], k)
+
+
+def _d_y_d_y_index_map(k, step, step_kind, step_block, step_row, step_m):
+    return (k, step_row[step])
+
+
+def _d_y_prefetch(x, y, o_idx_0, o_idx_1, pad, g_o, sizes):
+    """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
+    M, K, N = sizes
+    nb = g_o.shape[0]
+    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    step_kind, step_block, step_row = _coo_steps(o_idx_1, pl.cdiv(N, 128), pad)
+    step_m = jnp.maximum(o_idx_0[step_block], 0)  # 0 if every entry is padding
+    return (step_kind, step_block, step_row, step_m)
+
+
 def _prepare(x, y, o_idx_0, o_idx_1, M, K, N):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"M": M, "K": K, "N": N}, {})
@@ -336,8 +482,7 @@ def _prepare(x, y, o_idx_0, o_idx_1, M, K, N):
     o_idx_0 = _check_coords("o_idx_0", o_idx_0, pl.cdiv(M, 128), "o dim 0")
     o_idx_1 = _check_coords("o_idx_1", o_idx_1, pl.cdiv(N, 128), "o dim 1")
     pad = _check_padding(("o_idx_0", "o_idx_1"), (o_idx_0, o_idx_1))
-    nb = o_idx_0.shape[0]
-    _check_smem(4 * nb, "the scalar-prefetch tables of this call")
+    _check_smem(4 * o_idx_0.shape[0], "the scalar-prefetch tables of this call")
     return x, y, o_idx_0, o_idx_1, pad, (M, K, N)
 
 
@@ -378,6 +523,121 @@ def _impl(x, y, o_idx_0, o_idx_1, pad, sizes, interpret):
     )(*_prefetch(x, y, o_idx_0, o_idx_1, pad, sizes), x, y)
 
 
+def _d_x_call(x, y, o_idx_0, o_idx_1, pad, g_o, sizes, interpret):
+    """The pass that computes d_x."""
+    M, K, N = sizes
+    nb = g_o.shape[0]
+    if nb == 0:
+        # Nothing is stored: the result is all zeros.
+        return jnp.zeros((M, K), jnp.bfloat16)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(pl.cdiv(K, 512), nb + pl.cdiv(M, 128)),
+        in_specs=[
+            pl.BlockSpec((None, 128, 128), _d_x_g_o_index_map),
+            pl.BlockSpec((512, 128), _d_x_y_index_map),
+        ],
+        out_specs=pl.BlockSpec((128, 512), _d_x_d_x_index_map),
+        scratch_shapes=[pltpu.VMEM((128, 512), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_x_kernel, N=N),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=nb * pl.cdiv(K, 512) * 16777216,
+            transcendentals=0,
+            bytes_accessed=nb * pl.cdiv(K, 512) * 163840 + 2 * M * K,
+        ),
+        interpret=interpret,
+    )(*_d_x_prefetch(x, y, o_idx_0, o_idx_1, pad, g_o, sizes), g_o, y)
+
+
+def _d_y_call(x, y, o_idx_0, o_idx_1, pad, g_o, sizes, interpret):
+    """The pass that computes d_y."""
+    M, K, N = sizes
+    nb = g_o.shape[0]
+    if nb == 0:
+        # Nothing is stored: the result is all zeros.
+        return jnp.zeros((K, N), jnp.bfloat16)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(pl.cdiv(K, 512), nb + pl.cdiv(N, 128)),
+        in_specs=[
+            pl.BlockSpec((None, 128, 128), _d_y_g_o_index_map),
+            pl.BlockSpec((128, 512), _d_y_x_index_map),
+        ],
+        out_specs=pl.BlockSpec((512, 128), _d_y_d_y_index_map),
+        scratch_shapes=[pltpu.VMEM((512, 128), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_d_y_kernel, M=M),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((K, N), jnp.bfloat16),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=nb * pl.cdiv(K, 512) * 16777216,
+            transcendentals=0,
+            bytes_accessed=nb * pl.cdiv(K, 512) * 163840 + 2 * K * N,
+        ),
+        interpret=interpret,
+    )(*_d_y_prefetch(x, y, o_idx_0, o_idx_1, pad, g_o, sizes), g_o, x)
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+def _backward(x, y, o_idx_0, o_idx_1, pad, g_o, sizes, interpret):
+    """The partial gradients: one pass per differentiable factor of each statement."""
+    d_x = _d_x_call(x, y, o_idx_0, o_idx_1, pad, g_o, sizes, interpret)
+    d_y = _d_y_call(x, y, o_idx_0, o_idx_1, pad, g_o, sizes, interpret)
+    return d_x, d_y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _run(x, y, o_idx_0, o_idx_1, pad, sizes, interpret):
+    return _impl(x, y, o_idx_0, o_idx_1, pad, sizes, interpret)
+
+
+def _run_forward(x, y, o_idx_0, o_idx_1, pad, sizes, interpret):
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
+    return _impl(x, y, o_idx_0, o_idx_1, pad, sizes, interpret), (
+        x,
+        y,
+        o_idx_0,
+        o_idx_1,
+        pad,
+    )
+
+
+def _run_backward(sizes, interpret, residuals, cotangent):
+    (
+        x,
+        y,
+        o_idx_0,
+        o_idx_1,
+        pad,
+    ) = residuals
+    g_o = cotangent
+    (
+        d_x,
+        d_y,
+    ) = _backward(x, y, o_idx_0, o_idx_1, pad, g_o, sizes, interpret)
+    return (
+        d_x,
+        d_y,
+        _no_gradient(o_idx_0),
+        _no_gradient(o_idx_1),
+        _no_gradient(pad),
+    )
+
+
+_run.defvjp(_run_forward, _run_backward)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x, y, o_idx_0, o_idx_1, pad, sizes):
     M, K, N = sizes
@@ -398,9 +658,7 @@ def sdd_matmul(x, y, o_idx_0, o_idx_1, *, M=None, K=None, N=None, interpret=Fals
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _impl(
-        *_prepare(x, y, o_idx_0, o_idx_1, M, K, N), _check_interpret(interpret)
-    )
+    return _run(*_prepare(x, y, o_idx_0, o_idx_1, M, K, N), _check_interpret(interpret))
 
 
 def reference(x, y, o_idx_0, o_idx_1, *, M=None, K=None, N=None):

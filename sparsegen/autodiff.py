@@ -42,6 +42,7 @@ class Backward:
     cotangents: tuple[tuple[str, str], ...]  # (forward output, its cotangent's array in the wrapper)
     partials: tuple[Partial, ...]
     error: str | None = None  # why the gradient cannot be derived
+    prelude: tuple[tuple[str, tuple], ...] = ()  # (array, (coo operand, shape, tiles)): coo inputs densified first
 
     @property
     def differentiable(self) -> bool:
@@ -71,6 +72,7 @@ class _Deriver:
         self.pads: list[tuple[str, str]] = list(conv.pads)
         self.uses: list[OffsetUse] = []
         self.dense_alias: dict[str, str] = {}
+        self.prelude: list[tuple[str, tuple]] = []
 
     def run(self) -> Backward:
         k, conv = self.k, self.conv
@@ -121,8 +123,9 @@ class _Deriver:
             relations=k.relations,
             accumulate_span=k.accumulate_span,
         )
+        args += [var for var, _ in self.prelude]
         bconv = Convention(tuple(self.params), conv.sizes, tuple(self.pads), conv.offsets, tuple(self.uses), tuple(args))
-        return Backward(bwd, bconv, tuple((o, a) for o, (_, a) in cotangents.items()), tuple(partials))
+        return Backward(bwd, bconv, tuple((o, a) for o, (_, a) in cotangents.items()), tuple(partials), prelude=tuple(self.prelude))
 
     def statement(self, st: Einsum, n: int, gname: str, partials: list[Partial]) -> Einsum:
         k, conv = self.k, self.conv
@@ -141,8 +144,10 @@ class _Deriver:
         others = [r for m, r in enumerate(st.factors) if m != n]
         sparse_in = [r for r in [g, *others] if self.operands[r.operand].sparsity == "coo"]
         if len(sparse_in) > 1:
-            names = " and ".join(f"'{r.operand}'" for r in sparse_in)
-            raise _Unsupported(f"the gradient of '{op.name}' multiplies two coo operands ({names}), which is not supported yet")
+            # The cotangent of a coo output meets a coo input (the gradient of a coo join's
+            # dense factor): the cotangent drives the walk, the input is densified first.
+            others = [self.densified(r) if self.operands[r.operand].sparsity == "coo" else r for r in others]
+            sparse_in = [g]
         if sparse_in:
             # A coo operand drives the walk: a mask here is read as a dense factor.
             others = [self.dense(r) if self.operands[r.operand].sparsity == "mask" else r for r in others]
@@ -185,6 +190,19 @@ class _Deriver:
             self.operands[alias] = Operand(alias, "in", op.dtype, op.dims, "dense", op.span, op.dtype_span)
             p = self.conv.param(op.name)
             self.params.append(Param(p.public, p.internal, alias, "dense", None, p.shape, p.dtype, p.about))
+        return Read(self.dense_alias[op.name], r.subs, r.span)
+
+    def densified(self, r: Read) -> Read:
+        """A coo input read as the dense array it stands for, built by the wrapper."""
+        op = self.operands[r.operand]
+        if op.name not in self.dense_alias:
+            alias = self.operand_names.take(f"{op.name}_dense")
+            array = self.names.local(f"{op.name}_dense")
+            self.dense_alias[op.name] = alias
+            self.operands[alias] = Operand(alias, "in", op.dtype, op.dims, "dense", op.span, op.dtype_span)
+            self.params.append(Param(alias, array, alias, "dense", None, (), op.dtype.name, f"{op.name} as a dense array"))
+            tiles = tuple(self.k.index(i).tile for i in r.indices)
+            self.prelude.append((array, (op.name, tiles)))
         return Read(self.dense_alias[op.name], r.subs, r.span)
 
     def dense_alias_of(self, name: str) -> str:

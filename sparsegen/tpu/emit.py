@@ -203,7 +203,7 @@ class _Emitter:
         m = self.m
         args = list(m.conv.impl_args)
         cotangents = [a for _, a in m.backward.cotangents] if m.backward else [self.m.names.local(f"g_{o.name}") for o in self.k.outputs]
-        info = {"args": args, "cotangents": cotangents, "error": None, "passes": [], "partials": [], "returns": []}
+        info = {"args": args, "cotangents": cotangents, "error": None, "passes": [], "partials": [], "returns": [], "prelude": []}
         if m.backward_error:
             info["error"] = repr(m.backward_error)
             return info
@@ -224,6 +224,15 @@ class _Emitter:
             else:
                 returns.append(f"_no_gradient({a})")
         info["returns"] = returns
+        # Coo inputs a backward pass reads densely (they meet another coo operand there).
+        prelude = []
+        for var, (operand, tiles) in m.backward.prelude if m.backward else ():
+            op = self.k.operand(operand)
+            coords = _tuple(p.internal for p in m.conv.params if p.operand == operand and p.kind == "coords")
+            shape = _tuple(render(m.conv.size(d), "host") for d in op.dims)
+            blocks = m.conv.param(operand, "blocks").internal
+            prelude.append(f"{var} = _densify({blocks}, {coords}, {m.conv.pad(operand)}, {shape}, {_tuple(map(str, tiles))}, {op.dtype.jnp})")
+        info["prelude"] = prelude
         return info
 
     # ------------------------------------------------------------ module

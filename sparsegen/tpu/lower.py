@@ -156,7 +156,8 @@ def lower(kernel: Kernel, target: Target, names: ModuleNames | None = None, conv
     if sched is None:
         raise LayoutError(errors)
     passes, errors = [], []
-    several = len(sched.passes) > 1
+    # A backward kernel's passes always get functions of their own (the forward has _kernel).
+    several = len(sched.passes) > 1 or not backward
     for p in sched.passes:
         try:
             passes.append(_lower_pass(kernel, names, p, several))

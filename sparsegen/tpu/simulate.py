@@ -176,16 +176,17 @@ def _runs(keys: np.ndarray) -> np.ndarray:
 
 
 def impl_args(plan: TpuModule, module, args: list) -> list:
-    """The arrays `_prepare` hands the kernel: the params, padding flags and offsets."""
+    """The arrays `_prepare` hands the kernel (params, padding flags, offsets), in the order
+    its passes take them; `args` holds one array (or None) per non-index param."""
     conv = plan.conv
-    out = list(args)
-    for operand, _ in conv.pads:
-        coords = [(p.public, a) for a, p in zip(args, [q for q in conv.params if q.kind != "index"])
-                  if p.operand == operand and p.kind in ("coords", "out_coords")]
-        out.append(module._check_padding(*zip(*coords)))
+    params = [q for q in conv.params if q.kind != "index"]
+    by_name = {p.internal: a for p, a in zip(params, args)}
+    for operand, var in conv.pads:
+        coords = [(p.public, by_name[p.internal]) for p in params if p.operand == operand and p.kind in ("coords", "out_coords")]
+        by_name[var] = module._check_padding(*zip(*coords))
     if conv.offsets:
-        out.append(np.zeros(len(conv.offset_uses), np.int32))
-    return out
+        by_name[conv.offsets] = np.zeros(len(conv.offset_uses), np.int32)
+    return [by_name.get(name) for name in conv.impl_args]
 
 
 def simulate(plan: TpuModule, module, args: list, sizes: dict[str, int], keep_trace: bool = False) -> Simulation:
