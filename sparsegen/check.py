@@ -322,13 +322,6 @@ class _KernelChecker:
                     f"a coo input drives the walk over its stored blocks, so it must take part in the sum over '{e.summed[0]}'",
                     "to skip work by a sparse factor applied after the sum, declare it 'mask' instead",
                 )
-                continue
-            missing = [i for i in e.summed if i not in r.indices]
-            if missing:
-                self.error(
-                    accesses[n].span,
-                    f"the walk over the stored blocks of '{r.operand}' covers its own indices only; summing over '{missing[0]}' too is not supported yet",
-                )
 
     # ----------------------------------------------------------------- sizes
     def check_sizes(self) -> None:

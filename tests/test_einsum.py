@@ -91,6 +91,14 @@ kernel chained {
     u[m, p] = t[m, n] * z[n, p]
     tile m = 128, n = 128, k = 128, p = 128
 }""", dict(M=256, K=384, N=256, P=128)),
+    "coo_outer_sum": ("""
+kernel coo_outer_sum {
+    in  x: f32[M, K] coo
+    in  y: f32[K, J, N]
+    out o: f32[M, N]
+    o[m, n] = x[m, k] * y[k, j, n]
+    tile m = 128, n = 128, k = 8, j = 8
+}""", dict(M=256, K=16, J=24, N=128)),
     "ragged_coo": ("""
 kernel ragged_coo {
     in  x: f32[M, K] coo

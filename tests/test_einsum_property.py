@@ -98,3 +98,35 @@ def test_einsums_compile_ahead_of_time(sparse):
         assert "tpu_custom_call" in compile_for(lambda *a: fn(*a, **keywords), args, topology).as_text()
 
     run()
+
+
+@pytest.mark.parametrize("sparse", SPARSE)
+def test_einsum_gradients_equal_the_gradient_of_reference(sparse):
+    """jax.grad through the kernel (its derived backward kernels) equals JAX's gradient of
+    `reference`, for every float input, in the CPU interpreter."""
+    import jax
+    import jax.numpy as jnp
+    from test_gradients import assert_gradients_match, differentiable, loss_of
+
+    @settings(max_examples=20 if SWEEP else 3, **COMMON)
+    @given(einsum_specs(sparse), st.sampled_from(PATTERNS), st.integers(0, 2**16))
+    def run(spec, pattern, seed):
+        text, sizes = spec
+        try:
+            kernel, mod = build(text)
+        except SpecError as exc:
+            assume("VMEM" not in str(exc) and "at most two factors" not in str(exc))
+            raise
+        sizes = dict(sizes)
+        for operand, d, tile in lower(kernel, TARGETS["v5e"]).spans:
+            sizes[kernel.operand(operand).dims[d].symbol] = tile
+        args, keywords = example_args(kernel, sizes, pattern, np.random.default_rng(seed))
+        argnums = tuple(differentiable(kernel))
+        assume(argnums)
+        out = mod.reference(*args, **keywords)
+        weights = [jnp.asarray(np.random.default_rng(seed).standard_normal(np.shape(out)), jnp.float32)]
+        want = jax.grad(loss_of(mod.reference, keywords, weights), argnums=argnums)(*args)
+        got = jax.grad(loss_of(getattr(mod, kernel.name), {**keywords, "interpret": True}, weights), argnums=argnums)(*args)
+        assert_gradients_match(kernel, got, want, resolve_sizes(kernel, sizes))
+
+    run()

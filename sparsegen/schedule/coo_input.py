@@ -10,7 +10,7 @@ padding entries (every coordinate -1) sort last and do nothing.
 
 from __future__ import annotations
 
-from ..expr import Const, Load, Max, Var, flat, render
+from ..expr import Const, Load, Max, Var, Where, flat, render
 from .build import PassBuilder
 from .core import Body, FlushCase, Pass, Product
 
@@ -34,6 +34,9 @@ class CooInputWalk(PassBuilder):
         steps = self.axis("steps", None, Var(nb) + rows, False,
                           f"the stored blocks of {coo.name} in output-block order, plus one flush step per output block", var=self.local("step"))
         step = Var(steps.var)
+        # Summed indices the coo operand lacks are walked inside each step.
+        inner = [self.axis("reduce", i, self.blocks_along(i), False, f"the sum over {i}, which {coo.name} lacks, inside each step")
+                 for i in st.summed if i not in coo_read.indices]
         blocks_param = self.conv.param(coo.name, "blocks").internal
         coords = {i: self.conv.param(coo.name, "coords", d).internal for d, i in enumerate(coo_read.indices)}
         self.kinds = ["_FLUSH", "_BLOCK", "_SKIP"]
@@ -44,7 +47,7 @@ class CooInputWalk(PassBuilder):
         # Compute steps read the coordinates of their stored block; the other operands follow them.
         compute = [n for g in st.summed_groups for n in g.members] if st.summed else list(range(len(st.factors)))
         needed = [i for n in compute if n != n_coo for i in st.factors[n].indices if i in coords]
-        needed += [i for i in st.summed if self.ragged(i)]
+        needed += [i for i in st.summed if self.ragged(i) and i in coords]
         held = {}
         for i in coo_read.indices:
             if i in needed:
@@ -76,6 +79,15 @@ class CooInputWalk(PassBuilder):
             return value
 
         def compute_coord(index):
+            if index in held:
+                return Load(held[index], step)
+            axis = self.axis_of(index)
+            if axis in inner:
+                # Walked while the step computes; flush and padding steps hold the last block.
+                return Where(Load(kind, step).eq(Var("_BLOCK")), Var(axis.var), Var(axis.static) - 1)
+            return Var(axis.var)
+
+        def tail_coord(index):
             return Load(held[index], step) if index in held else Var(self.axis_of(index).var)
 
         def flush_coord(index):
@@ -95,6 +107,9 @@ class CooInputWalk(PassBuilder):
         init = step.eq(0) | Load(kind, Max(step - 1, 0)).eq(Var("_FLUSH"))
         computes = Load(kind, step).eq(Var("_BLOCK"))
         flushes = Load(kind, step).eq(Var("_FLUSH"))
+        for a in inner:
+            init = init & Var(a.var).eq(0)
+            flushes = flushes & Var(a.var).eq(Var(a.static) - 1)
         summed, end = self.products(blocks)
         out = blocks["out"]
         note = ("A run of steps accumulates one output block; it starts after a flush step.",)
@@ -102,7 +117,7 @@ class CooInputWalk(PassBuilder):
         if st.summed:
             acc_live, acc_shape = self.acc_layout(out, summed)
             body = Body(True, init, computes, summed, (), flushes, (FlushCase(None, end, "flush", about),), st.summed, acc_live,
-                        acc_shape, out.live, tails=self.tails(compute_coord), notes=note)
+                        acc_shape, out.live, tails=self.tails(tail_coord), notes=note)
         else:
             # No sum: the product is accumulated per stored block, so duplicates add up.
             factors = tuple(f for p in end for f in p.factors)
