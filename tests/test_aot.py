@@ -1,5 +1,6 @@
-"""Every generated kernel compiles ahead of time for TPU v5e through libtpu, without a TPU;
-on a machine with a TPU the same kernels also run compiled."""
+"""Every kernel the compiler emits now (not the checked-in generated/) compiles ahead of
+time through libtpu for TPU v5e, v6e and v4, without a TPU; on a machine with a TPU the
+same kernels also run compiled."""
 
 from __future__ import annotations
 
@@ -9,47 +10,73 @@ import sys
 import numpy as np
 import pytest
 from aot import compile_for, tpu_present
-from conftest import GENERATED, SPECS, assert_matches
+from conftest import SPECS, assert_matches
 
-from sparsegen.compiler import load
+from sparsegen.compiler import compile_file, load
 from sparsegen.testing import example_args
 
-# Realistic shapes at each spec's own tiles.
-SIZES = {
-    "dsd_matmul": dict(M=4096, K=4096, N=4096),
-    "dds_matmul": dict(M=4096, K=4096, N=4096),
-    "masked_matmul": dict(M=4096, K=4096, N=4096),
-    "sdd_matmul": dict(M=2048, K=2048, N=2048),
-    "block_slice": {},
-}
+TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v4": "v4:2x2x1"}
+SPEC_FILES = sorted(SPECS.glob("*.spk"))
+# Every kernel of every spec (a file may hold several: masked_backward.spk has two).
+KERNELS = [(path.stem, k.name) for path in SPEC_FILES for k in load(path)[1]]
+
+_fresh: dict[tuple[str, str], dict] = {}
 
 
-def generated(name):
-    spec = importlib.util.spec_from_file_location(f"generated_{name}", GENERATED / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    (kernel,) = load(SPECS / f"{name}.spk")[1]
-    return kernel, mod
+def fresh_modules(spec: str, target: str, tmp_path_factory) -> dict:
+    """kernel name -> (plan kernel, module) for a spec compiled now for a target, each module
+    imported from its own file in a temporary folder."""
+    key = (spec, target)
+    if key not in _fresh:
+        folder = tmp_path_factory.mktemp(f"aot_{spec}_{target}")
+        modules = {}
+        for module in compile_file(SPECS / f"{spec}.spk", target):
+            path = folder / f"{module.kernel}.py"
+            path.write_text(module.code)
+            name = f"fresh_{target}_{module.kernel}"
+            imp = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(imp)
+            sys.modules[name] = mod
+            imp.loader.exec_module(mod)
+            modules[module.kernel] = (module.plan.kernel, mod)
+        _fresh[key] = modules
+    return _fresh[key]
 
 
-@pytest.mark.parametrize("name", sorted(SIZES))
-@pytest.mark.parametrize("topology", ["v5e:2x2"])
-def test_generated_kernel_compiles_for_tpu(name, topology):
-    kernel, mod = generated(name)
-    args, keywords = example_args(kernel, SIZES[name], "random", np.random.default_rng(0))
+def shapes(kernel, scale: int) -> dict[str, int]:
+    """Each free size symbol: `scale` blocks of the largest tile along it."""
+    tiles: dict[str, int] = {}
+    for index in kernel.indices:
+        if index.size.symbol is not None and index.size.literal is None:
+            tiles[index.size.symbol] = max(tiles.get(index.size.symbol, 1), index.tile)
+    return {s: scale * t for s, t in tiles.items()}
+
+
+def test_every_spec_kernel_is_listed():
+    assert (
+        len(SPEC_FILES) >= 7
+        and ("masked_backward", "masked_matmul_dx") in KERNELS
+        and ("masked_backward", "masked_matmul_dy") in KERNELS
+    )
+
+
+@pytest.mark.parametrize("target", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("spec,name", KERNELS, ids=[f"{s}-{n}" for s, n in KERNELS])
+def test_fresh_kernel_compiles_for_tpu(spec, name, target, tmp_path_factory):
+    kernel, mod = fresh_modules(spec, target, tmp_path_factory)[name]
+    assert mod.__file__.startswith(str(tmp_path_factory.getbasetemp()))  # not generated/
+    args, keywords = example_args(kernel, shapes(kernel, 4), "random", np.random.default_rng(0))
     fn = getattr(mod, name)
-    compiled = compile_for(lambda *a: fn(*a, **keywords), args, topology)
+    compiled = compile_for(lambda *a: fn(*a, **keywords), args, TOPOLOGIES[target])
     assert "tpu_custom_call" in compiled.as_text()  # the Pallas kernel went through Mosaic
 
 
 @pytest.mark.tpu
 @pytest.mark.skipif(not tpu_present(), reason="needs a TPU: no TPU device on this machine")
-@pytest.mark.parametrize("name", sorted(SIZES))
-def test_generated_kernel_runs_compiled_on_tpu(name):
-    kernel, mod = generated(name)
-    sizes = {k: min(v, 1024) for k, v in SIZES[name].items()}
-    args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(1))
+@pytest.mark.parametrize("spec,name", KERNELS, ids=[f"{s}-{n}" for s, n in KERNELS])
+def test_fresh_kernel_runs_compiled_on_tpu(spec, name, tmp_path_factory):
+    kernel, mod = fresh_modules(spec, "v5e", tmp_path_factory)[name]
+    args, keywords = example_args(kernel, shapes(kernel, 2), "random", np.random.default_rng(1))
     out = getattr(mod, name)(*args, **keywords, interpret=False)
     assert_matches(kernel, out, mod.reference(*args, **keywords))
 

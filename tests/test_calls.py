@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from conftest import assert_matches, build, spec_text, with_tiles
 
+from sparsegen.source import SpecError
+
 DSD = with_tiles(spec_text("dsd_matmul"), m=128, n=128, k=128)
 SDD = with_tiles(spec_text("sdd_matmul"), m=128, n=128, k=128)
 MASKED = with_tiles(spec_text("masked_matmul"), m=128, n=128, k=128)
@@ -152,3 +154,188 @@ def test_one_offset_on_operands_of_different_extents(interpret):
     w2 = np.arange(1024 * 256, dtype=np.float32).reshape(1024, 256)
     out = jax.jit(lambda a, b, s: mod.window(a, b, s, interpret=interpret))(x, w2, np.array([700], np.int32))
     np.testing.assert_array_equal(out, x[384:] * w2[640:768])
+
+
+# ------------------------------------------------------------------ issue 12: call checks
+
+
+@pytest.mark.parametrize("value", [256.7, "256", True, 384.0])
+def test_size_keyword_must_be_an_integer(value):
+    _, mod = build(DSD)
+    blocks, rows, cols, y = dsd_args()
+    message = raises(
+        lambda: mod.dsd_matmul(blocks, rows, cols, y, M=value), f"size M must be an integer, got {value!r}"
+    )
+    assert message.startswith("dsd_matmul: ")
+    raises(lambda: mod.reference(blocks, rows, cols, y, M=value), "size M must be an integer")
+
+
+def test_numpy_integer_sizes_are_integers():
+    kernel, mod = build(DSD)
+    blocks, rows, cols, y = dsd_args()
+    out = mod.dsd_matmul(blocks, rows, cols, y, M=np.int64(384), interpret=True)
+    assert_matches(kernel, out, mod.reference(blocks, rows, cols, y, M=384))
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, None])
+def test_interpret_must_be_a_bool_or_interpret_params(value):
+    _, mod = build(DSD)
+    blocks, rows, cols, y = dsd_args()
+    raises(
+        lambda: mod.dsd_matmul(blocks, rows, cols, y, M=384, interpret=value),
+        "interpret must be True, False or pltpu.InterpretParams(...)",
+        repr(value),
+    )
+
+
+def test_empty_python_lists_as_coordinates(interpret):
+    """`[]` coordinates with zero blocks: nothing is stored, the result is zeros."""
+    kernel, mod = build(DSD)
+    _, _, _, y = dsd_args()
+    blocks = np.zeros((0, 128, 128), jnp.bfloat16)
+    out = mod.dsd_matmul(blocks, [], [], y, M=384, interpret=interpret)
+    assert out.shape == (384, 256) and out.dtype == jnp.bfloat16
+    assert not np.asarray(out, np.float32).any()
+    assert not np.asarray(mod.reference(blocks, [], [], y, M=384), np.float32).any()
+    # A coo output with no requested block: an empty stack.
+    _, sdd = build(SDD)
+    x = np.ones((256, 256), jnp.bfloat16)
+    assert sdd.sdd_matmul(x, x, [], [], interpret=interpret).shape == (0, 128, 128)
+
+
+def test_jit_without_static_argnames_says_what_must_be_static():
+    _, mod = build(DSD)
+    blocks, rows, cols, y = dsd_args()
+    with pytest.raises(ValueError) as info:
+        jax.jit(mod.dsd_matmul)(blocks, rows, cols, y, M=384)
+    assert type(info.value) is ValueError  # not a ConcretizationTypeError (a TypeError)
+    assert (
+        'size M is traced: sizes shape the grid, so pass them as static arguments (jax.jit(..., static_argnames=("M", "interpret")))'
+        in str(info.value)
+    )
+    with pytest.raises(ValueError) as info:
+        jax.jit(mod.dsd_matmul, static_argnames="M")(blocks, rows, cols, y, M=384, interpret=True)
+    assert type(info.value) is ValueError
+    assert 'interpret is traced: pass it as a static argument (jax.jit(..., static_argnames=("interpret",)))' in str(
+        info.value
+    )
+
+
+def test_jit_with_static_argnames_runs():
+    kernel, mod = build(DSD)
+    blocks, rows, cols, y = dsd_args()
+    out = jax.jit(mod.dsd_matmul, static_argnames=("M", "interpret"))(blocks, rows, cols, y, M=384, interpret=True)
+    assert_matches(kernel, out, mod.reference(blocks, rows, cols, y, M=384))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_coo_output_padding_entries_come_back_as_zeros(jit, interpret):
+    """Requested coordinates that are all -1 are padding: skipped, their blocks are zeros
+    (in the TPU simulator memory starts as NaN, so an unwritten block would show)."""
+    kernel, mod = build(SDD)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((256, 256)).astype(jnp.bfloat16)
+    y = rng.standard_normal((256, 384)).astype(jnp.bfloat16)
+    rows = np.array([-1, 0, 1, -1, 1], np.int32)
+    cols = np.array([-1, 2, 0, -1, 1], np.int32)
+    call = lambda *a: mod.sdd_matmul(*a, interpret=interpret)  # noqa: E731
+    out = np.asarray((jax.jit(call) if jit else call)(x, y, rows, cols), np.float32)
+    assert out.shape == (5, 128, 128)
+    assert not out[0].any() and not out[3].any()
+    product = x.astype(np.float64) @ y.astype(np.float64)
+    for b in (1, 2, 4):
+        expected = product[rows[b] * 128 : (rows[b] + 1) * 128, cols[b] * 128 : (cols[b] + 1) * 128]
+        assert np.abs(expected).max() > 0
+        np.testing.assert_allclose(out[b], expected, rtol=2e-2, atol=2e-2 * np.abs(expected).max())
+    assert_matches(kernel, out.astype(jnp.bfloat16), mod.reference(x, y, rows, cols))
+    assert not np.asarray(mod.reference(x, y, rows, cols), np.float32)[[0, 3]].any()
+
+
+# ---------------------------------------------------------------- issue 12: big specs, BOM
+
+
+def many_kernels(n: int) -> str:
+    """n kernels of about 2.6 KB each (comments included): 2,000 make a 5 MB spec."""
+    parts = []
+    for i in range(n):
+        parts += [f"# kernel {i}, comment line {j}: " + "x" * 100 + "\n" for j in range(20)]
+        parts.append(
+            f"kernel k{i} {{\n    in  x: bf16[M, K] coo\n    in  y: bf16[K, N]\n    out o: bf16[M, N]\n"
+            "    o[m, n] = x[m, k] * y[k, n]\n    tile m = 512, n = 512, k = 512\n    accumulate f32\n}\n"
+        )
+    return "".join(parts)
+
+
+def test_a_5_mb_spec_of_2000_kernels_checks_in_linear_time():
+    """parse + check per kernel: 2,000 kernels cost no more than about twice per kernel what
+    200 do (a quadratic step would cost ten times). CPU time, best of a few runs."""
+    import time
+
+    from sparsegen.check import check
+    from sparsegen.source import SourceFile
+    from sparsegen.syntax import parse
+
+    def per_kernel(n: int, runs: int) -> float:
+        text = many_kernels(n)
+        best = float("inf")
+        for _ in range(runs):
+            start = time.process_time()
+            kernels = check(parse(SourceFile("many.spk", text)))
+            best = min(best, time.process_time() - start)
+            assert [k.name for k in kernels[:2]] == ["k0", "k1"] and len(kernels) == n
+        return best / n
+
+    assert len(many_kernels(2000).encode()) >= 5_000_000
+    small = per_kernel(200, 3)
+    large = per_kernel(2000, 2)
+    assert large <= 2.0 * small, f"{large * 1e3:.2f} ms per kernel at 2,000 kernels, {small * 1e3:.2f} ms at 200"
+
+
+BOM_SPEC = "# a spec saved with a byte-order mark\n" + spec_text("dsd_matmul")
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
+    from sparsegen.compiler import compile_file
+
+    plain, bom = tmp_path / "plain.spk", tmp_path / "bom.spk"
+    plain.write_bytes(BOM_SPEC.encode())
+    bom.write_bytes(b"\xef\xbb\xbf" + BOM_SPEC.encode())
+    (a,) = compile_file(plain)
+    (b,) = compile_file(bom)
+    assert a.kernel == b.kernel == "dsd_matmul"
+    assert a.code.replace("plain.spk", "bom.spk") == b.code
+    # Positions in diagnostics do not count the mark.
+    bad = tmp_path / "bad.spk"
+    bad.write_bytes(b"\xef\xbb\xbf" + b"kernel k {\n    in  x: f64[M]\n}\n")
+    with pytest.raises(SpecError) as info:
+        compile_file(bad)
+    assert f"{bad}:2:12: error: unknown dtype 'f64'" in info.value.render()
+
+
+def test_the_command_line_builds_a_spec_with_a_byte_order_mark(tmp_path):
+    import subprocess
+    import sys
+
+    spec = tmp_path / "bom.spk"
+    spec.write_bytes(b"\xef\xbb\xbf" + BOM_SPEC.encode())
+    result = subprocess.run(
+        [sys.executable, "-m", "sparsegen", "build", str(spec), "-o", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "dsd_matmul.py").is_file()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=SpecError,
+    reason="not handled: the byte-order mark is stripped only by SourceFile.read; text given to SourceFile(...) "
+    "directly (compile_source) that starts with U+FEFF is a syntax error at 1:1",
+)
+def test_a_byte_order_mark_in_source_text():
+    from sparsegen.compiler import compile_source
+    from sparsegen.source import SourceFile
+
+    (module,) = compile_source(SourceFile("bom.spk", "\ufeff" + BOM_SPEC))
+    assert module.kernel == "dsd_matmul"

@@ -234,10 +234,18 @@ def test_every_example_spec_from_formats_matches_dense_numpy():
     # sdd: output topology from a BlockCOO's coordinates, result back into a BlockCOO
     _, sdd = build(with_tiles(spec_text("sdd_matmul"), m=128, n=128, k=128))
     topology = BlockCOO.from_dense(np.tril(np.ones((256, 384), np.float32)), (128, 128))
-    out = sdd.sdd_matmul(a, rng.standard_normal((128, 384)).astype(jnp.bfloat16), *topology.coords, interpret=True)
+    b = rng.standard_normal((128, 384)).astype(jnp.bfloat16)
+    out = sdd.sdd_matmul(a, b, *topology.coords, interpret=True)
     assert out.shape == (topology.nb, 128, 128)
     product = BlockCOO(np.asarray(out, np.float32), topology.coords, (256, 384)).to_dense()
     assert product.shape == (256, 384)
+    # The requested blocks hold the product, the others are zeros.
+    requested = np.zeros((256, 384), bool)
+    for r, c in zip(*(np.asarray(c) for c in topology.coords)):
+        requested[r * 128 : (r + 1) * 128, c * 128 : (c + 1) * 128] = True
+    assert requested.any() and not requested.all()
+    expect = np.where(requested, a.astype(np.float64) @ b.astype(np.float64), 0)
+    np.testing.assert_allclose(product, expect, rtol=2e-2, atol=2e-2 * np.abs(expect).max())
     # block_slice: dense in, dense out
     _, bs = build(spec_text("block_slice"))
     xs = np.arange(512 * 512, dtype=np.int32).reshape(512, 512)

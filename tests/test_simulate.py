@@ -75,7 +75,7 @@ def test_dense_copies_match_the_grid():
     assert sim.traffic["x"].copies == 24 and sim.traffic["y"].copies == 24
 
 
-def test_the_metric_catches_waste():
+def test_the_metric_catches_waste(tmp_path):
     """The tutorial's prefetch maps point past-the-end steps at the grid's last block: a copy
     nobody uses. Swap that behaviour into the generated module and the simulator sees it."""
     (plan,) = plans(SPECS / "masked_matmul.spk")
@@ -91,8 +91,8 @@ def test_the_metric_catches_waste():
     env = dict(M=2048, K=2048, N=2048)
     pattern = np.zeros((4, 4), bool)
     pattern[0, 0] = True
-    np.save(ROOT / ".pytest_cache" / "first_block.npy", pattern)
-    args, _ = pattern_args(plan, env, str(ROOT / ".pytest_cache" / "first_block.npy"))
+    np.save(tmp_path / "first_block.npy", pattern)
+    args, _ = pattern_args(plan, env, str(tmp_path / "first_block.npy"))
     assert simulate(plan, module, args, env).wasted_copies > 0
     assert simulate(plan, load_module(plan), args, env).wasted_copies == 0
 

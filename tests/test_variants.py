@@ -55,6 +55,7 @@ def test_variants_compile_check(tmp_path, capsys):
             "--json", str(tmp_path / "v.json")]
     assert main(argv) == 0
     data = json.loads((tmp_path / "v.json").read_text())
+    assert len(data["variants"]) == 2  # k = 256 and k = 512: all() over an empty list would pass
     assert all(v["compiled"] == {"v5e": True} for v in data["variants"])
 
 
