@@ -744,8 +744,8 @@ def _reference(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes):
     )
     o = jnp.einsum(
         "abd,adc->abc",
-        x_blocks_dense,
-        y,
+        x_blocks_dense.astype(jnp.float32),
+        y.astype(jnp.float32),
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )

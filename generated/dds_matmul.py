@@ -671,8 +671,8 @@ def _reference(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
     )
     o = jnp.einsum(
         "ac,cb->ab",
-        x,
-        y_blocks_dense,
+        x.astype(jnp.float32),
+        y_blocks_dense.astype(jnp.float32),
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )

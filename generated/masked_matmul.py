@@ -655,9 +655,9 @@ def _reference(x, y, mask, sizes):
     M, K, N = sizes
     o = jnp.einsum(
         "ab,ac,cb->ab",
-        mask,
-        x,
-        y,
+        mask.astype(jnp.float32),
+        x.astype(jnp.float32),
+        y.astype(jnp.float32),
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )

@@ -646,9 +646,9 @@ def _reference(g, keep, y, sizes):
     M, N, K = sizes
     dx = jnp.einsum(
         "ac,ac,bc->ab",
-        g,
-        keep,
-        y,
+        g.astype(jnp.float32),
+        keep.astype(jnp.float32),
+        y.astype(jnp.float32),
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )

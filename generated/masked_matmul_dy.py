@@ -646,9 +646,9 @@ def _reference(x, g, keep, sizes):
     M, K, N = sizes
     dy = jnp.einsum(
         "ca,cb,cb->ab",
-        x,
-        g,
-        keep,
+        x.astype(jnp.float32),
+        g.astype(jnp.float32),
+        keep.astype(jnp.float32),
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )

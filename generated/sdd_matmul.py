@@ -643,8 +643,8 @@ def _reference(x, y, o_idx_0, o_idx_1, pad, sizes):
     M, K, N = sizes
     o = jnp.einsum(
         "ac,cb->ab",
-        x,
-        y,
+        x.astype(jnp.float32),
+        y.astype(jnp.float32),
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )

@@ -14,7 +14,7 @@ import sys
 from . import syntax as ast
 from .dtypes import DATA_DTYPES, DTYPES
 from .ir import Einsum, Index, Kernel, Number, OffsetRef, Operand, Read, Relation, Size, Sub, group_factors
-from .names import HELPERS, MODULE_NAMES
+from .names import HELPERS, MODULE_NAMES, PYTHON_NAMES
 from .source import Diagnostic, Span, SpecError
 
 # Module-level names of a generated module: a kernel may not take one of them as its name.
@@ -65,6 +65,11 @@ class _KernelChecker:
                 k.name.span,
                 f"kernel name '{k.name.text}' is taken by the generated module itself; choose another name",
                 "a generated module defines `reference`, helpers named `_...`, and imports jax, jnp, np, lax, pl, pltpu and functools",
+            )
+        elif k.name.text in PYTHON_NAMES:
+            self.error(
+                k.name.span,
+                f"kernel name '{k.name.text}' is a Python builtin, which the generated module itself calls; choose another name",
             )
         elif k.name.text in SHADOWED_MODULES:
             self.error(

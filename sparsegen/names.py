@@ -23,7 +23,7 @@ HELPERS = frozenset(re.findall(r"^def (_\w+)\(", read_resource("templates", "hel
 }  # fmt: skip
 MODULE_NAMES = IMPORTS | HELPERS | {"reference"}
 # Fixed parameter and local names of the generated functions.
-FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec"})
+FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec", "residuals", "cotangent"})
 PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | frozenset(keyword.softkwlist)
 
 
@@ -46,7 +46,7 @@ class ModuleNames:
     def __init__(self, kernel):
         symbols = [s for s, _ in kernel.symbols]
         # The public functions' bodies use only these names besides their parameters.
-        self.public = NameTable({"_prepare", "_impl", "_reference", "interpret"} | set(symbols))
+        self.public = NameTable({"_prepare", "_impl", "_run", "_reference", "_check_interpret", "interpret"} | set(symbols))
         self.internal = NameTable(MODULE_NAMES | PYTHON_NAMES | FIXED_LOCALS | {kernel.name})
         self.functions = NameTable(MODULE_NAMES | {kernel.name})
 

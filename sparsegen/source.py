@@ -32,6 +32,10 @@ class SourceFile:
     name: str
     text: str
 
+    def __post_init__(self):
+        if self.text.startswith("\ufeff"):  # a UTF-8 byte-order mark, as some editors write
+            object.__setattr__(self, "text", self.text[1:])
+
     @classmethod
     def read(cls, path: str | Path) -> "SourceFile":
         """Read a spec file; a file that cannot be read or decoded is a SpecError."""
@@ -52,8 +56,6 @@ class SourceFile:
                 [Diagnostic(span, f"file is not UTF-8 text (invalid byte 0x{data[exc.start]:02x})")],
                 source,
             ) from None
-        if text.startswith("\ufeff"):  # a UTF-8 byte-order mark, as some editors write
-            text = text[1:]
         if "\x00" in text:
             offset = text.index("\x00")
             line = text.count("\n", 0, offset) + 1

@@ -148,7 +148,9 @@ class Wrapper:
         values: dict[str, str] = {}
         for st in k.statements:
             out = k.operand(st.target.operand)
-            views = [self.view(st, n, lines, outputs) for n in range(len(st.factors))]
+            # Every factor in the accumulate dtype: exact for narrower data, and one dtype for
+            # XLA's dot (its CPU backend lacks some mixed-dtype forms).
+            views = [_widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, acc) for n, r in enumerate(st.factors)]
             letters = {i: "abcdefghijklmnopqrstuvwxyz"[n] for n, i in enumerate(st.indices)}
             spec = ",".join("".join(letters[i] for i in f.indices) for f in st.factors) + "->" + "".join(letters[i] for i in st.out_indices)
             precision = ", precision=lax.Precision.HIGHEST" if acc.is_float else ""
@@ -243,6 +245,10 @@ class Wrapper:
             else:
                 args.append(f"    {s.symbol}: int, keyword, optional  (taken from the arguments; must agree if given)")
         return args
+
+
+def _widen(value: str, dtype, acc) -> str:
+    return value if dtype == acc else f"{value}.astype({acc.jnp})"
 
 
 def _sym(size) -> str:

@@ -327,12 +327,6 @@ def test_the_command_line_builds_a_spec_with_a_byte_order_mark(tmp_path):
     assert (tmp_path / "out" / "dsd_matmul.py").is_file()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=SpecError,
-    reason="not handled: the byte-order mark is stripped only by SourceFile.read; text given to SourceFile(...) "
-    "directly (compile_source) that starts with U+FEFF is a syntax error at 1:1",
-)
 def test_a_byte_order_mark_in_source_text():
     from sparsegen.compiler import compile_source
     from sparsegen.source import SourceFile

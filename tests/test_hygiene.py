@@ -165,9 +165,8 @@ def _slots(template: str) -> dict[str, list[str]]:
     return {role: [s for s in slots if s in used] for role, slots in ROLES.items()}
 
 
-# Names the compiler mishandles today, each with an xfail(strict=True) test below; left out
-# of the generated cases so that those still check every other name.
-KNOWN_BUGS = {"operand": {"_check_interpret"}}
+# Names the compiler once mishandled, each with its own test below too.
+KNOWN_BUGS: dict[str, set[str]] = {}
 
 
 def _eligible(role: str) -> list[str]:
@@ -237,13 +236,6 @@ def test_hostile_names_build_and_run(walk, n, assignment):
     assert_matches(kernel, mod.reference(*args, **keywords), expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="compiler bug: the public function calls _check_interpret(interpret), but ModuleNames.public does not reserve "
-    "_check_interpret, so an operand named _check_interpret keeps that name as a parameter and shadows the helper "
-    "(TypeError: 'numpy.ndarray' object is not callable)",
-)
 @pytest.mark.parametrize("walk", sorted(WALKS))
 def test_operand_named_check_interpret(walk):
     assignment = dict(hostile_specs(walk)[0])
@@ -276,11 +268,6 @@ kernel KERNEL {
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="compiler bug: a kernel named after a builtin that the module's helpers call (len, isinstance, int, bool, any, "
-    "hasattr) is accepted, and the module-level function shadows the builtin: the call fails with a TypeError",
-)
 def test_kernel_named_after_a_builtin_the_module_calls():
     """The language page allows any non-keyword kernel name (module names aside): a kernel
     named `len` must work, or be refused by the checker with a message."""

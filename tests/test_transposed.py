@@ -103,19 +103,9 @@ def test_transposed_operands(walk, pattern, interpret):
     assert_matches(kernel, out, oracle(kernel, args, keywords))
 
 
-# XLA's CPU backend has no bf16 x bf16 -> f32 dot in the layout that a three-factor einsum
-# with both matmul factors transposed asks for; `reference` hands it exactly that.
-REFERENCE_ON_CPU_FAILS = pytest.mark.xfail(
-    strict=True,
-    raises=jax.errors.JaxRuntimeError,
-    reason="compiler bug: reference's jnp.einsum('ba,ca,bc->ab', keep, x, y, preferred_element_type=f32) on bf16 x[k, m], y[n, k] "
-    "fails on CPU: 'UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32'",
-)
-
-
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize(
-    "walk", [pytest.param(w, marks=REFERENCE_ON_CPU_FAILS) if w == "masked_coo_output" else w for w in sorted(SPECS)]
+    "walk", sorted(SPECS)
 )
 def test_reference_reads_transposed_operands(walk, pattern):
     kernel, mod = build(SPECS[walk])

@@ -59,12 +59,6 @@ def test_window_with_literal_sizes(seed, interpret):
     assert not outside.any()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NameError,
-    reason="compiler bug: with offsets on the left side and symbolic sizes, the input index maps clamp with "
-    "pl.cdiv(M, 128) but M is not passed to them (NameError: name 'M' is not defined)",
-)
 @pytest.mark.parametrize("which", sorted(SYMBOLIC))
 def test_window_with_symbolic_sizes(which):
     kernel, mod = build(SYMBOLIC[which])

@@ -27,6 +27,7 @@ class MaskedWalk(KindsMixin):
                 self.axis("blocks", sub.index, extent, True, f"every block of {self.out.name} dim {d} (outside the window: zeros)")
         self.reduce_axes()
         self.windows = windows
+        self.window_counts: dict[str, str] = {}
         sources = [self.window_source(i, slot) for i, slot in windows.items()]
         for n, read in enumerate(st.factors):
             if self.k.operand(read.operand).sparsity == "mask":
@@ -46,5 +47,8 @@ class MaskedWalk(KindsMixin):
         if index in self.windows:
             # The axis walks the output's blocks; the index's block is the one inside the window.
             start = Load(self.conv.offsets, Const(self.windows[index]))
-            return clip(axis_value - start, 0, self.blocks_along(index) - 1)
+            if index not in self.window_counts:  # the index's own blocks, bound by name in index maps
+                self.window_counts[index] = self.local(f"n_{index}_in_window")
+                self.statics[self.window_counts[index]] = self.blocks_along(index)
+            return clip(axis_value - start, 0, Var(self.window_counts[index]) - 1)
         return axis_value

@@ -30,7 +30,7 @@ def _lowers(kernel: Kernel, target: Target) -> TpuModule | None:
         if i.tile < 1 or (i.size.literal is not None and i.size.literal % i.tile):
             return None
     try:
-        return lower(kernel, target)
+        return lower(kernel, target, backward=False)  # the forward decides the tiles
     except LayoutError:
         return None
 
@@ -98,14 +98,23 @@ def check_module(m: TpuModule) -> list[Diagnostic]:
                                              f"'{q.factors[0].operand}' blocks and no matrix product contracts it "
                                              "(Mosaic has no sublane gather on v4); build for v5e or v6e"))
                     break
-    if not target.int8_matmul:
-        reported = set()
-        for tp in m.passes:
-            if len(tp.p.body.summed) != 2:
+    # The MXU multiplies f32, bf16 and i8 blocks (v4: no i8); Mosaic refuses the other integers.
+    reported = set()
+    for tp in m.passes:
+        body = tp.p.body
+        if len(body.summed) != 2 or not set(body.summed[0].live) & set(body.summed[1].live) & set(body.summed_indices):
+            continue  # no matrix product in this pass
+        dtypes = {k.operand(q.factors[0].operand).dtype.name for q in body.summed}
+        for q in body.summed:
+            op = k.operand(q.factors[0].operand)
+            if op.name in reported:
                 continue
-            for q in tp.p.body.summed:
-                op = k.operand(q.factors[0].operand)
-                if op.dtype.bits == 8 and op.name not in reported:
+            if op.dtype.name == "i8" and dtypes == {"i8"}:
+                if not target.int8_matmul:
                     reported.add(op.name)
                     errors.append(Diagnostic(op.dtype_span, f"{target.name} has no int8 matmul: '{op.name}' is {op.dtype.name}"))
+            elif not op.dtype.is_float or (op.dtype.name == "i8"):
+                reported.add(op.name)
+                errors.append(Diagnostic(op.dtype_span, f"the TPU's matrix unit multiplies f32, bf16 or i8 blocks (i8 with i8); "
+                                                        f"'{op.name}' is {op.dtype.name} in a matrix product"))
     return errors

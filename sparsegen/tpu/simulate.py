@@ -342,7 +342,7 @@ class Report:
 
 
 def dense_twin(plan: TpuModule) -> TpuModule:
-    return lower(dense_kernel(plan.kernel), plan.target)
+    return lower(dense_kernel(plan.kernel), plan.target, backward=False)
 
 
 def analyse(plan: TpuModule, sizes: dict[str, int], pattern: str, targets=("v5e",), seed: int = 0, module=None, trace: bool = False) -> Report:
