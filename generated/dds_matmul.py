@@ -71,6 +71,68 @@ Plan (target v5e):
         body temporaries: 1 x 256x256 f32 = 256 KiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+    backward (jax.grad): 2 passes, one per gradient of a float input
+      pass 1: d_x[m, k] = g_o[m, n] * y[k, n]  (coo input: the grid walks the stored blocks)
+        grid (ceil(M / 256), nb + ceil(K / 512))
+          m: output blocks along m [parallel]
+          step: the stored blocks of y in output-block order, plus one flush step per output block [arbitrary]
+        dimension_semantics (parallel, arbitrary)
+        scalar prefetch (SMEM, int32):
+          step_kind[nb + ceil(K / 512)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+          step_block[nb + ceil(K / 512)]: the stored block of y a step reads (flush steps hold the next one, so they start no copy)
+          step_row[nb + ceil(K / 512)]: the output block a step accumulates into, row-major over k
+          step_n[nb + ceil(K / 512)]: coordinate n of the stored block a step reads
+        blocks:
+          in  g_o block (256, 256), index map (m, step_n[step])
+              The block the stored block of this step meets (flush steps hold the next one).
+          in  y block (squeezed, 512, 256), index map (step_block[step], 0, 0)
+              The stored block this step multiplies (flush steps hold the next one).
+          out d_x block (256, 512), index map (m, step_row[step])
+        body:
+          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
+          accumulate the product of g_o and y summed over n when step_kind[step] == _BLOCK
+            past N along n (a partial last block) the factors are zero
+          write output when step_kind[step] == _FLUSH: accumulator
+          output blocks no stored block reaches are written as zeros by their flush step
+        VMEM estimate: 2.4 MiB of 128 MiB on v5e
+          g_o block: 2 x 256x256 bf16 = 256 KiB
+          y block: 2 x 512x256 bf16 = 512 KiB
+          d_x block (output): 2 x 256x512 bf16 = 512 KiB
+          accumulator: 1 x 256x512 f32 = 512 KiB
+          body temporaries: 1 x 256x512 f32 = 512 KiB
+          Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
+        SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+      pass 2: d_y[k, n] = g_o[m, n] * x[m, k]  (coo output: the grid walks the requested output blocks (padding entries are written as zeros))
+        grid (nb, ceil(M / 256))
+          b: the requested blocks of d_y [parallel]
+          m: the sum over m, innermost so each output block's visits are consecutive [arbitrary]
+        dimension_semantics (parallel, arbitrary)
+        scalar prefetch (SMEM, int32):
+          d_y_at_0[nb]: requested block coordinate along d_y dim 0 (0 for padding)
+          d_y_at_1[nb]: requested block coordinate along d_y dim 1 (0 for padding)
+          requested_d_y[nb]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its requested d_y block
+          next_step[nb]: per grid cell over b: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+        blocks:
+          in  g_o block (256, 256), index map cell = b; nxt = next_step[cell]; live = requested_d_y[cell] != _EMPTY; -> ((m if live else (0 if nxt > cell else n_m - 1)), d_y_at_1[nxt])
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  x block (256, 512), index map cell = b; nxt = next_step[cell]; live = requested_d_y[cell] != _EMPTY; -> ((m if live else (0 if nxt > cell else n_m - 1)), d_y_at_0[nxt])
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          out d_y block (squeezed, 512, 256), index map (b, 0, 0)
+              Block b of the stacked output.
+        body:
+          init accumulator when m == 0
+          accumulate the product of g_o and x summed over m when block_kind != _EMPTY
+            past M along m (a partial last block) the factors are zero
+          write output when m == n_m - 1 and block_kind == _EMPTY: zeros
+          write output when m == n_m - 1 and block_kind != _EMPTY: accumulator
+        VMEM estimate: 2.4 MiB of 128 MiB on v5e
+          g_o block: 2 x 256x256 bf16 = 256 KiB
+          x block: 2 x 256x512 bf16 = 512 KiB
+          d_y block (output): 2 x 512x256 bf16 = 512 KiB
+          accumulator: 1 x 512x256 f32 = 512 KiB
+          body temporaries: 1 x 512x256 f32 = 512 KiB
+          Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
+        SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
 """
 
 import functools

@@ -75,6 +75,69 @@ Plan (target v5e):
         body temporaries: 2 x 512x512 f32 = 2 MiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+    backward (jax.grad): 2 passes, one per gradient of a float input
+      pass 1: d_x[m, k] = g_o[m, n] * mask[m, n] * y[k, n]  (mask: a dense grid that skips the cells whose mask block is empty)
+        grid (ceil(M / 512), ceil(K / 1024), ceil(N / 512))
+          m: output blocks along m [parallel]
+          k: output blocks along k [parallel]
+          n: the sum over n, innermost so each output block's visits are consecutive [arbitrary]
+        dimension_semantics (parallel, parallel, arbitrary)
+        scalar prefetch (SMEM, int32):
+          kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its mask block
+          next_step[ceil(M / 512) * ceil(K / 1024) * ceil(N / 512)]: per grid cell over m, k, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+        blocks:
+          in  g_o block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  mask block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  y block (1024, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // n_n % n_k, nxt % n_n)
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          out d_x block (512, 1024), index map (m, k)
+        body:
+          init accumulator when n == 0
+          accumulate the product of (g_o * mask) and y summed over n when block_kind != _EMPTY
+            past N along n (a partial last block) the factors are zero
+          write output when n == n_n - 1: accumulator
+        VMEM estimate: 11.1 MiB of 128 MiB on v5e
+          g_o block: 2 x 512x512 bf16 = 1 MiB
+          mask block: 2 x 512x512 i32 = 2 MiB
+          y block: 2 x 1024x512 bf16 = 2 MiB
+          d_x block (output): 2 x 512x1024 bf16 = 2 MiB
+          accumulator: 1 x 512x1024 f32 = 2 MiB
+          body temporaries: 1 x 512x1024 f32 = 2 MiB
+          Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
+        SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+      pass 2: d_y[k, n] = g_o[m, n] * mask[m, n] * x[m, k]  (mask: a dense grid that skips the cells whose mask block is empty)
+        grid (ceil(K / 1024), ceil(N / 512), ceil(M / 512))
+          k: output blocks along k [parallel]
+          n: output blocks along n [parallel]
+          m: the sum over m, innermost so each output block's visits are consecutive [arbitrary]
+        dimension_semantics (parallel, parallel, arbitrary)
+        scalar prefetch (SMEM, int32):
+          kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its mask block
+          next_step[ceil(K / 1024) * ceil(N / 512) * ceil(M / 512)]: per grid cell over k, n, m: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+        blocks:
+          in  g_o block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  mask block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  x block (512, 1024), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // (n_n * n_m))
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          out d_y block (1024, 512), index map (k, n)
+        body:
+          init accumulator when m == 0
+          accumulate the product of (g_o * mask) and x summed over m when block_kind != _EMPTY
+            past M along m (a partial last block) the factors are zero
+          write output when m == n_m - 1: accumulator
+        VMEM estimate: 11.1 MiB of 128 MiB on v5e
+          g_o block: 2 x 512x512 bf16 = 1 MiB
+          mask block: 2 x 512x512 i32 = 2 MiB
+          x block: 2 x 512x1024 bf16 = 2 MiB
+          d_y block (output): 2 x 1024x512 bf16 = 2 MiB
+          accumulator: 1 x 1024x512 f32 = 2 MiB
+          body temporaries: 1 x 1024x512 f32 = 2 MiB
+          Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
+        SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
 """
 
 import functools

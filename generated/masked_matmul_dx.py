@@ -72,6 +72,72 @@ Plan (target v5e):
         body temporaries: 1 x 512x512 f32 = 1 MiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+    backward (jax.grad): 2 passes, one per gradient of a float input
+      pass 1: d_g[m, n] = g_dx[m, k] * keep[m, n] * y[k, n]  (mask: a dense grid that skips the cells whose keep block is empty)
+        grid (ceil(M / 512), ceil(N / 512), ceil(K / 512))
+          m: output blocks along m [parallel]
+          n: output blocks along n [parallel]
+          k: the sum over k, innermost so each output block's visits are consecutive [arbitrary]
+        dimension_semantics (parallel, parallel, arbitrary)
+        scalar prefetch (SMEM, int32):
+          kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its keep block
+          next_step[ceil(M / 512) * ceil(N / 512)]: per grid cell over m, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+          next_keep[ceil(M / 512) * ceil(N / 512)]: per grid cell: the next cell whose keep block is partial, the only blocks the kernel reads
+        blocks:
+          in  g_dx block (512, 512), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[cell] != _EMPTY; -> (nxt // n_n, (k if live else (0 if nxt > cell else n_k - 1)))
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  keep block (512, 512), index map cell = m * n_n + n; nxt = next_keep[cell]; -> (nxt // n_n, nxt % n_n)
+              Only partial mask blocks are read: every other step holds the next partial one.
+          in  y block (512, 512), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[cell] != _EMPTY; -> ((k if live else (0 if nxt > cell else n_k - 1)), nxt % n_n)
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          out d_g block (512, 512), index map (m, n)
+        body:
+          init accumulator when k == 0
+          accumulate the product of g_dx and y summed over k when block_kind != _EMPTY
+            past K along k (a partial last block) the factors are zero
+          write output when k == n_k - 1 and block_kind == _EMPTY: zeros
+          write output when k == n_k - 1 and block_kind == _PARTIAL: accumulator * keep
+          write output when k == n_k - 1 and block_kind == _FULL: accumulator
+        VMEM estimate: 7.1 MiB of 128 MiB on v5e
+          g_dx block: 2 x 512x512 bf16 = 1 MiB
+          keep block: 2 x 512x512 bf16 = 1 MiB
+          y block: 2 x 512x512 bf16 = 1 MiB
+          d_g block (output): 2 x 512x512 bf16 = 1 MiB
+          accumulator: 1 x 512x512 f32 = 1 MiB
+          body temporaries: 2 x 512x512 f32 = 2 MiB
+          Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
+        SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+      pass 2: d_y[k, n] = g_dx[m, k] * g[m, n] * keep[m, n]  (mask: a dense grid that skips the cells whose keep block is empty)
+        grid (ceil(K / 512), ceil(N / 512), ceil(M / 512))
+          k: output blocks along k [parallel]
+          n: output blocks along n [parallel]
+          m: the sum over m, innermost so each output block's visits are consecutive [arbitrary]
+        dimension_semantics (parallel, parallel, arbitrary)
+        scalar prefetch (SMEM, int32):
+          kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its keep block
+          next_step[ceil(K / 512) * ceil(N / 512) * ceil(M / 512)]: per grid cell over k, n, m: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+        blocks:
+          in  g_dx block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // (n_n * n_m))
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  g block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  keep block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
+              Skipped steps hold the block of the next step that computes, so they start no copy.
+          out d_y block (512, 512), index map (k, n)
+        body:
+          init accumulator when m == 0
+          accumulate the product of g_dx and (g * keep) summed over m when block_kind != _EMPTY
+            past M along m (a partial last block) the factors are zero
+          write output when m == n_m - 1: accumulator
+        VMEM estimate: 6.1 MiB of 128 MiB on v5e
+          g_dx block: 2 x 512x512 bf16 = 1 MiB
+          g block: 2 x 512x512 bf16 = 1 MiB
+          keep block: 2 x 512x512 bf16 = 1 MiB
+          d_y block (output): 2 x 512x512 bf16 = 1 MiB
+          accumulator: 1 x 512x512 f32 = 1 MiB
+          body temporaries: 1 x 512x512 f32 = 1 MiB
+          Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
+        SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
 """
 
 import functools

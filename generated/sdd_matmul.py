@@ -72,6 +72,67 @@ Plan (target v5e):
         body temporaries: 1 x 128x128 f32 = 64 KiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+    backward (jax.grad): 2 passes, one per gradient of a float input
+      pass 1: d_x[m, k] = g_o[m, n] * y[k, n]  (coo input: the grid walks the stored blocks)
+        grid (ceil(K / 512), nb + ceil(M / 128))
+          k: output blocks along k [parallel]
+          step: the stored blocks of g_o in output-block order, plus one flush step per output block [arbitrary]
+        dimension_semantics (parallel, arbitrary)
+        scalar prefetch (SMEM, int32):
+          step_kind[nb + ceil(M / 128)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+          step_block[nb + ceil(M / 128)]: the stored block of g_o a step reads (flush steps hold the next one, so they start no copy)
+          step_row[nb + ceil(M / 128)]: the output block a step accumulates into, row-major over m
+          step_n[nb + ceil(M / 128)]: coordinate n of the stored block a step reads
+        blocks:
+          in  g_o block (squeezed, 128, 128), index map (step_block[step], 0, 0)
+              The stored block this step multiplies (flush steps hold the next one).
+          in  y block (512, 128), index map (k, step_n[step])
+              The block the stored block of this step meets (flush steps hold the next one).
+          out d_x block (128, 512), index map (step_row[step], k)
+        body:
+          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
+          accumulate the product of g_o and y summed over n when step_kind[step] == _BLOCK
+            past N along n (a partial last block) the factors are zero
+          write output when step_kind[step] == _FLUSH: accumulator
+          output blocks no stored block reaches are written as zeros by their flush step
+        VMEM estimate: 1.2 MiB of 128 MiB on v5e
+          g_o block: 2 x 128x128 bf16 = 64 KiB
+          y block: 2 x 512x128 bf16 = 256 KiB
+          d_x block (output): 2 x 128x512 bf16 = 256 KiB
+          accumulator: 1 x 128x512 f32 = 256 KiB
+          body temporaries: 1 x 128x512 f32 = 256 KiB
+          Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
+        SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+      pass 2: d_y[k, n] = g_o[m, n] * x[m, k]  (coo input: the grid walks the stored blocks)
+        grid (ceil(K / 512), nb + ceil(N / 128))
+          k: output blocks along k [parallel]
+          step: the stored blocks of g_o in output-block order, plus one flush step per output block [arbitrary]
+        dimension_semantics (parallel, arbitrary)
+        scalar prefetch (SMEM, int32):
+          step_kind[nb + ceil(N / 128)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+          step_block[nb + ceil(N / 128)]: the stored block of g_o a step reads (flush steps hold the next one, so they start no copy)
+          step_row[nb + ceil(N / 128)]: the output block a step accumulates into, row-major over n
+          step_m[nb + ceil(N / 128)]: coordinate m of the stored block a step reads
+        blocks:
+          in  g_o block (squeezed, 128, 128), index map (step_block[step], 0, 0)
+              The stored block this step multiplies (flush steps hold the next one).
+          in  x block (128, 512), index map (step_m[step], k)
+              The block the stored block of this step meets (flush steps hold the next one).
+          out d_y block (512, 128), index map (k, step_row[step])
+        body:
+          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
+          accumulate the product of g_o and x summed over m when step_kind[step] == _BLOCK
+            past M along m (a partial last block) the factors are zero
+          write output when step_kind[step] == _FLUSH: accumulator
+          output blocks no stored block reaches are written as zeros by their flush step
+        VMEM estimate: 1.2 MiB of 128 MiB on v5e
+          g_o block: 2 x 128x128 bf16 = 64 KiB
+          x block: 2 x 128x512 bf16 = 256 KiB
+          d_y block (output): 2 x 512x128 bf16 = 256 KiB
+          accumulator: 1 x 512x128 f32 = 256 KiB
+          body temporaries: 1 x 512x128 f32 = 256 KiB
+          Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
+        SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
 """
 
 import functools

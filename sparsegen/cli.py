@@ -300,8 +300,8 @@ def _print_verify_table(report, verbose: bool) -> None:
     from .tpu.targets import format_bytes
 
     table = Table(title="sparsegen verify: ahead-of-time compiles through libtpu")
-    for column in ("kernel", "target", "compiles", "VMEM used / limit", "static estimate", "SMEM", "GFLOP", "MB accessed", "compile"):
-        table.add_column(column, justify="left" if column in ("kernel", "target", "compiles") else "right")
+    for column in ("kernel", "target", "compiles", "backward", "VMEM used / limit", "static estimate", "SMEM", "GFLOP", "MB accessed", "compile"):
+        table.add_column(column, justify="left" if column in ("kernel", "target", "compiles", "backward") else "right")
     problems = []
     for _, source, results in report:
         for r in results:
@@ -310,6 +310,7 @@ def _print_verify_table(report, verbose: bool) -> None:
                 r.kernel,
                 r.target,
                 "[green]yes[/green]" if r.compiled else "[red]no[/red]",
+                "-" if r.backward is None else "[green]yes[/green]" if r.backward == "compiles" else f"[red]{r.backward[:40]}[/red]",
                 f"{used} / {format_bytes(r.vmem_limit)}",
                 format_bytes(r.vmem_estimate),
                 format_bytes(r.smem_used) if r.smem_used else "-",

@@ -85,7 +85,7 @@ def describe_pass(m: TpuModule, tp: TpuPass) -> list[str]:
 
 
 def describe(m: TpuModule) -> list[str]:
-    """Lines describing the plan (no trailing newlines)."""
+    """Lines describing the plan (no trailing newlines), the backward kernel's too."""
     k = m.kernel
     several = len(m.passes) > 1
     lines = [f"kernel {k.name}" + (f": {len(m.passes)} passes, one per statement, in order" if several else "")]
@@ -97,4 +97,15 @@ def describe(m: TpuModule) -> list[str]:
         else:
             lines.append(f"  {sub[0]}")
             lines += sub[1:]
+    if m.backward_error:
+        lines.append(f"backward (jax.grad): not available: {m.backward_error}")
+    elif m.backward_module is not None:
+        bm = m.backward_module
+        lines.append(f"backward (jax.grad): {len(bm.passes)} pass{'es' if len(bm.passes) != 1 else ''}, one per gradient of a float input")
+        for n, tp in enumerate(bm.passes):
+            sub = describe_pass(bm, tp)
+            lines.append(f"  pass {n + 1}: {sub[0]}")
+            lines += ["  " + line for line in sub[1:]]
+    else:
+        lines.append("backward (jax.grad): no float input, so nothing to differentiate")
     return lines

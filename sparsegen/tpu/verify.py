@@ -64,6 +64,7 @@ class Result:
     flops: float | None = None
     bytes_accessed: float | None = None
     compile_seconds: float = 0.0
+    backward: str | None = None  # "compiles", "fails: ...", or why jax.grad cannot go through the kernel
     error: Diagnostic | None = None
     raw_error: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -83,6 +84,7 @@ class Result:
             "flops": self.flops,
             "bytes_accessed": self.bytes_accessed,
             "compile_seconds": round(self.compile_seconds, 3),
+            "backward": self.backward,
             "error": self.error.render(source) if self.error else None,
         }
 
@@ -164,7 +166,7 @@ def _load(code: str, name: str):
     return module
 
 
-def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, vmem_limit=None):
+def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, vmem_limit=None, backward: bool = False):
     import jax
     from jax.sharding import SingleDeviceSharding
 
@@ -175,9 +177,24 @@ def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywor
     device = _device(TARGETS[target_name].topology)
     sharding = SingleDeviceSharding(device)
     structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in args]
+    call = lambda *a: fn(*a, **keywords)  # noqa: E731
+    if backward:
+        # The gradient of a sum of the outputs for every float input: the backward passes.
+        floats = tuple(n for n, (_, dtype) in enumerate(args) if np.issubdtype(dtype, np.floating) or dtype == np.dtype("bfloat16"))
+        call = jax.grad(lambda *a: sum(jnp_sum(o) for o in _tuple_of(fn(*a, **keywords))), argnums=floats)
     # Some Mosaic lowerings ask which TPU they target: the default device tells them.
     with jax.default_device(device):
-        return jax.jit(lambda *a: fn(*a, **keywords)).trace(*structs).lower().compile()
+        return jax.jit(call).trace(*structs).lower().compile()
+
+
+def jnp_sum(o):
+    import jax.numpy as jnp
+
+    return jnp.sum(o.astype(jnp.float32))
+
+
+def _tuple_of(out):
+    return out if isinstance(out, tuple) else (out,)
 
 
 _DEVICES: dict[str, object] = {}
@@ -279,6 +296,14 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
         return result
     result.compile_seconds = time.perf_counter() - start
     result.compiled = True
+    if plan.backward_error:
+        result.backward = f"not derived: {plan.backward_error}"
+    elif plan.backward_module is not None:
+        try:
+            _compile(plan, source, target, args, keywords, backward=True)
+            result.backward = "compiles"
+        except Exception as exc:  # reported, not raised: the forward kernel stands on its own
+            result.backward = "fails: " + next((line.strip() for line in str(exc).splitlines() if line.strip()), "compilation failed")
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
