@@ -709,8 +709,8 @@ def _reference(x, y, o_idx_0, o_idx_1, pad, sizes):
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )
-    o = o.astype(jnp.bfloat16)
     o = _gather_blocks(o, (o_idx_0, o_idx_1), pad, (128, 128))
+    o = o.astype(jnp.bfloat16)
     return o
 
 

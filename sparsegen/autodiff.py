@@ -162,10 +162,6 @@ class _Deriver:
         summed_groups, end_groups = group_factors(factors, set(summed), masks)
         if len(summed_groups) > 2:
             raise _Unsupported(f"the gradient of '{op.name}' multiplies more than two factors in one sum, which needs local tensors (not supported yet)")
-        for c in sparse_in:
-            pos = factors.index(c)
-            if summed and not any(pos in grp.members for grp in summed_groups):
-                raise _Unsupported(f"in the gradient of '{op.name}', the coo operand '{c.operand}' takes no part in the sum (not supported yet)")
         e = Einsum(target, factors, st.numbers, tuple(summed), summed_groups, end_groups, st.span)
         # Offsets keep their slots: the backward reads the same offsets where the forward did.
         forward_name = {dname: op.name, gname: st.target.operand}

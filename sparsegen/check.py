@@ -290,7 +290,6 @@ class _KernelChecker:
                 continue
             summed_groups, end_groups = groups
             e = Einsum(target, reads, tuple(Number(n.value) for n in numbers), tuple(summed), summed_groups, end_groups, st.span)
-            self.check_sparse_roles(e, factors)
             self.einsums.append(e)
         self.stop_if_errors()
 
@@ -315,18 +314,6 @@ class _KernelChecker:
             )
             return None
         return summed_groups, end_groups
-
-    def check_sparse_roles(self, e: Einsum, accesses) -> None:
-        for n, r in enumerate(e.factors):
-            op = self.operands[r.operand]
-            if op.sparsity is None or op.sparsity.text != "coo":
-                continue
-            if e.summed and not any(n in g.members for g in e.summed_groups):
-                self.error(
-                    op.sparsity.span,
-                    f"a coo input drives the walk over its stored blocks, so it must take part in the sum over '{e.summed[0]}'",
-                    "to skip work by a sparse factor applied after the sum, declare it 'mask' instead",
-                )
 
     # ----------------------------------------------------------------- sizes
     def check_sizes(self) -> None:

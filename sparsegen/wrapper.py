@@ -169,11 +169,12 @@ class Wrapper:
                         starts.append(f"{conv.offsets}[{slot}] * {k.index(s.index).tile}")
                 shape = _tuple(host(conv.size(d)) for d in out.dims)
                 lines.append(f"{var} = lax.dynamic_update_slice(jnp.zeros({shape}, {acc.jnp}), {var}, {_tuple(starts)})")
-            lines.append(f"{var} = {var}.astype({out.dtype.jnp})")
             if out.sparsity == "coo":
+                # Gathered before the cast, so repeated blocks' gradients add up in f32.
                 tiles = _tuple(str(k.index(i).tile) for i in st.out_indices)
                 coords = _tuple(p.internal for p in conv.params if p.operand == out.name and p.kind == "out_coords")
                 lines.append(f"{var} = _gather_blocks({var}, {coords}, {conv.pad(out.name)}, {tiles})")
+            lines.append(f"{var} = {var}.astype({out.dtype.jnp})")
             values[out.name] = var
         result = [values[o.name] for o in k.outputs]
         lines.append(f"return {result[0]}" if len(result) == 1 else f"return {', '.join(result)}")

@@ -38,12 +38,16 @@ def einsum_specs(draw, sparse: str):
     coo_in = mask = None
     with_sum = [n for n, f in enumerate(factors) if set(f) & set(summed)]
     if sparse in ("coo_in", "coo_join"):
-        # A coo input walks its stored blocks: it holds every summed index.
-        candidates = [n for n in with_sum if set(summed) <= set(factors[n])] or with_sum
-        coo_in = draw(st.sampled_from(candidates))
-        for i in summed:
-            if i not in factors[coo_in]:
-                factors[coo_in].append(i)
+        # A coo input walks its stored blocks: mostly it holds every summed index; sometimes it
+        # lies outside the sum (it samples the sum at its stored blocks).
+        if draw(st.integers(0, 3)) == 0:
+            coo_in = draw(st.integers(0, len(factors) - 1))
+        else:
+            candidates = [n for n in with_sum if set(summed) <= set(factors[n])] or with_sum
+            coo_in = draw(st.sampled_from(candidates))
+            for i in summed:
+                if i not in factors[coo_in] and len(factors[coo_in]) < 3:
+                    factors[coo_in].append(i)
     elif sparse in ("mask", "coo_out_mask"):
         mask = draw(st.integers(0, len(factors) - 1))
     out_coo = sparse.startswith("coo_out") or sparse == "coo_join"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import assert_matches, build
 from einsum_specs import SPARSE, einsum_specs
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 from oracle import oracle
@@ -26,7 +26,8 @@ from sparsegen.tpu.lower import lower
 from sparsegen.tpu.targets import TARGETS
 
 SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
-COMMON = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+# No shrinking: a failing example is reported as drawn (shrinking compiles a kernel per try).
+COMMON = dict(deadline=None, derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate], suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
 
 def check_example(text, sizes, pattern, seed, interpret):
@@ -123,6 +124,8 @@ def test_einsum_gradients_equal_the_gradient_of_reference(sparse):
         args, keywords = example_args(kernel, sizes, pattern, np.random.default_rng(seed))
         argnums = tuple(differentiable(kernel))
         assume(argnums)
+        # What the language page lists as not derived yet (section 7) raises, saying so.
+        assume(not lower(kernel, TARGETS["v5e"]).backward_error)
         out = mod.reference(*args, **keywords)
         weights = [jnp.asarray(np.random.default_rng(seed).standard_normal(np.shape(out)), jnp.float32)]
         want = jax.grad(loss_of(mod.reference, keywords, weights), argnums=argnums)(*args)

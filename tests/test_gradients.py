@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from aot import compile_for
-from conftest import SPECS, build, spec_text  # noqa: F401
+from conftest import SPECS, assert_matches, build, spec_text  # noqa: F401
 from test_einsum import SPECS as FEATURES
 
 from sparsegen.callconv import convention
@@ -40,7 +40,7 @@ def kernel_text(name: str) -> str:
 TEXTS = {name: (kernel_text(name), sizes) for name, sizes in EXAMPLES.items()}
 # The v1 features whose gradients are derived (grouped heads and chained statements are not yet).
 TEXTS.update({name: FEATURES[name] for name in ("batched_mm", "batched_coo", "two_sums", "row_sum", "three_factors", "left_offsets",
-                                               "coo_join", "ragged_coo", "ragged_mask", "ragged_sdd")})
+                                               "coo_join", "coo_outer_sum", "coo_outside_sum", "sampled_product", "ragged_coo", "ragged_mask", "ragged_sdd")})
 
 
 def differentiable(kernel):
@@ -167,3 +167,30 @@ def test_forward_mode_is_refused_clearly():
     kernel, mod, args, keywords, weights, env = setup("dsd_matmul")
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(lambda y: mod.dsd_matmul(args[0], args[1], args[2], y, **keywords, interpret=True), (args[3],), (args[3],))
+
+
+@pytest.mark.parametrize("name", ["dsd_matmul", "sdd_matmul", "masked_matmul", "batched_coo"])
+def test_grad_under_vmap(name):
+    """jax.vmap over a batch of one float input (the sparsity shared): each batch element's
+    gradient equals that of `reference`, and the forward values are stacked."""
+    kernel, mod, args, keywords, weights, env = setup(name)
+    fn = getattr(mod, name if name in FEATURES else kernel.name)
+    n = differentiable(kernel)[-1]
+    batch = jnp.stack([args[n], (2 * args[n]).astype(args[n].dtype)])
+
+    def grad_of(f):
+        def loss(x):
+            out = f(*args[:n], x, *args[n + 1 :], **keywords)
+            return jnp.sum(out.astype(jnp.float32) * weights[0])
+
+        return jax.vmap(jax.grad(loss))(batch)
+
+    got = grad_of(lambda *a, **k: fn(*a, **k, interpret=True))
+    want = grad_of(mod.reference)
+    assert got.shape == batch.shape
+    for g, w in zip(got, want):
+        assert_gradients_match(kernel, [g], [w], env)
+    out = jax.vmap(lambda x: fn(*args[:n], x, *args[n + 1 :], **keywords, interpret=True))(batch)
+    ref = jax.vmap(lambda x: mod.reference(*args[:n], x, *args[n + 1 :], **keywords))(batch)
+    for o, r in zip(out, ref):
+        assert_matches(kernel, o, r, env)

@@ -111,12 +111,16 @@ class CooInputWalk(PassBuilder):
             init = init & Var(a.var).eq(0)
             flushes = flushes & Var(a.var).eq(Var(a.static) - 1)
         summed, end = self.products(blocks)
+        # A coo operand outside the sum's groups is still read at its own steps (at a flush
+        # the coo block is the next one): it multiplies each step's sum, so duplicates add up.
+        step_end = tuple(q for q in end if q.factors[0].block == f"f{n_coo}") if st.summed else ()
+        end = tuple(q for q in end if q not in step_end)
         out = blocks["out"]
         note = ("A run of steps accumulates one output block; it starts after a flush step.",)
         about = "Write the finished block (zeros if no stored block reached it)."
         if st.summed:
             acc_live, acc_shape = self.acc_layout(out, summed)
-            body = Body(True, init, computes, summed, (), flushes, (FlushCase(None, end, "flush", about),), st.summed, acc_live,
+            body = Body(True, init, computes, summed, step_end, flushes, (FlushCase(None, end, "flush", about),), st.summed, acc_live,
                         acc_shape, out.live, tails=self.tails(tail_coord), notes=note)
         else:
             # No sum: the product is accumulated per stored block, so duplicates add up.

@@ -122,7 +122,7 @@ class Body:
     init_when: Expr | None
     compute_when: Expr | None
     summed: tuple[Product, ...]  # the sum's one or two groups; () without a sum
-    step: tuple[Product, ...]  # without a sum, accumulated per step (a coo input's duplicates add up)
+    step: tuple[Product, ...]  # without a sum: accumulated per step (a coo input's duplicates add up); with one: multiplied into each step's sum
     flush_when: Expr | None
     flush_cases: tuple[FlushCase, ...]
     summed_indices: tuple[str, ...]

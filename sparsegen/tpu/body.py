@@ -64,23 +64,36 @@ class BodyWriter:
         spec: Spec = self.spec[f.block]
         code = f"{spec.ref}[...]"
         shape = tuple(d.extent for d in spec.block.dims if d.live)
-        if f.live and spec.view.ref_shape != shape:
+        if spec.view.ref_shape != shape:  # a view with unit dimensions (a scalar: shape ())
             code = f"{code}.reshape({_tuple(map(str, shape))})"
             return Val(code, f.live, f.dtype, False)
         return Val(code, f.live, f.dtype)
 
-    def product(self, q: Product) -> Val:
-        main = self.read(q.factors[0])
-        if len(q.factors) == 1:
+    def product(self, q: Product, for_mxu: bool = False) -> Val:
+        """The factors of `q` multiplied, in the accumulator's dtype; `for_mxu`: rounded back to
+        the first factor's dtype, to feed the MXU a narrow operand (as a bf16 kernel would)."""
+        vals = [self.read(f) for f in q.factors]
+        main = vals[0]
+        if len(vals) == 1:
             return main
-        parts = [cast(main.code, main.dtype, self.acc)]
-        for f in q.factors[1:]:
-            v = self.read(f)
-            parts.append(cast(align(v, main.axes) if v.simple else f"({align(v, main.axes)})", v.dtype, self.acc))
+        # The product holds every factor's axes: the first factor's order, unless another
+        # factor holds axes it lacks (then the widest factor's order, the rest appended).
+        if not all(set(v.axes) <= set(main.axes) for v in vals[1:]):
+            widest = max(vals, key=lambda v: len(v.axes))
+            axes = list(widest.axes)
+            for v in vals:
+                axes += [a for a in v.axes if a not in axes]
+            axes = tuple(axes)
+        else:
+            axes = main.axes
+        parts = []
+        for v in vals:
+            code = align(v, axes)
+            parts.append(cast(code if v.simple or code == v.code else f"({code})", v.dtype, self.acc))
         code = " * ".join(parts)
-        if main.dtype != self.acc:
-            code = f"({code}).astype({main.dtype.jnp})"
-        return Val(code, main.axes, main.dtype, False)
+        if for_mxu and main.dtype != self.acc:
+            return Val(f"({code}).astype({main.dtype.jnp})", axes, main.dtype, False)
+        return Val(code, axes, self.acc, False)
 
     # ------------------------------------------------------------ the sum
     def contraction(self, vals: list[Val]) -> str:
@@ -112,6 +125,20 @@ class BodyWriter:
             total = f"jnp.sum({code}, axis={_tuple(map(str, axes)) if len(axes) > 1 else axes[0]})"
             return align(Val(total, rest, acc, True), target)
         a, b = vals
+        for_sum = [i for i in (*a.axes, *b.axes) if i in summed and not (i in a.axes and i in b.axes)]
+        if for_sum:
+            # Indices only one factor holds are summed first, in the accumulate dtype (inside
+            # jnp.einsum they would be summed in the factors' dtype).
+            pre = []
+            for v in (a, b):
+                own = [n for n, i in enumerate(v.axes) if i in for_sum]
+                if not own:
+                    pre.append(v)
+                    continue
+                code = cast(v.code if v.simple else f"({v.code})", v.dtype, acc)
+                code = f"jnp.sum({code}, axis={_tuple(map(str, own)) if len(own) > 1 else own[0]})"
+                pre.append(Val(code, tuple(i for i in v.axes if i not in for_sum), acc, True))
+            a, b = pre
         if a.dtype != b.dtype:
             a = Val(cast(a.code, a.dtype, acc), a.axes, acc, False)
             b = Val(cast(b.code, b.dtype, acc), b.axes, acc, False)
@@ -170,7 +197,10 @@ class BodyWriter:
         """Lines before the accumulation, and the accumulated value."""
         body = self.body
         groups = body.summed or body.step
-        vals = [self.product(q) for q in groups]
+        # Only two groups that share a summed axis make a matrix product; elsewhere products
+        # stay wide (the reference rounds nothing before the sum).
+        mxu = len(body.summed) == 2 and bool(set(body.summed[0].live) & set(body.summed[1].live) & set(body.summed_indices))
+        vals = [self.product(q, for_mxu=mxu) for q in groups]
         tails = body.tails
         needs_locals = any(t.index in v.axes for v in vals for t in tails)
         lines: list[str] = []
@@ -185,7 +215,12 @@ class BodyWriter:
             lines += self.guarded(tails, masked)
             vals = named
         if body.summed:
-            return lines, self.contraction(vals)
+            value = self.contraction(vals)
+            if body.step:
+                # Factors outside the sum read at this step (a coo operand's own block).
+                scale = [self.product(q) for q in body.step]
+                value = " * ".join([f"({value})", *(cast(align(v, body.acc_live) if v.simple else f"({align(v, body.acc_live)})", v.dtype, self.acc) for v in scale)])
+            return lines, value
         # No sum: an elementwise product, accumulated per step.
         parts = [cast(align(v, body.acc_live) if v.simple else f"({align(v, body.acc_live)})", v.dtype, self.acc) for v in vals]
         return lines, " * ".join(parts)

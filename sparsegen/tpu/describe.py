@@ -27,6 +27,8 @@ def _calls(tp: TpuPass) -> list[str]:
             groups = ["(" + " * ".join(f.operand for f in q.factors) + ")" if len(q.factors) > 1 else q.factors[0].operand for q in body.summed]
             what = " and ".join(groups)
             what = f"the product of {what} summed over {', '.join(body.summed_indices)}" if len(groups) > 1 else f"{what} summed over {', '.join(body.summed_indices)}"
+            if body.step:
+                what += ", times " + " * ".join(f.operand for q in body.step for f in q.factors)
         else:
             what = "the product " + " * ".join(f.operand for q in body.step for f in q.factors)
         when = f" when {render(body.compute_when, 'text')}" if body.compute_when is not None else " every step"

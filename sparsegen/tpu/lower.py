@@ -160,7 +160,7 @@ def lower(kernel: Kernel, target: Target, names: ModuleNames | None = None, conv
     several = len(sched.passes) > 1 or not backward
     for p in sched.passes:
         try:
-            passes.append(_lower_pass(kernel, names, p, several))
+            passes.append(_lower_pass(kernel, names, p, several, target))
         except LayoutError as exc:
             errors += exc.diagnostics
     if errors:
@@ -182,7 +182,7 @@ def _with_backward(m: TpuModule) -> TpuModule:
         return dataclasses.replace(m, backward=b, backward_error=b.error)
     try:
         bm = lower(b.kernel, m.target, m.names, b.conv, backward=False)
-        problems = check_kernel(b.kernel, m.target) + check_module(bm)
+        problems = check_kernel(b.kernel, m.target) + check_module(bm, suggest=False)
     except LayoutError as exc:
         bm, problems = None, exc.diagnostics
     if problems:
@@ -200,7 +200,7 @@ def _unique(diags):
     return out
 
 
-def _lower_pass(kernel: Kernel, names: ModuleNames, p: Pass, several: bool) -> TpuPass:
+def _lower_pass(kernel: Kernel, names: ModuleNames, p: Pass, several: bool, target: Target) -> TpuPass:
     prefix = f"{p.output}_" if several else ""
     kernel_fn = names.function(f"_{prefix}kernel") if several else "_kernel"
     prefetch_fn = names.function(f"_{prefix}prefetch") if several else "_prefetch"
@@ -216,7 +216,7 @@ def _lower_pass(kernel: Kernel, names: ModuleNames, p: Pass, several: bool) -> T
         raise LayoutError(_unique(errors))
     acc_ref = p.names.local("acc_ref")
     sizes = tuple(dict.fromkeys(t.size for t in (*p.body.tails, *p.body.out_tails)))
-    return TpuPass(p, kernel_fn, prefetch_fn, call_fn, tuple(specs), acc_ref, sizes, _vmem(kernel, p, specs))
+    return TpuPass(p, kernel_fn, prefetch_fn, call_fn, tuple(specs), acc_ref, sizes, _vmem(kernel, p, specs, target))
 
 
 def _spec(kernel: Kernel, names: ModuleNames, local: ModuleNames, b: Block, statics: dict[str, Expr], prefix: str) -> Spec:
@@ -245,7 +245,7 @@ def _spec(kernel: Kernel, names: ModuleNames, local: ModuleNames, b: Block, stat
     return Spec(b, fn, ref, v, tuple(index), spec_statics)
 
 
-def _vmem(kernel: Kernel, p: Pass, specs: list[Spec]) -> tuple[VmemItem, ...]:
+def _vmem(kernel: Kernel, p: Pass, specs: list[Spec], target: Target) -> tuple[VmemItem, ...]:
     items = []
     for s in specs:
         op = kernel.operand(s.block.operand)
@@ -267,7 +267,7 @@ def _vmem(kernel: Kernel, p: Pass, specs: list[Spec]) -> tuple[VmemItem, ...]:
     for q in (*body.step, *(q for c in body.flush_cases for q in (c.products or ()))):
         for f in q.factors:
             if f.live != body.out_live[-len(f.live):] if f.live else False:
-                temporaries += 3 if len(body.out_live) >= 3 else 1
+                temporaries += target.transpose_copies if len(body.out_live) >= 3 else 1
     if temporaries:
         items.append(VmemItem("body temporaries", out_shape, p.accumulate, temporaries))
     if len(body.summed) == 2 and any(len(q.live) >= 3 for q in body.summed):

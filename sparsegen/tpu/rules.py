@@ -58,7 +58,9 @@ def check_kernel(kernel: Kernel, target: Target) -> list[Diagnostic]:
     return []
 
 
-def check_module(m: TpuModule) -> list[Diagnostic]:
+def check_module(m: TpuModule, suggest: bool = True) -> list[Diagnostic]:
+    """The target's limits on a lowered module. `suggest=False` for a derived backward kernel:
+    its tiles are the forward's, and its calling convention is its own."""
     k, target = m.kernel, m.target
     errors = []
     need = m.vmem_bytes
@@ -67,7 +69,7 @@ def check_module(m: TpuModule) -> list[Diagnostic]:
             "VMEM holds two buffers of every block (double buffering) plus the accumulator: "
             + ", ".join(f"{item.what} {format_bytes(item.bytes)}" for item in m.vmem)
         ]
-        smaller = suggest_tiles(k, target)
+        smaller = suggest_tiles(k, target) if suggest else None
         if smaller is not None:
             notes.append(f"tiles that fit: {_tiles_text(smaller)}")
         errors.append(
@@ -98,23 +100,36 @@ def check_module(m: TpuModule) -> list[Diagnostic]:
                                              f"'{q.factors[0].operand}' blocks and no matrix product contracts it "
                                              "(Mosaic has no sublane gather on v4); build for v5e or v6e"))
                     break
+                # Measured too: a block summed over its other dimensions down to one (lane)
+                # dimension, then multiplied as a vector by a matrix (d, c) x (c, a) -> (a).
+                alone = [i for i in q.live if i in body.summed_indices and not any(i in o.live for o in others)]
+                rest = [i for i in q.live if i not in alone]
+                if others and alone and len(rest) == 1 and rest[0] in body.summed_indices:
+                    errors.append(Diagnostic(tp.p.statement.span, f"v4 cannot sum '{q.factors[0].operand}' blocks over "
+                                             f"{', '.join(repr(i) for i in alone)} into a vector for a matrix product "
+                                             "(Mosaic has no sublane gather on v4); build for v5e or v6e"))
+                    break
     # The MXU multiplies f32, bf16 and i8 blocks (v4: no i8); Mosaic refuses the other integers.
+    # The body feeds it the factors' dtype when both groups share one, else both in the
+    # accumulate dtype (see tpu/body.py).
     reported = set()
     for tp in m.passes:
         body = tp.p.body
         if len(body.summed) != 2 or not set(body.summed[0].live) & set(body.summed[1].live) & set(body.summed_indices):
             continue  # no matrix product in this pass
-        dtypes = {k.operand(q.factors[0].operand).dtype.name for q in body.summed}
-        for q in body.summed:
-            op = k.operand(q.factors[0].operand)
-            if op.name in reported:
-                continue
-            if op.dtype.name == "i8" and dtypes == {"i8"}:
-                if not target.int8_matmul:
-                    reported.add(op.name)
-                    errors.append(Diagnostic(op.dtype_span, f"{target.name} has no int8 matmul: '{op.name}' is {op.dtype.name}"))
-            elif not op.dtype.is_float or (op.dtype.name == "i8"):
-                reported.add(op.name)
-                errors.append(Diagnostic(op.dtype_span, f"the TPU's matrix unit multiplies f32, bf16 or i8 blocks (i8 with i8); "
-                                                        f"'{op.name}' is {op.dtype.name} in a matrix product"))
+        ops = [k.operand(q.factors[0].operand) for q in body.summed]
+        dtypes = {op.dtype.name for op in ops}
+        fed = ops[0].dtype.name if len(dtypes) == 1 else k.accumulate.name
+        if fed in ("f32", "bf16") or (fed == "i8" and target.int8_matmul):
+            continue
+        op = next((op for op in ops if op.dtype.name == fed), ops[0])
+        if op.name in reported:
+            continue
+        reported.add(op.name)
+        if fed == "i8":
+            errors.append(Diagnostic(op.dtype_span, f"{target.name} has no int8 matmul: '{op.name}' is {op.dtype.name}"))
+        else:
+            errors.append(Diagnostic(op.dtype_span, f"the TPU's matrix unit multiplies f32, bf16 or i8 blocks (i8 with i8); "
+                                                    f"'{op.name}' is {op.dtype.name} in a matrix product"
+                                                    + ("" if len(dtypes) == 1 else f" (its factors meet in the accumulate dtype, {fed})")))
     return errors

@@ -252,7 +252,7 @@ def explain(plan: TpuModule, target: str, message: str) -> Diagnostic:
         need = f"{format_bytes(_size(*vmem.groups()))} or more" if vmem else "more than it has"
         notes = []
         smaller = suggest_tiles(k, chip)
-        if smaller is not None:
+        if smaller is not None and smaller.indices != k.indices:  # the static estimate thought these fit
             notes.append("tiles that fit: " + ", ".join(f"{i.name}={i.tile}" for i in smaller.indices))
         return Diagnostic(k.tile_span, f"tiles {tiles} need {need} of VMEM on {target} (limit {format_bytes(chip.vmem_bytes)})", tuple(notes))
     if "memory space smem" in message:
