@@ -65,6 +65,11 @@ class BodyWriter:
         code = f"{spec.ref}[...]"
         shape = tuple(d.extent for d in spec.block.dims if d.live)
         if spec.view.ref_shape != shape:  # a view with unit dimensions (a scalar: shape ())
+            if f.dtype.bits < 32 and tuple(spec.view.ref_shape[-2:]) != shape[-2:]:
+                # Measured: Mosaic cannot move packed (16/8-bit) rows between sublanes; the
+                # block is widened to 32 bits first.
+                code = f"{code}.astype({self.acc.jnp}).reshape({_tuple(map(str, shape))})"
+                return Val(code, f.live, self.acc, False)
             code = f"{code}.reshape({_tuple(map(str, shape))})"
             return Val(code, f.live, f.dtype, False)
         return Val(code, f.live, f.dtype)
@@ -88,6 +93,9 @@ class BodyWriter:
             axes = main.axes
         parts = []
         for v in vals:
+            if v.axes != axes and v.dtype != self.acc:
+                # Widened before it is broadcast: Mosaic cannot broadcast packed (bf16) sublanes.
+                v = Val(cast(v.code if v.simple else f"({v.code})", v.dtype, self.acc), v.axes, self.acc, False)
             code = align(v, axes)
             parts.append(cast(code if v.simple or code == v.code else f"({code})", v.dtype, self.acc))
         code = " * ".join(parts)
