@@ -324,19 +324,62 @@ def _coo_steps(rows, n_rows, pad):
     return kind, block, row
 
 
-def _densify(blocks, coords, pad, shape, tiles, dtype):
-    """The dense array a blocked COO list stands for; repeated coordinates add up, padding
-    entries are dropped, and a partial last block is cut at the array's end."""
-    blocks = blocks.reshape((blocks.shape[0], *tiles)).astype(dtype)
-    grid = tuple(-(-s // t) for s, t in zip(shape, tiles))
-    coords = tuple(
-        jnp.where(pad, g, c) for c, g in zip(coords, grid)
-    )  # padding: dropped below
-    dense = jnp.zeros(grid + tuple(tiles), dtype).at[coords].add(blocks, mode="drop")
-    rank = len(tiles)
-    dense = dense.transpose([p for d in range(rank) for p in (d, rank + d)])
-    dense = dense.reshape([g * t for g, t in zip(grid, tiles)])
-    return dense[tuple(slice(0, s) for s in shape)]
+def _cut_blocks(blocks, coords, tiles, shape):
+    """Stored blocks (nb, *tiles) with what lies past the array's end zeroed: absent."""
+    inside = jnp.ones(blocks.shape, bool)
+    for d, (c, t, s) in enumerate(zip(coords, tiles, shape)):
+        if s % t:
+            start = c.reshape((-1,) + (1,) * len(tiles)) * t
+            inside = inside & (
+                start + lax.broadcasted_iota(jnp.int32, blocks.shape, d + 1) < s
+            )
+    return jnp.where(inside, blocks, 0)
+
+
+def _at_blocks(value, axes, coords, tiles):
+    """The parts of `value` that each sparse block meets: its `axes` cut into blocks of
+    `tiles`, picked at `coords` (one entry per block), stacked first: (nb, ...)."""
+    value = jnp.pad(
+        value,
+        [
+            (0, -n % tiles[axes.index(a)]) if a in axes else (0, 0)
+            for a, n in enumerate(value.shape)
+        ],
+    )
+    shape, where = [], []
+    for a, n in enumerate(value.shape):
+        if a in axes:
+            where.append(len(shape))
+            shape += [n // tiles[axes.index(a)], tiles[axes.index(a)]]
+        else:
+            shape.append(n)
+    order = [where[sorted(axes).index(a)] for a in axes]
+    split = jnp.moveaxis(value.reshape(shape), order, list(range(len(axes))))
+    return split[tuple(jnp.maximum(c, 0) for c in coords)]
+
+
+def _add_blocks(parts, axes, coords, skip, shape, tiles):
+    """Per-block results `parts` (nb, ...) added at their blocks along `axes` (the inverse
+    of _at_blocks); skipped entries add nothing; cut at `shape`."""
+    parts = jnp.where(skip.reshape((-1,) + (1,) * (parts.ndim - 1)), 0, parts)
+    if not axes:
+        return parts.sum(axis=0)
+    grid = [-(-shape[a] // t) for a, t in zip(axes, tiles)]
+    rest = parts.shape[1:]
+    total = (
+        jnp.zeros((*grid, *rest), parts.dtype)
+        .at[tuple(jnp.maximum(c, 0) for c in coords)]
+        .add(parts)
+    )
+    order = []
+    for a in range(len(rest)):
+        if a in axes:
+            order.append(axes.index(a))
+        order.append(len(axes) + a)
+    total = total.transpose(order).reshape(
+        [grid[axes.index(a)] * n if a in axes else n for a, n in enumerate(rest)]
+    )
+    return total[tuple(slice(0, n) for n in shape)]
 
 
 def _mask_tail(value, axis, limit):
@@ -728,16 +771,22 @@ _run.defvjp(_run_forward, _run_backward)
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(x_blocks, x_idx_0, x_idx_1, y, pad, sizes):
     M, K, N = sizes
-    x_blocks_dense = _densify(
-        x_blocks, (x_idx_0, x_idx_1), pad, (M, K), (512, 512), jnp.float32
+    x_coords = (x_idx_0, x_idx_1)
+    x_skip = pad
+    x_at = _cut_blocks(
+        x_blocks.reshape((x_blocks.shape[0], 512, 512)).astype(jnp.float32),
+        x_coords,
+        (512, 512),
+        (M, K),
     )
-    o = jnp.einsum(
-        "ac,cb->ab",
-        x_blocks_dense.astype(jnp.float32),
-        y.astype(jnp.float32),
+    o_parts = jnp.einsum(
+        "ZAC,ZCb->ZAb",
+        x_at,
+        _at_blocks(y.astype(jnp.float32), (0,), (x_coords[1],), (512,)),
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )
+    o = _add_blocks(o_parts, (0,), (x_coords[0],), x_skip, (M, N), (512,))
     o = o.astype(jnp.bfloat16)
     return o
 

@@ -271,6 +271,69 @@ def _block_kinds(mask, tiles, ones):
     return kind.astype(jnp.int32)
 
 
+def _blocks_of(dense, tiles):
+    """`dense` cut into its blocks, (number of blocks, *tiles) in row-major block order
+    (zeros past a partial last block), and each block's coordinates, one array per dim.
+    """
+    dense = jnp.pad(
+        dense, [(0, -size % tile) for size, tile in zip(dense.shape, tiles)]
+    )
+    grid = tuple(size // tile for size, tile in zip(dense.shape, tiles))
+    rank = len(tiles)
+    split = dense.reshape([n for g, t in zip(grid, tiles) for n in (g, t)])
+    blocks = split.transpose(
+        [2 * d for d in range(rank)] + [2 * d + 1 for d in range(rank)]
+    )
+    coords = tuple(c.reshape(-1) for c in jnp.indices(grid))
+    return blocks.reshape((-1, *tiles)), coords
+
+
+def _at_blocks(value, axes, coords, tiles):
+    """The parts of `value` that each sparse block meets: its `axes` cut into blocks of
+    `tiles`, picked at `coords` (one entry per block), stacked first: (nb, ...)."""
+    value = jnp.pad(
+        value,
+        [
+            (0, -n % tiles[axes.index(a)]) if a in axes else (0, 0)
+            for a, n in enumerate(value.shape)
+        ],
+    )
+    shape, where = [], []
+    for a, n in enumerate(value.shape):
+        if a in axes:
+            where.append(len(shape))
+            shape += [n // tiles[axes.index(a)], tiles[axes.index(a)]]
+        else:
+            shape.append(n)
+    order = [where[sorted(axes).index(a)] for a in axes]
+    split = jnp.moveaxis(value.reshape(shape), order, list(range(len(axes))))
+    return split[tuple(jnp.maximum(c, 0) for c in coords)]
+
+
+def _add_blocks(parts, axes, coords, skip, shape, tiles):
+    """Per-block results `parts` (nb, ...) added at their blocks along `axes` (the inverse
+    of _at_blocks); skipped entries add nothing; cut at `shape`."""
+    parts = jnp.where(skip.reshape((-1,) + (1,) * (parts.ndim - 1)), 0, parts)
+    if not axes:
+        return parts.sum(axis=0)
+    grid = [-(-shape[a] // t) for a, t in zip(axes, tiles)]
+    rest = parts.shape[1:]
+    total = (
+        jnp.zeros((*grid, *rest), parts.dtype)
+        .at[tuple(jnp.maximum(c, 0) for c in coords)]
+        .add(parts)
+    )
+    order = []
+    for a in range(len(rest)):
+        if a in axes:
+            order.append(axes.index(a))
+        order.append(len(axes) + a)
+    total = total.transpose(order).reshape(
+        [grid[axes.index(a)] * n if a in axes else n for a, n in enumerate(rest)]
+    )
+    return total[tuple(slice(0, n) for n in shape)]
+
+
 def _mask_tail(value, axis, limit):
     """Zero the elements at or past `limit` along `axis`: past the end of a partial last
     block, memory holds anything (NaN too), and absent elements add nothing to a sum."""
@@ -710,14 +773,19 @@ _run.defvjp(_run_forward, _run_backward)
 @functools.partial(jax.jit, static_argnames=("sizes",))
 def _reference(g, keep, y, sizes):
     M, N, K = sizes
-    dx = jnp.einsum(
-        "ac,ac,bc->ab",
-        g.astype(jnp.float32),
-        keep.astype(jnp.float32),
-        y.astype(jnp.float32),
+    keep_at, keep_coords = _blocks_of(keep.astype(jnp.float32), (512, 512))
+    keep_skip = ~jnp.any(keep_at != 0, axis=(1, 2))
+    dx_parts = jnp.einsum(
+        "ZAC,ZAC,ZbC->ZAb",
+        keep_at,
+        _at_blocks(
+            g.astype(jnp.float32), (0, 1), (keep_coords[0], keep_coords[1]), (512, 512)
+        ),
+        _at_blocks(y.astype(jnp.float32), (1,), (keep_coords[1],), (512,)),
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )
+    dx = _add_blocks(dx_parts, (0,), (keep_coords[0],), keep_skip, (M, K), (512,))
     dx = dx.astype(jnp.bfloat16)
     return dx
 

@@ -38,11 +38,12 @@ def host(e) -> str:
 
 
 class Wrapper:
-    def __init__(self, kernel: Kernel, conv: Convention, spans=(), size_table: str = "size"):
+    def __init__(self, kernel: Kernel, conv: Convention, spans=(), size_table: str = "size", names=None):
         self.k = kernel
         self.conv = conv
         self.spans = spans  # (operand, dim, tile): tiles that must span a symbolic dimension
         self.size = size_table
+        self.names = names  # the module's names: `reference`'s locals avoid them
 
     # ---------------------------------------------------------------- _prepare
     def prepare_lines(self, smem_checks: list[str]) -> list[str]:
@@ -146,16 +147,38 @@ class Wrapper:
         acc = k.accumulate
         lines = []
         values: dict[str, str] = {}
+        self.scope = self.names.scope() if self.names is not None else None
         for st in k.statements:
             out = k.operand(st.target.operand)
-            # Every factor in the accumulate dtype: exact for narrower data, and one dtype for
-            # XLA's dot (its CPU backend lacks some mixed-dtype forms).
-            views = [_widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, acc) for n, r in enumerate(st.factors)]
-            letters = {i: "abcdefghijklmnopqrstuvwxyz"[n] for n, i in enumerate(st.indices)}
-            spec = ",".join("".join(letters[i] for i in f.indices) for f in st.factors) + "->" + "".join(letters[i] for i in st.out_indices)
-            precision = ", precision=lax.Precision.HIGHEST" if acc.is_float else ""
             var = outputs[out.name]
-            lines.append(f'{var} = jnp.einsum("{spec}", {", ".join(views)}, preferred_element_type={acc.jnp}{precision})')
+            precision = ", precision=lax.Precision.HIGHEST" if acc.is_float else ""
+            letters = {i: "abcdefghijklmnopqrstuvwxyz"[n] for n, i in enumerate(st.indices)}
+            sparse = next((n for n, r in enumerate(st.factors) if k.operand(r.operand).direction == "in"
+                           and k.operand(r.operand).sparsity in ("coo", "mask")), None)
+            by_blocks = sparse is not None and (k.operand(st.factors[sparse].operand).sparsity == "coo"
+                                                or set(st.factors[sparse].indices) & set(st.summed))
+            if by_blocks:
+                # Skipping is by block: a block the sparse operand leaves out is never
+                # multiplied (a NaN it would meet stays out), as in the kernel.
+                lines += self.block_products(st, sparse, var, letters, outputs, precision)
+            else:
+                # Every factor in the accumulate dtype: exact for narrower data, and one dtype
+                # for XLA's dot (its CPU backend lacks some mixed-dtype forms).
+                views = [_widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, acc) for n, r in enumerate(st.factors)]
+                spec = ",".join("".join(letters[i] for i in f.indices) for f in st.factors) + "->" + "".join(letters[i] for i in st.out_indices)
+                lines.append(f'{var} = jnp.einsum("{spec}", {", ".join(views)}, preferred_element_type={acc.jnp}{precision})')
+                if sparse is not None:
+                    # A mask applied after the sum: its all-zero blocks are skipped, so what
+                    # the sum gives there (NaN too) is not multiplied: zeros.
+                    read = st.factors[sparse]
+                    mask = self.view(st, sparse, lines, outputs)
+                    tiles = _tuple(str(k.index(i).tile) for i in read.indices)
+                    src = "".join(letters[i] for i in read.indices)
+                    dst = "".join(letters[i] for i in st.out_indices)
+                    present = f"_present({mask} != 0, {tiles})"
+                    if src != dst:
+                        present = f'_expand({present}, "{src}", "{dst}")'
+                    lines.append(f"{var} = jnp.where({present}, {var}, 0)")
             if st.scale is not None:
                 lines.append(f"{var} = {var} * {_number(st.scale)}")
             if any(s.offset for s in st.target.subs):
@@ -178,6 +201,62 @@ class Wrapper:
             values[out.name] = var
         result = [values[o.name] for o in k.outputs]
         lines.append(f"return {result[0]}" if len(result) == 1 else f"return {', '.join(result)}")
+        return lines
+
+    def local(self, preferred: str) -> str:
+        return self.scope.local(preferred) if self.scope is not None else preferred
+
+    def block_products(self, st: Einsum, sparse: int, var: str, letters, outputs, precision) -> list[str]:
+        """The statement as a sum of per-block products over the sparse operand's blocks (a
+        coo input's stored blocks; a mask's blocks that are not all zero)."""
+        k, conv, acc = self.k, self.conv, self.k.accumulate
+        lines: list[str] = []
+        read = st.factors[sparse]
+        op = k.operand(read.operand)
+        idx = read.indices
+        tiles = {i: k.index(i).tile for i in idx}
+        tile_text = _tuple(str(tiles[i]) for i in idx)
+        shape = _tuple(host(conv.size(d)) for d in op.dims)
+        blocks, coords, pad = self.local(f"{op.name}_at"), self.local(f"{op.name}_coords"), self.local(f"{op.name}_skip")
+        if op.sparsity == "coo":
+            param = conv.param(op.name, "blocks").internal
+            lines.append(f"{coords} = {_tuple(p.internal for p in conv.params if p.operand == op.name and p.kind == 'coords')}")
+            lines.append(f"{pad} = {conv.pad(op.name)}")
+            # What lies past the array's end in a partial last block is absent.
+            full = ", ".join(str(tiles[i]) for i in idx)
+            lines.append(f"{blocks} = _cut_blocks({param}.reshape(({param}.shape[0], {full})).astype({acc.jnp}), {coords}, {tile_text}, {shape})")
+        else:
+            mask = _widen(self.view(st, sparse, lines, outputs), op.dtype, acc)
+            lines.append(f"{blocks}, {coords} = _blocks_of({mask}, {tile_text})")
+            lines.append(f"{pad} = ~jnp.any({blocks} != 0, axis={_tuple(str(d + 1) for d in range(len(idx)))})")
+        # Block-local indices are upper case; the block number is a letter no index uses.
+        local = {i: letters[i].upper() for i in idx}
+        block = next(c for c in "ZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in local.values())
+
+        def name_of(i):
+            return local[i] if i in local else letters[i]
+
+        operands, specs = [blocks], [block + "".join(local[i] for i in idx)]
+        for n, r in enumerate(st.factors):
+            if n == sparse:
+                continue
+            view = _widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, acc)
+            axes = [d for d, i in enumerate(r.indices) if i in local]
+            if axes:
+                picked = _tuple(f"{coords}[{idx.index(r.indices[d])}]" for d in axes)
+                view = f"_at_blocks({view}, {_tuple(map(str, axes))}, {picked}, {_tuple(str(tiles[r.indices[d]]) for d in axes)})"
+            operands.append(view)
+            specs.append((block if axes else "") + "".join(name_of(i) for i in r.indices))
+        parts = self.local(f"{var}_parts")
+        spec = ",".join(specs) + "->" + block + "".join(name_of(i) for i in st.out_indices)
+        lines.append(f'{parts} = jnp.einsum("{spec}", {", ".join(operands)}, preferred_element_type={acc.jnp}{precision})')
+        axes = [d for d, i in enumerate(st.out_indices) if i in local]
+        out = k.operand(st.target.operand)
+        out_shape = _tuple(host(conv.size(k.index(i).size)) for i in st.out_indices)
+        picked = _tuple(f"{coords}[{idx.index(st.out_indices[d])}]" for d in axes)
+        out_tiles = _tuple(str(tiles[st.out_indices[d]]) for d in axes)
+        del out
+        lines.append(f"{var} = _add_blocks({parts}, {_tuple(map(str, axes))}, {picked}, {pad}, {out_shape}, {out_tiles})")
         return lines
 
     def view(self, st: Einsum, n: int, lines: list[str], outputs: dict[str, str]) -> str:

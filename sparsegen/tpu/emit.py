@@ -50,6 +50,8 @@ _OPTIONAL = {
     "coords": "_check_coords", "padding": "_check_padding", "offsets": "_check_offsets", "smem": "_check_smem",
     "next_live": "_next_live", "coo_steps": "_coo_steps", "block_kinds": "_block_kinds", "densify": "_densify",
     "gather": "_gather_blocks", "tails": "_mask_tail", "window": "_window", "join": "_block_slots", "no_gradient": "_no_gradient",
+    "cut_blocks": "_cut_blocks", "blocks_of": "_blocks_of", "at_blocks": "_at_blocks", "add_blocks": "_add_blocks",
+    "present": "_present", "expand": "_expand",
 }  # fmt: skip
 
 
@@ -57,7 +59,7 @@ class _Emitter:
     def __init__(self, m: TpuModule):
         self.m = m
         self.k = m.kernel
-        self.wrapper = Wrapper(m.kernel, m.conv, m.spans, m.names.local("size"))
+        self.wrapper = Wrapper(m.kernel, m.conv, m.spans, m.names.local("size"), m.names)
         self.outputs = dict(m.schedule.outputs)
 
     # ------------------------------------------------------------ kernels
