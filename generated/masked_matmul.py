@@ -271,21 +271,36 @@ def _block_kinds(mask, tiles, ones):
     return kind.astype(jnp.int32)
 
 
-def _present(nonzero, tiles):
-    """True where an element's block holds a nonzero: the blocks a mask does not skip."""
+def _split_blocks(dense, tiles):
+    """`dense` as (*block grid, *tiles), zeros past a partial last block."""
     dense = jnp.pad(
-        nonzero, [(0, -size % tile) for size, tile in zip(nonzero.shape, tiles)]
+        dense, [(0, -size % tile) for size, tile in zip(dense.shape, tiles)]
     )
+    rank = len(tiles)
     split = dense.reshape(
         [n for size, tile in zip(dense.shape, tiles) for n in (size // tile, tile)]
     )
-    rank = len(tiles)
-    any_in_block = jnp.any(
-        split, axis=tuple(2 * d + 1 for d in range(rank)), keepdims=True
+    return split.transpose(
+        [2 * d for d in range(rank)] + [2 * d + 1 for d in range(rank)]
     )
-    return jnp.broadcast_to(any_in_block, split.shape).reshape(dense.shape)[
-        tuple(slice(0, n) for n in nonzero.shape)
-    ]
+
+
+def _join_blocks(blocked, shape):
+    """The inverse of _split_blocks: (*block grid, *tiles) back to a dense array of `shape`."""
+    rank = len(shape)
+    dense = blocked.transpose([p for d in range(rank) for p in (d, rank + d)])
+    dense = dense.reshape(
+        [g * t for g, t in zip(blocked.shape[:rank], blocked.shape[rank:])]
+    )
+    return dense[tuple(slice(0, s) for s in shape)]
+
+
+def _present(nonzero, tiles):
+    """True where an element's block holds a nonzero: the blocks a mask does not skip."""
+    blocked = _split_blocks(nonzero, tiles)
+    rank = len(tiles)
+    any_in_block = jnp.any(blocked, axis=tuple(range(rank, 2 * rank)), keepdims=True)
+    return _join_blocks(jnp.broadcast_to(any_in_block, blocked.shape), nonzero.shape)
 
 
 def _mask_tail(value, axis, limit):

@@ -271,21 +271,27 @@ def _block_kinds(mask, tiles, ones):
     return kind.astype(jnp.int32)
 
 
+def _split_blocks(dense, tiles):
+    """`dense` as (*block grid, *tiles), zeros past a partial last block."""
+    dense = jnp.pad(
+        dense, [(0, -size % tile) for size, tile in zip(dense.shape, tiles)]
+    )
+    rank = len(tiles)
+    split = dense.reshape(
+        [n for size, tile in zip(dense.shape, tiles) for n in (size // tile, tile)]
+    )
+    return split.transpose(
+        [2 * d for d in range(rank)] + [2 * d + 1 for d in range(rank)]
+    )
+
+
 def _blocks_of(dense, tiles):
     """`dense` cut into its blocks, (number of blocks, *tiles) in row-major block order
     (zeros past a partial last block), and each block's coordinates, one array per dim.
     """
-    dense = jnp.pad(
-        dense, [(0, -size % tile) for size, tile in zip(dense.shape, tiles)]
-    )
-    grid = tuple(size // tile for size, tile in zip(dense.shape, tiles))
-    rank = len(tiles)
-    split = dense.reshape([n for g, t in zip(grid, tiles) for n in (g, t)])
-    blocks = split.transpose(
-        [2 * d for d in range(rank)] + [2 * d + 1 for d in range(rank)]
-    )
-    coords = tuple(c.reshape(-1) for c in jnp.indices(grid))
-    return blocks.reshape((-1, *tiles)), coords
+    blocked = _split_blocks(dense, tiles)
+    coords = tuple(c.reshape(-1) for c in jnp.indices(blocked.shape[: len(tiles)]))
+    return blocked.reshape((-1, *tiles)), coords
 
 
 def _at_blocks(value, axes, coords, tiles):

@@ -317,21 +317,28 @@ def _coo_steps(rows, n_rows, pad):
     return kind, block, row
 
 
-def _gather_blocks(dense, coords, pad, tiles):
-    """The blocks of `dense` at the given block coordinates, stacked (tile-1 dimensions
-    dropped); padding entries and what lies past a partial last block are zeros."""
+def _split_blocks(dense, tiles):
+    """`dense` as (*block grid, *tiles), zeros past a partial last block."""
     dense = jnp.pad(
         dense, [(0, -size % tile) for size, tile in zip(dense.shape, tiles)]
     )
-    shape = []
-    for size, tile in zip(dense.shape, tiles):
-        shape += [size // tile, tile]
     rank = len(tiles)
-    blocked = dense.reshape(shape).transpose(
+    split = dense.reshape(
+        [n for size, tile in zip(dense.shape, tiles) for n in (size // tile, tile)]
+    )
+    return split.transpose(
         [2 * d for d in range(rank)] + [2 * d + 1 for d in range(rank)]
     )
+
+
+def _gather_blocks(dense, coords, pad, tiles):
+    """The blocks of `dense` at the given block coordinates, stacked (tile-1 dimensions
+    dropped); padding entries and what lies past a partial last block are zeros."""
+    blocked = _split_blocks(dense, tiles)
     picked = blocked[tuple(jnp.maximum(c, 0) for c in coords)]
-    picked = jnp.where(pad.reshape((-1,) + (1,) * rank), 0, picked).astype(dense.dtype)
+    picked = jnp.where(pad.reshape((-1,) + (1,) * len(tiles)), 0, picked).astype(
+        dense.dtype
+    )
     return picked.reshape((picked.shape[0], *[t for t in tiles if t != 1]))
 
 

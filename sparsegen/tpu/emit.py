@@ -51,7 +51,7 @@ _OPTIONAL = {
     "next_live": "_next_live", "coo_steps": "_coo_steps", "block_kinds": "_block_kinds", "densify": "_densify",
     "gather": "_gather_blocks", "tails": "_mask_tail", "window": "_window", "join": "_block_slots", "no_gradient": "_no_gradient",
     "cut_blocks": "_cut_blocks", "blocks_of": "_blocks_of", "at_blocks": "_at_blocks", "add_blocks": "_add_blocks",
-    "present": "_present", "expand": "_expand",
+    "present": "_present", "expand": "_expand", "split_blocks": "_split_blocks", "join_blocks": "_join_blocks",
 }  # fmt: skip
 
 
