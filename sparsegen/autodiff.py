@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .callconv import Convention, OffsetUse, Param
-from .ir import Einsum, Kernel, Operand, Read, group_factors
+from .ir import Einsum, Kernel, Operand, Read, group_factors, summed_indices
 from .names import ModuleNames, NameTable
 
 
@@ -152,12 +152,7 @@ class _Deriver:
             # A coo operand drives the walk: a mask here is read as a dense factor.
             others = [self.dense(r) if self.operands[r.operand].sparsity == "mask" else r for r in others]
         factors = (g, *others)
-        out = set(target.indices)
-        summed: list[str] = []
-        for r in factors:
-            for i in r.indices:
-                if i not in out and i not in summed:
-                    summed.append(i)
+        summed = summed_indices(target, factors)
         masks = {r.operand for r in factors if self.operands[r.operand].sparsity == "mask"}
         summed_groups, end_groups = group_factors(factors, set(summed), masks)
         if len(summed_groups) > 2:

@@ -13,7 +13,7 @@ import sys
 
 from . import syntax as ast
 from .dtypes import DATA_DTYPES, DTYPES
-from .ir import Einsum, Index, Kernel, Number, OffsetRef, Operand, Read, Relation, Size, Sub, group_factors
+from .ir import Einsum, Index, Kernel, Number, OffsetRef, Operand, Read, Relation, Size, Sub, group_factors, summed_indices
 from .names import HELPERS, MODULE_NAMES, PYTHON_NAMES
 from .source import Diagnostic, Span, SpecError
 
@@ -274,17 +274,12 @@ class _KernelChecker:
 
     # ------------------------------------------------------------- einsums
     def build_einsums(self) -> None:
-        """Classify indices, group the factors, and check the sparse operands' roles."""
+        """Classify indices and group the factors."""
         self.einsums: list[Einsum] = []
         for st, factors, numbers in self.parsed:
             reads = tuple(self.read(a) for a in factors)
             target = self.read(st.target)
-            out = set(target.indices)
-            summed: list[str] = []
-            for r in reads:
-                for i in r.indices:
-                    if i not in out and i not in summed:
-                        summed.append(i)
+            summed = summed_indices(target, reads)
             groups = self.group(reads, set(summed), factors)
             if groups is None:
                 continue

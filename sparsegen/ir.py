@@ -105,6 +105,18 @@ class Group:
         return (self.main, *self.extras)
 
 
+def summed_indices(target: Read, factors) -> tuple[str, ...]:
+    """The indices a statement sums over: those of its factors the left side lacks, in order
+    of first appearance."""
+    out = set(target.indices)
+    summed: list[str] = []
+    for r in factors:
+        for i in r.indices:
+            if i not in out and i not in summed:
+                summed.append(i)
+    return tuple(summed)
+
+
 def group_factors(reads, summed: set[str], masks: set[str] = frozenset()) -> tuple[tuple[Group, ...], tuple[Group, ...]]:
     """(summed groups, end groups): a factor with a summed index whose indices another such
     factor has is multiplied into it before the sum. The widest factor covers; among equals
