@@ -318,9 +318,9 @@ class _Emitter:
         uses = {key: False for key in _OPTIONAL}
         text = main
         for _ in range(3):  # helpers call helpers: until nothing new is used
+            called = set(re.findall(r"\b(_\w+)\(", text))
             for key, fn in _OPTIONAL.items():
-                if re.search(rf"\b{fn}\(", text):
-                    uses[key] = True
+                uses[key] = uses[key] or fn in called
             helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
             text = main + helpers
         helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()

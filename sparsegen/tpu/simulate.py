@@ -73,9 +73,13 @@ def load_module(plan: TpuModule, name: str | None = None, host: bool = True):
     index maps then run on numpy arrays of every grid step at once, with no XLA compile
     per array shape (which made variants slow), and the same code path as on a TPU.
     """
+    import dataclasses
+
     from .emit import _Emitter
 
-    code = _Emitter(plan).module("<memory>")
+    # The forward is what runs here: the backward passes are left out (half the text).
+    forward = dataclasses.replace(plan, backward=None, backward_module=None, backward_error=None)
+    code = _Emitter(forward).module("<memory>")
     module = types.ModuleType(name or f"sparsegen_sim_{plan.name}")
     exec(compile(code, f"<sparsegen {plan.name}>", "exec"), module.__dict__)
     if host:
