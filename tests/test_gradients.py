@@ -149,7 +149,7 @@ def test_backward_of_a_causal_masked_matmul_does_the_forward_block_products():
 
     (plan,) = plans(SPECS / "masked_matmul.spk")
     env = dict(M=4096, K=4096, N=4096)
-    module = load_module(plan)
+    module = load_module(plan, backward=True)
     forward = simulate(plan, module, pattern_args(plan, env, "tril")[0], env)
     backward = plan.backward_module
     for tp in backward.passes:

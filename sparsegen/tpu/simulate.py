@@ -66,20 +66,21 @@ class Simulation:
 # ------------------------------------------------------------------ modules
 
 
-def load_module(plan: TpuModule, name: str | None = None, host: bool = True):
+def load_module(plan: TpuModule, name: str | None = None, host: bool = True, backward: bool = False):
     """The plan's generated module, executed in memory (not black-formatted: faster).
 
     With `host`, its `jnp` and `lax` are numpy stand-ins: the module's own `_prefetch` and
     index maps then run on numpy arrays of every grid step at once, with no XLA compile
-    per array shape (which made variants slow), and the same code path as on a TPU.
+    per array shape (which made variants slow), and the same code path as on a TPU. With
+    `backward`, the backward passes' functions are there too.
     """
     import dataclasses
 
     from .emit import _Emitter
 
-    # The forward is what runs here: the backward passes are left out (half the text).
-    forward = dataclasses.replace(plan, backward=None, backward_module=None, backward_error=None)
-    code = _Emitter(forward).module("<memory>")
+    if not backward:  # the forward is what usually runs here: half the text
+        plan = dataclasses.replace(plan, backward=None, backward_module=None, backward_error=None)
+    code = _Emitter(plan).module("<memory>")
     module = types.ModuleType(name or f"sparsegen_sim_{plan.name}")
     exec(compile(code, f"<sparsegen {plan.name}>", "exec"), module.__dict__)
     if host:
