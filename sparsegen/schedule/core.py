@@ -134,6 +134,11 @@ class Body:
     notes: tuple[str, ...] = ()
     lets: tuple[tuple[str, Expr], ...] = ()  # values the phases read (over axes, extents and tables)
 
+    @property
+    def matrix_product(self) -> bool:
+        """Two groups that share a summed index: a matrix product (the MXU's, on a TPU)."""
+        return len(self.summed) == 2 and bool(set(self.summed[0].live) & set(self.summed[1].live) & set(self.summed_indices))
+
 
 @dataclass(frozen=True)
 class Pass:

@@ -103,6 +103,10 @@ class BodyWriter:
             return Val(f"({code}).astype({main.dtype.jnp})", axes, main.dtype, False)
         return Val(code, axes, self.acc, False)
 
+    def widened(self, v: Val, axes: tuple[str, ...]) -> str:
+        """`v` laid out along `axes` (broadcast where it lacks one), in the accumulate dtype."""
+        return cast(align(v, axes) if v.simple else f"({align(v, axes)})", v.dtype, self.acc)
+
     # ------------------------------------------------------------ the sum
     def contraction(self, vals: list[Val]) -> str:
         """The sum of one step, with the accumulator's axes (broadcast where the sum lacks one)."""
@@ -207,8 +211,7 @@ class BodyWriter:
         groups = body.summed or body.step
         # Only two groups that share a summed axis make a matrix product; elsewhere products
         # stay wide (the reference rounds nothing before the sum).
-        mxu = len(body.summed) == 2 and bool(set(body.summed[0].live) & set(body.summed[1].live) & set(body.summed_indices))
-        vals = [self.product(q, for_mxu=mxu) for q in groups]
+        vals = [self.product(q, for_mxu=body.matrix_product) for q in groups]
         tails = body.tails
         needs_locals = any(t.index in v.axes for v in vals for t in tails)
         lines: list[str] = []
@@ -227,10 +230,10 @@ class BodyWriter:
             if body.step:
                 # Factors outside the sum read at this step (a coo operand's own block).
                 scale = [self.product(q) for q in body.step]
-                value = " * ".join([f"({value})", *(cast(align(v, body.acc_live) if v.simple else f"({align(v, body.acc_live)})", v.dtype, self.acc) for v in scale)])
+                value = " * ".join([f"({value})", *(self.widened(v, body.acc_live) for v in scale)])
             return lines, value
         # No sum: an elementwise product, accumulated per step.
-        parts = [cast(align(v, body.acc_live) if v.simple else f"({align(v, body.acc_live)})", v.dtype, self.acc) for v in vals]
+        parts = [self.widened(v, body.acc_live) for v in vals]
         return lines, " * ".join(parts)
 
     def tp_local(self, operand: str) -> str:
@@ -257,7 +260,7 @@ class BodyWriter:
             parts.append(align(Val(f"{self.tp.acc_ref}[...]", body.acc_live, self.acc), body.out_live))
         for q in products:
             v = self.product(q)
-            parts.append(cast(align(v, body.out_live) if v.simple else f"({align(v, body.out_live)})", v.dtype, self.acc))
+            parts.append(self.widened(v, body.out_live))
         if not parts:  # every factor is all ones here (a full mask block)
             parts = [f"jnp.ones({_tuple(map(str, body.acc_shape))}, {self.acc.jnp})"]
         if self.p.scale is not None:

@@ -115,8 +115,8 @@ def check_module(m: TpuModule, suggest: bool = True) -> list[Diagnostic]:
     reported = set()
     for tp in m.passes:
         body = tp.p.body
-        if len(body.summed) != 2 or not set(body.summed[0].live) & set(body.summed[1].live) & set(body.summed_indices):
-            continue  # no matrix product in this pass
+        if not body.matrix_product:
+            continue
         ops = [k.operand(q.factors[0].operand) for q in body.summed]
         dtypes = {op.dtype.name for op in ops}
         fed = ops[0].dtype.name if len(dtypes) == 1 else k.accumulate.name
