@@ -326,6 +326,8 @@ def _coo_steps(rows, n_rows, pad):
 
 def _cut_blocks(blocks, coords, tiles, shape):
     """Stored blocks (nb, *tiles) with what lies past the array's end zeroed: absent."""
+    if not any(s % t for t, s in zip(tiles, shape)):
+        return blocks
     inside = jnp.ones(blocks.shape, bool)
     for d, (c, t, s) in enumerate(zip(coords, tiles, shape)):
         if s % t:
@@ -772,7 +774,6 @@ _run.defvjp(_run_forward, _run_backward)
 def _reference(x_blocks, x_idx_0, x_idx_1, y, pad, sizes):
     M, K, N = sizes
     x_coords = (x_idx_0, x_idx_1)
-    x_skip = pad
     x_at = _cut_blocks(
         x_blocks.reshape((x_blocks.shape[0], 512, 512)).astype(jnp.float32),
         x_coords,
@@ -786,7 +787,7 @@ def _reference(x_blocks, x_idx_0, x_idx_1, y, pad, sizes):
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )
-    o = _add_blocks(o_parts, (0,), (x_coords[0],), x_skip, (M, N), (512,))
+    o = _add_blocks(o_parts, (0,), (x_coords[0],), pad, (M, N), (512,))
     o = o.astype(jnp.bfloat16)
     return o
 

@@ -217,15 +217,15 @@ class Wrapper:
         tiles = {i: k.index(i).tile for i in idx}
         tile_text = _tuple(str(tiles[i]) for i in idx)
         shape = _tuple(host(conv.size(d)) for d in op.dims)
-        blocks, coords, pad = self.local(f"{op.name}_at"), self.local(f"{op.name}_coords"), self.local(f"{op.name}_skip")
+        blocks, coords = self.local(f"{op.name}_at"), self.local(f"{op.name}_coords")
         if op.sparsity == "coo":
-            param = conv.param(op.name, "blocks").internal
+            param, pad = conv.param(op.name, "blocks").internal, conv.pad(op.name)
             lines.append(f"{coords} = {_tuple(p.internal for p in conv.params if p.operand == op.name and p.kind == 'coords')}")
-            lines.append(f"{pad} = {conv.pad(op.name)}")
             # What lies past the array's end in a partial last block is absent.
             full = ", ".join(str(tiles[i]) for i in idx)
             lines.append(f"{blocks} = _cut_blocks({param}.reshape(({param}.shape[0], {full})).astype({acc.jnp}), {coords}, {tile_text}, {shape})")
         else:
+            pad = self.local(f"{op.name}_skip")
             mask = _widen(self.view(st, sparse, lines, outputs), op.dtype, acc)
             lines.append(f"{blocks}, {coords} = _blocks_of({mask}, {tile_text})")
             lines.append(f"{pad} = ~jnp.any({blocks} != 0, axis={_tuple(str(d + 1) for d in range(len(idx)))})")
@@ -251,11 +251,9 @@ class Wrapper:
         spec = ",".join(specs) + "->" + block + "".join(name_of(i) for i in st.out_indices)
         lines.append(f'{parts} = jnp.einsum("{spec}", {", ".join(operands)}, preferred_element_type={acc.jnp}{precision})')
         axes = [d for d, i in enumerate(st.out_indices) if i in local]
-        out = k.operand(st.target.operand)
         out_shape = _tuple(host(conv.size(k.index(i).size)) for i in st.out_indices)
         picked = _tuple(f"{coords}[{idx.index(st.out_indices[d])}]" for d in axes)
         out_tiles = _tuple(str(tiles[st.out_indices[d]]) for d in axes)
-        del out
         lines.append(f"{var} = _add_blocks({parts}, {_tuple(map(str, axes))}, {picked}, {pad}, {out_shape}, {out_tiles})")
         return lines
 

@@ -168,6 +168,7 @@ def _load(code: str, name: str):
 
 def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, vmem_limit=None, backward: bool = False):
     import jax
+    import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
     if vmem_limit is not None:
@@ -181,16 +182,10 @@ def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywor
     if backward:
         # The gradient of a sum of the outputs for every float input: the backward passes.
         floats = tuple(n for n, (_, dtype) in enumerate(args) if np.issubdtype(dtype, np.floating) or dtype == np.dtype("bfloat16"))
-        call = jax.grad(lambda *a: sum(jnp_sum(o) for o in _tuple_of(fn(*a, **keywords))), argnums=floats)
+        call = jax.grad(lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in _tuple_of(fn(*a, **keywords))), argnums=floats)
     # Some Mosaic lowerings ask which TPU they target: the default device tells them.
     with jax.default_device(device):
         return jax.jit(call).trace(*structs).lower().compile()
-
-
-def jnp_sum(o):
-    import jax.numpy as jnp
-
-    return jnp.sum(o.astype(jnp.float32))
 
 
 def _tuple_of(out):
