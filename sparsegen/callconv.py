@@ -169,6 +169,8 @@ def convention(kernel: Kernel, names: ModuleNames) -> Convention:
     uses = []
     for st in kernel.statements:
         for read in (st.target, *st.factors):
+            if read.operand not in {o.name for o in kernel.operands}:
+                continue  # a local tensor
             op = kernel.operand(read.operand)
             for d, sub in enumerate(read.subs):
                 if sub.offset is None:

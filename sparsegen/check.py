@@ -13,7 +13,8 @@ import sys
 
 from . import syntax as ast
 from .dtypes import DATA_DTYPES, DTYPES
-from .ir import Einsum, Index, Kernel, Number, OffsetRef, Operand, Read, Relation, Size, Sub, group_factors, summed_indices
+from .flow import flow_statement
+from .ir import Einsum, Index, Kernel, Local, Number, OffsetRef, Operand, Read, Relation, Size, Sub, group_factors, summed_indices
 from .names import HELPERS, MODULE_NAMES, PYTHON_NAMES
 from .source import Diagnostic, Span, SpecError
 
@@ -140,21 +141,31 @@ class _KernelChecker:
         self.parsed: list[tuple[ast.Statement, list[ast.Access], list[ast.Number]]] = []
         used: set[str] = set()
         offsets_used: set[str] = set()
+        self.locals: dict[str, ast.Access] = {}
+        self.flow: dict[int, object] = {}  # id(statement) -> its checked v1 form (flow.py)
         for st in k.statements:
             target = st.target
             name = target.operand.text
             op = self.operands.get(name)
-            if op is None:
-                self.error(target.operand.span, f"'{name}' is not declared; local tensors are not supported yet", LATER)
-                continue
-            if op.direction != "out":
-                self.error(target.operand.span, f"a statement assigns an output; '{name}' is an input")
-                continue
             if name in assigned:
-                self.error(target.operand.span, f"output '{name}' is assigned twice (first at {assigned[name].span}); each output is assigned once")
+                what = "output" if op is not None else "local tensor"
+                self.error(target.operand.span, f"{what} '{name}' is assigned twice (first at {assigned[name].span}); each is assigned once")
                 continue
-            if st.condition is not None:
-                self.error(st.condition.span, "conditions (`where`) are not supported yet", LATER)
+            if op is not None and op.direction != "out":
+                self.error(target.operand.span, f"a statement assigns an output or a local tensor; '{name}' is an input")
+                continue
+            if op is None or st.condition is not None or not _is_product(st.value):
+                # Language v1, sections 3-5: local tensors, conditions, expressions, reductions.
+                result = flow_statement(self, st, assigned)
+                if result is not None:
+                    accesses, form = result
+                    if op is None:
+                        self.locals[name] = target
+                    assigned[name] = st
+                    used.update(a.operand.text for a in accesses)
+                    self.flow[id(st)] = form
+                    self.parsed.append((st, accesses, []))
+                continue
             factors, numbers = self.product(st.value)
             if factors is None:
                 continue
@@ -163,7 +174,10 @@ class _KernelChecker:
                 fname = acc.operand.text
                 fop = self.operands.get(fname)
                 if fop is None:
-                    self.error(acc.operand.span, f"'{fname}' is not declared")
+                    if fname in self.locals:
+                        self.error(acc.operand.span, f"'{fname}' is a local tensor; a product of operands reads operands only (not supported yet)")
+                    else:
+                        self.error(acc.operand.span, f"'{fname}' is not declared")
                     continue
                 if fop.direction == "out":
                     if fname not in assigned:
@@ -186,6 +200,9 @@ class _KernelChecker:
                     if sub.offset is not None:
                         offsets_used.add(sub.offset.operand.text)
             self.parsed.append((st, factors, numbers))
+        for name, acc in self.locals.items():
+            if not any(id(st) in self.flow and name in self.flow[id(st)].reads_locals for st in k.statements):
+                self.error(acc.operand.span, f"local tensor '{name}' is never read; an output is declared with `out`")
         for op in self.outputs:
             if op.name.text not in assigned and not self.errors:  # else a misspelt target is the cause
                 self.error(op.name.span, f"output '{op.name.text}' is never assigned; add a statement `{op.name.text}[...] = ...`")
@@ -202,6 +219,9 @@ class _KernelChecker:
         for st, factors, _ in self.parsed:
             self.check_accesses(st, factors)
         self.stop_if_errors()
+
+    def operand_of(self, acc: ast.Access) -> ast.Operand | None:
+        return self.operands.get(acc.operand.text)
 
     def product(self, value: ast.Expr) -> tuple[list[ast.Access] | None, list[ast.Number]]:
         """The factors of a right side: operand reads and numeric literals multiplied together."""
@@ -225,7 +245,9 @@ class _KernelChecker:
         """Ranks, offsets, divided subscripts and repeated indices of every access."""
         target = st.target
         for acc in (target, *factors):
-            op = self.operands[acc.operand.text]
+            op = self.operands.get(acc.operand.text)
+            if op is None:  # a local tensor's target: its subscripts are its shape
+                continue
             if len(acc.subscripts) != len(op.dims):
                 self.error(
                     acc.span,
@@ -267,6 +289,8 @@ class _KernelChecker:
                 if isinstance(length, int) and not 0 <= off.position < length:
                     entries = "1 entry" if length == 1 else f"{length} entries"
                     self.error(off.position_span, f"'{ref.name.text}' has {entries}; position {off.position} is out of range")
+        if id(st) in self.flow:
+            return  # flow.py checks where a v1 statement's indices come from
         factor_indices = {s.index.text for acc in factors for s in acc.subscripts}
         for sub in target.subscripts:
             if sub.index.text not in factor_indices:
@@ -277,6 +301,9 @@ class _KernelChecker:
         """Classify indices and group the factors."""
         self.einsums: list[Einsum] = []
         for st, factors, numbers in self.parsed:
+            if id(st) in self.flow:
+                self.einsums.append(self.flow[id(st)].build(self))
+                continue
             reads = tuple(self.read(a) for a in factors)
             target = self.read(st.target)
             summed = summed_indices(target, reads)
@@ -322,7 +349,9 @@ class _KernelChecker:
 
         for st, factors, _ in self.parsed:
             for acc in (st.target, *factors):
-                op = self.operands[acc.operand.text]
+                op = self.operands.get(acc.operand.text)
+                if op is None:
+                    continue
                 for d, (sub, dim) in enumerate(zip(acc.subscripts, op.dims)):
                     if sub.divisor is not None:
                         divided.append((sub, dim, f"{op.name.text} dim {d}"))
@@ -445,7 +474,9 @@ class _KernelChecker:
         # Offset accesses address the operand in blocks of the index's tile.
         for st, factors, _ in self.parsed:
             for acc in (st.target, *factors):
-                op = self.operands[acc.operand.text]
+                op = self.operands.get(acc.operand.text)
+                if op is None:
+                    continue
                 for sub, dim in zip(acc.subscripts, op.dims):
                     if sub.offset is None or not isinstance(dim.value, int):
                         continue
@@ -463,6 +494,8 @@ class _KernelChecker:
         data = [op for op in k.operands if op.dtype.text in DATA_DTYPES]
         floats = any(DTYPES[op.dtype.text].is_float for op in data)
         fractions = [n for _, _, numbers in self.parsed for n in numbers if isinstance(n.value, float)]
+        fractions += [n for st, _, _ in self.parsed if id(st) in self.flow for n in self.flow[id(st)].floats]
+        floats = floats or any(self.flow[id(st)].needs_float for st, _, _ in self.parsed if id(st) in self.flow)
         self.accumulate = DTYPES["f32" if floats or fractions else "i32"]
         for extra in k.accumulates[1:]:
             self.error(extra.span, "accumulate is given twice")
@@ -505,6 +538,7 @@ class _KernelChecker:
             symbols=tuple(symbols.items()),
             relations=self.relations,
             accumulate_span=k.accumulates[0].dtype.span if k.accumulates else None,
+            locals=tuple(Local(n, tuple(s.index.text for s in acc.subscripts), acc.span) for n, acc in self.locals.items()),
         )
 
     def run(self) -> Kernel | None:
@@ -520,6 +554,11 @@ class _KernelChecker:
         except _Stop:
             return None
         return self.build()
+
+
+def _is_product(e: ast.Expr) -> bool:
+    """Is a right side a product of operand reads and numbers (the einsum form)?"""
+    return all(isinstance(f, (ast.Access, ast.Number)) or (isinstance(f, ast.Neg) and isinstance(f.a, ast.Number)) for f in ast.factors(e))
 
 
 def _describe(e: ast.Expr) -> str:

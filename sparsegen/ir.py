@@ -165,6 +165,7 @@ class Einsum:
     summed_groups: tuple[Group, ...]
     end_groups: tuple[Group, ...]
     span: Span
+    condition: "Term | None" = None  # `where ...` (language v1, section 4)
 
     @property
     def out_indices(self) -> tuple[str, ...]:
@@ -191,7 +192,156 @@ class Einsum:
     @property
     def text(self) -> str:
         rhs = [f.text for f in self.factors] + [n.text for n in self.numbers]
-        return f"{self.target.text} = {' * '.join(rhs)}"
+        cond = f" where {self.condition.text}" if self.condition is not None else ""
+        return f"{self.target.text} = {' * '.join(rhs)}{cond}"
+
+
+# ----------------------------------------------------------- language v1, sections 3-5
+
+
+@dataclass(frozen=True)
+class Term:
+    """A node of an elementwise expression or a condition, checked.
+
+    op: "num" (value), "index" (name: an index's value), "size" (name: a size symbol),
+    "read" (read: an operand), "local" (read: a local tensor), "+ - * / // %", "neg",
+    a function ("exp", "log", "sqrt", "tanh", "abs", "maximum", "minimum"),
+    "cmp" (args compared by `ops`, a chain), "and", "or", "not", "truth" (a mask read).
+    """
+
+    op: str
+    args: tuple["Term", ...] = ()
+    name: str | None = None
+    read: Read | None = None
+    value: int | float | None = None
+    ops: tuple[str, ...] = ()
+
+    def walk(self):
+        yield self
+        for a in self.args:
+            yield from a.walk()
+
+    @property
+    def reads(self) -> tuple[Read, ...]:
+        return tuple(t.read for t in self.walk() if t.read is not None and t.op in ("read", "truth"))
+
+    @property
+    def locals(self) -> tuple[Read, ...]:
+        return tuple(t.read for t in self.walk() if t.op == "local")
+
+    @property
+    def text(self) -> str:
+        return term_text(self)
+
+
+def term_text(t: Term) -> str:
+    """A term re-printed from checked parts (identifiers and numbers only)."""
+    if t.op == "num":
+        return repr(t.value)
+    if t.op in ("index", "size"):
+        return t.name
+    if t.op in ("read", "local", "truth"):
+        return t.read.text
+    if t.op == "neg":
+        return f"-{_paren(t.args[0])}"
+    if t.op == "not":
+        return f"not {_paren(t.args[0])}"
+    if t.op in ("and", "or"):
+        return f" {t.op} ".join(_paren(a) for a in t.args)
+    if t.op == "cmp":
+        parts = [_paren(t.args[0])]
+        for op, a in zip(t.ops, t.args[1:]):
+            parts += [op, _paren(a)]
+        return " ".join(parts)
+    if t.op in ("+", "-", "*", "/", "//", "%"):
+        return f"{_paren(t.args[0])} {t.op} {_paren(t.args[1])}"
+    return f"{t.op}({', '.join(term_text(a) for a in t.args)})"
+
+
+def _paren(t: Term) -> str:
+    text = term_text(t)
+    return text if t.op in ("num", "index", "size", "read", "local", "truth") or t.op not in ("+", "-", "*", "/", "//", "%", "and", "or", "cmp", "not", "neg") else f"({text})"
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """`t[...] = expression [where condition]`: no sum; every index of the right side is on the left."""
+
+    target: Read
+    value: Term
+    condition: Term | None
+    span: Span
+
+    @property
+    def factors(self) -> tuple[Read, ...]:
+        """The operands it reads (not locals): what the calling convention looks at."""
+        return tuple(dict.fromkeys(self.value.reads + (self.condition.reads if self.condition else ())))
+
+    @property
+    def out_indices(self) -> tuple[str, ...]:
+        return self.target.indices
+
+    @property
+    def text(self) -> str:
+        return f"{self.target.text} = {self.value.text}" + (f" where {self.condition.text}" if self.condition else "")
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """`t[...] = fn(arg[...], j)`: fn is sum, max or logsumexp (the result drops j) or softmax (keeps it)."""
+
+    target: Read
+    fn: str
+    arg: Read  # a local or an operand
+    index: str
+    condition: Term | None
+    span: Span
+
+    @property
+    def factors(self) -> tuple[Read, ...]:
+        return (self.condition.reads if self.condition else ())
+
+    @property
+    def out_indices(self) -> tuple[str, ...]:
+        return self.target.indices
+
+    @property
+    def text(self) -> str:
+        return f"{self.target.text} = {self.fn}({self.arg.text}, {self.index})" + (f" where {self.condition.text}" if self.condition else "")
+
+
+@dataclass(frozen=True)
+class SoftmaxProduct:
+    """`o[..., e] = softmax(s[..., j], j) * v[..., j, e]`: summed over j the flash-attention way."""
+
+    target: Read
+    scores: Read  # the local (or operand) the softmax normalises
+    index: str
+    value: Read  # the factor it multiplies
+    numbers: tuple[Number, ...]
+    span: Span
+
+    @property
+    def factors(self) -> tuple[Read, ...]:
+        return (self.value,)
+
+    @property
+    def out_indices(self) -> tuple[str, ...]:
+        return self.target.indices
+
+    @property
+    def text(self) -> str:
+        rest = "".join(f" * {n.text}" for n in self.numbers)
+        return f"{self.target.text} = softmax({self.scores.text}, {self.index}) * {self.value.text}{rest}"
+
+
+@dataclass(frozen=True)
+class Local:
+    """A tensor assigned but not declared: computed one block at a time, never stored whole."""
+
+    name: str
+    indices: tuple[str, ...]
+    span: Span
 
 
 @dataclass(frozen=True)
@@ -233,6 +383,12 @@ class Kernel:
     symbols: tuple[tuple[str, int | None], ...]  # every size symbol, with its fixed value
     relations: tuple[Relation, ...] = ()
     accumulate_span: Span | None = None  # where `accumulate` is written, if it is
+    locals: tuple[Local, ...] = ()
+
+    @property
+    def einsums_only(self) -> bool:
+        """Version-0-style kernels: products of operands only (the einsum walks run them)."""
+        return not self.locals and all(isinstance(s, Einsum) and s.condition is None for s in self.statements)
 
     @property
     def inputs(self) -> tuple[Operand, ...]:

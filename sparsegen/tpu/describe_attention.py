@@ -1,0 +1,36 @@
+"""`sparsegen plan` for the row walk: what each step computes, which blocks it visits, and
+what it costs, in words."""
+
+from __future__ import annotations
+
+
+def describe_attention(m) -> list[str]:
+    p, k = m.plan, m.kernel
+    tile = {i.name: i.tile for i in k.indices}
+    lines = []
+    lead = ", ".join(p.lead) or "nothing"
+    lines.append(f"walk: rows of '{p.score}' (one {p.query} block of {tile[p.query]} at a time, per {lead}),")
+    lines.append(f"  reducing over {p.key} in blocks of {tile[p.key]}: grid ({', '.join(p.lead + ('steps',))}),")
+    lines.append(f"  {', '.join(p.lead)}{' parallel, ' if p.lead else ''}steps arbitrary")
+    if p.condition is None:
+        lines.append("blocks: every block is full (no condition)")
+    else:
+        exact = "traced operands (classified under jit; the walk has the dense count, empty steps trailing)" if p.data_dependent else \
+            "sizes only (classified with numpy at trace time; the walk visits exactly the non-empty blocks)"
+        lines.append(f"condition: {p.condition.text}")
+        lines.append(f"  per ({', '.join(p.class_axes)}) block: empty (skipped: no step), partial (evaluated from iota")
+        lines.append(f"  and operand blocks) or full (not evaluated); depends on {exact}")
+    lines.append(f"step: s = {p.q.text} . {p.k.text} over {p.summed}" + (f" x {p.scale!r}" if p.scale is not None else "") + " (MXU, f32)")
+    for name, term in p.chain:
+        lines.append(f"  then {name} = {term.text}")
+    for c in p.consumers:
+        if c.kind == "softmax_product":
+            lines.append(f"{c.output}: softmax rows times {c.value.text}, online (running max and sum, rescaled accumulator)")
+        else:
+            lines.append(f"{c.output}: {c.kind} of each row, from the running statistics")
+    lines.append("rows with no present element: outputs 0 (logsumexp and max: -inf)")
+    lines.append(f"VMEM: {m.vmem_bytes / 1024:.0f} KiB estimated")
+    for what, b in m.vmem:
+        lines.append(f"  {what}: {b / 1024:.0f} KiB")
+    lines.append("gradients: " + (m.backward_error if m.backward_error else "derived"))
+    return lines
