@@ -136,7 +136,9 @@ def mask_info(mask: mask_lib.MultiHeadMask, block_q: int, block_kv: int, *, dkv:
     return info
 
 
-def time_mask_info(mask: mask_lib.MultiHeadMask, block_q: int, block_kv: int, *, repeats: int = 3, dkv: bool = False) -> float:
+def time_mask_info(
+    mask: mask_lib.MultiHeadMask, block_q: int, block_kv: int, *, repeats: int = 3, dkv: bool = False
+) -> float:
     """Best-of-`repeats` host seconds to build MaskInfo, cold each time.
 
     process_mask sits behind functools.lru_cache(maxsize=12) keyed on the mask's hash, so
@@ -153,7 +155,19 @@ def time_mask_info(mask: mask_lib.MultiHeadMask, block_q: int, block_kv: int, *,
     return best
 
 
-def splash_grid_steps(info: info_lib.MaskInfo, heads: int, *, dkv: bool = False, kv_heads: int | None = None) -> dict[str, Any]:
+def time_kernel_build(H: int, S: int, block: int, mask_kind: str, *, fused_bwd: bool = False) -> float:
+    """Host seconds of one cold make_splash_mha_single_device with backward blocks: MaskInfo for
+    fwd, dq (a cache hit: same block shape as fwd) and dkv, plus moving them to jax arrays."""
+    m = splash_masks(S, block, mask_kind, H=H).mask
+    info_lib._process_mask.cache_clear()
+    start = time.perf_counter()
+    sa.make_splash_mha_single_device(m, block_sizes=block_sizes(block, fused_bwd=fused_bwd))
+    return time.perf_counter() - start
+
+
+def splash_grid_steps(
+    info: info_lib.MaskInfo, heads: int, *, dkv: bool = False, kv_heads: int | None = None
+) -> dict[str, Any]:
     """Grid of the Splash kernel that runs on `info`, and what its steps do.
 
     fwd and dq (splash_attention_kernel._splash_attention_forward/_bwd_dq):
@@ -209,7 +223,9 @@ def splash_grid_steps(info: info_lib.MaskInfo, heads: int, *, dkv: bool = False,
         "streamed_copies": copies(head_of, nxt),
         "mask_block_copies": None,
         "partial_mask_blocks": None if info.partial_mask_blocks is None else int(np.shape(info.partial_mask_blocks)[0]),
-        "smem_bytes": sum(np.asarray(a).nbytes for a in (info.data_next, info.block_mask, info.mask_next) if a is not None),
+        "smem_bytes": sum(
+            np.asarray(a).nbytes for a in (info.data_next, info.block_mask, info.mask_next) if a is not None
+        ),
     }
     if mnext is not None:  # dense (NumpyMask) path: mask tiles streamed from HBM, indexed by mask_next
         result["mask_block_copies"] = copies(mnext)
@@ -230,7 +246,16 @@ def block_sizes(block: int, *, fused_bwd: bool = False) -> sa.BlockSizes:
 
 
 def splash_kernel(
-    H: int, S: int, D: int, block: int, mask_kind: str, dtype=jnp.bfloat16, *, fused_bwd: bool = False, seed: int = 0
+    H: int,
+    S: int,
+    D: int,
+    block: int,
+    mask_kind: str,
+    dtype=jnp.bfloat16,
+    *,
+    fused_bwd: bool = False,
+    seed: int = 0,
+    interpret: bool = False,
 ) -> Callable[..., jax.Array]:
     """Splash MHA over q, k, v of shape [H, S, D] (no batch axis: vmap for one).
 
@@ -238,10 +263,13 @@ def splash_kernel(
     segment ids (Splash's only way to mask documents at runtime). The MaskInfo arrays are
     captured in the closure and become constants of the jitted program. `dtype` only
     documents the intended inputs: the kernel takes whatever q/k/v dtype it is given.
+    interpret=True runs the Pallas kernels in the interpreter (CPU; slow, for checking).
     """
     del dtype
     m = splash_masks(S, block, mask_kind, H=H, seed=seed)
-    kernel = sa.make_splash_mha_single_device(m.mask, block_sizes=block_sizes(block, fused_bwd=fused_bwd))
+    kernel = sa.make_splash_mha_single_device(
+        m.mask, block_sizes=block_sizes(block, fused_bwd=fused_bwd), interpret=interpret
+    )
     if m.segment_ids is None:
 
         def fn(q, k, v):
@@ -298,23 +326,48 @@ def _topology_device(chip: str):
 class AotReport:
     chip: str
     compile_s: float
-    argument_bytes: int
+    argument_bytes: int  # memory_analysis(): HBM
     output_bytes: int
-    temp_bytes: int
+    temp_bytes: int  # HBM temporaries; 0 when XLA puts them in VMEM (S(1) in the HLO), as at S=4096
     code_bytes: int
-    kernels: list[str]  # the tpu_custom_call names in the compiled HLO
-    vmem_bytes: int | None = None  # smallest scoped-VMEM limit that compiles (max over kernels)
-    vmem_binding: str | None = None  # the kernel that needed it
+    kernel_vmem: dict[str, int]  # Splash kernel (tpu_custom_call) -> scoped VMEM bytes it uses
     compiled: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def vmem_bytes(self) -> int:
+        """The largest scoped VMEM of the program's Splash kernels."""
+        return max(self.kernel_vmem.values(), default=0)
 
 
 def _lower(fn, args_shapes, chip: str):
     device = _topology_device(chip)
     sharding = jax.sharding.SingleDeviceSharding(device)
     structs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in args_shapes]
-    # Mosaic lowering asks the default device which TPU generation it targets.
+    # Some Mosaic lowerings ask the default device which TPU they target (sparsegen's
+    # tests/aot.py does the same); Splash happens to compile without it.
     with jax.default_device(device):
         return jax.jit(fn).trace(*structs).lower()
+
+
+_CUSTOM_CALL = re.compile(r"%(\S+) = [^\n]*custom_call_target=\"tpu_custom_call\"")
+_USED_SCOPED = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
+
+
+def kernel_vmem(hlo_text: str) -> dict[str, int]:
+    """Scoped VMEM per Mosaic kernel, read from the compiled HLO.
+
+    memory_analysis() only covers HBM, and the custom call's *input* backend_config has
+    scoped_memory_configs [] (Splash sets no vmem_limit_bytes; the body is serialized Mosaic
+    bytecode). After compilation each tpu_custom_call's backend_config carries
+    used_scoped_memory_configs [{"memory_space":"1","size":N}]: the scoped VMEM it was
+    given, which equals the smallest xla_tpu_scoped_vmem_limit_kib it compiles under
+    (probe_vmem). The kernel-metadata JSON spans lines, so search past the instruction head.
+    """
+    out = {}
+    for m in _CUSTOM_CALL.finditer(hlo_text):
+        used = _USED_SCOPED.search(hlo_text, m.end())
+        out[m.group(1)] = sum(int(x) for x in re.findall(r'"size":"(\d+)"', used.group(1))) if used else 0
+    return out
 
 
 _UNITS = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -322,15 +375,13 @@ _VMEM_OOM = re.compile(r"allocating on stack for %(\S+) .*?exceeded scoped vmem 
 
 
 def probe_vmem(lowered, *, start_kib: int = 256, tolerance_kib: int = 16) -> tuple[int | None, str | None]:
-    """Smallest scoped VMEM (bytes, to `tolerance_kib`) the program compiles with, and the kernel
-    that bound it.
+    """Smallest scoped VMEM limit (bytes, to `tolerance_kib`) the program compiles under, and the
+    kernel that bound it: a cross-check of kernel_vmem, by compiling.
 
-    Neither memory_analysis() (temp/argument/output are HBM) nor the custom call's
-    backend_config (scoped_memory_configs is empty; the body is serialized Mosaic bytecode)
-    says what a Mosaic kernel takes in VMEM. Splash sets no vmem_limit_bytes, so its kernels run
-    under XLA's default scoped limit, which the compile option xla_tpu_scoped_vmem_limit_kib
-    sets. Too low a limit fails with "exceeded scoped vmem limit by X" naming the kernel; grow
-    by X until it compiles, then bisect the last gap.
+    Splash's kernels run under XLA's default scoped limit, which the compile option
+    xla_tpu_scoped_vmem_limit_kib sets. Too low a limit fails with "exceeded scoped vmem limit
+    by X" naming the kernel; grow by X until it compiles, then bisect the last gap. Only the
+    first kernel to overflow is named, so this gives the program's maximum, not each kernel's.
     """
     low, high, kernel = 0, None, None
     limit = start_kib
@@ -341,8 +392,7 @@ def probe_vmem(lowered, *, start_kib: int = 256, tolerance_kib: int = 16) -> tup
             m = _VMEM_OOM.search(str(exc))
             if not m:
                 return None, None
-            kernel = m.group(1)
-            low = limit
+            kernel, low = m.group(1), limit
             limit += max(int(float(m.group(2)) * _UNITS[m.group(3)] / 1024) + 1, 1)
             continue
         high = limit
@@ -362,32 +412,28 @@ def probe_vmem(lowered, *, start_kib: int = 256, tolerance_kib: int = 16) -> tup
     return high * 1024, kernel
 
 
-def aot_compile(fn, args_shapes, chip: str = "v5e", *, vmem: bool = True) -> AotReport:
+def aot_compile(fn, args_shapes, chip: str = "v5e") -> AotReport:
     """Compile fn for `chip` ("v5e", "v6e", or a topology such as "v5e:2x2") with no TPU here.
 
-    Uses get_topology_desc(chip, "tpu").devices[0] and ShapeDtypeStructs carrying its
-    SingleDeviceSharding, then jax.jit(fn).trace(*structs).lower().compile(). With `vmem`, also
-    probes the kernels' scoped-VMEM need (a handful of extra compiles, ~0.5-2 s each).
+    get_topology_desc(topology, "tpu").devices[0], ShapeDtypeStructs carrying its
+    SingleDeviceSharding, jax.jit(fn).trace(*structs).lower().compile(); args_shapes are
+    anything with .shape and .dtype (splash_arg_shapes gives them).
     """
     lowered = _lower(fn, args_shapes, chip)
     start = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
-    kernels = re.findall(r"%(\S+) = [^\n]*custom_call_target=\"tpu_custom_call\"", compiled.as_text())
-    report = AotReport(
+    return AotReport(
         chip=chip,
         compile_s=seconds,
         argument_bytes=mem.argument_size_in_bytes,
         output_bytes=mem.output_size_in_bytes,
         temp_bytes=mem.temp_size_in_bytes,
         code_bytes=mem.generated_code_size_in_bytes,
-        kernels=kernels,
+        kernel_vmem=kernel_vmem(compiled.as_text()),
         compiled=compiled,
     )
-    if vmem:
-        report.vmem_bytes, report.vmem_binding = probe_vmem(lowered)
-    return report
 
 
 # ------------------------------------------------------------------ on-device timing
@@ -435,26 +481,34 @@ def main() -> None:
     print("masks equal their dense definitions (S=4096)")
 
     S, B = 32768, 512
-    print(f"\nMaskInfo build, S={S}, blocks {B}x{B}, best of 3 (fwd / dkv):")
+    print(f"\nMaskInfo build at S={S}, blocks {B}x{B}, H=8 (numpy_causal: H=1), best of 2; grids for H=8:")
     for kind in ("causal", "local", "chunked", "document", "numpy_causal"):
-        m = splash_masks(S, B, kind, H=8 if kind != "numpy_causal" else 1).mask
-        reps = 1 if kind == "numpy_causal" else 3
-        fwd = time_mask_info(m, B, B, repeats=reps)
-        grid = splash_grid_steps(mask_info(m, B, B), 8)
-        dkv = time_mask_info(m, B, B, repeats=reps, dkv=True)
-        print(f"  {kind:13s} {fwd:6.2f} s / {dkv:6.2f} s  H=8 grid {grid}")
+        m = splash_masks(S, B, kind, H=1 if kind == "numpy_causal" else 8).mask
+        fwd = time_mask_info(m, B, B, repeats=2)
+        dkv = time_mask_info(m, B, B, repeats=2, dkv=True)
+        g = splash_grid_steps(mask_info(m, B, B), 8)
+        gd = splash_grid_steps(mask_info(m, B, B, dkv=True), 8, dkv=True)
+        print(f"  {kind:13s} fwd {fwd:5.2f} s  dkv {dkv:5.2f} s")
+        print(f"      fwd {g}\n      dkv {gd}")
+    print(f"  make_splash_mha_single_device(causal, S={S}) cold: {time_kernel_build(8, S, B, 'causal'):.2f} s")
 
+    print("\nAhead-of-time compiles, H=8 D=128 bf16, blocks 512:")
     for kind, S in (("causal", 4096), ("local", 8192), ("document", 4096)):
         fn = splash_kernel(8, S, 128, 512, kind)
         shapes = splash_arg_shapes(8, S, 128, kind)
         for chip in ("v5e", "v6e"):
             for label, f in (("fwd", fn), ("fwd+bwd", fwd_bwd(fn))):
                 r = aot_compile(f, shapes, chip)
+                vmem = ", ".join(f"{k.split('.')[0]} {v / 2**20:.2f} MiB" for k, v in r.kernel_vmem.items())
                 print(
-                    f"  {kind} S={S} {chip} {label}: compile {r.compile_s:.2f} s, args {r.argument_bytes >> 20} MiB, "
-                    f"out {r.output_bytes >> 20} MiB, temp {r.temp_bytes >> 20} MiB, "
-                    f"VMEM {r.vmem_bytes and r.vmem_bytes >> 10} KiB ({r.vmem_binding}), kernels {r.kernels}"
+                    f"  {kind:8s} S={S} {chip} {label:7s}: compile {r.compile_s:.2f} s, HBM args {r.argument_bytes / 2**20:.0f} MiB "
+                    f"out {r.output_bytes / 2**20:.0f} MiB temp {r.temp_bytes / 2**20:.0f} MiB; scoped VMEM {vmem}"
                 )
+    fn = splash_kernel(8, 4096, 128, 512, "causal")
+    limit, kernel = probe_vmem(_lower(fn, splash_arg_shapes(8, 4096, 128, "causal"), "v5e"))
+    print(
+        f"  cross-check, causal fwd v5e: smallest xla_tpu_scoped_vmem_limit_kib that compiles: {limit / 2**20:.2f} MiB ({kernel})"
+    )
 
 
 if __name__ == "__main__":
