@@ -15,7 +15,7 @@ from .source import SourceFile, SpecError
 from .syntax import parse
 from .schedule.attention import is_row_kernel, row_plan
 from .schedule.build import ScheduleError
-from .tpu.attention import AttentionModule, emit_attention, lower_attention
+from .tpu.attention import lower_attention
 from .tpu.emit import emit
 from .tpu.lower import LayoutError, TpuModule, lower
 from .tpu.rules import check_kernel, check_module
@@ -73,11 +73,7 @@ def plans(path: str | Path, target: str = DEFAULT_TARGET) -> list[TpuModule]:
 def compile_source(source: SourceFile, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:
     """Every kernel of a spec as generated module source; `origin` is how the generated header
     names the spec (default: the source's name)."""
-    out = []
-    for m in lower_source(source, target):
-        write = emit_attention if isinstance(m, AttentionModule) else emit
-        out.append(Module(m.name, write(m, source.name if origin is None else origin), m))
-    return out
+    return [Module(m.name, emit(m, source.name if origin is None else origin), m) for m in lower_source(source, target)]
 
 
 def compile_file(path: str | Path, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:

@@ -30,7 +30,10 @@ PATTERNS = ("random", "empty_lines", "duplicates", "all_empty", "all_full", "tri
 
 def resolve_sizes(kernel: Kernel, sizes: dict[str, int]) -> dict[str, int]:
     """Every symbol's value: fixed ones from the spec, the rest from `sizes` (or a `h // n` relation)."""
+    from .schedule.attention import whole_sizes
+
     out = {s: lit if lit is not None else sizes.get(s) for s, lit in kernel.symbols}
+    out.update(whole_sizes(kernel))  # blocks that span their dimension fix its size
     for _ in range(2):
         for rel in kernel.relations:
             big, small = kernel.index(rel.index).size.symbol, rel.dim.symbol

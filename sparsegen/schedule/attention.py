@@ -164,6 +164,18 @@ def row_plan(kernel: Kernel) -> RowPlan:
                    condition, tuple(consumers), tuple(sorted(inner)))
 
 
+def whole_sizes(kernel: Kernel) -> dict[str, int]:
+    """Size symbols a row kernel's blocks span whole (the score's summed index, a value's
+    free index): each must equal its tile. Empty for other kernels."""
+    if not is_row_kernel(kernel):
+        return {}
+    try:
+        plan = row_plan(kernel)
+    except ScheduleError:
+        return {}
+    return {kernel.index(i).size.symbol: kernel.index(i).tile for i in plan.inner if kernel.index(i).size.literal is None}
+
+
 def _key_of(sts, consumers) -> str:
     for st in sts:
         if isinstance(st, (SoftmaxProduct, Reduction)) and st.target.operand in {c.output for c in consumers}:

@@ -51,6 +51,7 @@ class AttentionModule:
     operands: tuple[Operand, ...]
     vmem: tuple[tuple[str, int], ...]  # (what, bytes)
     backward_error: str = "gradients of attention-like kernels (the flash-attention backward) are not derived yet"
+    vmem_limit_override: int | None = None  # verify's probe
 
     @property
     def name(self) -> str:
@@ -551,6 +552,8 @@ class AttentionEmitter:
         return str(dim.literal) if dim.literal is not None else self.m.conv.size_var(dim.symbol)
 
     def vmem_limit(self) -> int | None:
+        if self.m.vmem_limit_override is not None:
+            return self.m.vmem_limit_override
         need = self.m.vmem_bytes + 128 * 1024
         t = self.m.target
         if need <= t.scoped_vmem_bytes * 3 // 4:

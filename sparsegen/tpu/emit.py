@@ -331,4 +331,8 @@ class _Emitter:
 
 def emit(m: TpuModule, source_name: str) -> str:
     """The generated module's source, formatted by black."""
+    from .attention import AttentionModule, emit_attention
+
+    if isinstance(m, AttentionModule):
+        return emit_attention(m, source_name)
     return format_module(_Emitter(m).module(source_name), names=(m.name,))

@@ -101,10 +101,15 @@ def default_shapes(kernel: Kernel) -> dict[str, int]:
         tiles = [i.tile for i in kernel.indices if i.size.symbol == symbol]
         for st in kernel.statements:
             for r in (st.target, *st.factors):
+                if r.operand not in {o.name for o in kernel.operands}:
+                    continue  # a local tensor
                 for d, s in zip(kernel.operand(r.operand).dims, r.subs):
                     if d.symbol == symbol and (s.offset is not None or s.divisor != 1):
                         tiles.append(kernel.index(s.index).tile)
         shapes[symbol] = 8 * math.lcm(*tiles) if tiles else 1024
+    from ..schedule.attention import whole_sizes
+
+    shapes.update(whole_sizes(kernel))
     # A `h // n` relation: the smaller size follows from the larger one.
     for rel in kernel.relations:
         big = kernel.index(rel.index).size.symbol
@@ -171,7 +176,9 @@ def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywor
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    if vmem_limit is not None:
+    if vmem_limit is not None and not plan.passes:  # a row walk: one pallas_call
+        plan = dataclasses.replace(plan, vmem_limit_override=vmem_limit)
+    elif vmem_limit is not None:
         plan = dataclasses.replace(plan, passes=tuple(dataclasses.replace(tp, vmem_limit_override=vmem_limit) for tp in plan.passes))
     module = _load(emit(plan, source.name), f"verify_{plan.name}")
     fn = getattr(module, plan.name)
@@ -279,7 +286,7 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
     for tp in plan.passes:
         for var, _ in tp.p.counts:
             values[var] = nb
-    smem = max(sum(evaluate(t.length, values) or 0 for t in tp.p.tables) for tp in plan.passes) * 4
+    smem = max((sum(evaluate(t.length, values) or 0 for t in tp.p.tables) for tp in plan.passes), default=0) * 4
     result = Result(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, plan.vmem_bytes, vmem_limit=chip.vmem_bytes, smem_used=smem, smem_limit=chip.smem_bytes)
     start = time.perf_counter()
     try:
@@ -318,6 +325,9 @@ def verify_file(path, targets, shapes=None, nnz: float = 0.1, probe: bool = True
 def verify_file_source(source: SourceFile, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
     from ..check import check
     from ..syntax import parse
+    from ..schedule.attention import is_row_kernel, row_plan
+    from ..schedule.build import ScheduleError
+    from .attention import lower_attention
     from .lower import LayoutError, lower
     from .rules import check_kernel, check_module
 
@@ -326,8 +336,13 @@ def verify_file_source(source: SourceFile, targets, shapes=None, nnz: float = 0.
     for kernel in kernels:
         for target in targets:
             chip = TARGETS[target]
-            plan, problems = None, check_kernel(kernel, chip)
-            if not problems:
+            plan, problems = None, check_kernel(kernel, chip) if not is_row_kernel(kernel) else []
+            if is_row_kernel(kernel):
+                try:
+                    plan = lower_attention(kernel, row_plan(kernel), chip)
+                except ScheduleError as exc:
+                    problems = [exc.diagnostic]
+            elif not problems:
                 try:
                     plan = lower(kernel, chip)
                     problems = check_module(plan)
