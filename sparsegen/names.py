@@ -21,7 +21,7 @@ HELPERS = frozenset(re.findall(r"^def (_\w+)\(", read_resource("templates", "hel
     "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES",
     "_kernel", "_impl", "_reference", "_prepare", "_prefetch", "_init", "_compute", "_flush",
 }  # fmt: skip
-MODULE_NAMES = IMPORTS | HELPERS | {"reference"}
+MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds"}
 # Fixed parameter and local names of the generated functions.
 FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec", "residuals", "cotangent"})
 PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | frozenset(keyword.softkwlist)

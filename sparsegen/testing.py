@@ -156,6 +156,8 @@ def _offsets(kernel: Kernel, env, rng) -> dict[str, np.ndarray]:
     limits: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for st in kernel.statements:
         for r in (st.target, *st.factors):
+            if not any(s.offset for s in r.subs):
+                continue
             op = kernel.operand(r.operand)
             for d, s in enumerate(r.subs):
                 if s.offset is None:

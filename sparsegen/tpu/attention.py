@@ -488,6 +488,8 @@ class AttentionEmitter:
             n_args=len(conv.impl_args),
             backward_error=repr(m.backward_error),
             statics_kw=", ".join(f"{v}={v}" for v in statics),
+            class_axes=list(p.class_axes),
+            data=data,
         )
         uses = {key: False for key in _OPTIONAL}
         text = main

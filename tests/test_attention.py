@@ -1,0 +1,262 @@
+"""Attention-like kernels (issue 10): the four examples of ../shared/specs-v1, copied verbatim
+into specs/, against a float64 numpy oracle in the CPU interpreter and the TPU simulator;
+the block classification against a brute-force one; the walk's step and copy counts;
+random conditions (SPARSEGEN_SWEEP=1 for a long sweep)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_oracle import brute_kinds, run
+from conftest import SPECS, build, spec_text
+
+from sparsegen.schedule.attention import row_plan
+
+SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
+BF16_TOL = dict(rtol=3e-2, atol=3e-2)
+F32_TOL = dict(rtol=2e-4, atol=2e-4)
+
+
+def rand(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def example(name: str, S: int, rng, **kw):
+    """(args, sizes) for an example at sequence length S."""
+    if name == "causal_attention":
+        return [rand(rng, (1, 2, S, 128), jnp.bfloat16) for _ in range(3)], {}
+    if name == "document_attention":
+        seg = np.sort(rng.integers(0, kw.get("docs", 4), (2, S))).astype(np.int32)
+        return [rand(rng, (2, 1, S, 64), jnp.bfloat16) for _ in range(3)] + [jnp.asarray(seg)], {}
+    if name == "local_gqa_attention":
+        return [rand(rng, (1, 4, S, 128), jnp.bfloat16), rand(rng, (1, 1, S, 128), jnp.bfloat16), rand(rng, (1, 1, S, 128), jnp.bfloat16)], {}
+    T = kw.get("T", S)
+    blocks = rng.random((-(-S // 128), -(-T // 128))) < 0.4
+    blocks[0] = False  # the first row block sees nothing: its rows are written as zeros
+    keep = np.repeat(np.repeat(blocks, 128, 0), 128, 1)[:S, :T] & (rng.random((S, T)) < 0.8)
+    return [rand(rng, (2, S, 128), jnp.float32), rand(rng, (2, T, 128), jnp.float32), rand(rng, (2, T, 128), jnp.float32),
+            jnp.asarray(keep.astype(np.int8))], {}
+
+
+def sizes_of(kernel, args):
+    out = {}
+    for op, a in zip(kernel.inputs, args):
+        for d, dim in zip(np.shape(a), op.dims):
+            if dim.symbol is not None:
+                out[dim.symbol] = d
+    for rel in kernel.relations:
+        out.setdefault(kernel.index(rel.index).size.symbol, out.get(rel.dim.symbol, 0) * rel.divisor)
+    return out
+
+
+def check_outputs(kernel, got, args, sizes):
+    want = run(kernel, [np.asarray(a, np.float32) if a.dtype == jnp.bfloat16 else np.asarray(a) for a in args], sizes)
+    got = got if isinstance(got, tuple) else (got,)
+    for op, g, w in zip(kernel.outputs, got, want):
+        g = np.asarray(g, np.float64)
+        assert g.shape == w.shape, op.name
+        assert not np.isnan(g).any(), f"NaN in {op.name}"
+        tol = BF16_TOL if op.dtype.name == "bf16" or any(i.dtype.name == "bf16" for i in kernel.inputs) else F32_TOL
+        np.testing.assert_allclose(g, w, err_msg=op.name, **tol)
+
+
+EXAMPLES = ["causal_attention", "document_attention", "local_gqa_attention", "masked_attention"]
+# Ragged lengths where the spec allows them (S is symbolic; the masked example's tiles divide).
+LENGTHS = {"causal_attention": 700, "document_attention": 600, "local_gqa_attention": 1300, "masked_attention": 384}
+
+
+def test_examples_are_the_shared_ones_verbatim():
+    shared = SPECS.parent.parent / "shared" / "specs-v1"
+    if not shared.exists():
+        pytest.skip("../shared/specs-v1 is not beside this checkout")
+    for name in EXAMPLES:
+        assert (SPECS / f"{name}.spk").read_text() == (shared / f"{name}.spk").read_text()
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_matches_numpy(name, interpret):
+    kernel, mod = build(spec_text(name))
+    rng = np.random.default_rng(0)
+    args, kw = example(name, LENGTHS[name], rng)
+    got = getattr(mod, name)(*args, **kw, interpret=interpret)
+    check_outputs(kernel, got, args, sizes_of(kernel, args))
+    # The module's own reference says the same.
+    ref = mod.reference(*args, **kw)
+    for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(r, np.float64), **BF16_TOL)
+
+
+def test_rows_with_nothing_present_are_zero_and_minus_infinity():
+    text = spec_text("causal_attention").replace("where i >= j", "where i >= j + 300")
+    kernel, mod = build(text)
+    args, _ = example("causal_attention", 640, np.random.default_rng(1))
+    o, lse = mod.causal_attention(*args, interpret=True)
+    assert np.all(np.asarray(o, np.float32)[:, :, :300] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[:, :, :300]))
+    check_outputs(kernel, (o, lse), args, sizes_of(kernel, args))
+
+
+def test_traced_segment_ids_under_jit():
+    """Segment ids traced: classified with jax.numpy, the walk has the dense count of steps."""
+    kernel, mod = build(spec_text("document_attention"))
+    args, _ = example("document_attention", 512, np.random.default_rng(2))
+    fn = jax.jit(lambda *a: mod.document_attention(*a, interpret=True))
+    check_outputs(kernel, fn(*args), args, sizes_of(kernel, args))
+    kinds = jax.jit(mod.block_kinds)(*args)
+    assert kinds.shape == (2, 2, 2)
+
+
+# ------------------------------------------------------------- classification
+
+CONDITIONS = {
+    "causal": "i >= j",
+    "local": "i >= j and i - j < 300",
+    "chunked": "i // 256 == j // 256 and i >= j",
+    "offset causal": "i + T - S >= j",
+    "band": "i - 200 <= j <= i + 100",
+}
+
+
+def condition_spec(cond: str, ti=128, tj=128, segs=False) -> str:
+    seg = "\n    in  seg: i32[S]" if segs else ""
+    kseg = "\n    in  kseg: i32[T]" if segs else ""
+    return f"""kernel cond_attention {{
+    in  q: f32[S, D]
+    in  k: f32[T, D]
+    in  v: f32[T, D]{seg}{kseg}
+    out o: f32[S, D]
+    out lse: f32[S]
+
+    s[i, j] = q[i, d] * k[j, d] where {cond}
+    o[i, e] = softmax(s[i, j], j) * v[j, e]
+    lse[i] = logsumexp(s[i, j], j)
+
+    tile i = {ti}, j = {tj}, d = 128, e = 128
+}}
+"""
+
+
+@pytest.mark.parametrize("name", sorted(CONDITIONS))
+@pytest.mark.parametrize("S,T", [(1024, 1024), (700, 900)])
+def test_affine_classification_is_exact(name, S, T):
+    kernel, mod = build(condition_spec(CONDITIONS[name]))
+    args = [np.zeros((S, 128), np.float32), np.zeros((T, 128), np.float32), np.zeros((T, 128), np.float32)]
+    got = np.asarray(mod.block_kinds(*args))
+    want = brute_kinds(kernel, row_plan(kernel), args, {"S": S, "T": T, "D": 128})
+    np.testing.assert_array_equal(got, want)
+
+
+def test_sorted_segment_classification_is_exact():
+    kernel, mod = build(spec_text("document_attention"))
+    rng = np.random.default_rng(3)
+    for S in (512, 777):
+        args, _ = example("document_attention", S, rng, docs=6)
+        got = np.asarray(mod.block_kinds(*args))
+        want = brute_kinds(kernel, row_plan(kernel), args, sizes_of(kernel, args))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_mask_classification_is_exact():
+    kernel, mod = build(spec_text("masked_attention"))
+    args, _ = example("masked_attention", 512, np.random.default_rng(4), T=640)
+    got = np.asarray(mod.block_kinds(*args))
+    want = brute_kinds(kernel, row_plan(kernel), args, sizes_of(kernel, args))
+    np.testing.assert_array_equal(got, want)
+
+
+def walk_counts(kinds: np.ndarray):
+    """Steps, computing steps and key-block copies of the walk built from block kinds."""
+    steps = 0
+    computing = int((kinds != 0).sum())
+    for row in kinds.reshape(-1, kinds.shape[-1]):
+        steps += max(1, int((row != 0).sum()))
+    return steps, computing
+
+
+def test_walk_visits_exactly_the_nonempty_blocks():
+    """Sizes-only conditions: the grid has one step per non-empty block (one per empty row),
+    and consecutive steps that read the same key block start no copy."""
+    kernel, mod = build(condition_spec(CONDITIONS["local"]))
+    S = T = 2048
+    args = [np.zeros((S, 128), np.float32)] * 3
+    kinds = np.asarray(mod.block_kinds(*args))[None]
+    (rows, cols, read_rows, step_kinds, flags), steps = mod._row_walk(np, kinds)
+    expect_steps, computing = walk_counts(kinds)
+    assert steps == expect_steps and int((step_kinds != 0).sum()) == computing
+    # Each non-empty block exactly once, in its row; first/last flags bracket each row.
+    seen = {(int(r), int(c)) for r, c, k in zip(rows, cols, step_kinds) if k != 0}
+    assert seen == {(int(r), int(c)) for r, c in zip(*np.nonzero(kinds[0]))}
+    assert int(((flags & 1) != 0).sum()) == int(((flags & 2) != 0).sum()) == kinds.shape[1]
+
+
+def test_empty_steps_start_no_copy():
+    """Traced kinds: the walk has the dense count; its empty steps read what the last computing
+    step read (the same block index: Pallas starts no copy)."""
+    kernel, mod = build(spec_text("document_attention"))
+    args, _ = example("document_attention", 1024, np.random.default_rng(5), docs=8)
+    kinds = np.asarray(mod.block_kinds(*args))
+    (rows, cols, read_rows, step_kinds, flags), steps = mod._row_walk(jnp, jnp.asarray(kinds))
+    rows, cols, read_rows, step_kinds = map(np.asarray, (rows, cols, read_rows, step_kinds))
+    per = steps
+    for g in range(kinds.shape[0]):
+        sl = slice(g * per, (g + 1) * per)
+        c, r, k = cols[sl], read_rows[sl], step_kinds[sl]
+        for t in range(1, per):
+            if k[t] == 0:
+                assert (c[t], r[t]) == (c[t - 1], r[t - 1])
+        assert int((k != 0).sum()) == int((kinds[g] != 0).sum())
+
+
+# ------------------------------------------------------------- random conditions
+
+
+def random_condition(rng) -> str:
+    atoms = [
+        lambda: f"i >= j + {rng.integers(-300, 300)}",
+        lambda: f"i - j < {rng.integers(1, 600)}",
+        lambda: f"i // {rng.choice([64, 100, 256])} == j // {rng.choice([64, 100, 256])}",
+        lambda: f"(i + j) % {rng.integers(2, 5)} != 0",
+        lambda: f"2 * i + 3 <= 3 * j + {rng.integers(0, 200)}",
+        lambda: "seg[i] == kseg[j]",
+        lambda: "seg[i] <= kseg[j] + 1",
+        lambda: f"j < {rng.integers(50, 900)}",
+    ]
+    n = int(rng.integers(1, 4))
+    parts = [atoms[int(rng.integers(0, len(atoms)))]() for _ in range(n)]
+    joins = [str(rng.choice(["and", "or"])) for _ in range(n - 1)]
+    text = parts[0]
+    for j, p in zip(joins, parts[1:]):
+        text = f"{text} {j} {p}"
+    if rng.random() < 0.2:
+        text = f"not ({text})"
+    return text
+
+
+@pytest.mark.parametrize("seed", range(24 if SWEEP else 5))
+def test_random_conditions(seed, interpret):
+    rng = np.random.default_rng(100 + seed)
+    cond = random_condition(rng)
+    segs = "seg" in cond
+    ti, tj = (int(x) for x in rng.choice([128, 256], 2))
+    text = condition_spec(cond, ti, tj, segs=segs)
+    if not segs:
+        text = re.sub(r"\n    in  k?seg: i32\[[ST]\]", "", text)
+    kernel, mod = build(text)
+    S, T = int(rng.integers(200, 700)), int(rng.integers(200, 900))
+    args = [rand(rng, (S, 128), jnp.float32), rand(rng, (T, 128), jnp.float32), rand(rng, (T, 128), jnp.float32)]
+    if segs:
+        args += [jnp.asarray(np.sort(rng.integers(0, 5, S)).astype(np.int32)), jnp.asarray(np.sort(rng.integers(0, 5, T)).astype(np.int32))]
+    sizes = {"S": S, "T": T, "D": 128}
+    # The classification is correct: empty blocks hold nothing present, full ones everything.
+    got = np.asarray(mod.block_kinds(*args))
+    exact = brute_kinds(kernel, row_plan(kernel), [np.asarray(a) for a in args], sizes)
+    assert np.all(exact[got == 0] == 0), cond
+    assert np.all(exact[got == 2] == 2), cond
+    if interpret is True or seed < 3:  # the simulator is slow: a few seeds
+        out = mod.cond_attention(*args, interpret=interpret)
+        check_outputs(kernel, out, args, sizes)
