@@ -193,9 +193,10 @@ def brute_kinds(kernel, plan, args, sizes):
     tiles = [kernel.index(i).tile for i in axes]
     grid = [-(-n // t) for n, t in zip(shape, tiles)]
     kinds = np.zeros(grid, np.int32)
-    key_tile = kernel.index(plan.key).tile
+    key_tile, query_tile = kernel.index(plan.key).tile, kernel.index(plan.query).tile
     for cell in np.ndindex(*grid):
         block = cond[tuple(slice(c * t, (c + 1) * t) for c, t in zip(cell, tiles))]
-        ragged = (cell[-1] + 1) * key_tile > size[plan.key]
+        # A block past the end of either index is partial (its tail is masked).
+        ragged = (cell[-1] + 1) * key_tile > size[plan.key] or (cell[-2] + 1) * query_tile > size[plan.query]
         kinds[cell] = 0 if not block.any() else (2 if block.all() and not ragged else 1)
     return kinds

@@ -12,6 +12,7 @@ rescaled accumulator per softmax product.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..callconv import Convention, convention
@@ -50,7 +51,7 @@ class AttentionModule:
     plan: RowPlan
     operands: tuple[Operand, ...]
     vmem: tuple[tuple[str, int], ...]  # (what, bytes)
-    backward_error: str = "gradients of attention-like kernels (the flash-attention backward) are not derived yet"
+    backward_error: str | None = None  # why jax.grad cannot go through this kernel
     vmem_limit_override: int | None = None  # verify's probe
 
     @property
@@ -126,7 +127,18 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
             vmem.append((f"{c.output} block x2", 2 * padded_bytes((1, ti), out.dtype)))
     vmem.append(("running max and sum", 3 * padded_bytes((ti, 1), acc)))
     vmem.append(("score block and its softmax (f32 temporaries)", 3 * padded_bytes((ti, tj), acc)))
-    return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem))
+    return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem), gradient_error(kernel, plan))
+
+
+def gradient_error(kernel: Kernel, p: RowPlan) -> str | None:
+    """Why the flash-attention backward cannot be derived for this kernel (None: it can)."""
+    if any(c.kind == "max" for c in p.consumers):
+        return "the gradient of a max reduction is not derived yet"
+    for r in p.reads:
+        op = kernel.operand(r.operand)
+        if op.dtype.is_float and op.sparsity != "mask":
+            return f"the gradient with respect to '{op.name}', read in the scores' elementwise steps, is not derived yet"
+    return None
 
 
 # ------------------------------------------------------------------- terms
@@ -159,6 +171,44 @@ def render_term(t: Term, leaf) -> str:
 # ------------------------------------------------------------------ emission
 
 
+@dataclass
+class Arr:
+    """One array of a pallas_call: its ref, block, index map and the host expression passed."""
+
+    ref: str
+    block: tuple  # None: squeezed
+    coords: tuple[str, ...]  # tokens: a lead index (maybe "h // 4"), "QROW", "COL", "ROW", "0"
+    fn: str
+    host: str
+    about: str
+
+
+@dataclass
+class OutArr(Arr):
+    shape: tuple[str, ...] = ()  # the array's shape (host expressions)
+    view: tuple[str, ...] = ()  # the shape the call writes (a unit dimension for row vectors)
+    dtype: str = ""
+    var: str = ""
+
+
+@dataclass
+class CallSpec:
+    """One pallas_call over a walk: the kernel's text and everything its call needs."""
+
+    kernel_fn: str
+    kernel_lines: list[str]
+    scratch: list[str]
+    ins: list[Arr]
+    outs: list[OutArr]
+    statics: list[str]
+    tables: dict[str, str]  # token -> table for QROW, COL, ROW
+    flops: str
+    transcendentals: str
+    about: str
+    refs: list[str] = field(default_factory=list)
+    suffix: str = ""  # the index maps' names: the key-side walk reads its tables the other way
+
+
 class AttentionEmitter:
     def __init__(self, m: AttentionModule):
         from ..wrapper import Wrapper
@@ -170,6 +220,23 @@ class AttentionEmitter:
         self.tile = {i.name: i.tile for i in self.k.indices}
         self.wrapper = Wrapper(m.kernel, m.conv, (), m.names.local("size"), m.names)
         self.sizes = [s.internal for s in m.conv.sizes]
+        self.acc = self.k.accumulate
+        # Module-level names shared by the calls.
+        self.tables = [self.n.local(x) for x in ("rows", "cols", "read_rows", "kinds", "flags")]
+        self.steps = self.n.local("steps")
+        maps = self.n.scope()  # the index maps' parameters
+        self.grid_vars = [maps.local(i) for i in self.p.lead]
+        self.t = maps.local("t")
+        self.row_hosts = {"row_lse": self.n.local("row_lse_rows"), "delta": self.n.local("delta_rows")}
+        if any(c.kind == "sum" for c in self.p.consumers):
+            self.row_hosts["dsum"] = self.n.local("dsum_rows")
+        self._fns: dict[str, str] = {}
+
+    def fn(self, preferred: str) -> str:
+        """A module-level function name, the same for the same preferred name."""
+        if preferred not in self._fns:
+            self._fns[preferred] = self.n.function(preferred)
+        return self._fns[preferred]
 
     def size_of(self, index: str) -> str:
         size = self.k.index(index).size
@@ -179,14 +246,16 @@ class AttentionEmitter:
         idx = self.k.index(index)
         return idx.size.literal is None or idx.size.literal % idx.tile != 0
 
+    def live(self, read: Read) -> list[str]:
+        return [s.index for s in read.subs if s.index not in self.p.lead]
+
     # -------------------------------------------------------- classification
     def classify(self) -> tuple[str, list[str], list[str]]:
-        """The block-kind function: its parameters and lines."""
+        """The block-kind function: its name, parameters and lines."""
         p = self.p
         scope = self.n.scope()
         cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], self.size_of)
-        tails = [p.key] if self.ragged(p.key) else []
-        lines = cl.kinds(tails)
+        lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)])
         reads = []
         for r in (p.condition.reads if p.condition is not None else ()):
             param = self.m.conv.param(r.operand).internal
@@ -194,68 +263,52 @@ class AttentionEmitter:
                 reads.append(param)
         return self.n.function("_classify_blocks"), reads, lines
 
-    # ---------------------------------------------------------------- kernel
-    def kernel_lines(self, kinds_vars, steps: str) -> tuple[list[str], list[str]]:
-        p, k, n = self.p, self.k, self.n.scope()
-        acc = k.accumulate
-        ti, tj = self.tile[p.query], self.tile[p.key]
-        lines: list[str] = []
-        rows, cols, qrows, kinds, flags = kinds_vars
+    # -------------------------------------------------------- kernel pieces
+    def head(self, n, tables: dict[str, str]) -> tuple[list[str], dict, str, str, str]:
+        """Grid coordinates, the step's table slot, its kind and flags."""
+        p = self.p
+        lines = []
         lead_vars = {i: n.local(i) for i in p.lead}
         for d, i in enumerate(p.lead):
             lines.append(f"{lead_vars[i]} = pl.program_id({d})")
-        t = n.local("t")
-        at = n.local("at")
+        t, at = n.local("t"), n.local("at")
         lines.append(f"{t} = pl.program_id({len(p.lead)})")
         group = self.group_expr(lead_vars)
-        lines.append(f"{at} = {t}" if group == "0" else f"{at} = {group} * {steps} + {t}")
+        lines.append(f"{at} = {t}" if group == "0" else f"{at} = {group} * {self.steps} + {t}")
         kind, flag = n.local("kind"), n.local("flag")
-        lines.append(f"{kind} = {kinds}[{at}]")
-        lines.append(f"{flag} = {flags}[{at}]")
-        m_scr, l_scr = n.local("m_scratch"), n.local("l_scratch")
-        accs = {}
-        for c in p.consumers:
-            if c.kind == "softmax_product":
-                accs[c.output] = n.local(f"{c.output}_acc")
-            elif c.kind == "sum":
-                accs[c.output] = n.local(f"{c.output}_sum")
-        out_refs = {c.output: n.local(f"{c.output}_ref") for c in p.consumers}
-        lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", "    # The row's first step: nothing seen yet."]
-        lines.append(f"    {m_scr}[...] = jnp.full_like({m_scr}, -jnp.inf)")
-        lines.append(f"    {l_scr}[...] = jnp.zeros_like({l_scr})")
-        for a in accs.values():
-            lines.append(f"    {a}[...] = jnp.zeros_like({a})")
-        # The score block.
-        score = ["", "def _scores(masked):"]
+        lines.append(f"{kind} = {self.tables[3]}[{at}]")
+        lines.append(f"{flag} = {self.tables[4]}[{at}]")
+        return lines, lead_vars, at, kind, flag
+
+    def scores(self, n, lead_vars, at, tables, with_raw: bool) -> list[str]:
+        """`_scores(masked)`: the score block (MXU), the elementwise chain, and on a partial
+        block the condition (absent: minus infinity). With `with_raw`, also the product
+        before the chain, for the chain's derivative."""
+        p, acc = self.p, self.acc
+        ti, tj = self.tile[p.query], self.tile[p.key]
+        out = ["", "def _scores(masked):"]
         for o in self.m.operands:
-            if o.role in ("q", "k") or o.role == "extra":
-                score.append(f"    {o.var} = {self.block_value(o)}")
+            if o.role != "value":
+                out.append(f"    {o.var} = {self.block_value(o)}")
         qo, ko = self.m.operands[0], self.m.operands[1]
-        qd = [s.index for s in qo.read.subs if s.index not in p.lead].index(p.summed)
-        kd = [s.index for s in ko.read.subs if s.index not in p.lead].index(p.summed)
-        s = n.local("s")
-        score.append(f"    {s} = lax.dot_general({qo.var}, {ko.var}, ((({qd},), ({kd},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})")
+        qd, kd = self.live(qo.read).index(p.summed), self.live(ko.read).index(p.summed)
+        raw = n.local("raw_scores")
+        out.append(f"    {raw} = lax.dot_general({qo.var}, {ko.var}, ((({qd},), ({kd},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})")
         if p.scale is not None:
-            score.append(f"    {s} = {s} * {p.scale!r}")
-        # Index values: positions along the query (a column) and the key (a row).
+            out.append(f"    {raw} = {raw} * {p.scale!r}")
         qpos, kpos = n.local(f"{p.query}_pos"), n.local(f"{p.key}_pos")
-        uses_pos = self.chain_uses_positions()
         pos_lines = [
-            f"    {qpos} = {qrows}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0)",
-            f"    {kpos} = {cols}[{at}] * {tj} + lax.broadcasted_iota(jnp.int32, (1, {tj}), 1)",
+            f"    {qpos} = {tables['QROW']}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0)",
+            f"    {kpos} = {tables['COL']}[{at}] * {tj} + lax.broadcasted_iota(jnp.int32, (1, {tj}), 1)",
         ]
-        if uses_pos:
-            score += pos_lines
+        chain_pos = self.chain_uses_positions()
+        if chain_pos:
+            out += pos_lines
         block_of = {o.read: o.var for o in self.m.operands}
 
         def leaf(term: Term, float_ctx: bool) -> str:
             if term.op == "index":
-                if term.name == p.query:
-                    v = qpos
-                elif term.name == p.key:
-                    v = kpos
-                else:
-                    v = lead_vars[term.name]
+                v = qpos if term.name == p.query else kpos if term.name == p.key else lead_vars[term.name]
                 return f"{v}.astype({acc.jnp})" if float_ctx else v
             if term.op == "size":
                 v = self.m.conv.size_var(term.name)
@@ -267,107 +320,354 @@ class AttentionEmitter:
             v = block_of[term.read]
             return f"{v}.astype({acc.jnp})" if float_ctx else v
 
-        current = [s]
-        for name, term in p.chain:
-            var = n.local(name)
-            score.append(f"    {var} = {render_term(term, lambda x: leaf(x, True))}")
-            current[0] = var
-        final = current[0]
-        score.append("    if masked:")
+        current = [raw]
+        if p.chain:
+            # The elementwise steps after the product, one function: its derivative is jax.vjp's.
+            out += ["", f"    def _chain({raw}):"]
+            for name, term in p.chain:
+                var = n.local(name)
+                out.append(f"        {var} = {render_term(term, lambda x: leaf(x, True))}")
+                current[0] = var
+            out.append(f"        return {current[0]}")
+            out.append("")
+        s = n.local("s")
+        out.append(f"    {s} = _chain({raw})" if p.chain else f"    {s} = {raw}")
         cond = [] if p.condition is None else [render_term(p.condition, lambda x: leaf(x, False))]
-        if self.ragged(p.key):
-            cond.append(f"({kpos} < {self.size_of(p.key)})")
-        if not uses_pos and (cond and (self.ragged(p.key) or self.cond_uses_positions())):
-            score += ["    " + x for x in pos_lines]
-        present = n.local("present")
+        for index, pos in ((p.query, qpos), (p.key, kpos)):
+            if self.ragged(index):
+                cond.append(f"({pos} < {self.size_of(index)})")
         if cond:
-            score.append(f"        {present} = " + " & ".join(cond))
-            score.append(f"        {final} = jnp.where({present}, {final}, -jnp.inf)")
+            out.append("    if masked:")
+            if not chain_pos:
+                out += ["    " + x for x in pos_lines]
+            present = n.local("present")
+            out.append(f"        {present} = " + " & ".join(cond))
+            out.append(f"        {s} = jnp.where({present}, {s}, -jnp.inf)")
+        if with_raw:
+            out.append(f"    return {raw}, {s}, _chain" if p.chain else f"    return {raw}, {s}")
         else:
-            score.append("        pass")
-        score.append(f"    return {final}")
-        lines += score
-        nm = {x: n.local(x) for x in ['m_prev', 'm_new', 'm_safe', 'alpha', 'probs', 'total', 'nothing', 'safe', 'inside']}
-        # Consuming a block of scores.
-        sv, masked = n.local("scores"), "masked"
-        cons = ["", f"def _consume({sv}, {masked}):", f"    {nm["m_prev"]} = {m_scr}[...]",
-                f"    {nm["m_new"]} = jnp.maximum({nm["m_prev"]}, jnp.max({sv}, axis=1, keepdims=True))",
-                "    # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
-                f"    {nm["m_safe"]} = jnp.where(jnp.isneginf({nm["m_new"]}), 0.0, {nm["m_new"]})",
-                f"    {nm["alpha"]} = jnp.exp({nm["m_prev"]} - {nm["m_safe"]})",
-                f"    {nm["probs"]} = jnp.exp({sv} - {nm["m_safe"]})",
-                f"    {l_scr}[...] = {nm["alpha"]} * {l_scr}[...] + jnp.sum({nm["probs"]}, axis=1, keepdims=True)",
-                f"    {m_scr}[...] = {nm["m_new"]}"]
+            out.append(f"    return {s}")
+        return out
+
+    def load_block(self, n, o: Operand, at, tables, masked: str, along: tuple[str, ...]) -> list[str]:
+        """An operand's block; on a partial step its rows (or columns) past the end of a
+        ragged index in `along` are zeroed: memory there holds anything, and 0 x NaN is NaN."""
+        lines = [f"    {o.var} = {self.block_value(o)}"]
+        live = self.live(o.read)
+        for index in along:
+            if index not in live or not self.ragged(index):
+                continue
+            t = self.tile[index]
+            axis = live.index(index)
+            shape = f"({t}, 1)" if axis == 0 else f"(1, {t})"
+            table = tables["QROW" if index == self.p.query else "COL"]
+            inside = n.local("inside")
+            lines += [f"    if {masked}:", f"        # Past the end of {index} memory holds anything: zero it.",
+                      f"        {inside} = {table}[{at}] * {t} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(index)}",
+                      f"        {o.var} = jnp.where({inside}, {o.var}, jnp.zeros_like({o.var}))"]
+        return lines
+
+    def values(self) -> list[Operand]:
+        return [o for o in self.m.operands if o.role == "value"]
+
+    def consumer_value(self, c) -> Operand:
+        return next(o for o in self.m.operands if o.read == c.value)
+
+    def e_of(self, c) -> str:
+        return next(i for i in self.k.statement_of(c.output).target.indices if i not in self.p.lead and i != self.p.query)
+
+    def phases(self, kind: str, step: str) -> list[str]:
+        return ["", f"@pl.when({kind} == _PARTIAL)", "def _partial():", "    # Some elements absent: evaluate the condition.", f"    {step}(True)",
+                "", f"@pl.when({kind} == _FULL)", "def _full():", "    # Every element present: the condition is not evaluated.", f"    {step}(False)"]
+
+    # -------------------------------------------------------------- forward
+    def forward_call(self) -> CallSpec:
+        p, k, acc = self.p, self.k, self.acc
+        n = self.n.scope()
+        tables = {"QROW": self.tables[2], "COL": self.tables[1], "ROW": self.tables[0]}
+        lines, lead_vars, at, kind, flag = self.head(n, tables)
+        ti = self.tile[p.query]
+        m_scr, l_scr = n.local("m_scratch"), n.local("l_scratch")
+        accs = {}
         for c in p.consumers:
             if c.kind == "softmax_product":
-                vo = next(o for o in self.m.operands if o.read == c.value)
-                vd = [s.index for s in vo.read.subs if s.index not in p.lead].index(p.key)
-                cons.append(f"    {vo.var} = {vo.ref}[...]")
-                if self.ragged(p.key):
-                    cons.append(f"    if {masked}:")
-                    cons.append("        # Past the end of the keys memory holds anything: zero it.")
-                    axis = 0 if vd == 0 else 1
-                    shape = f"({tj}, 1)" if vd == 0 else f"(1, {tj})"
-                    cons.append(f"        {nm["inside"]} = {cols}[{at}] * {tj} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(p.key)}")
-                    cons.append(f"        {vo.var} = jnp.where({nm["inside"]}, {vo.var}, jnp.zeros_like({vo.var}))")
-                a = accs[c.output]
-                cons.append(f"    {a}[...] = {nm["alpha"]} * {a}[...] + lax.dot_general({nm["probs"]}.astype({vo.var}.dtype), {vo.var}, (((1,), ({vd},)), ((), ())), "
-                            f"preferred_element_type={acc.jnp}{self.precision()})")
+                accs[c.output] = n.local(f"{c.output}_acc")
             elif c.kind == "sum":
+                accs[c.output] = n.local(f"{c.output}_sum")
+        out_refs = {c.output: n.local(f"{c.output}_ref") for c in p.consumers}
+        stats_ref = n.local("row_lse_ref")
+        lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", "    # The row's first step: nothing seen yet.",
+                  f"    {m_scr}[...] = jnp.full_like({m_scr}, -jnp.inf)", f"    {l_scr}[...] = jnp.zeros_like({l_scr})"]
+        lines += [f"    {a}[...] = jnp.zeros_like({a})" for a in accs.values()]
+        lines += self.scores(n, lead_vars, at, tables, with_raw=False)
+        nm = {x: n.local(x) for x in ["m_prev", "m_new", "m_safe", "alpha", "probs", "total", "nothing", "safe", "scores"]}
+        sv = nm["scores"]
+        lines += ["", "def _step(masked):", f"    {sv} = _scores(masked)", f"    {nm['m_prev']} = {m_scr}[...]",
+                  f"    {nm['m_new']} = jnp.maximum({nm['m_prev']}, jnp.max({sv}, axis=1, keepdims=True))",
+                  "    # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
+                  f"    {nm['m_safe']} = jnp.where(jnp.isneginf({nm['m_new']}), 0.0, {nm['m_new']})",
+                  f"    {nm['alpha']} = jnp.exp({nm['m_prev']} - {nm['m_safe']})",
+                  f"    {nm['probs']} = jnp.exp({sv} - {nm['m_safe']})",
+                  f"    {l_scr}[...] = {nm['alpha']} * {l_scr}[...] + jnp.sum({nm['probs']}, axis=1, keepdims=True)",
+                  f"    {m_scr}[...] = {nm['m_new']}"]
+        for c in p.consumers:
+            if c.kind == "softmax_product":
+                vo = self.consumer_value(c)
+                vd = self.live(vo.read).index(p.key)
+                lines += self.load_block(n, vo, at, tables, "masked", (p.key,))
                 a = accs[c.output]
-                cons.append(f"    {a}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
-        lines += cons
-        lines += ["", f"@pl.when({kind} == _PARTIAL)", "def _partial():", "    # Some elements absent: evaluate the condition.", "    _consume(_scores(True), True)"]
-        lines += ["", f"@pl.when({kind} == _FULL)", "def _full():", "    # Every element present: the condition is not evaluated.", "    _consume(_scores(False), False)"]
+                lines.append(f"    {a}[...] = {nm['alpha']} * {a}[...] + lax.dot_general({nm['probs']}.astype({vo.var}.dtype), {vo.var}, "
+                             f"(((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})")
+            elif c.kind == "sum":
+                lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
+        lines += self.phases(kind, "_step")
+        lse = f"jnp.where({nm['nothing']}, -jnp.inf, {m_scr}[...] + jnp.log({nm['safe']}))"
         lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", "    # The row's last step: normalise and write.",
-                  f"    {nm["total"]} = {l_scr}[...]", f"    {nm["nothing"]} = {nm["total"]} == 0.0", f"    {nm["safe"]} = jnp.where({nm["nothing"]}, 1.0, {nm["total"]})"]
+                  f"    {nm['total']} = {l_scr}[...]", f"    {nm['nothing']} = {nm['total']} == 0.0",
+                  f"    {nm['safe']} = jnp.where({nm['nothing']}, 1.0, {nm['total']})"]
         for c in p.consumers:
             ref = out_refs[c.output]
             if c.kind == "softmax_product":
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
-                lines.append(f"    {ref}[...] = ({accs[c.output]}[...] * jnp.where({nm["nothing"]}, 0.0, 1.0 / {nm["safe"]}){scale}).astype({ref}.dtype)")
+                lines.append(f"    {ref}[...] = ({accs[c.output]}[...] * jnp.where({nm['nothing']}, 0.0, 1.0 / {nm['safe']}){scale}).astype({ref}.dtype)")
             elif c.kind == "logsumexp":
-                lines.append(f"    {ref}[...] = _row_vector(jnp.where({nm["nothing"]}, -jnp.inf, {m_scr}[...] + jnp.log({nm["safe"]}))).astype({ref}.dtype)")
+                lines.append(f"    {ref}[...] = _row_vector({lse}).astype({ref}.dtype)")
             elif c.kind == "max":
                 lines.append(f"    {ref}[...] = _row_vector({m_scr}[...]).astype({ref}.dtype)")
             else:
                 lines.append(f"    {ref}[...] = _row_vector({accs[c.output]}[...]).astype({ref}.dtype)")
-        refs = [o.ref for o in self.m.operands] + [out_refs[c.output] for c in p.consumers] + [m_scr, l_scr] + list(accs.values())
-        return lines, refs
+        lines.append(f"    {stats_ref}[...] = _row_vector({lse})  # kept for the gradients")
+        ins = [self.arr(o, tables) for o in self.m.operands]
+        outs = []
+        for c in p.consumers:
+            st = k.statement_of(c.output)
+            outs.append(self.out_arr(out_refs[c.output], st.target.indices, k.operand(c.output).dtype.jnp, self.n.local(c.output),
+                                     f"{st.target.text}: the row block of the step", vector=c.kind != "softmax_product"))
+        outs.append(self.out_arr(stats_ref, p.lead + (p.query,), "jnp.float32", self.n.local("row_lse"), "each row's logsumexp (for the gradients)", vector=True))
+        scratch = [f"pltpu.VMEM(({ti}, 1), {acc.jnp})", f"pltpu.VMEM(({ti}, 1), {acc.jnp})"]
+        for c in p.consumers:
+            if c.kind == "softmax_product":
+                scratch.append(f"pltpu.VMEM(({ti}, {self.tile[self.e_of(c)]}), {acc.jnp})")
+            elif c.kind == "sum":
+                scratch.append(f"pltpu.VMEM(({ti}, 1), {acc.jnp})")
+        refs = [a.ref for a in ins] + [o.ref for o in outs] + [m_scr, l_scr] + list(accs.values())
+        dims = self.tile[p.query] * self.tile[p.key]
+        e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
+        return CallSpec(self.n.function("_attention_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
+                        f"{2 * dims * (self.tile[p.summed] + e_total)}", f"{dims}", "the outputs", refs)
 
-    def chain_uses_positions(self) -> bool:
-        return any(t.op == "index" and t.name in (self.p.query, self.p.key) for _, term in self.p.chain for t in term.walk())
+    def statics(self, lines) -> list[str]:
+        text = "\n".join(lines)
+        return list(dict.fromkeys([self.steps] + [v for v in self.sizes if re.search(rf"\b{re.escape(v)}\b", text)]))
 
-    def cond_uses_positions(self) -> bool:
-        c = self.p.condition
-        return c is not None and any(t.op == "index" and t.name in (self.p.query, self.p.key) for t in c.walk())
+    # ------------------------------------------------------------- backward
+    def backward_inputs(self, n, tables) -> tuple[list[Arr], dict]:
+        """The arrays both backward kernels read: the forward's operands, each softmax
+        product's cotangent, and per row the forward's logsumexp and the softmax-gradient
+        correction (and the cotangent of a sum reduction)."""
+        p, k = self.p, self.k
+        ins = [self.arr(o, tables) for o in self.m.operands]
+        extra = {}
+        for c in p.consumers:
+            if c.kind == "softmax_product":
+                st = k.statement_of(c.output)
+                ref = n.local(f"d{c.output}_ref")
+                block = tuple(None if i in p.lead else self.tile[i] for i in st.target.indices)
+                coords = tuple(i if i in p.lead else "QROW" if i == p.query else "0" for i in st.target.indices)
+                ins.append(Arr(ref, block, coords, self.fn(f"_d{c.output}_map"), self.cot(c.output), f"the cotangent of {c.output}"))
+                extra[c.output] = ref
+        about = {"row_lse": "the forward's logsumexp per row", "delta": "per row: sum(do * o) minus the logsumexp's cotangent",
+                 "dsum": "per row: the cotangent of the sum"}
+        for key, host in self.row_hosts.items():
+            ref = n.local(f"{key}_ref")
+            block = tuple([None] * len(p.lead) + [self.tile[p.query], LANES])
+            coords = tuple(list(p.lead) + ["QROW", "0"])
+            ins.append(Arr(ref, block, coords, self.fn(f"_{key}_rows_map"), host, about[key] + ", broadcast along lanes"))
+            extra[key] = ref
+        return ins, extra
 
-    def precision(self) -> str:
-        return ", precision=lax.Precision.HIGHEST" if self.k.accumulate.name == "f32" and any(
-            self.k.operand(o.read.operand).dtype.name == "f32" for o in self.m.operands[:2]) else ""
+    def cot(self, output: str) -> str:
+        return self.cotangents[output]
 
-    def block_value(self, o: Operand) -> str:
-        ref = o.ref
-        if o.layout == "rows":
-            return f"{ref}[:, 0:1]"
-        if o.layout == "cols":
-            return f"{ref}[0:1, :]"
-        if o.layout == "scalar":
-            return f"{ref}[0:1, 0:1]"
-        live = [s.index for s in o.read.subs if s.index not in self.p.lead]
-        if o.role == "extra" and live == [self.p.key, self.p.query]:
-            return f"{ref}[...].T"
-        return f"{ref}[...]"
+    def backward_step(self, n, at, tables, extra, masked) -> tuple[list[str], str, str, dict]:
+        """Lines computing, for one block: probs, the score gradient `ds`, and the product's
+        gradient `dr` (through the chain); returns (lines, probs, draw, s)."""
+        p, acc = self.p, self.acc
+        nm = {x: n.local(x) for x in ["raw", "s", "probs", "dprobs", "ds", "draw", "lse", "pull"]}
+        chain = n.local("chain")
+        got = f"{nm['raw']}, {nm['s']}, {chain}" if p.chain else f"{nm['raw']}, {nm['s']}"
+        lines = [f"    {got} = _scores({masked})",
+                 f"    {nm['lse']} = {extra['row_lse']}[:, 0:1]",
+                 f"    {nm['lse']} = jnp.where(jnp.isneginf({nm['lse']}), 0.0, {nm['lse']})",
+                 f"    {nm['probs']} = jnp.exp({nm['s']} - {nm['lse']})"]
+        terms, dos = [], {}
+        for c in p.consumers:
+            if c.kind == "softmax_product":
+                vo = self.consumer_value(c)
+                lines += self.load_block(n, vo, at, tables, masked, (p.key, p.query))
+                ve = self.live(vo.read).index(self.e_of(c))
+                do = dos[c.output] = n.local(f"d{c.output}")
+                lines.append(f"    {do} = {extra[c.output]}[...]")
+                if self.ragged(p.query):
+                    ti = self.tile[p.query]
+                    lines += [f"    if {masked}:", f"        # Past the end of {p.query} memory holds anything: zero it.",
+                              f"        {do} = jnp.where({tables['QROW']}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0) < {self.size_of(p.query)}, {do}, 0)"]
+                term = f"lax.dot_general({do}.astype({vo.var}.dtype), {vo.var}, (((1,), ({ve},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})"
+                terms.append(term + (f" * {c.scale!r}" if c.scale is not None else ""))
+        if terms:
+            lines.append(f"    {nm['dprobs']} = " + " + ".join(terms))
+            lines.append(f"    {nm['ds']} = {nm['probs']} * ({nm['dprobs']} - {extra['delta']}[:, 0:1])")
+        else:
+            lines.append(f"    {nm['ds']} = -{nm['probs']} * {extra['delta']}[:, 0:1]")
+        if "dsum" in extra:
+            lines.append(f"    {nm['ds']} = {nm['ds']} + jnp.where(jnp.isneginf({nm['s']}), 0.0, {extra['dsum']}[:, 0:1])")
+        lines += [f"    if {masked}:", "        # Absent elements (past the ends too, where the row statistics are garbage) add nothing.",
+                  f"        {nm['probs']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['probs']})",
+                  f"        {nm['ds']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['ds']})"]
+        if p.chain:
+            lines.append(f"    _, {nm['pull']} = jax.vjp({chain}, {nm['raw']})")
+            lines.append(f"    ({nm['draw']},) = {nm['pull']}({nm['ds']})")
+            lines.append(f"    {nm['draw']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['draw']})  # absent: no gradient")
+        else:
+            lines.append(f"    {nm['draw']} = {nm['ds']}")
+        if p.scale is not None:
+            lines.append(f"    {nm['draw']} = {nm['draw']} * {p.scale!r}")
+        return lines, nm["probs"], nm["draw"], dos
 
-    def group_expr(self, lead_vars) -> str:
-        """The walk's table group of a step: a flat index over the lead axes the condition reads."""
-        axes = [a for a in self.p.class_axes[:-2]]
-        if not axes:
-            return "0"
-        expr = lead_vars[axes[0]]
-        for a in axes[1:]:
-            expr = f"({expr}) * {self.size_of(a)} + {lead_vars[a]}"
-        return expr
+    def dq_call(self) -> CallSpec:
+        p, acc = self.p, self.acc
+        n = self.n.scope()
+        tables = {"QROW": self.tables[2], "COL": self.tables[1], "ROW": self.tables[0]}
+        lines, lead_vars, at, kind, flag = self.head(n, tables)
+        ins, extra = self.backward_inputs(n, tables)
+        dq_acc, dq_ref = n.local("dq_acc"), n.local("dq_ref")
+        lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", f"    {dq_acc}[...] = jnp.zeros_like({dq_acc})"]
+        lines += self.scores(n, lead_vars, at, tables, with_raw=True)
+        step, probs, draw, _ = self.backward_step(n, at, tables, extra, "masked")
+        ko = self.m.operands[1]
+        kj = self.live(ko.read).index(p.key)
+        lines += ["", "def _step(masked):"] + step + self.load_block(n, ko, at, tables, "masked", (p.key,))
+        lines.append(f"    {dq_acc}[...] += lax.dot_general({draw}.astype({ko.var}.dtype), {ko.var}, (((1,), ({kj},)), ((), ())), "
+                     f"preferred_element_type={acc.jnp}{self.precision()})")
+        lines += self.phases(kind, "_step")
+        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dq_ref}[...] = {dq_acc}[...]"]
+        outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), "jnp.float32", self.n.local("dq_full"),
+                             "the row block's gradient of the score's row factor", vector=False)]
+        scratch = [f"pltpu.VMEM(({self.tile[p.query]}, {self.tile[p.summed]}), {acc.jnp})"]
+        refs = [a.ref for a in ins] + [o.ref for o in outs] + [dq_acc]
+        dims = self.tile[p.query] * self.tile[p.key]
+        e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
+        return CallSpec(self.n.function("_attention_dq_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
+                        f"{2 * dims * (2 * self.tile[p.summed] + e_total)}", f"{dims}", f"the gradient of {p.q.operand}", refs)
+
+    def dkv_call(self) -> CallSpec:
+        """The key-side gradients: a walk over key blocks (the transposed classification),
+        visiting each key block's non-empty row blocks."""
+        p, acc = self.p, self.acc
+        n = self.n.scope()
+        tables = {"QROW": self.tables[1], "COL": self.tables[2], "ROW": self.tables[0]}
+        lines, lead_vars, at, kind, flag = self.head(n, tables)
+        ins, extra = self.backward_inputs(n, tables)
+        dk_acc, dk_ref = n.local("dk_acc"), n.local("dk_ref")
+        dv = {}
+        for c in p.consumers:
+            if c.kind == "softmax_product":
+                dv[c.output] = (n.local(f"dv_{c.output}_acc"), n.local(f"dv_{c.output}_ref"))
+        lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", f"    {dk_acc}[...] = jnp.zeros_like({dk_acc})"]
+        lines += [f"    {a}[...] = jnp.zeros_like({a})" for a, _ in dv.values()]
+        lines += self.scores(n, lead_vars, at, tables, with_raw=True)
+        step, probs, draw, dos = self.backward_step(n, at, tables, extra, "masked")
+        qo = self.m.operands[0]
+        qi = self.live(qo.read).index(p.query)
+        lines += ["", "def _step(masked):"] + step + self.load_block(n, qo, at, tables, "masked", (p.query,))
+        for c in p.consumers:
+            if c.kind == "softmax_product":
+                a, _ = dv[c.output]
+                scale = f" * {c.scale!r}" if c.scale is not None else ""
+                do = dos[c.output]
+                lines.append(f"    {a}[...] += lax.dot_general({probs}.astype({do}.dtype), {do}, "
+                             f"(((0,), (0,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()}){scale}")
+        lines.append(f"    {dk_acc}[...] += lax.dot_general({draw}.astype({qo.var}.dtype), {qo.var}, (((0,), ({qi},)), ((), ())), "
+                     f"preferred_element_type={acc.jnp}{self.precision()})")
+        lines += self.phases(kind, "_step")
+        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dk_ref}[...] = {dk_acc}[...]"]
+        lines += [f"    {r}[...] = {a}[...]" for a, r in dv.values()]
+        outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), "jnp.float32", self.n.local("dk_full"),
+                             "the key block's gradient of the score's key factor", vector=False)]
+        scratch = [f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[p.summed]}), {acc.jnp})"]
+        for c in p.consumers:
+            if c.kind == "softmax_product":
+                e = self.e_of(c)
+                outs.append(self.out_arr(dv[c.output][1], p.lead + (p.key, e), "jnp.float32", self.n.local(f"dv_{c.output}_full"),
+                                         f"the key block's gradient of {c.value.operand}", vector=False))
+                scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[e]}), {acc.jnp})")
+        refs = [a.ref for a in ins] + [o.ref for o in outs] + [dk_acc] + [a for a, _ in dv.values()]
+        dims = self.tile[p.query] * self.tile[p.key]
+        e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
+        return CallSpec(self.n.function("_attention_dkv_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
+                        f"{2 * dims * (2 * self.tile[p.summed] + 2 * e_total)}", f"{dims}", f"the gradients of {p.k.operand} and the values", refs,
+                        suffix="_by_key")
+
+    # ------------------------------------------------------------- arrays
+    def arr(self, o: Operand, tables) -> Arr:
+        return Arr(o.ref, o.block, o.coords, o.fn, self.array(o), f"{o.read.text}: {self.about(o)}")
+
+    def out_arr(self, ref, indices, dtype, var, about, vector: bool) -> OutArr:
+        p = self.p
+        block, coords = [], []
+        for i in indices:
+            if i in p.lead:
+                block.append(None)
+                coords.append(i)
+            elif i in (p.query, p.key) and i == indices[len(p.lead)]:
+                if vector:
+                    block.append(1)
+                    coords.append("0")
+                block.append(self.tile[i])
+                coords.append("ROW")
+            else:
+                block.append(self.tile[i])
+                coords.append("0")
+        shape = tuple(self.size_of(i) for i in indices)
+        view = shape[:-1] + ("1",) + shape[-1:] if vector else shape
+        return OutArr(ref, tuple(block), tuple(coords), self.fn(f"_{ref.removesuffix('_ref')}_map"), "", about, shape, view, dtype, var)
+
+    def map_dict(self, a: Arr, call: CallSpec) -> dict:
+        group = self.group_expr(dict(zip(self.p.lead, self.grid_vars)))
+        slot = self.t if group == "0" else f"{group} * {self.steps} + {self.t}"
+        coords = []
+        for c in a.coords:
+            if c in ("QROW", "COL", "ROW"):
+                coords.append(f"{call.tables[c]}[{slot}]")
+            elif c == "0":
+                coords.append("0")
+            else:
+                name, _, div = c.partition(" // ")
+                v = self.grid_vars[self.p.lead.index(name)]
+                coords.append(f"lax.div({v}, {div})" if div else v)
+        return {"fn": a.fn + call.suffix, "coords": coords, "about": a.about}
+
+    def call_dict(self, call: CallSpec, walk_kinds: str) -> dict:
+        grid = [self.size_of(i) if self.tile[i] == 1 else f"-(-{self.size_of(i)} // {self.tile[i]})" for i in self.p.lead] + [self.steps]
+        return {
+            "kernel_fn": call.kernel_fn,
+            "kernel_params": self.tables + call.refs,
+            "kernel_statics": call.statics,
+            "kernel_lines": call.kernel_lines,
+            "maps": [self.map_dict(a, call) for a in call.ins + call.outs],
+            "in_specs": [(_tuple("None" if b is None else str(b) for b in a.block), a.fn + call.suffix) for a in call.ins],
+            "outs": [{"block": _tuple("None" if b is None else str(b) for b in o.block), "map": o.fn + call.suffix, "view": _tuple(o.view), "shape": _tuple(o.shape),
+                      "dtype": o.dtype, "var": o.var, "reshape": o.view != o.shape} for o in call.outs],
+            "arrays": [a.host for a in call.ins],
+            "scratch": call.scratch,
+            "grid": _tuple(grid),
+            "semantics": _tuple(['"parallel"'] * len(self.p.lead) + ['"arbitrary"']),
+            "flops": f"{self.tables[3]}.size * {call.flops}",
+            "transcendentals": f"{self.tables[3]}.size * {call.transcendentals}",
+            "statics_kw": ", ".join(f"{v}={v}" for v in call.statics),
+            "walk_kinds": walk_kinds,
+            "about": call.about,
+        }
 
     # ------------------------------------------------------------------ module
     def module(self, source_name: str) -> str:
@@ -377,81 +677,30 @@ class AttentionEmitter:
         m, k, p, conv = self.m, self.k, self.p, self.m.conv
         env = _environment()
         classify_fn, classify_reads, classify_lines = self.classify()
-        tables = [self.n.local(x) for x in ("rows", "cols", "read_rows", "kinds", "flags")]
-        steps = self.n.local("steps")
-        kernel_lines, refs = self.kernel_lines(tables, steps)
-        kernel_fn = self.n.function("_attention_kernel")
-        statics = list(dict.fromkeys([steps] + [v for v in self.sizes if any(v in line for line in kernel_lines)]))
-        # Index maps.
-        params = [self.n.local(f"{i}_") if False else i for i in p.lead]
-        lead_vars = {i: i for i in p.lead}
-        grid_vars = [self.n.local(i) for i in p.lead]
-        at_t = self.n.local("t")
-        maps = []
-        group = self.group_expr(dict(zip(p.lead, grid_vars)))
-        for o in m.operands:
-            coords = []
-            for c in o.coords:
-                coords.append(self.coord(c, grid_vars, tables, group, steps, at_t))
-            maps.append({"fn": o.fn, "coords": coords, "about": f"{o.read.text}: {self.about(o)}"})
-        outs = []
-        for c in p.consumers:
-            st = k.statement_of(c.output)
-            out = k.operand(c.output)
-            fn = self.n.function(f"_{c.output}_map")
-            coords, block = [], []
-            for s in st.target.subs:
-                if s.index in p.lead:
-                    coords.append(grid_vars[p.lead.index(s.index)])
-                    block.append("None")
-                elif s.index == p.query:
-                    if c.kind != "softmax_product":
-                        coords.append("0")
-                        block.append("1")
-                    coords.append(f"{tables[0]}[{at_t if group == '0' else f'{group} * {steps} + {at_t}'}]")
-                    block.append(str(self.tile[p.query]))
-                else:
-                    coords.append("0")
-                    block.append(str(self.tile[s.index]))
-            shape = [self.size_of(i) for i in st.target.indices]
-            view = list(shape)
-            if c.kind != "softmax_product":
-                view = shape[:-1] + ["1"] + shape[-1:]
-            maps.append({"fn": fn, "coords": coords, "about": f"{st.target.text}: the row block of the step"})
-            outs.append({"name": c.output, "map": fn, "block": _tuple(block), "shape": _tuple(shape), "view": _tuple(view),
-                         "dtype": out.dtype.jnp, "reshape": view != shape, "var": self.n.local(c.output)})
-        acc = k.accumulate.jnp
-        ti = self.tile[p.query]
-        scratch = [f"pltpu.VMEM(({ti}, 1), {acc})", f"pltpu.VMEM(({ti}, 1), {acc})"]
-        for c in p.consumers:
-            if c.kind == "softmax_product":
-                e = [i for i in k.statement_of(c.output).target.indices if i not in p.lead and i != p.query][0]
-                scratch.append(f"pltpu.VMEM(({ti}, {self.tile[e]}), {acc})")
-            elif c.kind == "sum":
-                scratch.append(f"pltpu.VMEM(({ti}, 1), {acc})")
-        arrays = [self.array(o) for o in m.operands]
         data = p.data_dependent
+        xp = "jnp" if data else "np"
         kinds_var = self.n.local("block_kinds")
-        walk = [f"{kinds_var} = {classify_fn}({'jnp' if data else 'np'}, {', '.join(classify_reads + ['sizes'])})"]
         n_class = len(p.class_axes)
-        walk.append(f"{kinds_var} = {kinds_var}.reshape((-1,) + {kinds_var}.shape[{n_class - 2}:])")
-        walk.append(f"{_tuple(tables)}, {steps} = _row_walk({'jnp' if data else 'np'}, {kinds_var})")
-        if not data:
-            walk.append(f"{', '.join(tables)} = ({', '.join(f'jnp.asarray({x})' for x in tables)})")
-        grid = [self.size_of(i) if self.tile[i] == 1 else f"-(-{self.size_of(i)} // {self.tile[i]})" for i in p.lead] + [steps]
-        sem = ['"parallel"'] * len(p.lead) + ['"arbitrary"']
-        products = f"{tables[3]}.size"  # upper bound on computing steps
-        dims = self.tile[p.query] * self.tile[p.key]
-        e_total = sum(self.tile[[i for i in k.statement_of(c.output).target.indices if i not in p.lead and i != p.query][0]]
-                      for c in p.consumers if c.kind == "softmax_product")
-        flops = f"{products} * {2 * dims * (self.tile[p.summed] + e_total)}"
-        transcendentals = f"{products} * {dims}"
-        vmem_limit = self.vmem_limit()
+        kinds_lines = [f"{kinds_var} = {classify_fn}({xp}, {', '.join(classify_reads + ['sizes'])})",
+                       f"{kinds_var} = {kinds_var}.reshape((-1,) + {kinds_var}.shape[{n_class - 2}:])"]
+        forward = self.forward_call()
+        self.out_var = {c.output: forward.outs[n].var for n, c in enumerate(p.consumers)}
+        self.row_lse = forward.outs[-1].var
+        error = m.backward_error
+        backward = {}
+        outputs = [c.output for c in p.consumers]
+        if error is None:
+            self.cotangents = {o.name: self.n.local(f"g_{o.name}") for o in k.outputs}
+            dq, dkv = self.dq_call(), self.dkv_call()
+            backward = self.backward_glue(dq, dkv, outputs)
+            calls_b = [self.call_dict(dq, kinds_var), self.call_dict(dkv, f"{kinds_var}.transpose(0, 2, 1)")]
+        else:
+            calls_b = []
         main = env.get_template("tpu/attention.py.j2").render(
             k=k,
             source=source_name.encode("unicode_escape").decode("ascii"),
             digest=k.digest,
-            doc=self.docstring(),
+            doc=self.docstring(error),
             call_doc=f"Run the kernel: {self.wrapper.returns()}.\n\n    Arguments are the inputs in declaration order (see the module docstring).\n    ",
             helpers="{helpers}",
             smem=m.target.smem_bytes,
@@ -460,41 +709,35 @@ class AttentionEmitter:
             classify_params=classify_reads,
             classify_lines=classify_lines,
             size_vars=self.sizes,
-            kernel_fn=kernel_fn,
-            kernel_params=tables + refs,
-            kernel_statics=statics,
-            kernel_lines=kernel_lines,
-            maps=maps,
-            map_params=grid_vars + [at_t] + tables,
+            forward=self.call_dict(forward, kinds_var),
+            backward_calls=calls_b,
+            maps=self.all_maps([forward] + ([dq, dkv] if error is None else [])),
+            map_params=self.grid_vars + [self.t] + self.tables,
             public_params=[p_.internal for p_ in conv.params] + self.sizes,
             prepare_lines=self.prepare_lines(),
             impl_args=list(conv.impl_args),
-            walk=walk,
-            tables=tables,
-            steps=steps,
-            grid=_tuple(grid),
-            in_specs=[(_tuple("None" if b is None else str(b) for b in o.block), o.fn) for o in m.operands],
-            outs=outs,
-            scratch=scratch,
-            arrays=arrays,
-            semantics=_tuple(sem),
-            vmem_limit=vmem_limit,
-            flops=flops,
-            transcendentals=transcendentals,
+            kinds_lines=kinds_lines,
+            xp=xp,
+            tables=self.tables,
+            steps=self.steps,
+            vmem_limit=self.vmem_limit(),
             reference_lines=self.reference_lines(),
             kernel_signature=self.wrapper.signature()[0],
             reference_signature=self.wrapper.signature()[1],
-            forward=[p_.public for p_ in conv.params] + [s.symbol for s in conv.sizes],
+            public_args=[p_.public for p_ in conv.params] + [s.symbol for s in conv.sizes],
             n_args=len(conv.impl_args),
-            backward_error=repr(m.backward_error),
-            statics_kw=", ".join(f"{v}={v}" for v in statics),
+            outputs=[forward.outs[n].var for n in range(len(p.consumers))],
+            row_lse=forward.outs[-1].var,
+            declared=[dict(zip(outputs, [forward.outs[n].var for n in range(len(outputs))]))[o.name] for o in k.outputs],
+            error=repr(f"{error}") if error else None,
+            backward=backward,
             class_axes=list(p.class_axes),
             data=data,
         )
         uses = {key: False for key in _OPTIONAL}
         text = main
         for _ in range(3):
-            called = set(__import__("re").findall(r"\b(_\w+)\(", text))
+            called = set(re.findall(r"\b(_\w+)\(", text))
             for key, fn in _OPTIONAL.items():
                 uses[key] = uses[key] or fn in called
             helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
@@ -502,6 +745,64 @@ class AttentionEmitter:
         helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
         return format_module(main.replace("{helpers}", helpers, 1), names=(m.name,))
 
+    def all_maps(self, calls) -> list[dict]:
+        """Every index map of the module, once each (the forward and dq walks share theirs)."""
+        out: dict[str, dict] = {}
+        for call in calls:
+            for a in call.ins + call.outs:
+                d = self.map_dict(a, call)
+                assert out.get(d["fn"], d)["coords"] == d["coords"], d["fn"]
+                out[d["fn"]] = d
+        return list(out.values())
+
+    def backward_glue(self, dq: CallSpec, dkv: CallSpec, outputs) -> dict:
+        """`_run_backward`'s lines: the per-row inputs, the two calls' results, and each
+        gradient reduced to its operand (`h // n` reads sum their group, a lead index the
+        operand lacks sums away)."""
+        p, k, conv = self.p, self.k, self.m.conv
+        lines = []
+        f32 = "jnp.float32"
+        row_shape = _tuple([self.size_of(i) for i in p.lead] + [self.size_of(p.query), str(LANES)])
+        lse_var = self.row_lse
+        delta = self.n.local("delta")
+        parts = []
+        for c in p.consumers:
+            if c.kind == "softmax_product":
+                o = self.out_var[c.output]
+                parts.append(f"jnp.sum({self.cotangents[c.output]}.astype({f32}) * {o}.astype({f32}), axis=-1)")
+        for c in p.consumers:
+            if c.kind == "logsumexp":
+                parts.append(f"-{self.cotangents[c.output]}.astype({f32})")
+        lines.append(f"{delta} = " + (" + ".join(parts) if parts else f"jnp.zeros({lse_var}.shape, {f32})"))
+        lines.append(f"{self.row_hosts['row_lse']} = jnp.broadcast_to({lse_var}[..., None], {row_shape})")
+        lines.append(f"{self.row_hosts['delta']} = jnp.broadcast_to({delta}[..., None], {row_shape})")
+        for c in p.consumers:
+            if c.kind == "sum":
+                lines.append(f"{self.row_hosts['dsum']} = jnp.broadcast_to({self.cotangents[c.output]}.astype({f32})[..., None], {row_shape})")
+        results = [o.var for o in dq.outs] + [o.var for o in dkv.outs]
+        # Per operand: the gradients its reads get, laid out as the operand.
+        grads: dict[str, list[str]] = {}
+        std = {dq.outs[0].var: (p.q, p.lead + (p.query, p.summed)), dkv.outs[0].var: (p.k, p.lead + (p.key, p.summed))}
+        vals = [c for c in p.consumers if c.kind == "softmax_product"]
+        for c, o in zip(vals, dkv.outs[1:]):
+            std[o.var] = (c.value, p.lead + (p.key, self.e_of(c)))
+        letters = {i: chr(97 + n) for n, i in enumerate(x.name for x in k.indices)}
+        for var, (read, order) in std.items():
+            src = "".join(letters[i] for i in order)
+            dst = "".join(letters[s.index] for s in read.subs)
+            divided = _tuple(f'("{letters[s.index]}", {s.divisor})' for s in read.subs if s.divisor != 1)
+            grads.setdefault(read.operand, []).append(f'_to_operand({var}, "{src}", "{dst}", {divided})')
+        returns = []
+        for a in conv.impl_args:
+            param = next((q for q in conv.params if q.internal == a), None)
+            op = k.operand(param.operand) if param is not None else None
+            if op is not None and op.name in grads and op.dtype.is_float:
+                returns.append(f"({' + '.join(grads[op.name])}).astype({op.dtype.jnp})")
+            else:
+                returns.append(f"_no_gradient({a})")
+        do_args = [self.cot(c.output) for c in p.consumers if c.kind == "softmax_product"]
+        return {"lines": lines, "results": results, "returns": returns, "cotangents": [self.cotangents[o.name] for o in k.outputs],
+                "args": list(conv.impl_args) + do_args + list(self.row_hosts.values())}
     def prepare_lines(self) -> list[str]:
         lines = self.wrapper.prepare_lines([])
         checks = []
@@ -515,18 +816,6 @@ class AttentionEmitter:
                     if line not in checks:
                         checks.append(line)
         return lines[:-1] + checks + lines[-1:]
-
-    def coord(self, c: str, grid_vars, tables, group, steps, t) -> str:
-        at = t if group == "0" else f"{group} * {steps} + {t}"
-        if c == "QROW":
-            return f"{tables[2]}[{at}]"
-        if c == "COL":
-            return f"{tables[1]}[{at}]"
-        if c == "0":
-            return "0"
-        name, _, div = c.partition(" // ")
-        v = grid_vars[self.p.lead.index(name)]
-        return f"lax.div({v}, {div})" if div else v
 
     def about(self, o: Operand) -> str:
         return {"q": "the row block the step reads", "k": "the key block the step reads", "value": "the key block the step reads",
@@ -562,6 +851,41 @@ class AttentionEmitter:
             return None
         limit = -(-(need * 5 // 4 + 2 * (1 << 20)) // (1 << 20)) * (1 << 20)
         return min(max(limit, t.scoped_vmem_bytes), t.vmem_bytes)
+
+
+    def chain_uses_positions(self) -> bool:
+        return any(t.op == "index" and t.name in (self.p.query, self.p.key) for _, term in self.p.chain for t in term.walk())
+
+    def cond_uses_positions(self) -> bool:
+        c = self.p.condition
+        return c is not None and any(t.op == "index" and t.name in (self.p.query, self.p.key) for t in c.walk())
+
+    def precision(self) -> str:
+        return ", precision=lax.Precision.HIGHEST" if self.k.accumulate.name == "f32" and any(
+            self.k.operand(o.read.operand).dtype.name == "f32" for o in self.m.operands[:2]) else ""
+
+    def block_value(self, o: Operand) -> str:
+        ref = o.ref
+        if o.layout == "rows":
+            return f"{ref}[:, 0:1]"
+        if o.layout == "cols":
+            return f"{ref}[0:1, :]"
+        if o.layout == "scalar":
+            return f"{ref}[0:1, 0:1]"
+        live = [s.index for s in o.read.subs if s.index not in self.p.lead]
+        if o.role == "extra" and live == [self.p.key, self.p.query]:
+            return f"{ref}[...].T"
+        return f"{ref}[...]"
+
+    def group_expr(self, lead_vars) -> str:
+        """The walk's table group of a step: a flat index over the lead axes the condition reads."""
+        axes = [a for a in self.p.class_axes[:-2]]
+        if not axes:
+            return "0"
+        expr = lead_vars[axes[0]]
+        for a in axes[1:]:
+            expr = f"({expr}) * {self.size_of(a)} + {lead_vars[a]}"
+        return expr
 
     # ------------------------------------------------------------- reference
     def reference_lines(self) -> list[str]:
@@ -641,7 +965,7 @@ class AttentionEmitter:
         return lines
 
     # ------------------------------------------------------------- docstring
-    def docstring(self) -> str:
+    def docstring(self, error: str | None = None) -> str:
         from ..wrapper import spec_text
         from .describe_attention import describe_attention
 
