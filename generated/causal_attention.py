@@ -60,7 +60,7 @@ Plan (target v5e):
       lse block x2: 32 KiB
       running max and sum: 768 KiB
       score block and its softmax (f32 temporaries): 3072 KiB
-    gradients: gradients of attention-like kernels (the flash-attention backward) are not derived yet
+    gradients: derived
 """
 
 import functools
@@ -238,6 +238,18 @@ def _check_whole(value, tile, what):
         _fail(f"{what} is {value}, but the spec's tile of {tile} must span it")
 
 
+def _to_operand(grad, src, dst, divided):
+    """A gradient laid out over the letters `src` (the walk's order, every head) as its operand
+    over `dst`: an axis read as `h // n` sums each group of n; an axis the operand lacks sums away.
+    """
+    for letter, n in divided:
+        axis = src.index(letter)
+        grad = grad.reshape(
+            grad.shape[:axis] + (grad.shape[axis] // n, n) + grad.shape[axis + 1 :]
+        ).sum(axis=axis + 1)
+    return jnp.einsum(f"{src}->{dst}", grad)
+
+
 def _classify_blocks(xp, sizes):
     """Per block: empty, partial or full. Work in the number of blocks (operands: one pass
     over their elements); xp is numpy when only sizes matter, jax.numpy under jit."""
@@ -256,7 +268,7 @@ def _classify_blocks(xp, sizes):
         ),
     )
     must = xp.broadcast_to(
-        (((i_lo - j_hi) >= 0)) & ~((j_lo + 512 > S)),
+        (((i_lo - j_hi) >= 0)) & ~((i_lo + 512 > S) | (j_lo + 512 > S)),
         (
             i_lo.size,
             j_lo.size,
@@ -276,6 +288,7 @@ def _attention_kernel(
     v_ref,
     o_ref,
     lse_ref,
+    row_lse_ref,
     m_scratch,
     l_scratch,
     o_acc,
@@ -283,6 +296,7 @@ def _attention_kernel(
     steps,
     S,
 ):
+    # Computes the outputs.
     b = pl.program_id(0)
     h = pl.program_id(1)
     t = pl.program_id(2)
@@ -300,18 +314,20 @@ def _attention_kernel(
     def _scores(masked):
         q_blk = q_ref[...]
         k_blk = k_ref[...]
-        s = lax.dot_general(
+        raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        s = s * 0.08838834764831845
+        raw_scores = raw_scores * 0.08838834764831845
+        s = raw_scores
         if masked:
             i_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
             j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
-            present = ((i_pos >= j_pos)) & (j_pos < S)
+            present = ((i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
             s = jnp.where(present, s, -jnp.inf)
         return s
 
-    def _consume(scores, masked):
+    def _step(masked):
+        scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
         # A row with nothing present yet keeps minus infinity; exp then gives zeros.
@@ -322,7 +338,7 @@ def _attention_kernel(
         m_scratch[...] = m_new
         v_blk = v_ref[...]
         if masked:
-            # Past the end of the keys memory holds anything: zero it.
+            # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         o_acc[...] = alpha * o_acc[...] + lax.dot_general(
@@ -335,12 +351,12 @@ def _attention_kernel(
     @pl.when(kind == _PARTIAL)
     def _partial():
         # Some elements absent: evaluate the condition.
-        _consume(_scores(True), True)
+        _step(True)
 
     @pl.when(kind == _FULL)
     def _full():
         # Every element present: the condition is not evaluated.
-        _consume(_scores(False), False)
+        _step(False)
 
     @pl.when(flag & 2 != 0)
     def _flush():
@@ -354,6 +370,225 @@ def _attention_kernel(
         lse_ref[...] = _row_vector(
             jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(safe))
         ).astype(lse_ref.dtype)
+        row_lse_ref[...] = _row_vector(
+            jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(safe))
+        )  # kept for the gradients
+
+
+def _attention_dq_kernel(
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    row_lse_ref,
+    delta_ref,
+    dq_ref,
+    dq_acc,
+    *,
+    steps,
+    S,
+):
+    # Computes the gradient of q.
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    t = pl.program_id(2)
+    at = t
+    kind = kinds[at]
+    flag = flags[at]
+
+    @pl.when(flag & 1 != 0)
+    def _init():
+        dq_acc[...] = jnp.zeros_like(dq_acc)
+
+    def _scores(masked):
+        q_blk = q_ref[...]
+        k_blk = k_ref[...]
+        raw_scores = lax.dot_general(
+            q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        raw_scores = raw_scores * 0.08838834764831845
+        s = raw_scores
+        if masked:
+            i_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
+            j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
+            present = ((i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
+            s = jnp.where(present, s, -jnp.inf)
+        return raw_scores, s
+
+    def _step(masked):
+        raw, s_ = _scores(masked)
+        lse_ = row_lse_ref[:, 0:1]
+        lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)
+        probs = jnp.exp(s_ - lse_)
+        v_blk = v_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
+        do = do_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            do = jnp.where(
+                read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S,
+                do,
+                0,
+            )
+        dprobs = lax.dot_general(
+            do.astype(v_blk.dtype),
+            v_blk,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        ds = probs * (dprobs - delta_ref[:, 0:1])
+        if masked:
+            # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
+            probs = jnp.where(jnp.isneginf(s_), 0.0, probs)
+            ds = jnp.where(jnp.isneginf(s_), 0.0, ds)
+        draw = ds
+        draw = draw * 0.08838834764831845
+        k_blk = k_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+        dq_acc[...] += lax.dot_general(
+            draw.astype(k_blk.dtype),
+            k_blk,
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+
+    @pl.when(kind == _PARTIAL)
+    def _partial():
+        # Some elements absent: evaluate the condition.
+        _step(True)
+
+    @pl.when(kind == _FULL)
+    def _full():
+        # Every element present: the condition is not evaluated.
+        _step(False)
+
+    @pl.when(flag & 2 != 0)
+    def _flush():
+        dq_ref[...] = dq_acc[...]
+
+
+def _attention_dkv_kernel(
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    row_lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_o_ref,
+    dk_acc,
+    dv_o_acc,
+    *,
+    steps,
+    S,
+):
+    # Computes the gradients of k and the values.
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    t = pl.program_id(2)
+    at = t
+    kind = kinds[at]
+    flag = flags[at]
+
+    @pl.when(flag & 1 != 0)
+    def _init():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_o_acc[...] = jnp.zeros_like(dv_o_acc)
+
+    def _scores(masked):
+        q_blk = q_ref[...]
+        k_blk = k_ref[...]
+        raw_scores = lax.dot_general(
+            q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        raw_scores = raw_scores * 0.08838834764831845
+        s = raw_scores
+        if masked:
+            i_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
+            j_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
+            present = ((i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
+            s = jnp.where(present, s, -jnp.inf)
+        return raw_scores, s
+
+    def _step(masked):
+        raw, s_ = _scores(masked)
+        lse_ = row_lse_ref[:, 0:1]
+        lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)
+        probs = jnp.exp(s_ - lse_)
+        v_blk = v_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside = (
+                read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            )
+            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
+        do = do_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            do = jnp.where(
+                cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S, do, 0
+            )
+        dprobs = lax.dot_general(
+            do.astype(v_blk.dtype),
+            v_blk,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        ds = probs * (dprobs - delta_ref[:, 0:1])
+        if masked:
+            # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
+            probs = jnp.where(jnp.isneginf(s_), 0.0, probs)
+            ds = jnp.where(jnp.isneginf(s_), 0.0, ds)
+        draw = ds
+        draw = draw * 0.08838834764831845
+        q_blk = q_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
+        dv_o_acc[...] += lax.dot_general(
+            probs.astype(do.dtype),
+            do,
+            (((0,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        dk_acc[...] += lax.dot_general(
+            draw.astype(q_blk.dtype),
+            q_blk,
+            (((0,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+
+    @pl.when(kind == _PARTIAL)
+    def _partial():
+        # Some elements absent: evaluate the condition.
+        _step(True)
+
+    @pl.when(kind == _FULL)
+    def _full():
+        # Every element present: the condition is not evaluated.
+        _step(False)
+
+    @pl.when(flag & 2 != 0)
+    def _flush():
+        dk_ref[...] = dk_acc[...]
+        dv_o_ref[...] = dv_o_acc[...]
 
 
 def _q_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
@@ -406,6 +641,136 @@ def _lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
+def _row_lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # each row's logsumexp (for the gradients)
+    return (
+        b,
+        h,
+        0,
+        rows[t],
+    )
+
+
+def _do_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the cotangent of o
+    return (
+        b,
+        h,
+        read_rows[t],
+        0,
+    )
+
+
+def _row_lse_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the forward's logsumexp per row, broadcast along lanes
+    return (
+        b,
+        h,
+        read_rows[t],
+        0,
+    )
+
+
+def _delta_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
+    return (
+        b,
+        h,
+        read_rows[t],
+        0,
+    )
+
+
+def _dq_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the row block's gradient of the score's row factor
+    return (
+        b,
+        h,
+        rows[t],
+        0,
+    )
+
+
+def _q_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # q[b, h, i, d]: the row block the step reads
+    return (
+        b,
+        h,
+        cols[t],
+        0,
+    )
+
+
+def _k_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # k[b, h, j, d]: the key block the step reads
+    return (
+        b,
+        h,
+        read_rows[t],
+        0,
+    )
+
+
+def _v_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # v[b, h, j, e]: the key block the step reads
+    return (
+        b,
+        h,
+        read_rows[t],
+        0,
+    )
+
+
+def _do_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the cotangent of o
+    return (
+        b,
+        h,
+        cols[t],
+        0,
+    )
+
+
+def _row_lse_rows_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the forward's logsumexp per row, broadcast along lanes
+    return (
+        b,
+        h,
+        cols[t],
+        0,
+    )
+
+
+def _delta_rows_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
+    return (
+        b,
+        h,
+        cols[t],
+        0,
+    )
+
+
+def _dk_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the key block's gradient of the score's key factor
+    return (
+        b,
+        h,
+        rows[t],
+        0,
+    )
+
+
+def _dv_o_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the key block's gradient of v
+    return (
+        b,
+        h,
+        rows[t],
+        0,
+    )
+
+
 def _prepare(q, k, v, B, H, S, D):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"B": B, "H": H, "S": S, "D": D}, {})
@@ -431,20 +796,20 @@ def _prepare(q, k, v, B, H, S, D):
     return q, k, v, (B, H, S, D)
 
 
+def _walk_tables(kinds):
+    """The walk's scalar-prefetch tables for block kinds (numpy: known at trace time)."""
+    tables, _ = _row_walk(np, kinds)
+    _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
+    return tuple(jnp.asarray(t) for t in tables)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
 def _impl(q, k, v, sizes, interpret):
     B, H, S, D = sizes
-    block_kinds = _classify_blocks(np, sizes)
-    block_kinds = block_kinds.reshape((-1,) + block_kinds.shape[0:])
-    (rows, cols, read_rows, kinds, flags), steps = _row_walk(np, block_kinds)
-    rows, cols, read_rows, kinds, flags = (
-        jnp.asarray(rows),
-        jnp.asarray(cols),
-        jnp.asarray(read_rows),
-        jnp.asarray(kinds),
-        jnp.asarray(flags),
-    )
-    _check_smem(5 * rows.size, "the walk's scalar-prefetch tables")
+    block_kinds_ = _classify_blocks(np, sizes)
+    block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
+    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_)
+    steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(B, H, steps),
@@ -466,6 +831,9 @@ def _impl(q, k, v, sizes, interpret):
             pl.BlockSpec(
                 (None, None, 1, 512), functools.partial(_lse_map, steps=steps)
             ),
+            pl.BlockSpec(
+                (None, None, 1, 512), functools.partial(_row_lse_map, steps=steps)
+            ),
         ],
         scratch_shapes=[
             pltpu.VMEM((512, 1), jnp.float32),
@@ -476,11 +844,13 @@ def _impl(q, k, v, sizes, interpret):
     (
         o,
         lse,
+        row_lse,
     ) = pl.pallas_call(
         functools.partial(_attention_kernel, steps=steps, S=S),
         grid_spec=grid_spec,
         out_shape=[
             jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B, H, 1, S), jnp.float32),
             jax.ShapeDtypeStruct((B, H, 1, S), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(
@@ -494,22 +864,161 @@ def _impl(q, k, v, sizes, interpret):
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v)
     lse = lse.reshape((B, H, S))  # the row vector's unit dimension dropped
-    return o, lse
+    row_lse = row_lse.reshape((B, H, S))  # the row vector's unit dimension dropped
+
+    return o, lse, row_lse
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+def _backward(q, k, v, g_o, row_lse_rows, delta_rows, sizes, interpret):
+    """The gradients: a walk over rows (the row factor's), and one over key blocks, visiting
+    each key block's non-empty row blocks (the key factor's and the values')."""
+    B, H, S, D = sizes
+    block_kinds_ = _classify_blocks(np, sizes)
+    block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
+    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_)
+    steps = rows.size // block_kinds_.shape[0]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(B, H, steps),
+        in_specs=[
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_q_map, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_k_map, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_v_map, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_do_map, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128),
+                functools.partial(_row_lse_rows_map, steps=steps),
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_delta_rows_map, steps=steps)
+            ),
+        ],
+        out_specs=[
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_dq_map, steps=steps)
+            ),
+        ],
+        scratch_shapes=[pltpu.VMEM((512, 128), jnp.float32)],
+    )
+    (dq_full,) = pl.pallas_call(
+        functools.partial(_attention_dq_kernel, steps=steps, S=S),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, S, D), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=kinds.size * 201326592,
+            transcendentals=kinds.size * 262144,
+            bytes_accessed=0,
+        ),
+        interpret=interpret,
+    )(rows, cols, read_rows, kinds, flags, q, k, v, g_o, row_lse_rows, delta_rows)
+    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_.transpose(0, 2, 1))
+    steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(B, H, steps),
+        in_specs=[
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_q_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_k_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_v_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_do_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128),
+                functools.partial(_row_lse_rows_map_by_key, steps=steps),
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128),
+                functools.partial(_delta_rows_map_by_key, steps=steps),
+            ),
+        ],
+        out_specs=[
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_dk_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 512, 128), functools.partial(_dv_o_map_by_key, steps=steps)
+            ),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((512, 128), jnp.float32),
+            pltpu.VMEM((512, 128), jnp.float32),
+        ],
+    )
+    (
+        dk_full,
+        dv_o_full,
+    ) = pl.pallas_call(
+        functools.partial(_attention_dkv_kernel, steps=steps, S=S),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, S, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, S, D), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=kinds.size * 268435456,
+            transcendentals=kinds.size * 262144,
+            bytes_accessed=0,
+        ),
+        interpret=interpret,
+    )(rows, cols, read_rows, kinds, flags, q, k, v, g_o, row_lse_rows, delta_rows)
+    return dq_full, dk_full, dv_o_full
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _run(q, k, v, sizes, interpret):
-    return _impl(q, k, v, sizes, interpret)
+    o, lse, row_lse = _impl(q, k, v, sizes, interpret)
+    return o, lse
 
 
 def _run_forward(q, k, v, sizes, interpret):
-    return _impl(q, k, v, sizes, interpret), None
+    # The residuals: the arguments, the outputs and each row's logsumexp.
+    o, lse, row_lse = _impl(q, k, v, sizes, interpret)
+    return (o, lse), (q, k, v, o, lse, row_lse)
 
 
 def _run_backward(sizes, interpret, residuals, cotangent):
-    raise NotImplementedError(
-        f"{_NAME}: "
-        + "gradients of attention-like kernels (the flash-attention backward) are not derived yet"
+    q, k, v, o, lse, row_lse = residuals
+    (
+        g_o,
+        g_lse,
+    ) = cotangent
+    B, H, S, D = sizes
+    delta = jnp.sum(
+        g_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1
+    ) + -g_lse.astype(jnp.float32)
+    row_lse_rows = jnp.broadcast_to(row_lse[..., None], (B, H, S, 128))
+    delta_rows = jnp.broadcast_to(delta[..., None], (B, H, S, 128))
+    dq_full, dk_full, dv_o_full = _backward(
+        q, k, v, g_o, row_lse_rows, delta_rows, sizes, interpret
+    )
+    return (
+        (_to_operand(dq_full, "abce", "abce", ())).astype(jnp.bfloat16),
+        (_to_operand(dk_full, "abde", "abde", ())).astype(jnp.bfloat16),
+        (_to_operand(dv_o_full, "abdf", "abdf", ())).astype(jnp.bfloat16),
     )
 
 
@@ -562,3 +1071,11 @@ def causal_attention(q, k, v, *, B=None, H=None, S=None, D=None, interpret=False
 def reference(q, k, v, *, B=None, H=None, S=None, D=None):
     """The same computation in plain jax.numpy, for tests: same arguments as `causal_attention`."""
     return _reference(*_prepare(q, k, v, B, H, S, D))
+
+
+def block_kinds(q, k, v, *, B=None, H=None, S=None, D=None):
+    """What the kernel visits, per block over (i, j): _EMPTY (0, no step),
+    _PARTIAL (1) or _FULL (2). Same arguments as `causal_attention`; works under jax.jit.
+    The condition depends on sizes only: computed with numpy, once per shape."""
+    *_, sizes = _prepare(q, k, v, B, H, S, D)
+    return _classify_blocks(np, sizes)

@@ -60,7 +60,7 @@ Plan (target v5e):
       o accumulator: 128 KiB
       running max and sum: 384 KiB
       score block and its softmax (f32 temporaries): 768 KiB
-    gradients: gradients of attention-like kernels (the flash-attention backward) are not derived yet
+    gradients: derived
 """
 
 import functools
@@ -177,6 +177,14 @@ def _expand(value, src, dst):
     )
 
 
+def _no_gradient(value):
+    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
+    for integers (coordinates, offsets, padding flags), as JAX requires."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.zeros_like(value)
+    return np.zeros(value.shape, jax.dtypes.float0)
+
+
 def _row_walk(xp, kinds):
     """The walk's tables from block kinds (groups x row blocks x key blocks): per step, the
     row block it writes, the key block and row block it reads, its kind, and whether it is
@@ -235,6 +243,12 @@ def _block_min_max(x, tiles):
     return lo.min(axis=axes), lo.max(axis=axes)
 
 
+def _row_vector(column):
+    """A (rows, 1) column as a (1, rows) row: through a lane-wide broadcast and a transpose,
+    which every TPU generation lays out."""
+    return jnp.broadcast_to(column, (column.shape[0], 128)).T[0:1]
+
+
 def _softmax_rows(s):
     """softmax and logsumexp along the last axis where minus infinity marks absent
     elements: a row with none present gives zeros and minus infinity."""
@@ -250,6 +264,18 @@ def _check_whole(value, tile, what):
     """A block spans this whole dimension (a score sums all of it; a value block holds all of it)."""
     if value != tile:
         _fail(f"{what} is {value}, but the spec's tile of {tile} must span it")
+
+
+def _to_operand(grad, src, dst, divided):
+    """A gradient laid out over the letters `src` (the walk's order, every head) as its operand
+    over `dst`: an axis read as `h // n` sums each group of n; an axis the operand lacks sums away.
+    """
+    for letter, n in divided:
+        axis = src.index(letter)
+        grad = grad.reshape(
+            grad.shape[:axis] + (grad.shape[axis] // n, n) + grad.shape[axis + 1 :]
+        ).sum(axis=axis + 1)
+    return jnp.einsum(f"{src}->{dst}", grad)
 
 
 def _classify_blocks(xp, seg, sizes):
@@ -298,7 +324,7 @@ def _classify_blocks(xp, seg, sizes):
             & ((seg_max - seg_min_) <= 0)
             & ((i_lo - j_hi) >= 0)
         )
-        & ~((j_lo + 256 > S)),
+        & ~((i_lo + 256 > S) | (j_lo + 256 > S)),
         (
             b_lo.size,
             i_lo.size,
@@ -320,6 +346,7 @@ def _attention_kernel(
     seg_ref,
     seg_ref_,
     o_ref,
+    row_lse_ref,
     m_scratch,
     l_scratch,
     o_acc,
@@ -327,6 +354,7 @@ def _attention_kernel(
     steps,
     S,
 ):
+    # Computes the outputs.
     b = pl.program_id(0)
     h = pl.program_id(1)
     t = pl.program_id(2)
@@ -346,18 +374,24 @@ def _attention_kernel(
         k_blk = k_ref[...]
         seg_blk = seg_ref[:, 0:1]
         seg_blk_ = seg_ref_[0:1, :]
-        s = lax.dot_general(
+        raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        s = s * 0.125
+        raw_scores = raw_scores * 0.125
+        s = raw_scores
         if masked:
             i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            present = ((((seg_blk == seg_blk_))) & (((i_pos >= j_pos)))) & (j_pos < S)
+            present = (
+                ((((seg_blk == seg_blk_))) & (((i_pos >= j_pos))))
+                & (i_pos < S)
+                & (j_pos < S)
+            )
             s = jnp.where(present, s, -jnp.inf)
         return s
 
-    def _consume(scores, masked):
+    def _step(masked):
+        scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
         # A row with nothing present yet keeps minus infinity; exp then gives zeros.
@@ -368,7 +402,7 @@ def _attention_kernel(
         m_scratch[...] = m_new
         v_blk = v_ref[...]
         if masked:
-            # Past the end of the keys memory holds anything: zero it.
+            # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         o_acc[...] = alpha * o_acc[...] + lax.dot_general(
@@ -381,12 +415,12 @@ def _attention_kernel(
     @pl.when(kind == _PARTIAL)
     def _partial():
         # Some elements absent: evaluate the condition.
-        _consume(_scores(True), True)
+        _step(True)
 
     @pl.when(kind == _FULL)
     def _full():
         # Every element present: the condition is not evaluated.
-        _consume(_scores(False), False)
+        _step(False)
 
     @pl.when(flag & 2 != 0)
     def _flush():
@@ -397,6 +431,241 @@ def _attention_kernel(
         o_ref[...] = (o_acc[...] * jnp.where(nothing, 0.0, 1.0 / safe)).astype(
             o_ref.dtype
         )
+        row_lse_ref[...] = _row_vector(
+            jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(safe))
+        )  # kept for the gradients
+
+
+def _attention_dq_kernel(
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    q_ref,
+    k_ref,
+    v_ref,
+    seg_ref,
+    seg_ref_,
+    do_ref,
+    row_lse_ref,
+    delta_ref,
+    dq_ref,
+    dq_acc,
+    *,
+    steps,
+    S,
+):
+    # Computes the gradient of q.
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    t = pl.program_id(2)
+    at = b * steps + t
+    kind = kinds[at]
+    flag = flags[at]
+
+    @pl.when(flag & 1 != 0)
+    def _init():
+        dq_acc[...] = jnp.zeros_like(dq_acc)
+
+    def _scores(masked):
+        q_blk = q_ref[...]
+        k_blk = k_ref[...]
+        seg_blk = seg_ref[:, 0:1]
+        seg_blk_ = seg_ref_[0:1, :]
+        raw_scores = lax.dot_general(
+            q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        raw_scores = raw_scores * 0.125
+        s = raw_scores
+        if masked:
+            i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
+            j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
+            present = (
+                ((((seg_blk == seg_blk_))) & (((i_pos >= j_pos))))
+                & (i_pos < S)
+                & (j_pos < S)
+            )
+            s = jnp.where(present, s, -jnp.inf)
+        return raw_scores, s
+
+    def _step(masked):
+        raw, s_ = _scores(masked)
+        lse = row_lse_ref[:, 0:1]
+        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+        probs = jnp.exp(s_ - lse)
+        v_blk = v_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
+        do = do_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            do = jnp.where(
+                read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S,
+                do,
+                0,
+            )
+        dprobs = lax.dot_general(
+            do.astype(v_blk.dtype),
+            v_blk,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        ds = probs * (dprobs - delta_ref[:, 0:1])
+        if masked:
+            # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
+            probs = jnp.where(jnp.isneginf(s_), 0.0, probs)
+            ds = jnp.where(jnp.isneginf(s_), 0.0, ds)
+        draw = ds
+        draw = draw * 0.125
+        k_blk = k_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+        dq_acc[...] += lax.dot_general(
+            draw.astype(k_blk.dtype),
+            k_blk,
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+
+    @pl.when(kind == _PARTIAL)
+    def _partial():
+        # Some elements absent: evaluate the condition.
+        _step(True)
+
+    @pl.when(kind == _FULL)
+    def _full():
+        # Every element present: the condition is not evaluated.
+        _step(False)
+
+    @pl.when(flag & 2 != 0)
+    def _flush():
+        dq_ref[...] = dq_acc[...]
+
+
+def _attention_dkv_kernel(
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    q_ref,
+    k_ref,
+    v_ref,
+    seg_ref,
+    seg_ref_,
+    do_ref,
+    row_lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_o_ref,
+    dk_acc,
+    dv_o_acc,
+    *,
+    steps,
+    S,
+):
+    # Computes the gradients of k and the values.
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    t = pl.program_id(2)
+    at = b * steps + t
+    kind = kinds[at]
+    flag = flags[at]
+
+    @pl.when(flag & 1 != 0)
+    def _init():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_o_acc[...] = jnp.zeros_like(dv_o_acc)
+
+    def _scores(masked):
+        q_blk = q_ref[...]
+        k_blk = k_ref[...]
+        seg_blk = seg_ref[:, 0:1]
+        seg_blk_ = seg_ref_[0:1, :]
+        raw_scores = lax.dot_general(
+            q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        raw_scores = raw_scores * 0.125
+        s = raw_scores
+        if masked:
+            i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
+            j_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
+            present = (
+                ((((seg_blk == seg_blk_))) & (((i_pos >= j_pos))))
+                & (i_pos < S)
+                & (j_pos < S)
+            )
+            s = jnp.where(present, s, -jnp.inf)
+        return raw_scores, s
+
+    def _step(masked):
+        raw, s_ = _scores(masked)
+        lse = row_lse_ref[:, 0:1]
+        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+        probs = jnp.exp(s_ - lse)
+        v_blk = v_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside = (
+                read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            )
+            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
+        do = do_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            do = jnp.where(
+                cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S, do, 0
+            )
+        dprobs = lax.dot_general(
+            do.astype(v_blk.dtype),
+            v_blk,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        ds = probs * (dprobs - delta_ref[:, 0:1])
+        if masked:
+            # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
+            probs = jnp.where(jnp.isneginf(s_), 0.0, probs)
+            ds = jnp.where(jnp.isneginf(s_), 0.0, ds)
+        draw = ds
+        draw = draw * 0.125
+        q_blk = q_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
+        dv_o_acc[...] += lax.dot_general(
+            probs.astype(do.dtype),
+            do,
+            (((0,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        dk_acc[...] += lax.dot_general(
+            draw.astype(q_blk.dtype),
+            q_blk,
+            (((0,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+
+    @pl.when(kind == _PARTIAL)
+    def _partial():
+        # Some elements absent: evaluate the condition.
+        _step(True)
+
+    @pl.when(kind == _FULL)
+    def _full():
+        # Every element present: the condition is not evaluated.
+        _step(False)
+
+    @pl.when(flag & 2 != 0)
+    def _flush():
+        dk_ref[...] = dk_acc[...]
+        dv_o_ref[...] = dv_o_acc[...]
 
 
 def _q_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
@@ -457,6 +726,154 @@ def _o_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
+def _row_lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # each row's logsumexp (for the gradients)
+    return (
+        b,
+        h,
+        0,
+        rows[b * steps + t],
+    )
+
+
+def _do_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the cotangent of o
+    return (
+        b,
+        h,
+        read_rows[b * steps + t],
+        0,
+    )
+
+
+def _row_lse_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the forward's logsumexp per row, broadcast along lanes
+    return (
+        b,
+        h,
+        read_rows[b * steps + t],
+        0,
+    )
+
+
+def _delta_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
+    return (
+        b,
+        h,
+        read_rows[b * steps + t],
+        0,
+    )
+
+
+def _dq_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the row block's gradient of the score's row factor
+    return (
+        b,
+        h,
+        rows[b * steps + t],
+        0,
+    )
+
+
+def _q_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # q[b, h, i, d]: the row block the step reads
+    return (
+        b,
+        h,
+        cols[b * steps + t],
+        0,
+    )
+
+
+def _k_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # k[b, h, j, d]: the key block the step reads
+    return (
+        b,
+        h,
+        read_rows[b * steps + t],
+        0,
+    )
+
+
+def _v_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # v[b, h, j, e]: the key block the step reads
+    return (
+        b,
+        h,
+        read_rows[b * steps + t],
+        0,
+    )
+
+
+def _seg_bi_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # seg[b, i]: per row, broadcast along lanes
+    return (
+        b,
+        cols[b * steps + t],
+        0,
+    )
+
+
+def _seg_bj_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # seg[b, j]: per key, broadcast along sublanes
+    return (
+        b,
+        0,
+        read_rows[b * steps + t],
+    )
+
+
+def _do_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the cotangent of o
+    return (
+        b,
+        h,
+        cols[b * steps + t],
+        0,
+    )
+
+
+def _row_lse_rows_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the forward's logsumexp per row, broadcast along lanes
+    return (
+        b,
+        h,
+        cols[b * steps + t],
+        0,
+    )
+
+
+def _delta_rows_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
+    return (
+        b,
+        h,
+        cols[b * steps + t],
+        0,
+    )
+
+
+def _dk_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the key block's gradient of the score's key factor
+    return (
+        b,
+        h,
+        rows[b * steps + t],
+        0,
+    )
+
+
+def _dv_o_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the key block's gradient of v
+    return (
+        b,
+        h,
+        rows[b * steps + t],
+        0,
+    )
+
+
 def _prepare(q, k, v, seg, B, H, S, D):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"B": B, "H": H, "S": S, "D": D}, {})
@@ -485,13 +902,20 @@ def _prepare(q, k, v, seg, B, H, S, D):
     return q, k, v, seg, (B, H, S, D)
 
 
+def _walk_tables(kinds):
+    """The walk's scalar-prefetch tables for block kinds (numpy: known at trace time)."""
+    tables, _ = _row_walk(jnp, kinds)
+    _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
+    return tuple(jnp.asarray(t) for t in tables)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
 def _impl(q, k, v, seg, sizes, interpret):
     B, H, S, D = sizes
-    block_kinds = _classify_blocks(jnp, seg, sizes)
-    block_kinds = block_kinds.reshape((-1,) + block_kinds.shape[1:])
-    (rows, cols, read_rows, kinds, flags), steps = _row_walk(jnp, block_kinds)
-    _check_smem(5 * rows.size, "the walk's scalar-prefetch tables")
+    block_kinds_ = _classify_blocks(jnp, seg, sizes)
+    block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
+    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_)
+    steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(B, H, steps),
@@ -504,6 +928,9 @@ def _impl(q, k, v, seg, sizes, interpret):
         ],
         out_specs=[
             pl.BlockSpec((None, None, 256, 64), functools.partial(_o_map, steps=steps)),
+            pl.BlockSpec(
+                (None, None, 1, 256), functools.partial(_row_lse_map, steps=steps)
+            ),
         ],
         scratch_shapes=[
             pltpu.VMEM((256, 1), jnp.float32),
@@ -511,11 +938,15 @@ def _impl(q, k, v, seg, sizes, interpret):
             pltpu.VMEM((256, 64), jnp.float32),
         ],
     )
-    (o,) = pl.pallas_call(
+    (
+        o,
+        row_lse,
+    ) = pl.pallas_call(
         functools.partial(_attention_kernel, steps=steps, S=S),
         grid_spec=grid_spec,
         out_shape=[
             jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B, H, 1, S), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
@@ -538,22 +969,187 @@ def _impl(q, k, v, seg, sizes, interpret):
         jnp.broadcast_to(seg.astype(jnp.int32)[..., None], (B, S, 128)),
         jnp.broadcast_to(seg.astype(jnp.int32)[..., None, :], (B, 8, S)),
     )
-    return o
+    row_lse = row_lse.reshape((B, H, S))  # the row vector's unit dimension dropped
+
+    return o, row_lse
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+def _backward(q, k, v, seg, g_o, row_lse_rows, delta_rows, sizes, interpret):
+    """The gradients: a walk over rows (the row factor's), and one over key blocks, visiting
+    each key block's non-empty row blocks (the key factor's and the values')."""
+    B, H, S, D = sizes
+    block_kinds_ = _classify_blocks(jnp, seg, sizes)
+    block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
+    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_)
+    steps = rows.size // block_kinds_.shape[0]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(B, H, steps),
+        in_specs=[
+            pl.BlockSpec((None, None, 256, 64), functools.partial(_q_map, steps=steps)),
+            pl.BlockSpec((None, None, 256, 64), functools.partial(_k_map, steps=steps)),
+            pl.BlockSpec((None, None, 256, 64), functools.partial(_v_map, steps=steps)),
+            pl.BlockSpec((None, 256, 128), functools.partial(_seg_bi_map, steps=steps)),
+            pl.BlockSpec((None, 8, 256), functools.partial(_seg_bj_map, steps=steps)),
+            pl.BlockSpec(
+                (None, None, 256, 64), functools.partial(_do_map, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 256, 128),
+                functools.partial(_row_lse_rows_map, steps=steps),
+            ),
+            pl.BlockSpec(
+                (None, None, 256, 128), functools.partial(_delta_rows_map, steps=steps)
+            ),
+        ],
+        out_specs=[
+            pl.BlockSpec(
+                (None, None, 256, 64), functools.partial(_dq_map, steps=steps)
+            ),
+        ],
+        scratch_shapes=[pltpu.VMEM((256, 64), jnp.float32)],
+    )
+    (dq_full,) = pl.pallas_call(
+        functools.partial(_attention_dq_kernel, steps=steps, S=S),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, S, D), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=kinds.size * 25165824,
+            transcendentals=kinds.size * 65536,
+            bytes_accessed=0,
+        ),
+        interpret=interpret,
+    )(
+        rows,
+        cols,
+        read_rows,
+        kinds,
+        flags,
+        q,
+        k,
+        v,
+        jnp.broadcast_to(seg.astype(jnp.int32)[..., None], (B, S, 128)),
+        jnp.broadcast_to(seg.astype(jnp.int32)[..., None, :], (B, 8, S)),
+        g_o,
+        row_lse_rows,
+        delta_rows,
+    )
+    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_.transpose(0, 2, 1))
+    steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(B, H, steps),
+        in_specs=[
+            pl.BlockSpec(
+                (None, None, 256, 64), functools.partial(_q_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 256, 64), functools.partial(_k_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 256, 64), functools.partial(_v_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, 256, 128), functools.partial(_seg_bi_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, 8, 256), functools.partial(_seg_bj_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 256, 64), functools.partial(_do_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 256, 128),
+                functools.partial(_row_lse_rows_map_by_key, steps=steps),
+            ),
+            pl.BlockSpec(
+                (None, None, 256, 128),
+                functools.partial(_delta_rows_map_by_key, steps=steps),
+            ),
+        ],
+        out_specs=[
+            pl.BlockSpec(
+                (None, None, 256, 64), functools.partial(_dk_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, None, 256, 64), functools.partial(_dv_o_map_by_key, steps=steps)
+            ),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((256, 64), jnp.float32),
+            pltpu.VMEM((256, 64), jnp.float32),
+        ],
+    )
+    (
+        dk_full,
+        dv_o_full,
+    ) = pl.pallas_call(
+        functools.partial(_attention_dkv_kernel, steps=steps, S=S),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, S, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, S, D), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=kinds.size * 33554432,
+            transcendentals=kinds.size * 65536,
+            bytes_accessed=0,
+        ),
+        interpret=interpret,
+    )(
+        rows,
+        cols,
+        read_rows,
+        kinds,
+        flags,
+        q,
+        k,
+        v,
+        jnp.broadcast_to(seg.astype(jnp.int32)[..., None], (B, S, 128)),
+        jnp.broadcast_to(seg.astype(jnp.int32)[..., None, :], (B, 8, S)),
+        g_o,
+        row_lse_rows,
+        delta_rows,
+    )
+    return dq_full, dk_full, dv_o_full
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _run(q, k, v, seg, sizes, interpret):
-    return _impl(q, k, v, seg, sizes, interpret)
+    o, row_lse = _impl(q, k, v, seg, sizes, interpret)
+    return o
 
 
 def _run_forward(q, k, v, seg, sizes, interpret):
-    return _impl(q, k, v, seg, sizes, interpret), None
+    # The residuals: the arguments, the outputs and each row's logsumexp.
+    o, row_lse = _impl(q, k, v, seg, sizes, interpret)
+    return (o), (q, k, v, seg, o, row_lse)
 
 
 def _run_backward(sizes, interpret, residuals, cotangent):
-    raise NotImplementedError(
-        f"{_NAME}: "
-        + "gradients of attention-like kernels (the flash-attention backward) are not derived yet"
+    q, k, v, seg, o, row_lse = residuals
+    g_o = cotangent
+    B, H, S, D = sizes
+    delta = jnp.sum(g_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    row_lse_rows = jnp.broadcast_to(row_lse[..., None], (B, H, S, 128))
+    delta_rows = jnp.broadcast_to(delta[..., None], (B, H, S, 128))
+    dq_full, dk_full, dv_o_full = _backward(
+        q, k, v, seg, g_o, row_lse_rows, delta_rows, sizes, interpret
+    )
+    return (
+        (_to_operand(dq_full, "abce", "abce", ())).astype(jnp.bfloat16),
+        (_to_operand(dk_full, "abde", "abde", ())).astype(jnp.bfloat16),
+        (_to_operand(dv_o_full, "abdf", "abdf", ())).astype(jnp.bfloat16),
+        _no_gradient(seg),
     )
 
 
@@ -611,3 +1207,11 @@ def document_attention(
 def reference(q, k, v, seg, *, B=None, H=None, S=None, D=None):
     """The same computation in plain jax.numpy, for tests: same arguments as `document_attention`."""
     return _reference(*_prepare(q, k, v, seg, B, H, S, D))
+
+
+def block_kinds(q, k, v, seg, *, B=None, H=None, S=None, D=None):
+    """What the kernel visits, per block over (b, i, j): _EMPTY (0, no step),
+    _PARTIAL (1) or _FULL (2). Same arguments as `document_attention`; works under jax.jit.
+    """
+    q, k, v, seg, sizes = _prepare(q, k, v, seg, B, H, S, D)
+    return _classify_blocks(jnp, seg, sizes)

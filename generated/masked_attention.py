@@ -59,7 +59,7 @@ Plan (target v5e):
       o accumulator: 64 KiB
       running max and sum: 192 KiB
       score block and its softmax (f32 temporaries): 192 KiB
-    gradients: gradients of attention-like kernels (the flash-attention backward) are not derived yet
+    gradients: derived
 """
 
 import functools
@@ -176,6 +176,14 @@ def _expand(value, src, dst):
     )
 
 
+def _no_gradient(value):
+    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
+    for integers (coordinates, offsets, padding flags), as JAX requires."""
+    if jnp.issubdtype(value.dtype, jnp.floating):
+        return jnp.zeros_like(value)
+    return np.zeros(value.shape, jax.dtypes.float0)
+
+
 def _row_walk(xp, kinds):
     """The walk's tables from block kinds (groups x row blocks x key blocks): per step, the
     row block it writes, the key block and row block it reads, its kind, and whether it is
@@ -233,6 +241,12 @@ def _block_any_all(x, tiles):
     return anyv, allv
 
 
+def _row_vector(column):
+    """A (rows, 1) column as a (1, rows) row: through a lane-wide broadcast and a transpose,
+    which every TPU generation lays out."""
+    return jnp.broadcast_to(column, (column.shape[0], 128)).T[0:1]
+
+
 def _softmax_rows(s):
     """softmax and logsumexp along the last axis where minus infinity marks absent
     elements: a row with none present gives zeros and minus infinity."""
@@ -248,6 +262,18 @@ def _check_whole(value, tile, what):
     """A block spans this whole dimension (a score sums all of it; a value block holds all of it)."""
     if value != tile:
         _fail(f"{what} is {value}, but the spec's tile of {tile} must span it")
+
+
+def _to_operand(grad, src, dst, divided):
+    """A gradient laid out over the letters `src` (the walk's order, every head) as its operand
+    over `dst`: an axis read as `h // n` sums each group of n; an axis the operand lacks sums away.
+    """
+    for letter, n in divided:
+        axis = src.index(letter)
+        grad = grad.reshape(
+            grad.shape[:axis] + (grad.shape[axis] // n, n) + grad.shape[axis + 1 :]
+        ).sum(axis=axis + 1)
+    return jnp.einsum(f"{src}->{dst}", grad)
 
 
 def _classify_blocks(xp, keep, sizes):
@@ -276,7 +302,7 @@ def _classify_blocks(xp, keep, sizes):
         ),
     )
     must = xp.broadcast_to(
-        (keep_all) & ~((j_lo + 128 > T)),
+        (keep_all) & ~((i_lo + 128 > S) | (j_lo + 128 > T)),
         (
             i_lo.size,
             j_lo.size,
@@ -296,15 +322,16 @@ def _attention_kernel(
     v_ref,
     keep_ref,
     o_ref,
+    row_lse_ref,
     m_scratch,
     l_scratch,
     o_acc,
     *,
     steps,
-    H,
     S,
     T,
 ):
+    # Computes the outputs.
     h = pl.program_id(0)
     t = pl.program_id(1)
     at = t
@@ -322,21 +349,23 @@ def _attention_kernel(
         q_blk = q_ref[...]
         k_blk = k_ref[...]
         keep_blk = keep_ref[...]
-        s = lax.dot_general(
+        raw_scores = lax.dot_general(
             q_blk,
             k_blk,
             (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
             precision=lax.Precision.HIGHEST,
         )
+        s = raw_scores
         if masked:
             i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
             j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = (keep_blk != 0) & (j_pos < T)
+            present = (keep_blk != 0) & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return s
 
-    def _consume(scores, masked):
+    def _step(masked):
+        scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
         # A row with nothing present yet keeps minus infinity; exp then gives zeros.
@@ -347,7 +376,7 @@ def _attention_kernel(
         m_scratch[...] = m_new
         v_blk = v_ref[...]
         if masked:
-            # Past the end of the keys memory holds anything: zero it.
+            # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         o_acc[...] = alpha * o_acc[...] + lax.dot_general(
@@ -361,12 +390,12 @@ def _attention_kernel(
     @pl.when(kind == _PARTIAL)
     def _partial():
         # Some elements absent: evaluate the condition.
-        _consume(_scores(True), True)
+        _step(True)
 
     @pl.when(kind == _FULL)
     def _full():
         # Every element present: the condition is not evaluated.
-        _consume(_scores(False), False)
+        _step(False)
 
     @pl.when(flag & 2 != 0)
     def _flush():
@@ -377,6 +406,238 @@ def _attention_kernel(
         o_ref[...] = (o_acc[...] * jnp.where(nothing, 0.0, 1.0 / safe)).astype(
             o_ref.dtype
         )
+        row_lse_ref[...] = _row_vector(
+            jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(safe))
+        )  # kept for the gradients
+
+
+def _attention_dq_kernel(
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    q_ref,
+    k_ref,
+    v_ref,
+    keep_ref,
+    do_ref,
+    row_lse_ref,
+    delta_ref,
+    dq_ref,
+    dq_acc,
+    *,
+    steps,
+    S,
+    T,
+):
+    # Computes the gradient of q.
+    h = pl.program_id(0)
+    t = pl.program_id(1)
+    at = t
+    kind = kinds[at]
+    flag = flags[at]
+
+    @pl.when(flag & 1 != 0)
+    def _init():
+        dq_acc[...] = jnp.zeros_like(dq_acc)
+
+    def _scores(masked):
+        q_blk = q_ref[...]
+        k_blk = k_ref[...]
+        keep_blk = keep_ref[...]
+        raw_scores = lax.dot_general(
+            q_blk,
+            k_blk,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )
+        s = raw_scores
+        if masked:
+            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
+            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
+            present = (keep_blk != 0) & (i_pos < S) & (j_pos < T)
+            s = jnp.where(present, s, -jnp.inf)
+        return raw_scores, s
+
+    def _step(masked):
+        raw, s_ = _scores(masked)
+        lse = row_lse_ref[:, 0:1]
+        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+        probs = jnp.exp(s_ - lse)
+        v_blk = v_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
+            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
+        do = do_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            do = jnp.where(
+                read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S,
+                do,
+                0,
+            )
+        dprobs = lax.dot_general(
+            do.astype(v_blk.dtype),
+            v_blk,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )
+        ds = probs * (dprobs - delta_ref[:, 0:1])
+        if masked:
+            # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
+            probs = jnp.where(jnp.isneginf(s_), 0.0, probs)
+            ds = jnp.where(jnp.isneginf(s_), 0.0, ds)
+        draw = ds
+        k_blk = k_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside_ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
+            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+        dq_acc[...] += lax.dot_general(
+            draw.astype(k_blk.dtype),
+            k_blk,
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )
+
+    @pl.when(kind == _PARTIAL)
+    def _partial():
+        # Some elements absent: evaluate the condition.
+        _step(True)
+
+    @pl.when(kind == _FULL)
+    def _full():
+        # Every element present: the condition is not evaluated.
+        _step(False)
+
+    @pl.when(flag & 2 != 0)
+    def _flush():
+        dq_ref[...] = dq_acc[...]
+
+
+def _attention_dkv_kernel(
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    q_ref,
+    k_ref,
+    v_ref,
+    keep_ref,
+    do_ref,
+    row_lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_o_ref,
+    dk_acc,
+    dv_o_acc,
+    *,
+    steps,
+    S,
+    T,
+):
+    # Computes the gradients of k and the values.
+    h = pl.program_id(0)
+    t = pl.program_id(1)
+    at = t
+    kind = kinds[at]
+    flag = flags[at]
+
+    @pl.when(flag & 1 != 0)
+    def _init():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_o_acc[...] = jnp.zeros_like(dv_o_acc)
+
+    def _scores(masked):
+        q_blk = q_ref[...]
+        k_blk = k_ref[...]
+        keep_blk = keep_ref[...]
+        raw_scores = lax.dot_general(
+            q_blk,
+            k_blk,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )
+        s = raw_scores
+        if masked:
+            i_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
+            j_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
+            present = (keep_blk != 0) & (i_pos < S) & (j_pos < T)
+            s = jnp.where(present, s, -jnp.inf)
+        return raw_scores, s
+
+    def _step(masked):
+        raw, s_ = _scores(masked)
+        lse = row_lse_ref[:, 0:1]
+        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+        probs = jnp.exp(s_ - lse)
+        v_blk = v_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside = (
+                read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
+            )
+            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
+        do = do_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            do = jnp.where(
+                cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S, do, 0
+            )
+        dprobs = lax.dot_general(
+            do.astype(v_blk.dtype),
+            v_blk,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )
+        ds = probs * (dprobs - delta_ref[:, 0:1])
+        if masked:
+            # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
+            probs = jnp.where(jnp.isneginf(s_), 0.0, probs)
+            ds = jnp.where(jnp.isneginf(s_), 0.0, ds)
+        draw = ds
+        q_blk = q_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            inside_ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
+            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
+        dv_o_acc[...] += lax.dot_general(
+            probs.astype(do.dtype),
+            do,
+            (((0,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )
+        dk_acc[...] += lax.dot_general(
+            draw.astype(q_blk.dtype),
+            q_blk,
+            (((0,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )
+
+    @pl.when(kind == _PARTIAL)
+    def _partial():
+        # Some elements absent: evaluate the condition.
+        _step(True)
+
+    @pl.when(kind == _FULL)
+    def _full():
+        # Every element present: the condition is not evaluated.
+        _step(False)
+
+    @pl.when(flag & 2 != 0)
+    def _flush():
+        dk_ref[...] = dk_acc[...]
+        dv_o_ref[...] = dv_o_acc[...]
 
 
 def _q_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
@@ -423,6 +684,131 @@ def _o_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
+def _row_lse_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # each row's logsumexp (for the gradients)
+    return (
+        h,
+        0,
+        rows[t],
+    )
+
+
+def _do_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the cotangent of o
+    return (
+        h,
+        read_rows[t],
+        0,
+    )
+
+
+def _row_lse_rows_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the forward's logsumexp per row, broadcast along lanes
+    return (
+        h,
+        read_rows[t],
+        0,
+    )
+
+
+def _delta_rows_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
+    return (
+        h,
+        read_rows[t],
+        0,
+    )
+
+
+def _dq_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the row block's gradient of the score's row factor
+    return (
+        h,
+        rows[t],
+        0,
+    )
+
+
+def _q_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # q[h, i, d]: the row block the step reads
+    return (
+        h,
+        cols[t],
+        0,
+    )
+
+
+def _k_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # k[h, j, d]: the key block the step reads
+    return (
+        h,
+        read_rows[t],
+        0,
+    )
+
+
+def _v_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # v[h, j, e]: the key block the step reads
+    return (
+        h,
+        read_rows[t],
+        0,
+    )
+
+
+def _keep_ij_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # keep[i, j]: the step's block
+    return (
+        cols[t],
+        read_rows[t],
+    )
+
+
+def _do_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the cotangent of o
+    return (
+        h,
+        cols[t],
+        0,
+    )
+
+
+def _row_lse_rows_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the forward's logsumexp per row, broadcast along lanes
+    return (
+        h,
+        cols[t],
+        0,
+    )
+
+
+def _delta_rows_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
+    return (
+        h,
+        cols[t],
+        0,
+    )
+
+
+def _dk_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the key block's gradient of the score's key factor
+    return (
+        h,
+        rows[t],
+        0,
+    )
+
+
+def _dv_o_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the key block's gradient of v
+    return (
+        h,
+        rows[t],
+        0,
+    )
+
+
 def _prepare(q, k, v, keep, H, S, D, T):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"H": H, "S": S, "D": D, "T": T}, {})
@@ -448,13 +834,20 @@ def _prepare(q, k, v, keep, H, S, D, T):
     return q, k, v, keep, (H, S, D, T)
 
 
+def _walk_tables(kinds):
+    """The walk's scalar-prefetch tables for block kinds (numpy: known at trace time)."""
+    tables, _ = _row_walk(jnp, kinds)
+    _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
+    return tuple(jnp.asarray(t) for t in tables)
+
+
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
 def _impl(q, k, v, keep, sizes, interpret):
     H, S, D, T = sizes
-    block_kinds = _classify_blocks(jnp, keep, sizes)
-    block_kinds = block_kinds.reshape((-1,) + block_kinds.shape[0:])
-    (rows, cols, read_rows, kinds, flags), steps = _row_walk(jnp, block_kinds)
-    _check_smem(5 * rows.size, "the walk's scalar-prefetch tables")
+    block_kinds_ = _classify_blocks(jnp, keep, sizes)
+    block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
+    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_)
+    steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(H, steps),
@@ -466,6 +859,7 @@ def _impl(q, k, v, keep, sizes, interpret):
         ],
         out_specs=[
             pl.BlockSpec((None, 128, 128), functools.partial(_o_map, steps=steps)),
+            pl.BlockSpec((None, 1, 128), functools.partial(_row_lse_map, steps=steps)),
         ],
         scratch_shapes=[
             pltpu.VMEM((128, 1), jnp.float32),
@@ -473,11 +867,15 @@ def _impl(q, k, v, keep, sizes, interpret):
             pltpu.VMEM((128, 128), jnp.float32),
         ],
     )
-    (o,) = pl.pallas_call(
-        functools.partial(_attention_kernel, steps=steps, H=H, S=S, T=T),
+    (
+        o,
+        row_lse,
+    ) = pl.pallas_call(
+        functools.partial(_attention_kernel, steps=steps, S=S, T=T),
         grid_spec=grid_spec,
         out_shape=[
             jax.ShapeDtypeStruct((H, S, D), jnp.float32),
+            jax.ShapeDtypeStruct((H, 1, S), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
@@ -489,22 +887,149 @@ def _impl(q, k, v, keep, sizes, interpret):
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, keep)
-    return o
+    row_lse = row_lse.reshape((H, S))  # the row vector's unit dimension dropped
+
+    return o, row_lse
+
+
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+def _backward(q, k, v, keep, g_o, row_lse_rows, delta_rows, sizes, interpret):
+    """The gradients: a walk over rows (the row factor's), and one over key blocks, visiting
+    each key block's non-empty row blocks (the key factor's and the values')."""
+    H, S, D, T = sizes
+    block_kinds_ = _classify_blocks(jnp, keep, sizes)
+    block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
+    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_)
+    steps = rows.size // block_kinds_.shape[0]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(H, steps),
+        in_specs=[
+            pl.BlockSpec((None, 128, 128), functools.partial(_q_map, steps=steps)),
+            pl.BlockSpec((None, 128, 128), functools.partial(_k_map, steps=steps)),
+            pl.BlockSpec((None, 128, 128), functools.partial(_v_map, steps=steps)),
+            pl.BlockSpec((128, 128), functools.partial(_keep_ij_map, steps=steps)),
+            pl.BlockSpec((None, 128, 128), functools.partial(_do_map, steps=steps)),
+            pl.BlockSpec(
+                (None, 128, 128), functools.partial(_row_lse_rows_map, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, 128, 128), functools.partial(_delta_rows_map, steps=steps)
+            ),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, 128, 128), functools.partial(_dq_map, steps=steps)),
+        ],
+        scratch_shapes=[pltpu.VMEM((128, 128), jnp.float32)],
+    )
+    (dq_full,) = pl.pallas_call(
+        functools.partial(_attention_dq_kernel, steps=steps, S=S, T=T),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((H, S, D), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=kinds.size * 12582912,
+            transcendentals=kinds.size * 16384,
+            bytes_accessed=0,
+        ),
+        interpret=interpret,
+    )(rows, cols, read_rows, kinds, flags, q, k, v, keep, g_o, row_lse_rows, delta_rows)
+    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_.transpose(0, 2, 1))
+    steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(H, steps),
+        in_specs=[
+            pl.BlockSpec(
+                (None, 128, 128), functools.partial(_q_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, 128, 128), functools.partial(_k_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, 128, 128), functools.partial(_v_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (128, 128), functools.partial(_keep_ij_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, 128, 128), functools.partial(_do_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, 128, 128),
+                functools.partial(_row_lse_rows_map_by_key, steps=steps),
+            ),
+            pl.BlockSpec(
+                (None, 128, 128), functools.partial(_delta_rows_map_by_key, steps=steps)
+            ),
+        ],
+        out_specs=[
+            pl.BlockSpec(
+                (None, 128, 128), functools.partial(_dk_map_by_key, steps=steps)
+            ),
+            pl.BlockSpec(
+                (None, 128, 128), functools.partial(_dv_o_map_by_key, steps=steps)
+            ),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((128, 128), jnp.float32),
+            pltpu.VMEM((128, 128), jnp.float32),
+        ],
+    )
+    (
+        dk_full,
+        dv_o_full,
+    ) = pl.pallas_call(
+        functools.partial(_attention_dkv_kernel, steps=steps, S=S, T=T),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((H, T, D), jnp.float32),
+            jax.ShapeDtypeStruct((H, T, D), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=kinds.size * 16777216,
+            transcendentals=kinds.size * 16384,
+            bytes_accessed=0,
+        ),
+        interpret=interpret,
+    )(rows, cols, read_rows, kinds, flags, q, k, v, keep, g_o, row_lse_rows, delta_rows)
+    return dq_full, dk_full, dv_o_full
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _run(q, k, v, keep, sizes, interpret):
-    return _impl(q, k, v, keep, sizes, interpret)
+    o, row_lse = _impl(q, k, v, keep, sizes, interpret)
+    return o
 
 
 def _run_forward(q, k, v, keep, sizes, interpret):
-    return _impl(q, k, v, keep, sizes, interpret), None
+    # The residuals: the arguments, the outputs and each row's logsumexp.
+    o, row_lse = _impl(q, k, v, keep, sizes, interpret)
+    return (o), (q, k, v, keep, o, row_lse)
 
 
 def _run_backward(sizes, interpret, residuals, cotangent):
-    raise NotImplementedError(
-        f"{_NAME}: "
-        + "gradients of attention-like kernels (the flash-attention backward) are not derived yet"
+    q, k, v, keep, o, row_lse = residuals
+    g_o = cotangent
+    H, S, D, T = sizes
+    delta = jnp.sum(g_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    row_lse_rows = jnp.broadcast_to(row_lse[..., None], (H, S, 128))
+    delta_rows = jnp.broadcast_to(delta[..., None], (H, S, 128))
+    dq_full, dk_full, dv_o_full = _backward(
+        q, k, v, keep, g_o, row_lse_rows, delta_rows, sizes, interpret
+    )
+    return (
+        (_to_operand(dq_full, "abd", "abd", ())).astype(jnp.float32),
+        (_to_operand(dk_full, "acd", "acd", ())).astype(jnp.float32),
+        (_to_operand(dv_o_full, "ace", "ace", ())).astype(jnp.float32),
+        _no_gradient(keep),
     )
 
 
@@ -545,3 +1070,11 @@ def masked_attention(q, k, v, keep, *, H=None, S=None, D=None, T=None, interpret
 def reference(q, k, v, keep, *, H=None, S=None, D=None, T=None):
     """The same computation in plain jax.numpy, for tests: same arguments as `masked_attention`."""
     return _reference(*_prepare(q, k, v, keep, H, S, D, T))
+
+
+def block_kinds(q, k, v, keep, *, H=None, S=None, D=None, T=None):
+    """What the kernel visits, per block over (i, j): _EMPTY (0, no step),
+    _PARTIAL (1) or _FULL (2). Same arguments as `masked_attention`; works under jax.jit.
+    """
+    q, k, v, keep, sizes = _prepare(q, k, v, keep, H, S, D, T)
+    return _classify_blocks(jnp, keep, sizes)
