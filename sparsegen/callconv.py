@@ -95,14 +95,14 @@ class Convention:
 
 def stored_tiles(kernel: Kernel, op: Operand) -> tuple[int, ...]:
     """The tile shape of a coo operand's stored blocks, tile-1 dimensions dropped."""
-    reads = [r for st in kernel.statements for r in (st.target, *st.factors) if r.operand == op.name]
+    reads = [r for st in kernel.statements for r in (st.target, *st.reads) if r.operand == op.name]
     tiles = [kernel.index(s.index).tile for s in reads[0].subs]
     return tuple(t for t in tiles if t != 1)
 
 
 def operand_indices(kernel: Kernel, op: Operand) -> tuple[str, ...]:
     """The indices an operand is read (or written) with: one per dimension."""
-    reads = [r for st in kernel.statements for r in (st.target, *st.factors) if r.operand == op.name]
+    reads = [r for st in kernel.statements for r in (st.target, *st.reads) if r.operand == op.name]
     return reads[0].indices
 
 

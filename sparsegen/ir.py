@@ -172,6 +172,11 @@ class Einsum:
         return self.target.indices
 
     @property
+    def reads(self) -> tuple[Read, ...]:
+        """Every operand read: the factors, then the condition's."""
+        return self.factors + (self.condition.reads if self.condition is not None else ())
+
+    @property
     def indices(self) -> tuple[str, ...]:
         return self.out_indices + self.summed
 
@@ -277,6 +282,8 @@ class Elementwise:
         """The operands it reads (not locals): what the calling convention looks at."""
         return tuple(dict.fromkeys(self.value.reads + (self.condition.reads if self.condition else ())))
 
+    reads = factors
+
     @property
     def out_indices(self) -> tuple[str, ...]:
         return self.target.indices
@@ -301,6 +308,8 @@ class Reduction:
     def factors(self) -> tuple[Read, ...]:
         return (self.condition.reads if self.condition else ())
 
+    reads = factors
+
     @property
     def out_indices(self) -> tuple[str, ...]:
         return self.target.indices
@@ -324,6 +333,8 @@ class SoftmaxProduct:
     @property
     def factors(self) -> tuple[Read, ...]:
         return (self.value,)
+
+    reads = factors
 
     @property
     def out_indices(self) -> tuple[str, ...]:

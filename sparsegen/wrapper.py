@@ -138,7 +138,7 @@ class Wrapper:
         return lines
 
     def read_of(self, operand: str):
-        return next(r for st in self.k.statements for r in (st.target, *st.factors) if r.operand == operand)
+        return next(r for st in self.k.statements for r in (st.target, *st.reads) if r.operand == operand)
 
     # --------------------------------------------------------------- reference
     def reference_lines(self, outputs: dict[str, str]) -> list[str]:

@@ -1,0 +1,270 @@
+"""sparsegen's attention kernels side by side with Splash Attention, in one run.
+
+    .venv/bin/python bench/bench_attention.py [--quick] [--json FILE]
+
+1. Classification: the block kinds of causal, local (window 1024), chunked (2048) and
+   document masks at S = 32768, blocks of 512 — sparsegen's `block_kinds` plus the walk's
+   tables (numpy at trace time for sizes-only conditions; jax.numpy under jit for segment
+   ids), against building Splash's MaskInfo (its cache cleared), as ratios.
+2. The walk: grid steps, computing steps (block products) and K/V block copies (a copy
+   whenever a step's block index differs from the previous step's: the Pallas pipeline
+   rule) at H = 8, against Splash's grid, from both sides' tables.
+3. Ahead-of-time compiles for v5e and v6e at H = 8, D = 128 (S = 4096; 8192 for the
+   window), forward and forward+backward, and the scoped VMEM each compiled kernel uses
+   (from the compiled HLO), against Splash at the same block sizes.
+4. On a TPU (none here): wall time of both, forward and forward+backward.
+
+Splash's side is bench/splash_side.py. No timed assertion anywhere: this prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import splash_side as splash  # noqa: E402
+
+from sparsegen.compiler import compile_source  # noqa: E402
+from sparsegen.source import SourceFile  # noqa: E402
+
+BLOCK = 512
+WINDOW, CHUNK = 1024, 2048
+
+CONDITIONS = {
+    "causal": "i >= j",
+    "local": f"i >= j and i - j < {WINDOW}",
+    "chunked": f"i // {CHUNK} == j // {CHUNK} and i >= j",
+    "document": "seg[b, i] == seg[b, j] and i >= j",
+}
+
+
+def spec(kind: str, block: int = BLOCK) -> str:
+    seg = "\n    in  seg: i32[B, S]" if kind == "document" else ""
+    return f"""kernel {kind}_bench {{
+    in  q: bf16[B, H, S, D]
+    in  k: bf16[B, H, S, D]
+    in  v: bf16[B, H, S, D]{seg}
+    out o: bf16[B, H, S, D]
+
+    s[b, h, i, j] = q[b, h, i, d] * k[b, h, j, d] * 0.08838834764831845 where {CONDITIONS[kind]}
+    o[b, h, i, e] = softmax(s[b, h, i, j], j) * v[b, h, j, e]
+
+    tile b = 1, h = 1, i = {block}, j = {block}, d = 128, e = 128
+}}
+"""
+
+
+_modules: dict = {}
+
+
+def module(kind: str, block: int = BLOCK):
+    key = (kind, block)
+    if key not in _modules:
+        (m,) = compile_source(SourceFile(f"{kind}.spk", spec(kind, block)))
+        path = Path(tempfile.mkdtemp()) / f"{m.kernel}.py"
+        path.write_text(m.code)
+        imp = importlib.util.spec_from_file_location(m.kernel, path)
+        mod = importlib.util.module_from_spec(imp)
+        imp.loader.exec_module(mod)
+        _modules[key] = mod
+    return _modules[key]
+
+
+def structs(kind: str, H: int, S: int, D: int = 128, B: int = 1):
+    shapes = [jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16)] * 3
+    if kind == "document":
+        shapes.append(jax.ShapeDtypeStruct((B, S), jnp.int32))
+    return shapes
+
+
+def args_of(kind: str, H: int, S: int, D: int = 128):
+    """Zero-size-cost arguments for classification: only shapes (and segment ids) matter."""
+    q = np.zeros((1, H, S, D), jnp.bfloat16)
+    out = [q, q, q]
+    if kind == "document":
+        out.append(splash.document_ids(S)[None].astype(np.int32))
+    return out
+
+
+def best(fn, repeats=3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+# ------------------------------------------------------------ 1. classification
+
+
+def ours_setup(kind: str, S: int, H: int = 8):
+    """The host (or jit) work before the kernel runs: block kinds and the walk's tables."""
+    mod = module(kind)
+    args = args_of(kind, H, S)
+    if kind == "document":
+        seg = jnp.asarray(args[3])
+
+        @jax.jit
+        def setup(seg):
+            kinds = mod.block_kinds(*args[:3], seg)
+            kinds = kinds.reshape((-1,) + kinds.shape[1:])
+            return mod._row_walk(jnp, kinds)[0]
+
+        jax.block_until_ready(setup(seg))  # compile once: what a training step pays per call is a run
+        return lambda: jax.block_until_ready(setup(seg))
+
+    def setup():
+        kinds = mod.block_kinds(*args)
+        return mod._row_walk(np, kinds.reshape((-1,) + kinds.shape))
+
+    return setup
+
+
+def splash_setup(kind: str, S: int, H: int = 8):
+    masks = splash.splash_masks(S, BLOCK, kind, H=H)
+    return lambda: splash.mask_info(masks.mask, BLOCK, BLOCK)
+
+
+def classification(S: int, repeats: int) -> list[dict]:
+    rows = []
+    for kind in CONDITIONS:
+        ours = best(ours_setup(kind, S), repeats)
+        masks = splash.splash_masks(S, BLOCK, kind)
+        theirs = splash.time_mask_info(masks.mask, BLOCK, BLOCK, repeats=max(1, repeats - 1))
+        rows.append({"mask": kind, "S": S, "sparsegen_s": ours, "splash_s": theirs, "ratio": theirs / ours})
+    return rows
+
+
+# -------------------------------------------------------------------- 2. walk
+
+
+def our_walk(kind: str, S: int, H: int = 8) -> dict:
+    """Steps, computing steps, partial steps and K/V copies of the grid (1, H, steps): with one
+    batch row every head walks the same tables."""
+    mod = module(kind)
+    args = args_of(kind, H, S)
+    kinds = np.asarray(mod.block_kinds(*args))
+    kinds = kinds.reshape((-1,) + kinds.shape[-2:])
+    assert kinds.shape[0] == 1  # one batch row: one table group
+    (rows, cols, read_rows, step_kinds, flags), steps = mod._row_walk(np, kinds)
+    copies = 1 + int((cols[1:] != cols[:-1]).sum())  # per head: a K/V copy when the block index changes
+    return {"grid": f"(1, {H}, {steps})", "steps": H * steps, "computed": H * int((step_kinds != 0).sum()),
+            "partial": H * int((step_kinds == 1).sum()), "kv_copies": H * copies}
+
+
+def walks(S: int) -> list[dict]:
+    rows = []
+    for kind in CONDITIONS:
+        ours = our_walk(kind, S)
+        masks = splash.splash_masks(S, BLOCK, kind)
+        info = splash.mask_info(masks.mask, BLOCK, BLOCK)
+        theirs = splash.splash_grid_steps(info, 8)
+        rows.append({"mask": kind, "sparsegen": ours, "splash": {k: theirs[k] for k in ("grid", "steps", "computed", "streamed_copies", "partial")}})
+    return rows
+
+
+# --------------------------------------------------------------------- 3. AOT
+
+
+def our_aot(kind: str, S: int, chip: str, backward: bool) -> dict:
+    mod = module(kind)
+    fn = getattr(mod, f"{kind}_bench")
+    shapes = structs(kind, 8, S)
+
+    def forward(*a):
+        return fn(*a)
+
+    def both(*a):
+        def loss(q, k, v):
+            return jnp.sum(fn(q, k, v, *a[3:]).astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(*a[:3])
+
+    report = splash.aot_compile(both if backward else forward, shapes, chip)
+    return {"compile_s": report.compile_s, "vmem": report.kernel_vmem}
+
+
+def splash_aot(kind: str, S: int, chip: str, backward: bool) -> dict:
+    fn = splash.splash_kernel(8, S, 128, BLOCK, kind)
+    shapes = splash.splash_arg_shapes(8, S, 128, kind)
+    report = splash.aot_compile(splash.fwd_bwd(fn) if backward else fn, shapes, chip)
+    return {"compile_s": report.compile_s, "vmem": report.kernel_vmem}
+
+
+def aot(chips, quick: bool) -> list[dict]:
+    rows = []
+    kinds = ["causal", "local"] if quick else ["causal", "local", "document"]
+    for kind in kinds:
+        S = 8192 if kind == "local" else 4096
+        for chip in chips:
+            for backward in (False, True):
+                ours, theirs = our_aot(kind, S, chip, backward), splash_aot(kind, S, chip, backward)
+                rows.append({"mask": kind, "S": S, "chip": chip, "backward": backward, "sparsegen": ours, "splash": theirs,
+                             "max_vmem_ratio": max(ours["vmem"].values()) / max(theirs["vmem"].values())})
+    return rows
+
+
+# ------------------------------------------------------------------ 4. on a TPU
+
+
+def timings() -> list[dict] | None:
+    if not splash.tpu_present():
+        return None
+    rows = []
+    for kind in CONDITIONS:
+        S = 8192
+        mod = module(kind)
+        fn = getattr(mod, f"{kind}_bench")
+        args = [jnp.asarray(np.random.default_rng(0).standard_normal((1, 8, S, 128)), jnp.bfloat16) for _ in range(3)]
+        if kind == "document":
+            args.append(jnp.asarray(splash.document_ids(S)[None]))
+        ours = splash.splash_time(fn, args)
+        sfn = splash.splash_kernel(8, S, 128, BLOCK, kind)
+        theirs = splash.splash_time(sfn, splash.splash_inputs(8, S, 128, kind))
+        rows.append({"mask": kind, "S": S, "sparsegen_s": ours, "splash_s": theirs, "speedup": theirs / ours})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="S = 8192 for classification, fewer compiles")
+    parser.add_argument("--json", metavar="FILE")
+    a = parser.parse_args()
+    S = 8192 if a.quick else 32768
+    result = {"classification": classification(S, 2 if a.quick else 3), "walk": walks(S),
+              "aot": aot(["v5e"] if a.quick else ["v5e", "v6e"], a.quick), "tpu": timings()}
+    print(f"1. Classification at S = {S}, blocks of {BLOCK} (sparsegen: kinds + walk tables; Splash: MaskInfo)")
+    for r in result["classification"]:
+        print(f"   {r['mask']:9s} sparsegen {r['sparsegen_s'] * 1e3:8.2f} ms   Splash {r['splash_s']:7.2f} s   ratio {r['ratio']:8.0f}x")
+    print(f"2. The walk at H = 8, S = {S}")
+    for r in result["walk"]:
+        o, t = r["sparsegen"], r["splash"]
+        print(f"   {r['mask']:9s} steps {o['steps']:6d} vs {t['steps']:6d}   computed {o['computed']:6d} vs {t['computed']:6d}"
+              f"   K/V copies {o['kv_copies']:6d} vs {t['streamed_copies']:6d}")
+    print("3. Ahead-of-time compiles (scoped VMEM per kernel, MiB)")
+    for r in result["aot"]:
+        mib = lambda d: ", ".join(f"{v / 2**20:.2f}" for v in d.values())  # noqa: E731
+        print(f"   {r['mask']:9s} S={r['S']:5d} {r['chip']} {'fwd+bwd' if r['backward'] else 'fwd    '}"
+              f"  sparsegen [{mib(r['sparsegen']['vmem'])}]  Splash [{mib(r['splash']['vmem'])}]  max ratio {r['max_vmem_ratio']:.2f}")
+    print("4. On a TPU: " + ("no TPU on this machine (run this script on one)" if result["tpu"] is None else ""))
+    for r in result["tpu"] or []:
+        print(f"   {r['mask']:9s} sparsegen {r['sparsegen_s'] * 1e3:.3f} ms  Splash {r['splash_s'] * 1e3:.3f} ms  speedup {r['speedup']:.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
