@@ -503,7 +503,7 @@ def _attention_dq_kernel(
 
     @pl.when(flag & 2 != 0)
     def _flush():
-        dq_ref[...] = dq_acc[...]
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
 
 def _attention_dkv_kernel(
@@ -539,11 +539,14 @@ def _attention_dkv_kernel(
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_o_acc[...] = jnp.zeros_like(dv_o_acc)
 
+    # Blocks are key x row here: each row's statistics are row vectors, and both
+    # gradients are plain products with the row blocks.
+
     def _scores(masked):
         q_blk = q_ref[...]
         k_blk = k_ref[...]
         raw_scores = lax.dot_general(
-            q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
         raw_scores = raw_scores * 0.08838834764831845
 
@@ -553,8 +556,8 @@ def _attention_dkv_kernel(
 
         s_ = _chain(raw_scores)
         if masked:
-            i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            j_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
+            i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
+            j_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
             present = (
                 ((((i_pos >= j_pos))) & ((((i_pos - j_pos) < 1024))))
                 & (i_pos < S)
@@ -565,7 +568,7 @@ def _attention_dkv_kernel(
 
     def _step(masked):
         raw, s__, chain = _scores(masked)
-        lse = row_lse_ref[:, 0:1]
+        lse = row_lse_ref[0:1, :]
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
         probs = jnp.exp(s__ - lse)
         v_blk = v_ref[...]
@@ -582,12 +585,12 @@ def _attention_dkv_kernel(
                 cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S, do, 0
             )
         dprobs = lax.dot_general(
-            do.astype(v_blk.dtype),
             v_blk,
+            do.astype(v_blk.dtype),
             (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
-        ds = probs * (dprobs - delta_ref[:, 0:1])
+        ds = probs * (dprobs - delta_ref[0:1, :])
         if masked:
             # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
             probs = jnp.where(jnp.isneginf(s__), 0.0, probs)
@@ -604,13 +607,13 @@ def _attention_dkv_kernel(
         dv_o_acc[...] += lax.dot_general(
             probs.astype(do.dtype),
             do,
-            (((0,), (0,)), ((), ())),
+            (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
         dk_acc[...] += lax.dot_general(
             draw.astype(q_blk.dtype),
             q_blk,
-            (((0,), (0,)), ((), ())),
+            (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
 
@@ -626,8 +629,8 @@ def _attention_dkv_kernel(
 
     @pl.when(flag & 2 != 0)
     def _flush():
-        dk_ref[...] = dk_acc[...]
-        dv_o_ref[...] = dv_o_acc[...]
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
 
 
 def _q_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
@@ -760,23 +763,23 @@ def _do_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_rows_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
-    # the forward's logsumexp per row, broadcast along lanes
+def _row_lse_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the forward's logsumexp per row, broadcast along sublanes
     return (
         b,
         h,
-        cols[t],
         0,
+        cols[t],
     )
 
 
-def _delta_rows_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
-    # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
+def _delta_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along sublanes
     return (
         b,
         h,
-        cols[t],
         0,
+        cols[t],
     )
 
 
@@ -895,7 +898,9 @@ def _impl(q, k, v, sizes, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
-def _backward(q, k, v, g_o, row_lse_rows, delta_rows, sizes, interpret):
+def _backward(
+    q, k, v, g_o, row_lse_rows, delta_rows, row_lse_cols, delta_cols, sizes, interpret
+):
     """The gradients: a walk over rows (the row factor's), and one over key blocks, visiting
     each key block's non-empty row blocks (the key factor's and the values')."""
     B, H, S, D, G = sizes
@@ -938,7 +943,7 @@ def _backward(q, k, v, g_o, row_lse_rows, delta_rows, sizes, interpret):
         functools.partial(_attention_dq_kernel, steps=steps, S=S),
         grid_spec=grid_spec,
         out_shape=[
-            jax.ShapeDtypeStruct((B, H, S, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
@@ -969,12 +974,12 @@ def _backward(q, k, v, g_o, row_lse_rows, delta_rows, sizes, interpret):
                 (None, None, 256, 128), functools.partial(_do_map_by_key, steps=steps)
             ),
             pl.BlockSpec(
-                (None, None, 256, 128),
-                functools.partial(_row_lse_rows_map_by_key, steps=steps),
+                (None, None, 8, 256),
+                functools.partial(_row_lse_cols_map_by_key, steps=steps),
             ),
             pl.BlockSpec(
-                (None, None, 256, 128),
-                functools.partial(_delta_rows_map_by_key, steps=steps),
+                (None, None, 8, 256),
+                functools.partial(_delta_cols_map_by_key, steps=steps),
             ),
         ],
         out_specs=[
@@ -1009,7 +1014,7 @@ def _backward(q, k, v, g_o, row_lse_rows, delta_rows, sizes, interpret):
             bytes_accessed=0,
         ),
         interpret=interpret,
-    )(rows, cols, read_rows, kinds, flags, q, k, v, g_o, row_lse_rows, delta_rows)
+    )(rows, cols, read_rows, kinds, flags, q, k, v, g_o, row_lse_cols, delta_cols)
     return dq_full, dk_full, dv_o_full
 
 
@@ -1032,8 +1037,19 @@ def _run_backward(sizes, interpret, residuals, cotangent):
     delta = jnp.sum(g_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     row_lse_rows = jnp.broadcast_to(row_lse[..., None], (B, H, S, 128))
     delta_rows = jnp.broadcast_to(delta[..., None], (B, H, S, 128))
+    row_lse_cols = jnp.broadcast_to(row_lse[..., None, :], (B, H, 8, S))
+    delta_cols = jnp.broadcast_to(delta[..., None, :], (B, H, 8, S))
     dq_full, dk_full, dv_o_full = _backward(
-        q, k, v, g_o, row_lse_rows, delta_rows, sizes, interpret
+        q,
+        k,
+        v,
+        g_o,
+        row_lse_rows,
+        delta_rows,
+        row_lse_cols,
+        delta_cols,
+        sizes,
+        interpret,
     )
     return (
         (_to_operand(dq_full, "abce", "abce", ())).astype(jnp.bfloat16),

@@ -517,7 +517,7 @@ def _attention_dq_kernel(
 
     @pl.when(flag & 2 != 0)
     def _flush():
-        dq_ref[...] = dq_acc[...]
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
 
 def _attention_dkv_kernel(
@@ -554,28 +554,31 @@ def _attention_dkv_kernel(
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_o_acc[...] = jnp.zeros_like(dv_o_acc)
 
+    # Blocks are key x row here: each row's statistics are row vectors, and both
+    # gradients are plain products with the row blocks.
+
     def _scores(masked):
         q_blk = q_ref[...]
         k_blk = k_ref[...]
-        keep_blk = keep_ref[...]
+        keep_blk = keep_ref[...].T
         raw_scores = lax.dot_general(
-            q_blk,
             k_blk,
+            q_blk,
             (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
             precision=lax.Precision.HIGHEST,
         )
         s = raw_scores
         if masked:
-            i_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            j_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
+            i_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
+            j_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
             present = (keep_blk != 0) & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
     def _step(masked):
         raw, s_ = _scores(masked)
-        lse = row_lse_ref[:, 0:1]
+        lse = row_lse_ref[0:1, :]
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
         probs = jnp.exp(s_ - lse)
         v_blk = v_ref[...]
@@ -592,13 +595,13 @@ def _attention_dkv_kernel(
                 cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S, do, 0
             )
         dprobs = lax.dot_general(
-            do.astype(v_blk.dtype),
             v_blk,
+            do.astype(v_blk.dtype),
             (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
             precision=lax.Precision.HIGHEST,
         )
-        ds = probs * (dprobs - delta_ref[:, 0:1])
+        ds = probs * (dprobs - delta_ref[0:1, :])
         if masked:
             # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
             probs = jnp.where(jnp.isneginf(s_), 0.0, probs)
@@ -612,14 +615,14 @@ def _attention_dkv_kernel(
         dv_o_acc[...] += lax.dot_general(
             probs.astype(do.dtype),
             do,
-            (((0,), (0,)), ((), ())),
+            (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
             precision=lax.Precision.HIGHEST,
         )
         dk_acc[...] += lax.dot_general(
             draw.astype(q_blk.dtype),
             q_blk,
-            (((0,), (0,)), ((), ())),
+            (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
             precision=lax.Precision.HIGHEST,
         )
@@ -636,8 +639,8 @@ def _attention_dkv_kernel(
 
     @pl.when(flag & 2 != 0)
     def _flush():
-        dk_ref[...] = dk_acc[...]
-        dv_o_ref[...] = dv_o_acc[...]
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
 
 
 def _q_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
@@ -773,21 +776,21 @@ def _do_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_rows_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
-    # the forward's logsumexp per row, broadcast along lanes
+def _row_lse_cols_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # the forward's logsumexp per row, broadcast along sublanes
     return (
         h,
-        cols[t],
         0,
+        cols[t],
     )
 
 
-def _delta_rows_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
-    # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
+def _delta_cols_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+    # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along sublanes
     return (
         h,
-        cols[t],
         0,
+        cols[t],
     )
 
 
@@ -893,7 +896,19 @@ def _impl(q, k, v, keep, sizes, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
-def _backward(q, k, v, keep, g_o, row_lse_rows, delta_rows, sizes, interpret):
+def _backward(
+    q,
+    k,
+    v,
+    keep,
+    g_o,
+    row_lse_rows,
+    delta_rows,
+    row_lse_cols,
+    delta_cols,
+    sizes,
+    interpret,
+):
     """The gradients: a walk over rows (the row factor's), and one over key blocks, visiting
     each key block's non-empty row blocks (the key factor's and the values')."""
     H, S, D, T = sizes
@@ -960,11 +975,10 @@ def _backward(q, k, v, keep, g_o, row_lse_rows, delta_rows, sizes, interpret):
                 (None, 128, 128), functools.partial(_do_map_by_key, steps=steps)
             ),
             pl.BlockSpec(
-                (None, 128, 128),
-                functools.partial(_row_lse_rows_map_by_key, steps=steps),
+                (None, 8, 128), functools.partial(_row_lse_cols_map_by_key, steps=steps)
             ),
             pl.BlockSpec(
-                (None, 128, 128), functools.partial(_delta_rows_map_by_key, steps=steps)
+                (None, 8, 128), functools.partial(_delta_cols_map_by_key, steps=steps)
             ),
         ],
         out_specs=[
@@ -999,7 +1013,7 @@ def _backward(q, k, v, keep, g_o, row_lse_rows, delta_rows, sizes, interpret):
             bytes_accessed=0,
         ),
         interpret=interpret,
-    )(rows, cols, read_rows, kinds, flags, q, k, v, keep, g_o, row_lse_rows, delta_rows)
+    )(rows, cols, read_rows, kinds, flags, q, k, v, keep, g_o, row_lse_cols, delta_cols)
     return dq_full, dk_full, dv_o_full
 
 
@@ -1022,8 +1036,20 @@ def _run_backward(sizes, interpret, residuals, cotangent):
     delta = jnp.sum(g_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     row_lse_rows = jnp.broadcast_to(row_lse[..., None], (H, S, 128))
     delta_rows = jnp.broadcast_to(delta[..., None], (H, S, 128))
+    row_lse_cols = jnp.broadcast_to(row_lse[..., None, :], (H, 8, S))
+    delta_cols = jnp.broadcast_to(delta[..., None, :], (H, 8, S))
     dq_full, dk_full, dv_o_full = _backward(
-        q, k, v, keep, g_o, row_lse_rows, delta_rows, sizes, interpret
+        q,
+        k,
+        v,
+        keep,
+        g_o,
+        row_lse_rows,
+        delta_rows,
+        row_lse_cols,
+        delta_cols,
+        sizes,
+        interpret,
     )
     return (
         (_to_operand(dq_full, "abd", "abd", ())).astype(jnp.float32),

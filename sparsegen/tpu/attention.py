@@ -12,6 +12,7 @@ rescaled accumulator per softmax product.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -79,30 +80,10 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
             return
         has_q, has_k = p.query in read.indices, p.key in read.indices
         layout = "natural" if role != "extra" or (has_q and has_k) else ("rows" if has_q else "cols" if has_k else "scalar")
-        block, coords = [], []
-        for s in read.subs:
-            if s.index in p.lead:
-                block.append(None)
-                coords.append(s.index if s.divisor == 1 else f"{s.index} // {s.divisor}")
-            elif s.index == p.query:
-                block.append(tile[p.query])
-                coords.append("QROW")
-            elif s.index == p.key:
-                block.append(tile[p.key])
-                coords.append("COL")
-            else:
-                block.append(tile[s.index])
-                coords.append("0")
-        if layout == "rows":
-            block, coords = block + [LANES], coords + ["0"]
-        elif layout == "cols":
-            block, coords = block[:-1] + [SUBLANES, block[-1]], coords[:-1] + ["0", coords[-1]]
-        elif layout == "scalar":
-            block, coords = block + [SUBLANES, LANES], coords + ["0", "0"]
-        n = len(ops)
-        ops.append(Operand(read, role, names.local(f"{read.operand}_ref"), names.local(f"{read.operand}_blk" if n else f"{read.operand}_blk"),
+        block, coords = layout_block(read, layout, p, tile)
+        ops.append(Operand(read, role, names.local(f"{read.operand}_ref"), names.local(f"{read.operand}_blk"),
                            names.function(f"_{read.operand}_map" if role != "extra" else f"_{read.operand}_{''.join(read.indices)}_map"),
-                           layout, tuple(block), tuple(coords)))
+                           layout, block, coords))
 
     add(p.q, "q")
     add(p.k, "k")
@@ -128,6 +109,30 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
     vmem.append(("running max and sum", 3 * padded_bytes((ti, 1), acc)))
     vmem.append(("score block and its softmax (f32 temporaries)", 3 * padded_bytes((ti, tj), acc)))
     return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem), gradient_error(kernel, plan))
+
+
+def layout_block(read: Read, layout: str, p: RowPlan, tile: dict) -> tuple[tuple, tuple]:
+    """A read's block and index-map coordinates for a layout: "natural" (the array as it
+    is), "rows" (a lane-broadcast copy: the kernel sees a column), "cols" (a sublane-broadcast
+    copy: a row), "scalar" (a tile-broadcast copy: one value)."""
+    block, coords = [], []
+    for s in read.subs:
+        if s.index in p.lead:
+            block.append(None)
+            coords.append(s.index if s.divisor == 1 else f"{s.index} // {s.divisor}")
+        elif s.index in (p.query, p.key):
+            block.append(tile[s.index])
+            coords.append("QROW" if s.index == p.query else "COL")
+        else:
+            block.append(tile[s.index])
+            coords.append("0")
+    if layout == "rows":
+        block, coords = block + [LANES], coords + ["0"]
+    elif layout == "cols":
+        block, coords = block[:-1] + [SUBLANES, block[-1]], coords[:-1] + ["0", coords[-1]]
+    elif layout == "scalar":
+        block, coords = block + [SUBLANES, LANES], coords + ["0", "0"]
+    return tuple(block), tuple(coords)
 
 
 def gradient_error(kernel: Kernel, p: RowPlan) -> str | None:
@@ -228,8 +233,10 @@ class AttentionEmitter:
         self.grid_vars = [maps.local(i) for i in self.p.lead]
         self.t = maps.local("t")
         self.row_hosts = {"row_lse": self.n.local("row_lse_rows"), "delta": self.n.local("delta_rows")}
+        self.col_hosts = {"row_lse": self.n.local("row_lse_cols"), "delta": self.n.local("delta_cols")}
         if any(c.kind == "sum" for c in self.p.consumers):
             self.row_hosts["dsum"] = self.n.local("dsum_rows")
+            self.col_hosts["dsum"] = self.n.local("dsum_cols")
         self._fns: dict[str, str] = {}
 
     def fn(self, preferred: str) -> str:
@@ -280,31 +287,35 @@ class AttentionEmitter:
         lines.append(f"{flag} = {self.tables[4]}[{at}]")
         return lines, lead_vars, at, kind, flag
 
-    def scores(self, n, lead_vars, at, tables, with_raw: bool) -> list[str]:
+    def scores(self, n, lead_vars, at, tables, with_raw: bool, transposed: bool = False) -> list[str]:
         """`_scores(masked)`: the score block (MXU), the elementwise chain, and on a partial
         block the condition (absent: minus infinity). With `with_raw`, also the product
-        before the chain, for the chain's derivative."""
+        before the chain, for the chain's derivative. `transposed`: key x row blocks (the
+        key-side walk), so per-row statistics are rows and the gradients plain products."""
         p, acc = self.p, self.acc
         ti, tj = self.tile[p.query], self.tile[p.key]
         out = ["", "def _scores(masked):"]
-        for o in self.m.operands:
+        operands = self.operands(transposed)
+        for o in operands:
             if o.role != "value":
-                out.append(f"    {o.var} = {self.block_value(o)}")
-        qo, ko = self.m.operands[0], self.m.operands[1]
+                out.append(f"    {o.var} = {self.block_value(o, transposed)}")
+        qo, ko = operands[0], operands[1]
         qd, kd = self.live(qo.read).index(p.summed), self.live(ko.read).index(p.summed)
         raw = n.local("raw_scores")
-        out.append(f"    {raw} = lax.dot_general({qo.var}, {ko.var}, ((({qd},), ({kd},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})")
+        a, b, da, db = (ko.var, qo.var, kd, qd) if transposed else (qo.var, ko.var, qd, kd)
+        out.append(f"    {raw} = lax.dot_general({a}, {b}, ((({da},), ({db},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})")
         if p.scale is not None:
             out.append(f"    {raw} = {raw} * {p.scale!r}")
         qpos, kpos = n.local(f"{p.query}_pos"), n.local(f"{p.key}_pos")
+        qshape, kshape = ((1, ti), (tj, 1)) if transposed else ((ti, 1), (1, tj))
         pos_lines = [
-            f"    {qpos} = {tables['QROW']}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0)",
-            f"    {kpos} = {tables['COL']}[{at}] * {tj} + lax.broadcasted_iota(jnp.int32, (1, {tj}), 1)",
+            f"    {qpos} = {tables['QROW']}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {qshape}, {int(transposed)})",
+            f"    {kpos} = {tables['COL']}[{at}] * {tj} + lax.broadcasted_iota(jnp.int32, {kshape}, {int(not transposed)})",
         ]
         chain_pos = self.chain_uses_positions()
         if chain_pos:
             out += pos_lines
-        block_of = {o.read: o.var for o in self.m.operands}
+        block_of = {o.read: o.var for o in operands}
 
         def leaf(term: Term, float_ctx: bool) -> str:
             if term.op == "index":
@@ -366,6 +377,9 @@ class AttentionEmitter:
                       f"        {inside} = {table}[{at}] * {t} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(index)}",
                       f"        {o.var} = jnp.where({inside}, {o.var}, jnp.zeros_like({o.var}))"]
         return lines
+
+    def operands(self, transposed: bool) -> list[Operand]:
+        return [self.transposed(o) for o in self.m.operands] if transposed else list(self.m.operands)
 
     def values(self) -> list[Operand]:
         return [o for o in self.m.operands if o.role == "value"]
@@ -461,12 +475,12 @@ class AttentionEmitter:
         return list(dict.fromkeys([self.steps] + [v for v in self.sizes if re.search(rf"\b{re.escape(v)}\b", text)]))
 
     # ------------------------------------------------------------- backward
-    def backward_inputs(self, n, tables) -> tuple[list[Arr], dict]:
+    def backward_inputs(self, n, tables, transposed: bool = False) -> tuple[list[Arr], dict]:
         """The arrays both backward kernels read: the forward's operands, each softmax
         product's cotangent, and per row the forward's logsumexp and the softmax-gradient
         correction (and the cotangent of a sum reduction)."""
         p, k = self.p, self.k
-        ins = [self.arr(o, tables) for o in self.m.operands]
+        ins = [self.arr(o, tables) for o in self.operands(transposed)]
         extra = {}
         for c in p.consumers:
             if c.kind == "softmax_product":
@@ -478,26 +492,33 @@ class AttentionEmitter:
                 extra[c.output] = ref
         about = {"row_lse": "the forward's logsumexp per row", "delta": "per row: sum(do * o) minus the logsumexp's cotangent",
                  "dsum": "per row: the cotangent of the sum"}
-        for key, host in self.row_hosts.items():
+        for key, host in (self.col_hosts if transposed else self.row_hosts).items():
             ref = n.local(f"{key}_ref")
-            block = tuple([None] * len(p.lead) + [self.tile[p.query], LANES])
-            coords = tuple(list(p.lead) + ["QROW", "0"])
-            ins.append(Arr(ref, block, coords, self.fn(f"_{key}_rows_map"), host, about[key] + ", broadcast along lanes"))
+            if transposed:  # the key-side walk wants each row's statistic along lanes: a row vector
+                block = tuple([None] * len(p.lead) + [SUBLANES, self.tile[p.query]])
+                coords = tuple(list(p.lead) + ["0", "QROW"])
+                fn, how = self.fn(f"_{key}_cols_map"), ", broadcast along sublanes"
+            else:
+                block = tuple([None] * len(p.lead) + [self.tile[p.query], LANES])
+                coords = tuple(list(p.lead) + ["QROW", "0"])
+                fn, how = self.fn(f"_{key}_rows_map"), ", broadcast along lanes"
+            ins.append(Arr(ref, block, coords, fn, host, about[key] + how))
             extra[key] = ref
         return ins, extra
 
     def cot(self, output: str) -> str:
         return self.cotangents[output]
 
-    def backward_step(self, n, at, tables, extra, masked) -> tuple[list[str], str, str, dict]:
+    def backward_step(self, n, at, tables, extra, masked, transposed: bool = False) -> tuple[list[str], str, str, dict]:
         """Lines computing, for one block: probs, the score gradient `ds`, and the product's
         gradient `dr` (through the chain); returns (lines, probs, draw, s)."""
         p, acc = self.p, self.acc
         nm = {x: n.local(x) for x in ["raw", "s", "probs", "dprobs", "ds", "draw", "lse", "pull"]}
         chain = n.local("chain")
+        row = "[0:1, :]" if transposed else "[:, 0:1]"  # a row's statistics: along lanes or sublanes
         got = f"{nm['raw']}, {nm['s']}, {chain}" if p.chain else f"{nm['raw']}, {nm['s']}"
         lines = [f"    {got} = _scores({masked})",
-                 f"    {nm['lse']} = {extra['row_lse']}[:, 0:1]",
+                 f"    {nm['lse']} = {extra['row_lse']}{row}",
                  f"    {nm['lse']} = jnp.where(jnp.isneginf({nm['lse']}), 0.0, {nm['lse']})",
                  f"    {nm['probs']} = jnp.exp({nm['s']} - {nm['lse']})"]
         terms, dos = [], {}
@@ -512,15 +533,18 @@ class AttentionEmitter:
                     ti = self.tile[p.query]
                     lines += [f"    if {masked}:", f"        # Past the end of {p.query} memory holds anything: zero it.",
                               f"        {do} = jnp.where({tables['QROW']}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0) < {self.size_of(p.query)}, {do}, 0)"]
-                term = f"lax.dot_general({do}.astype({vo.var}.dtype), {vo.var}, (((1,), ({ve},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})"
+                if transposed:
+                    term = f"lax.dot_general({vo.var}, {do}.astype({vo.var}.dtype), ((({ve},), (1,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})"
+                else:
+                    term = f"lax.dot_general({do}.astype({vo.var}.dtype), {vo.var}, (((1,), ({ve},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})"
                 terms.append(term + (f" * {c.scale!r}" if c.scale is not None else ""))
         if terms:
             lines.append(f"    {nm['dprobs']} = " + " + ".join(terms))
-            lines.append(f"    {nm['ds']} = {nm['probs']} * ({nm['dprobs']} - {extra['delta']}[:, 0:1])")
+            lines.append(f"    {nm['ds']} = {nm['probs']} * ({nm['dprobs']} - {extra['delta']}{row})")
         else:
-            lines.append(f"    {nm['ds']} = -{nm['probs']} * {extra['delta']}[:, 0:1]")
+            lines.append(f"    {nm['ds']} = -{nm['probs']} * {extra['delta']}{row}")
         if "dsum" in extra:
-            lines.append(f"    {nm['ds']} = {nm['ds']} + jnp.where(jnp.isneginf({nm['s']}), 0.0, {extra['dsum']}[:, 0:1])")
+            lines.append(f"    {nm['ds']} = {nm['ds']} + jnp.where(jnp.isneginf({nm['s']}), 0.0, {extra['dsum']}{row})")
         lines += [f"    if {masked}:", "        # Absent elements (past the ends too, where the row statistics are garbage) add nothing.",
                   f"        {nm['probs']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['probs']})",
                   f"        {nm['ds']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['ds']})"]
@@ -550,8 +574,8 @@ class AttentionEmitter:
         lines.append(f"    {dq_acc}[...] += lax.dot_general({draw}.astype({ko.var}.dtype), {ko.var}, (((1,), ({kj},)), ((), ())), "
                      f"preferred_element_type={acc.jnp}{self.precision()})")
         lines += self.phases(kind, "_step")
-        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dq_ref}[...] = {dq_acc}[...]"]
-        outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), "jnp.float32", self.n.local("dq_full"),
+        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)"]
+        outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), self.grad_dtype(p.q), self.n.local("dq_full"),
                              "the row block's gradient of the score's row factor", vector=False)]
         scratch = [f"pltpu.VMEM(({self.tile[p.query]}, {self.tile[p.summed]}), {acc.jnp})"]
         refs = [a.ref for a in ins] + [o.ref for o in outs] + [dq_acc]
@@ -567,7 +591,7 @@ class AttentionEmitter:
         n = self.n.scope()
         tables = {"QROW": self.tables[1], "COL": self.tables[2], "ROW": self.tables[0]}
         lines, lead_vars, at, kind, flag = self.head(n, tables)
-        ins, extra = self.backward_inputs(n, tables)
+        ins, extra = self.backward_inputs(n, tables, transposed=True)
         dk_acc, dk_ref = n.local("dk_acc"), n.local("dk_ref")
         dv = {}
         for c in p.consumers:
@@ -575,8 +599,10 @@ class AttentionEmitter:
                 dv[c.output] = (n.local(f"dv_{c.output}_acc"), n.local(f"dv_{c.output}_ref"))
         lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", f"    {dk_acc}[...] = jnp.zeros_like({dk_acc})"]
         lines += [f"    {a}[...] = jnp.zeros_like({a})" for a, _ in dv.values()]
-        lines += self.scores(n, lead_vars, at, tables, with_raw=True)
-        step, probs, draw, dos = self.backward_step(n, at, tables, extra, "masked")
+        lines += ["", "# Blocks are key x row here: each row's statistics are row vectors, and both",
+                  "# gradients are plain products with the row blocks."]
+        lines += self.scores(n, lead_vars, at, tables, with_raw=True, transposed=True)
+        step, probs, draw, dos = self.backward_step(n, at, tables, extra, "masked", transposed=True)
         qo = self.m.operands[0]
         qi = self.live(qo.read).index(p.query)
         lines += ["", "def _step(masked):"] + step + self.load_block(n, qo, at, tables, "masked", (p.query,))
@@ -586,19 +612,19 @@ class AttentionEmitter:
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
                 do = dos[c.output]
                 lines.append(f"    {a}[...] += lax.dot_general({probs}.astype({do}.dtype), {do}, "
-                             f"(((0,), (0,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()}){scale}")
-        lines.append(f"    {dk_acc}[...] += lax.dot_general({draw}.astype({qo.var}.dtype), {qo.var}, (((0,), ({qi},)), ((), ())), "
+                             f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()}){scale}")
+        lines.append(f"    {dk_acc}[...] += lax.dot_general({draw}.astype({qo.var}.dtype), {qo.var}, (((1,), ({qi},)), ((), ())), "
                      f"preferred_element_type={acc.jnp}{self.precision()})")
         lines += self.phases(kind, "_step")
-        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dk_ref}[...] = {dk_acc}[...]"]
-        lines += [f"    {r}[...] = {a}[...]" for a, r in dv.values()]
-        outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), "jnp.float32", self.n.local("dk_full"),
+        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dk_ref}[...] = {dk_acc}[...].astype({dk_ref}.dtype)"]
+        lines += [f"    {r}[...] = {a}[...].astype({r}.dtype)" for a, r in dv.values()]
+        outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), self.grad_dtype(p.k), self.n.local("dk_full"),
                              "the key block's gradient of the score's key factor", vector=False)]
         scratch = [f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[p.summed]}), {acc.jnp})"]
         for c in p.consumers:
             if c.kind == "softmax_product":
                 e = self.e_of(c)
-                outs.append(self.out_arr(dv[c.output][1], p.lead + (p.key, e), "jnp.float32", self.n.local(f"dv_{c.output}_full"),
+                outs.append(self.out_arr(dv[c.output][1], p.lead + (p.key, e), self.grad_dtype(c.value), self.n.local(f"dv_{c.output}_full"),
                                          f"the key block's gradient of {c.value.operand}", vector=False))
                 scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[e]}), {acc.jnp})")
         refs = [a.ref for a in ins] + [o.ref for o in outs] + [dk_acc] + [a for a, _ in dv.values()]
@@ -607,6 +633,15 @@ class AttentionEmitter:
         return CallSpec(self.n.function("_attention_dkv_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
                         f"{2 * dims * (2 * self.tile[p.summed] + 2 * e_total)}", f"{dims}", f"the gradients of {p.k.operand} and the values", refs,
                         suffix="_by_key")
+
+    def grad_dtype(self, read: Read) -> str:
+        """A gradient block's dtype: the operand's where the kernel's block is the whole
+        gradient; f32 where the wrapper still sums partial gradients (grouped heads, a head
+        the operand lacks, an operand read twice)."""
+        p, op = self.p, self.k.operand(read.operand)
+        roles = [r for r in (p.q, p.k, *(c.value for c in p.consumers if c.value is not None)) if r.operand == read.operand]
+        direct = len(set(roles)) == 1 and len(roles) == 1 and all(s.divisor == 1 for s in read.subs) and set(p.lead) <= set(read.indices)
+        return op.dtype.jnp if direct else "jnp.float32"
 
     # ------------------------------------------------------------- arrays
     def arr(self, o: Operand, tables) -> Arr:
@@ -776,9 +811,13 @@ class AttentionEmitter:
         lines.append(f"{delta} = " + (" + ".join(parts) if parts else f"jnp.zeros({lse_var}.shape, {f32})"))
         lines.append(f"{self.row_hosts['row_lse']} = jnp.broadcast_to({lse_var}[..., None], {row_shape})")
         lines.append(f"{self.row_hosts['delta']} = jnp.broadcast_to({delta}[..., None], {row_shape})")
+        col_shape = _tuple([self.size_of(i) for i in p.lead] + [str(SUBLANES), self.size_of(p.query)])
+        lines.append(f"{self.col_hosts['row_lse']} = jnp.broadcast_to({lse_var}[..., None, :], {col_shape})")
+        lines.append(f"{self.col_hosts['delta']} = jnp.broadcast_to({delta}[..., None, :], {col_shape})")
         for c in p.consumers:
             if c.kind == "sum":
                 lines.append(f"{self.row_hosts['dsum']} = jnp.broadcast_to({self.cotangents[c.output]}.astype({f32})[..., None], {row_shape})")
+                lines.append(f"{self.col_hosts['dsum']} = jnp.broadcast_to({self.cotangents[c.output]}.astype({f32})[..., None, :], {col_shape})")
         results = [o.var for o in dq.outs] + [o.var for o in dkv.outs]
         # Per operand: the gradients its reads get, laid out as the operand.
         grads: dict[str, list[str]] = {}
@@ -802,7 +841,7 @@ class AttentionEmitter:
                 returns.append(f"_no_gradient({a})")
         do_args = [self.cot(c.output) for c in p.consumers if c.kind == "softmax_product"]
         return {"lines": lines, "results": results, "returns": returns, "cotangents": [self.cotangents[o.name] for o in k.outputs],
-                "args": list(conv.impl_args) + do_args + list(self.row_hosts.values())}
+                "args": list(conv.impl_args) + do_args + list(self.row_hosts.values()) + list(self.col_hosts.values())}
     def prepare_lines(self) -> list[str]:
         lines = self.wrapper.prepare_lines([])
         checks = []
@@ -864,7 +903,7 @@ class AttentionEmitter:
         return ", precision=lax.Precision.HIGHEST" if self.k.accumulate.name == "f32" and any(
             self.k.operand(o.read.operand).dtype.name == "f32" for o in self.m.operands[:2]) else ""
 
-    def block_value(self, o: Operand) -> str:
+    def block_value(self, o: Operand, transposed: bool = False) -> str:
         ref = o.ref
         if o.layout == "rows":
             return f"{ref}[:, 0:1]"
@@ -873,9 +912,17 @@ class AttentionEmitter:
         if o.layout == "scalar":
             return f"{ref}[0:1, 0:1]"
         live = [s.index for s in o.read.subs if s.index not in self.p.lead]
-        if o.role == "extra" and live == [self.p.key, self.p.query]:
+        if o.role == "extra" and live == ([self.p.query, self.p.key] if transposed else [self.p.key, self.p.query]):
             return f"{ref}[...].T"
         return f"{ref}[...]"
+
+    def transposed(self, o: Operand) -> Operand:
+        """An extra operand as the key-side walk reads it (scores there are key x row)."""
+        if o.role != "extra" or o.layout not in ("rows", "cols"):
+            return o
+        layout = "cols" if o.layout == "rows" else "rows"
+        block, coords = layout_block(o.read, layout, self.p, self.tile)
+        return dataclasses.replace(o, layout=layout, block=block, coords=coords, fn=self.fn(f"{o.fn}_t"))
 
     def group_expr(self, lead_vars) -> str:
         """The walk's table group of a step: a flat index over the lead axes the condition reads."""
