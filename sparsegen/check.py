@@ -154,7 +154,8 @@ class _KernelChecker:
             if op is not None and op.direction != "out":
                 self.error(target.operand.span, f"a statement assigns an output or a local tensor; '{name}' is an input")
                 continue
-            if op is None or st.condition is not None or not _is_product(st.value):
+            reads_local = any(isinstance(f, ast.Access) and f.operand.text in self.locals for f in ast.factors(st.value))
+            if op is None or st.condition is not None or not _is_product(st.value) or reads_local:
                 # Language v1, sections 3-5: local tensors, conditions, expressions, reductions.
                 result = flow_statement(self, st, assigned)
                 if result is not None:

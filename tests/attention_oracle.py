@@ -106,7 +106,14 @@ def run(kernel, args: list, sizes: dict[str, int]):
             here_arg = present[st.arg.operand]
             axis = idx.index(st.index)
             masked = np.where(here_arg, arr, -np.inf)
-            if st.fn in ("max", "logsumexp"):
+            if st.fn == "softmax":
+                m = masked.max(axis=axis, keepdims=True)
+                m = np.where(np.isneginf(m), 0.0, m)
+                e = np.where(here_arg, np.exp(arr - m), 0.0)
+                total = e.sum(axis=axis, keepdims=True)
+                val = expand(e / np.where(total == 0, 1.0, total), idx, dst)
+                here = np.ones(shape, bool)
+            elif st.fn in ("max", "logsumexp"):
                 m = masked.max(axis=axis)
                 if st.fn == "logsumexp":
                     safe = np.where(np.isneginf(m), 0.0, m)
@@ -115,8 +122,9 @@ def run(kernel, args: list, sizes: dict[str, int]):
                 val = m
             else:
                 val = np.where(here_arg, arr, 0.0).sum(axis=axis)
-            val = expand(val, tuple(i for i in idx if i != st.index), dst)
-            here = np.ones(shape, bool)
+            if st.fn != "softmax":
+                val = expand(val, tuple(i for i in idx if i != st.index), dst)
+                here = np.ones(shape, bool)
         else:  # SoftmaxProduct
             arr, idx = values[st.scores.operand]
             here_arg = present[st.scores.operand]

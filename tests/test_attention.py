@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from attention_oracle import brute_kinds, run
 from conftest import SPECS, build, spec_text
 
@@ -365,3 +366,30 @@ def test_example_backward_compiles_for_tpu(name, target):
     fn = getattr(mod, name)
     compiled = compile_for(lambda *a: gradients(fn, list(a), 3), [np.asarray(a) for a in args], TOPOLOGIES[target])
     assert compiled.as_text().count("tpu_custom_call") >= 3  # forward, dq, dk/dv
+
+
+def test_stored_softmax_and_scores():
+    """A softmax no product sums, and the scores themselves, stored whole: two walks (the
+    row statistics, then every block; empty blocks written as zeros)."""
+    text = """kernel stored_softmax {
+    in  q: f32[S, D]
+    in  k: f32[T, D]
+    out p: f32[S, T]
+    out scores: f32[S, T]
+    out m: f32[S]
+
+    s[i, j] = q[i, d] * k[j, d] * 0.1 where i >= j and i - j < 300
+    p[i, j] = softmax(s[i, j], j)
+    scores[i, j] = 2.0 * s[i, j]
+    m[i] = max(s[i, j], j)
+
+    tile i = 128, j = 128, d = 128
+}
+"""
+    kernel, mod = build(text)
+    rng = np.random.default_rng(13)
+    args = [rand(rng, (520, 128), jnp.float32), rand(rng, (600, 128), jnp.float32)]
+    for interpret in (True, pltpu.InterpretParams()):
+        check_outputs(kernel, mod.stored_softmax(*args, interpret=interpret), args, sizes_of(kernel, args))
+    with pytest.raises(NotImplementedError, match="not derived yet"):
+        jax.grad(lambda q: jnp.sum(mod.stored_softmax(q, args[1], interpret=True)[0]))(args[0])

@@ -31,11 +31,17 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 class Consumer:
     """An output fed by the rows of scores."""
 
-    kind: str  # "softmax_product" | "logsumexp" | "max" | "sum"
+    kind: str  # "softmax_product" | "logsumexp" | "max" | "sum" | "softmax_out" | "scores_out"
     output: str
     value: Read | None = None  # the softmax product's other factor
     scale: float | int | None = None
     span: object = None
+    term: Term | None = None  # scores_out: the elementwise expression of the last score local
+
+    @property
+    def stored(self) -> bool:
+        """Written whole, block by block (a second walk over every block), not row by row."""
+        return self.kind in ("softmax_out", "scores_out")
 
 
 @dataclass(frozen=True)
@@ -120,17 +126,23 @@ def row_plan(kernel: Kernel) -> RowPlan:
             for n in st.numbers:
                 scale = n.value if scale is None else scale * n.value
             consumers.append(Consumer("softmax_product", st.target.operand, st.value, scale, st.span))
-        elif isinstance(st, Reduction) and st.target.operand not in locals_ and st.fn in ("logsumexp", "max", "sum"):
+        elif isinstance(st, Reduction) and st.target.operand not in locals_:
             if st.arg.operand != current or st.condition is not None:
                 fail(st, f"not supported yet: a reduction reads the last score local ('{current}') with no condition of its own")
-            consumers.append(Consumer(st.fn, st.target.operand, None, None, st.span))
+            kind = "softmax_out" if st.fn == "softmax" else st.fn
+            consumers.append(Consumer(kind, st.target.operand, None, None, st.span))
+        elif isinstance(st, Elementwise) and st.target.operand not in locals_ and st.condition is None \
+                and [r.operand for r in st.value.locals] == [current]:
+            if any(t.op in ("index", "read") for t in st.value.walk()):
+                fail(st, "not supported yet: a stored score's expression reads only the score local, numbers and sizes")
+            consumers.append(Consumer("scores_out", st.target.operand, None, None, st.span, st.value))
         else:
-            fail(st, "not supported yet in an attention-like kernel: stored softmax or score outputs, and statements "
-                     "other than a score, elementwise locals, softmax products and logsumexp/max/sum reductions")
+            fail(st, "not supported yet in an attention-like kernel: statements other than a score, elementwise locals, "
+                     "softmax products, reductions (logsumexp, max, sum, softmax) and elementwise outputs of the last score local")
     if not consumers:
         fail(sts[-1], "nothing reads the scores into an output")
-    key = _key_of(sts, consumers)
     score_idx = score_st.target.indices
+    key = _key_of(sts, consumers) or score_idx[-1]
     if key not in score_idx or score_idx[-1] != key:
         fail(score_st, f"not supported yet: the score's last index is the one its rows reduce over ('{key}')")
     rows = score_idx[:-1]
@@ -148,6 +160,9 @@ def row_plan(kernel: Kernel) -> RowPlan:
             if list(target[: len(rows)]) != list(rows) or len(extra) != 1:
                 fail(kernel.statement_of(c.output), "not supported yet: a softmax product's output is the score's rows and one more index, in that order")
             inner.add(extra[0])
+        elif c.stored:
+            if tuple(target) != score_idx:
+                fail(kernel.statement_of(c.output), "not supported yet: a stored softmax or score has the score's indices, in their order")
         elif tuple(target) != rows:
             fail(kernel.statement_of(c.output), "not supported yet: a reduction's output keeps the score's other indices in their order")
     for i in lead:
@@ -176,11 +191,11 @@ def whole_sizes(kernel: Kernel) -> dict[str, int]:
     return {kernel.index(i).size.symbol: kernel.index(i).tile for i in plan.inner if kernel.index(i).size.literal is None}
 
 
-def _key_of(sts, consumers) -> str:
+def _key_of(sts, consumers) -> str | None:
     for st in sts:
         if isinstance(st, (SoftmaxProduct, Reduction)) and st.target.operand in {c.output for c in consumers}:
             return st.index
-    raise AssertionError("no reduction")
+    return None
 
 
 # ------------------------------------------------------------- classification

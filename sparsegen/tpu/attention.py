@@ -139,6 +139,8 @@ def gradient_error(kernel: Kernel, p: RowPlan) -> str | None:
     """Why the flash-attention backward cannot be derived for this kernel (None: it can)."""
     if any(c.kind == "max" for c in p.consumers):
         return "the gradient of a max reduction is not derived yet"
+    if any(c.stored for c in p.consumers):
+        return "the gradient of a stored softmax or score output is not derived yet"
     for r in p.reads:
         op = kernel.operand(r.operand)
         if op.dtype.is_float and op.sparsity != "mask":
@@ -397,18 +399,19 @@ class AttentionEmitter:
     # -------------------------------------------------------------- forward
     def forward_call(self) -> CallSpec:
         p, k, acc = self.p, self.k, self.acc
+        consumers = [c for c in p.consumers if not c.stored]
         n = self.n.scope()
         tables = {"QROW": self.tables[2], "COL": self.tables[1], "ROW": self.tables[0]}
         lines, lead_vars, at, kind, flag = self.head(n, tables)
         ti = self.tile[p.query]
         m_scr, l_scr = n.local("m_scratch"), n.local("l_scratch")
         accs = {}
-        for c in p.consumers:
+        for c in consumers:
             if c.kind == "softmax_product":
                 accs[c.output] = n.local(f"{c.output}_acc")
             elif c.kind == "sum":
                 accs[c.output] = n.local(f"{c.output}_sum")
-        out_refs = {c.output: n.local(f"{c.output}_ref") for c in p.consumers}
+        out_refs = {c.output: n.local(f"{c.output}_ref") for c in consumers}
         stats_ref = n.local("row_lse_ref")
         lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", "    # The row's first step: nothing seen yet.",
                   f"    {m_scr}[...] = jnp.full_like({m_scr}, -jnp.inf)", f"    {l_scr}[...] = jnp.zeros_like({l_scr})"]
@@ -424,7 +427,7 @@ class AttentionEmitter:
                   f"    {nm['probs']} = jnp.exp({sv} - {nm['m_safe']})",
                   f"    {l_scr}[...] = {nm['alpha']} * {l_scr}[...] + jnp.sum({nm['probs']}, axis=1, keepdims=True)",
                   f"    {m_scr}[...] = {nm['m_new']}"]
-        for c in p.consumers:
+        for c in consumers:
             if c.kind == "softmax_product":
                 vo = self.consumer_value(c)
                 vd = self.live(vo.read).index(p.key)
@@ -439,7 +442,7 @@ class AttentionEmitter:
         lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", "    # The row's last step: normalise and write.",
                   f"    {nm['total']} = {l_scr}[...]", f"    {nm['nothing']} = {nm['total']} == 0.0",
                   f"    {nm['safe']} = jnp.where({nm['nothing']}, 1.0, {nm['total']})"]
-        for c in p.consumers:
+        for c in consumers:
             ref = out_refs[c.output]
             if c.kind == "softmax_product":
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
@@ -453,22 +456,71 @@ class AttentionEmitter:
         lines.append(f"    {stats_ref}[...] = _row_vector({lse})  # kept for the gradients")
         ins = [self.arr(o, tables) for o in self.m.operands]
         outs = []
-        for c in p.consumers:
+        for c in consumers:
             st = k.statement_of(c.output)
             outs.append(self.out_arr(out_refs[c.output], st.target.indices, k.operand(c.output).dtype.jnp, self.n.local(c.output),
                                      f"{st.target.text}: the row block of the step", vector=c.kind != "softmax_product"))
         outs.append(self.out_arr(stats_ref, p.lead + (p.query,), "jnp.float32", self.n.local("row_lse"), "each row's logsumexp (for the gradients)", vector=True))
         scratch = [f"pltpu.VMEM(({ti}, 1), {acc.jnp})", f"pltpu.VMEM(({ti}, 1), {acc.jnp})"]
-        for c in p.consumers:
+        for c in consumers:
             if c.kind == "softmax_product":
                 scratch.append(f"pltpu.VMEM(({ti}, {self.tile[self.e_of(c)]}), {acc.jnp})")
             elif c.kind == "sum":
                 scratch.append(f"pltpu.VMEM(({ti}, 1), {acc.jnp})")
         refs = [a.ref for a in ins] + [o.ref for o in outs] + [m_scr, l_scr] + list(accs.values())
         dims = self.tile[p.query] * self.tile[p.key]
-        e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
+        e_total = sum(self.tile[self.e_of(c)] for c in consumers if c.kind == "softmax_product")
         return CallSpec(self.n.function("_attention_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
                         f"{2 * dims * (self.tile[p.summed] + e_total)}", f"{dims}", "the outputs", refs)
+
+    def stored_call(self) -> CallSpec:
+        """Stored softmax or score outputs: every block written (zeros where empty), from a
+        dense walk over (row block, key block); a softmax reads each row's logsumexp."""
+        p, k, acc = self.p, self.k, self.acc
+        stored = [c for c in p.consumers if c.stored]
+        n = self.n.scope()
+        tables = {"QROW": self.tables[2], "COL": self.tables[1], "ROW": self.tables[0]}
+        lines, lead_vars, at, kind, flag = self.head(n, tables)
+        out_refs = {c.output: n.local(f"{c.output}_ref") for c in stored}
+        ins = [self.arr(o, tables) for o in self.m.operands if o.role != "value"]
+        lse_ref = None
+        if any(c.kind == "softmax_out" for c in stored):
+            lse_ref = n.local("row_lse_ref")
+            block = tuple([None] * len(p.lead) + [self.tile[p.query], LANES])
+            coords = tuple(list(p.lead) + ["QROW", "0"])
+            ins.append(Arr(lse_ref, block, coords, self.fn("_row_lse_rows_map"), self.row_hosts["row_lse"], "the forward's logsumexp per row, broadcast along lanes"))
+        lines += ["", f"@pl.when({kind} == _EMPTY)", "def _empty():", "    # Nothing present in this block: zeros."]
+        lines += [f"    {r}[...] = jnp.zeros_like({r})" for r in out_refs.values()]
+        lines += self.scores(n, lead_vars, at, tables, with_raw=False)
+        sv = n.local("scores")
+        lines += ["", "def _write(masked):", f"    {sv} = _scores(masked)"]
+        for c in stored:
+            ref = out_refs[c.output]
+            if c.kind == "softmax_out":
+                lse = n.local("lse")
+                lines += [f"    {lse} = {lse_ref}[:, 0:1]", f"    {lse} = jnp.where(jnp.isneginf({lse}), 0.0, {lse})",
+                          f"    {ref}[...] = jnp.where(jnp.isneginf({sv}), 0.0, jnp.exp({sv} - {lse})).astype({ref}.dtype)"]
+            else:
+                value = render_term(c.term, lambda t: sv if t.op == "local" else self.scalar_leaf(t))
+                lines.append(f"    {ref}[...] = jnp.where(jnp.isneginf({sv}), 0.0, {value}).astype({ref}.dtype)")
+        lines += self.phases(kind, "_write")
+        outs = []
+        for c in stored:
+            st = k.statement_of(c.output)
+            block = tuple(None if i in p.lead else self.tile[i] for i in st.target.indices)
+            coords = tuple(i if i in p.lead else "QROW" if i == p.query else "COL" for i in st.target.indices)
+            shape = tuple(self.size_of(i) for i in st.target.indices)
+            outs.append(OutArr(out_refs[c.output], block, coords, self.fn(f"_{c.output}_map"), "", f"{st.target.text}: the step's block",
+                               shape, shape, k.operand(c.output).dtype.jnp, self.n.local(c.output)))
+        refs = [a.ref for a in ins] + [o.ref for o in outs]
+        dims = self.tile[p.query] * self.tile[p.key]
+        return CallSpec(self.n.function("_attention_stored_kernel"), lines, [], ins, outs, self.statics(lines), tables,
+                        f"{2 * dims * self.tile[p.summed]}", f"{dims}", "the stored softmax and score outputs", refs)
+
+    def scalar_leaf(self, t: Term) -> str:
+        if t.op == "size":
+            return f"float({self.m.conv.size_var(t.name)})"
+        raise NotImplementedError(f"a stored score reads {t.op}")  # checked in row_plan
 
     def statics(self, lines) -> list[str]:
         text = "\n".join(lines)
@@ -682,7 +734,7 @@ class AttentionEmitter:
                 coords.append(f"lax.div({v}, {div})" if div else v)
         return {"fn": a.fn + call.suffix, "coords": coords, "about": a.about}
 
-    def call_dict(self, call: CallSpec, walk_kinds: str) -> dict:
+    def call_dict(self, call: CallSpec, walk_kinds: str, walk: str = "_walk_tables") -> dict:
         grid = [self.size_of(i) if self.tile[i] == 1 else f"-(-{self.size_of(i)} // {self.tile[i]})" for i in self.p.lead] + [self.steps]
         return {
             "kernel_fn": call.kernel_fn,
@@ -701,6 +753,7 @@ class AttentionEmitter:
             "transcendentals": f"{self.tables[3]}.size * {call.transcendentals}",
             "statics_kw": ", ".join(f"{v}={v}" for v in call.statics),
             "walk_kinds": walk_kinds,
+            "walk_fn": walk,
             "about": call.about,
         }
 
@@ -719,8 +772,13 @@ class AttentionEmitter:
         kinds_lines = [f"{kinds_var} = {classify_fn}({xp}, {', '.join(classify_reads + ['sizes'])})",
                        f"{kinds_var} = {kinds_var}.reshape((-1,) + {kinds_var}.shape[{n_class - 2}:])"]
         forward = self.forward_call()
-        self.out_var = {c.output: forward.outs[n].var for n, c in enumerate(p.consumers)}
+        row_consumers = [c for c in p.consumers if not c.stored]
+        self.out_var = {c.output: forward.outs[n].var for n, c in enumerate(row_consumers)}
         self.row_lse = forward.outs[-1].var
+        stored = None
+        if any(c.stored for c in p.consumers):
+            stored = self.stored_call()
+            self.out_var.update({c.output: o.var for c, o in zip([c for c in p.consumers if c.stored], stored.outs)})
         error = m.backward_error
         backward = {}
         outputs = [c.output for c in p.consumers]
@@ -745,8 +803,11 @@ class AttentionEmitter:
             classify_lines=classify_lines,
             size_vars=self.sizes,
             forward=self.call_dict(forward, kinds_var),
+            stored=self.call_dict(stored, kinds_var, walk="_dense_tables") if stored else None,
+            stored_lines=[f"{self.row_hosts['row_lse']} = jnp.broadcast_to({self.row_lse}[..., None], "
+                          f"{_tuple([self.size_of(i) for i in p.lead] + [self.size_of(p.query), str(LANES)])})"] if stored else [],
             backward_calls=calls_b,
-            maps=self.all_maps([forward] + ([dq, dkv] if error is None else [])),
+            maps=self.all_maps([forward] + ([stored] if stored else []) + ([dq, dkv] if error is None else [])),
             map_params=self.grid_vars + [self.t] + self.tables,
             public_params=[p_.internal for p_ in conv.params] + self.sizes,
             prepare_lines=self.prepare_lines(),
@@ -761,9 +822,9 @@ class AttentionEmitter:
             reference_signature=self.wrapper.signature()[1],
             public_args=[p_.public for p_ in conv.params] + [s.symbol for s in conv.sizes],
             n_args=len(conv.impl_args),
-            outputs=[forward.outs[n].var for n in range(len(p.consumers))],
+            outputs=[self.out_var[c.output] for c in p.consumers],
             row_lse=forward.outs[-1].var,
-            declared=[dict(zip(outputs, [forward.outs[n].var for n in range(len(outputs))]))[o.name] for o in k.outputs],
+            declared=[self.out_var[o.name] for o in k.outputs],
             error=repr(f"{error}") if error else None,
             backward=backward,
             class_axes=list(p.class_axes),
@@ -987,7 +1048,7 @@ class AttentionEmitter:
             lines.append(f"{final} = jnp.where({render_term(p.condition, lambda x: leaf(x, False))}, {final}, -jnp.inf)")
         probs, lse = scope.local("probs"), scope.local("lse")
         results = {}
-        needs_softmax = any(c.kind in ("softmax_product", "logsumexp") for c in p.consumers)
+        needs_softmax = any(c.kind in ("softmax_product", "logsumexp", "softmax_out") for c in p.consumers)
         if needs_softmax:
             lines.append(f"{probs}, {lse} = _softmax_rows({final})")
         for c in p.consumers:
@@ -1003,6 +1064,11 @@ class AttentionEmitter:
                 lines.append(f"{var} = {lse}")
             elif c.kind == "max":
                 lines.append(f"{var} = jnp.max({final}, axis=-1)")
+            elif c.kind == "softmax_out":
+                lines.append(f"{var} = {probs}")
+            elif c.kind == "scores_out":
+                value = render_term(c.term, lambda t: final if t.op == "local" else leaf(t, True))
+                lines.append(f"{var} = jnp.where(jnp.isneginf({final}), 0.0, {value})")
             else:
                 lines.append(f"{var} = jnp.sum(jnp.where(jnp.isneginf({final}), 0.0, {final}), axis=-1)")
             lines.append(f"{var} = {var}.astype({out.dtype.jnp})")
