@@ -168,21 +168,23 @@ def _check_smem(entries, what):
         )
 
 
-def _row_walk(xp, kinds):
+def _row_walk(xp, kinds, bound=None):
     """The walk's tables from block kinds (groups x row blocks x key blocks): per step, the
     row block it writes, the key block and row block it reads, its kind, and whether it is
     its row's first (1) or last (2). Each row visits its non-empty key blocks in order; a
     row with none gets one empty step (its outputs are written as nothing-present). Steps
     that compute nothing read what the last computing step read, so they start no copy.
     With numpy (kinds known at trace time) the walk has exactly these steps; with traced
-    kinds the dense count, the extra steps empty and trailing."""
+    kinds `bound` steps per group (default: the dense count), the extra ones empty and
+    trailing; a group that needs more loses its last steps (the caller checks `ends`).
+    """
     groups, n_rows, n_cols = kinds.shape
     nonempty = kinds != _EMPTY
     count = nonempty.sum(axis=-1)
     steps = xp.maximum(count, 1)
     ends = xp.cumsum(steps, axis=-1)
     starts = ends - steps
-    total = int(ends[:, -1].max()) if xp is np else n_rows * n_cols
+    total = int(ends[:, -1].max()) if xp is np else (bound or n_rows * n_cols)
     t = xp.arange(total)[None, :]
     row = xp.minimum((starts[:, None, :] <= t[:, :, None]).sum(axis=-1) - 1, n_rows - 1)
     pos = t - xp.take_along_axis(starts, row, axis=-1)
@@ -212,7 +214,7 @@ def _row_walk(xp, kinds):
     tables = tuple(
         x.reshape(-1).astype(xp.int32) for x in (row, col, read_row, kind, flags)
     )
-    return tables, total
+    return tables, total, ends[:, -1]
 
 
 def _row_vector(column):
@@ -799,19 +801,20 @@ def _prepare(q, k, v, B, H, S, D):
     return q, k, v, (B, H, S, D)
 
 
-def _walk_tables(kinds):
-    """The walk's scalar-prefetch tables for block kinds (numpy: known at trace time)."""
-    tables, _ = _row_walk(np, kinds)
+def _walk_tables(kinds, bound):
+    """The walk's scalar-prefetch tables for block kinds (numpy: known at trace time),
+    and whether some group needed more steps than `bound`."""
+    tables, total, needed = _row_walk(np, kinds, bound)
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
-    return tuple(jnp.asarray(t) for t in tables)
+    return tuple(jnp.asarray(t) for t in tables), False
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
-def _impl(q, k, v, sizes, interpret):
+@functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
+def _impl(q, k, v, sizes, bound, interpret):
     B, H, S, D = sizes
     block_kinds_ = _classify_blocks(np, sizes)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_)
+    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
@@ -872,16 +875,26 @@ def _impl(q, k, v, sizes, interpret):
     return o, lse, row_lse
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
 def _backward(
-    q, k, v, g_o, row_lse_rows, delta_rows, row_lse_cols, delta_cols, sizes, interpret
+    q,
+    k,
+    v,
+    g_o,
+    row_lse_rows,
+    delta_rows,
+    row_lse_cols,
+    delta_cols,
+    sizes,
+    bound,
+    interpret,
 ):
     """The gradients: a walk over rows (the row factor's), and one over key blocks, visiting
     each key block's non-empty row blocks (the key factor's and the values')."""
     B, H, S, D = sizes
     block_kinds_ = _classify_blocks(np, sizes)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_)
+    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
@@ -930,7 +943,9 @@ def _backward(
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, g_o, row_lse_rows, delta_rows)
-    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_.transpose(0, 2, 1))
+    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+        block_kinds_.transpose(0, 2, 1), bound
+    )
     steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
@@ -993,19 +1008,19 @@ def _backward(
     return dq_full, dk_full, dv_o_full
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _run(q, k, v, sizes, interpret):
-    o, lse, row_lse = _impl(q, k, v, sizes, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _run(q, k, v, sizes, bound, interpret):
+    o, lse, row_lse = _impl(q, k, v, sizes, bound, interpret)
     return o, lse
 
 
-def _run_forward(q, k, v, sizes, interpret):
+def _run_forward(q, k, v, sizes, bound, interpret):
     # The residuals: the arguments, the outputs and each row's logsumexp.
-    o, lse, row_lse = _impl(q, k, v, sizes, interpret)
+    o, lse, row_lse = _impl(q, k, v, sizes, bound, interpret)
     return (o, lse), (q, k, v, o, lse, row_lse)
 
 
-def _run_backward(sizes, interpret, residuals, cotangent):
+def _run_backward(sizes, bound, interpret, residuals, cotangent):
     q, k, v, o, lse, row_lse = residuals
     (
         g_o,
@@ -1029,6 +1044,7 @@ def _run_backward(sizes, interpret, residuals, cotangent):
         row_lse_cols,
         delta_cols,
         sizes,
+        bound,
         interpret,
     )
     return (
@@ -1081,7 +1097,7 @@ def causal_attention(q, k, v, *, B=None, H=None, S=None, D=None, interpret=False
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _run(*_prepare(q, k, v, B, H, S, D), _check_interpret(interpret))
+    return _run(*_prepare(q, k, v, B, H, S, D), None, _check_interpret(interpret))
 
 
 def reference(q, k, v, *, B=None, H=None, S=None, D=None):

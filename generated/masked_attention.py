@@ -184,21 +184,23 @@ def _no_gradient(value):
     return np.zeros(value.shape, jax.dtypes.float0)
 
 
-def _row_walk(xp, kinds):
+def _row_walk(xp, kinds, bound=None):
     """The walk's tables from block kinds (groups x row blocks x key blocks): per step, the
     row block it writes, the key block and row block it reads, its kind, and whether it is
     its row's first (1) or last (2). Each row visits its non-empty key blocks in order; a
     row with none gets one empty step (its outputs are written as nothing-present). Steps
     that compute nothing read what the last computing step read, so they start no copy.
     With numpy (kinds known at trace time) the walk has exactly these steps; with traced
-    kinds the dense count, the extra steps empty and trailing."""
+    kinds `bound` steps per group (default: the dense count), the extra ones empty and
+    trailing; a group that needs more loses its last steps (the caller checks `ends`).
+    """
     groups, n_rows, n_cols = kinds.shape
     nonempty = kinds != _EMPTY
     count = nonempty.sum(axis=-1)
     steps = xp.maximum(count, 1)
     ends = xp.cumsum(steps, axis=-1)
     starts = ends - steps
-    total = int(ends[:, -1].max()) if xp is np else n_rows * n_cols
+    total = int(ends[:, -1].max()) if xp is np else (bound or n_rows * n_cols)
     t = xp.arange(total)[None, :]
     row = xp.minimum((starts[:, None, :] <= t[:, :, None]).sum(axis=-1) - 1, n_rows - 1)
     pos = t - xp.take_along_axis(starts, row, axis=-1)
@@ -228,7 +230,7 @@ def _row_walk(xp, kinds):
     tables = tuple(
         x.reshape(-1).astype(xp.int32) for x in (row, col, read_row, kind, flags)
     )
-    return tables, total
+    return tables, total, ends[:, -1]
 
 
 def _block_any_all(x, tiles):
@@ -837,19 +839,20 @@ def _prepare(q, k, v, keep, H, S, D, T):
     return q, k, v, keep, (H, S, D, T)
 
 
-def _walk_tables(kinds):
-    """The walk's scalar-prefetch tables for block kinds (numpy: known at trace time)."""
-    tables, _ = _row_walk(jnp, kinds)
+def _walk_tables(kinds, bound):
+    """The walk's scalar-prefetch tables for block kinds,
+    and whether some group needed more steps than `bound`."""
+    tables, total, needed = _row_walk(jnp, kinds, bound)
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
-    return tuple(jnp.asarray(t) for t in tables)
+    return tuple(jnp.asarray(t) for t in tables), jnp.any(needed > total)
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
-def _impl(q, k, v, keep, sizes, interpret):
+@functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
+def _impl(q, k, v, keep, sizes, bound, interpret):
     H, S, D, T = sizes
     block_kinds_ = _classify_blocks(jnp, keep, sizes)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_)
+    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
@@ -891,11 +894,14 @@ def _impl(q, k, v, keep, sizes, interpret):
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, keep)
     row_lse = row_lse.reshape((H, S))  # the row vector's unit dimension dropped
+    # A walk cut short by max_steps (traced segment ids): NaN, never a silent wrong answer.
+    o = jnp.where(overflow, jnp.nan, o).astype(o.dtype)
+    row_lse = jnp.where(overflow, jnp.nan, row_lse).astype(row_lse.dtype)
 
     return o, row_lse
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
 def _backward(
     q,
     k,
@@ -907,6 +913,7 @@ def _backward(
     row_lse_cols,
     delta_cols,
     sizes,
+    bound,
     interpret,
 ):
     """The gradients: a walk over rows (the row factor's), and one over key blocks, visiting
@@ -914,7 +921,7 @@ def _backward(
     H, S, D, T = sizes
     block_kinds_ = _classify_blocks(jnp, keep, sizes)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_)
+    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
@@ -953,7 +960,11 @@ def _backward(
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, keep, g_o, row_lse_rows, delta_rows)
-    rows, cols, read_rows, kinds, flags = _walk_tables(block_kinds_.transpose(0, 2, 1))
+    # A walk cut short by max_steps (traced segment ids): NaN, never a silent wrong answer.
+    dq_full = jnp.where(overflow, jnp.nan, dq_full).astype(dq_full.dtype)
+    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+        block_kinds_.transpose(0, 2, 1), bound
+    )
     steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
@@ -1014,22 +1025,25 @@ def _backward(
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, keep, g_o, row_lse_cols, delta_cols)
+    # A walk cut short by max_steps (traced segment ids): NaN, never a silent wrong answer.
+    dk_full = jnp.where(overflow, jnp.nan, dk_full).astype(dk_full.dtype)
+    dv_o_full = jnp.where(overflow, jnp.nan, dv_o_full).astype(dv_o_full.dtype)
     return dq_full, dk_full, dv_o_full
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _run(q, k, v, keep, sizes, interpret):
-    o, row_lse = _impl(q, k, v, keep, sizes, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _run(q, k, v, keep, sizes, bound, interpret):
+    o, row_lse = _impl(q, k, v, keep, sizes, bound, interpret)
     return o
 
 
-def _run_forward(q, k, v, keep, sizes, interpret):
+def _run_forward(q, k, v, keep, sizes, bound, interpret):
     # The residuals: the arguments, the outputs and each row's logsumexp.
-    o, row_lse = _impl(q, k, v, keep, sizes, interpret)
+    o, row_lse = _impl(q, k, v, keep, sizes, bound, interpret)
     return (o), (q, k, v, keep, o, row_lse)
 
 
-def _run_backward(sizes, interpret, residuals, cotangent):
+def _run_backward(sizes, bound, interpret, residuals, cotangent):
     q, k, v, keep, o, row_lse = residuals
     g_o = cotangent
     H, S, D, T = sizes
@@ -1049,6 +1063,7 @@ def _run_backward(sizes, interpret, residuals, cotangent):
         row_lse_cols,
         delta_cols,
         sizes,
+        bound,
         interpret,
     )
     return (
@@ -1085,12 +1100,42 @@ def _reference(q, k, v, keep, sizes):
     return o_
 
 
-def masked_attention(q, k, v, keep, *, H=None, S=None, D=None, T=None, interpret=False):
+def masked_attention(
+    q, k, v, keep, *, H=None, S=None, D=None, T=None, max_steps=None, interpret=False
+):
     """Run the kernel: o: f32[H, S, D].
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
-    return _run(*_prepare(q, k, v, keep, H, S, D, T), _check_interpret(interpret))
+    q, k, v, keep, sizes = _prepare(q, k, v, keep, H, S, D, T)
+    bound = _check_bound(max_steps, _classify_blocks, (keep,), sizes)
+    return _run(q, k, v, keep, sizes, bound, _check_interpret(interpret))
+
+
+def _check_bound(max_steps, classify, reads, sizes):
+    """max_steps: the walk's steps per group instead of the dense count. Checked here when
+    the operands are concrete (under jit, a walk that does not fit makes the outputs NaN).
+    """
+    if max_steps is None:
+        return None
+    if (
+        _is_traced(max_steps)
+        or isinstance(max_steps, bool)
+        or not isinstance(max_steps, (int, np.integer))
+        or max_steps <= 0
+    ):
+        _fail(f"max_steps must be a positive int (static under jit), got {max_steps!r}")
+    if not any(_is_traced(r) for r in reads):
+        kinds = np.asarray(classify(np, *(np.asarray(r) for r in reads), sizes))
+        kinds = kinds.reshape((-1,) + kinds.shape[-2:])
+        needed = max(
+            int(_row_walk(np, k)[1]) for k in (kinds, kinds.transpose(0, 2, 1))
+        )
+        if max_steps < needed:
+            _fail(
+                f"max_steps={max_steps} is below the {needed} steps this walk needs (per group, forward or backward)"
+            )
+    return int(max_steps)
 
 
 def reference(q, k, v, keep, *, H=None, S=None, D=None, T=None):

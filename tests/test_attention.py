@@ -186,7 +186,7 @@ def test_walk_visits_exactly_the_nonempty_blocks():
     S = T = 2048
     args = [np.zeros((S, 128), np.float32)] * 3
     kinds = np.asarray(mod.block_kinds(*args))[None]
-    (rows, cols, read_rows, step_kinds, flags), steps = mod._row_walk(np, kinds)
+    (rows, cols, read_rows, step_kinds, flags), steps, _ = mod._row_walk(np, kinds)
     expect_steps, computing = walk_counts(kinds)
     assert steps == expect_steps and int((step_kinds != 0).sum()) == computing
     # Each non-empty block exactly once, in its row; first/last flags bracket each row.
@@ -201,7 +201,7 @@ def test_empty_steps_start_no_copy():
     kernel, mod = build(spec_text("document_attention"))
     args, _ = example("document_attention", 1024, np.random.default_rng(5), docs=8)
     kinds = np.asarray(mod.block_kinds(*args))
-    (rows, cols, read_rows, step_kinds, flags), steps = mod._row_walk(jnp, jnp.asarray(kinds))
+    (rows, cols, read_rows, step_kinds, flags), steps, _ = mod._row_walk(jnp, jnp.asarray(kinds))
     rows, cols, read_rows, step_kinds = map(np.asarray, (rows, cols, read_rows, step_kinds))
     per = steps
     for g in range(kinds.shape[0]):
@@ -393,3 +393,21 @@ def test_stored_softmax_and_scores():
         check_outputs(kernel, mod.stored_softmax(*args, interpret=interpret), args, sizes_of(kernel, args))
     with pytest.raises(NotImplementedError, match="not derived yet"):
         jax.grad(lambda q: jnp.sum(mod.stored_softmax(q, args[1], interpret=True)[0]))(args[0])
+
+
+def test_max_steps_bounds_a_traced_walk():
+    """Segment ids: the walk has the dense count unless the caller bounds it; a bound below
+    what the walk needs is a ValueError on concrete ids, and NaN outputs under jit."""
+    kernel, mod = build(spec_text("document_attention"))
+    args, _ = example("document_attention", 1024, np.random.default_rng(14), docs=8)
+    kinds = np.asarray(mod.block_kinds(*args))
+    need = max(int(mod._row_walk(np, k)[1]) for k in (kinds, kinds.transpose(0, 2, 1)))
+    assert need < kinds.shape[1] * kinds.shape[2]  # the bound saves steps
+    out = mod.document_attention(*args, max_steps=need, interpret=True)
+    check_outputs(kernel, out, args, sizes_of(kernel, args))
+    got = gradients(lambda *a: mod.document_attention(*a, max_steps=need, interpret=True), args, 3)
+    assert_gradients_match(got, gradients(mod.reference, args, 3), bf16=True)
+    with pytest.raises(ValueError, match=f"below the {need} steps"):
+        mod.document_attention(*args, max_steps=need - 1, interpret=True)
+    cut = jax.jit(lambda *a: mod.document_attention(*a, max_steps=need - 1, interpret=True))(*args)
+    assert np.isnan(np.asarray(cut, np.float32)).all()
