@@ -411,3 +411,51 @@ def test_max_steps_bounds_a_traced_walk():
         mod.document_attention(*args, max_steps=need - 1, interpret=True)
     cut = jax.jit(lambda *a: mod.document_attention(*a, max_steps=need - 1, interpret=True))(*args)
     assert np.isnan(np.asarray(cut, np.float32)).all()
+
+
+BIASED = """kernel biased {
+    in  q: f32[B, H, S, D]
+    in  k: f32[B, H, S, D]
+    in  v: f32[B, H, S, D]
+    in  bias: f32[H, S, S]
+    in  slope: f32[H]
+    in  qb: f32[B, H, S]
+    in  kpad: f32[B, S]
+    out o: f32[B, H, S, D]
+    out lse: f32[B, H, S]
+
+    raw[b, h, i, j] = q[b, h, i, d] * k[b, h, j, d] * 0.125
+    s[b, h, i, j] = raw[b, h, i, j] + bias[h, i, j] - slope[h] * abs(i - j) + qb[b, h, i] * tanh(kpad[b, j]) where i >= j
+    o[b, h, i, e] = softmax(s[b, h, i, j], j) * v[b, h, j, e]
+    lse[b, h, i] = logsumexp(s[b, h, i, j], j)
+
+    tile b = 1, h = 1, i = 128, j = 128, d = 128, e = 128
+}
+"""
+
+
+def test_bias_slope_and_per_row_and_per_key_terms_get_gradients(interpret):
+    """Every float input gets its gradient: a per-head bias block (shared over the batch,
+    placed per step), an ALiBi slope (summed over the walk), a per-row and a per-key term."""
+    kernel, mod = build(BIASED)
+    rng = np.random.default_rng(15)
+    B, H, S = 2, 2, 300
+    args = [rand(rng, (B, H, S, 128), jnp.float32) for _ in range(3)]
+    args += [rand(rng, (H, S, S), jnp.float32), jnp.abs(rand(rng, (H,), jnp.float32)) * 0.01, rand(rng, (B, H, S), jnp.float32),
+             rand(rng, (B, S), jnp.float32)]
+    check_outputs(kernel, mod.biased(*args, interpret=interpret), args, sizes_of(kernel, args))
+    got = gradients(lambda *a: mod.biased(*a, interpret=interpret), args, len(args))
+    want = gradients(mod.reference, args, len(args))
+    assert_gradients_match(got, want, bf16=False)
+
+
+@pytest.mark.parametrize("target", sorted(TOPOLOGIES))
+def test_biased_backward_compiles_for_tpu(target):
+    from aot import compile_for
+
+    kernel, mod = build(BIASED)
+    B, H, S = 1, 8, 2048
+    f = np.float32
+    args = [np.zeros((B, H, S, 128), f)] * 3 + [np.zeros((H, S, S), f), np.zeros((H,), f), np.zeros((B, H, S), f), np.zeros((B, S), f)]
+    compiled = compile_for(lambda *a: gradients(mod.biased, list(a), 7), args, TOPOLOGIES[target])
+    assert compiled.as_text().count("tpu_custom_call") >= 3

@@ -70,6 +70,14 @@ class RowPlan:
             out += [r for r in self.condition.reads if r not in out]
         return tuple(out)
 
+    def float_reads(self) -> tuple[Read, ...]:
+        """Float operands the elementwise chain reads (biases, slopes): they get gradients."""
+        out: list[Read] = []
+        for _, term in self.chain:
+            out += [r for r in term.reads if r not in out and self.kernel.operand(r.operand).dtype.is_float
+                    and self.kernel.operand(r.operand).sparsity != "mask"]
+        return tuple(out)
+
     @property
     def data_dependent(self) -> bool:
         """Does the classification read operands (segment ids, masks)?"""

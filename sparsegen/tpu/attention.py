@@ -141,10 +141,6 @@ def gradient_error(kernel: Kernel, p: RowPlan) -> str | None:
         return "the gradient of a max reduction is not derived yet"
     if any(c.stored for c in p.consumers):
         return "the gradient of a stored softmax or score output is not derived yet"
-    for r in p.reads:
-        op = kernel.operand(r.operand)
-        if op.dtype.is_float and op.sparsity != "mask":
-            return f"the gradient with respect to '{op.name}', read in the scores' elementwise steps, is not derived yet"
     return None
 
 
@@ -214,6 +210,7 @@ class CallSpec:
     about: str
     refs: list[str] = field(default_factory=list)
     suffix: str = ""  # the index maps' names: the key-side walk reads its tables the other way
+    post: list[str] = field(default_factory=list)  # lines after the call (placing per-step blocks)
 
 
 class AttentionEmitter:
@@ -240,6 +237,8 @@ class AttentionEmitter:
             self.row_hosts["dsum"] = self.n.local("dsum_rows")
             self.col_hosts["dsum"] = self.n.local("dsum_cols")
         self._fns: dict[str, str] = {}
+        self.float_grads: list = []  # (read, variable in _backward, the indices it is laid out over)
+        self.post_dkv: list[str] = []
 
     def fn(self, preferred: str) -> str:
         """A module-level function name, the same for the same preferred name."""
@@ -298,8 +297,15 @@ class AttentionEmitter:
         ti, tj = self.tile[p.query], self.tile[p.key]
         out = ["", "def _scores(masked):"]
         operands = self.operands(transposed)
+        floats = set(p.float_reads())
         for o in operands:
-            if o.role != "value":
+            if o.role == "value":
+                continue
+            if o.role in ("q", "k") or o.read in floats:
+                # Past the ends memory holds anything: zeros keep the scores (and their
+                # derivatives) finite there.
+                out += self.load_block(n, o, at, tables, "masked", (p.query, p.key), transposed)
+            else:
                 out.append(f"    {o.var} = {self.block_value(o, transposed)}")
         qo, ko = operands[0], operands[1]
         qd, kd = self.live(qo.read).index(p.summed), self.live(ko.read).index(p.summed)
@@ -334,9 +340,10 @@ class AttentionEmitter:
             return f"{v}.astype({acc.jnp})" if float_ctx else v
 
         current = [raw]
+        fvars = [block_of[r] for r in p.float_reads()]
         if p.chain:
             # The elementwise steps after the product, one function: its derivative is jax.vjp's.
-            out += ["", f"    def _chain({raw}):"]
+            out += ["", f"    def _chain({', '.join([raw] + fvars)}):"]
             for name, term in p.chain:
                 var = n.local(name)
                 out.append(f"        {var} = {render_term(term, lambda x: leaf(x, True))}")
@@ -344,7 +351,7 @@ class AttentionEmitter:
             out.append(f"        return {current[0]}")
             out.append("")
         s = n.local("s")
-        out.append(f"    {s} = _chain({raw})" if p.chain else f"    {s} = {raw}")
+        out.append(f"    {s} = _chain({', '.join([raw] + fvars)})" if p.chain else f"    {s} = {raw}")
         cond = [] if p.condition is None else [render_term(p.condition, lambda x: leaf(x, False))]
         for index, pos in ((p.query, qpos), (p.key, kpos)):
             if self.ragged(index):
@@ -357,21 +364,31 @@ class AttentionEmitter:
             out.append(f"        {present} = " + " & ".join(cond))
             out.append(f"        {s} = jnp.where({present}, {s}, -jnp.inf)")
         if with_raw:
-            out.append(f"    return {raw}, {s}, _chain" if p.chain else f"    return {raw}, {s}")
+            extras = f", ({', '.join(fvars)}{',' if len(fvars) == 1 else ''})" if fvars else ""
+            out.append(f"    return {raw}, {s}, _chain{extras}" if p.chain else f"    return {raw}, {s}")
         else:
             out.append(f"    return {s}")
         return out
 
-    def load_block(self, n, o: Operand, at, tables, masked: str, along: tuple[str, ...]) -> list[str]:
+    def load_block(self, n, o: Operand, at, tables, masked: str, along: tuple[str, ...], transposed: bool = False) -> list[str]:
         """An operand's block; on a partial step its rows (or columns) past the end of a
         ragged index in `along` are zeroed: memory there holds anything, and 0 x NaN is NaN."""
-        lines = [f"    {o.var} = {self.block_value(o)}"]
+        lines = [f"    {o.var} = {self.block_value(o, transposed)}"]
         live = self.live(o.read)
+        if o.layout == "natural":
+            axes = {i: a for a, i in enumerate(live)}
+            if o.role == "extra" and transposed == (live == [self.p.query, self.p.key]):
+                axes = {i: 1 - a for i, a in axes.items()}  # the block was transposed
+        elif o.layout == "rows":
+            axes = {live[0]: 0}
+        elif o.layout == "cols":
+            axes = {live[0]: 1}
+        else:
+            axes = {}
         for index in along:
-            if index not in live or not self.ragged(index):
+            if index not in axes or not self.ragged(index):
                 continue
-            t = self.tile[index]
-            axis = live.index(index)
+            t, axis = self.tile[index], axes[index]
             shape = f"({t}, 1)" if axis == 0 else f"(1, {t})"
             table = tables["QROW" if index == self.p.query else "COL"]
             inside = n.local("inside")
@@ -568,7 +585,11 @@ class AttentionEmitter:
         nm = {x: n.local(x) for x in ["raw", "s", "probs", "dprobs", "ds", "draw", "lse", "pull"]}
         chain = n.local("chain")
         row = "[0:1, :]" if transposed else "[:, 0:1]"  # a row's statistics: along lanes or sublanes
+        fes = n.local("float_blocks")
+        dfe = [n.local(f"d{r.operand}") for r in p.float_reads()]
         got = f"{nm['raw']}, {nm['s']}, {chain}" if p.chain else f"{nm['raw']}, {nm['s']}"
+        if dfe:
+            got += f", {fes}"
         lines = [f"    {got} = _scores({masked})",
                  f"    {nm['lse']} = {extra['row_lse']}{row}",
                  f"    {nm['lse']} = jnp.where(jnp.isneginf({nm['lse']}), 0.0, {nm['lse']})",
@@ -601,40 +622,95 @@ class AttentionEmitter:
                   f"        {nm['probs']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['probs']})",
                   f"        {nm['ds']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['ds']})"]
         if p.chain:
-            lines.append(f"    _, {nm['pull']} = jax.vjp({chain}, {nm['raw']})")
-            lines.append(f"    ({nm['draw']},) = {nm['pull']}({nm['ds']})")
+            lines.append(f"    _, {nm['pull']} = jax.vjp({chain}, {nm['raw']}" + (f", *{fes})" if dfe else ")"))
+            lines.append(f"    {', '.join([nm['draw']] + dfe)}{',' if not dfe else ''} = {nm['pull']}({nm['ds']})")
             lines.append(f"    {nm['draw']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['draw']})  # absent: no gradient")
         else:
             lines.append(f"    {nm['draw']} = {nm['ds']}")
         if p.scale is not None:
             lines.append(f"    {nm['draw']} = {nm['draw']} * {p.scale!r}")
+        dos["floats"] = dict(zip(p.float_reads(), dfe))
         return lines, nm["probs"], nm["draw"], dos
 
     def dq_call(self) -> CallSpec:
+        """The row-side gradients: dq over the forward's walk, and the gradients of the float
+        operands the chain reads per block (placed by the wrapper), per row, or per walk."""
         p, acc = self.p, self.acc
         n = self.n.scope()
         tables = {"QROW": self.tables[2], "COL": self.tables[1], "ROW": self.tables[0]}
-        lines, lead_vars, at, kind, flag = self.head(n, tables)
+        head, lead_vars, at, kind, flag = self.head(n, tables)
         ins, extra = self.backward_inputs(n, tables)
         dq_acc, dq_ref = n.local("dq_acc"), n.local("dq_ref")
-        lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", f"    {dq_acc}[...] = jnp.zeros_like({dq_acc})"]
-        lines += self.scores(n, lead_vars, at, tables, with_raw=True)
-        step, probs, draw, _ = self.backward_step(n, at, tables, extra, "masked")
+        step, probs, draw, dos = self.backward_step(n, at, tables, extra, "masked")
         ko = self.m.operands[1]
         kj = self.live(ko.read).index(p.key)
-        lines += ["", "def _step(masked):"] + step + self.load_block(n, ko, at, tables, "masked", (p.key,))
-        lines.append(f"    {dq_acc}[...] += lax.dot_general({draw}.astype({ko.var}.dtype), {ko.var}, (((1,), ({kj},)), ((), ())), "
-                     f"preferred_element_type={acc.jnp}{self.precision()})")
-        lines += self.phases(kind, "_step")
-        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)"]
+        step += self.load_block(n, ko, at, tables, "masked", (p.key,))
+        step.append(f"    {dq_acc}[...] += lax.dot_general({draw}.astype({ko.var}.dtype), {ko.var}, (((1,), ({kj},)), ((), ())), "
+                    f"preferred_element_type={acc.jnp}{self.precision()})")
         outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), self.grad_dtype(p.q), self.n.local("dq_full"),
                              "the row block's gradient of the score's row factor", vector=False)]
         scratch = [f"pltpu.VMEM(({self.tile[p.query]}, {self.tile[p.summed]}), {acc.jnp})"]
-        refs = [a.ref for a in ins] + [o.ref for o in outs] + [dq_acc]
+        row_accs, walk_accs, init, flush, finish, post = [], [], [], [], [], []
+        ti, tj = self.tile[p.query], self.tile[p.key]
+        lead_shape = [self.size_of(i) for i in p.lead]
+        for r, d in dos["floats"].items():
+            o = next(x for x in self.m.operands if x.read == r)
+            ref, var = n.local(f"d{r.operand}_ref"), self.n.local(f"d{r.operand}_{''.join(r.indices)}")
+            if o.layout == "natural":
+                # One block per step, placed by the wrapper: each non-empty block once.
+                step.append(f"    {ref}[...] = {d}")
+                block = tuple([None] * len(p.lead) + [None, ti, tj])
+                coords = tuple(list(p.lead) + ["STEP", "0", "0"])
+                shape = tuple(lead_shape + [self.steps, str(ti), str(tj)])
+                outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_steps_map"), "", f"the gradient of {r.text}, one block per step",
+                                   shape, shape, "jnp.float32", var))
+                groups = f"_lead_groups({_tuple(lead_shape)}, {_tuple(str(i in p.class_axes) for i in p.lead)})"
+                post.append(f"{var} = _scatter_blocks({var}, {self.tables[0]}, {self.tables[1]}, {self.tables[3]}, {groups}, "
+                            f"({self.size_of(p.query)}, {self.size_of(p.key)}))")
+                self.float_grads.append((r, var, p.lead + (p.query, p.key)))
+            elif o.layout == "rows":
+                a = n.local(f"d{r.operand}_acc")
+                row_accs.append(a)
+                step.append(f"    {a}[...] += {d}")
+                init.append(f"    {a}[...] = jnp.zeros_like({a})")
+                flush.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
+                block = tuple([None] * len(p.lead) + [ti, LANES])
+                coords = tuple(list(p.lead) + ["ROW", "0"])
+                shape = tuple(lead_shape + [self.size_of(p.query), str(LANES)])
+                outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_rows_map"), "", f"the gradient of {r.text}, per row",
+                                   shape, shape, "jnp.float32", var))
+                post.append(f"{var} = {var}[..., 0]")
+                self.float_grads.append((r, var, p.lead + (p.query,)))
+            elif o.layout == "scalar":
+                a = n.local(f"d{r.operand}_acc")
+                walk_accs.append(a)
+                step.append(f"    {a}[...] += {d}")
+                finish.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
+                block = tuple([None] * len(p.lead) + [SUBLANES, LANES])
+                coords = tuple(list(p.lead) + ["0", "0"])
+                shape = tuple(lead_shape + [str(SUBLANES), str(LANES)])
+                outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_scalar_map"), "", f"the gradient of {r.text}, summed over the walk",
+                                   shape, shape, "jnp.float32", var))
+                post.append(f"{var} = {var}[..., 0, 0]")
+                self.float_grads.append((r, var, p.lead))
+        # Scratch in the order of the kernel's refs: the row sums, then the walk's.
+        scratch += [f"pltpu.VMEM(({ti}, 1), {acc.jnp})" for _ in row_accs] + [f"pltpu.VMEM((1, 1), {acc.jnp})" for _ in walk_accs]
+        lines = list(head)
+        if walk_accs:
+            lines += ["", f"@pl.when(pl.program_id({len(p.lead)}) == 0)", "def _start():", "    # Sums over the whole walk (a slope, a per-head bias) start once."]
+            lines += [f"    {a}[...] = jnp.zeros_like({a})" for a in walk_accs]
+        lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", f"    {dq_acc}[...] = jnp.zeros_like({dq_acc})"] + init
+        lines += self.scores(n, lead_vars, at, tables, with_raw=True)
+        lines += ["", "def _step(masked):"] + step
+        lines += self.phases(kind, "_step")
+        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)"] + flush
+        if walk_accs:
+            lines += ["", f"@pl.when(pl.program_id({len(p.lead)}) == {self.steps} - 1)", "def _finish():"] + finish
+        refs = [a.ref for a in ins] + [o.ref for o in outs] + [dq_acc] + row_accs + walk_accs
         dims = self.tile[p.query] * self.tile[p.key]
         e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
         return CallSpec(self.n.function("_attention_dq_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
-                        f"{2 * dims * (2 * self.tile[p.summed] + e_total)}", f"{dims}", f"the gradient of {p.q.operand}", refs)
+                        f"{2 * dims * (2 * self.tile[p.summed] + e_total)}", f"{dims}", f"the gradient of {p.q.operand}", refs, post=post)
 
     def dkv_call(self) -> CallSpec:
         """The key-side gradients: a walk over key blocks (the transposed classification),
@@ -667,9 +743,27 @@ class AttentionEmitter:
                              f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()}){scale}")
         lines.append(f"    {dk_acc}[...] += lax.dot_general({draw}.astype({qo.var}.dtype), {qo.var}, (((1,), ({qi},)), ((), ())), "
                      f"preferred_element_type={acc.jnp}{self.precision()})")
+        # Float operands the chain reads per key (a key-padding bias): summed per key block here.
+        key_accs, key_outs, key_flush = [], [], []
+        lead_shape = [self.size_of(i) for i in p.lead]
+        for r, d in dos["floats"].items():
+            o = next(x for x in self.m.operands if x.read == r)
+            if o.layout != "cols":
+                continue
+            a, ref = n.local(f"d{r.operand}_acc"), n.local(f"d{r.operand}_ref")
+            var = self.n.local(f"d{r.operand}_{''.join(r.indices)}")
+            key_accs.append(a)
+            lines[lines.index(f"    {dk_acc}[...] = jnp.zeros_like({dk_acc})") + 1:0] = [f"    {a}[...] = jnp.zeros_like({a})"]
+            lines.append(f"    {a}[...] += {d}")
+            key_flush.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
+            shape = tuple(lead_shape + [self.size_of(p.key), str(LANES)])
+            key_outs.append(OutArr(ref, tuple([None] * len(p.lead) + [self.tile[p.key], LANES]), tuple(list(p.lead) + ["ROW", "0"]),
+                                   self.fn(f"_d{r.operand}_keys_map"), "", f"the gradient of {r.text}, per key", shape, shape, "jnp.float32", var))
+            self.post_dkv.append(f"{var} = {var}[..., 0]")
+            self.float_grads.append((r, var, p.lead + (p.key,)))
         lines += self.phases(kind, "_step")
         lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dk_ref}[...] = {dk_acc}[...].astype({dk_ref}.dtype)"]
-        lines += [f"    {r}[...] = {a}[...].astype({r}.dtype)" for a, r in dv.values()]
+        lines += [f"    {r}[...] = {a}[...].astype({r}.dtype)" for a, r in dv.values()] + key_flush
         outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), self.grad_dtype(p.k), self.n.local("dk_full"),
                              "the key block's gradient of the score's key factor", vector=False)]
         scratch = [f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[p.summed]}), {acc.jnp})"]
@@ -679,12 +773,14 @@ class AttentionEmitter:
                 outs.append(self.out_arr(dv[c.output][1], p.lead + (p.key, e), self.grad_dtype(c.value), self.n.local(f"dv_{c.output}_full"),
                                          f"the key block's gradient of {c.value.operand}", vector=False))
                 scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[e]}), {acc.jnp})")
-        refs = [a.ref for a in ins] + [o.ref for o in outs] + [dk_acc] + [a for a, _ in dv.values()]
+        outs += key_outs
+        scratch += [f"pltpu.VMEM(({self.tile[p.key]}, 1), {acc.jnp})" for _ in key_accs]
+        refs = [a.ref for a in ins] + [o.ref for o in outs] + [dk_acc] + [a for a, _ in dv.values()] + key_accs
         dims = self.tile[p.query] * self.tile[p.key]
         e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
         return CallSpec(self.n.function("_attention_dkv_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
                         f"{2 * dims * (2 * self.tile[p.summed] + 2 * e_total)}", f"{dims}", f"the gradients of {p.k.operand} and the values", refs,
-                        suffix="_by_key")
+                        suffix="_by_key", post=list(self.post_dkv))
 
     def grad_dtype(self, read: Read) -> str:
         """A gradient block's dtype: the operand's where the kernel's block is the whole
@@ -726,6 +822,8 @@ class AttentionEmitter:
         for c in a.coords:
             if c in ("QROW", "COL", "ROW"):
                 coords.append(f"{call.tables[c]}[{slot}]")
+            elif c == "STEP":
+                coords.append(self.t)
             elif c == "0":
                 coords.append("0")
             else:
@@ -754,6 +852,7 @@ class AttentionEmitter:
             "statics_kw": ", ".join(f"{v}={v}" for v in call.statics),
             "walk_kinds": walk_kinds,
             "walk_fn": walk,
+            "post": call.post,
             "about": call.about,
         }
 
@@ -892,6 +991,12 @@ class AttentionEmitter:
             dst = "".join(letters[s.index] for s in read.subs)
             divided = _tuple(f'("{letters[s.index]}", {s.divisor})' for s in read.subs if s.divisor != 1)
             grads.setdefault(read.operand, []).append(f'_to_operand({var}, "{src}", "{dst}", {divided})')
+        for r, var, order in self.float_grads:
+            src = "".join(letters[i] for i in order)
+            dst = "".join(letters[s.index] for s in r.subs)
+            divided = _tuple(f'("{letters[s.index]}", {s.divisor})' for s in r.subs if s.divisor != 1)
+            grads.setdefault(r.operand, []).append(f'_to_operand({var}, "{src}", "{dst}", {divided})')
+            results.append(var)
         returns = []
         for a in conv.impl_args:
             param = next((q for q in conv.params if q.internal == a), None)
