@@ -326,7 +326,17 @@ def _attention_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            inside = (
+                read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            )
+            q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -361,8 +371,8 @@ def _attention_kernel(
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
-            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
+            inside__ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            v_blk = jnp.where(inside__, v_blk, jnp.zeros_like(v_blk))
         o_acc[...] = alpha * o_acc[...] + lax.dot_general(
             probs.astype(v_blk.dtype),
             v_blk,
@@ -426,17 +436,29 @@ def _attention_dq_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            inside__ = (
+                read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            )
+            q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside___ = (
+                cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            )
+            k_blk = jnp.where(inside___, k_blk, jnp.zeros_like(k_blk))
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
         raw_scores = raw_scores * 0.08838834764831845
 
         def _chain(raw_scores):
-            s = 50.0 * jnp.tanh((raw_scores / 50.0))
-            return s
+            s_ = 50.0 * jnp.tanh((raw_scores / 50.0))
+            return s_
 
-        s_ = _chain(raw_scores)
+        s__ = _chain(raw_scores)
         if masked:
             i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
@@ -445,14 +467,14 @@ def _attention_dq_kernel(
                 & (i_pos < S)
                 & (j_pos < S)
             )
-            s_ = jnp.where(present, s_, -jnp.inf)
-        return raw_scores, s_, _chain
+            s__ = jnp.where(present, s__, -jnp.inf)
+        return raw_scores, s__, _chain
 
     def _step(masked):
-        raw, s__, chain = _scores(masked)
+        raw, s, chain = _scores(masked)
         lse = row_lse_ref[:, 0:1]
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
-        probs = jnp.exp(s__ - lse)
+        probs = jnp.exp(s - lse)
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
@@ -475,11 +497,11 @@ def _attention_dq_kernel(
         ds = probs * (dprobs - delta_ref[:, 0:1])
         if masked:
             # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
-            probs = jnp.where(jnp.isneginf(s__), 0.0, probs)
-            ds = jnp.where(jnp.isneginf(s__), 0.0, ds)
+            probs = jnp.where(jnp.isneginf(s), 0.0, probs)
+            ds = jnp.where(jnp.isneginf(s), 0.0, ds)
         _, pull = jax.vjp(chain, raw)
         (draw,) = pull(ds)
-        draw = jnp.where(jnp.isneginf(s__), 0.0, draw)  # absent: no gradient
+        draw = jnp.where(jnp.isneginf(s), 0.0, draw)  # absent: no gradient
         draw = draw * 0.08838834764831845
         k_blk = k_ref[...]
         if masked:
@@ -546,7 +568,17 @@ def _attention_dkv_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
+        if masked:
+            # Past the end of i memory holds anything: zero it.
+            inside = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
+        if masked:
+            # Past the end of j memory holds anything: zero it.
+            inside_ = (
+                read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            )
+            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
         raw_scores = lax.dot_general(
             k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -576,10 +608,10 @@ def _attention_dkv_kernel(
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside = (
+            inside__ = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             )
-            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
+            v_blk = jnp.where(inside__, v_blk, jnp.zeros_like(v_blk))
         do = do_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
@@ -604,8 +636,10 @@ def _attention_dkv_kernel(
         q_blk = q_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
-            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
+            inside___ = (
+                cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            )
+            q_blk = jnp.where(inside___, q_blk, jnp.zeros_like(q_blk))
         dv_o_acc[...] += lax.dot_general(
             probs.astype(do.dtype),
             do,

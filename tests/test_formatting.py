@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsegen.compiler import compile_source
+from sparsegen.tpu.attention import AttentionEmitter, AttentionModule
 from sparsegen.tpu.emit import _Emitter
 from sparsegen.formatting import BLACK_MODE, format_module
 from sparsegen.source import SourceFile, SpecError
@@ -20,6 +21,8 @@ TEXTS = [spec_text(p.stem) for p in sorted(SPECS.glob("*.spk"))] + [NASTY, NASTY
 
 def raw_and_name(text):
     module, *_ = compile_source(SourceFile("f.spk", text))
+    if isinstance(module.plan, AttentionModule):
+        return AttentionEmitter(module.plan).module("f.spk", formatted=False), module.plan.name
     return _Emitter(module.plan).module("f.spk"), module.plan.name
 
 

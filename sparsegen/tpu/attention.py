@@ -857,7 +857,7 @@ class AttentionEmitter:
         }
 
     # ------------------------------------------------------------------ module
-    def module(self, source_name: str) -> str:
+    def module(self, source_name: str, formatted: bool = True) -> str:
         from ..formatting import format_module
         from .emit import _OPTIONAL, _environment
 
@@ -938,7 +938,8 @@ class AttentionEmitter:
             helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
             text = main + helpers
         helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
-        return format_module(main.replace("{helpers}", helpers, 1), names=(m.name,))
+        text = main.replace("{helpers}", helpers, 1)
+        return format_module(text, names=(m.name,)) if formatted else text
 
     def all_maps(self, calls) -> list[dict]:
         """Every index map of the module, once each (the forward and dq walks share theirs)."""
