@@ -31,7 +31,7 @@ failures_aot: list[bool] = []
 
 def sizes_for(kernel) -> dict[str, int]:
     sizes = {}
-    summed = {i for st in kernel.statements for i in st.summed}
+    summed = {i for st in kernel.statements for i in getattr(st, "summed", ())}
     for index in kernel.indices:
         if index.size.symbol is not None and index.size.literal is None:
             sizes[index.size.symbol] = index.tile * (BLOCKS + (1 if index.name in summed else 0))
@@ -85,7 +85,7 @@ def main() -> int:
     for spec in sorted((ROOT / "specs").glob("*.spk")):
         for plan in plans(spec):
             kernel = plan.kernel
-            walk = " + ".join(dict.fromkeys(tp.p.walk for tp in plan.passes))
+            walk = " + ".join(dict.fromkeys(tp.p.walk for tp in plan.passes)) or "row walk"
             module = load_generated(kernel.name)
             sizes = sizes_for(kernel)
             env = resolve_sizes(kernel, sizes)
@@ -104,7 +104,7 @@ def main() -> int:
                     error, ok, result = float("nan"), False, f"[red]{type(exc).__name__}[/red]"
                 elapsed = time.perf_counter() - start
                 failures += not ok
-                shapes = ", ".join(f"{k}={v}" for k, v in sizes.items()) or "fixed"
+                shapes = ", ".join(f"{k}={env[k]}" for k in sizes) or "fixed"
                 first = pattern == patterns[0]
                 aot = [compiles[kernel.name, t] if first else "" for t in TARGETS]
                 rtol = max(tolerance(kernel, o.name, env)[0] for o in kernel.outputs)
