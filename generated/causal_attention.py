@@ -315,17 +315,7 @@ def _attention_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
-            # Past the end of i memory holds anything: zero it.
-            inside = (
-                read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
-            )
-            q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
-        if masked:
-            # Past the end of j memory holds anything: zero it.
-            inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
-            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -351,8 +341,8 @@ def _attention_kernel(
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside__ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
-            v_blk = jnp.where(inside__, v_blk, jnp.zeros_like(v_blk))
+            inside = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         o_acc[...] = alpha * o_acc[...] + lax.dot_general(
             probs.astype(v_blk.dtype),
             v_blk,
@@ -447,8 +437,15 @@ def _attention_dq_kernel(
     def _step(masked):
         raw, s = _scores(masked)
         lse_ = row_lse_ref[:, 0:1]
-        lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)
-        probs = jnp.exp(s - lse_)
+        delta = delta_ref[:, 0:1]
+        if masked:
+            rows_inside = (
+                read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            )
+            lse_ = jnp.where(rows_inside, lse_, 0.0)
+            delta = jnp.where(rows_inside, delta, 0.0)
+        lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)  # a row with nothing present
+        probs = jnp.exp(s - lse_)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
@@ -468,23 +465,21 @@ def _attention_dq_kernel(
             (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
-        ds = probs * (dprobs - delta_ref[:, 0:1])
-        if masked:
-            # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
-            probs = jnp.where(jnp.isneginf(s), 0.0, probs)
-            ds = jnp.where(jnp.isneginf(s), 0.0, ds)
+        ds = probs * (dprobs - delta)
         draw = ds
-        draw = draw * 0.08838834764831845
         k_blk = k_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
             inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
-        dq_acc[...] += lax.dot_general(
-            draw.astype(k_blk.dtype),
-            k_blk,
-            (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
+        dq_acc[...] += (
+            lax.dot_general(
+                draw.astype(k_blk.dtype),
+                k_blk,
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+            * 0.08838834764831845
         )
 
     @pl.when(kind == _PARTIAL)
@@ -566,8 +561,15 @@ def _attention_dkv_kernel(
     def _step(masked):
         raw, s_ = _scores(masked)
         lse_ = row_lse_ref[0:1, :]
-        lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)
-        probs = jnp.exp(s_ - lse_)
+        delta = delta_ref[0:1, :]
+        if masked:
+            rows_inside = (
+                cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1) < S
+            )
+            lse_ = jnp.where(rows_inside, lse_, 0.0)
+            delta = jnp.where(rows_inside, delta, 0.0)
+        lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)  # a row with nothing present
+        probs = jnp.exp(s_ - lse_)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
@@ -587,13 +589,8 @@ def _attention_dkv_kernel(
             (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
-        ds = probs * (dprobs - delta_ref[0:1, :])
-        if masked:
-            # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
-            probs = jnp.where(jnp.isneginf(s_), 0.0, probs)
-            ds = jnp.where(jnp.isneginf(s_), 0.0, ds)
+        ds = probs * (dprobs - delta)
         draw = ds
-        draw = draw * 0.08838834764831845
         q_blk = q_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
@@ -607,11 +604,14 @@ def _attention_dkv_kernel(
             (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
-        dk_acc[...] += lax.dot_general(
-            draw.astype(q_blk.dtype),
-            q_blk,
-            (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
+        dk_acc[...] += (
+            lax.dot_general(
+                draw.astype(q_blk.dtype),
+                q_blk,
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+            * 0.08838834764831845
         )
 
     @pl.when(kind == _PARTIAL)

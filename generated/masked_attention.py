@@ -349,17 +349,7 @@ def _attention_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
-            # Past the end of i memory holds anything: zero it.
-            inside = (
-                read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
-            )
-            q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
-        if masked:
-            # Past the end of j memory holds anything: zero it.
-            inside_ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
-            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
         keep_blk = keep_ref[...]
         raw_scores = lax.dot_general(
             q_blk,
@@ -389,8 +379,8 @@ def _attention_kernel(
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside__ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
-            v_blk = jnp.where(inside__, v_blk, jnp.zeros_like(v_blk))
+            inside = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
+            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         o_acc[...] = alpha * o_acc[...] + lax.dot_general(
             probs.astype(v_blk.dtype),
             v_blk,
@@ -488,8 +478,15 @@ def _attention_dq_kernel(
     def _step(masked):
         raw, s = _scores(masked)
         lse = row_lse_ref[:, 0:1]
-        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
-        probs = jnp.exp(s - lse)
+        delta = delta_ref[:, 0:1]
+        if masked:
+            rows_inside = (
+                read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
+            )
+            lse = jnp.where(rows_inside, lse, 0.0)
+            delta = jnp.where(rows_inside, delta, 0.0)
+        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
+        probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
@@ -510,11 +507,7 @@ def _attention_dq_kernel(
             preferred_element_type=jnp.float32,
             precision=lax.Precision.HIGHEST,
         )
-        ds = probs * (dprobs - delta_ref[:, 0:1])
-        if masked:
-            # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
-            probs = jnp.where(jnp.isneginf(s), 0.0, probs)
-            ds = jnp.where(jnp.isneginf(s), 0.0, ds)
+        ds = probs * (dprobs - delta)
         draw = ds
         k_blk = k_ref[...]
         if masked:
@@ -613,8 +606,15 @@ def _attention_dkv_kernel(
     def _step(masked):
         raw, s_ = _scores(masked)
         lse = row_lse_ref[0:1, :]
-        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
-        probs = jnp.exp(s_ - lse)
+        delta = delta_ref[0:1, :]
+        if masked:
+            rows_inside = (
+                cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1) < S
+            )
+            lse = jnp.where(rows_inside, lse, 0.0)
+            delta = jnp.where(rows_inside, delta, 0.0)
+        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
+        probs = jnp.exp(s_ - lse)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
@@ -635,11 +635,7 @@ def _attention_dkv_kernel(
             preferred_element_type=jnp.float32,
             precision=lax.Precision.HIGHEST,
         )
-        ds = probs * (dprobs - delta_ref[0:1, :])
-        if masked:
-            # Absent elements (past the ends too, where the row statistics are garbage) add nothing.
-            probs = jnp.where(jnp.isneginf(s_), 0.0, probs)
-            ds = jnp.where(jnp.isneginf(s_), 0.0, ds)
+        ds = probs * (dprobs - delta)
         draw = ds
         q_blk = q_ref[...]
         if masked:

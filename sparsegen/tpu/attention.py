@@ -301,9 +301,10 @@ class AttentionEmitter:
         for o in operands:
             if o.role == "value":
                 continue
-            if o.role in ("q", "k") or o.read in floats:
-                # Past the ends memory holds anything: zeros keep the scores (and their
-                # derivatives) finite there.
+            if with_raw and (o.role in ("q", "k") or o.read in floats):
+                # Past the ends memory holds anything: zeros keep the scores finite there
+                # (the derivatives the chain sums for a bias too); the gradient products
+                # reuse these blocks.
                 out += self.load_block(n, o, at, tables, "masked", (p.query, p.key), transposed)
             else:
                 out.append(f"    {o.var} = {self.block_value(o, transposed)}")
@@ -590,10 +591,22 @@ class AttentionEmitter:
         got = f"{nm['raw']}, {nm['s']}, {chain}" if p.chain else f"{nm['raw']}, {nm['s']}"
         if dfe:
             got += f", {fes}"
+        delta = n.local("delta")
         lines = [f"    {got} = _scores({masked})",
                  f"    {nm['lse']} = {extra['row_lse']}{row}",
-                 f"    {nm['lse']} = jnp.where(jnp.isneginf({nm['lse']}), 0.0, {nm['lse']})",
-                 f"    {nm['probs']} = jnp.exp({nm['s']} - {nm['lse']})"]
+                 f"    {delta} = {extra['delta']}{row}"]
+        if self.ragged(p.query):
+            # Row statistics past the end are garbage: zeros make the block's absent rows give
+            # exp(-inf) = 0 and a finite correction (small vectors, not the whole block).
+            ti = self.tile[p.query]
+            shape, axis = (f"(1, {ti})", 1) if transposed else (f"({ti}, 1)", 0)
+            inside = n.local("rows_inside")
+            lines += [f"    if {masked}:",
+                      f"        {inside} = {tables['QROW']}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(p.query)}",
+                      f"        {nm['lse']} = jnp.where({inside}, {nm['lse']}, 0.0)",
+                      f"        {delta} = jnp.where({inside}, {delta}, 0.0)"]
+        lines += [f"    {nm['lse']} = jnp.where(jnp.isneginf({nm['lse']}), 0.0, {nm['lse']})  # a row with nothing present",
+                  f"    {nm['probs']} = jnp.exp({nm['s']} - {nm['lse']})  # absent elements: exp(-inf) = 0"]
         terms, dos = [], {}
         for c in p.consumers:
             if c.kind == "softmax_product":
@@ -613,22 +626,17 @@ class AttentionEmitter:
                 terms.append(term + (f" * {c.scale!r}" if c.scale is not None else ""))
         if terms:
             lines.append(f"    {nm['dprobs']} = " + " + ".join(terms))
-            lines.append(f"    {nm['ds']} = {nm['probs']} * ({nm['dprobs']} - {extra['delta']}{row})")
+            lines.append(f"    {nm['ds']} = {nm['probs']} * ({nm['dprobs']} - {delta})")
         else:
-            lines.append(f"    {nm['ds']} = -{nm['probs']} * {extra['delta']}{row}")
+            lines.append(f"    {nm['ds']} = -{nm['probs']} * {delta}")
         if "dsum" in extra:
             lines.append(f"    {nm['ds']} = {nm['ds']} + jnp.where(jnp.isneginf({nm['s']}), 0.0, {extra['dsum']}{row})")
-        lines += [f"    if {masked}:", "        # Absent elements (past the ends too, where the row statistics are garbage) add nothing.",
-                  f"        {nm['probs']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['probs']})",
-                  f"        {nm['ds']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['ds']})"]
         if p.chain:
             lines.append(f"    _, {nm['pull']} = jax.vjp({chain}, {nm['raw']}" + (f", *{fes})" if dfe else ")"))
             lines.append(f"    {', '.join([nm['draw']] + dfe)}{',' if not dfe else ''} = {nm['pull']}({nm['ds']})")
             lines.append(f"    {nm['draw']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['draw']})  # absent: no gradient")
         else:
             lines.append(f"    {nm['draw']} = {nm['ds']}")
-        if p.scale is not None:
-            lines.append(f"    {nm['draw']} = {nm['draw']} * {p.scale!r}")
         dos["floats"] = dict(zip(p.float_reads(), dfe))
         return lines, nm["probs"], nm["draw"], dos
 
@@ -645,8 +653,10 @@ class AttentionEmitter:
         ko = self.m.operands[1]
         kj = self.live(ko.read).index(p.key)
         step += self.load_block(n, ko, at, tables, "masked", (p.key,))
+        # The product's scale multiplies the (rows x d) result, not the (rows x keys) block.
+        scale = f" * {p.scale!r}" if p.scale is not None else ""
         step.append(f"    {dq_acc}[...] += lax.dot_general({draw}.astype({ko.var}.dtype), {ko.var}, (((1,), ({kj},)), ((), ())), "
-                    f"preferred_element_type={acc.jnp}{self.precision()})")
+                    f"preferred_element_type={acc.jnp}{self.precision()}){scale}")
         outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), self.grad_dtype(p.q), self.n.local("dq_full"),
                              "the row block's gradient of the score's row factor", vector=False)]
         scratch = [f"pltpu.VMEM(({self.tile[p.query]}, {self.tile[p.summed]}), {acc.jnp})"]
@@ -741,8 +751,9 @@ class AttentionEmitter:
                 do = dos[c.output]
                 lines.append(f"    {a}[...] += lax.dot_general({probs}.astype({do}.dtype), {do}, "
                              f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()}){scale}")
+        scale = f" * {p.scale!r}" if p.scale is not None else ""
         lines.append(f"    {dk_acc}[...] += lax.dot_general({draw}.astype({qo.var}.dtype), {qo.var}, (((1,), ({qi},)), ((), ())), "
-                     f"preferred_element_type={acc.jnp}{self.precision()})")
+                     f"preferred_element_type={acc.jnp}{self.precision()}){scale}")
         # Float operands the chain reads per key (a key-padding bias): summed per key block here.
         key_accs, key_outs, key_flush = [], [], []
         lead_shape = [self.size_of(i) for i in p.lead]
