@@ -202,6 +202,8 @@ class _KernelChecker:
                         offsets_used.add(sub.offset.operand.text)
             self.parsed.append((st, factors, numbers))
         for name, acc in self.locals.items():
+            if self.errors:
+                break  # a statement that failed may be the one reading it
             if not any(id(st) in self.flow and name in self.flow[id(st)].reads_locals for st in k.statements):
                 self.error(acc.operand.span, f"local tensor '{name}' is never read; an output is declared with `out`")
         for op in self.outputs:

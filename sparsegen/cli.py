@@ -220,6 +220,10 @@ def cmd_plan(args) -> int:
         return 2
     reports = []
     for p in found:
+        if not p.passes:  # a row walk: its steps come from block_kinds(), not a pattern
+            print(f"sparsegen plan: --pattern simulates the einsum walks; '{p.name}' is attention-like: its condition "
+                  "is its pattern (call block_kinds() in the generated module, or see bench/bench_attention.py)", file=sys.stderr)
+            return 2
         sizes = {**default_shapes(p.kernel), **shapes}
         missing = [s for s, lit in p.kernel.symbols if lit is None and s not in sizes]
         if missing:
@@ -392,6 +396,9 @@ def cmd_variants(args) -> int:
         print(f"sparsegen variants: choose one kernel with --kernel (the spec has: {names})", file=sys.stderr)
         return 2
     kernel = found[0].kernel
+    if not found[0].passes:
+        print(f"sparsegen variants: '{kernel.name}' is attention-like; variants explores the einsum walks only (not yet the row walk)", file=sys.stderr)
+        return 2
     from .tpu.verify import parse_shapes
 
     try:

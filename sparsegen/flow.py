@@ -98,7 +98,7 @@ class _Flow:
             used = {t.name for t in self.form.value.walk() if t.op == "index"}
             used |= {i for t in self.form.value.walk() if t.read is not None for i in t.read.indices}
             for sub in st.target.subscripts:
-                if sub.index.text not in used:
+                if not self.failed and sub.index.text not in used:
                     self.error(sub.index.span, f"index '{sub.index.text}' of the left side appears nowhere on the right")
         if st.condition is not None:
             self.form.condition = self.condition(st.condition, top=True)

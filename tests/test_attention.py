@@ -471,3 +471,17 @@ def test_biased_backward_compiles_for_tpu(target):
     args = [np.zeros((B, H, S, 128), f)] * 3 + [np.zeros((H, S, S), f), np.zeros((H,), f), np.zeros((B, H, S), f), np.zeros((B, S), f)]
     compiled = compile_for(lambda *a: gradients(mod.biased, list(a), 7), args, TOPOLOGIES[target])
     assert compiled.as_text().count("tpu_custom_call") >= 3
+
+
+def test_cli_says_what_attention_kernels_do_not_support():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    for argv in (["plan", "specs/causal_attention.spk", "--pattern", "tril"],
+                 ["variants", "specs/causal_attention.spk", "--tile", "i=256,512", "--no-compile"]):
+        result = subprocess.run([sys.executable, "-m", "sparsegen", *argv], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 2 and "attention-like" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    result = subprocess.run([sys.executable, "-m", "sparsegen", "plan", "specs/document_attention.spk"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and "traced operands" in result.stdout and "key-side walk" in result.stdout

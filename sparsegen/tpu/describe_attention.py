@@ -32,5 +32,9 @@ def describe_attention(m) -> list[str]:
     lines.append(f"VMEM: {m.vmem_bytes / 1024:.0f} KiB estimated")
     for what, b in m.vmem:
         lines.append(f"  {what}: {b / 1024:.0f} KiB")
-    lines.append("gradients: " + (m.backward_error if m.backward_error else "derived"))
+    if m.backward_error:
+        lines.append(f"gradients: not derived: {m.backward_error}")
+    else:
+        lines.append("gradients (jax.grad): dq and the chain's per-row, per-block and per-walk operands over the same walk;")
+        lines.append(f"  d{p.k.operand} and the values over the key-side walk (the transposed classification, key x row blocks)")
     return lines
