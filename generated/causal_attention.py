@@ -60,7 +60,8 @@ Plan (target v5e):
       lse block x2: 32 KiB
       running max and sum: 768 KiB
       score block and its softmax (f32 temporaries): 3072 KiB
-    gradients: derived
+    gradients (jax.grad): dq and the chain's per-row, per-block and per-walk operands over the same walk;
+      dk and the values over the key-side walk (the transposed classification, key x row blocks)
 """
 
 import functools

@@ -59,7 +59,8 @@ Plan (target v5e):
       o accumulator: 64 KiB
       running max and sum: 192 KiB
       score block and its softmax (f32 temporaries): 192 KiB
-    gradients: derived
+    gradients (jax.grad): dq and the chain's per-row, per-block and per-walk operands over the same walk;
+      dk and the values over the key-side walk (the transposed classification, key x row blocks)
 """
 
 import functools
