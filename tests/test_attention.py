@@ -135,9 +135,10 @@ CONDITIONS = {
 }
 
 
-def condition_spec(cond: str, ti=128, tj=128, segs=False) -> str:
+def condition_spec(cond: str, ti=128, tj=128, segs=False, mask=False) -> str:
     seg = "\n    in  seg: i32[S]" if segs else ""
     kseg = "\n    in  kseg: i32[T]" if segs else ""
+    kseg += "\n    in  keep: i8[S, T] mask" if mask else ""
     return f"""kernel cond_attention {{
     in  q: f32[S, D]
     in  k: f32[T, D]
@@ -238,6 +239,7 @@ def random_condition(rng) -> str:
         lambda: "seg[i] == kseg[j]",
         lambda: "seg[i] <= kseg[j] + 1",
         lambda: f"j < {rng.integers(50, 900)}",
+        lambda: "keep[i, j]",
     ]
     n = int(rng.integers(1, 4))
     parts = [atoms[int(rng.integers(0, len(atoms)))]() for _ in range(n)]
@@ -250,13 +252,13 @@ def random_condition(rng) -> str:
     return text
 
 
-@pytest.mark.parametrize("seed", range(24 if SWEEP else 5))
+@pytest.mark.parametrize("seed", range(24) if SWEEP else (0, 1, 2, 6, 9))  # 1: a mask, 6: a modulo
 def test_random_conditions(seed, interpret):
     rng = np.random.default_rng(100 + seed)
     cond = random_condition(rng)
-    segs = "seg" in cond
+    segs, mask = "seg" in cond, "keep" in cond
     ti, tj = (int(x) for x in rng.choice([128, 256], 2))
-    text = condition_spec(cond, ti, tj, segs=segs)
+    text = condition_spec(cond, ti, tj, segs=segs, mask=mask)
     if not segs:
         text = re.sub(r"\n    in  k?seg: i32\[[ST]\]", "", text)
     kernel, mod = build(text)
@@ -264,6 +266,11 @@ def test_random_conditions(seed, interpret):
     args = [rand(rng, (S, 128), jnp.float32), rand(rng, (T, 128), jnp.float32), rand(rng, (T, 128), jnp.float32)]
     if segs:
         args += [jnp.asarray(np.sort(rng.integers(0, 5, S)).astype(np.int32)), jnp.asarray(np.sort(rng.integers(0, 5, T)).astype(np.int32))]
+    if mask:  # random blocks, some all zero, some all ones, some mixed
+        blocks = rng.choice(3, (-(-S // ti), -(-T // tj)))
+        mixed = rng.random((S, T)) < 0.5
+        keep = np.where(np.repeat(np.repeat(blocks, ti, 0), tj, 1)[:S, :T] == 2, mixed, np.repeat(np.repeat(blocks, ti, 0), tj, 1)[:S, :T] == 1)
+        args.append(jnp.asarray(keep.astype(np.int8)))
     sizes = {"S": S, "T": T, "D": 128}
     # The classification is correct: empty blocks hold nothing present, full ones everything.
     got = np.asarray(mod.block_kinds(*args))
