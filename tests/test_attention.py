@@ -492,3 +492,31 @@ def test_cli_says_what_attention_kernels_do_not_support():
         assert result.returncode == 2 and "attention-like" in result.stderr and "Traceback" not in result.stderr, result.stderr
     result = subprocess.run([sys.executable, "-m", "sparsegen", "plan", "specs/document_attention.spk"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0 and "traced operands" in result.stdout and "key-side walk" in result.stdout
+
+
+# Spec names that are the generated code's own names (tables, steps, kinds, the kernel's locals).
+HOSTILE = """kernel hostile {
+    in  rows: f32[steps, kinds, D]
+    in  cols: f32[steps, kinds, D]
+    in  probs: f32[steps, kinds, D]
+    in  delta: f32[steps]
+    out flags: f32[steps, kinds, D]
+    out lse: f32[steps, kinds]
+
+    raw[at, kind, flag] = rows[at, kind, d] * cols[at, flag, d]
+    s[at, kind, flag] = raw[at, kind, flag] + delta[at] - 0.01 * abs(kind - flag) where kind >= flag
+    flags[at, kind, e] = softmax(s[at, kind, flag], flag) * probs[at, flag, e]
+    lse[at, kind] = logsumexp(s[at, kind, flag], flag)
+
+    tile at = 1, kind = 128, flag = 128, d = 128, e = 128
+}
+"""
+
+
+def test_hostile_names_build_and_run():
+    kernel, mod = build(HOSTILE)
+    rng = np.random.default_rng(16)
+    args = [rand(rng, (2, 300, 128), jnp.float32) for _ in range(3)] + [rand(rng, (2,), jnp.float32)]
+    check_outputs(kernel, mod.hostile(*args, interpret=True), args, sizes_of(kernel, args))
+    got = gradients(lambda *a: mod.hostile(*a, interpret=True), args, 4)
+    assert_gradients_match(got, gradients(mod.reference, args, 4), bf16=False)
