@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import syntax as ast
-from .ir import Einsum, Elementwise, Number, Read, Reduction, SoftmaxProduct, Term, group_factors, summed_indices
+from .ir import Einsum, Elementwise, Number, Reduction, SoftmaxProduct, Term, group_factors, summed_indices
 
 FUNCTIONS = {"exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "abs": 1, "maximum": 2, "minimum": 2}
 REDUCTIONS = ("sum", "max", "logsumexp", "softmax")

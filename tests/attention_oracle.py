@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparsegen.ir import Einsum, Elementwise, Reduction, SoftmaxProduct, Term
+from sparsegen.ir import Einsum, Elementwise, Reduction, Term
 
 FUNCS = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "abs": np.abs, "maximum": np.maximum, "minimum": np.minimum}
 

@@ -196,7 +196,7 @@ def test_walk_visits_exactly_the_nonempty_blocks():
     """Sizes-only conditions: the grid has one step per non-empty block (one per empty row),
     and consecutive steps that read the same key block start no copy."""
     kernel, mod = build(condition_spec(CONDITIONS["local"]))
-    S = T = 2048
+    S = 2048
     args = [np.zeros((S, 128), np.float32)] * 3
     kinds = np.asarray(mod.block_kinds(*args))[None]
     (rows, cols, read_rows, step_kinds, flags), steps, _ = mod._row_walk(np, kinds)

@@ -1,0 +1,415 @@
+"""Emission of the row walk's module: classification, the walk's tables, the calls, the
+custom_vjp glue, `reference`, `block_kinds`; Jinja (templates/tpu/attention.py.j2) and black."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from ...ir import Read
+from ...schedule.attention import Classifier
+from .kernels import Arr, CallSpec, KernelWriter, OutArr
+from .lower import LANES, SUBLANES, AttentionModule, Operand, layout_block
+from .reference import ReferenceWriter
+
+
+class AttentionEmitter(KernelWriter, ReferenceWriter):
+    def __init__(self, m: AttentionModule):
+        from ...wrapper import Wrapper
+
+        self.m = m
+        self.k = m.kernel
+        self.p = m.plan
+        self.n = m.names
+        self.tile = {i.name: i.tile for i in self.k.indices}
+        self.wrapper = Wrapper(m.kernel, m.conv, (), m.names.local("size"), m.names)
+        self.sizes = [s.internal for s in m.conv.sizes]
+        self.acc = self.k.accumulate
+        # Module-level names shared by the calls.
+        self.tables = [self.n.local(x) for x in ("rows", "cols", "read_rows", "kinds", "flags")]
+        self.steps = self.n.local("steps")
+        maps = self.n.scope()  # the index maps' parameters
+        self.grid_vars = [maps.local(i) for i in self.p.lead]
+        self.t = maps.local("t")
+        self.row_hosts = {"row_lse": self.n.local("row_lse_rows"), "delta": self.n.local("delta_rows")}
+        self.col_hosts = {"row_lse": self.n.local("row_lse_cols"), "delta": self.n.local("delta_cols")}
+        if any(c.kind == "sum" for c in self.p.consumers):
+            self.row_hosts["dsum"] = self.n.local("dsum_rows")
+            self.col_hosts["dsum"] = self.n.local("dsum_cols")
+        self._fns: dict[str, str] = {}
+        self.float_grads: list = []  # (read, variable in _backward, the indices it is laid out over)
+        self.post_dkv: list[str] = []
+
+    def fn(self, preferred: str) -> str:
+        """A module-level function name, the same for the same preferred name."""
+        if preferred not in self._fns:
+            self._fns[preferred] = self.n.function(preferred)
+        return self._fns[preferred]
+
+    def size_of(self, index: str) -> str:
+        size = self.k.index(index).size
+        return str(size.literal) if size.literal is not None else self.m.conv.size_var(size.symbol)
+
+    def ragged(self, index: str) -> bool:
+        idx = self.k.index(index)
+        return idx.size.literal is None or idx.size.literal % idx.tile != 0
+
+    def live(self, read: Read) -> list[str]:
+        return [s.index for s in read.subs if s.index not in self.p.lead]
+
+    # -------------------------------------------------------- classification
+    def classify(self) -> tuple[str, list[str], list[str]]:
+        """The block-kind function: its name, parameters and lines."""
+        p = self.p
+        scope = self.n.scope()
+        cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], self.size_of)
+        lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)])
+        reads = []
+        for r in (p.condition.reads if p.condition is not None else ()):
+            param = self.m.conv.param(r.operand).internal
+            if param not in reads:
+                reads.append(param)
+        return self.n.function("_classify_blocks"), reads, lines
+
+    # ------------------------------------------------------------- arrays
+    def arr(self, o: Operand, tables) -> Arr:
+        return Arr(o.ref, o.block, o.coords, o.fn, self.array(o), f"{o.read.text}: {self.about(o)}")
+
+    def out_arr(self, ref, indices, dtype, var, about, vector: bool) -> OutArr:
+        p = self.p
+        block, coords = [], []
+        for i in indices:
+            if i in p.lead:
+                block.append(None)
+                coords.append(i)
+            elif i in (p.query, p.key) and i == indices[len(p.lead)]:
+                if vector:
+                    block.append(1)
+                    coords.append("0")
+                block.append(self.tile[i])
+                coords.append("ROW")
+            else:
+                block.append(self.tile[i])
+                coords.append("0")
+        shape = tuple(self.size_of(i) for i in indices)
+        view = shape[:-1] + ("1",) + shape[-1:] if vector else shape
+        return OutArr(ref, tuple(block), tuple(coords), self.fn(f"_{ref.removesuffix('_ref')}_map"), "", about, shape, view, dtype, var)
+
+    def map_dict(self, a: Arr, call: CallSpec) -> dict:
+        group = self.group_expr(dict(zip(self.p.lead, self.grid_vars)))
+        slot = self.t if group == "0" else f"{group} * {self.steps} + {self.t}"
+        coords = []
+        for c in a.coords:
+            if c in ("QROW", "COL", "ROW"):
+                coords.append(f"{call.tables[c]}[{slot}]")
+            elif c == "STEP":
+                coords.append(self.t)
+            elif c == "0":
+                coords.append("0")
+            else:
+                name, _, div = c.partition(" // ")
+                v = self.grid_vars[self.p.lead.index(name)]
+                coords.append(f"lax.div({v}, {div})" if div else v)
+        return {"fn": a.fn + call.suffix, "coords": coords, "about": a.about}
+
+    def call_dict(self, call: CallSpec, walk_kinds: str, walk: str = "_walk_tables") -> dict:
+        grid = [self.size_of(i) if self.tile[i] == 1 else f"-(-{self.size_of(i)} // {self.tile[i]})" for i in self.p.lead] + [self.steps]
+        return {
+            "kernel_fn": call.kernel_fn,
+            "kernel_params": self.tables + call.refs,
+            "kernel_statics": call.statics,
+            "kernel_lines": call.kernel_lines,
+            "maps": [self.map_dict(a, call) for a in call.ins + call.outs],
+            "in_specs": [(_tuple("None" if b is None else str(b) for b in a.block), a.fn + call.suffix) for a in call.ins],
+            "outs": [{"block": _tuple("None" if b is None else str(b) for b in o.block), "map": o.fn + call.suffix, "view": _tuple(o.view), "shape": _tuple(o.shape),
+                      "dtype": o.dtype, "var": o.var, "reshape": o.view != o.shape} for o in call.outs],
+            "arrays": [a.host for a in call.ins],
+            "scratch": call.scratch,
+            "grid": _tuple(grid),
+            "semantics": _tuple(['"parallel"'] * len(self.p.lead) + ['"arbitrary"']),
+            "flops": f"{self.tables[3]}.size * {call.flops}",
+            "transcendentals": f"{self.tables[3]}.size * {call.transcendentals}",
+            "statics_kw": ", ".join(f"{v}={v}" for v in call.statics),
+            "walk_kinds": walk_kinds,
+            "walk_fn": walk,
+            "post": call.post,
+            "about": call.about,
+        }
+
+    # ------------------------------------------------------------------ module
+    def module(self, source_name: str, formatted: bool = True) -> str:
+        from ...formatting import format_module
+        from ..emit import _OPTIONAL, _environment
+
+        m, k, p, conv = self.m, self.k, self.p, self.m.conv
+        env = _environment()
+        classify_fn, classify_reads, classify_lines = self.classify()
+        data = p.data_dependent
+        xp = "jnp" if data else "np"
+        kinds_var = self.n.local("block_kinds")
+        n_class = len(p.class_axes)
+        kinds_lines = [f"{kinds_var} = {classify_fn}({xp}, {', '.join(classify_reads + ['sizes'])})",
+                       f"{kinds_var} = {kinds_var}.reshape((-1,) + {kinds_var}.shape[{n_class - 2}:])"]
+        forward = self.forward_call()
+        row_consumers = [c for c in p.consumers if not c.stored]
+        self.out_var = {c.output: forward.outs[n].var for n, c in enumerate(row_consumers)}
+        self.row_lse = forward.outs[-1].var
+        stored = None
+        if any(c.stored for c in p.consumers):
+            stored = self.stored_call()
+            self.out_var.update({c.output: o.var for c, o in zip([c for c in p.consumers if c.stored], stored.outs)})
+        error = m.backward_error
+        backward = {}
+        outputs = [c.output for c in p.consumers]
+        if error is None:
+            self.cotangents = {o.name: self.n.local(f"g_{o.name}") for o in k.outputs}
+            dq, dkv = self.dq_call(), self.dkv_call()
+            backward = self.backward_glue(dq, dkv, outputs)
+            calls_b = [self.call_dict(dq, kinds_var), self.call_dict(dkv, f"{kinds_var}.transpose(0, 2, 1)")]
+        else:
+            calls_b = []
+        main = env.get_template("tpu/attention.py.j2").render(
+            k=k,
+            source=source_name.encode("unicode_escape").decode("ascii"),
+            digest=k.digest,
+            doc=self.docstring(error),
+            call_doc=f"Run the kernel: {self.wrapper.returns()}.\n\n    Arguments are the inputs in declaration order (see the module docstring).\n    ",
+            helpers="{helpers}",
+            smem=m.target.smem_bytes,
+            target=m.target.name,
+            classify_fn=classify_fn,
+            classify_params=classify_reads,
+            classify_lines=classify_lines,
+            size_vars=self.sizes,
+            forward=self.call_dict(forward, kinds_var),
+            stored=self.call_dict(stored, kinds_var, walk="_dense_tables") if stored else None,
+            stored_lines=[f"{self.row_hosts['row_lse']} = jnp.broadcast_to({self.row_lse}[..., None], "
+                          f"{_tuple([self.size_of(i) for i in p.lead] + [self.size_of(p.query), str(LANES)])})"] if stored else [],
+            backward_calls=calls_b,
+            maps=self.all_maps([forward] + ([stored] if stored else []) + ([dq, dkv] if error is None else [])),
+            map_params=self.grid_vars + [self.t] + self.tables,
+            public_params=[p_.internal for p_ in conv.params] + self.sizes,
+            prepare_lines=self.prepare_lines(),
+            impl_args=list(conv.impl_args),
+            kinds_lines=kinds_lines,
+            xp=xp,
+            tables=self.tables,
+            steps=self.steps,
+            vmem_limit=self.vmem_limit(),
+            reference_lines=self.reference_lines(),
+            kernel_signature=self.wrapper.signature()[0],
+            reference_signature=self.wrapper.signature()[1],
+            public_args=[p_.public for p_ in conv.params] + [s.symbol for s in conv.sizes],
+            n_args=len(conv.impl_args),
+            outputs=[self.out_var[c.output] for c in p.consumers],
+            row_lse=forward.outs[-1].var,
+            declared=[self.out_var[o.name] for o in k.outputs],
+            error=repr(f"{error}") if error else None,
+            backward=backward,
+            class_axes=list(p.class_axes),
+            data=data,
+        )
+        uses = {key: False for key in _OPTIONAL}
+        text = main
+        for _ in range(3):
+            called = set(re.findall(r"\b(_\w+)\(", text))
+            for key, fn in _OPTIONAL.items():
+                uses[key] = uses[key] or fn in called
+            helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
+            text = main + helpers
+        helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
+        text = main.replace("{helpers}", helpers, 1)
+        return format_module(text, names=(m.name,)) if formatted else text
+
+    def all_maps(self, calls) -> list[dict]:
+        """Every index map of the module, once each (the forward and dq walks share theirs)."""
+        out: dict[str, dict] = {}
+        for call in calls:
+            for a in call.ins + call.outs:
+                d = self.map_dict(a, call)
+                assert out.get(d["fn"], d)["coords"] == d["coords"], d["fn"]
+                out[d["fn"]] = d
+        return list(out.values())
+
+    def backward_glue(self, dq: CallSpec, dkv: CallSpec, outputs) -> dict:
+        """`_run_backward`'s lines: the per-row inputs, the two calls' results, and each
+        gradient reduced to its operand (`h // n` reads sum their group, a lead index the
+        operand lacks sums away)."""
+        p, k, conv = self.p, self.k, self.m.conv
+        lines = []
+        f32 = "jnp.float32"
+        row_shape = _tuple([self.size_of(i) for i in p.lead] + [self.size_of(p.query), str(LANES)])
+        lse_var = self.row_lse
+        delta = self.n.local("delta")
+        parts = []
+        for c in p.consumers:
+            if c.kind == "softmax_product":
+                o = self.out_var[c.output]
+                parts.append(f"jnp.sum({self.cotangents[c.output]}.astype({f32}) * {o}.astype({f32}), axis=-1)")
+        for c in p.consumers:
+            if c.kind == "logsumexp":
+                parts.append(f"-{self.cotangents[c.output]}.astype({f32})")
+        lines.append(f"{delta} = " + (" + ".join(parts) if parts else f"jnp.zeros({lse_var}.shape, {f32})"))
+        lines.append(f"{self.row_hosts['row_lse']} = jnp.broadcast_to({lse_var}[..., None], {row_shape})")
+        lines.append(f"{self.row_hosts['delta']} = jnp.broadcast_to({delta}[..., None], {row_shape})")
+        col_shape = _tuple([self.size_of(i) for i in p.lead] + [str(SUBLANES), self.size_of(p.query)])
+        lines.append(f"{self.col_hosts['row_lse']} = jnp.broadcast_to({lse_var}[..., None, :], {col_shape})")
+        lines.append(f"{self.col_hosts['delta']} = jnp.broadcast_to({delta}[..., None, :], {col_shape})")
+        for c in p.consumers:
+            if c.kind == "sum":
+                lines.append(f"{self.row_hosts['dsum']} = jnp.broadcast_to({self.cotangents[c.output]}.astype({f32})[..., None], {row_shape})")
+                lines.append(f"{self.col_hosts['dsum']} = jnp.broadcast_to({self.cotangents[c.output]}.astype({f32})[..., None, :], {col_shape})")
+        results = [o.var for o in dq.outs] + [o.var for o in dkv.outs]
+        # Per operand: the gradients its reads get, laid out as the operand.
+        grads: dict[str, list[str]] = {}
+        std = {dq.outs[0].var: (p.q, p.lead + (p.query, p.summed)), dkv.outs[0].var: (p.k, p.lead + (p.key, p.summed))}
+        vals = [c for c in p.consumers if c.kind == "softmax_product"]
+        for c, o in zip(vals, dkv.outs[1:]):
+            std[o.var] = (c.value, p.lead + (p.key, self.e_of(c)))
+        letters = {i: chr(97 + n) for n, i in enumerate(x.name for x in k.indices)}
+        for var, (read, order) in std.items():
+            src = "".join(letters[i] for i in order)
+            dst = "".join(letters[s.index] for s in read.subs)
+            divided = _tuple(f'("{letters[s.index]}", {s.divisor})' for s in read.subs if s.divisor != 1)
+            grads.setdefault(read.operand, []).append(f'_to_operand({var}, "{src}", "{dst}", {divided})')
+        for r, var, order in self.float_grads:
+            src = "".join(letters[i] for i in order)
+            dst = "".join(letters[s.index] for s in r.subs)
+            divided = _tuple(f'("{letters[s.index]}", {s.divisor})' for s in r.subs if s.divisor != 1)
+            grads.setdefault(r.operand, []).append(f'_to_operand({var}, "{src}", "{dst}", {divided})')
+            results.append(var)
+        returns = []
+        for a in conv.impl_args:
+            param = next((q for q in conv.params if q.internal == a), None)
+            op = k.operand(param.operand) if param is not None else None
+            if op is not None and op.name in grads and op.dtype.is_float:
+                returns.append(f"({' + '.join(grads[op.name])}).astype({op.dtype.jnp})")
+            else:
+                returns.append(f"_no_gradient({a})")
+        do_args = [self.cot(c.output) for c in p.consumers if c.kind == "softmax_product"]
+        return {"lines": lines, "results": results, "returns": returns, "cotangents": [self.cotangents[o.name] for o in k.outputs],
+                "args": list(conv.impl_args) + do_args + list(self.row_hosts.values()) + list(self.col_hosts.values())}
+
+    def prepare_lines(self) -> list[str]:
+        lines = self.wrapper.prepare_lines([])
+        checks = []
+        for o in self.m.operands:
+            op = self.k.operand(o.read.operand)
+            for d, s in enumerate(o.read.subs):
+                dim = op.dims[d]
+                if s.index in self.p.inner and dim.symbol is not None:
+                    var, t = self.m.conv.size_var(dim.symbol), self.tile[s.index]
+                    line = f'_check_whole({var}, {t}, "{op.name} dim {d} ({dim.symbol})")'
+                    if line not in checks:
+                        checks.append(line)
+        return lines[:-1] + checks + lines[-1:]
+
+    def about(self, o: Operand) -> str:
+        return {"q": "the row block the step reads", "k": "the key block the step reads", "value": "the key block the step reads",
+                "extra": {"natural": "the step's block", "rows": "per row, broadcast along lanes", "cols": "per key, broadcast along sublanes",
+                          "scalar": "one value, broadcast to a tile"}[o.layout]}[o.role]
+
+    def array(self, o: Operand) -> str:
+        """The array the call receives for an operand (broadcast layouts for small reads)."""
+        param = self.m.conv.param(o.read.operand).internal
+        if o.layout == "natural":
+            return param
+        op = self.k.operand(o.read.operand)
+        dtype = "jnp.int32" if not op.dtype.is_float else "jnp.float32"
+        x = f"{param}.astype({dtype})"
+        shape = [self.size_of(s.index) if s.divisor == 1 else f"{self.size_of(s.index)} // {s.divisor}" for s in o.read.subs]
+        shape = [self.dim_size(o.read, d) for d in range(len(o.read.subs))]
+        if o.layout == "rows":
+            return f"jnp.broadcast_to({x}[..., None], {_tuple(shape + [str(LANES)])})"
+        if o.layout == "cols":
+            return f"jnp.broadcast_to({x}[..., None, :], {_tuple(shape[:-1] + [str(SUBLANES), shape[-1]])})"
+        return f"jnp.broadcast_to({x}[..., None, None], {_tuple(shape + [str(SUBLANES), str(LANES)])})"
+
+    def dim_size(self, read: Read, d: int) -> str:
+        dim = self.k.operand(read.operand).dims[d]
+        return str(dim.literal) if dim.literal is not None else self.m.conv.size_var(dim.symbol)
+
+    def vmem_limit(self) -> int | None:
+        if self.m.vmem_limit_override is not None:
+            return self.m.vmem_limit_override
+        need = self.m.vmem_bytes + 128 * 1024
+        t = self.m.target
+        if need <= t.scoped_vmem_bytes * 3 // 4:
+            return None
+        limit = -(-(need * 5 // 4 + 2 * (1 << 20)) // (1 << 20)) * (1 << 20)
+        return min(max(limit, t.scoped_vmem_bytes), t.vmem_bytes)
+
+    def chain_uses_positions(self) -> bool:
+        return any(t.op == "index" and t.name in (self.p.query, self.p.key) for _, term in self.p.chain for t in term.walk())
+
+    def cond_uses_positions(self) -> bool:
+        c = self.p.condition
+        return c is not None and any(t.op == "index" and t.name in (self.p.query, self.p.key) for t in c.walk())
+
+    def precision(self) -> str:
+        return ", precision=lax.Precision.HIGHEST" if self.k.accumulate.name == "f32" and any(
+            self.k.operand(o.read.operand).dtype.name == "f32" for o in self.m.operands[:2]) else ""
+
+    def block_value(self, o: Operand, transposed: bool = False) -> str:
+        ref = o.ref
+        if o.layout == "rows":
+            return f"{ref}[:, 0:1]"
+        if o.layout == "cols":
+            return f"{ref}[0:1, :]"
+        if o.layout == "scalar":
+            return f"{ref}[0:1, 0:1]"
+        live = [s.index for s in o.read.subs if s.index not in self.p.lead]
+        if o.role == "extra" and live == ([self.p.query, self.p.key] if transposed else [self.p.key, self.p.query]):
+            return f"{ref}[...].T"
+        return f"{ref}[...]"
+
+    def transposed(self, o: Operand) -> Operand:
+        """An extra operand as the key-side walk reads it (scores there are key x row)."""
+        if o.role != "extra" or o.layout not in ("rows", "cols"):
+            return o
+        layout = "cols" if o.layout == "rows" else "rows"
+        block, coords = layout_block(o.read, layout, self.p, self.tile)
+        return dataclasses.replace(o, layout=layout, block=block, coords=coords, fn=self.fn(f"{o.fn}_t"))
+
+    def group_expr(self, lead_vars) -> str:
+        """The walk's table group of a step: a flat index over the lead axes the condition reads."""
+        axes = [a for a in self.p.class_axes[:-2]]
+        if not axes:
+            return "0"
+        expr = lead_vars[axes[0]]
+        for a in axes[1:]:
+            expr = f"({expr}) * {self.size_of(a)} + {lead_vars[a]}"
+        return expr
+
+    # ------------------------------------------------------------- docstring
+    def docstring(self, error: str | None = None) -> str:
+        from ...wrapper import spec_text
+        from ..describe_attention import describe_attention
+
+        k, w = self.k, self.wrapper
+        call = f"{k.name}({w.signature()[0]})"
+        args = w.argument_lines()
+        args.append("    interpret: False compiles for the TPU; True runs the CPU interpreter;")
+        args.append("        pltpu.InterpretParams() runs the TPU simulator.")
+        spec = "\n".join("    " + line for line in spec_text(k).splitlines())
+        plan = "\n".join("    " + line for line in describe_attention(self.m))
+        return (
+            f"{k.name}: a Pallas TPU kernel generated by sparsegen.\n\n"
+            f"Spec:\n\n{spec}\n\n"
+            f"Call:\n\n    {call}\n\n"
+            "Arguments:\n\n" + "\n".join(args) + "\n\n"
+            f"Returns:\n\n    {w.returns()}\n\n"
+            "Bad shapes and dtypes raise a ValueError naming the argument and dimension.\n\n"
+            f"Plan (target {self.m.target.name}):\n\n{plan}\n"
+        )
+
+
+def _tuple(items) -> str:
+    items = list(items)
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+
+def emit_attention(m: AttentionModule, source_name: str) -> str:
+    return AttentionEmitter(m).module(source_name)
+

@@ -1,0 +1,161 @@
+"""TPU lowering of the row walk (schedule/attention.py): which arrays the pallas_calls read,
+how each is laid out for its block, the VMEM estimate, and whether gradients are derived.
+
+The kernels themselves are written by `kernels.py`, the module around them by `emit.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...callconv import Convention, convention
+from ...ir import Kernel, Read, Term
+from ...names import ModuleNames
+from ...schedule.attention import RowPlan
+from ..layout import padded_bytes
+from ..targets import Target
+
+LANES, SUBLANES = 128, 8
+_FUNCTIONS = {"exp": "jnp.exp", "log": "jnp.log", "sqrt": "jnp.sqrt", "tanh": "jnp.tanh", "abs": "jnp.abs",
+              "maximum": "jnp.maximum", "minimum": "jnp.minimum"}  # fmt: skip
+
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One array the pallas_call reads: a read of the spec, laid out for its block."""
+
+    read: Read
+    role: str  # "q" | "k" | "value" | "extra"
+    ref: str  # the kernel's ref
+    var: str  # the kernel's local for its block value
+    fn: str  # index map
+    layout: str  # "natural" | "rows" (lane-broadcast column) | "cols" (sublane-broadcast row) | "scalar"
+    block: tuple  # block shape (None: squeezed)
+    coords: tuple[str, ...]  # index map's coordinates
+
+
+@dataclass(frozen=True)
+class AttentionModule:
+    kernel: Kernel
+    target: Target
+    conv: Convention
+    names: ModuleNames
+    plan: RowPlan
+    operands: tuple[Operand, ...]
+    vmem: tuple[tuple[str, int], ...]  # (what, bytes)
+    backward_error: str | None = None  # why jax.grad cannot go through this kernel
+    vmem_limit_override: int | None = None  # verify's probe
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    @property
+    def vmem_bytes(self) -> int:
+        return sum(b for _, b in self.vmem)
+
+    passes = ()
+    backward_module = None
+    spans = ()
+
+
+def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionModule:
+    names = ModuleNames(kernel)
+    conv = convention(kernel, names)
+    p = plan
+    ops: list[Operand] = []
+    tile = {i.name: i.tile for i in kernel.indices}
+
+    def add(read: Read, role: str):
+        if any(o.read == read for o in ops):
+            return
+        has_q, has_k = p.query in read.indices, p.key in read.indices
+        layout = "natural" if role != "extra" or (has_q and has_k) else ("rows" if has_q else "cols" if has_k else "scalar")
+        block, coords = layout_block(read, layout, p, tile)
+        ops.append(Operand(read, role, names.local(f"{read.operand}_ref"), names.local(f"{read.operand}_blk"),
+                           names.function(f"_{read.operand}_map" if role != "extra" else f"_{read.operand}_{''.join(read.indices)}_map"),
+                           layout, block, coords))
+
+    add(p.q, "q")
+    add(p.k, "k")
+    for c in p.consumers:
+        if c.value is not None:
+            add(c.value, "value")
+    for r in p.reads:
+        add(r, "extra")
+    vmem = []
+    acc = kernel.accumulate
+    for o in ops:
+        shape = tuple(b for b in o.block if b is not None)
+        vmem.append((f"{o.read.operand} block x2", 2 * padded_bytes(shape, kernel.operand(o.read.operand).dtype)))
+    ti, tj = tile[p.query], tile[p.key]
+    for c in p.consumers:
+        out = kernel.operand(c.output)
+        if c.kind == "softmax_product":
+            e = [i for i in kernel.statement_of(c.output).target.indices if i not in p.lead and i != p.query][0]
+            vmem.append((f"{c.output} block x2", 2 * padded_bytes((ti, tile[e]), out.dtype)))
+            vmem.append((f"{c.output} accumulator", padded_bytes((ti, tile[e]), acc)))
+        else:
+            vmem.append((f"{c.output} block x2", 2 * padded_bytes((1, ti), out.dtype)))
+    vmem.append(("running max and sum", 3 * padded_bytes((ti, 1), acc)))
+    vmem.append(("score block and its softmax (f32 temporaries)", 3 * padded_bytes((ti, tj), acc)))
+    return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem), gradient_error(kernel, plan))
+
+
+def layout_block(read: Read, layout: str, p: RowPlan, tile: dict) -> tuple[tuple, tuple]:
+    """A read's block and index-map coordinates for a layout: "natural" (the array as it
+    is), "rows" (a lane-broadcast copy: the kernel sees a column), "cols" (a sublane-broadcast
+    copy: a row), "scalar" (a tile-broadcast copy: one value)."""
+    block, coords = [], []
+    for s in read.subs:
+        if s.index in p.lead:
+            block.append(None)
+            coords.append(s.index if s.divisor == 1 else f"{s.index} // {s.divisor}")
+        elif s.index in (p.query, p.key):
+            block.append(tile[s.index])
+            coords.append("QROW" if s.index == p.query else "COL")
+        else:
+            block.append(tile[s.index])
+            coords.append("0")
+    if layout == "rows":
+        block, coords = block + [LANES], coords + ["0"]
+    elif layout == "cols":
+        block, coords = block[:-1] + [SUBLANES, block[-1]], coords[:-1] + ["0", coords[-1]]
+    elif layout == "scalar":
+        block, coords = block + [SUBLANES, LANES], coords + ["0", "0"]
+    return tuple(block), tuple(coords)
+
+
+def gradient_error(kernel: Kernel, p: RowPlan) -> str | None:
+    """Why the flash-attention backward cannot be derived for this kernel (None: it can)."""
+    if any(c.kind == "max" for c in p.consumers):
+        return "the gradient of a max reduction is not derived yet"
+    if any(c.stored for c in p.consumers):
+        return "the gradient of a stored softmax or score output is not derived yet"
+    return None
+
+
+def render_term(t: Term, leaf) -> str:
+    """A checked term as jax.numpy code; `leaf` renders indices, sizes and reads."""
+    if t.op == "num":
+        return repr(t.value)
+    if t.op in ("index", "size", "read", "local", "truth"):
+        return leaf(t)
+    a = [render_term(x, leaf) for x in t.args]
+    if t.op in ("+", "-", "*", "/"):
+        return f"({a[0]} {t.op} {a[1]})"
+    if t.op == "//":
+        return f"_floordiv({a[0]}, {a[1]})"
+    if t.op == "%":
+        return f"_mod({a[0]}, {a[1]})"
+    if t.op == "neg":
+        return f"(-{a[0]})"
+    if t.op == "not":
+        return f"~({a[0]})"
+    if t.op in ("and", "or"):
+        return "(" + (" & " if t.op == "and" else " | ").join(f"({x})" for x in a) + ")"
+    if t.op == "cmp":
+        return "(" + " & ".join(f"({a[n]} {op} {a[n + 1]})" for n, op in enumerate(t.ops)) + ")"
+    return f"{_FUNCTIONS[t.op]}({', '.join(a)})"
+
