@@ -10,6 +10,7 @@ from ...ir import Read
 from ...schedule.attention import Classifier
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
 from .lower import LANES, SUBLANES, AttentionModule, Operand, layout_block
+from .lower import py_tuple as _tuple
 from .reference import ReferenceWriter
 
 
@@ -404,12 +405,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         )
 
 
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-
 
 
 def emit_attention(m: AttentionModule, source_name: str) -> str:
     return AttentionEmitter(m).module(source_name)
-

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ...ir import Read, Term
 from .lower import LANES, SUBLANES, Operand, render_term
+from .lower import py_tuple as _tuple
 
 
 @dataclass
@@ -586,9 +587,3 @@ class KernelWriter:
         roles = [r for r in (p.q, p.k, *(c.value for c in p.consumers if c.value is not None)) if r.operand == read.operand]
         direct = len(set(roles)) == 1 and len(roles) == 1 and all(s.divisor == 1 for s in read.subs) and set(p.lead) <= set(read.indices)
         return op.dtype.jnp if direct else "jnp.float32"
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-

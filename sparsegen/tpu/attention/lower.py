@@ -159,3 +159,8 @@ def render_term(t: Term, leaf) -> str:
         return "(" + " & ".join(f"({a[n]} {op} {a[n + 1]})" for n, op in enumerate(t.ops)) + ")"
     return f"{_FUNCTIONS[t.op]}({', '.join(a)})"
 
+
+def py_tuple(items) -> str:
+    """A Python tuple literal from item texts (a 1-tuple keeps its comma)."""
+    items = list(items)
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"

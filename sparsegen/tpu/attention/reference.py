@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ...ir import Read, Term
+from .lower import py_tuple as _tuple
 from .lower import render_term
 
 
@@ -91,9 +92,3 @@ class ReferenceWriter:
         out = [results[o.name] for o in k.outputs]
         lines.append(f"return {', '.join(out)}")
         return lines
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-
