@@ -18,7 +18,7 @@ Spec:
 
 Call:
 
-    masked_attention(q, k, v, keep, *, H=None, S=None, D=None, T=None, interpret=False)
+    masked_attention(q, k, v, keep, *, H=None, S=None, D=None, T=None, max_steps=None, interpret=False)
 
 Arguments:
 
@@ -30,6 +30,8 @@ Arguments:
     S: int, keyword, optional  (taken from the arguments; must agree if given)
     D: int, keyword, optional  (taken from the arguments; must agree if given)
     T: int, keyword, optional  (taken from the arguments; must agree if given)
+    max_steps: int, keyword, optional  (the walk's steps per group; default: every block;
+        checked on concrete arguments, NaN outputs under jit when too few)
     interpret: False compiles for the TPU; True runs the CPU interpreter;
         pltpu.InterpretParams() runs the TPU simulator.
 

@@ -88,7 +88,7 @@ class _KernelChecker:
             for dim in op.dims:
                 if isinstance(dim.value, str):
                     self.check_identifier(ast.Name(dim.value, dim.span), "size")
-                    if dim.value == "interpret" or dim.value in HELPERS:
+                    if dim.value in ("interpret", "max_steps") or dim.value in HELPERS:
                         self.error(dim.span, f"size '{dim.value}' would clash with a name of the generated module; rename it")
         self.operands = seen
 
@@ -222,9 +222,6 @@ class _KernelChecker:
         for st, factors, _ in self.parsed:
             self.check_accesses(st, factors)
         self.stop_if_errors()
-
-    def operand_of(self, acc: ast.Access) -> ast.Operand | None:
-        return self.operands.get(acc.operand.text)
 
     def product(self, value: ast.Expr) -> tuple[list[ast.Access] | None, list[ast.Number]]:
         """The factors of a right side: operand reads and numeric literals multiplied together."""

@@ -51,7 +51,7 @@ class Form:
         if self.kind == "reduction":
             return Reduction(target, self.fn, read(self.arg), self.index, self.condition, self.st.span)
         numbers = tuple(Number(n.value) for n in self.numbers)
-        return SoftmaxProduct(target, read(self.arg), self.index, read(self.factors[0]), numbers, self.st.span)
+        return SoftmaxProduct(target, read(self.arg), self.index, read(self.factors[0]), numbers, self.st.span, self.condition)
 
 
 def flow_statement(c, st: ast.Statement, assigned: dict) -> tuple[list[ast.Access], Form] | None:
@@ -307,6 +307,8 @@ class _Flow:
         if isinstance(e, ast.Binary):
             if e.op not in _INT_OPS:
                 self.error(e.span, f"'{e.op}' in a condition: conditions compute with integers (+ - * // %)")
+            elif e.op in ("//", "%") and isinstance(e.b, ast.Number) and e.b.value == 0:
+                self.error(e.b.span, f"'{e.op}' by zero")
             return Term(e.op, (self.integer(e.a), self.integer(e.b)))
         if isinstance(e, ast.Neg):
             return Term("neg", (self.integer(e.a),))

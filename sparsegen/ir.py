@@ -329,10 +329,11 @@ class SoftmaxProduct:
     value: Read  # the factor it multiplies
     numbers: tuple[Number, ...]
     span: Span
+    condition: Term | None = None
 
     @property
     def factors(self) -> tuple[Read, ...]:
-        return (self.value,)
+        return (self.value,) + (self.condition.reads if self.condition else ())
 
     reads = factors
 
@@ -343,7 +344,8 @@ class SoftmaxProduct:
     @property
     def text(self) -> str:
         rest = "".join(f" * {n.text}" for n in self.numbers)
-        return f"{self.target.text} = softmax({self.scores.text}, {self.index}) * {self.value.text}{rest}"
+        cond = f" where {self.condition.text}" if self.condition else ""
+        return f"{self.target.text} = softmax({self.scores.text}, {self.index}) * {self.value.text}{rest}{cond}"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,12 @@ HELPERS = frozenset(
 }  # fmt: skip
 MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds"}
 # Fixed parameter and local names of the generated functions.
-FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec", "residuals", "cotangent"})
+FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec", "residuals", "cotangent"}) | {
+    # the row walk's (attention) fixed names: its kernels' nested functions and parameters,
+    # the walk's wrapper locals, the classification's locals
+    "masked", "bound", "overflow", "max_steps", "xp", "can", "must",
+    "_scores", "_chain", "_step", "_partial", "_full", "_write", "_empty", "_start", "_finish", "_init", "_flush",
+}  # fmt: skip
 PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | frozenset(keyword.softkwlist)
 
 
@@ -49,7 +54,7 @@ class ModuleNames:
     def __init__(self, kernel):
         symbols = [s for s, _ in kernel.symbols]
         # The public functions' bodies use only these names besides their parameters.
-        self.public = NameTable({"_prepare", "_impl", "_run", "_reference", "_check_interpret", "interpret"} | set(symbols))
+        self.public = NameTable({"_prepare", "_impl", "_run", "_reference", "_check_interpret", "_check_bound", "interpret", "max_steps"} | set(symbols))
         self.internal = NameTable(MODULE_NAMES | PYTHON_NAMES | FIXED_LOCALS | {kernel.name})
         self.functions = NameTable(MODULE_NAMES | {kernel.name})
 

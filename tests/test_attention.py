@@ -520,3 +520,30 @@ def test_hostile_names_build_and_run():
     check_outputs(kernel, mod.hostile(*args, interpret=True), args, sizes_of(kernel, args))
     got = gradients(lambda *a: mod.hostile(*a, interpret=True), args, 4)
     assert_gradients_match(got, gradients(mod.reference, args, 4), bf16=False)
+
+
+# The row walk's own fixed names as spec names: a lead index `masked` (the kernels' flag), operands
+# `bound`, `overflow`, a mask `xp` (the classification's module), a size `can`, nested function names.
+HOSTILE_WALK = """kernel hostile2 {
+    in  bound: f32[masked, can, D]
+    in  overflow: f32[masked, can, D]
+    in  probs: f32[masked, can, D]
+    in  xp: i8[can, can] mask
+    out o: f32[masked, can, D]
+
+    _scores[masked, _step, _chain] = bound[masked, _step, d] * overflow[masked, _chain, d] where xp[_step, _chain] and _step + masked * 64 >= _chain
+    o[masked, _step, e] = softmax(_scores[masked, _step, _chain], _chain) * probs[masked, _chain, e]
+
+    tile masked = 1, _step = 128, _chain = 128, d = 128, e = 128
+}
+"""
+
+
+def test_walk_names_as_spec_names():
+    kernel, mod = build(HOSTILE_WALK)
+    rng = np.random.default_rng(17)
+    args = [rand(rng, (3, 300, 128), jnp.float32) for _ in range(3)]
+    args.append(jnp.asarray((rng.random((300, 300)) < 0.7).astype(np.int8)))
+    check_outputs(kernel, mod.hostile2(*args, interpret=True), args, sizes_of(kernel, args))
+    got = gradients(lambda *a: mod.hostile2(*a, max_steps=9, interpret=True), args, 3)
+    assert_gradients_match(got, gradients(mod.reference, args, 3), bf16=False)

@@ -111,8 +111,8 @@ def row_plan(kernel: Kernel) -> RowPlan:
     score_st = next((s for s in sts if isinstance(s, Einsum) and s.target.operand in locals_), None)
     if score_st is None:
         fail(sts[0], "not supported yet: a kernel with conditions, expressions or reductions needs a local score `s[..., i, j] = q[..., i, d] * k[..., j, d]`")
-    if len(score_st.summed) != 1 or len(score_st.summed_groups) != 2 or score_st.end_groups:
-        fail(score_st, "not supported yet: the score is a product of two operands summed over one index")
+    if len(score_st.summed) != 1 or len(score_st.factors) != 2 or len(score_st.summed_groups) != 2:
+        fail(score_st, "not supported yet: the score is a product of two operands (and numbers) summed over one index")
     conditions = [score_st.condition] if score_st.condition is not None else []
     chain: list[tuple[str, Term]] = []
     current = score_st.target.operand
@@ -128,8 +128,8 @@ def row_plan(kernel: Kernel) -> RowPlan:
             if st.condition is not None:
                 conditions.append(st.condition)
         elif isinstance(st, SoftmaxProduct) and st.target.operand not in locals_:
-            if st.scores.operand != current:
-                fail(st, f"not supported yet: the softmax reads the last score local ('{current}')")
+            if st.scores.operand != current or st.condition is not None:
+                fail(st, f"not supported yet: the softmax reads the last score local ('{current}') with no condition of its own")
             scale = None
             for n in st.numbers:
                 scale = n.value if scale is None else scale * n.value
@@ -151,6 +151,9 @@ def row_plan(kernel: Kernel) -> RowPlan:
         fail(sts[-1], "nothing reads the scores into an output")
     score_idx = score_st.target.indices
     key = _key_of(sts, consumers) or score_idx[-1]
+    for st in sts:
+        if isinstance(st, (SoftmaxProduct, Reduction)) and st.index != key:
+            fail(st, f"not supported yet: every reduction of the scores runs over one index ('{key}')")
     if key not in score_idx or score_idx[-1] != key:
         fail(score_st, f"not supported yet: the score's last index is the one its rows reduce over ('{key}')")
     rows = score_idx[:-1]
@@ -173,6 +176,12 @@ def row_plan(kernel: Kernel) -> RowPlan:
                 fail(kernel.statement_of(c.output), "not supported yet: a stored softmax or score has the score's indices, in their order")
         elif tuple(target) != rows:
             fail(kernel.statement_of(c.output), "not supported yet: a reduction's output keeps the score's other indices in their order")
+    for st in sts:
+        for r in (st.reads if not isinstance(st, Einsum) else st.factors):
+            for sub in r.subs:
+                if sub.divisor != 1 and sub.index not in lead:
+                    raise ScheduleError(Diagnostic(r.span, f"not supported yet: '{r.operand}' read through {sub.text}; "
+                                                           "in an attention-like kernel only a batch or head index may be divided"))
     for i in lead:
         if kernel.index(i).tile != 1:
             raise ScheduleError(Diagnostic(kernel.index(i).tile_span, f"an attention kernel walks '{i}' one at a time: tile {i} = 1"))

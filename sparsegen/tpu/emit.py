@@ -317,16 +317,21 @@ class _Emitter:
             gradient=gradient,
             n_args=len(conv.impl_args),
         )
-        uses = {key: False for key in _OPTIONAL}
-        text = main
-        for _ in range(3):  # helpers call helpers: until nothing new is used
-            called = set(re.findall(r"\b(_\w+)\(", text))
-            for key, fn in _OPTIONAL.items():
-                uses[key] = uses[key] or fn in called
-            helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
-            text = main + helpers
-        helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
-        return main.replace("{helpers}", helpers, 1)
+        return with_helpers(main)
+
+
+def with_helpers(main: str) -> str:
+    """A module's text with the helpers it calls in place of `{helpers}` (helpers that
+    helpers call included)."""
+    env = _environment()
+    uses = {key: False for key in _OPTIONAL}
+    text = main
+    for _ in range(3):  # helpers call helpers: until nothing new is used
+        called = set(re.findall(r"\b(_\w+)\(", text))
+        for key, fn in _OPTIONAL.items():
+            uses[key] = uses[key] or fn in called
+        text = main + env.get_template("helpers.py.j2").render(uses=uses)
+    return main.replace("{helpers}", env.get_template("helpers.py.j2").render(uses=uses).strip(), 1)
 
 
 def emit(m: TpuModule, source_name: str) -> str:

@@ -4,7 +4,6 @@ custom_vjp glue, `reference`, `block_kinds`; Jinja (templates/tpu/attention.py.j
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from ...ir import Read
 from ...schedule.attention import Classifier
@@ -140,7 +139,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
     # ------------------------------------------------------------------ module
     def module(self, source_name: str, formatted: bool = True) -> str:
         from ...formatting import format_module
-        from ..emit import _OPTIONAL, _environment
+        from ..emit import _environment, with_helpers
 
         m, k, p, conv = self.m, self.k, self.p, self.m.conv
         env = _environment()
@@ -210,16 +209,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             class_axes=list(p.class_axes),
             data=data,
         )
-        uses = {key: False for key in _OPTIONAL}
-        text = main
-        for _ in range(3):
-            called = set(re.findall(r"\b(_\w+)\(", text))
-            for key, fn in _OPTIONAL.items():
-                uses[key] = uses[key] or fn in called
-            helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
-            text = main + helpers
-        helpers = env.get_template("helpers.py.j2").render(uses=uses).strip()
-        text = main.replace("{helpers}", helpers, 1)
+        text = with_helpers(main)
         return format_module(text, names=(m.name,)) if formatted else text
 
     def all_maps(self, calls) -> list[dict]:
@@ -318,7 +308,6 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         op = self.k.operand(o.read.operand)
         dtype = "jnp.int32" if not op.dtype.is_float else "jnp.float32"
         x = f"{param}.astype({dtype})"
-        shape = [self.size_of(s.index) if s.divisor == 1 else f"{self.size_of(s.index)} // {s.divisor}" for s in o.read.subs]
         shape = [self.dim_size(o.read, d) for d in range(len(o.read.subs))]
         if o.layout == "rows":
             return f"jnp.broadcast_to({x}[..., None], {_tuple(shape + [str(LANES)])})"
@@ -342,10 +331,6 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
 
     def chain_uses_positions(self) -> bool:
         return any(t.op == "index" and t.name in (self.p.query, self.p.key) for _, term in self.p.chain for t in term.walk())
-
-    def cond_uses_positions(self) -> bool:
-        c = self.p.condition
-        return c is not None and any(t.op == "index" and t.name in (self.p.query, self.p.key) for t in c.walk())
 
     def precision(self) -> str:
         return ", precision=lax.Precision.HIGHEST" if self.k.accumulate.name == "f32" and any(
@@ -388,8 +373,13 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         from ..describe_attention import describe_attention
 
         k, w = self.k, self.wrapper
-        call = f"{k.name}({w.signature()[0]})"
+        signature = w.signature()[0]
         args = w.argument_lines()
+        if self.p.data_dependent:
+            signature = signature.replace("interpret=False", "max_steps=None, interpret=False")
+            args.append("    max_steps: int, keyword, optional  (the walk's steps per group; default: every block;")
+            args.append("        checked on concrete arguments, NaN outputs under jit when too few)")
+        call = f"{k.name}({signature})"
         args.append("    interpret: False compiles for the TPU; True runs the CPU interpreter;")
         args.append("        pltpu.InterpretParams() runs the TPU simulator.")
         spec = "\n".join("    " + line for line in spec_text(k).splitlines())

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...callconv import Convention, convention
+from ...flow import FUNCTIONS
 from ...ir import Kernel, Read, Term
 from ...names import ModuleNames
 from ...schedule.attention import RowPlan
@@ -16,8 +17,7 @@ from ..layout import padded_bytes
 from ..targets import Target
 
 LANES, SUBLANES = 128, 8
-_FUNCTIONS = {"exp": "jnp.exp", "log": "jnp.log", "sqrt": "jnp.sqrt", "tanh": "jnp.tanh", "abs": "jnp.abs",
-              "maximum": "jnp.maximum", "minimum": "jnp.minimum"}  # fmt: skip
+_FUNCTIONS = {f: f"jnp.{f}" for f in FUNCTIONS}  # every function of the language is jax.numpy's
 
 
 
