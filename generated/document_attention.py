@@ -477,24 +477,22 @@ def _attention_dq_kernel(
         q_blk = q_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            inside__ = (
+            inside = (
                 read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             )
-            q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
+            q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside___ = (
-                cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
-            )
-            k_blk = jnp.where(inside___, k_blk, jnp.zeros_like(k_blk))
+            inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
         seg_blk = seg_ref[:, 0:1]
         seg_blk_ = seg_ref_[0:1, :]
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
         raw_scores = raw_scores * 0.125
-        s_ = raw_scores
+        s = raw_scores
         if masked:
             i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
@@ -503,8 +501,8 @@ def _attention_dq_kernel(
                 & (i_pos < S)
                 & (j_pos < S)
             )
-            s_ = jnp.where(present, s_, -jnp.inf)
-        return raw_scores, s_
+            s = jnp.where(present, s, -jnp.inf)
+        return raw_scores, s
 
     def _step(masked):
         raw, s = _scores(masked)
@@ -639,7 +637,7 @@ def _attention_dkv_kernel(
         return raw_scores, s
 
     def _step(masked):
-        raw, s_ = _scores(masked)
+        raw, s = _scores(masked)
         lse = row_lse_ref[0:1, :]
         delta = delta_ref[0:1, :]
         if masked:
@@ -649,14 +647,14 @@ def _attention_dkv_kernel(
             lse = jnp.where(rows_inside, lse, 0.0)
             delta = jnp.where(rows_inside, delta, 0.0)
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
-        probs = jnp.exp(s_ - lse)  # absent elements: exp(-inf) = 0
+        probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside__ = (
+            inside = (
                 read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             )
-            v_blk = jnp.where(inside__, v_blk, jnp.zeros_like(v_blk))
+            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         do = do_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
@@ -674,10 +672,8 @@ def _attention_dkv_kernel(
         q_blk = q_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            inside___ = (
-                cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
-            )
-            q_blk = jnp.where(inside___, q_blk, jnp.zeros_like(q_blk))
+            inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
         dv_o_acc[...] += lax.dot_general(
             probs.astype(do.dtype),
             do,

@@ -429,27 +429,25 @@ def _attention_dq_kernel(
         q_blk = q_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            inside__ = (
+            inside = (
                 read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             )
-            q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
+            q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside___ = (
-                cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
-            )
-            k_blk = jnp.where(inside___, k_blk, jnp.zeros_like(k_blk))
+            inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
         raw_scores = raw_scores * 0.08838834764831845
 
         def _chain(raw_scores):
-            s_ = 50.0 * jnp.tanh((raw_scores / 50.0))
-            return s_
+            s = 50.0 * jnp.tanh((raw_scores / 50.0))
+            return s
 
-        s__ = _chain(raw_scores)
+        s_ = _chain(raw_scores)
         if masked:
             i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
@@ -458,8 +456,8 @@ def _attention_dq_kernel(
                 & (i_pos < S)
                 & (j_pos < S)
             )
-            s__ = jnp.where(present, s__, -jnp.inf)
-        return raw_scores, s__, _chain
+            s_ = jnp.where(present, s_, -jnp.inf)
+        return raw_scores, s_, _chain
 
     def _step(masked):
         raw, s, chain = _scores(masked)
@@ -597,7 +595,7 @@ def _attention_dkv_kernel(
         return raw_scores, s_, _chain
 
     def _step(masked):
-        raw, s__, chain = _scores(masked)
+        raw, s, chain = _scores(masked)
         lse = row_lse_ref[0:1, :]
         delta = delta_ref[0:1, :]
         if masked:
@@ -607,14 +605,14 @@ def _attention_dkv_kernel(
             lse = jnp.where(rows_inside, lse, 0.0)
             delta = jnp.where(rows_inside, delta, 0.0)
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
-        probs = jnp.exp(s__ - lse)  # absent elements: exp(-inf) = 0
+        probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside__ = (
+            inside = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             )
-            v_blk = jnp.where(inside__, v_blk, jnp.zeros_like(v_blk))
+            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         do = do_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
@@ -630,14 +628,12 @@ def _attention_dkv_kernel(
         ds = probs * (dprobs - delta)
         _, pull = jax.vjp(chain, raw)
         (draw,) = pull(ds)
-        draw = jnp.where(jnp.isneginf(s__), 0.0, draw)  # absent: no gradient
+        draw = jnp.where(jnp.isneginf(s), 0.0, draw)  # absent: no gradient
         q_blk = q_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            inside___ = (
-                cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
-            )
-            q_blk = jnp.where(inside___, q_blk, jnp.zeros_like(q_blk))
+            inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
         dv_o_acc[...] += lax.dot_general(
             probs.astype(do.dtype),
             do,

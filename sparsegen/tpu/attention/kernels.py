@@ -80,6 +80,7 @@ class KernelWriter:
         before the chain, for the chain's derivative. `transposed`: key x row blocks (the
         key-side walk), so per-row statistics are rows and the gradients plain products."""
         p, acc = self.p, self.acc
+        n = n.scope()  # _scores' own locals: they avoid the kernel's names, not its other functions'
         ti, tj = self.tile[p.query], self.tile[p.key]
         out = ["", "def _scores(masked):"]
         operands = self.operands(transposed)
@@ -205,7 +206,7 @@ class KernelWriter:
         p, k, acc = self.p, self.k, self.acc
         consumers = [c for c in p.consumers if not c.stored]
         n = self.n.scope()
-        tables = {"QROW": self.tables[2], "COL": self.tables[1], "ROW": self.tables[0]}
+        tables = self.row_tables()
         lines, lead_vars, at, kind, flag = self.head(n, tables)
         ti = self.tile[p.query]
         m_scr, l_scr = n.local("m_scratch"), n.local("l_scratch")
@@ -272,7 +273,7 @@ class KernelWriter:
             elif c.kind == "sum":
                 scratch.append(f"pltpu.VMEM(({ti}, 1), {acc.jnp})")
         refs = [a.ref for a in ins] + [o.ref for o in outs] + [m_scr, l_scr] + list(accs.values())
-        dims = self.tile[p.query] * self.tile[p.key]
+        dims = self.block_elements()
         e_total = sum(self.tile[self.e_of(c)] for c in consumers if c.kind == "softmax_product")
         return CallSpec(self.n.function("_attention_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
                         f"{2 * dims * (self.tile[p.summed] + e_total)}", f"{dims}", "the outputs", refs)
@@ -283,7 +284,7 @@ class KernelWriter:
         p, k = self.p, self.k
         stored = [c for c in p.consumers if c.stored]
         n = self.n.scope()
-        tables = {"QROW": self.tables[2], "COL": self.tables[1], "ROW": self.tables[0]}
+        tables = self.row_tables()
         lines, lead_vars, at, kind, flag = self.head(n, tables)
         out_refs = {c.output: n.local(f"{c.output}_ref") for c in stored}
         ins = [self.arr(o, tables) for o in self.m.operands if o.role != "value"]
@@ -317,7 +318,7 @@ class KernelWriter:
             outs.append(OutArr(out_refs[c.output], block, coords, self.fn(f"_{c.output}_map"), "", f"{st.target.text}: the step's block",
                                shape, shape, k.operand(c.output).dtype.jnp, self.n.local(c.output)))
         refs = [a.ref for a in ins] + [o.ref for o in outs]
-        dims = self.tile[p.query] * self.tile[p.key]
+        dims = self.block_elements()
         return CallSpec(self.n.function("_attention_stored_kernel"), lines, [], ins, outs, self.statics(lines), tables,
                         f"{2 * dims * self.tile[p.summed]}", f"{dims}", "the stored softmax and score outputs", refs)
 
@@ -431,14 +432,17 @@ class KernelWriter:
         operands the chain reads per block (placed by the wrapper), per row, or per walk."""
         p, acc = self.p, self.acc
         n = self.n.scope()
-        tables = {"QROW": self.tables[2], "COL": self.tables[1], "ROW": self.tables[0]}
+        tables = self.row_tables()
         head, lead_vars, at, kind, flag = self.head(n, tables)
         ins, extra = self.backward_inputs(n, tables)
         dq_acc, dq_ref = n.local("dq_acc"), n.local("dq_ref")
-        step, probs, draw, dos = self.backward_step(n, at, tables, extra, "masked")
+        # Kernel-level names first: _step's locals (a scope of their own) avoid them.
+        float_names = {r: (n.local(f"d{r.operand}_ref"), n.local(f"d{r.operand}_acc")) for r in p.float_reads()}
+        sn = n.scope()
+        step, probs, draw, dos = self.backward_step(sn, at, tables, extra, "masked")
         ko = self.m.operands[1]
         kj = self.live(ko.read).index(p.key)
-        step += self.load_block(n, ko, at, tables, "masked", (p.key,))
+        step += self.load_block(sn, ko, at, tables, "masked", (p.key,))
         # The product's scale multiplies the (rows x d) result, not the (rows x keys) block.
         scale = f" * {p.scale!r}" if p.scale is not None else ""
         step.append(f"    {dq_acc}[...] += lax.dot_general({draw}.astype({ko.var}.dtype), {ko.var}, (((1,), ({kj},)), ((), ())), "
@@ -451,7 +455,8 @@ class KernelWriter:
         lead_shape = [self.size_of(i) for i in p.lead]
         for r, d in dos["floats"].items():
             o = next(x for x in self.m.operands if x.read == r)
-            ref, var = n.local(f"d{r.operand}_ref"), self.n.local(f"d{r.operand}_{''.join(r.indices)}")
+            ref, a = float_names[r]
+            var = self.n.local(f"d{r.operand}_{''.join(r.indices)}")
             if o.layout == "natural":
                 # One block per step, placed by the wrapper: each non-empty block once.
                 step.append(f"    {ref}[...] = {d}")
@@ -465,7 +470,6 @@ class KernelWriter:
                             f"({self.size_of(p.query)}, {self.size_of(p.key)}))")
                 self.float_grads.append((r, var, p.lead + (p.query, p.key)))
             elif o.layout == "rows":
-                a = n.local(f"d{r.operand}_acc")
                 row_accs.append(a)
                 step.append(f"    {a}[...] += {d}")
                 init.append(f"    {a}[...] = jnp.zeros_like({a})")
@@ -478,7 +482,6 @@ class KernelWriter:
                 post.append(f"{var} = {var}[..., 0]")
                 self.float_grads.append((r, var, p.lead + (p.query,)))
             elif o.layout == "scalar":
-                a = n.local(f"d{r.operand}_acc")
                 walk_accs.append(a)
                 step.append(f"    {a}[...] += {d}")
                 finish.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
@@ -503,7 +506,7 @@ class KernelWriter:
         if walk_accs:
             lines += ["", f"@pl.when(pl.program_id({len(p.lead)}) == {self.steps} - 1)", "def _finish():"] + finish
         refs = [a.ref for a in ins] + [o.ref for o in outs] + [dq_acc] + row_accs + walk_accs
-        dims = self.tile[p.query] * self.tile[p.key]
+        dims = self.block_elements()
         e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
         return CallSpec(self.n.function("_attention_dq_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
                         f"{2 * dims * (2 * self.tile[p.summed] + e_total)}", f"{dims}", f"the gradient of {p.q.operand}", refs, post=post)
@@ -513,54 +516,26 @@ class KernelWriter:
         visiting each key block's non-empty row blocks."""
         p, acc = self.p, self.acc
         n = self.n.scope()
-        tables = {"QROW": self.tables[1], "COL": self.tables[2], "ROW": self.tables[0]}
-        lines, lead_vars, at, kind, flag = self.head(n, tables)
+        tables = self.key_tables()
+        head, lead_vars, at, kind, flag = self.head(n, tables)
         ins, extra = self.backward_inputs(n, tables, transposed=True)
         dk_acc, dk_ref = n.local("dk_acc"), n.local("dk_ref")
-        dv = {}
-        for c in p.consumers:
-            if c.kind == "softmax_product":
-                dv[c.output] = (n.local(f"dv_{c.output}_acc"), n.local(f"dv_{c.output}_ref"))
-        lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", f"    {dk_acc}[...] = jnp.zeros_like({dk_acc})"]
-        lines += [f"    {a}[...] = jnp.zeros_like({a})" for a, _ in dv.values()]
-        lines += ["", "# Blocks are key x row here: each row's statistics are row vectors, and both",
-                  "# gradients are plain products with the row blocks."]
-        lines += self.scores(n, lead_vars, at, tables, with_raw=True, transposed=True)
-        step, probs, draw, dos = self.backward_step(n, at, tables, extra, "masked", transposed=True)
+        dv = {c.output: (n.local(f"dv_{c.output}_acc"), n.local(f"dv_{c.output}_ref")) for c in p.consumers if c.kind == "softmax_product"}
+        float_names = {r: (n.local(f"d{r.operand}_ref"), n.local(f"d{r.operand}_acc")) for r in p.float_reads()}
+        sn = n.scope()  # _step's own locals avoid the kernel-level names above
+        step, probs, draw, dos = self.backward_step(sn, at, tables, extra, "masked", transposed=True)
         qo = self.m.operands[0]
         qi = self.live(qo.read).index(p.query)
-        lines += ["", "def _step(masked):"] + step + self.load_block(n, qo, at, tables, "masked", (p.query,))
+        step += self.load_block(sn, qo, at, tables, "masked", (p.query,))
         for c in p.consumers:
             if c.kind == "softmax_product":
-                a, _ = dv[c.output]
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
                 do = dos[c.output]
-                lines.append(f"    {a}[...] += lax.dot_general({probs}.astype({do}.dtype), {do}, "
-                             f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()}){scale}")
+                step.append(f"    {dv[c.output][0]}[...] += lax.dot_general({probs}.astype({do}.dtype), {do}, "
+                            f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()}){scale}")
         scale = f" * {p.scale!r}" if p.scale is not None else ""
-        lines.append(f"    {dk_acc}[...] += lax.dot_general({draw}.astype({qo.var}.dtype), {qo.var}, (((1,), ({qi},)), ((), ())), "
-                     f"preferred_element_type={acc.jnp}{self.precision()}){scale}")
-        # Float operands the chain reads per key (a key-padding bias): summed per key block here.
-        key_accs, key_outs, key_flush = [], [], []
-        lead_shape = [self.size_of(i) for i in p.lead]
-        for r, d in dos["floats"].items():
-            o = next(x for x in self.m.operands if x.read == r)
-            if o.layout != "cols":
-                continue
-            a, ref = n.local(f"d{r.operand}_acc"), n.local(f"d{r.operand}_ref")
-            var = self.n.local(f"d{r.operand}_{''.join(r.indices)}")
-            key_accs.append(a)
-            lines[lines.index(f"    {dk_acc}[...] = jnp.zeros_like({dk_acc})") + 1:0] = [f"    {a}[...] = jnp.zeros_like({a})"]
-            lines.append(f"    {a}[...] += {d}")
-            key_flush.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
-            shape = tuple(lead_shape + [self.size_of(p.key), str(LANES)])
-            key_outs.append(OutArr(ref, tuple([None] * len(p.lead) + [self.tile[p.key], LANES]), tuple(list(p.lead) + ["ROW", "0"]),
-                                   self.fn(f"_d{r.operand}_keys_map"), "", f"the gradient of {r.text}, per key", shape, shape, "jnp.float32", var))
-            self.post_dkv.append(f"{var} = {var}[..., 0]")
-            self.float_grads.append((r, var, p.lead + (p.key,)))
-        lines += self.phases(kind, "_step")
-        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dk_ref}[...] = {dk_acc}[...].astype({dk_ref}.dtype)"]
-        lines += [f"    {r}[...] = {a}[...].astype({r}.dtype)" for a, r in dv.values()] + key_flush
+        step.append(f"    {dk_acc}[...] += lax.dot_general({draw}.astype({qo.var}.dtype), {qo.var}, (((1,), ({qi},)), ((), ())), "
+                    f"preferred_element_type={acc.jnp}{self.precision()}){scale}")
         outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), self.grad_dtype(p.k), self.n.local("dk_full"),
                              "the key block's gradient of the score's key factor", vector=False)]
         scratch = [f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[p.summed]}), {acc.jnp})"]
@@ -570,14 +545,48 @@ class KernelWriter:
                 outs.append(self.out_arr(dv[c.output][1], p.lead + (p.key, e), self.grad_dtype(c.value), self.n.local(f"dv_{c.output}_full"),
                                          f"the key block's gradient of {c.value.operand}", vector=False))
                 scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[e]}), {acc.jnp})")
-        outs += key_outs
-        scratch += [f"pltpu.VMEM(({self.tile[p.key]}, 1), {acc.jnp})" for _ in key_accs]
-        refs = [a.ref for a in ins] + [o.ref for o in outs] + [dk_acc] + [a for a, _ in dv.values()] + key_accs
-        dims = self.tile[p.query] * self.tile[p.key]
+        # Float operands the chain reads per key (a key-padding bias): summed per key block here.
+        key_accs, key_flush = [], []
+        lead_shape = [self.size_of(i) for i in p.lead]
+        for r, d in dos["floats"].items():
+            if next(x for x in self.m.operands if x.read == r).layout != "cols":
+                continue
+            ref, a = float_names[r]
+            var = self.n.local(f"d{r.operand}_{''.join(r.indices)}")
+            key_accs.append(a)
+            step.append(f"    {a}[...] += {d}")
+            key_flush.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
+            shape = tuple(lead_shape + [self.size_of(p.key), str(LANES)])
+            outs.append(OutArr(ref, tuple([None] * len(p.lead) + [self.tile[p.key], LANES]), tuple(list(p.lead) + ["ROW", "0"]),
+                               self.fn(f"_d{r.operand}_keys_map"), "", f"the gradient of {r.text}, per key", shape, shape, "jnp.float32", var))
+            scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, 1), {acc.jnp})")
+            self.post_dkv.append(f"{var} = {var}[..., 0]")
+            self.float_grads.append((r, var, p.lead + (p.key,)))
+        accs = [dk_acc] + [a for a, _ in dv.values()] + key_accs
+        lines = list(head) + ["", f"@pl.when({flag} & 1 != 0)", "def _init():"] + [f"    {a}[...] = jnp.zeros_like({a})" for a in accs]
+        lines += ["", "# Blocks are key x row here: each row's statistics are row vectors, and both",
+                  "# gradients are plain products with the row blocks."]
+        lines += self.scores(n, lead_vars, at, tables, with_raw=True, transposed=True)
+        lines += ["", "def _step(masked):"] + step + self.phases(kind, "_step")
+        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dk_ref}[...] = {dk_acc}[...].astype({dk_ref}.dtype)"]
+        lines += [f"    {r}[...] = {a}[...].astype({r}.dtype)" for a, r in dv.values()] + key_flush
+        refs = [a.ref for a in ins] + [o.ref for o in outs] + accs
         e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
         return CallSpec(self.n.function("_attention_dkv_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
-                        f"{2 * dims * (2 * self.tile[p.summed] + 2 * e_total)}", f"{dims}", f"the gradients of {p.k.operand} and the values", refs,
-                        suffix="_by_key", post=list(self.post_dkv))
+                        f"{2 * self.block_elements() * (2 * self.tile[p.summed] + 2 * e_total)}", f"{self.block_elements()}",
+                        f"the gradients of {p.k.operand} and the values", refs, suffix="_by_key", post=list(self.post_dkv))
+
+    def row_tables(self) -> dict[str, str]:
+        """The tables of a row walk: the row block read (QROW), the key block read (COL) and
+        the row block written (ROW)."""
+        return {"QROW": self.tables[2], "COL": self.tables[1], "ROW": self.tables[0]}
+
+    def key_tables(self) -> dict[str, str]:
+        """The key-side walk: its rows are key blocks, its columns row blocks."""
+        return {"QROW": self.tables[1], "COL": self.tables[2], "ROW": self.tables[0]}
+
+    def block_elements(self) -> int:
+        return self.tile[self.p.query] * self.tile[self.p.key]
 
     def grad_dtype(self, read: Read) -> str:
         """A gradient block's dtype: the operand's where the kernel's block is the whole
