@@ -81,9 +81,10 @@ def _template_locals() -> frozenset[str]:
 TABLES = sg_names.IMPORTS | sg_names.HELPERS | sg_names.MODULE_NAMES | sg_names.FIXED_LOCALS
 TEMPLATE_LOCALS = _template_locals()
 HOSTILE = sorted(TABLES | TEMPLATE_LOCALS | _template_builtins())
-# What the checker refuses where (check.py): keywords anywhere; sizes named `interpret` or
-# after a helper. (Kernel names are not drawn from these tables: module names are refused.)
-SIZE_NAMES = [n for n in HOSTILE if n != "interpret" and n not in sg_names.HELPERS]
+# What the checker refuses where (check.py): keywords anywhere; sizes named `interpret`,
+# `max_steps` (keywords of the generated function) or after a helper. (Kernel names are not
+# drawn from these tables: module names are refused.)
+SIZE_NAMES = [n for n in HOSTILE if n not in ("interpret", "max_steps") and n not in sg_names.HELPERS]
 
 # One spec per walk, with slots for operand names ({X}...), index names ({m} {n} {k}) and
 # size symbols ({M} {N} {K}). Dense factors that cover the sparse one or apply at the end
