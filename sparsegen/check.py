@@ -14,7 +14,7 @@ import sys
 from . import syntax as ast
 from .dtypes import DATA_DTYPES, DTYPES
 from .flow import flow_statement
-from .ir import Einsum, Index, Kernel, Local, Number, OffsetRef, Operand, Read, Relation, Size, Sub, group_factors, summed_indices
+from .ir import Einsum, Group, Index, Kernel, Local, Number, OffsetRef, Operand, Read, Relation, Size, Sub, group_factors, summed_indices
 from .names import HELPERS, MODULE_NAMES, PYTHON_NAMES
 from .source import Diagnostic, Span, SpecError
 
@@ -155,7 +155,7 @@ class _KernelChecker:
                 self.error(target.operand.span, f"a statement assigns an output or a local tensor; '{name}' is an input")
                 continue
             reads_local = any(isinstance(f, ast.Access) and f.operand.text in self.locals for f in ast.factors(st.value))
-            if op is None or st.condition is not None or not _is_product(st.value) or reads_local:
+            if op is None or st.condition is not None or not ast.is_product(st.value) or reads_local:
                 # Language v1, sections 3-5: local tensors, conditions, expressions, reductions.
                 result = flow_statement(self, st, assigned)
                 if result is not None:
@@ -229,10 +229,8 @@ class _KernelChecker:
         for f in ast.factors(value):
             if isinstance(f, ast.Access):
                 accesses.append(f)
-            elif isinstance(f, ast.Number):
-                numbers.append(f)
-            elif isinstance(f, ast.Neg) and isinstance(f.a, ast.Number):
-                numbers.append(ast.Number(f"-{f.a.text}", -f.a.value, f.span))
+            elif ast.literal(f) is not None:
+                numbers.append(ast.literal(f))
             else:
                 ok = False
                 self.error(f.span, f"not supported yet: {_describe(f)}; a right side is a product of operand reads and numbers", LATER)
@@ -554,11 +552,6 @@ class _KernelChecker:
         except _Stop:
             return None
         return self.build()
-
-
-def _is_product(e: ast.Expr) -> bool:
-    """Is a right side a product of operand reads and numbers (the einsum form)?"""
-    return all(isinstance(f, (ast.Access, ast.Number)) or (isinstance(f, ast.Neg) and isinstance(f.a, ast.Number)) for f in ast.factors(e))
 
 
 def _describe(e: ast.Expr) -> str:

@@ -88,9 +88,8 @@ class _Flow:
             self.reduction(value)
         elif calls and calls[0].fn.text == "softmax" and len(calls) == 1 and len(parts) > 1:
             self.softmax_product(parts, calls[0])
-        elif all(isinstance(p, (ast.Access, ast.Number)) or (isinstance(p, ast.Neg) and isinstance(p.a, ast.Number)) for p in parts) and any(
-            isinstance(p, ast.Access) and p.operand.text in self.c.operands for p in parts
-        ) and not any(isinstance(p, ast.Access) and p.operand.text not in self.c.operands for p in parts):
+        elif ast.is_product(value) and all(p.operand.text in self.c.operands for p in parts if isinstance(p, ast.Access)) \
+                and any(isinstance(p, ast.Access) for p in parts):
             self.einsum(parts)
         else:
             self.form.value = self.expr(value)
@@ -109,13 +108,15 @@ class _Flow:
         self.form.kind = "einsum"
         for p in parts:
             if isinstance(p, ast.Access):
-                self.operand_read(p, plain_only=False)
+                self.operand_read(p)
                 self.form.factors.append(p)
             else:
-                n = p if isinstance(p, ast.Number) else ast.Number(f"-{p.a.text}", -p.a.value, p.span)
-                self.form.numbers.append(n)
-                if isinstance(n.value, float):
-                    self.form.floats.append(n)
+                self.number(ast.literal(p))
+
+    def number(self, n: ast.Number):
+        self.form.numbers.append(n)
+        if isinstance(n.value, float):
+            self.form.floats.append(n)
 
     def reduction(self, call: ast.Call):
         self.form.kind = "reduction"
@@ -151,18 +152,15 @@ class _Flow:
         others = [p for p in parts if p is not call]
         accesses = [p for p in others if isinstance(p, ast.Access)]
         for p in others:
-            if isinstance(p, ast.Number) or (isinstance(p, ast.Neg) and isinstance(p.a, ast.Number)):
-                n = p if isinstance(p, ast.Number) else ast.Number(f"-{p.a.text}", -p.a.value, p.span)
-                self.form.numbers.append(n)
-                if isinstance(n.value, float):
-                    self.form.floats.append(n)
+            if ast.literal(p) is not None:
+                self.number(ast.literal(p))
             elif not isinstance(p, ast.Access):
                 self.error(p.span, "a softmax product multiplies the softmax by one operand and numbers")
         if len(accesses) != 1:
             self.error(call.span, "a softmax product multiplies the softmax by exactly one operand: `softmax(s[i, j], j) * v[j, e]`")
             return
         (v,) = accesses
-        self.operand_read(v, plain_only=False)
+        self.operand_read(v)
         if j not in [s.index.text for s in v.subscripts]:
             self.error(v.span, f"'{v.operand.text}' is not read with '{j}': the softmax product sums over it")
         if j in self.left:
@@ -176,7 +174,7 @@ class _Flow:
         if name in self.c.locals:
             self.local_read(acc)
         else:
-            self.operand_read(acc, plain_only=True)
+            self.operand_read(acc)
 
     def local_read(self, acc: ast.Access):
         name = acc.operand.text
@@ -187,7 +185,7 @@ class _Flow:
             self.error(acc.span, f"local tensor '{name}' is read as {name}[{', '.join(want)}], as it was assigned")
         self.form.reads_locals.add(name)
 
-    def operand_read(self, acc: ast.Access, plain_only: bool):
+    def operand_read(self, acc: ast.Access):
         name = acc.operand.text
         op = self.c.operands.get(name)
         if op is None:
@@ -226,7 +224,7 @@ class _Flow:
             if name in self.c.locals:
                 self.local_read(e)
                 return Term("local", read=self.c.read(e))
-            self.operand_read(e, plain_only=False)
+            self.operand_read(e)
             op = self.c.operands.get(name)
             if op is not None and op.sparsity is not None and op.sparsity.text == "mask":
                 self.error(e.span, f"'{name}' is a mask: it is read in a `where` condition (`where {name}[...]`), not as a value here")
@@ -282,7 +280,7 @@ class _Flow:
         return Term("cmp", (Term("num", value=0), Term("num", value=0)), ops=("==",))
 
     def cond_read(self, e: ast.Access):
-        self.operand_read(e, plain_only=True)
+        self.operand_read(e)
         for s in e.subscripts:
             if s.divisor is not None:
                 self.error(s.span, "an operand in a condition is read with plain indices")

@@ -185,6 +185,20 @@ def factors(e: Expr) -> list[Expr]:
     return [e]
 
 
+def literal(e: Expr) -> Number | None:
+    """A numeric literal, a leading minus folded in (`-0.5`); None for anything else."""
+    if isinstance(e, Number):
+        return e
+    if isinstance(e, Neg) and isinstance(e.a, Number):
+        return Number(f"-{e.a.text}", -e.a.value, e.span)
+    return None
+
+
+def is_product(e: Expr) -> bool:
+    """Is an expression a product of reads and numeric literals (the einsum form)?"""
+    return all(isinstance(f, Access) or literal(f) is not None for f in factors(e))
+
+
 # ------------------------------------------------------------------------- parser
 
 

@@ -258,15 +258,20 @@ class Classifier:
     def read_range(self, r: Read) -> tuple[str, str]:
         """Per block, the least and greatest value an integer operand holds there."""
         if r not in self.read_ranges:
-            lo, hi = self.local(f"{r.operand}_min"), self.local(f"{r.operand}_max")
-            param = self.conv.param(r.operand).internal
-            tiles = "(" + ", ".join(str(self.tile_of(i)) for i in r.indices) + ",)"
-            order = "".join(chr(97 + n) for n in range(len(r.indices)))
-            dst = "".join(order[r.indices.index(a)] if a in r.indices else "z" for a in self.axes)
-            self.lines.append(f"{lo}, {hi} = _block_min_max({param}, {tiles})")
-            self.lines.append(f'{lo}, {hi} = _expand({lo}, "{order}", "{dst}"), _expand({hi}, "{order}", "{dst}")')
-            self.read_ranges[r] = (lo, hi)
+            self.read_ranges[r] = self.block_pair(r, "_block_min_max", "{}", ("min", "max"))
         return self.read_ranges[r]
+
+    def block_pair(self, r: Read, helper: str, of: str, what: tuple[str, str]) -> tuple[str, str]:
+        """Two per-block statistics of an operand (`helper` over `of` its array, and its
+        tiles), laid out over the class axes."""
+        a, b = (self.local(f"{r.operand}_{w}") for w in what)
+        param = self.conv.param(r.operand).internal
+        tiles = "(" + ", ".join(str(self.tile_of(i)) for i in r.indices) + ",)"
+        order = "".join(chr(97 + n) for n in range(len(r.indices)))
+        dst = "".join(order[r.indices.index(x)] if x in r.indices else "z" for x in self.axes)
+        self.lines.append(f"{a}, {b} = {helper}({of.format(param)}, {tiles})")
+        self.lines.append(f'{a}, {b} = _expand({a}, "{order}", "{dst}"), _expand({b}, "{order}", "{dst}")')
+        return a, b
 
     # Integer terms as ranges; None: unknown.
     def affine(self, t: Term) -> dict | None:
@@ -350,15 +355,7 @@ class Classifier:
     # Truth values: (can, must) code.
     def truth(self, t: Term) -> tuple[str, str]:
         if t.op == "truth":
-            r = t.read
-            param = self.conv.param(r.operand).internal
-            tiles = "(" + ", ".join(str(self.tile_of(i)) for i in r.indices) + ",)"
-            order = "".join(chr(97 + n) for n in range(len(r.indices)))
-            dst = "".join(order[r.indices.index(a)] if a in r.indices else "z" for a in self.axes)
-            can, must = self.local(f"{r.operand}_any"), self.local(f"{r.operand}_all")
-            self.lines.append(f"{can}, {must} = _block_any_all({param} != 0, {tiles})")
-            self.lines.append(f'{can}, {must} = _expand({can}, "{order}", "{dst}"), _expand({must}, "{order}", "{dst}")')
-            return can, must
+            return self.block_pair(t.read, "_block_any_all", "{} != 0", ("any", "all"))
         if t.op == "not":
             can, must = self.truth(t.args[0])
             return f"~({must})", f"~({can})"
