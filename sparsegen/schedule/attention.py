@@ -35,7 +35,6 @@ class Consumer:
     output: str
     value: Read | None = None  # the softmax product's other factor
     scale: float | int | None = None
-    span: object = None
     term: Term | None = None  # scores_out: the elementwise expression of the last score local
 
     @property
@@ -133,17 +132,17 @@ def row_plan(kernel: Kernel) -> RowPlan:
             scale = None
             for n in st.numbers:
                 scale = n.value if scale is None else scale * n.value
-            consumers.append(Consumer("softmax_product", st.target.operand, st.value, scale, st.span))
+            consumers.append(Consumer("softmax_product", st.target.operand, st.value, scale))
         elif isinstance(st, Reduction) and st.target.operand not in locals_:
             if st.arg.operand != current or st.condition is not None:
                 fail(st, f"not supported yet: a reduction reads the last score local ('{current}') with no condition of its own")
             kind = "softmax_out" if st.fn == "softmax" else st.fn
-            consumers.append(Consumer(kind, st.target.operand, None, None, st.span))
+            consumers.append(Consumer(kind, st.target.operand))
         elif isinstance(st, Elementwise) and st.target.operand not in locals_ and st.condition is None \
                 and [r.operand for r in st.value.locals] == [current]:
             if any(t.op in ("index", "read") for t in st.value.walk()):
                 fail(st, "not supported yet: a stored score's expression reads only the score local, numbers and sizes")
-            consumers.append(Consumer("scores_out", st.target.operand, None, None, st.span, st.value))
+            consumers.append(Consumer("scores_out", st.target.operand, term=st.value))
         else:
             fail(st, "not supported yet in an attention-like kernel: statements other than a score, elementwise locals, "
                      "softmax products, reductions (logsumexp, max, sum, softmax) and elementwise outputs of the last score local")
@@ -280,7 +279,7 @@ class Classifier:
         if t.op == "num":
             return {1: t.value}
         if t.op == "size":
-            return {1: f"{self.size_sym(t.name)}"}
+            return {1: self.conv.size_var(t.name)}
         if t.op == "index":
             return {t.name: 1}
         if t.op in ("+", "-"):
@@ -304,9 +303,6 @@ class Classifier:
                     return {k: _mul(x[1], c) for k, c in y.items()}
             return {t: 1}
         return {t: 1}  # // % reads: atoms with their own ranges
-
-    def size_sym(self, symbol: str) -> str:
-        return self.conv.size_var(symbol)
 
     def atom_range(self, atom) -> tuple[str, str] | None:
         if isinstance(atom, str):
@@ -364,9 +360,7 @@ class Classifier:
             return " | ".join(f"({c})" for c, _ in parts), " | ".join(f"({m})" for _, m in parts)
         if t.op == "and":
             return self.conjunction(list(t.args))
-        if t.op == "cmp":
-            if len(t.ops) > 1:  # a < b < c: a < b and b < c
-                return self.conjunction([Term("cmp", (t.args[n], t.args[n + 1]), ops=(op,)) for n, op in enumerate(t.ops)])
+        if t.op == "cmp":  # a chain a < b < c is split by conjunction
             return self.conjunction([t])
         raise AssertionError(t.op)
 
