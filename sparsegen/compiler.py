@@ -20,6 +20,9 @@ from .tpu.emit import emit
 from .tpu.lower import LayoutError, TpuModule, lower
 from .tpu.rules import check_kernel, check_module
 from .tpu.targets import DEFAULT_TARGET, TARGETS
+from .gpu import GPU_TARGETS, GpuError, GpuModule, is_gpu, lower_gpu
+from .gpu.emit import emit_gpu
+from .source import Diagnostic
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,18 @@ def load(path: str | Path) -> tuple[SourceFile, list[Kernel]]:
 def lower_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAULT_TARGET) -> list[TpuModule]:
     """Schedule, lower and check every kernel against the target (SpecError listing every problem)."""
     result, errors = [], []
+    if is_gpu(target):
+        for kernel in kernels:
+            if is_row_kernel(kernel):
+                errors.append(Diagnostic(kernel.name_span, f"attention-like kernels (softmax, `where`) are not lowered for GPUs yet; build '{kernel.name}' for a TPU target"))
+                continue
+            try:
+                result.append(lower_gpu(kernel, GPU_TARGETS[target]))
+            except GpuError as exc:
+                errors += exc.diagnostics
+        if errors:
+            raise SpecError(sorted(errors, key=lambda d: (d.span.line, d.span.col) if d.span else (0, 0)), source)
+        return result
     chip = TARGETS[target]
     for kernel in kernels:
         if is_row_kernel(kernel):
@@ -73,7 +88,8 @@ def plans(path: str | Path, target: str = DEFAULT_TARGET) -> list[TpuModule]:
 def compile_source(source: SourceFile, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:
     """Every kernel of a spec as generated module source; `origin` is how the generated header
     names the spec (default: the source's name)."""
-    return [Module(m.name, emit(m, source.name if origin is None else origin), m) for m in lower_source(source, target)]
+    origin = source.name if origin is None else origin
+    return [Module(m.name, emit_gpu(m, origin) if isinstance(m, GpuModule) else emit(m, origin), m) for m in lower_source(source, target)]
 
 
 def compile_file(path: str | Path, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:

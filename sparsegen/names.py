@@ -14,11 +14,11 @@ import re
 
 from .resources import read_resource
 
-IMPORTS = frozenset({"functools", "jax", "jnp", "np", "lax", "pl", "pltpu"})
+IMPORTS = frozenset({"functools", "jax", "jnp", "np", "lax", "pl", "pltpu", "plgpu"})
 # Every helper the templates define (read from them, so a new helper is reserved the day it
 # is written), the module's constants, and its fixed functions.
 HELPERS = frozenset(
-    name for template in ("helpers.py.j2", "tpu/module.py.j2", "tpu/attention.py.j2")
+    name for template in ("helpers.py.j2", "tpu/module.py.j2", "tpu/attention.py.j2", "gpu/module.py.j2")
     for name in re.findall(r"^def (_\w+)\(", read_resource("templates", template), re.M)
 ) | {
     "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES",
@@ -31,6 +31,9 @@ FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec", "residuals", "cotan
     # the walk's wrapper locals, the classification's locals
     "masked", "bound", "overflow", "max_steps", "xp", "can", "must",
     "_scores", "_chain", "_step", "_partial", "_full", "_write", "_empty", "_start", "_finish", "_init", "_flush",
+    # the GPU kernels' fixed names (sparsegen/gpu): per CTA, per pipeline step, the epilogue
+    "cell", "mi", "ni", "start", "count", "s", "kk", "step", "stored", "acc", "acc_ref", "multiply", "product",
+    "out_smem", "end_smem", "barrier", "value", "kind", "row", "col", "_store", "_masked", "_whole",
 }  # fmt: skip
 PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | frozenset(keyword.softkwlist)
 

@@ -1,0 +1,6 @@
+"""The GPU backend: Mosaic GPU kernels for Hopper (H100, H200) from the same specs."""
+
+from .lower import GpuError, GpuModule, lower_gpu
+from .targets import GPU_TARGETS, is_gpu
+
+__all__ = ["GPU_TARGETS", "GpuError", "GpuModule", "is_gpu", "lower_gpu"]

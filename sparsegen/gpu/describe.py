@@ -1,0 +1,44 @@
+"""The GPU plan in words: for `sparsegen plan --target h200` and the generated docstring."""
+
+from __future__ import annotations
+
+from ..expr import render
+from .lower import GpuModule, GpuPass
+
+
+def _walk(p: GpuPass) -> str:
+    k = p.a.col
+    return {
+        "dense": f"every block along {k}",
+        "rows": f"the blocks of {p.sparse} in the CTA's row of output blocks (a table per row: first step, count; per step: "
+                + ("the stored block and its " + k + ")" if p.a.stored else f"the non-empty {p.sparse} block's {k})"),
+        "cols": f"the blocks of {p.sparse} in the CTA's column of output blocks (a table per column: first step, count; per step: "
+                + ("the stored block and its " + k + ")" if p.b.stored else f"the non-empty {p.sparse} block's {k})"),
+        "coo output": f"every block along {k}, for each requested block of {p.output} (padding entries: no step, zeros)",
+        "output mask": f"every block along {k} where the {p.sparse} block is not empty (empty: no step, zeros; all ones: no read)",
+    }[p.walk]
+
+
+def describe_pass(p: GpuPass, target) -> list[str]:
+    t = p.tiles
+    mat = lambda x: f"{x.operand}" + (" (stored blocks)" if x.stored else "") + (" read transposed" if x.transposed else "")
+    lines = [
+        f"statement: {p.statement.text}",
+        f"  walk: {p.walk} — each output block's CTAs take {_walk(p)}",
+        f"  grid: ({render(p.cells, 'text')} output blocks, {t.bm // t.tm}, {t.bn // t.tn}) CTAs, each a {t.tm}x{t.tn} tile of a "
+        f"{t.bm}x{t.bn} block; steps of {t.tk} along {p.a.col} ({t.ksub} per block)",
+        f"  per step: TMA copies of a {t.tm}x{t.tk} tile of {mat(p.a)} and a {t.tk}x{t.tn} tile of {mat(p.b)} into shared memory "
+        f"({t.stages} in flight), one WGMMA into an f32 accumulator in registers",
+        f"  flush: the accumulator" + (f" times {p.scale}" if p.scale is not None else "")
+        + (f" times the {p.end.operand} tile" + (" where its block is partial" if p.end_mask else "") if p.end else "")
+        + f", as {p.out_dtype.name}, through shared memory to {p.output} (TMA)",
+        f"  shared memory: {p.smem} bytes per CTA (limit {target.smem_bytes} on {target.name})",
+    ]
+    return lines
+
+
+def describe(m: GpuModule) -> list[str]:
+    lines = [f"target: {m.target.name} (Mosaic GPU: TMA copies, WGMMA, one warpgroup per CTA)"]
+    for p in m.passes:
+        lines += describe_pass(p, m.target)
+    return lines

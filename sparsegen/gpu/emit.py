@@ -1,0 +1,201 @@
+"""Emit a GPU module: the lowered passes through `templates/gpu/module.py.j2`, formatted by black.
+
+The wrapper (argument checks, `reference`, the docstring's calling convention) is the
+TPU modules' own (`sparsegen.wrapper`): a spec has one calling convention on every target.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..expr import Const, render
+from ..formatting import format_module
+from ..tpu.emit import _environment, with_helpers
+from ..wrapper import Wrapper, spec_text
+from .describe import describe
+from .lower import GpuModule, GpuPass
+
+
+def _tuple(items) -> str:
+    items = list(items)
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+def _needed(lets: list[tuple[str, str]], expr: str) -> list[tuple[str, str]]:
+    """The lets `expr` reads, directly or through other lets, in order."""
+    want, out = set(re.findall(r"\b\w+\b", expr)), []
+    for name, value in reversed(lets):
+        if name in want:
+            out.append((name, value))
+            want |= set(re.findall(r"\b\w+\b", value))
+    return out[::-1]
+
+
+def _number(value) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+class _Emitter:
+    def __init__(self, m: GpuModule):
+        self.m = m
+        self.k = m.kernel
+        self.outputs = dict(m.outputs)
+        self.wrapper = Wrapper(m.kernel, m.conv, (), m.names.local("size"), m.names)
+
+    def pass_dict(self, p: GpuPass) -> dict:
+        k, t = self.k, p.tiles
+        names = p.names
+        a_ref, b_ref = names.local(f"{p.a.operand}_gmem"), names.local(f"{p.b.operand}_gmem")
+        end_ref = names.local(f"{p.end.operand}_gmem") if p.end else None
+        out_ref = names.local(f"{p.output}_gmem")
+        a_smem, b_smem = names.local(f"{p.a.operand}_smem"), names.local(f"{p.b.operand}_smem")
+        tables = [name for name, _ in p.tables]
+        params = tables + [a_ref, b_ref] + ([end_ref] if end_ref else []) + [out_ref]
+        a_block = (t.tk, t.tm) if p.a.transposed else (t.tm, t.tk)
+        b_block = (t.tn, t.tk) if p.b.transposed else (t.tk, t.tn)
+        maps = []
+        for mat, index, fn in ((p.a, p.a_index, names.local(f"{p.a.operand}_tile")), (p.b, p.b_index, names.local(f"{p.b.operand}_tile"))):
+            text = _tuple(index)
+            what = "its stored block" if mat.stored else "its block"
+            about = f"Step s reads this tile of {mat.operand} ({what}, then the k tile inside it)"
+            if mat.transposed:
+                about += f"; {mat.operand} is stored ({mat.col}, {mat.row}): WGMMA reads the tile transposed"
+            maps.append({"fn": fn, "index": text, "lets": _needed(p.step_lets, text), "about": about + "."})
+        at = lambda index: f"pl.ds({index[0]} * {t.tm}, {t.tm}), pl.ds({index[1]} * {t.tn}, {t.tn})"
+        scoped = [f"out_smem=plgpu.SMEM(({t.tm}, {t.tn}), {p.out_dtype.jnp})"]
+        scoped_names = ["out_smem"]
+        if p.end is not None:
+            scoped += [f"end_smem=plgpu.SMEM(({t.tm}, {t.tn}), {k.operand(p.end.operand).dtype.jnp})", "barrier=plgpu.Barrier()"]
+            scoped_names += ["end_smem", "barrier"]
+        lets = [(name, value) for name, value in p.kernel_lets]
+        out_rows, out_cols = ("row", "col")
+        sizes = {s.internal for s in self.m.conv.sizes}
+        statics = list(p.statics)
+        kernel = p.fn if not statics else f"functools.partial({p.fn}, " + ", ".join(f"{v}={v}" for v in statics) + ")"
+        if p.walk == "coo output":
+            raw_shape = f"({render(p.cells, 'host')} * {t.bm}, {t.bn})"
+        else:
+            rows = Const(1)
+            for i, e in p.cell_coords[:-1]:
+                rows = rows * e
+            raw_shape = _tuple([render(rows * t.bm, "host"), render(p.cell_coords[-1][1] * t.bn, "host")])
+        del sizes
+        call_args = list(self.m.conv.impl_args) + [self.outputs[o] for o in self.reads(p)]
+        guard = list(p.guard)
+        if guard:
+            guard.append(f"    return {self.zeros(p)}")
+        return {
+            "fn": p.fn,
+            "params": params,
+            "statics": statics,
+            "about": self.kernel_about(p),
+            "lets": lets,
+            "maps": maps,
+            "a_smem": a_smem,
+            "b_smem": b_smem,
+            "a_operand": f"plgpu.transpose_ref({a_smem}, (1, 0))" if p.a.transposed else a_smem,
+            "b_operand": f"plgpu.transpose_ref({b_smem}, (1, 0))" if p.b.transposed else b_smem,
+            "a_block": _tuple(map(str, a_block)),
+            "b_block": _tuple(map(str, b_block)),
+            "a_ref": a_ref,
+            "b_ref": b_ref,
+            "stages": t.stages,
+            "tile": f"({t.tm}, {t.tn})",
+            "scale": _number(p.scale) if p.scale is not None else None,
+            "out_index": ", ".join(p.out_index),
+            "scoped": ", ".join(scoped),
+            "scoped_names": ", ".join(scoped_names),
+            "end": p.end.operand if p.end else None,
+            "end_mask": p.end_mask,
+            "kind": f"{p.kind_table}[cell]" if p.kind_table else None,
+            "end_ref": end_ref,
+            "end_at": at(p.end_index) if p.end_index else None,
+            "out_ref": out_ref,
+            "out_at": at((out_rows, out_cols)),
+            "out_dtype": p.out_dtype.jnp,
+            "call_fn": p.call_fn,
+            "call_args": list(dict.fromkeys(call_args)),
+            "call_about": f"The kernel that computes {p.output}: {p.statement.text}",
+            "guard": guard,
+            "host": p.host,
+            "raw": p.raw,
+            "raw_shape": raw_shape,
+            "kernel": kernel,
+            "grid": _tuple([render(p.cells, "host"), str(t.bm // t.tm), str(t.bn // t.tn)]),
+            "kernel_args": tables + [p.a.array, p.b.array] + ([p.end.array] if p.end else []),
+            "finish": p.finish,
+            "out_var": p.out_var,
+        }
+
+    def reads(self, p: GpuPass) -> list[str]:
+        """Outputs of earlier statements this pass reads."""
+        return [r.operand for r in p.statement.factors if self.k.operand(r.operand).direction == "out"]
+
+    def zeros(self, p: GpuPass) -> str:
+        op = self.k.operand(p.output)
+        if p.walk == "coo output":
+            read = p.statement.target
+            tiles = [str(self.k.index(i).tile) for i in read.indices if self.k.index(i).tile != 1]
+            return f"jnp.zeros({_tuple(['0'] + tiles)}, {op.dtype.jnp})"
+        return f"jnp.zeros({_tuple(render(self.m.conv.size(d), 'host') for d in op.dims)}, {op.dtype.jnp})"
+
+    def kernel_about(self, p: GpuPass) -> str:
+        t = p.tiles
+        walk = {
+            "dense": f"every block along {p.a.col}",
+            "rows": f"the blocks of {p.sparse} in its row of output blocks",
+            "cols": f"the blocks of {p.sparse} in its column of output blocks",
+            "coo output": f"every block along {p.a.col}, for each requested block of {p.output}",
+            "output mask": f"every block along {p.a.col}, where the {p.sparse} block is not empty",
+        }[p.walk]
+        return (f"{p.statement.text}: one CTA per {t.tm}x{t.tn} tile of each output block; it walks {walk}, "
+                f"one WGMMA per {p.a.col} tile of {t.tk}.")
+
+    def module(self, source_name: str) -> str:
+        m, k, conv = self.m, self.k, self.m.conv
+        env = _environment()
+        kernel_sig, reference_sig = self.wrapper.signature()
+        size_vars = [s.internal for s in conv.sizes]
+        returns = self.wrapper.returns()
+        args = self.wrapper.argument_lines()
+        args.append("    interpret: False compiles for the GPU; True runs the Mosaic GPU interpreter")
+        args.append("        on the CPU (or pass plgpu.InterpretGPUParams(...)).")
+        spec = "\n".join("    " + line for line in spec_text(k).splitlines())
+        plan_lines = "\n".join("    " + line for line in describe(m))
+        doc = (
+            f"{k.name}: a Pallas Mosaic GPU kernel (Hopper: TMA, WGMMA) generated by sparsegen.\n\n"
+            f"Spec:\n\n{spec}\n\n"
+            f"Call:\n\n    {k.name}({self.wrapper.signature()[0]})\n\n"
+            f"Arguments:\n\n" + "\n".join(args) + "\n\n"
+            f"Returns:\n\n    {returns}\n\n"
+            "Bad shapes, dtypes, and concrete coordinates out of range raise a ValueError\n"
+            "naming the argument and dimension; under jax.jit, traced coordinates are clamped.\n\n"
+            f"Plan (target {m.target.name}):\n\n{plan_lines}\n"
+        )
+        call_doc = f"Run the kernel: {returns}.\n\n    Arguments are the inputs in declaration order (see the module docstring).\n    "
+        main = env.get_template("gpu/module.py.j2").render(
+            k=k,
+            source=source_name.encode("unicode_escape").decode("ascii"),
+            digest=k.digest,
+            doc=doc,
+            call_doc=call_doc,
+            helpers="{helpers}",
+            kinds=any("_EMPTY" in line for p in m.passes for line in p.host),
+            passes=[self.pass_dict(p) for p in m.passes],
+            public_params=[p.internal for p in conv.params] + size_vars,
+            prepare_lines=self.wrapper.prepare_lines([]),
+            impl_args=list(conv.impl_args),
+            size_vars=size_vars,
+            reference_lines=self.wrapper.reference_lines(self.outputs),
+            kernel_signature=kernel_sig,
+            reference_signature=reference_sig,
+            forward=[p.public for p in conv.params] + [s.symbol for s in conv.sizes],
+            results=[self.outputs[o.name] for o in k.outputs],
+            n_args=len(conv.impl_args),
+        )
+        return with_helpers(main)
+
+
+def emit_gpu(m: GpuModule, source_name: str) -> str:
+    """The generated module's source, formatted by black."""
+    return format_module(_Emitter(m).module(source_name), names=(m.name,))

@@ -1,0 +1,564 @@
+"""GPU lowering: each statement as a block-sparse matrix product on Mosaic GPU (Hopper).
+
+A statement `out[c.., m, n] = A[c.., m, k] * B[c.., k, n]` (any dimension order; `c` are
+tile-1 indices: batch, heads) becomes one kernel. Its grid has a CTA per output *tile*
+(tm x tn, WGMMA's) of every output *block* (the spec's tile, the sparsity's grain). GPUs
+have no scalar prefetch, so a CTA reads from tables in GMEM how many steps its block takes
+and where they start, then runs `plgpu.emit_pipeline` over that dynamic count: TMA copies of
+an A tile and a B tile into shared memory per step, one WGMMA each, the accumulator in
+registers. A block nothing reaches runs zero steps and stores zeros.
+
+The walks (which steps a block takes) are the schedule's, said in GPU terms:
+- dense: every block along k;
+- rows / cols: a sparse A side (its coo blocks, or a mask factor's non-empty blocks) lists,
+  per row of blocks, the blocks along k it holds; a sparse B side, per column;
+- coo output: one cell per requested block, every block along k;
+- output mask: a mask applied after the sum; its empty blocks run no step, its all-ones
+  blocks are not read.
+
+The wrapper hands the kernel 2-D arrays: an operand with its tile-1 dimensions leading,
+padded to whole blocks (ragged sizes), flattened; factors a covering factor multiplies are
+formed by the wrapper (XLA fuses them into one pass). A matrix stored (k, m) rather than
+(m, k) is not copied: the kernel transposes the shared-memory tile (16-bit types).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..callconv import Convention, convention
+from ..dtypes import DType
+from ..expr import Const, Expr, Var, flat, names as expr_names, render
+from ..ir import Einsum, Kernel, Read
+from ..names import ModuleNames
+from ..source import Diagnostic
+from .targets import GpuTarget
+
+F16 = ("bf16", "f16")
+MAX_ACC = 128 * 128  # accumulator elements per CTA: one warpgroup's registers (256x256 spills, measured)
+
+
+class GpuError(Exception):
+    def __init__(self, diagnostics: list[Diagnostic]):
+        self.diagnostics = diagnostics
+        super().__init__("; ".join(d.message for d in diagnostics))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The spec's blocks (bm, bn, bk) and the CTA's tiles inside them (tm, tn, tk)."""
+
+    bm: int
+    bn: int
+    bk: int
+    tm: int
+    tn: int
+    tk: int
+    stages: int  # pipeline buffers (TMA copies in flight)
+
+    @property
+    def ksub(self) -> int:
+        return self.bk // self.tk
+
+
+def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: int = 0) -> int:
+    """Shared memory of one CTA. Measured with Mosaic GPU (docs/gpu-notes.md): scoped
+    allocations are reused, so the pipeline's buffers and the epilogue's tiles do not add;
+    each barrier takes 8 bytes (one per buffer, and the epilogue's)."""
+    t = tiles
+    pipeline = t.stages * (t.tm * t.tk + t.tk * t.tn) * in_itemsize
+    epilogue = t.tm * t.tn * (out_itemsize + end_itemsize)
+    return max(pipeline, epilogue) + 8 * (t.stages + 1)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """An operand as the kernel sees it: a 2-D array of (coords.., row) x col, or its transpose."""
+
+    operand: str
+    array: str  # the wrapper's variable
+    coords: tuple[str, ...]  # tile-1 indices, in the operand's order (leading, flattened into the rows)
+    row: str
+    col: str
+    transposed: bool  # stored (coords.., col) x row: the kernel transposes the shared-memory tile
+    stored: bool  # a coo operand's blocks: stored block s is rows s*tile.. of the matrix
+
+
+@dataclass
+class GpuPass:
+    statement: Einsum
+    output: str  # the output operand
+    walk: str  # "dense" | "rows" | "cols" | "coo output" | "output mask"
+    sparse: str | None  # the operand whose blocks decide the walk
+    a: Matrix
+    b: Matrix
+    out: Matrix
+    end: Matrix | None  # a factor applied after the sum (mask or dense), read per output tile
+    end_mask: bool
+    tiles: Tiles
+    in_dtype: DType
+    out_dtype: DType
+    scale: float | int | None
+    cell_coords: tuple[tuple[str, Expr], ...]  # the output's block coordinates, per cell, in grid order
+    cells: Expr  # the number of output blocks the grid covers
+    host: list[str]  # wrapper lines: matrices and tables
+    guard: list[str]  # wrapper lines returning zeros early (nothing stored or requested)
+    tables: list[tuple[str, str]]  # (name, about): int32 vectors the kernel reads from GMEM
+    kernel_lets: list[tuple[str, str]]  # per-CTA values in the kernel: cell coordinates, start, count
+    a_index: tuple[str, str]
+    b_index: tuple[str, str]
+    out_index: tuple[str, str]
+    end_index: tuple[str, str] | None
+    step_lets: list[tuple[str, str]]  # per-step values the index maps read
+    kind_table: str | None  # output mask: the kind of each cell's block
+    finish: list[str]  # wrapper lines turning the kernel's 2-D output into the operand
+    out_var: str
+    statics: tuple[str, ...]  # size variables the kernel reads
+    names: ModuleNames
+    fn: str = ""
+    call_fn: str = ""
+    block_products: Expr = Const(0)
+    flops_per_product: int = 0
+    smem: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GpuModule:
+    kernel: Kernel
+    target: GpuTarget
+    conv: Convention
+    names: ModuleNames
+    passes: tuple[GpuPass, ...]
+    outputs: tuple[tuple[str, str], ...]
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    @property
+    def smem_bytes(self) -> int:
+        return max(p.smem for p in self.passes)
+
+
+def _letters(indices) -> dict[str, str]:
+    return {i: "abcdefghijklmnopqrstuvwxyz"[n] for n, i in enumerate(indices)}
+
+
+class _Lowering:
+    def __init__(self, kernel: Kernel, target: GpuTarget):
+        self.k = kernel
+        self.target = target
+        self.names = ModuleNames(kernel)
+        self.conv = convention(kernel, self.names)
+        self.tile = {i.name: i.tile for i in kernel.indices}
+        self.outputs: dict[str, str] = {}
+        self.errors: list[Diagnostic] = []
+
+    # ------------------------------------------------------------ helpers
+    def size(self, index: str) -> Expr:
+        return self.conv.size(self.k.index(index).size)
+
+    def blocks(self, index: str) -> Expr:
+        return self.size(index).cdiv(self.tile[index])
+
+    def extent(self, index: str) -> Expr:
+        """Blocks along an index (for a tile-1 index: its size)."""
+        return self.blocks(index) if self.tile[index] != 1 else self.size(index)
+
+    def fail(self, span, message: str, notes=()):
+        raise GpuError([Diagnostic(span, message, tuple(notes))])
+
+    def source(self, read: Read) -> str:
+        op = self.k.operand(read.operand)
+        if op.direction == "out":
+            return self.outputs[op.name]
+        return self.conv.param(op.name, "blocks" if op.sparsity == "coo" else None).internal
+
+    # ------------------------------------------------------------ the form
+    def lower(self) -> GpuModule:
+        passes = []
+        several = len(self.k.statements) > 1
+        for st in self.k.statements:
+            try:
+                p = self.statement(st, several)
+            except GpuError as exc:
+                self.errors += exc.diagnostics
+                continue
+            passes.append(p)
+            self.outputs[st.target.operand] = p.out_var
+        if self.errors:
+            raise GpuError(self.errors)
+        return GpuModule(self.k, self.target, self.conv, self.names, tuple(passes), tuple(self.outputs.items()))
+
+    def statement(self, st: Einsum, several: bool) -> GpuPass:
+        k = self.k
+        for read in (st.target, *st.factors):
+            for s in read.subs:
+                if s.offset is not None or s.divisor != 1:
+                    self.fail(read.span, f"the GPU backend reads whole indices: '{s.text}' (offsets and `//`) is not lowered for GPUs yet")
+        if st.condition is not None:
+            self.fail(st.span, "`where` conditions are not lowered for GPUs yet")
+        if not st.summed:
+            self.fail(st.span, "the GPU backend runs a statement as a matrix product (WGMMA); this one has no sum "
+                               "(elementwise statements are not lowered for GPUs yet)")
+        live_sum = [i for i in st.summed if self.tile[i] != 1]
+        if len(st.summed) != 1 or not live_sum:
+            self.fail(st.span, "the GPU backend sums over one index with a tile of 16 or more (WGMMA's k); "
+                               f"this statement sums over {', '.join(st.summed)}")
+        kidx = st.summed[0]
+        out_live = [i for i in st.out_indices if self.tile[i] != 1]
+        if len(out_live) != 2:
+            self.fail(k.tile_span, "WGMMA computes a matrix: the output block needs two dimensions with tiles of 16 or "
+                                   f"more; {st.target.text} has {len(out_live)} ({', '.join(f'{i} = {self.tile[i]}' for i in st.out_indices)})")
+        m, n = out_live
+        if len(st.summed_groups) != 2:
+            self.fail(st.span, "the GPU backend multiplies two groups of factors; this statement has "
+                               f"{len(st.summed_groups)} with the summed index")
+        ga = next((g for g in st.summed_groups if m in st.factors[g.main].indices), None)
+        gb = next((g for g in st.summed_groups if g is not ga), None)
+        if ga is None or n not in st.factors[gb.main].indices or n in st.factors[ga.main].indices or m in st.factors[gb.main].indices:
+            self.fail(st.span, f"the GPU backend needs '{m}' in one group of factors and '{n}' in the other (a matrix product)")
+        coords = [i for i in st.out_indices if self.tile[i] == 1]
+        names = self.names.scope()
+        prefix = f"{st.target.operand}_" if several else ""
+        out_op = k.operand(st.target.operand)
+        host: list[str] = []
+        tables: list[tuple[str, str]] = []
+
+        # ---- sides: the group's main operand, members formed by the wrapper, its sparsity
+        sparse_sources = []
+
+        def side(group, row: str, col: str) -> tuple[Matrix, str | None]:
+            main = st.factors[group.main]
+            op = k.operand(main.operand)
+            if len(set(main.indices)) != len(main.indices):
+                self.fail(main.span, f"'{main.text}' repeats an index (a diagonal): not lowered for GPUs")
+            stray = [i for i in main.indices if i not in (row, col) and i not in coords]
+            if stray:
+                self.fail(main.span, f"'{main.text}' has '{stray[0]}', which is neither the product's rows, columns nor sum "
+                                     "nor a tile-1 index of the output: not lowered for GPUs")
+            if self.tile[row] == 1 or self.tile[col] == 1:
+                self.fail(k.tile_span, f"'{main.text}' needs tiles of 16 or more along {row} and {col} on GPUs")
+            mine = [i for i in main.indices if i in coords]
+            transposed = main.indices.index(col) < main.indices.index(row)
+            mask = None
+            extras = [st.factors[e] for e in group.extras]
+            for e in extras:
+                eop = k.operand(e.operand)
+                if eop.sparsity == "coo":
+                    self.fail(e.span, f"'{e.text}' is coo inside another factor's blocks: not lowered for GPUs yet")
+                if eop.sparsity == "mask":
+                    if set(e.indices) != set(main.indices):
+                        self.fail(e.span, f"a mask factor on GPUs has the indices of the factor it multiplies ('{main.text}')")
+                    mask = e
+            var = names.local(f"{main.operand}_matrix")
+            if op.sparsity == "coo":
+                if extras:
+                    self.fail(extras[0].span, f"'{extras[0].text}' multiplies the coo operand '{op.name}': not lowered for GPUs yet")
+                blocks = self.source(main)
+                host.append(f"{var} = {blocks}.reshape(-1, {blocks}.shape[-1])  # stored block s: rows s*tile..")
+                sparse_sources.append(("coo", main))
+                return Matrix(op.name, var, tuple(mine), row, col, transposed, True), None
+            src = self.source(main)
+            if extras:
+                letters = _letters(main.indices)
+                terms = ", ".join([src] + [f"{self.source(e)}.astype({src}.dtype)" for e in extras])
+                spec = ",".join("".join(letters[i] for i in r.indices) for r in (main, *extras))
+                product = names.local(f"{main.operand}_product")
+                host.append(f"# {' * '.join(r.text for r in (main, *extras))}, formed once (XLA fuses it into one pass)")
+                host.append(f'{product} = jnp.einsum("{spec}->{"".join(letters[i] for i in main.indices)}", {terms})')
+                src = product
+            order = mine + ([col, row] if transposed else [row, col])
+            perm = tuple(main.indices.index(i) for i in order)
+            tiles = tuple(self.tile[i] for i in order)
+            host.append(f"{var} = _matrix({src}, {_tuple(map(str, perm))}, {_tuple(map(str, tiles))})")
+            if mask is not None:
+                sparse_sources.append(("mask", mask))
+                mvar = names.local(f"{mask.operand}_matrix")
+                mperm = tuple(mask.indices.index(i) for i in order)
+                host.append(f"{mvar} = _matrix({self.source(mask)}, {_tuple(map(str, mperm))}, {_tuple(map(str, tiles))})")
+                return Matrix(op.name, var, tuple(mine), row, col, transposed, False), mvar
+            return Matrix(op.name, var, tuple(mine), row, col, transposed, False), None
+
+        a, a_mask = side(ga, m, kidx)
+        b, b_mask = side(gb, kidx, n)
+
+        # ---- dtypes
+        da, db = k.operand(a.operand).dtype, k.operand(b.operand).dtype
+        for mat, dt in ((a, da), (b, db)):
+            if dt.name not in F16:
+                op = k.operand(mat.operand)
+                self.fail(op.dtype_span, f"WGMMA multiplies 16-bit floats (bf16, f16) here; '{op.name}' is {dt.name} "
+                                         "(tf32 and fp8 are not lowered for GPUs yet)")
+        if da.name != db.name:
+            self.fail(k.operand(b.operand).dtype_span, f"WGMMA multiplies two factors of one dtype; '{a.operand}' is {da.name}, '{b.operand}' is {db.name}")
+        if k.accumulate.name != "f32":
+            self.fail(k.accumulate_span or k.tile_span, f"accumulate {k.accumulate.name}: WGMMA accumulates bf16 and f16 products in f32")
+        if not out_op.dtype.name.startswith(("f", "bf")):
+            self.fail(out_op.dtype_span, f"the GPU backend writes float outputs; '{out_op.name}' is {out_op.dtype.name}")
+
+        # ---- the output and a factor applied after the sum
+        end = None
+        end_mask = False
+        if len(st.end_groups) > 1 or any(g.extras for g in st.end_groups):
+            self.fail(st.span, "the GPU backend applies at most one factor after the sum")
+        out_coords = tuple(coords)
+        if out_op.sparsity == "coo":
+            sparse_sources.append(("coo output", st.target))
+        if st.end_groups:
+            e = st.factors[st.end_groups[0].main]
+            eop = k.operand(e.operand)
+            if set(e.indices) != set(st.out_indices) or eop.sparsity == "coo" or out_op.sparsity == "coo":
+                self.fail(e.span, f"'{e.text}' after the sum: the GPU backend applies a dense or mask factor with the output's indices only")
+            evar = names.local(f"{e.operand}_matrix")
+            order = [i for i in e.indices if i in coords] + [m, n]
+            perm = tuple(e.indices.index(i) for i in order)
+            host.append(f"{evar} = _matrix({self.source(e)}, {_tuple(map(str, perm))}, {_tuple(str(self.tile[i]) for i in order)})")
+            end = Matrix(eop.name, evar, tuple(i for i in e.indices if i in coords), m, n, False, False)
+            end_mask = eop.sparsity == "mask"
+            if end_mask:
+                sparse_sources.append(("output mask", e))
+        if len(sparse_sources) > 1:
+            what = " and ".join(f"'{r.operand}'" for _, r in sparse_sources)
+            self.fail(st.span, f"the GPU backend skips the blocks of one sparse operand per statement; here {what} both are")
+
+        # ---- tiles
+        tiles = self.tiles(m, n, kidx, da, out_op.dtype, k.operand(end.operand).dtype if end else None)
+        t = tiles
+        KB = self.blocks(kidx)
+
+        # ---- cells and walk
+        walk, sparse = "dense", None
+        if sparse_sources:
+            what, read = sparse_sources[0]
+            sparse = read.operand
+            if what == "coo output":
+                walk = "coo output"
+            elif what == "output mask":
+                walk = "output mask"
+            elif read.operand == a.operand or (a_mask is not None and read.operand != b.operand and b_mask is None):
+                walk = "rows"
+            else:
+                walk = "cols"
+        cell_coords = []
+        kernel_lets: list[tuple[str, str]] = []
+        step_lets: list[tuple[str, str]] = []
+        statics: set[str] = set()
+        cell = "cell"
+        var_of = {i: names.local(f"{i}_block") for i in (*coords, m, n)}
+        kvar = names.local(f"{kidx}_block")
+        kind_table = None
+
+        def py(e: Expr) -> str:
+            statics.update(x for x in expr_names(e) if x in {s.internal for s in self.conv.sizes})
+            return render(e, "py")
+
+        if walk == "coo output":
+            ncells = Var(names.local("nb"))
+            stored_idx = {i: self.conv.param(out_op.name, "out_coords", d).internal for d, i in enumerate(st.target.indices)}
+            pad = self.conv.pad(out_op.name)
+            for i in (*coords, m, n):
+                tname = names.local(f"out_{i}")
+                host.append(f"{tname} = jnp.maximum({stored_idx[i]}, 0).astype(jnp.int32)")
+                tables.append((tname, f"coordinate {i} of each requested block of {out_op.name}"))
+                kernel_lets.append((var_of[i], f"{tname}[{cell}]"))
+            counts = names.local("count_of")
+            host.append(f"{counts} = jnp.where({pad}, 0, {render(KB, 'host')}).astype(jnp.int32)  # padding entries: no step, zeros")
+            tables.append((counts, "steps of each requested block: every block along " + kidx + " (none for padding)"))
+            count_expr, start_expr = f"{counts}[{cell}] * {t.ksub}", "0"
+            guard_var = ncells.name
+            guard = [f"{guard_var} = {stored_idx[m]}.shape[0]", f"if {guard_var} == 0:", "    # Nothing is requested."]
+            cell_extents = None
+        else:
+            order = [*coords, m, n]
+            cell_extents = [self.extent(i) for i in order]
+            ncells = Const(1)
+            for e in cell_extents:
+                ncells = ncells * e
+            # Decode the cell: row-major over (coords.., m blocks, n blocks).
+            decoded = {}
+            rest = Var(cell)
+            for pos in range(len(order) - 1, -1, -1):
+                decoded[order[pos]] = rest.rem(cell_extents[pos]) if pos > 0 else rest
+                rest = rest.div(cell_extents[pos])
+            kernel_lets += [(var_of[i], py(decoded[i])) for i in order]
+            guard = []
+            start_expr, count_expr = "0", py(KB * t.ksub)
+            if walk in ("rows", "cols"):
+                mat, mvar = (a, a_mask) if walk == "rows" else (b, b_mask)
+                key_index = m if walk == "rows" else n
+                key_coords = [*mat.coords, key_index]
+                key_extents = [self.extent(i) for i in key_coords]
+                nkeys = Const(1)
+                for e in key_extents:
+                    nkeys = nkeys * e
+                order_t, start_t, count_t = names.local(f"{sparse}_order"), names.local(f"{sparse}_start"), names.local(f"{sparse}_count")
+                k_t = names.local(f"{sparse}_{kidx}")
+                line = "row" if walk == "rows" else "column"
+                if mat.stored:
+                    op = k.operand(sparse)
+                    read = next(r for r in st.factors if r.operand == sparse)
+                    cp = {i: self.conv.param(op.name, "coords", d).internal for d, i in enumerate(read.indices)}
+                    pad = self.conv.pad(op.name)
+                    keys = render(flat([Var(cp[i]) for i in key_coords], key_extents), "host")
+                    host.append(f"# The stored blocks of {sparse}, grouped by the {line} of output blocks they feed.")
+                    host.append(f"{order_t}, {start_t}, {count_t} = _walk(jnp.where({pad}, {render(nkeys, 'host')}, {keys}), {render(nkeys, 'host')})")
+                    host.append(f"{k_t} = jnp.maximum({cp[kidx]}, 0)[{order_t}]  # block {kidx} of each step")
+                    tables.append((order_t, f"the stored blocks of {sparse}, grouped by output {line}"))
+                    guard_var = names.local("nb")
+                    guard = [f"{guard_var} = {cp[kidx]}.shape[0]", f"if {guard_var} == 0:", "    # Nothing is stored: the result is all zeros."]
+                else:
+                    # Non-empty mask blocks, per row (or column) of output blocks, in order along k.
+                    kinds = names.local(f"{sparse}_kinds")
+                    rblocks = self.extent(mat.row if not mat.transposed else mat.col)
+                    cblocks = self.extent(mat.col if not mat.transposed else mat.row)
+                    lead = Const(1)
+                    for c in mat.coords:
+                        lead = lead * self.extent(c)
+                    tb = (t.bm, t.bk) if walk == "rows" else (t.bk, t.bn)
+                    if mat.transposed:
+                        tb = tb[::-1]
+                    host.append(f"# The non-empty blocks of {sparse}: the only steps, grouped by the {line} of output blocks.")
+                    host.append(f"{kinds} = _block_kinds({mvar}, {_tuple(map(str, tb))}, False).reshape("
+                                f"{render(lead, 'host')}, {render(rblocks, 'host')}, {render(cblocks, 'host')})")
+                    # Bring the key index next to the coords and k last.
+                    key_last = (walk == "rows") == mat.transposed
+                    if key_last:
+                        host.append(f"{kinds} = {kinds}.transpose(0, 2, 1)")
+                    live = names.local(f"{sparse}_live")
+                    host.append(f"{live} = ({kinds} != _EMPTY).reshape(-1)")
+                    pos = f"jnp.arange({live}.shape[0], dtype=jnp.int32)"
+                    host.append(f"{order_t}, {start_t}, {count_t} = _walk(jnp.where({live}, {pos} // {render(KB, 'host')}, "
+                                f"{render(nkeys, 'host')}), {render(nkeys, 'host')})")
+                    host.append(f"{k_t} = {order_t} % {render(KB, 'host')}  # block {kidx} of each step")
+                tables += [(start_t, f"the first step of each output {line}"), (count_t, f"the steps of each output {line}"),
+                           (k_t, f"block {kidx} of each step")]
+                key = names.local("key")
+                kernel_lets.append((key, py(flat([Var(var_of[i]) for i in key_coords], key_extents))))
+                start_expr, count_expr = f"{start_t}[{key}]", f"{count_t}[{key}] * {t.ksub}"
+                # Clamped: a pipeline may fetch ahead of its last step.
+                step_lets.append(("step", f"jnp.minimum(start + s // {t.ksub}, {k_t}.shape[0] - 1)"))
+                step_lets.append((kvar, f"{k_t}[step]"))
+                if mat.stored:
+                    step_lets.append(("stored", f"{order_t}[step]"))
+            elif walk == "output mask":
+                kinds = names.local(f"{sparse}_kinds")
+                host.append(f"# The blocks of {sparse}: empty ones run no step, all-ones ones are not read.")
+                host.append(f"{kinds} = _block_kinds({end.array}, ({t.bm}, {t.bn}), True).reshape(-1)")
+                tables.append((kinds, f"_EMPTY, _PARTIAL or _FULL: each output block's {sparse} block"))
+                kind_table = kinds
+                count_expr = f"jnp.where({kinds}[{cell}] == _EMPTY, 0, {py(KB * t.ksub)})"
+            if not step_lets:
+                step_lets.append((kvar, f"s // {t.ksub}"))
+        step_lets.insert(0, ("kk", f"s % {t.ksub}"))
+
+        def matrix_index(mat: Matrix, row_tiles: int, col_tiles: int, row_sub: str, col_sub: str) -> tuple[str, str]:
+            if mat.stored:
+                r, c = Var("stored"), Const(0)
+            else:
+                rv = Var(kvar) if mat.row == kidx else Var(var_of[mat.row])
+                cv = Var(kvar) if mat.col == kidx else Var(var_of[mat.col])
+                r = flat([Var(var_of[i]) for i in mat.coords] + [rv], [self.extent(i) for i in mat.coords] + [self.extent(mat.row)])
+                c = cv
+            rr = py(r * row_tiles + Var(row_sub))
+            cc = py(c * col_tiles + Var(col_sub))
+            return (cc, rr) if mat.transposed else (rr, cc)
+
+        a_index = matrix_index(a, t.bm // t.tm, t.ksub, "mi", "kk")
+        b_index = matrix_index(b, t.ksub, t.bn // t.tn, "kk", "ni")
+        if walk == "coo output":
+            out_row = py(Var(cell) * (t.bm // t.tm) + Var("mi"))
+            out_index = (out_row, "ni")
+            out_mat = Matrix(out_op.name, "", (), m, n, False, True)
+        else:
+            out_mat = Matrix(out_op.name, "", out_coords, m, n, False, False)
+            r = flat([Var(var_of[i]) for i in out_coords] + [Var(var_of[m])], [self.extent(i) for i in out_coords] + [self.extent(m)])
+            out_index = (py(r * (t.bm // t.tm) + Var("mi")), py(Var(var_of[n]) * (t.bn // t.tn) + Var("ni")))
+        end_index = None
+        if end is not None:
+            r = flat([Var(var_of[i]) for i in end.coords] + [Var(var_of[m])], [self.extent(i) for i in end.coords] + [self.extent(m)])
+            end_index = (py(r * (t.bm // t.tm) + Var("mi")), py(Var(var_of[n]) * (t.bn // t.tn) + Var("ni")))
+        kernel_lets += [("start", start_expr), ("count", count_expr)]
+
+        # ---- the wrapper's result
+        out_var = names.local(st.target.operand)
+        raw = names.local(f"{st.target.operand}_matrix")
+        finish = []
+        if walk == "coo output":
+            tiles_kept = [str(self.tile[i]) for i in st.target.indices if self.tile[i] != 1]
+            rows_first = st.target.indices.index(m) < st.target.indices.index(n)
+            shape = f"(-1, {t.bm}, {t.bn})"
+            finish.append(f"{out_var} = {raw}.reshape{shape}" + ("" if rows_first else ".transpose(0, 2, 1)"))
+            del tiles_kept
+        else:
+            order = [*out_coords, m, n]
+            padded = [self.extent(i) if self.tile[i] == 1 else self.blocks(i) * self.tile[i] for i in order]
+            inv = tuple(order.index(i) for i in st.target.indices)
+            sizes = ", ".join(render(self.size(i), "host") for i in order)
+            finish.append(f"{out_var} = _unmatrix({raw}, {_tuple(render(e, 'host') for e in padded)}, {_tuple(render(self.size(i), 'host') for i in order)}, {_tuple(map(str, inv))})")
+        flops = 2 * t.bm * t.bn * t.bk
+        products = ncells * KB
+        itemsize = da.itemsize
+        p = GpuPass(
+            statement=st, output=out_op.name, walk=walk, sparse=sparse, a=a, b=b, out=out_mat, end=end, end_mask=end_mask,
+            tiles=tiles, in_dtype=da, out_dtype=out_op.dtype, scale=st.scale, cell_coords=tuple((i, self.extent(i)) for i in (*coords, m, n)),
+            cells=ncells, host=host, guard=guard, tables=tables, kernel_lets=kernel_lets, a_index=a_index, b_index=b_index,
+            out_index=out_index, end_index=end_index, step_lets=step_lets, kind_table=kind_table, finish=finish, out_var=out_var,
+            statics=tuple(sorted(statics)), names=names,
+            fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
+            block_products=products, flops_per_product=flops,
+            smem=smem_bytes(tiles, itemsize, out_op.dtype.itemsize, k.operand(end.operand).dtype.itemsize if end else 0),
+        )
+        p.raw = raw
+        return p
+
+    # ------------------------------------------------------------ tiles
+    def tiles(self, m: str, n: str, kidx: str, dtype: DType, out_dtype: DType, end_dtype: DType | None) -> Tiles:
+        k = self.k
+        bm, bn, bk = self.tile[m], self.tile[n], self.tile[kidx]
+        span = {i.name: i.tile_span for i in k.indices}
+        if bm % 64:
+            self.fail(span[m], f"tile {m} = {bm}: WGMMA computes 64 rows at a time; on {self.target.name} the output block's "
+                               f"rows ({m}) take a multiple of 64", ["tiles that work: 64, 128, 256, ..."])
+        if bn % 128 == 0:
+            tn = 128
+        elif bn % 16 == 0 and bn <= 256:
+            tn = bn
+        else:
+            self.fail(span[n], f"tile {n} = {bn}: WGMMA's N is a multiple of 16 up to 256 (or the block a multiple of 128, "
+                               f"split into 128-wide tiles); on {self.target.name} use 16, 32, ..., 256, or a multiple of 128")
+        tm = 128 if bm % 128 == 0 and 128 * tn <= MAX_ACC else 64
+        swizzle = 128 // dtype.itemsize  # elements per 128-byte row: the widest swizzle
+        if bk % swizzle == 0:
+            tk = swizzle
+        elif bk % 16 == 0 and bk < swizzle:
+            tk = bk
+        else:
+            self.fail(span[kidx], f"tile {kidx} = {bk}: WGMMA's K steps are multiples of 16 ({dtype.name}); on "
+                                  f"{self.target.name} use a multiple of {swizzle}, or 16, 32, ... below it")
+        for stages in (4, 3, 2):
+            t = Tiles(bm, bn, bk, tm, tn, tk, stages)
+            need = smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end_dtype.itemsize if end_dtype else 0)
+            if need <= self.target.smem_bytes:
+                return t
+        self.fail(k.tile_span, f"tiles need {need} bytes of shared memory per CTA on {self.target.name} (limit {self.target.smem_bytes})")
+
+
+def _tuple(items) -> str:
+    items = list(items)
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+def lower_gpu(kernel: Kernel, target: GpuTarget) -> GpuModule:
+    """A kernel as Mosaic GPU passes (GpuError with spec-located diagnostics if it cannot be)."""
+    return _Lowering(kernel, target).lower()
+
+
+def cost(m: GpuModule, total_steps: int | None = None) -> dict:
+    del total_steps
+    return {"smem": m.smem_bytes}
+
+
+__all__ = ["GpuError", "GpuModule", "GpuPass", "Matrix", "Tiles", "lower_gpu", "smem_bytes", "math"]
