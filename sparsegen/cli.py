@@ -15,8 +15,14 @@ from pathlib import Path
 
 from .compiler import Module, compile_file, plans
 from .source import SpecError
-from .tpu.describe import describe
+from .gpu import GPU_TARGETS, GpuModule, is_gpu
+from .gpu.describe import describe as describe_gpu
+from .tpu.describe import describe as describe_tpu
 from .tpu.targets import DEFAULT_TARGET, TARGETS
+
+
+def describe(m) -> list[str]:
+    return describe_gpu(m) if isinstance(m, GpuModule) else describe_tpu(m)
 
 
 def _resolved(path: str | Path) -> Path:
@@ -207,6 +213,10 @@ def cmd_plan(args) -> int:
         return 0
     # A pattern: walk the generated kernel's grid (this needs jax, for the generated code).
     # Usage problems first, before loading jax or simulating anything.
+    if is_gpu(args.target):
+        print(f"sparsegen plan: --pattern simulates the TPU pipeline; for {args.target}, `plan` without it describes the GPU "
+              "schedule, and bench/bench_gpu.py times it on a GPU", file=sys.stderr)
+        return 2
     if not _pattern_ok("plan", args.pattern) or (args.png and not _png_ok(args.png)) or not _have_jax("plan --pattern"):
         return 2
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the index maps run on the host
@@ -255,6 +265,14 @@ def cmd_plan(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    targets = [t.strip() for t in args.target.split(",") if t.strip()]
+    if targets and any(is_gpu(t) for t in targets):
+        if not all(is_gpu(t) for t in targets):
+            print("sparsegen verify: give TPU chips or GPUs, not both, in one run", file=sys.stderr)
+            return 2
+        from .gpu.verify import cmd_verify_gpu
+
+        return cmd_verify_gpu(args, targets)
     from .tpu import verify
     from .jaxenv import quiet_libtpu
 
@@ -499,7 +517,7 @@ def _print_variants(ranked, targets, pattern, sizes, timed) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegen", description="Compile .spk specs into Pallas TPU kernel modules.")
     sub = parser.add_subparsers(dest="command", required=True)
-    targets = sorted(TARGETS)
+    targets = sorted(TARGETS) + sorted(GPU_TARGETS)
 
     build = sub.add_parser("build", help="write one module per kernel (nothing is written if any spec fails)")
     build.add_argument("specs", nargs="+", metavar="SPEC")
@@ -524,9 +542,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="counts and estimates as JSON")
     plan.add_argument("--png", metavar="FILE", help="draw the block pattern, the grid's traversal and its copies")
     plan.set_defaults(func=cmd_plan)
-    verify = sub.add_parser("verify", help="compile ahead of time for TPU targets through libtpu (no TPU needed)")
+    verify = sub.add_parser("verify", help="compile ahead of time through libtpu (TPUs) or for a compile-only H200 (GPUs); no device needed")
     verify.add_argument("specs", nargs="+", metavar="SPEC")
-    verify.add_argument("--target", default=DEFAULT_TARGET, help="comma-separated chips (default: v5e; any of v4, v5e, v5p, v6e)")
+    verify.add_argument("--target", default=DEFAULT_TARGET, help="comma-separated chips (default: v5e; any of v4, v5e, v5p, v6e), or h100 / h200 (Mosaic GPU)")
     verify.add_argument("--shape", metavar="M=4096,K=...", help="sizes of symbolic dimensions (default: 8 blocks of their tile)")
     verify.add_argument("--nnz", type=float, default=0.1, help="fraction of blocks a coo operand stores (default: 0.1)")
     verify.add_argument("--json", action="store_true", help="machine-readable output")

@@ -32,3 +32,37 @@ GPU_TARGETS: dict[str, GpuTarget] = {
 
 def is_gpu(target: str) -> bool:
     return target in GPU_TARGETS
+
+
+def target_config(t: GpuTarget) -> str:
+    """The GpuTargetConfigProto (text) of a compile-only device for XLA:GPU (stage 3 of
+    `verify`): sm_90, NVIDIA's published figures for the chip."""
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: {t.sms}
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(t.hbm_bytes_per_s)}
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: {t.hbm_bytes}
+  shared_memory_per_block_optin: {t.smem_bytes}
+  cuda_compute_capability {{
+    major: 9
+  }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{
+  major: 9
+  minor: 8
+}}
+device_description_str: "{t.device_kind}"
+"""

@@ -11,19 +11,15 @@ jax is imported here only, and only when verify runs.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import time
-import types
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..callconv import convention, operand_indices, stored_tiles
 from ..expr import evaluate
-from ..ir import Kernel
-from ..names import ModuleNames
 from ..source import Diagnostic, SourceFile
+from ..shapes import _load, arg_structs, default_shapes, parse_shapes, stored_blocks  # noqa: F401 (re-exported)
 from .emit import emit
 from .lower import TpuModule
 from .rules import suggest_tiles
@@ -92,83 +88,7 @@ class Result:
 # ------------------------------------------------------------------ shapes
 
 
-def default_shapes(kernel: Kernel) -> dict[str, int]:
-    """Eight blocks of every tile that divides a symbol: big enough to pipeline, small to compile."""
-    shapes = {}
-    for symbol, literal in kernel.symbols:
-        if literal is not None:
-            continue
-        tiles = [i.tile for i in kernel.indices if i.size.symbol == symbol]
-        for st in kernel.statements:
-            for r in (st.target, *st.factors):
-                if r.operand not in {o.name for o in kernel.operands}:
-                    continue  # a local tensor
-                for d, s in zip(kernel.operand(r.operand).dims, r.subs):
-                    if d.symbol == symbol and (s.offset is not None or s.divisor != 1):
-                        tiles.append(kernel.index(s.index).tile)
-        shapes[symbol] = 8 * math.lcm(*tiles) if tiles else 1024
-    from ..schedule.attention import whole_sizes
-
-    shapes.update(whole_sizes(kernel))
-    # A `h // n` relation: the smaller size follows from the larger one.
-    for rel in kernel.relations:
-        big = kernel.index(rel.index).size.symbol
-        if big in shapes and rel.dim.symbol in shapes:
-            shapes[big] = math.lcm(shapes[big], rel.divisor)
-            shapes[rel.dim.symbol] = shapes[big] // rel.divisor
-    return shapes
-
-
-def parse_shapes(text: str | None) -> dict[str, int]:
-    """`M=4096,K=4096` -> {"M": 4096, "K": 4096}; ValueError on a malformed item."""
-    out: dict[str, int] = {}
-    for item in filter(None, (text or "").split(",")):
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip().isidentifier() or not value.strip().isdigit():
-            raise ValueError(f"--shape takes NAME=INT items separated by commas, got {item!r}")
-        out[name.strip()] = int(value)
-    return out
-
-
-def arg_structs(kernel: Kernel, env: dict[str, int], nb: int):
-    """(shape, numpy dtype) per positional argument (the calling convention), and the keyword sizes."""
-    conv = convention(kernel, ModuleNames(kernel))
-
-    def dims(op):
-        return tuple(d.literal if d.literal is not None else env[d.symbol] for d in op.dims)
-
-    args = []
-    for p in conv.params:
-        op = kernel.operand(p.operand)
-        if p.kind == "blocks":
-            args.append(((nb, *stored_tiles(kernel, op)), op.dtype.np_dtype))
-        elif p.kind in ("coords", "out_coords", "index"):
-            args.append(((nb,) if p.kind != "index" else dims(op), np.dtype(np.int32)))
-        else:
-            args.append((dims(op), op.dtype.np_dtype))
-    keywords = {s: env[s] for s, lit in kernel.symbols if lit is None}
-    return args, keywords
-
-
-def stored_blocks(kernel: Kernel, env: dict[str, int], nnz: float) -> int | None:
-    """Stored (or requested) blocks for a density: `nnz` of the coo operand's block grid."""
-    op = next((o for o in kernel.operands if o.sparsity == "coo"), None)
-    if op is None:
-        return None
-    grid = 1
-    for d, i in zip(op.dims, operand_indices(kernel, op)):
-        size = d.literal if d.literal is not None else env[d.symbol]
-        grid *= -(-size // kernel.index(i).tile)
-    return max(1, round(nnz * grid))
-
-
 # ----------------------------------------------------------------- compile
-
-
-def _load(code: str, name: str):
-    module = types.ModuleType(name)
-    exec(compile(code, f"<sparsegen {name}>", "exec"), module.__dict__)
-    return module
 
 
 def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, vmem_limit=None, backward: bool = False):

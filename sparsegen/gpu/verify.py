@@ -1,0 +1,230 @@
+"""`sparsegen verify --target h100|h200`: prove GPU kernels without a GPU.
+
+Stage 2 (here): lower under an abstract H200 (`AbstractDevice`, platform "cuda"): the whole
+Pallas -> Mosaic GPU lowering runs (WGMMA shapes, layouts, the shared-memory budget). The
+shared memory a kernel takes is measured there too: lowered again under Mosaic GPU's test
+limit of 0 bytes, it says how many it needs.
+
+Stage 3 (a subprocess): an XLA:GPU compile for a compile-only H200 through the jax-cuda13
+plugin (Mosaic GPU -> PTX -> ptxas for sm_90a); ptxas reports registers and spills. The
+plugin has an environment of its own (`make gpu-venv` makes `.venv-gpu`, or set
+SPARSEGEN_GPU_PYTHON); without one, stage 3 is skipped and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..shapes import _load, arg_structs, default_shapes, parse_shapes, stored_blocks
+from ..source import Diagnostic, SourceFile, SpecError
+from .emit import emit_gpu
+from .lower import GpuModule
+from .targets import GPU_TARGETS, target_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class GpuResult:
+    kernel: str
+    target: str
+    lowered: bool
+    shapes: dict[str, int]
+    nb: int | None
+    smem_estimate: int
+    smem_limit: int
+    smem_used: int | None = None
+    compiled: bool | None = None  # stage 3; None: not run
+    registers: list[int] = field(default_factory=list)
+    spill_bytes: int = 0
+    lower_seconds: float = 0.0
+    compile_seconds: float = 0.0
+    stage3: str = ""  # why stage 3 did not run, or its error
+    error: Diagnostic | None = None
+    raw_error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.lowered and self.compiled is not False
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "target": self.target, "lowered": self.lowered, "compiled": self.compiled, "shapes": self.shapes,
+                "nb": self.nb, "smem_estimate_bytes": self.smem_estimate, "smem_used_bytes": self.smem_used, "smem_limit_bytes": self.smem_limit,
+                "registers": self.registers, "spill_bytes": self.spill_bytes, "lower_seconds": self.lower_seconds,
+                "compile_seconds": self.compile_seconds, "stage3": self.stage3, "error": self.error.message if self.error else None}
+
+
+def gpu_python() -> tuple[str | None, str]:
+    """The Python that has the jax-cuda13 plugin, or None and why not."""
+    candidates = [os.environ["SPARSEGEN_GPU_PYTHON"]] if os.environ.get("SPARSEGEN_GPU_PYTHON") else []
+    candidates.append(str(ROOT / ".venv-gpu" / "bin" / "python"))
+    for python in candidates:
+        if not os.path.exists(python):
+            continue
+        probe = subprocess.run([python, "-c", "import jax_plugins.xla_cuda13, jax"], capture_output=True, text=True,
+                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        if probe.returncode == 0:
+            return python, ""
+        return None, f"{python} lacks the jax-cuda13 plugin ({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'import failed'})"
+    return None, "no environment with the jax-cuda13 plugin: run `make gpu-venv` (or set SPARSEGEN_GPU_PYTHON)"
+
+
+def _lower(fn, structs, keywords, target) -> str:
+    import jax
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind=GPU_TARGETS[target].device_kind, num_cores=GPU_TARGETS[target].sms, platform="cuda")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        return jax.jit(lambda *a: fn(*a, **keywords)).trace(*structs).lower().as_text()
+
+
+def explain(m: GpuModule, target: str, message: str) -> Diagnostic:
+    """A Mosaic GPU refusal, at the spec's tile line."""
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "lowering failed")
+    if "shared memory" in message:
+        return Diagnostic(m.kernel.tile_span, f"the tiles need more shared memory than {target} has: {first}")
+    return Diagnostic(m.kernel.tile_span, f"Mosaic GPU refuses the kernel for {target}: {first}")
+
+
+def verify_module(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: float = 0.1, stage3: bool = True) -> GpuResult:
+    import jax
+
+    k = m.kernel
+    env = {**default_shapes(k), **(shapes or {})}
+    env = {s: (lit if lit is not None else env[s]) for s, lit in k.symbols}
+    nb = stored_blocks(k, env, nnz)
+    args, keywords = arg_structs(k, env, nb or 0)
+    chip = GPU_TARGETS[target]
+    result = GpuResult(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, m.smem_bytes, chip.smem_bytes)
+    code = emit_gpu(m, source.name)
+    fn = getattr(_load(code, f"verify_{k.name}"), k.name)
+    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in args]
+    start = time.perf_counter()
+    try:
+        _lower(fn, structs, keywords, target)
+    except Exception as exc:
+        result.lower_seconds = time.perf_counter() - start
+        result.raw_error = str(exc)
+        result.error = explain(m, target, str(exc))
+        return result
+    result.lower_seconds = time.perf_counter() - start
+    result.lowered = True
+    result.smem_used = measure_smem(fn, structs, keywords, target)
+    if not stage3:
+        result.stage3 = "not asked for"
+        return result
+    python, why = gpu_python()
+    if python is None:
+        result.stage3 = why
+        return result
+    outcome = compile_stage3(python, code, k.name, args, keywords, target)
+    result.compile_seconds = outcome.get("seconds", 0.0)
+    if outcome.get("compiled"):
+        result.compiled = True
+        result.registers = [kk["registers"] for kk in outcome["kernels"]]
+        result.spill_bytes = sum(kk.get("spill_bytes", 0) for kk in outcome["kernels"])
+    elif "ptxas" in (outcome.get("error") or "") and ("not found" in outcome["error"] or "No such file" in outcome["error"]):
+        result.stage3 = "ptxas not found (the nvidia-cuda-nvcc wheel or a CUDA install provides it)"
+    else:
+        result.compiled = False
+        result.raw_error = outcome.get("error")
+        result.error = explain(m, target, outcome.get("error") or "compile failed")
+    return result
+
+
+def measure_smem(fn, structs, keywords, target) -> int | None:
+    """Shared memory the (first) kernel needs, as Mosaic GPU counts it: lowered under a 0-byte limit."""
+    from jax.experimental.mosaic.gpu import core
+
+    with core.artificial_shared_memory_limit(0):
+        try:
+            _lower(fn, structs, keywords, target)
+        except ValueError as exc:
+            found = re.search(r"smem_bytes=(\d+)", str(exc))
+            return int(found.group(1)) if found else None
+    return 0
+
+
+def compile_stage3(python: str, code: str, name: str, args, keywords, target: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="sparsegen-gpu-") as tmp:
+        module = Path(tmp) / f"{name}.py"
+        module.write_text(code)
+        request = Path(tmp) / "request.json"
+        request.write_text(json.dumps({
+            "module": str(module), "function": name, "keywords": keywords, "target_config": target_config(GPU_TARGETS[target]),
+            "args": [[list(shape), np.dtype(dtype).name] for shape, dtype in args],
+        }))
+        run = subprocess.run([python, str(Path(__file__).with_name("stage3.py")), str(request)], capture_output=True, text=True,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+        if not lines:
+            return {"compiled": False, "error": (run.stderr.strip().splitlines() or ["stage 3 printed nothing"])[-1]}
+        return json.loads(lines[-1])
+
+
+def verify_source(source: SourceFile, targets, shapes=None, nnz: float = 0.1, stage3: bool = True) -> list[GpuResult]:
+    from ..compiler import lower_source
+
+    results = []
+    for target in targets:
+        for m in lower_source(source, target):  # SpecError: the rules refuse the spec
+            results.append(verify_module(m, source, target, shapes, nnz, stage3))
+    return results
+
+
+def cmd_verify_gpu(args, targets: list[str]) -> int:
+    from ..jaxenv import quiet_libtpu
+
+    quiet_libtpu()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    try:
+        shapes = parse_shapes(args.shape)
+    except ValueError as exc:
+        print(f"sparsegen verify: {exc}", file=sys.stderr)
+        return 2
+    if not 0 < args.nnz <= 1:
+        print("sparsegen verify: --nnz is a fraction of the blocks, in (0, 1]", file=sys.stderr)
+        return 2
+    report, failed = [], False
+    for spec in args.specs:
+        source = SourceFile.read(spec)
+        try:
+            results = verify_source(source, targets, shapes, args.nnz)
+        except SpecError as exc:
+            print(exc.render(), file=sys.stderr)
+            failed = True
+            continue
+        report += [(spec, r) for r in results]
+        failed |= any(not r.ok for r in results)
+        for r in results:
+            if r.error:
+                print(SpecError([r.error], source).render(), file=sys.stderr)
+                if args.verbose and r.raw_error:
+                    print("  raw compiler message:\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
+    if args.json:
+        print(json.dumps({"schema": 1, "results": [dict(spec=spec, **r.to_json()) for spec, r in report]}, indent=2, sort_keys=True))
+        return 1 if failed else 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="sparsegen verify (Mosaic GPU: stage 2 lowering under an abstract device, stage 3 ptxas for sm_90a)")
+    for column in ("kernel", "target", "lowers", "shared memory used / estimate / limit", "compiles (ptxas)", "registers", "spills", "time"):
+        table.add_column(column, justify="right" if column in ("registers", "spills", "time") else "left")
+    for spec, r in report:
+        smem = f"{r.smem_used if r.smem_used is not None else '?'} / {r.smem_estimate} / {r.smem_limit}"
+        compiled = "yes" if r.compiled else "NO" if r.compiled is False else f"skipped: {r.stage3}"
+        table.add_row(r.kernel, r.target, "yes" if r.lowered else "NO", smem, compiled,
+                      ", ".join(map(str, r.registers)) or "-", f"{r.spill_bytes} B" if r.compiled else "-",
+                      f"{r.lower_seconds + r.compile_seconds:.1f} s")
+    Console(width=160).print(table)
+    return 1 if failed else 0
