@@ -61,7 +61,10 @@ class _Emitter:
             if mat.transposed:
                 about += f"; {mat.operand} is stored ({mat.col}, {mat.row}): WGMMA reads the tile transposed"
             maps.append({"fn": fn, "index": text, "lets": _needed(p.step_lets, text), "about": about + "."})
-        at = lambda index: f"pl.ds({index[0]} * {t.tm}, {t.tm}), pl.ds({index[1]} * {t.tn}, {t.tn})"
+        def at(index):
+            r, c = (x if x.isidentifier() else f"({x})" for x in index)
+            return f"pl.ds({r} * {t.tm}, {t.tm}), pl.ds({c} * {t.tn}, {t.tn})"
+
         scoped = [f"out_smem=plgpu.SMEM(({t.tm}, {t.tn}), {p.out_dtype.jnp})"]
         scoped_names = ["out_smem"]
         if p.end is not None:
@@ -180,7 +183,7 @@ class _Emitter:
             doc=doc,
             call_doc=call_doc,
             helpers="{helpers}",
-            kinds=any("_EMPTY" in line for p in m.passes for line in p.host),
+            kinds=any("_block_kinds(" in line for p in m.passes for line in p.host),
             passes=[self.pass_dict(p) for p in m.passes],
             public_params=[p.internal for p in conv.params] + size_vars,
             prepare_lines=self.wrapper.prepare_lines([]),

@@ -450,8 +450,8 @@ class _Lowering:
                 tables.append((kinds, f"_EMPTY, _PARTIAL or _FULL: each output block's {sparse} block"))
                 kind_table = kinds
                 count_expr = f"jnp.where({kinds}[{cell}] == _EMPTY, 0, {py(KB * t.ksub)})"
-            if not step_lets:
-                step_lets.append((kvar, f"s // {t.ksub}"))
+        if not step_lets:
+            step_lets.append((kvar, f"s // {t.ksub}"))
         step_lets.insert(0, ("kk", f"s % {t.ksub}"))
 
         def matrix_index(mat: Matrix, row_tiles: int, col_tiles: int, row_sub: str, col_sub: str) -> tuple[str, str]:
