@@ -439,7 +439,7 @@ class _Lowering:
                 kernel_lets.append((key, py(flat([Var(var_of[i]) for i in key_coords], key_extents))))
                 start_expr, count_expr = f"{start_t}[{key}]", f"{count_t}[{key}] * {t.ksub}"
                 # Clamped: a pipeline may fetch ahead of its last step.
-                step_lets.append(("step", f"jnp.minimum(start + s // {t.ksub}, {k_t}.shape[0] - 1)"))
+                step_lets.append(("step", f"jnp.minimum(start + {render(Var('s').div(t.ksub), 'py')}, {k_t}.shape[0] - 1)"))
                 step_lets.append((kvar, f"{k_t}[step]"))
                 if mat.stored:
                     step_lets.append(("stored", f"{order_t}[step]"))
@@ -451,35 +451,42 @@ class _Lowering:
                 kind_table = kinds
                 count_expr = f"jnp.where({kinds}[{cell}] == _EMPTY, 0, {py(KB * t.ksub)})"
         if not step_lets:
-            step_lets.append((kvar, f"s // {t.ksub}"))
-        step_lets.insert(0, ("kk", f"s % {t.ksub}"))
+            step_lets.append((kvar, render(Var("s").div(t.ksub), "py")))
+        if t.ksub > 1:
+            step_lets.insert(0, ("kk", f"s % {t.ksub}"))
+
+        def sub(name: str, count: int) -> Expr:
+            """A CTA's (or step's) tile within its block: always 0 where the block is one tile."""
+            return Var(name) if count > 1 else Const(0)
 
         def matrix_index(mat: Matrix, row_tiles: int, col_tiles: int, row_sub: str, col_sub: str) -> tuple[str, str]:
+            """The tile a step reads: block coordinates times tiles per block, plus the tile inside."""
             if mat.stored:
                 r, c = Var("stored"), Const(0)
             else:
-                rv = Var(kvar) if mat.row == kidx else Var(var_of[mat.row])
-                cv = Var(kvar) if mat.col == kidx else Var(var_of[mat.col])
-                r = flat([Var(var_of[i]) for i in mat.coords] + [rv], [self.extent(i) for i in mat.coords] + [self.extent(mat.row)])
-                c = cv
-            rr = py(r * row_tiles + Var(row_sub))
-            cc = py(c * col_tiles + Var(col_sub))
+                value = {i: Var(kvar) if i == kidx else Var(var_of[i]) for i in (mat.row, mat.col)}
+                lead, other = (mat.col, mat.row) if mat.transposed else (mat.row, mat.col)
+                # The stored matrix's rows are (coords.., lead): flattened row-major.
+                first = flat([Var(var_of[i]) for i in mat.coords] + [value[lead]], [self.extent(i) for i in mat.coords] + [self.extent(lead)])
+                r, c = (value[other], first) if mat.transposed else (first, value[other])
+            rr = py(r * row_tiles + sub(row_sub, row_tiles))
+            cc = py(c * col_tiles + sub(col_sub, col_tiles))
             return (cc, rr) if mat.transposed else (rr, cc)
 
         a_index = matrix_index(a, t.bm // t.tm, t.ksub, "mi", "kk")
         b_index = matrix_index(b, t.ksub, t.bn // t.tn, "kk", "ni")
         if walk == "coo output":
-            out_row = py(Var(cell) * (t.bm // t.tm) + Var("mi"))
-            out_index = (out_row, "ni")
+            out_row = py(Var(cell) * (t.bm // t.tm) + sub("mi", t.bm // t.tm))
+            out_index = (out_row, py(sub("ni", t.bn // t.tn)))
             out_mat = Matrix(out_op.name, "", (), m, n, False, True)
         else:
             out_mat = Matrix(out_op.name, "", out_coords, m, n, False, False)
             r = flat([Var(var_of[i]) for i in out_coords] + [Var(var_of[m])], [self.extent(i) for i in out_coords] + [self.extent(m)])
-            out_index = (py(r * (t.bm // t.tm) + Var("mi")), py(Var(var_of[n]) * (t.bn // t.tn) + Var("ni")))
+            out_index = (py(r * (t.bm // t.tm) + sub("mi", t.bm // t.tm)), py(Var(var_of[n]) * (t.bn // t.tn) + sub("ni", t.bn // t.tn)))
         end_index = None
         if end is not None:
             r = flat([Var(var_of[i]) for i in end.coords] + [Var(var_of[m])], [self.extent(i) for i in end.coords] + [self.extent(m)])
-            end_index = (py(r * (t.bm // t.tm) + Var("mi")), py(Var(var_of[n]) * (t.bn // t.tn) + Var("ni")))
+            end_index = (py(r * (t.bm // t.tm) + sub("mi", t.bm // t.tm)), py(Var(var_of[n]) * (t.bn // t.tn) + sub("ni", t.bn // t.tn)))
         kernel_lets += [("start", start_expr), ("count", count_expr)]
 
         # ---- the wrapper's result
