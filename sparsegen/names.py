@@ -31,9 +31,6 @@ FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec", "residuals", "cotan
     # the walk's wrapper locals, the classification's locals
     "masked", "bound", "overflow", "max_steps", "xp", "can", "must",
     "_scores", "_chain", "_step", "_partial", "_full", "_write", "_empty", "_start", "_finish", "_init", "_flush",
-    # the GPU kernels' fixed names (sparsegen/gpu): per CTA, per pipeline step, the epilogue
-    "cell", "mi", "ni", "start", "count", "s", "kk", "step", "stored", "acc", "acc_ref", "multiply", "product",
-    "out_smem", "end_smem", "barrier", "value", "kind", "row", "col", "_store", "_masked", "_whole",
 }  # fmt: skip
 PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | frozenset(keyword.softkwlist)
 

@@ -36,6 +36,12 @@ from ..source import Diagnostic
 from .targets import GpuTarget
 
 F16 = ("bf16", "f16")
+# The GPU kernels' fixed local names (templates/gpu/module.py.j2): per CTA, per pipeline step,
+# the epilogue. Spec names never take them.
+FIXED = frozenset({
+    "cell", "mi", "ni", "start", "count", "s", "kk", "step", "stored", "acc", "acc_ref", "multiply", "product",
+    "out_smem", "end_smem", "barrier", "kind", "row", "col", "_store", "_masked", "_whole",
+})  # fmt: skip
 MAX_ACC = 128 * 128  # accumulator elements per CTA: one warpgroup's registers (256x256 spills, measured)
 
 
@@ -151,6 +157,7 @@ class _Lowering:
         self.k = kernel
         self.target = target
         self.names = ModuleNames(kernel)
+        self.names.internal.used |= FIXED
         self.conv = convention(kernel, self.names)
         self.tile = {i.name: i.tile for i in kernel.indices}
         self.outputs: dict[str, str] = {}
