@@ -160,6 +160,7 @@ def test_example_lowers_and_compiles_for_h200(name):
     (m,) = lower_source(source, "h200")
     result = verify_module(m, source, "h200")
     assert result.lowered, result.raw_error
+    assert result.backward == "lowers", result.backward
     # The rules' estimate bounds what Mosaic GPU allocates, closely (barriers are aligned).
     assert result.smem_used <= result.smem_estimate <= result.smem_used + 64, (result.smem_used, result.smem_estimate)
     if result.compiled is None:
@@ -252,3 +253,28 @@ def test_cli_builds_plans_and_verifies_for_h200(tmp_path):
     refused_tile.write_text(re.sub(r"tile .*", "tile m = 32, n = 128, k = 64", (SPECS / "dsd_matmul.spk").read_text()))
     bad = sparsegen("build", str(refused_tile), "--target", "h200", "-o", str(tmp_path / "out"))
     assert bad.returncode == 1 and "multiple of 64" in bad.stderr and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ gradients
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_gradients_equal_those_of_reference(name):
+    """jax.grad through the kernel (its backward: the derived kernels, on the GPU too) equals
+    JAX's gradient of `reference`, for every differentiable input (masks get none)."""
+    from test_gradients import differentiable
+
+    tiles, sizes = SMALL[name]
+    kernel, mod = build(with_tiles(example_text(name), **tiles), "h200")
+    args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(7))
+    which = tuple(differentiable(kernel))
+    weights = [np.random.default_rng(8).standard_normal(np.shape(r)).astype(np.float32) for r in [mod.reference(*args, **keywords)]]
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a, **keywords).astype(jnp.float32) * weights[0])
+
+    got = jax.grad(loss(lambda *a, **k: getattr(mod, kernel.name)(*a, **k, interpret=True)), argnums=which)(*args)
+    want = jax.grad(loss(mod.reference), argnums=which)(*args)
+    for n, g, w in zip(which, got, want):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        scale = max(1.0, float(np.sqrt(np.mean(w**2))))
+        np.testing.assert_allclose(g, w, rtol=0.02, atol=0.02 * scale, err_msg=f"argument {n}")

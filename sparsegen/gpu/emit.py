@@ -42,8 +42,9 @@ class _Emitter:
         self.outputs = dict(m.outputs)
         self.wrapper = Wrapper(m.kernel, m.conv, (), m.names.local("size"), m.names)
 
-    def pass_dict(self, p: GpuPass) -> dict:
-        k, t = self.k, p.tiles
+    def pass_dict(self, p: GpuPass, mod: GpuModule | None = None) -> dict:
+        mod = mod or self.m
+        k, t = mod.kernel, p.tiles
         names = p.names
         a_ref, b_ref = names.local(f"{p.a.operand}_gmem"), names.local(f"{p.b.operand}_gmem")
         end_ref = names.local(f"{p.end.operand}_gmem") if p.end else None
@@ -83,10 +84,10 @@ class _Emitter:
                 rows = rows * e
             raw_shape = _tuple([render(rows * t.bm, "host"), render(p.cell_coords[-1][1] * t.bn, "host")])
         del sizes
-        call_args = list(self.m.conv.impl_args) + [self.outputs[o] for o in self.reads(p)]
+        call_args = list(mod.conv.impl_args) + [dict(mod.outputs)[o] for o in self.reads(p, mod)]
         guard = list(p.guard)
         if guard:
-            guard.append(f"    return {self.zeros(p)}")
+            guard.append(f"    return {self.zeros(p, mod)}")
         return {
             "fn": p.fn,
             "params": params,
@@ -130,17 +131,18 @@ class _Emitter:
             "out_var": p.out_var,
         }
 
-    def reads(self, p: GpuPass) -> list[str]:
+    def reads(self, p: GpuPass, mod: GpuModule) -> list[str]:
         """Outputs of earlier statements this pass reads."""
-        return [r.operand for r in p.statement.factors if self.k.operand(r.operand).direction == "out"]
+        return [r.operand for r in p.statement.factors if mod.kernel.operand(r.operand).direction == "out"]
 
-    def zeros(self, p: GpuPass) -> str:
-        op = self.k.operand(p.output)
+    def zeros(self, p: GpuPass, mod: GpuModule) -> str:
+        k = mod.kernel
+        op = k.operand(p.output)
         if p.walk == "coo output":
             read = p.statement.target
-            tiles = [str(self.k.index(i).tile) for i in read.indices if self.k.index(i).tile != 1]
+            tiles = [str(k.index(i).tile) for i in read.indices if k.index(i).tile != 1]
             return f"jnp.zeros({_tuple(['0'] + tiles)}, {op.dtype.jnp})"
-        return f"jnp.zeros({_tuple(render(self.m.conv.size(d), 'host') for d in op.dims)}, {op.dtype.jnp})"
+        return f"jnp.zeros({_tuple(render(mod.conv.size(d), 'host') for d in op.dims)}, {op.dtype.jnp})"
 
     def kernel_about(self, p: GpuPass) -> str:
         t = p.tiles
@@ -153,6 +155,31 @@ class _Emitter:
         }[p.walk]
         return (f"{p.statement.text}: one CTA per {t.tm}x{t.tn} tile of each output block; it walks {walk}, "
                 f"one WGMMA per {p.a.col} tile of {t.tk}.")
+
+    def gradient(self) -> dict:
+        """The custom_vjp glue: residuals (the inputs), the backward passes, a cotangent per argument."""
+        m = self.m
+        args = list(m.conv.impl_args)
+        info = {"error": None, "passes": [], "bargs": [], "partials": [], "returns": [], "cotangents": []}
+        info["cotangents"] = [a for _, a in m.backward.cotangents] if m.backward else [m.names.local(f"g_{o.name}") for o in self.k.outputs]
+        if m.backward_error or m.backward_module is None:
+            info["error"] = repr(m.backward_error or "no input of this kernel has a gradient")
+            return info
+        bm = m.backward_module
+        outputs = dict(bm.outputs)
+        info["passes"] = [self.pass_dict(p, bm) for p in bm.passes]
+        info["bargs"] = list(bm.conv.impl_args)
+        info["partials"] = [outputs[p.output] for p in bm.passes]
+        by_operand: dict[str, list[str]] = {}
+        for part in m.backward.partials:
+            by_operand.setdefault(part.operand, []).append(outputs[part.output])
+        for a in args:
+            param = next((p for p in m.conv.params if p.internal == a), None)
+            if param is not None and param.kind in ("dense", "blocks") and param.operand in by_operand:
+                info["returns"].append(" + ".join(by_operand[param.operand]))
+            else:
+                info["returns"].append(f"_no_gradient({a})")
+        return info
 
     def module(self, source_name: str) -> str:
         m, k, conv = self.m, self.k, self.m.conv
@@ -195,6 +222,7 @@ class _Emitter:
             forward=[p.public for p in conv.params] + [s.symbol for s in conv.sizes],
             results=[self.outputs[o.name] for o in k.outputs],
             n_args=len(conv.impl_args),
+            gradient=self.gradient(),
         )
         return with_helpers(main)
 

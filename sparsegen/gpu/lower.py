@@ -138,6 +138,9 @@ class GpuModule:
     names: ModuleNames
     passes: tuple[GpuPass, ...]
     outputs: tuple[tuple[str, str], ...]
+    backward: object | None = None  # autodiff.Backward: how the gradients are derived
+    backward_module: "GpuModule | None" = None  # its passes, lowered like any kernel's
+    backward_error: str | None = None  # why `jax.grad` cannot go through this kernel
 
     @property
     def name(self) -> str:
@@ -153,12 +156,14 @@ def _letters(indices) -> dict[str, str]:
 
 
 class _Lowering:
-    def __init__(self, kernel: Kernel, target: GpuTarget):
+    def __init__(self, kernel: Kernel, target: GpuTarget, names: ModuleNames | None = None, conv: Convention | None = None):
         self.k = kernel
         self.target = target
-        self.names = ModuleNames(kernel)
-        self.names.internal.used |= FIXED
-        self.conv = convention(kernel, self.names)
+        if names is None:
+            names = ModuleNames(kernel)
+            names.internal.used |= FIXED
+        self.names = names
+        self.conv = conv or convention(kernel, self.names)
         self.tile = {i.name: i.tile for i in kernel.indices}
         self.outputs: dict[str, str] = {}
         self.errors: list[Diagnostic] = []
@@ -468,14 +473,16 @@ class _Lowering:
 
         def matrix_index(mat: Matrix, row_tiles: int, col_tiles: int, row_sub: str, col_sub: str) -> tuple[str, str]:
             """The tile a step reads: block coordinates times tiles per block, plus the tile inside."""
+            lead, other = (mat.col, mat.row) if mat.transposed else (mat.row, mat.col)
             if mat.stored:
-                r, c = Var("stored"), Const(0)
+                # Stored block s is rows s*tile.. of the matrix, along `lead`.
+                first, second = Var("stored"), Const(0)
             else:
                 value = {i: Var(kvar) if i == kidx else Var(var_of[i]) for i in (mat.row, mat.col)}
-                lead, other = (mat.col, mat.row) if mat.transposed else (mat.row, mat.col)
-                # The stored matrix's rows are (coords.., lead): flattened row-major.
+                # The matrix's rows are (coords.., lead), flattened row-major.
                 first = flat([Var(var_of[i]) for i in mat.coords] + [value[lead]], [self.extent(i) for i in mat.coords] + [self.extent(lead)])
-                r, c = (value[other], first) if mat.transposed else (first, value[other])
+                second = value[other]
+            r, c = (second, first) if mat.transposed else (first, second)
             rr = py(r * row_tiles + sub(row_sub, row_tiles))
             cc = py(c * col_tiles + sub(col_sub, col_tiles))
             return (cc, rr) if mat.transposed else (rr, cc)
@@ -565,9 +572,26 @@ def _tuple(items) -> str:
     return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
-def lower_gpu(kernel: Kernel, target: GpuTarget) -> GpuModule:
-    """A kernel as Mosaic GPU passes (GpuError with spec-located diagnostics if it cannot be)."""
-    return _Lowering(kernel, target).lower()
+def lower_gpu(kernel: Kernel, target: GpuTarget, backward: bool = True) -> GpuModule:
+    """A kernel as Mosaic GPU passes (GpuError with spec-located diagnostics if it cannot be),
+    with the backward kernel its gradients need (autodiff), lowered the same way."""
+    m = _Lowering(kernel, target).lower()
+    if not backward:
+        return m
+    import dataclasses
+
+    from ..autodiff import derive
+
+    b = derive(m.kernel, m.conv, m.names)
+    if b.error or b.kernel is None:
+        return dataclasses.replace(m, backward=b, backward_error=b.error)
+    if b.prelude:
+        return dataclasses.replace(m, backward=b, backward_error="gradients that densify a coo input are not lowered for GPUs yet")
+    try:
+        bm = _Lowering(b.kernel, target, m.names, b.conv).lower()
+    except GpuError as exc:
+        return dataclasses.replace(m, backward=b, backward_error=f"the backward kernel has no GPU lowering: {exc.diagnostics[0].message}")
+    return dataclasses.replace(m, backward=b, backward_module=bm)
 
 
 def cost(m: GpuModule, total_steps: int | None = None) -> dict:

@@ -50,6 +50,7 @@ class GpuResult:
     lower_seconds: float = 0.0
     compile_seconds: float = 0.0
     stage3: str = ""  # why stage 3 did not run, or its error
+    backward: str | None = None  # "lowers", "fails: ...", or why jax.grad cannot go through the kernel
     error: Diagnostic | None = None
     raw_error: str | None = None
 
@@ -61,7 +62,7 @@ class GpuResult:
         return {"kernel": self.kernel, "target": self.target, "lowered": self.lowered, "compiled": self.compiled, "shapes": self.shapes,
                 "nb": self.nb, "smem_estimate_bytes": self.smem_estimate, "smem_used_bytes": self.smem_used, "smem_limit_bytes": self.smem_limit,
                 "registers": self.registers, "spill_bytes": self.spill_bytes, "lower_seconds": self.lower_seconds,
-                "compile_seconds": self.compile_seconds, "stage3": self.stage3, "error": self.error.message if self.error else None}
+                "compile_seconds": self.compile_seconds, "stage3": self.stage3, "backward": self.backward, "error": self.error.message if self.error else None}
 
 
 def gpu_python() -> tuple[str | None, str]:
@@ -79,13 +80,19 @@ def gpu_python() -> tuple[str | None, str]:
     return None, "no environment with the jax-cuda13 plugin: run `make gpu-venv` (or set SPARSEGEN_GPU_PYTHON)"
 
 
-def _lower(fn, structs, keywords, target) -> str:
+def _lower(fn, structs, keywords, target, backward: bool = False) -> str:
     import jax
+    import jax.numpy as jnp
     from jax.sharding import AbstractDevice, AbstractMesh
 
+    call = lambda *a: fn(*a, **keywords)  # noqa: E731
+    if backward:
+        # The gradient of a sum of the outputs for every float input: the backward kernels.
+        floats = tuple(n for n, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.floating))
+        call = jax.grad(lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(fn(*a, **keywords))), argnums=floats)
     device = AbstractDevice(device_kind=GPU_TARGETS[target].device_kind, num_cores=GPU_TARGETS[target].sms, platform="cuda")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-        return jax.jit(lambda *a: fn(*a, **keywords)).trace(*structs).lower().as_text()
+        return jax.jit(call).trace(*structs).lower().as_text()
 
 
 def explain(m: GpuModule, target: str, message: str) -> Diagnostic:
@@ -120,6 +127,14 @@ def verify_module(m: GpuModule, source: SourceFile, target: str, shapes=None, nn
     result.lower_seconds = time.perf_counter() - start
     result.lowered = True
     result.smem_used = measure_smem(fn, structs, keywords, target)
+    if m.backward_error or m.backward_module is None:
+        result.backward = f"not derived: {m.backward_error or 'no input has a gradient'}"
+    else:
+        try:
+            _lower(fn, structs, keywords, target, backward=True)
+            result.backward = "lowers"
+        except Exception as exc:  # reported, not raised: the forward kernel stands on its own
+            result.backward = "fails: " + next((line.strip() for line in str(exc).splitlines() if line.strip()), "lowering failed")
     if not stage3:
         result.stage3 = "not asked for"
         return result
@@ -218,12 +233,12 @@ def cmd_verify_gpu(args, targets: list[str]) -> int:
     from rich.table import Table
 
     table = Table(title="sparsegen verify (Mosaic GPU: stage 2 lowering under an abstract device, stage 3 ptxas for sm_90a)")
-    for column in ("kernel", "target", "lowers", "shared memory used / estimate / limit", "compiles (ptxas)", "registers", "spills", "time"):
+    for column in ("kernel", "target", "lowers", "backward", "shared memory used / estimate / limit", "compiles (ptxas)", "registers", "spills", "time"):
         table.add_column(column, justify="right" if column in ("registers", "spills", "time") else "left")
     for spec, r in report:
         smem = f"{r.smem_used if r.smem_used is not None else '?'} / {r.smem_estimate} / {r.smem_limit}"
         compiled = "yes" if r.compiled else "NO" if r.compiled is False else f"skipped: {r.stage3}"
-        table.add_row(r.kernel, r.target, "yes" if r.lowered else "NO", smem, compiled,
+        table.add_row(r.kernel, r.target, "yes" if r.lowered else "NO", r.backward or "-", smem, compiled,
                       ", ".join(map(str, r.registers)) or "-", f"{r.spill_bytes} B" if r.compiled else "-",
                       f"{r.lower_seconds + r.compile_seconds:.1f} s")
     Console(width=160).print(table)
