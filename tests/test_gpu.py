@@ -207,12 +207,16 @@ def test_tiles_wgmma_cannot_take_are_refused_at_the_tile_line(tile, needle, mess
 
 
 def test_dtypes_and_accumulators_wgmma_cannot_take():
-    text = with_tiles(example_text("dsd_matmul"), m=64, n=64, k=64).replace("in  y: bf16", "in  y: f32")
+    base = with_tiles(example_text("dsd_matmul"), m=64, n=64, k=64)
+    text = base.replace("in  y: bf16", "in  y: i8")
+    rendered = refused(text)
+    caret_at(rendered, text, "i8")
+    assert "bf16, f16 or f32" in rendered
+    text = base.replace("in  y: bf16", "in  y: f32")
     rendered = refused(text)
     caret_at(rendered, text, "f32")
-    assert "16-bit floats" in rendered
-    text = with_tiles(example_text("dsd_matmul"), m=64, n=64, k=64).replace("accumulate f32", "accumulate bf16")
-    assert "accumulates" in refused(text)
+    assert "one dtype" in rendered
+    assert "accumulates in f32" in refused(base.replace("accumulate f32", "accumulate bf16"))
 
 
 def test_shared_memory_the_tiles_need_is_checked_against_the_chip():

@@ -29,7 +29,7 @@ def describe_pass(p: GpuPass, target) -> list[str]:
         f"{t.bm}x{t.bn} block; steps of {t.tk} along {p.a.col} ({t.ksub} per block)",
         f"  per step: TMA copies of a {t.tm}x{t.tk} tile of {mat(p.a)} and a {t.tk}x{t.tn} tile of {mat(p.b)} into shared memory "
         f"({t.stages} in flight), one WGMMA into an f32 accumulator in registers",
-        f"  flush: the accumulator" + (f" times {p.scale}" if p.scale is not None else "")
+        "  flush: the accumulator" + (f" times {p.scale}" if p.scale is not None else "")
         + (f" times the {p.end.operand} tile" + (" where its block is partial" if p.end_mask else "") if p.end else "")
         + f", as {p.out_dtype.name}, through shared memory to {p.output} (TMA)",
         f"  shared memory: {p.smem} bytes per CTA (limit {target.smem_bytes} on {target.name})",

@@ -35,7 +35,7 @@ from ..names import ModuleNames
 from ..source import Diagnostic
 from .targets import GpuTarget
 
-F16 = ("bf16", "f16")
+DTYPES_WGMMA = ("bf16", "f16", "f32")  # f32 as tf32 (K-major tiles only)
 # The GPU kernels' fixed local names (templates/gpu/module.py.j2): per CTA, per pipeline step,
 # the epilogue. Spec names never take them.
 FIXED = frozenset({
@@ -79,16 +79,27 @@ def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: 
 
 
 @dataclass(frozen=True)
+class Coord:
+    """A grid coordinate in an operand's dimension `dim`: the output index, maybe divided (`h // 4`)."""
+
+    index: str
+    divisor: int
+    extent: Expr  # the dimension's size
+    dim: int
+
+
+@dataclass(frozen=True)
 class Matrix:
     """An operand as the kernel sees it: a 2-D array of (coords.., row) x col, or its transpose."""
 
     operand: str
     array: str  # the wrapper's variable
-    coords: tuple[str, ...]  # tile-1 indices, in the operand's order (leading, flattened into the rows)
+    coords: tuple[Coord, ...]  # grid coordinates, in the operand's order (leading, flattened into the rows)
     row: str
     col: str
     transposed: bool  # stored (coords.., col) x row: the kernel transposes the shared-memory tile
     stored: bool  # a coo operand's blocks: stored block s is rows s*tile.. of the matrix
+    copied: bool = False  # the wrapper transposed it (tf32 reads K-major tiles only)
 
 
 @dataclass
@@ -206,43 +217,68 @@ class _Lowering:
 
     def statement(self, st: Einsum, several: bool) -> GpuPass:
         k = self.k
-        for read in (st.target, *st.factors):
-            for s in read.subs:
-                if s.offset is not None or s.divisor != 1:
-                    self.fail(read.span, f"the GPU backend reads whole indices: '{s.text}' (offsets and `//`) is not lowered for GPUs yet")
         if st.condition is not None:
             self.fail(st.span, "`where` conditions are not lowered for GPUs yet")
+        for read in (st.target, *st.factors):
+            for s in read.subs:
+                if s.offset is not None:
+                    self.fail(read.span, f"the GPU backend reads whole indices: '{s.text}' (an offset) is not lowered for GPUs yet")
         if not st.summed:
             self.fail(st.span, "the GPU backend runs a statement as a matrix product (WGMMA); this one has no sum "
                                "(elementwise statements are not lowered for GPUs yet)")
-        live_sum = [i for i in st.summed if self.tile[i] != 1]
-        if len(st.summed) != 1 or not live_sum:
+        if len(st.summed) != 1 or self.tile[st.summed[0]] == 1:
             self.fail(st.span, "the GPU backend sums over one index with a tile of 16 or more (WGMMA's k); "
                                f"this statement sums over {', '.join(st.summed)}")
         kidx = st.summed[0]
-        out_live = [i for i in st.out_indices if self.tile[i] != 1]
-        if len(out_live) != 2:
-            self.fail(k.tile_span, "WGMMA computes a matrix: the output block needs two dimensions with tiles of 16 or "
-                                   f"more; {st.target.text} has {len(out_live)} ({', '.join(f'{i} = {self.tile[i]}' for i in st.out_indices)})")
-        m, n = out_live
         if len(st.summed_groups) != 2:
-            self.fail(st.span, "the GPU backend multiplies two groups of factors; this statement has "
+            self.fail(st.span, "the GPU backend multiplies two groups of factors (a matrix product); this statement has "
                                f"{len(st.summed_groups)} with the summed index")
-        ga = next((g for g in st.summed_groups if m in st.factors[g.main].indices), None)
-        gb = next((g for g in st.summed_groups if g is not ga), None)
-        if ga is None or n not in st.factors[gb.main].indices or n in st.factors[ga.main].indices or m in st.factors[gb.main].indices:
-            self.fail(st.span, f"the GPU backend needs '{m}' in one group of factors and '{n}' in the other (a matrix product)")
-        coords = [i for i in st.out_indices if self.tile[i] == 1]
+        groups = st.summed_groups
+
+        def groups_of(i: str) -> list:
+            return [g for g in groups if any(i in st.factors[f].indices for f in g.members)]
+
+        # The product's columns: the output's last index with a tile of 16 or more that one
+        # group has; its rows: the last such index of the other group. Every other output
+        # index is a coordinate of the grid: each of its values a block of its own.
+        wide = [i for i in st.out_indices if self.tile[i] != 1 and len(groups_of(i)) == 1]
+        if not wide:
+            self.fail(k.tile_span, "WGMMA computes a matrix: the output needs an index of each factor with a tile of 16 or more; "
+                                   f"{st.target.text} has none")
+        n = wide[-1]
+        gb = groups_of(n)[0]
+        ga = next(g for g in groups if g is not gb)
+        rows = [i for i in wide if groups_of(i)[0] is ga]
+        if not rows:
+            self.fail(k.tile_span, f"WGMMA computes a matrix: the output needs an index of '{st.factors[ga.main].text}' with a "
+                                   f"tile of 16 or more; {st.target.text} has none")
+        m = rows[-1]
+        if m not in st.factors[ga.main].indices or n not in st.factors[gb.main].indices:
+            self.fail(st.span, f"the GPU backend needs '{m}' and '{n}' on the covering factors of the product")
+        coords = [i for i in st.out_indices if i not in (m, n)]
+        for read in (st.target, *st.factors):
+            for s in read.subs:
+                if s.divisor != 1 and s.index not in coords:
+                    self.fail(read.span, f"'{s.text}' on GPUs: only a grid coordinate (not '{m}', '{n}' or '{kidx}') may be divided")
         names = self.names.scope()
-        prefix = f"{st.target.operand}_" if several else ""
         out_op = k.operand(st.target.operand)
         host: list[str] = []
         tables: list[tuple[str, str]] = []
 
+        def coords_of(read: Read) -> tuple[Coord, ...]:
+            op = k.operand(read.operand)
+            out = []
+            for d, s in enumerate(read.subs):
+                if s.index in coords:
+                    if op.sparsity == "coo" and self.tile[s.index] != 1:
+                        self.fail(k.tile_span, f"'{read.text}' is coo: on GPUs its index {s.index} takes tile 1 (one block per value)")
+                    out.append(Coord(s.index, s.divisor, self.conv.size(op.dims[d]), d))
+            return tuple(out)
+
         # ---- sides: the group's main operand, members formed by the wrapper, its sparsity
         sparse_sources = []
 
-        def side(group, row: str, col: str) -> tuple[Matrix, str | None]:
+        def side(group, row: str, col: str, is_b: bool) -> tuple[Matrix, str | None]:
             main = st.factors[group.main]
             op = k.operand(main.operand)
             if len(set(main.indices)) != len(main.indices):
@@ -250,11 +286,15 @@ class _Lowering:
             stray = [i for i in main.indices if i not in (row, col) and i not in coords]
             if stray:
                 self.fail(main.span, f"'{main.text}' has '{stray[0]}', which is neither the product's rows, columns nor sum "
-                                     "nor a tile-1 index of the output: not lowered for GPUs")
-            if self.tile[row] == 1 or self.tile[col] == 1:
-                self.fail(k.tile_span, f"'{main.text}' needs tiles of 16 or more along {row} and {col} on GPUs")
-            mine = [i for i in main.indices if i in coords]
-            transposed = main.indices.index(col) < main.indices.index(row)
+                                     "nor an index of the output: not lowered for GPUs")
+            if op.dtype.name not in DTYPES_WGMMA:
+                self.fail(op.dtype_span, f"WGMMA multiplies bf16, f16 or f32 (as tf32) factors; '{op.name}' is {op.dtype.name}")
+            mine = coords_of(main)
+            stored_cr = main.indices.index(col) < main.indices.index(row)  # stored (col, row)
+            # 16-bit tiles are read either way (the kernel transposes in shared memory); 32-bit
+            # (tf32) WGMMA takes K-major tiles only: A as (m, k), B as (n, k).
+            transposed = stored_cr if op.dtype.itemsize == 2 else is_b
+            copied = transposed != stored_cr
             mask = None
             extras = [st.factors[e] for e in group.extras]
             for e in extras:
@@ -266,13 +306,17 @@ class _Lowering:
                         self.fail(e.span, f"a mask factor on GPUs has the indices of the factor it multiplies ('{main.text}')")
                     mask = e
             var = names.local(f"{main.operand}_matrix")
+            why = "  # tf32 WGMMA reads K-major tiles: a transposed copy" if copied else ""
             if op.sparsity == "coo":
                 if extras:
                     self.fail(extras[0].span, f"'{extras[0].text}' multiplies the coo operand '{op.name}': not lowered for GPUs yet")
                 blocks = self.source(main)
+                if copied:
+                    host.append(f"{var} = {blocks}.swapaxes(-1, -2){why}")
+                    blocks = var
                 host.append(f"{var} = {blocks}.reshape(-1, {blocks}.shape[-1])  # stored block s: rows s*tile..")
                 sparse_sources.append(("coo", main))
-                return Matrix(op.name, var, tuple(mine), row, col, transposed, True), None
+                return Matrix(op.name, var, mine, row, col, transposed, True, copied), None
             src = self.source(main)
             if extras:
                 letters = _letters(main.indices)
@@ -282,33 +326,28 @@ class _Lowering:
                 host.append(f"# {' * '.join(r.text for r in (main, *extras))}, formed once (XLA fuses it into one pass)")
                 host.append(f'{product} = jnp.einsum("{spec}->{"".join(letters[i] for i in main.indices)}", {terms})')
                 src = product
-            order = mine + ([col, row] if transposed else [row, col])
+            order = [c.index for c in mine] + ([col, row] if transposed else [row, col])
             perm = tuple(main.indices.index(i) for i in order)
-            tiles = tuple(self.tile[i] for i in order)
-            host.append(f"{var} = _matrix({src}, {_tuple(map(str, perm))}, {_tuple(map(str, tiles))})")
+            tiles = tuple(1 if i in coords else self.tile[i] for i in order)
+            host.append(f"{var} = _matrix({src}, {_tuple(map(str, perm))}, {_tuple(map(str, tiles))}){why}")
             if mask is not None:
                 sparse_sources.append(("mask", mask))
                 mvar = names.local(f"{mask.operand}_matrix")
                 mperm = tuple(mask.indices.index(i) for i in order)
                 host.append(f"{mvar} = _matrix({self.source(mask)}, {_tuple(map(str, mperm))}, {_tuple(map(str, tiles))})")
-                return Matrix(op.name, var, tuple(mine), row, col, transposed, False), mvar
-            return Matrix(op.name, var, tuple(mine), row, col, transposed, False), None
+                return Matrix(op.name, var, mine, row, col, transposed, False, copied), mvar
+            return Matrix(op.name, var, mine, row, col, transposed, False, copied), None
 
-        a, a_mask = side(ga, m, kidx)
-        b, b_mask = side(gb, kidx, n)
+        a, a_mask = side(ga, m, kidx, False)
+        b, b_mask = side(gb, kidx, n, True)
 
         # ---- dtypes
         da, db = k.operand(a.operand).dtype, k.operand(b.operand).dtype
-        for mat, dt in ((a, da), (b, db)):
-            if dt.name not in F16:
-                op = k.operand(mat.operand)
-                self.fail(op.dtype_span, f"WGMMA multiplies 16-bit floats (bf16, f16) here; '{op.name}' is {dt.name} "
-                                         "(tf32 and fp8 are not lowered for GPUs yet)")
         if da.name != db.name:
             self.fail(k.operand(b.operand).dtype_span, f"WGMMA multiplies two factors of one dtype; '{a.operand}' is {da.name}, '{b.operand}' is {db.name}")
         if k.accumulate.name != "f32":
-            self.fail(k.accumulate_span or k.tile_span, f"accumulate {k.accumulate.name}: WGMMA accumulates bf16 and f16 products in f32")
-        if not out_op.dtype.name.startswith(("f", "bf")):
+            self.fail(k.accumulate_span or k.tile_span, f"accumulate {k.accumulate.name}: WGMMA accumulates in f32")
+        if not out_op.dtype.is_float:
             self.fail(out_op.dtype_span, f"the GPU backend writes float outputs; '{out_op.name}' is {out_op.dtype.name}")
 
         # ---- the output and a factor applied after the sum
@@ -316,7 +355,7 @@ class _Lowering:
         end_mask = False
         if len(st.end_groups) > 1 or any(g.extras for g in st.end_groups):
             self.fail(st.span, "the GPU backend applies at most one factor after the sum")
-        out_coords = tuple(coords)
+        out_coords = coords_of(st.target)
         if out_op.sparsity == "coo":
             sparse_sources.append(("coo output", st.target))
         if st.end_groups:
@@ -325,10 +364,12 @@ class _Lowering:
             if set(e.indices) != set(st.out_indices) or eop.sparsity == "coo" or out_op.sparsity == "coo":
                 self.fail(e.span, f"'{e.text}' after the sum: the GPU backend applies a dense or mask factor with the output's indices only")
             evar = names.local(f"{e.operand}_matrix")
-            order = [i for i in e.indices if i in coords] + [m, n]
+            ecoords = coords_of(e)
+            order = [c.index for c in ecoords] + [m, n]
             perm = tuple(e.indices.index(i) for i in order)
-            host.append(f"{evar} = _matrix({self.source(e)}, {_tuple(map(str, perm))}, {_tuple(str(self.tile[i]) for i in order)})")
-            end = Matrix(eop.name, evar, tuple(i for i in e.indices if i in coords), m, n, False, False)
+            tiles = tuple(1 if i in coords else self.tile[i] for i in order)
+            host.append(f"{evar} = _matrix({self.source(e)}, {_tuple(map(str, perm))}, {_tuple(map(str, tiles))})")
+            end = Matrix(eop.name, evar, ecoords, m, n, False, False)
             end_mask = eop.sparsity == "mask"
             if end_mask:
                 sparse_sources.append(("output mask", e))
@@ -346,26 +387,31 @@ class _Lowering:
         if sparse_sources:
             what, read = sparse_sources[0]
             sparse = read.operand
-            if what == "coo output":
-                walk = "coo output"
-            elif what == "output mask":
-                walk = "output mask"
-            elif read.operand == a.operand or (a_mask is not None and read.operand != b.operand and b_mask is None):
+            if what in ("coo output", "output mask"):
+                walk = what
+            elif (what == "coo" and read.operand == a.operand) or (what == "mask" and a_mask is not None):
                 walk = "rows"
             else:
                 walk = "cols"
-        cell_coords = []
         kernel_lets: list[tuple[str, str]] = []
         step_lets: list[tuple[str, str]] = []
         statics: set[str] = set()
         cell = "cell"
-        var_of = {i: names.local(f"{i}_block") for i in (*coords, m, n)}
+        var_of = {i: names.local(f"{i}_block" if i in (m, n) else i) for i in (*coords, m, n)}
         kvar = names.local(f"{kidx}_block")
         kind_table = None
 
         def py(e: Expr) -> str:
             statics.update(x for x in expr_names(e) if x in {s.internal for s in self.conv.sizes})
             return render(e, "py")
+
+        def cell_extent(i: str) -> Expr:
+            """Values of a grid coordinate; blocks along the product's rows and columns."""
+            return self.size(i) if i in coords else self.blocks(i)
+
+        def rows_of(cs: tuple[Coord, ...], lead: Expr, lead_extent: Expr, value=lambda c: Var(var_of[c.index]).div(c.divisor)) -> Expr:
+            """A matrix's block row: its coordinates and `lead`, flattened row-major."""
+            return flat([value(c) for c in cs] + [lead], [c.extent for c in cs] + [lead_extent])
 
         if walk == "coo output":
             ncells = Var(names.local("nb"))
@@ -380,64 +426,56 @@ class _Lowering:
             host.append(f"{counts} = jnp.where({pad}, 0, {render(KB, 'host')}).astype(jnp.int32)  # padding entries: no step, zeros")
             tables.append((counts, "steps of each requested block: every block along " + kidx + " (none for padding)"))
             count_expr, start_expr = f"{counts}[{cell}] * {t.ksub}", "0"
-            guard_var = ncells.name
-            guard = [f"{guard_var} = {stored_idx[m]}.shape[0]", f"if {guard_var} == 0:", "    # Nothing is requested."]
-            cell_extents = None
+            guard = [f"{ncells.name} = {stored_idx[m]}.shape[0]", f"if {ncells.name} == 0:", "    # Nothing is requested."]
         else:
             order = [*coords, m, n]
-            cell_extents = [self.extent(i) for i in order]
+            extents = [cell_extent(i) for i in order]
             ncells = Const(1)
-            for e in cell_extents:
+            for e in extents:
                 ncells = ncells * e
             # Decode the cell: row-major over (coords.., m blocks, n blocks).
             decoded = {}
             rest = Var(cell)
             for pos in range(len(order) - 1, -1, -1):
-                decoded[order[pos]] = rest.rem(cell_extents[pos]) if pos > 0 else rest
-                rest = rest.div(cell_extents[pos])
+                decoded[order[pos]] = rest.rem(extents[pos]) if pos > 0 else rest
+                rest = rest.div(extents[pos])
             kernel_lets += [(var_of[i], py(decoded[i])) for i in order]
             guard = []
             start_expr, count_expr = "0", py(KB * t.ksub)
             if walk in ("rows", "cols"):
                 mat, mvar = (a, a_mask) if walk == "rows" else (b, b_mask)
                 key_index = m if walk == "rows" else n
-                key_coords = [*mat.coords, key_index]
-                key_extents = [self.extent(i) for i in key_coords]
                 nkeys = Const(1)
-                for e in key_extents:
-                    nkeys = nkeys * e
+                for c in mat.coords:
+                    nkeys = nkeys * c.extent
+                nkeys = nkeys * self.blocks(key_index)
                 order_t, start_t, count_t = names.local(f"{sparse}_order"), names.local(f"{sparse}_start"), names.local(f"{sparse}_count")
                 k_t = names.local(f"{sparse}_{kidx}")
                 line = "row" if walk == "rows" else "column"
                 if mat.stored:
                     op = k.operand(sparse)
                     read = next(r for r in st.factors if r.operand == sparse)
-                    cp = {i: self.conv.param(op.name, "coords", d).internal for d, i in enumerate(read.indices)}
+                    cp = [self.conv.param(op.name, "coords", d).internal for d in range(len(read.indices))]
                     pad = self.conv.pad(op.name)
-                    keys = render(flat([Var(cp[i]) for i in key_coords], key_extents), "host")
+                    keys = render(rows_of(mat.coords, Var(cp[read.indices.index(key_index)]), self.blocks(key_index), lambda c: Var(cp[c.dim])), "host")
                     host.append(f"# The stored blocks of {sparse}, grouped by the {line} of output blocks they feed.")
                     host.append(f"{order_t}, {start_t}, {count_t} = _walk(jnp.where({pad}, {render(nkeys, 'host')}, {keys}), {render(nkeys, 'host')})")
-                    host.append(f"{k_t} = jnp.maximum({cp[kidx]}, 0)[{order_t}]  # block {kidx} of each step")
+                    host.append(f"{k_t} = jnp.maximum({cp[read.indices.index(kidx)]}, 0)[{order_t}]  # block {kidx} of each step")
                     tables.append((order_t, f"the stored blocks of {sparse}, grouped by output {line}"))
-                    guard_var = names.local("nb")
-                    guard = [f"{guard_var} = {cp[kidx]}.shape[0]", f"if {guard_var} == 0:", "    # Nothing is stored: the result is all zeros."]
+                    nb = names.local("nb")
+                    guard = [f"{nb} = {cp[0]}.shape[0]", f"if {nb} == 0:", "    # Nothing is stored: the result is all zeros."]
                 else:
                     # Non-empty mask blocks, per row (or column) of output blocks, in order along k.
                     kinds = names.local(f"{sparse}_kinds")
-                    rblocks = self.extent(mat.row if not mat.transposed else mat.col)
-                    cblocks = self.extent(mat.col if not mat.transposed else mat.row)
+                    first, second = (mat.col, mat.row) if mat.transposed else (mat.row, mat.col)
                     lead = Const(1)
                     for c in mat.coords:
-                        lead = lead * self.extent(c)
-                    tb = (t.bm, t.bk) if walk == "rows" else (t.bk, t.bn)
-                    if mat.transposed:
-                        tb = tb[::-1]
+                        lead = lead * c.extent
+                    tb = (self.tile[first], self.tile[second])
                     host.append(f"# The non-empty blocks of {sparse}: the only steps, grouped by the {line} of output blocks.")
                     host.append(f"{kinds} = _block_kinds({mvar}, {_tuple(map(str, tb))}, False).reshape("
-                                f"{render(lead, 'host')}, {render(rblocks, 'host')}, {render(cblocks, 'host')})")
-                    # Bring the key index next to the coords and k last.
-                    key_last = (walk == "rows") == mat.transposed
-                    if key_last:
+                                f"{render(lead, 'host')}, {render(self.blocks(first), 'host')}, {render(self.blocks(second), 'host')})")
+                    if first == kidx:  # bring the key index next to the coordinates, k last
                         host.append(f"{kinds} = {kinds}.transpose(0, 2, 1)")
                     live = names.local(f"{sparse}_live")
                     host.append(f"{live} = ({kinds} != _EMPTY).reshape(-1)")
@@ -448,7 +486,7 @@ class _Lowering:
                 tables += [(start_t, f"the first step of each output {line}"), (count_t, f"the steps of each output {line}"),
                            (k_t, f"block {kidx} of each step")]
                 key = names.local("key")
-                kernel_lets.append((key, py(flat([Var(var_of[i]) for i in key_coords], key_extents))))
+                kernel_lets.append((key, py(rows_of(mat.coords, Var(var_of[key_index]), self.blocks(key_index)))))
                 start_expr, count_expr = f"{start_t}[{key}]", f"{count_t}[{key}] * {t.ksub}"
                 # Clamped: a pipeline may fetch ahead of its last step.
                 step_lets.append(("step", f"jnp.minimum(start + {render(Var('s').div(t.ksub), 'py')}, {k_t}.shape[0] - 1)"))
@@ -479,28 +517,25 @@ class _Lowering:
                 first, second = Var("stored"), Const(0)
             else:
                 value = {i: Var(kvar) if i == kidx else Var(var_of[i]) for i in (mat.row, mat.col)}
-                # The matrix's rows are (coords.., lead), flattened row-major.
-                first = flat([Var(var_of[i]) for i in mat.coords] + [value[lead]], [self.extent(i) for i in mat.coords] + [self.extent(lead)])
-                second = value[other]
+                first, second = rows_of(mat.coords, value[lead], self.blocks(lead)), value[other]
             r, c = (second, first) if mat.transposed else (first, second)
             rr = py(r * row_tiles + sub(row_sub, row_tiles))
             cc = py(c * col_tiles + sub(col_sub, col_tiles))
             return (cc, rr) if mat.transposed else (rr, cc)
 
+        def out_tile(mat: Matrix) -> tuple[str, str]:
+            r = rows_of(mat.coords, Var(var_of[m]), self.blocks(m))
+            return py(r * (t.bm // t.tm) + sub("mi", t.bm // t.tm)), py(Var(var_of[n]) * (t.bn // t.tn) + sub("ni", t.bn // t.tn))
+
         a_index = matrix_index(a, t.bm // t.tm, t.ksub, "mi", "kk")
         b_index = matrix_index(b, t.ksub, t.bn // t.tn, "kk", "ni")
         if walk == "coo output":
-            out_row = py(Var(cell) * (t.bm // t.tm) + sub("mi", t.bm // t.tm))
-            out_index = (out_row, py(sub("ni", t.bn // t.tn)))
             out_mat = Matrix(out_op.name, "", (), m, n, False, True)
+            out_index = (py(Var(cell) * (t.bm // t.tm) + sub("mi", t.bm // t.tm)), py(sub("ni", t.bn // t.tn)))
         else:
             out_mat = Matrix(out_op.name, "", out_coords, m, n, False, False)
-            r = flat([Var(var_of[i]) for i in out_coords] + [Var(var_of[m])], [self.extent(i) for i in out_coords] + [self.extent(m)])
-            out_index = (py(r * (t.bm // t.tm) + sub("mi", t.bm // t.tm)), py(Var(var_of[n]) * (t.bn // t.tn) + sub("ni", t.bn // t.tn)))
-        end_index = None
-        if end is not None:
-            r = flat([Var(var_of[i]) for i in end.coords] + [Var(var_of[m])], [self.extent(i) for i in end.coords] + [self.extent(m)])
-            end_index = (py(r * (t.bm // t.tm) + sub("mi", t.bm // t.tm)), py(Var(var_of[n]) * (t.bn // t.tn) + sub("ni", t.bn // t.tn)))
+            out_index = out_tile(out_mat)
+        end_index = out_tile(end) if end is not None else None
         kernel_lets += [("start", start_expr), ("count", count_expr)]
 
         # ---- the wrapper's result
@@ -508,29 +543,23 @@ class _Lowering:
         raw = names.local(f"{st.target.operand}_matrix")
         finish = []
         if walk == "coo output":
-            tiles_kept = [str(self.tile[i]) for i in st.target.indices if self.tile[i] != 1]
             rows_first = st.target.indices.index(m) < st.target.indices.index(n)
-            shape = f"(-1, {t.bm}, {t.bn})"
-            finish.append(f"{out_var} = {raw}.reshape{shape}" + ("" if rows_first else ".transpose(0, 2, 1)"))
-            del tiles_kept
+            finish.append(f"{out_var} = {raw}.reshape(-1, {t.bm}, {t.bn})" + ("" if rows_first else ".transpose(0, 2, 1)"))
         else:
-            order = [*out_coords, m, n]
-            padded = [self.extent(i) if self.tile[i] == 1 else self.blocks(i) * self.tile[i] for i in order]
+            order = [c.index for c in out_coords] + [m, n]
+            padded = [self.size(i) if i in coords else self.blocks(i) * self.tile[i] for i in order]
             inv = tuple(order.index(i) for i in st.target.indices)
-            sizes = ", ".join(render(self.size(i), "host") for i in order)
-            finish.append(f"{out_var} = _unmatrix({raw}, {_tuple(render(e, 'host') for e in padded)}, {_tuple(render(self.size(i), 'host') for i in order)}, {_tuple(map(str, inv))})")
-        flops = 2 * t.bm * t.bn * t.bk
-        products = ncells * KB
-        itemsize = da.itemsize
+            finish.append(f"{out_var} = _unmatrix({raw}, {_tuple(render(e, 'host') for e in padded)}, "
+                          f"{_tuple(render(self.size(i), 'host') for i in order)}, {_tuple(map(str, inv))})")
         p = GpuPass(
             statement=st, output=out_op.name, walk=walk, sparse=sparse, a=a, b=b, out=out_mat, end=end, end_mask=end_mask,
-            tiles=tiles, in_dtype=da, out_dtype=out_op.dtype, scale=st.scale, cell_coords=tuple((i, self.extent(i)) for i in (*coords, m, n)),
+            tiles=tiles, in_dtype=da, out_dtype=out_op.dtype, scale=st.scale, cell_coords=tuple((i, cell_extent(i)) for i in (*coords, m, n)),
             cells=ncells, host=host, guard=guard, tables=tables, kernel_lets=kernel_lets, a_index=a_index, b_index=b_index,
             out_index=out_index, end_index=end_index, step_lets=step_lets, kind_table=kind_table, finish=finish, out_var=out_var,
             statics=tuple(sorted(statics)), names=names,
             fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
-            block_products=products, flops_per_product=flops,
-            smem=smem_bytes(tiles, itemsize, out_op.dtype.itemsize, k.operand(end.operand).dtype.itemsize if end else 0),
+            block_products=ncells * KB, flops_per_product=2 * t.bm * t.bn * t.bk,
+            smem=smem_bytes(tiles, da.itemsize, out_op.dtype.itemsize, k.operand(end.operand).dtype.itemsize if end else 0),
         )
         p.raw = raw
         return p
@@ -552,13 +581,14 @@ class _Lowering:
                                f"split into 128-wide tiles); on {self.target.name} use 16, 32, ..., 256, or a multiple of 128")
         tm = 128 if bm % 128 == 0 and 128 * tn <= MAX_ACC else 64
         swizzle = 128 // dtype.itemsize  # elements per 128-byte row: the widest swizzle
+        step = 32 // dtype.itemsize  # WGMMA's K: 16 for 16-bit factors, 8 for tf32
         if bk % swizzle == 0:
             tk = swizzle
-        elif bk % 16 == 0 and bk < swizzle:
+        elif bk % step == 0 and bk < swizzle:
             tk = bk
         else:
-            self.fail(span[kidx], f"tile {kidx} = {bk}: WGMMA's K steps are multiples of 16 ({dtype.name}); on "
-                                  f"{self.target.name} use a multiple of {swizzle}, or 16, 32, ... below it")
+            self.fail(span[kidx], f"tile {kidx} = {bk}: WGMMA's K steps are multiples of {step} ({dtype.name}); on "
+                                  f"{self.target.name} use a multiple of {swizzle}, or {step}, {2 * step}, ... below it")
         for stages in (4, 3, 2):
             t = Tiles(bm, bn, bk, tm, tn, tk, stages)
             need = smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end_dtype.itemsize if end_dtype else 0)
