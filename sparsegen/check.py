@@ -65,7 +65,7 @@ class _KernelChecker:
             self.error(
                 k.name.span,
                 f"kernel name '{k.name.text}' is taken by the generated module itself; choose another name",
-                "a generated module defines `reference`, helpers named `_...`, and imports jax, jnp, np, lax, pl, pltpu and functools",
+                "a generated module defines `reference`, helpers named `_...`, and imports jax, jnp, np, lax, pl, pltpu (plgpu on GPUs) and functools",
             )
         elif k.name.text in PYTHON_NAMES:
             self.error(

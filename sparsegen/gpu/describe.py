@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..expr import render
-from .lower import GpuModule, GpuPass
+from .lower import ElementwisePass, GpuModule, GpuPass
 
 
 def _walk(p: GpuPass) -> str:
@@ -19,7 +19,20 @@ def _walk(p: GpuPass) -> str:
     }[p.walk]
 
 
+def describe_elementwise(p: ElementwisePass, target) -> list[str]:
+    factors = ", ".join(f["operand"] for f in p.factors)
+    return [
+        f"statement: {p.statement.text}",
+        f"  elementwise: one CTA per {p.tm}x{p.tn} tile of each {p.bm}x{p.bn} output block ({render(p.cells, 'text')} blocks); "
+        f"TMA copies of the tiles of {factors} into shared memory, multiplied in registers, stored through shared memory",
+        *(["  a window: the statement writes the blocks its offsets reach; the others are written as zeros"] if p.inside else []),
+        f"  shared memory: {p.smem} bytes per CTA (limit {target.smem_bytes} on {target.name})",
+    ]
+
+
 def describe_pass(p: GpuPass, target) -> list[str]:
+    if isinstance(p, ElementwisePass):
+        return describe_elementwise(p, target)
     t = p.tiles
     mat = lambda x: f"{x.operand}" + (" (stored blocks)" if x.stored else "") + (" read transposed" if x.transposed else "")
     lines = [

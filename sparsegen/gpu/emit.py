@@ -13,7 +13,7 @@ from ..formatting import format_module
 from ..tpu.emit import _environment, with_helpers
 from ..wrapper import Wrapper, spec_text
 from .describe import describe
-from .lower import GpuModule, GpuPass
+from .lower import ElementwisePass, GpuModule, GpuPass
 
 
 def _tuple(items) -> str:
@@ -31,6 +31,13 @@ def _needed(lets: list[tuple[str, str]], expr: str) -> list[tuple[str, str]]:
     return out[::-1]
 
 
+def _ds(index: str, tile: int) -> str:
+    """The slice of tile `index` (in tiles) of a dimension."""
+    if index == "0":
+        return f"pl.ds(0, {tile})"
+    return f"pl.ds({index if index.isidentifier() else f'({index})'} * {tile}, {tile})"
+
+
 def _number(value) -> str:
     return repr(float(value)) if isinstance(value, float) else str(value)
 
@@ -42,8 +49,55 @@ class _Emitter:
         self.outputs = dict(m.outputs)
         self.wrapper = Wrapper(m.kernel, m.conv, (), m.names.local("size"), m.names)
 
+    def elementwise_dict(self, p: ElementwisePass, mod: GpuModule) -> dict:
+        tables = [name for name, _ in p.tables]
+        out_ref = p.names.local(f"{p.output}_gmem")
+        scoped = [f"out_smem=plgpu.SMEM(({p.tm}, {p.tn}), {p.out_dtype.jnp})"]
+        scoped_names = ["out_smem"]
+        for f in p.factors:
+            scoped += [f"{f['smem']}=plgpu.SMEM(({p.tm}, {p.tn}), {f['dtype'].jnp})", f"{f['barrier']}=plgpu.Barrier()"]
+            scoped_names += [f["smem"], f["barrier"]]
+        value = " * ".join(f"{f['smem']}[...]" + (f".astype({p.out_dtype.jnp})" if f["dtype"].name != p.out_dtype.name else "") for f in p.factors)
+        if p.scale is not None:
+            value = f"{value} * jnp.full(({p.tm}, {p.tn}), {_number(p.scale)}, {p.out_dtype.jnp})"
+        statics = list(p.statics)
+        kernel = p.fn if not statics else f"functools.partial({p.fn}, " + ", ".join(f"{v}={v}" for v in statics) + ")"
+        at = lambda index: f"{_ds(index[0], p.tm)}, {_ds(index[1], p.tn)}"  # noqa: E731
+        return {
+            "kind": "elementwise",
+            "fn": p.fn,
+            "params": tables + [f["ref"] for f in p.factors] + [out_ref],
+            "statics": statics,
+            "about": f"{p.statement.text}: one CTA per {p.tm}x{p.tn} tile of each output block; "
+                     + ("tiles outside the window the statement writes are zeros." if p.inside else "its factors' tiles, multiplied."),
+            "lets": p.lets,
+            "inside": p.inside,
+            "factors": [dict(f, at=at(f["index"])) for f in p.factors],
+            "value": value,
+            "scoped": ", ".join(scoped),
+            "scoped_names": ", ".join(scoped_names),
+            "tile": f"({p.tm}, {p.tn})",
+            "out_dtype": p.out_dtype.jnp,
+            "out_ref": out_ref,
+            "out_at": at(p.out_index),
+            "call_fn": p.call_fn,
+            "call_args": list(dict.fromkeys(list(mod.conv.impl_args) + [dict(mod.outputs)[o] for o in self.reads(p, mod)])),
+            "call_about": f"The kernel that computes {p.output}: {p.statement.text}",
+            "guard": [],
+            "host": p.host,
+            "raw": p.raw,
+            "raw_shape": _tuple([render(p.raw_shape[0], "host"), render(p.raw_shape[1], "host")]),
+            "kernel": kernel,
+            "grid": _tuple([render(p.cells, "host"), str(p.bm // p.tm), str(p.bn // p.tn)]),
+            "kernel_args": tables + [f["array"] for f in p.factors],
+            "finish": p.finish,
+            "out_var": p.out_var,
+        }
+
     def pass_dict(self, p: GpuPass, mod: GpuModule | None = None) -> dict:
         mod = mod or self.m
+        if isinstance(p, ElementwisePass):
+            return self.elementwise_dict(p, mod)
         k, t = mod.kernel, p.tiles
         names = p.names
         a_ref, b_ref = names.local(f"{p.a.operand}_gmem"), names.local(f"{p.b.operand}_gmem")
@@ -63,8 +117,7 @@ class _Emitter:
                 about += f"; {mat.operand} is stored ({mat.col}, {mat.row}): WGMMA reads the tile transposed"
             maps.append({"fn": fn, "index": text, "lets": _needed(p.step_lets, text), "about": about + "."})
         def at(index):
-            r, c = (x if x.isidentifier() else f"({x})" for x in index)
-            return f"pl.ds({r} * {t.tm}, {t.tm}), pl.ds({c} * {t.tn}, {t.tn})"
+            return f"{_ds(index[0], t.tm)}, {_ds(index[1], t.tn)}"
 
         scoped = [f"out_smem=plgpu.SMEM(({t.tm}, {t.tn}), {p.out_dtype.jnp})"]
         scoped_names = ["out_smem"]
@@ -89,6 +142,7 @@ class _Emitter:
         if guard:
             guard.append(f"    return {self.zeros(p, mod)}")
         return {
+            "kind": "product",
             "fn": p.fn,
             "params": params,
             "statics": statics,

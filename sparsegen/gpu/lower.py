@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ..callconv import Convention, convention
 from ..dtypes import DType
-from ..expr import Const, Expr, Var, flat, names as expr_names, render
+from ..expr import Const, Expr, Load, Var, flat, names as expr_names, render
 from ..ir import Einsum, Kernel, Read
 from ..names import ModuleNames
 from ..source import Diagnostic
@@ -40,7 +40,7 @@ DTYPES_WGMMA = ("bf16", "f16", "f32")  # f32 as tf32 (K-major tiles only)
 # the epilogue. Spec names never take them.
 FIXED = frozenset({
     "cell", "mi", "ni", "start", "count", "s", "kk", "step", "stored", "acc", "acc_ref", "multiply", "product",
-    "out_smem", "end_smem", "barrier", "kind", "row", "col", "_store", "_masked", "_whole",
+    "out_smem", "end_smem", "barrier", "kind", "row", "col", "_store", "_masked", "_whole", "_inside", "_outside",
 })  # fmt: skip
 MAX_ACC = 128 * 128  # accumulator elements per CTA: one warpgroup's registers (256x256 spills, measured)
 
@@ -141,6 +141,39 @@ class GpuPass:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass
+class ElementwisePass:
+    """A statement without a sum: factors of the output's shape multiplied tile by tile."""
+
+    statement: Einsum
+    output: str
+    out_dtype: DType
+    tm: int
+    tn: int
+    bm: int
+    bn: int
+    cells: Expr
+    lets: list[tuple[str, str]]  # per CTA: the statement's block coordinates
+    factors: list[dict]
+    out_index: tuple[str, str]
+    inside: str | None  # a window written at offsets: tiles outside it are zeros
+    scale: float | int | None
+    host: list[str]
+    tables: list[tuple[str, str]]
+    finish: list[str]
+    out_var: str
+    raw: str
+    raw_shape: tuple[Expr, Expr]
+    statics: tuple[str, ...]
+    names: ModuleNames
+    fn: str
+    call_fn: str
+    smem: int
+    walk: str = "elementwise"
+    guard: tuple = ()
+    sparse: None = None
+
+
 @dataclass(frozen=True)
 class GpuModule:
     kernel: Kernel
@@ -219,13 +252,12 @@ class _Lowering:
         k = self.k
         if st.condition is not None:
             self.fail(st.span, "`where` conditions are not lowered for GPUs yet")
+        if not st.summed:
+            return self.elementwise(st)
         for read in (st.target, *st.factors):
             for s in read.subs:
                 if s.offset is not None:
-                    self.fail(read.span, f"the GPU backend reads whole indices: '{s.text}' (an offset) is not lowered for GPUs yet")
-        if not st.summed:
-            self.fail(st.span, "the GPU backend runs a statement as a matrix product (WGMMA); this one has no sum "
-                               "(elementwise statements are not lowered for GPUs yet)")
+                    self.fail(read.span, f"the GPU backend reads whole indices in a matrix product: '{s.text}' (an offset) is not lowered for GPUs yet")
         if len(st.summed) != 1 or self.tile[st.summed[0]] == 1:
             self.fail(st.span, "the GPU backend sums over one index with a tile of 16 or more (WGMMA's k); "
                                f"this statement sums over {', '.join(st.summed)}")
@@ -563,6 +595,110 @@ class _Lowering:
         )
         p.raw = raw
         return p
+
+    # ------------------------------------------------------------ elementwise statements
+    def elementwise(self, st: Einsum) -> "ElementwisePass":
+        """A statement without a sum: a CTA per output tile copies each factor's tile into shared
+        memory (TMA), multiplies them in registers and stores the tile; with offsets on the left
+        (a window), tiles outside it are written as zeros."""
+        k = self.k
+        target, out_op = st.target, k.operand(st.target.operand)
+        wide = [i for i in target.indices if self.tile[i] != 1]
+        if len(wide) < 2:
+            self.fail(k.tile_span, f"an elementwise statement on GPUs has 2-D blocks: {target.text} needs two indices with tiles above 1")
+        r, c = wide[-2], wide[-1]
+        if out_op.sparsity == "coo":
+            self.fail(target.span, "elementwise statements with a coo output are not lowered for GPUs yet")
+        for f in st.factors:
+            op = k.operand(f.operand)
+            if op.sparsity == "coo":
+                self.fail(f.span, f"'{f.text}' is coo in an elementwise statement: not lowered for GPUs yet")
+            if set(f.indices) != set(target.indices) or len(set(f.indices)) != len(f.indices):
+                self.fail(f.span, f"'{f.text}': an elementwise statement on GPUs multiplies factors with the output's indices (broadcasts are not lowered yet)")
+        for read in (target, *st.factors):
+            for s in read.subs:
+                if s.divisor != 1:
+                    self.fail(read.span, f"'{s.text}' in an elementwise statement is not lowered for GPUs yet")
+        names = self.names.scope()
+        host: list[str] = []
+        statics: set[str] = set()
+
+        def py(e: Expr) -> str:
+            statics.update(x for x in expr_names(e) if x in {s.internal for s in self.conv.sizes})
+            return render(e, "py")
+
+        bm, bn = self.tile[r], self.tile[c]
+        itemsizes = out_op.dtype.itemsize + sum(k.operand(f.operand).dtype.itemsize for f in st.factors)
+        tn = next((t for t in (128, 64, 32, 16, 8) if bn % t == 0 and t <= bn), None)
+        if tn is None or (tn * out_op.dtype.itemsize) % 16:
+            self.fail(self.k.index(c).tile_span, f"tile {c} = {bn}: TMA copies rows of a multiple of 16 bytes; use a multiple of "
+                                                 f"{16 // min(16, out_op.dtype.itemsize)}")
+        tm = next(t for t in (128, 64, 32, 16, 8, 4, 2, 1) if bm % t == 0)
+        while tm > 1 and tm * tn * itemsizes + 8 * len(st.factors) > self.target.smem_bytes:
+            tm //= 2
+        var_of = {i: names.local(i) for i in target.indices}
+        lets: list[tuple[str, str]] = []
+        # The grid: the output array's blocks, row-major (a window's outside included).
+        out_dims = [(d, s.index) for d, s in enumerate(target.subs)]
+        order = [d for d, i in out_dims if i not in (r, c)] + [target.indices.index(r), target.indices.index(c)]
+        extents = [self.conv.size(out_op.dims[d]).cdiv(self.tile[target.indices[d]]) for d in order]
+        ncells = Const(1)
+        for e in extents:
+            ncells = ncells * e
+        rest, blocks_at = Var("cell"), {}
+        for pos in range(len(order) - 1, -1, -1):
+            blocks_at[order[pos]] = rest.rem(extents[pos]) if pos > 0 else rest
+            rest = rest.div(extents[pos])
+        inside = []
+        for d in order:
+            s = target.subs[d]
+            value = blocks_at[d]
+            if s.offset is not None:
+                slot = self.conv.offset_slot(target.operand, target.operand, d)
+                value = value - Load(self.conv.offsets, Const(slot))
+                inside += [value.ge(0), value.lt(self.blocks(s.index) if self.tile[s.index] != 1 else self.size(s.index))]
+            lets.append((var_of[s.index], py(value)))
+        offsets_used = any(s.offset is not None for read in (target, *st.factors) for s in read.subs)
+        tables = [(self.conv.offsets, "block offsets read from index operands")] if offsets_used else []
+        factors = []
+        for n, f in enumerate(st.factors):
+            op = k.operand(f.operand)
+            forder = [d for d, s in enumerate(f.subs) if s.index not in (r, c)] + [f.indices.index(r), f.indices.index(c)]
+            var = names.local(f"{f.operand}_matrix")
+            tiles = tuple(str(self.tile[f.indices[d]]) if f.indices[d] in (r, c) else "1" for d in forder)
+            host.append(f"{var} = _matrix({self.source(f)}, {_tuple(map(str, forder))}, {_tuple(tiles)})")
+
+            def at(d, f=f):
+                s = f.subs[d]
+                value = Var(var_of[s.index])
+                if s.offset is not None:
+                    value = Load(self.conv.offsets, Const(self.conv.offset_slot(target.operand, f.operand, d))) + value
+                return value
+
+            lead = flat([at(d) for d in forder[:-1]], [self.conv.size(op.dims[d]).cdiv(self.tile[f.indices[d]]) for d in forder[:-1]])
+            index = (py(lead * (bm // tm) + (Var("mi") if bm > tm else Const(0))), py(at(forder[-1]) * (bn // tn) + (Var("ni") if bn > tn else Const(0))))
+            factors.append({"operand": f.operand, "array": var, "dtype": op.dtype, "index": index, "ref": names.local(f"{f.operand}_gmem"),
+                            "smem": names.local(f"{f.operand}_smem"), "barrier": names.local(f"{f.operand}_barrier")})
+        out_rows = flat([blocks_at[d] for d in order[:-1]], extents[:-1])
+        out_index = (py(out_rows * (bm // tm) + (Var("mi") if bm > tm else Const(0))), py(blocks_at[order[-1]] * (bn // tn) + (Var("ni") if bn > tn else Const(0))))
+        out_var, raw = names.local(target.operand), names.local(f"{target.operand}_matrix")
+        padded = [self.conv.size(out_op.dims[d]).cdiv(self.tile[target.indices[d]]) * self.tile[target.indices[d]] for d in order]
+        inv = tuple(order.index(d) for d in range(len(order)))
+        finish = [f"{out_var} = _unmatrix({raw}, {_tuple(render(e, 'host') for e in padded)}, "
+                  f"{_tuple(render(self.conv.size(out_op.dims[d]), 'host') for d in order)}, {_tuple(map(str, inv))})"]
+        rows = Const(1)
+        for e in padded[:-1]:
+            rows = rows * e
+        cond = None
+        for e in inside:
+            cond = e if cond is None else cond & e
+        return ElementwisePass(
+            statement=st, output=out_op.name, out_dtype=out_op.dtype, tm=tm, tn=tn, bm=bm, bn=bn, cells=ncells, lets=lets,
+            factors=factors, out_index=out_index, inside=py(cond) if cond is not None else None, scale=st.scale, host=host,
+            tables=tables, finish=finish, out_var=out_var, raw=raw, raw_shape=(rows, padded[-1]), statics=tuple(sorted(statics)),
+            names=names, fn=names.function(f"_{target.operand}_kernel"), call_fn=names.function(f"_{target.operand}_call"),
+            smem=tm * tn * itemsizes + 8 * len(st.factors),
+        )
 
     # ------------------------------------------------------------ tiles
     def tiles(self, m: str, n: str, kidx: str, dtype: DType, out_dtype: DType, end_dtype: DType | None) -> Tiles:
