@@ -286,7 +286,8 @@ def test_dtypes_and_accumulators_wgmma_cannot_take():
 
 
 def test_shared_memory_the_tiles_need_is_checked_against_the_chip():
-    from sparsegen.gpu.lower import Tiles, smem_bytes
+    from sparsegen.gpu.plan import Tiles
+    from sparsegen.gpu.rules import smem_bytes
 
     # The budget: four stages of 128x64 and 64x128 bf16 tiles fit; the rule falls back to fewer.
     assert smem_bytes(Tiles(128, 128, 64, 128, 128, 64, 4), 2, 2) <= 232448

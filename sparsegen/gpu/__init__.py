@@ -1,6 +1,7 @@
 """The GPU backend: Mosaic GPU kernels for Hopper (H100, H200) from the same specs."""
 
-from .lower import GpuError, GpuModule, lower_gpu
+from .lower import lower_gpu
+from .plan import GpuError, GpuModule
 from .targets import GPU_TARGETS, is_gpu
 
 __all__ = ["GPU_TARGETS", "GpuError", "GpuModule", "is_gpu", "lower_gpu"]

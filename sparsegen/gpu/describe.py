@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..expr import render
-from .lower import ElementwisePass, GpuModule, GpuPass
+from .plan import ElementwisePass, GpuModule, GpuPass
 
 
 def _walk(p: GpuPass) -> str:

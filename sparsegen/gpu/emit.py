@@ -13,7 +13,7 @@ from ..formatting import format_module
 from ..tpu.emit import _environment, with_helpers
 from ..wrapper import Wrapper, spec_text
 from .describe import describe
-from .lower import ElementwisePass, GpuModule, GpuPass
+from .plan import ElementwisePass, GpuModule, GpuPass
 
 
 def _tuple(items) -> str:
@@ -64,7 +64,7 @@ class _Emitter:
         kernel = p.fn if not statics else f"functools.partial({p.fn}, " + ", ".join(f"{v}={v}" for v in statics) + ")"
         at = lambda index: f"{_ds(index[0], p.tm)}, {_ds(index[1], p.tn)}"  # noqa: E731
         return {
-            "kind": "elementwise",
+            "form": "elementwise",
             "fn": p.fn,
             "params": tables + [f["ref"] for f in p.factors] + [out_ref],
             "statics": statics,
@@ -142,7 +142,7 @@ class _Emitter:
         if guard:
             guard.append(f"    return {self.zeros(p, mod)}")
         return {
-            "kind": "product",
+            "form": "product",
             "fn": p.fn,
             "params": params,
             "statics": statics,

@@ -28,7 +28,7 @@ import numpy as np
 from ..shapes import _load, arg_structs, default_shapes, parse_shapes, stored_blocks
 from ..source import Diagnostic, SourceFile, SpecError
 from .emit import emit_gpu
-from .lower import GpuModule
+from .plan import GpuModule
 from .targets import GPU_TARGETS, target_config
 
 ROOT = Path(__file__).resolve().parents[2]

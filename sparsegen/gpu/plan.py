@@ -1,0 +1,164 @@
+"""What the GPU lowering decides, per statement: the GPU's plan, read by the emitter,
+`plan` and `verify`.
+
+A statement with a sum is a `ProductPass`: a block-sparse matrix product, A (rows x k)
+times B (k x columns), each operand seen as a 2-D `Matrix`; one without a sum is an
+`ElementwisePass`. A `GpuModule` holds a kernel's passes and those of its backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..callconv import Convention
+from ..dtypes import DType
+from ..expr import Expr
+from ..ir import Einsum, Kernel
+from ..names import ModuleNames
+from ..source import Diagnostic
+from .targets import GpuTarget
+
+
+class GpuError(Exception):
+    def __init__(self, diagnostics: list[Diagnostic]):
+        self.diagnostics = diagnostics
+        super().__init__("; ".join(d.message for d in diagnostics))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The spec's blocks (bm, bn, bk) and the CTA's tiles inside them (tm, tn, tk)."""
+
+    bm: int
+    bn: int
+    bk: int
+    tm: int
+    tn: int
+    tk: int
+    stages: int  # pipeline buffers (TMA copies in flight)
+
+    @property
+    def ksub(self) -> int:
+        return self.bk // self.tk
+
+
+@dataclass(frozen=True)
+class Coord:
+    """A grid coordinate in an operand's dimension `dim`: the output index, maybe divided (`h // 4`)."""
+
+    index: str
+    divisor: int
+    extent: Expr  # the dimension's size
+    dim: int
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """An operand as the kernel sees it: a 2-D array of (coords.., row) x col, or its transpose."""
+
+    operand: str
+    array: str  # the wrapper's variable
+    coords: tuple[Coord, ...]  # grid coordinates, in the operand's order (leading, flattened into the rows)
+    row: str
+    col: str
+    transposed: bool  # stored (coords.., col) x row: the kernel transposes the shared-memory tile
+    stored: bool  # a coo operand's blocks: stored block s is rows s*tile.. of the matrix
+    copied: bool = False  # the wrapper transposed it (tf32 reads K-major tiles only)
+
+
+@dataclass
+class ProductPass:
+    """A statement with a sum: a block-sparse matrix product, A (m x k) times B (k x n)."""
+
+    statement: Einsum
+    output: str  # the output operand
+    walk: str  # "dense" | "rows" | "cols" | "coo output" | "output mask"
+    sparse: str | None  # the operand whose blocks decide the walk
+    a: Matrix
+    b: Matrix
+    out: Matrix
+    end: Matrix | None  # a factor applied after the sum (mask or dense), read per output tile
+    end_mask: bool
+    tiles: Tiles
+    in_dtype: DType
+    out_dtype: DType
+    scale: float | int | None
+    cell_coords: tuple[tuple[str, Expr], ...]  # the output's block coordinates, per cell, in grid order
+    cells: Expr  # the number of output blocks the grid covers
+    host: list[str]  # wrapper lines: matrices and tables
+    guard: list[str]  # wrapper lines returning zeros early (nothing stored or requested)
+    tables: list[tuple[str, str]]  # (name, about): int32 vectors the kernel reads from GMEM
+    kernel_lets: list[tuple[str, str]]  # per-CTA values in the kernel: cell coordinates, start, count
+    a_index: tuple[str, str]
+    b_index: tuple[str, str]
+    out_index: tuple[str, str]
+    end_index: tuple[str, str] | None
+    step_lets: list[tuple[str, str]]  # per-step values the index maps read
+    kind_table: str | None  # output mask: the kind of each cell's block
+    finish: list[str]  # wrapper lines turning the kernel's 2-D output into the operand
+    out_var: str
+    raw: str  # the kernel's 2-D result, in the wrapper
+    statics: tuple[str, ...]  # size variables the kernel reads
+    names: ModuleNames
+    fn: str
+    call_fn: str
+    block_products: Expr  # block products the walk computes at most (dense: all of them)
+    flops_per_product: int
+    smem: int
+
+
+@dataclass
+class ElementwisePass:
+    """A statement without a sum: factors of the output's shape multiplied tile by tile."""
+
+    statement: Einsum
+    output: str
+    out_dtype: DType
+    tm: int
+    tn: int
+    bm: int
+    bn: int
+    cells: Expr
+    lets: list[tuple[str, str]]  # per CTA: the statement's block coordinates
+    factors: list[dict]
+    out_index: tuple[str, str]
+    inside: str | None  # a window written at offsets: tiles outside it are zeros
+    scale: float | int | None
+    host: list[str]
+    tables: list[tuple[str, str]]
+    finish: list[str]
+    out_var: str
+    raw: str
+    raw_shape: tuple[Expr, Expr]
+    statics: tuple[str, ...]
+    names: ModuleNames
+    fn: str
+    call_fn: str
+    smem: int
+    walk: str = "elementwise"
+    guard: tuple = ()
+    sparse: None = None
+
+
+@dataclass(frozen=True)
+class GpuModule:
+    kernel: Kernel
+    target: GpuTarget
+    conv: Convention
+    names: ModuleNames
+    passes: tuple["ProductPass | ElementwisePass", ...]
+    outputs: tuple[tuple[str, str], ...]
+    backward: object | None = None  # autodiff.Backward: how the gradients are derived
+    backward_module: "GpuModule | None" = None  # its passes, lowered like any kernel's
+    backward_error: str | None = None  # why `jax.grad` cannot go through this kernel
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    @property
+    def smem_bytes(self) -> int:
+        return max(p.smem for p in self.passes)
+
+
+GpuPass = ProductPass  # either kind of pass, where the emitter does not mind

@@ -1,0 +1,419 @@
+"""A statement with a sum as a block-sparse matrix product on Mosaic GPU (Hopper).
+
+`out[c.., m, n] = A[c.., m, k] * B[c.., k, n]` (any dimension order; `c` are the output's
+other indices: batch, heads, each value a block of its own) becomes one kernel. Its grid
+has a CTA per output *tile* (tm x tn, WGMMA's) of every output *block* (the spec's tile,
+the sparsity's grain). GPUs have no scalar prefetch, so a CTA reads from tables in GMEM how
+many steps its block takes and where they start, then runs `plgpu.emit_pipeline` over that
+dynamic count: TMA copies of an A tile and a B tile into shared memory per step, one WGMMA
+each, the accumulator in registers. A block nothing reaches runs zero steps, storing zeros.
+
+The walks (which steps a block takes) are the schedule's, said in GPU terms:
+- dense: every block along k;
+- rows / cols: a sparse A side (its coo blocks, or a mask factor's non-empty blocks) lists,
+  per row of output blocks, the blocks along k it holds; a sparse B side, per column;
+- coo output: one cell per requested block, every block along k;
+- output mask: a mask applied after the sum; its empty blocks run no step, its all-ones
+  blocks are not read.
+
+The wrapper hands the kernel 2-D arrays: an operand with its grid coordinates leading,
+padded to whole blocks (ragged sizes), flattened; factors a covering factor multiplies are
+formed by the wrapper (XLA fuses them into one pass). A matrix stored (k, m) rather than
+(m, k) is not copied: the kernel transposes the shared-memory tile (16-bit types; tf32
+WGMMA takes K-major tiles only, so 32-bit matrices the other way are copied transposed).
+"""
+
+from __future__ import annotations
+
+from ..expr import Const, Expr, Var, flat, names as expr_names, render
+from ..ir import Einsum, Read
+from .plan import Coord, Matrix, ProductPass
+from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _tuple(items) -> str:
+    items = list(items)
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+class ProductLowering:
+    def __init__(self, ctx, st: Einsum):
+        self.ctx, self.st, self.k = ctx, st, ctx.k
+        self.conv, self.tile = ctx.conv, ctx.tile
+        self.names = ctx.names.scope()
+        self.host: list[str] = []
+        self.tables: list[tuple[str, str]] = []
+        self.kernel_lets: list[tuple[str, str]] = []
+        self.step_lets: list[tuple[str, str]] = []
+        self.statics: set[str] = set()
+        self.sparse_sources: list[tuple[str, Read]] = []
+
+    # ------------------------------------------------------------ helpers
+    def py(self, e: Expr) -> str:
+        """Kernel code for an expression; the size variables it reads become the kernel's statics."""
+        self.statics.update(x for x in expr_names(e) if x in {s.internal for s in self.conv.sizes})
+        return render(e, "py")
+
+    def cell_extent(self, i: str) -> Expr:
+        """Values of a grid coordinate; blocks along the product's rows and columns."""
+        return self.ctx.size(i) if i in self.coords else self.ctx.blocks(i)
+
+    def coord_value(self, c: Coord) -> Expr:
+        return Var(self.var_of[c.index]).div(c.divisor)
+
+    def rows_of(self, cs: tuple[Coord, ...], lead: Expr, lead_extent: Expr, value=None) -> Expr:
+        """A matrix's block row: its coordinates and `lead`, flattened row-major."""
+        value = value or self.coord_value
+        return flat([value(c) for c in cs] + [lead], [c.extent for c in cs] + [lead_extent])
+
+    # ------------------------------------------------------------ roles
+    def roles(self):
+        """The summed index k, the output's rows m (from group A) and columns n (group B)."""
+        st, k = self.st, self.k
+        for read in (st.target, *st.factors):
+            for s in read.subs:
+                if s.offset is not None:
+                    fail(read.span, f"the GPU backend reads whole indices in a matrix product: '{s.text}' (an offset) is not lowered for GPUs yet")
+        if len(st.summed) != 1 or self.tile[st.summed[0]] == 1:
+            fail(st.span, "the GPU backend sums over one index with a tile of 16 or more (WGMMA's k); "
+                          f"this statement sums over {', '.join(st.summed)}")
+        if len(st.summed_groups) != 2:
+            fail(st.span, "the GPU backend multiplies two groups of factors (a matrix product); this statement has "
+                          f"{len(st.summed_groups)} with the summed index")
+        groups = st.summed_groups
+
+        def groups_of(i: str) -> list:
+            return [g for g in groups if any(i in st.factors[f].indices for f in g.members)]
+
+        # The product's columns: the output's last index with a tile of 16 or more that one
+        # group has; its rows: the last such index of the other group. Every other output
+        # index is a coordinate of the grid: each of its values a block of its own.
+        wide = [i for i in st.out_indices if self.tile[i] != 1 and len(groups_of(i)) == 1]
+        if not wide:
+            fail(k.tile_span, "WGMMA computes a matrix: the output needs an index of each factor with a tile of 16 or more; "
+                              f"{st.target.text} has none")
+        n = wide[-1]
+        gb = groups_of(n)[0]
+        ga = next(g for g in groups if g is not gb)
+        rows = [i for i in wide if groups_of(i)[0] is ga]
+        if not rows:
+            fail(k.tile_span, f"WGMMA computes a matrix: the output needs an index of '{st.factors[ga.main].text}' with a "
+                              f"tile of 16 or more; {st.target.text} has none")
+        m = rows[-1]
+        if m not in st.factors[ga.main].indices or n not in st.factors[gb.main].indices:
+            fail(st.span, f"the GPU backend needs '{m}' and '{n}' on the covering factors of the product")
+        self.kidx, self.m, self.n, self.ga, self.gb = st.summed[0], m, n, ga, gb
+        self.coords = [i for i in st.out_indices if i not in (m, n)]
+        for read in (st.target, *st.factors):
+            for s in read.subs:
+                if s.divisor != 1 and s.index not in self.coords:
+                    fail(read.span, f"'{s.text}' on GPUs: only a grid coordinate (not '{m}', '{n}' or '{self.kidx}') may be divided")
+
+    def coords_of(self, read: Read) -> tuple[Coord, ...]:
+        op = self.k.operand(read.operand)
+        out = []
+        for d, s in enumerate(read.subs):
+            if s.index in self.coords:
+                if op.sparsity == "coo" and self.tile[s.index] != 1:
+                    fail(self.k.tile_span, f"'{read.text}' is coo: on GPUs its index {s.index} takes tile 1 (one block per value)")
+                out.append(Coord(s.index, s.divisor, self.conv.size(op.dims[d]), d))
+        return tuple(out)
+
+    # ------------------------------------------------------------ the two sides
+    def side(self, group, row: str, col: str, is_b: bool) -> tuple[Matrix, str | None]:
+        """A group of factors as a matrix: its covering factor, the factors it covers multiplied
+        in by the wrapper; a mask among those (or a coo covering factor) is the walk's source."""
+        st, k, names, host = self.st, self.k, self.names, self.host
+        main = st.factors[group.main]
+        op = k.operand(main.operand)
+        if len(set(main.indices)) != len(main.indices):
+            fail(main.span, f"'{main.text}' repeats an index (a diagonal): not lowered for GPUs")
+        stray = [i for i in main.indices if i not in (row, col) and i not in self.coords]
+        if stray:
+            fail(main.span, f"'{main.text}' has '{stray[0]}', which is neither the product's rows, columns nor sum "
+                            "nor an index of the output: not lowered for GPUs")
+        if op.dtype.name not in DTYPES_WGMMA:
+            fail(op.dtype_span, f"WGMMA multiplies bf16, f16 or f32 (as tf32) factors; '{op.name}' is {op.dtype.name}")
+        mine = self.coords_of(main)
+        stored_cr = main.indices.index(col) < main.indices.index(row)  # stored (col, row)
+        # 16-bit tiles are read either way (the kernel transposes in shared memory); 32-bit
+        # (tf32) WGMMA takes K-major tiles only: A as (m, k), B as (n, k).
+        transposed = stored_cr if op.dtype.itemsize == 2 else is_b
+        copied = transposed != stored_cr
+        why = "  # tf32 WGMMA reads K-major tiles: a transposed copy" if copied else ""
+        extras = [st.factors[e] for e in group.extras]
+        mask = None
+        for e in extras:
+            eop = k.operand(e.operand)
+            if eop.sparsity == "coo":
+                fail(e.span, f"'{e.text}' is coo inside another factor's blocks: not lowered for GPUs yet")
+            if eop.sparsity == "mask":
+                if set(e.indices) != set(main.indices):
+                    fail(e.span, f"a mask factor on GPUs has the indices of the factor it multiplies ('{main.text}')")
+                mask = e
+        var = names.local(f"{main.operand}_matrix")
+        if op.sparsity == "coo":
+            if extras:
+                fail(extras[0].span, f"'{extras[0].text}' multiplies the coo operand '{op.name}': not lowered for GPUs yet")
+            blocks = self.ctx.source(main)
+            if copied:
+                host.append(f"{var} = {blocks}.swapaxes(-1, -2){why}")
+                blocks = var
+            host.append(f"{var} = {blocks}.reshape(-1, {blocks}.shape[-1])  # stored block s: rows s*tile..")
+            self.sparse_sources.append(("coo", main))
+            return Matrix(op.name, var, mine, row, col, transposed, True, copied), None
+        src = self.ctx.source(main)
+        if extras:
+            letters = {i: _LETTERS[n] for n, i in enumerate(main.indices)}
+            terms = ", ".join([src] + [f"{self.ctx.source(e)}.astype({src}.dtype)" for e in extras])
+            spec = ",".join("".join(letters[i] for i in r.indices) for r in (main, *extras))
+            product = names.local(f"{main.operand}_product")
+            host.append(f"# {' * '.join(r.text for r in (main, *extras))}, formed once (XLA fuses it into one pass)")
+            host.append(f'{product} = jnp.einsum("{spec}->{"".join(letters[i] for i in main.indices)}", {terms})')
+            src = product
+        order = [c.index for c in mine] + ([col, row] if transposed else [row, col])
+        perm = tuple(main.indices.index(i) for i in order)
+        tiles = tuple(1 if i in self.coords else self.tile[i] for i in order)
+        host.append(f"{var} = _matrix({src}, {_tuple(map(str, perm))}, {_tuple(map(str, tiles))}){why}")
+        mvar = None
+        if mask is not None:
+            self.sparse_sources.append(("mask", mask))
+            mvar = names.local(f"{mask.operand}_matrix")
+            mperm = tuple(mask.indices.index(i) for i in order)
+            host.append(f"{mvar} = _matrix({self.ctx.source(mask)}, {_tuple(map(str, mperm))}, {_tuple(map(str, tiles))})")
+        return Matrix(op.name, var, mine, row, col, transposed, False, copied), mvar
+
+    def after_sum(self):
+        """The factor applied after the sum (a dense or mask operand on the output's indices), read per output tile."""
+        st, k = self.st, self.k
+        out_op = k.operand(st.target.operand)
+        self.end, self.end_mask = None, False
+        if len(st.end_groups) > 1 or any(g.extras for g in st.end_groups):
+            fail(st.span, "the GPU backend applies at most one factor after the sum")
+        if out_op.sparsity == "coo":
+            self.sparse_sources.append(("coo output", st.target))
+        if not st.end_groups:
+            return
+        e = st.factors[st.end_groups[0].main]
+        eop = k.operand(e.operand)
+        if set(e.indices) != set(st.out_indices) or eop.sparsity == "coo" or out_op.sparsity == "coo":
+            fail(e.span, f"'{e.text}' after the sum: the GPU backend applies a dense or mask factor with the output's indices only")
+        evar = self.names.local(f"{e.operand}_matrix")
+        ecoords = self.coords_of(e)
+        order = [c.index for c in ecoords] + [self.m, self.n]
+        perm = tuple(e.indices.index(i) for i in order)
+        tiles = tuple(1 if i in self.coords else self.tile[i] for i in order)
+        self.host.append(f"{evar} = _matrix({self.ctx.source(e)}, {_tuple(map(str, perm))}, {_tuple(map(str, tiles))})")
+        self.end = Matrix(eop.name, evar, ecoords, self.m, self.n, False, False)
+        self.end_mask = eop.sparsity == "mask"
+        if self.end_mask:
+            self.sparse_sources.append(("output mask", e))
+
+    # ------------------------------------------------------------ walks
+    def walk_of(self) -> tuple[str, str | None]:
+        if not self.sparse_sources:
+            return "dense", None
+        if len(self.sparse_sources) > 1:
+            what = " and ".join(f"'{r.operand}'" for _, r in self.sparse_sources)
+            fail(self.st.span, f"the GPU backend skips the blocks of one sparse operand per statement; here {what} both are")
+        what, read = self.sparse_sources[0]
+        if what in ("coo output", "output mask"):
+            return what, read.operand
+        on_a = read.operand == self.a.operand if what == "coo" else self.a_mask is not None
+        return ("rows" if on_a else "cols"), read.operand
+
+    def requested_cells(self) -> Expr:
+        """A coo output: a cell per requested block, its coordinates from tables."""
+        st, names, t = self.st, self.names, self.t
+        out_op = self.k.operand(st.target.operand)
+        ncells = Var(names.local("nb"))
+        stored_idx = {i: self.conv.param(out_op.name, "out_coords", d).internal for d, i in enumerate(st.target.indices)}
+        for i in (*self.coords, self.m, self.n):
+            tname = names.local(f"out_{i}")
+            self.host.append(f"{tname} = jnp.maximum({stored_idx[i]}, 0).astype(jnp.int32)")
+            self.tables.append((tname, f"coordinate {i} of each requested block of {out_op.name}"))
+            self.kernel_lets.append((self.var_of[i], f"{tname}[cell]"))
+        counts = names.local("count_of")
+        self.host.append(f"{counts} = jnp.where({self.conv.pad(out_op.name)}, 0, {render(self.KB, 'host')}).astype(jnp.int32)"
+                         "  # padding entries: no step, zeros")
+        self.tables.append((counts, f"steps of each requested block: every block along {self.kidx} (none for padding)"))
+        self.start, self.count = "0", f"{counts}[cell] * {t.ksub}"
+        self.guard = [f"{ncells.name} = {stored_idx[self.m]}.shape[0]", f"if {ncells.name} == 0:", "    # Nothing is requested."]
+        return ncells
+
+    def dense_cells(self) -> Expr:
+        """Every output block, row-major over (coords.., m blocks, n blocks)."""
+        order = [*self.coords, self.m, self.n]
+        extents = [self.cell_extent(i) for i in order]
+        ncells = Const(1)
+        for e in extents:
+            ncells = ncells * e
+        decoded, rest = {}, Var("cell")
+        for pos in range(len(order) - 1, -1, -1):
+            decoded[order[pos]] = rest.rem(extents[pos]) if pos > 0 else rest
+            rest = rest.div(extents[pos])
+        self.kernel_lets += [(self.var_of[i], self.py(decoded[i])) for i in order]
+        self.start, self.count = "0", self.py(self.KB * self.t.ksub)
+        return ncells
+
+    def line_walk(self, walk: str, sparse: str):
+        """Rows (or columns) of output blocks, each with the list of blocks along k its sparse
+        side holds: a coo operand's stored blocks, or a mask factor's non-empty blocks."""
+        st, k, names, t, kidx = self.st, self.k, self.names, self.t, self.kidx
+        mat, mvar = (self.a, self.a_mask) if walk == "rows" else (self.b, self.b_mask)
+        key_index = self.m if walk == "rows" else self.n
+        nkeys = Const(1)
+        for c in mat.coords:
+            nkeys = nkeys * c.extent
+        nkeys = nkeys * self.ctx.blocks(key_index)
+        order_t, start_t, count_t = names.local(f"{sparse}_order"), names.local(f"{sparse}_start"), names.local(f"{sparse}_count")
+        k_t = names.local(f"{sparse}_{kidx}")
+        line = "row" if walk == "rows" else "column"
+        KB = render(self.KB, "host")
+        if mat.stored:
+            op = k.operand(sparse)
+            read = next(r for r in st.factors if r.operand == sparse)
+            cp = [self.conv.param(op.name, "coords", d).internal for d in range(len(read.indices))]
+            keys = render(self.rows_of(mat.coords, Var(cp[read.indices.index(key_index)]), self.ctx.blocks(key_index), lambda c: Var(cp[c.dim])), "host")
+            self.host.append(f"# The stored blocks of {sparse}, grouped by the {line} of output blocks they feed.")
+            self.host.append(f"{order_t}, {start_t}, {count_t} = _walk(jnp.where({self.conv.pad(op.name)}, {render(nkeys, 'host')}, {keys}), "
+                             f"{render(nkeys, 'host')})")
+            self.host.append(f"{k_t} = jnp.maximum({cp[read.indices.index(kidx)]}, 0)[{order_t}]  # block {kidx} of each step")
+            self.tables.append((order_t, f"the stored blocks of {sparse}, grouped by output {line}"))
+            nb = names.local("nb")
+            self.guard = [f"{nb} = {cp[0]}.shape[0]", f"if {nb} == 0:", "    # Nothing is stored: the result is all zeros."]
+        else:
+            kinds, live = names.local(f"{sparse}_kinds"), names.local(f"{sparse}_live")
+            first, second = (mat.col, mat.row) if mat.transposed else (mat.row, mat.col)
+            lead = Const(1)
+            for c in mat.coords:
+                lead = lead * c.extent
+            tb = (self.tile[first], self.tile[second])
+            self.host.append(f"# The non-empty blocks of {sparse}: the only steps, grouped by the {line} of output blocks.")
+            self.host.append(f"{kinds} = _block_kinds({mvar}, {_tuple(map(str, tb))}, False).reshape("
+                             f"{render(lead, 'host')}, {render(self.ctx.blocks(first), 'host')}, {render(self.ctx.blocks(second), 'host')})")
+            if first == kidx:  # bring the key index next to the coordinates, k last
+                self.host.append(f"{kinds} = {kinds}.transpose(0, 2, 1)")
+            self.host.append(f"{live} = ({kinds} != _EMPTY).reshape(-1)")
+            pos = f"jnp.arange({live}.shape[0], dtype=jnp.int32)"
+            self.host.append(f"{order_t}, {start_t}, {count_t} = _walk(jnp.where({live}, {pos} // {KB}, {render(nkeys, 'host')}), "
+                             f"{render(nkeys, 'host')})")
+            self.host.append(f"{k_t} = {order_t} % {KB}  # block {kidx} of each step")
+        self.tables += [(start_t, f"the first step of each output {line}"), (count_t, f"the steps of each output {line}"),
+                        (k_t, f"block {kidx} of each step")]
+        key = names.local("key")
+        self.kernel_lets.append((key, self.py(self.rows_of(mat.coords, Var(self.var_of[key_index]), self.ctx.blocks(key_index)))))
+        self.start, self.count = f"{start_t}[{key}]", f"{count_t}[{key}] * {t.ksub}"
+        # Clamped: a pipeline may fetch ahead of its last step.
+        self.step_lets.append(("step", f"jnp.minimum(start + {render(Var('s').div(t.ksub), 'py')}, {k_t}.shape[0] - 1)"))
+        self.step_lets.append((self.kvar, f"{k_t}[step]"))
+        if mat.stored:
+            self.step_lets.append(("stored", f"{order_t}[step]"))
+
+    def output_mask(self, sparse: str) -> str:
+        """Empty mask blocks run no step (zeros); the kernel reads only partial ones."""
+        kinds = self.names.local(f"{sparse}_kinds")
+        self.host.append(f"# The blocks of {sparse}: empty ones run no step, all-ones ones are not read.")
+        self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True).reshape(-1)")
+        self.tables.append((kinds, f"_EMPTY, _PARTIAL or _FULL: each output block's {sparse} block"))
+        self.count = f"jnp.where({kinds}[cell] == _EMPTY, 0, {self.py(self.KB * self.t.ksub)})"
+        return kinds
+
+    # ------------------------------------------------------------ tiles each step reads
+    def sub(self, name: str, count: int) -> Expr:
+        """A CTA's (or step's) tile within its block: always 0 where the block is one tile."""
+        return Var(name) if count > 1 else Const(0)
+
+    def matrix_index(self, mat: Matrix, row_tiles: int, col_tiles: int, row_sub: str, col_sub: str) -> tuple[str, str]:
+        """The tile a step reads: block coordinates times tiles per block, plus the tile inside."""
+        lead, other = (mat.col, mat.row) if mat.transposed else (mat.row, mat.col)
+        if mat.stored:
+            # Stored block s is rows s*tile.. of the matrix, along `lead`.
+            first, second = Var("stored"), Const(0)
+        else:
+            value = {i: Var(self.kvar) if i == self.kidx else Var(self.var_of[i]) for i in (mat.row, mat.col)}
+            first, second = self.rows_of(mat.coords, value[lead], self.ctx.blocks(lead)), value[other]
+        r, c = (second, first) if mat.transposed else (first, second)
+        rr = self.py(r * row_tiles + self.sub(row_sub, row_tiles))
+        cc = self.py(c * col_tiles + self.sub(col_sub, col_tiles))
+        return (cc, rr) if mat.transposed else (rr, cc)
+
+    def out_tile(self, mat: Matrix) -> tuple[str, str]:
+        t = self.t
+        r = self.rows_of(mat.coords, Var(self.var_of[self.m]), self.ctx.blocks(self.m))
+        return (self.py(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)),
+                self.py(Var(self.var_of[self.n]) * (t.bn // t.tn) + self.sub("ni", t.bn // t.tn)))
+
+    # ------------------------------------------------------------ the pass
+    def lower(self) -> ProductPass:
+        st, k, names = self.st, self.k, self.names
+        self.roles()
+        m, n, kidx = self.m, self.n, self.kidx
+        out_op = k.operand(st.target.operand)
+        self.a, self.a_mask = self.side(self.ga, m, kidx, False)
+        self.b, self.b_mask = self.side(self.gb, kidx, n, True)
+        da, db = k.operand(self.a.operand).dtype, k.operand(self.b.operand).dtype
+        if da.name != db.name:
+            fail(k.operand(self.b.operand).dtype_span, f"WGMMA multiplies two factors of one dtype; '{self.a.operand}' is {da.name}, "
+                                                       f"'{self.b.operand}' is {db.name}")
+        if k.accumulate.name != "f32":
+            fail(k.accumulate_span or k.tile_span, f"accumulate {k.accumulate.name}: WGMMA accumulates in f32")
+        if not out_op.dtype.is_float:
+            fail(out_op.dtype_span, f"the GPU backend writes float outputs; '{out_op.name}' is {out_op.dtype.name}")
+        self.after_sum()
+        end_dtype = k.operand(self.end.operand).dtype if self.end else None
+        self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype)
+        self.KB = self.ctx.blocks(kidx)
+        walk, sparse = self.walk_of()
+        self.var_of = {i: names.local(f"{i}_block" if i in (m, n) else i) for i in (*self.coords, m, n)}
+        self.kvar = names.local(f"{kidx}_block")
+        self.guard: list[str] = []
+        kind_table = None
+        if walk == "coo output":
+            ncells = self.requested_cells()
+        else:
+            ncells = self.dense_cells()
+            if walk in ("rows", "cols"):
+                self.line_walk(walk, sparse)
+            elif walk == "output mask":
+                kind_table = self.output_mask(sparse)
+        if not self.step_lets:
+            self.step_lets.append((self.kvar, render(Var("s").div(t.ksub), "py")))
+        if t.ksub > 1:
+            self.step_lets.insert(0, ("kk", f"s % {t.ksub}"))
+        a_index = self.matrix_index(self.a, t.bm // t.tm, t.ksub, "mi", "kk")
+        b_index = self.matrix_index(self.b, t.ksub, t.bn // t.tn, "kk", "ni")
+        out_coords = self.coords_of(st.target)
+        if walk == "coo output":
+            out_mat = Matrix(out_op.name, "", (), m, n, False, True)
+            out_index = (self.py(Var("cell") * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)), self.py(self.sub("ni", t.bn // t.tn)))
+        else:
+            out_mat = Matrix(out_op.name, "", out_coords, m, n, False, False)
+            out_index = self.out_tile(out_mat)
+        end_index = self.out_tile(self.end) if self.end is not None else None
+        self.kernel_lets += [("start", self.start), ("count", self.count)]
+
+        # The wrapper's result: the kernel's 2-D output as the operand.
+        out_var, raw = names.local(st.target.operand), names.local(f"{st.target.operand}_matrix")
+        if walk == "coo output":
+            rows_first = st.target.indices.index(m) < st.target.indices.index(n)
+            finish = [f"{out_var} = {raw}.reshape(-1, {t.bm}, {t.bn})" + ("" if rows_first else ".transpose(0, 2, 1)")]
+        else:
+            order = [c.index for c in out_coords] + [m, n]
+            padded = [self.ctx.size(i) if i in self.coords else self.ctx.blocks(i) * self.tile[i] for i in order]
+            inv = tuple(order.index(i) for i in st.target.indices)
+            finish = [f"{out_var} = _unmatrix({raw}, {_tuple(render(e, 'host') for e in padded)}, "
+                      f"{_tuple(render(self.ctx.size(i), 'host') for i in order)}, {_tuple(map(str, inv))})"]
+        return ProductPass(
+            statement=st, output=out_op.name, walk=walk, sparse=sparse, a=self.a, b=self.b, out=out_mat, end=self.end,
+            end_mask=self.end_mask, tiles=t, in_dtype=da, out_dtype=out_op.dtype, scale=st.scale,
+            cell_coords=tuple((i, self.cell_extent(i)) for i in (*self.coords, m, n)), cells=ncells, host=self.host,
+            guard=self.guard, tables=self.tables, kernel_lets=self.kernel_lets, a_index=a_index, b_index=b_index,
+            out_index=out_index, end_index=end_index, step_lets=self.step_lets, kind_table=kind_table, finish=finish,
+            out_var=out_var, raw=raw, statics=tuple(sorted(self.statics)), names=names,
+            fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
+            block_products=ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,
+            smem=smem_bytes(t, da.itemsize, out_op.dtype.itemsize, end_dtype.itemsize if end_dtype else 0),
+        )

@@ -1,0 +1,88 @@
+"""The GPU's rules on tiles: what WGMMA, TMA and shared memory take, as spec diagnostics.
+
+One source of truth for the CTA tiles inside the spec's blocks and for the shared memory a
+CTA needs (`verify` measures the latter against what Mosaic GPU allocates). Measured with
+Mosaic GPU lowering for an abstract H200 (docs/gpu-notes.md): WGMMA's accumulator rows are
+a multiple of 64; its N a multiple of 8 up to 256 (16 and up lay out in shared memory); its
+K a multiple of 16 for 16-bit factors (8 for tf32) within one 128-byte swizzle row; a 256 x
+256 f32 accumulator in one warpgroup spills, so a CTA keeps at most 128 x 128.
+"""
+
+from __future__ import annotations
+
+from ..dtypes import DType
+from ..ir import Kernel
+from ..source import Diagnostic
+from .plan import GpuError, Tiles
+from .targets import GpuTarget
+
+DTYPES_WGMMA = ("bf16", "f16", "f32")  # f32 as tf32 (K-major tiles only)
+MAX_ACC = 128 * 128  # accumulator elements per CTA: one warpgroup's registers
+
+
+def fail(span, message: str, notes=()):
+    raise GpuError([Diagnostic(span, message, tuple(notes))])
+
+
+def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: int = 0) -> int:
+    """Shared memory of one product CTA. Scoped allocations are reused (measured), so the
+    pipeline's buffers and the epilogue's tiles do not add; a barrier takes 8 bytes (one per
+    buffer, and the epilogue's)."""
+    t = tiles
+    pipeline = t.stages * (t.tm * t.tk + t.tk * t.tn) * in_itemsize
+    epilogue = t.tm * t.tn * (out_itemsize + end_itemsize)
+    return max(pipeline, epilogue) + 8 * (t.stages + 1)
+
+
+def elementwise_smem_bytes(tm: int, tn: int, itemsizes: int, factors: int) -> int:
+    """Shared memory of one elementwise CTA: a tile of every factor and of the output, a barrier per factor."""
+    return tm * tn * itemsizes + 8 * factors
+
+
+def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype: DType, out_dtype: DType, end_dtype: DType | None) -> Tiles:
+    """The CTA tiles of a matrix product inside the spec's blocks, and its pipeline depth."""
+    tile = {i.name: i.tile for i in k.indices}
+    span = {i.name: i.tile_span for i in k.indices}
+    bm, bn, bk = tile[m], tile[n], tile[kidx]
+    if bm % 64:
+        fail(span[m], f"tile {m} = {bm}: WGMMA computes 64 rows at a time; on {target.name} the output block's "
+                      f"rows ({m}) take a multiple of 64", ["tiles that work: 64, 128, 256, ..."])
+    if bn % 128 == 0:
+        tn = 128
+    elif bn % 16 == 0 and bn <= 256:
+        tn = bn
+    else:
+        fail(span[n], f"tile {n} = {bn}: WGMMA's N is a multiple of 16 up to 256 (or the block a multiple of 128, "
+                      f"split into 128-wide tiles); on {target.name} use 16, 32, ..., 256, or a multiple of 128")
+    tm = 128 if bm % 128 == 0 and 128 * tn <= MAX_ACC else 64
+    swizzle = 128 // dtype.itemsize  # elements per 128-byte row: the widest swizzle
+    step = 32 // dtype.itemsize  # WGMMA's K: 16 for 16-bit factors, 8 for tf32
+    if bk % swizzle == 0:
+        tk = swizzle
+    elif bk % step == 0 and bk < swizzle:
+        tk = bk
+    else:
+        fail(span[kidx], f"tile {kidx} = {bk}: WGMMA's K steps are multiples of {step} ({dtype.name}); on "
+                         f"{target.name} use a multiple of {swizzle}, or {step}, {2 * step}, ... below it")
+    need = 0
+    for stages in (4, 3, 2):
+        t = Tiles(bm, bn, bk, tm, tn, tk, stages)
+        need = smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end_dtype.itemsize if end_dtype else 0)
+        if need <= target.smem_bytes:
+            return t
+    fail(k.tile_span, f"tiles need {need} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes})")
+
+
+def elementwise_tiles(k: Kernel, target: GpuTarget, r: str, c: str, out_dtype: DType, itemsizes: int, factors: int) -> tuple[int, int]:
+    """The CTA tile of an elementwise statement: at most 128 x 128 of the block, rows halved
+    until every factor's tile and the output's fit shared memory."""
+    tile = {i.name: i.tile for i in k.indices}
+    bm, bn = tile[r], tile[c]
+    tn = next((t for t in (128, 64, 32, 16, 8) if bn % t == 0), None)
+    if tn is None or (tn * out_dtype.itemsize) % 16:
+        fail(k.index(c).tile_span, f"tile {c} = {bn}: TMA copies rows of a multiple of 16 bytes; use a multiple of "
+                                   f"{16 // min(16, out_dtype.itemsize)}")
+    tm = next(t for t in (128, 64, 32, 16, 8, 4, 2, 1) if bm % t == 0)
+    while tm > 1 and elementwise_smem_bytes(tm, tn, itemsizes, factors) > target.smem_bytes:
+        tm //= 2
+    return tm, tn
