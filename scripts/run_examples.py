@@ -1,7 +1,10 @@
-"""`make run`: every generated kernel against its reference in the TPU simulator, as a table.
+"""`make run`: every generated kernel against its reference in the TPU simulator, as a table;
+then every kernel the GPU backend takes, built for h200, in the Mosaic GPU interpreter.
 
 The simulator fills uninitialised memory with NaN and raises on out-of-bounds reads and on
-non-consecutive output revisits, so a pass here is the closest thing to a TPU run.
+non-consecutive output revisits, so a pass here is the closest thing to a TPU run. The GPU
+table adds each kernel's lowering under an abstract H200 and, where `make gpu-venv` made
+the plugin's environment, its ptxas compile for sm_90a.
 """
 
 from __future__ import annotations
@@ -110,7 +113,59 @@ def main() -> int:
                 rtol = max(tolerance(kernel, o.name, env)[0] for o in kernel.outputs)
                 table.add_row(kernel.name, walk, shapes, pattern, f"{error:.3g}", f"rtol {rtol:.2g}", f"{elapsed:.2f} s", result, *aot)
     Console(width=170).print(table)
+    failures += run_gpu()
     return 1 if failures or any(failures_aot) else 0
+
+
+def run_gpu() -> int:
+    """The examples built for h200 (attention-like ones are not lowered for GPUs yet), one
+    block along each symbolic index, in the Mosaic GPU interpreter; lowering and ptxas."""
+    import importlib.util as util
+    import tempfile
+
+    from sparsegen.compiler import compile_source
+    from sparsegen.gpu.verify import verify_module
+    from sparsegen.source import SourceFile, SpecError
+
+    table = Table(title="the same specs built for h200: Mosaic GPU interpreter; lowering under an abstract H200; ptxas (sm_90a)")
+    for column in ("kernel", "walk", "shapes", "max |err|", "interpreter", "result", "lowers", "shared memory", "ptxas"):
+        table.add_column(column, justify="right" if column in ("max |err|", "interpreter", "shared memory") else "left")
+    failures = 0
+    folder = Path(tempfile.mkdtemp(prefix="sparsegen-gpu-"))
+    for spec in sorted((ROOT / "specs").glob("*.spk")):
+        source = SourceFile.read(spec)
+        try:
+            built = compile_source(source, "h200", origin=spec.name)
+        except SpecError:
+            continue  # attention-like: no GPU lowering yet (README, "GPUs")
+        for m in built:
+            kernel = m.plan.kernel
+            path = folder / f"{m.kernel}.py"
+            path.write_text(m.code)
+            loader = util.spec_from_file_location(f"gpu_{m.kernel}", path)
+            module = util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+            sizes = {k: v // BLOCKS for k, v in sizes_for(kernel).items()}
+            env = resolve_sizes(kernel, sizes)
+            args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(0))
+            start = time.perf_counter()
+            try:
+                out = getattr(module, kernel.name)(*args, **keywords, interpret=True)
+                error, ok = matches(kernel, out, module.reference(*args, **keywords), env)
+                result = "[green]ok[/green]" if ok else "[red]MISMATCH[/red]"
+            except Exception as exc:  # report and go on: the table is the point
+                error, ok, result = float("nan"), False, f"[red]{type(exc).__name__}[/red]"
+            elapsed = time.perf_counter() - start
+            r = verify_module(m.plan, source, "h200")
+            ok &= r.ok
+            failures += not ok
+            ptxas = (f"{max(r.registers)} registers, {r.spill_bytes} B spilled" if r.compiled else
+                     "[red]fails[/red]" if r.compiled is False else f"skipped: {r.stage3}")
+            table.add_row(kernel.name, " + ".join(dict.fromkeys(p.walk for p in m.plan.passes)), ", ".join(f"{k}={env[k]}" for k in sizes) or "fixed",
+                          f"{error:.3g}", f"{elapsed:.2f} s", result, "[green]yes[/green]" if r.lowered else "[red]no[/red]",
+                          f"{r.smem_used} B", ptxas)
+    Console(width=170).print(table)
+    return failures
 
 
 if __name__ == "__main__":

@@ -64,7 +64,6 @@ def test_header_names_the_spec_from_the_project_root_and_its_digest(tmp_path):
 def test_check_does_not_depend_on_how_the_spec_is_spelled():
     for specs, cwd, out in [
         ([ROOT / e for e in EXAMPLES], ROOT, "generated"),
-        ([f"./{e}" for e in EXAMPLES], ROOT, ROOT / "generated"),
         ([f"../{e}" for e in EXAMPLES], ROOT / "tests", "../generated"),
     ]:
         result = sparsegen("check", *specs, "-o", out, cwd=cwd)

@@ -25,7 +25,7 @@ from conftest import ROOT, SPECS, assert_matches, build, spec_text, with_tiles
 from test_einsum import SPECS as FEATURES
 
 from sparsegen.compiler import lower_source
-from sparsegen.gpu.verify import gpu_python, verify_module
+from sparsegen.gpu.verify import gpu_python
 from sparsegen.source import SourceFile, SpecError
 from sparsegen.testing import example_args, resolve_sizes
 
@@ -233,20 +233,26 @@ def test_on_a_real_gpu():
 
 # ------------------------------------------------------------------ stages 2 and 3
 
-@pytest.mark.parametrize("name", EXAMPLES)
-def test_example_lowers_and_compiles_for_h200(name):
-    source = SourceFile(f"{name}.spk", example_text(name))
-    (m,) = lower_source(source, "h200")
-    result = verify_module(m, source, "h200")
-    assert result.lowered, result.raw_error
-    # The rules' estimate bounds what Mosaic GPU allocates, closely (barriers are aligned).
-    assert result.smem_used <= result.smem_estimate <= result.smem_used + 64, (result.smem_used, result.smem_estimate)
-    if name != "block_slice":  # integers: no gradient
-        assert result.backward == "lowers", result.backward
-    if result.compiled is None:
-        pytest.skip(f"stage 3 (ptxas for sm_90a) not run: {result.stage3}")
-    assert result.compiled, result.raw_error
-    assert result.registers and max(result.registers) <= 255 and result.spill_bytes == 0
+def test_every_example_lowers_and_compiles_for_h200():
+    """Stage 2 for each example (and its backward), then stage 3 for all in one process."""
+    from sparsegen.gpu.verify import verify_modules
+
+    items = []
+    for name in EXAMPLES:
+        source = SourceFile(f"{name}.spk", example_text(name))
+        items += [(m, source, "h200") for m in lower_source(source, "h200")]
+    results = verify_modules(items)
+    for name, result in zip(EXAMPLES, results):
+        assert result.lowered, (name, result.raw_error)
+        if name != "block_slice":  # integers: no gradient
+            assert result.backward == "lowers", (name, result.backward)
+        # The rules' estimate bounds what Mosaic GPU allocates, closely (barriers are aligned).
+        assert result.smem_used <= result.smem_estimate <= result.smem_used + 64, (name, result.smem_used, result.smem_estimate)
+    if results[0].compiled is None:
+        pytest.skip(f"stage 3 (ptxas for sm_90a) not run: {results[0].stage3}")
+    for name, result in zip(EXAMPLES, results):
+        assert result.compiled, (name, result.raw_error)
+        assert result.registers and max(result.registers) <= 255 and result.spill_bytes == 0, (name, result.registers)
 
 
 def test_stage3_environment_is_found_where_make_gpu_venv_made_it():

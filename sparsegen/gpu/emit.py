@@ -10,7 +10,7 @@ import re
 
 from ..expr import Const, render
 from ..formatting import format_module
-from ..tpu.emit import _environment, with_helpers
+from ..templating import environment as _environment, with_helpers
 from ..wrapper import Wrapper, spec_text
 from .describe import describe
 from .plan import ElementwisePass, GpuModule, GpuPass

@@ -3,10 +3,11 @@ jax-cuda13 plugin (`make gpu-venv`); it imports only jax, numpy and the generate
 
     python stage3.py REQUEST.json
 
-REQUEST: {"module": path, "function": name, "args": [[shape, dtype], ...], "keywords": {...},
-"target_config": GpuTargetConfigProto text}. Compiles the kernel through XLA:GPU for a
-compile-only device (Mosaic GPU -> PTX -> ptxas, sm_90a) and prints one JSON line: compiled,
-seconds, registers and spill bytes per kernel (from ptxas -v), or the error.
+REQUEST: a list of jobs, each {"module": path, "function": name, "args": [[shape, dtype], ...],
+"keywords": {...}, "target_config": GpuTargetConfigProto text}. Compiles each kernel through
+XLA:GPU for a compile-only device (Mosaic GPU -> PTX -> ptxas, sm_90a) and prints one JSON
+line per job, in order: compiled, seconds, registers and spill bytes per kernel (from
+ptxas -v), or the error. One process for many jobs: jax and the plugin load once.
 """
 
 import importlib.util
@@ -23,7 +24,12 @@ os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"  # ptxas -v output, on the C-level std
 
 def main(path):
     with open(path) as f:
-        request = json.load(f)
+        jobs = json.load(f)
+    for job in jobs:
+        print(json.dumps(compile_job(job)), flush=True)
+
+
+def compile_job(request: dict) -> dict:
     import jax
     import numpy as np
     from jax.experimental import topologies
@@ -59,8 +65,8 @@ def main(path):
     spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)]
     for k, s in zip(kernels, spills):
         k["spill_bytes"] = s
-    print(json.dumps({"compiled": error is None, "seconds": seconds, "kernels": kernels, "error": error,
-                      "ptxas_warnings": sorted(set(re.findall(r"ptxas warning\s*:\s*(.*)", text)))}))
+    return {"compiled": error is None, "seconds": seconds, "kernels": kernels, "error": error,
+            "ptxas_warnings": sorted(set(re.findall(r"ptxas warning\s*:\s*(.*)", text)))}
 
 
 if __name__ == "__main__":

@@ -103,7 +103,9 @@ def explain(m: GpuModule, target: str, message: str) -> Diagnostic:
     return Diagnostic(m.kernel.tile_span, f"Mosaic GPU refuses the kernel for {target}: {first}")
 
 
-def verify_module(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: float = 0.1, stage3: bool = True) -> GpuResult:
+def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: float = 0.1) -> tuple[GpuResult, dict | None]:
+    """Lower the kernel (and its backward) under an abstract device; measure its shared
+    memory. Returns the result and, if it lowered, the stage-3 job that compiles it."""
     import jax
 
     k = m.kernel
@@ -123,7 +125,7 @@ def verify_module(m: GpuModule, source: SourceFile, target: str, shapes=None, nn
         result.lower_seconds = time.perf_counter() - start
         result.raw_error = str(exc)
         result.error = explain(m, target, str(exc))
-        return result
+        return result, None
     result.lower_seconds = time.perf_counter() - start
     result.lowered = True
     result.smem_used = measure_smem(fn, structs, keywords, target)
@@ -135,26 +137,48 @@ def verify_module(m: GpuModule, source: SourceFile, target: str, shapes=None, nn
             result.backward = "lowers"
         except Exception as exc:  # reported, not raised: the forward kernel stands on its own
             result.backward = "fails: " + next((line.strip() for line in str(exc).splitlines() if line.strip()), "lowering failed")
+    job = {"code": code, "function": k.name, "keywords": keywords, "target_config": target_config(chip),
+           "args": [[list(shape), np.dtype(dtype).name] for shape, dtype in args]}
+    return result, job
+
+
+def verify_modules(items, shapes=None, nnz: float = 0.1, stage3: bool = True) -> list[GpuResult]:
+    """Stage 2 for each (module, source, target), then stage 3 for all that lowered, in one
+    process of the plugin's environment."""
+    results, jobs = [], []
+    for m, source, target in items:
+        result, job = stage2(m, source, target, shapes, nnz)
+        results.append(result)
+        if job is not None:
+            jobs.append((result, m, job))
     if not stage3:
-        result.stage3 = "not asked for"
-        return result
+        for result in results:
+            result.stage3 = "not asked for"
+        return results
     python, why = gpu_python()
     if python is None:
-        result.stage3 = why
-        return result
-    outcome = compile_stage3(python, code, k.name, args, keywords, target)
-    result.compile_seconds = outcome.get("seconds", 0.0)
-    if outcome.get("compiled"):
-        result.compiled = True
-        result.registers = [kk["registers"] for kk in outcome["kernels"]]
-        result.spill_bytes = sum(kk.get("spill_bytes", 0) for kk in outcome["kernels"])
-    elif "ptxas" in (outcome.get("error") or "") and ("not found" in outcome["error"] or "No such file" in outcome["error"]):
-        result.stage3 = "ptxas not found (the nvidia-cuda-nvcc wheel or a CUDA install provides it)"
-    else:
-        result.compiled = False
-        result.raw_error = outcome.get("error")
-        result.error = explain(m, target, outcome.get("error") or "compile failed")
-    return result
+        for result in results:
+            result.stage3 = why
+        return results
+    outcomes = compile_stage3(python, [job for _, _, job in jobs])
+    for (result, m, _), outcome in zip(jobs, outcomes):
+        result.compile_seconds = outcome.get("seconds", 0.0)
+        error = outcome.get("error") or ""
+        if outcome.get("compiled"):
+            result.compiled = True
+            result.registers = [kk["registers"] for kk in outcome["kernels"]]
+            result.spill_bytes = sum(kk.get("spill_bytes", 0) for kk in outcome["kernels"])
+        elif "ptxas" in error and ("not found" in error or "No such file" in error):
+            result.stage3 = "ptxas not found (the nvidia-cuda-nvcc wheel or a CUDA install provides it)"
+        else:
+            result.compiled = False
+            result.raw_error = error or "compile failed"
+            result.error = explain(m, result.target, result.raw_error)
+    return results
+
+
+def verify_module(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: float = 0.1, stage3: bool = True) -> GpuResult:
+    return verify_modules([(m, source, target)], shapes, nnz, stage3)[0]
 
 
 def measure_smem(fn, structs, keywords, target) -> int | None:
@@ -170,31 +194,30 @@ def measure_smem(fn, structs, keywords, target) -> int | None:
     return 0
 
 
-def compile_stage3(python: str, code: str, name: str, args, keywords, target: str) -> dict:
+def compile_stage3(python: str, jobs: list[dict]) -> list[dict]:
+    """Run stage 3 for every job in one process of the plugin's environment."""
+    if not jobs:
+        return []
     with tempfile.TemporaryDirectory(prefix="sparsegen-gpu-") as tmp:
-        module = Path(tmp) / f"{name}.py"
-        module.write_text(code)
-        request = Path(tmp) / "request.json"
-        request.write_text(json.dumps({
-            "module": str(module), "function": name, "keywords": keywords, "target_config": target_config(GPU_TARGETS[target]),
-            "args": [[list(shape), np.dtype(dtype).name] for shape, dtype in args],
-        }))
-        run = subprocess.run([python, str(Path(__file__).with_name("stage3.py")), str(request)], capture_output=True, text=True,
+        request = []
+        for n, job in enumerate(jobs):
+            module = Path(tmp) / f"m{n}_{job['function']}.py"
+            module.write_text(job["code"])
+            request.append({"module": str(module), **{key: value for key, value in job.items() if key != "code"}})
+        path = Path(tmp) / "request.json"
+        path.write_text(json.dumps(request))
+        run = subprocess.run([python, str(Path(__file__).with_name("stage3.py")), str(path)], capture_output=True, text=True,
                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-        if not lines:
-            return {"compiled": False, "error": (run.stderr.strip().splitlines() or ["stage 3 printed nothing"])[-1]}
-        return json.loads(lines[-1])
+        outcomes = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+        last = (run.stderr.strip().splitlines() or ["stage 3 printed nothing"])[-1]
+        return outcomes + [{"compiled": False, "error": last}] * (len(jobs) - len(outcomes))
 
 
 def verify_source(source: SourceFile, targets, shapes=None, nnz: float = 0.1, stage3: bool = True) -> list[GpuResult]:
     from ..compiler import lower_source
 
-    results = []
-    for target in targets:
-        for m in lower_source(source, target):  # SpecError: the rules refuse the spec
-            results.append(verify_module(m, source, target, shapes, nnz, stage3))
-    return results
+    items = [(m, source, target) for target in targets for m in lower_source(source, target)]  # SpecError: refused
+    return verify_modules(items, shapes, nnz, stage3)
 
 
 def cmd_verify_gpu(args, targets: list[str]) -> int:
@@ -210,22 +233,28 @@ def cmd_verify_gpu(args, targets: list[str]) -> int:
     if not 0 < args.nnz <= 1:
         print("sparsegen verify: --nnz is a fraction of the blocks, in (0, 1]", file=sys.stderr)
         return 2
-    report, failed = [], False
+    from ..compiler import lower_source
+
+    items, specs, sources, failed = [], {}, {}, False
     for spec in args.specs:
         source = SourceFile.read(spec)
         try:
-            results = verify_source(source, targets, shapes, args.nnz)
+            found = [(m, source, target) for target in targets for m in lower_source(source, target)]
         except SpecError as exc:
             print(exc.render(), file=sys.stderr)
             failed = True
             continue
-        report += [(spec, r) for r in results]
-        failed |= any(not r.ok for r in results)
-        for r in results:
-            if r.error:
-                print(SpecError([r.error], source).render(), file=sys.stderr)
-                if args.verbose and r.raw_error:
-                    print("  raw compiler message:\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
+        for m, _, target in found:
+            specs[m.name, target], sources[m.name, target] = spec, source
+        items += found
+    results = verify_modules(items, shapes, args.nnz)
+    report = [(specs[r.kernel, r.target], r) for r in results]
+    for r in results:
+        failed |= not r.ok
+        if r.error:
+            print(SpecError([r.error], sources[r.kernel, r.target]).render(), file=sys.stderr)
+            if args.verbose and r.raw_error:
+                print("  raw compiler message:\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
     if args.json:
         print(json.dumps({"schema": 1, "results": [dict(spec=spec, **r.to_json()) for spec, r in report]}, indent=2, sort_keys=True))
         return 1 if failed else 0

@@ -7,55 +7,20 @@ the source path appears only as an escaped comment.
 
 from __future__ import annotations
 
-import functools
 import math
-import re
 
-import jinja2
-
-from ..expr import Call, Const, Expr, Var, names as expr_names, render, substitute
+from ..expr import Call, Const, Var, names as expr_names, render, substitute
 from ..formatting import format_module
-from ..resources import resource_dir
+from ..templating import environment as _environment, with_helpers  # noqa: F401 (with_helpers: re-exported)
 from ..wrapper import Wrapper, spec_text
 from .body import BodyWriter
 from .describe import describe
 from .lower import TpuModule, TpuPass
 
 
-@functools.cache
-def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(resource_dir("templates"))),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-    env.filters["py"] = lambda e: render(e, "py")
-    env.filters["host"] = lambda e: render(e, "host")
-    env.filters["pytuple"] = _tuple
-    env.filters["quote"] = lambda text: f'"{text}"'
-    return env
-
-
 def _tuple(items) -> str:
     items = list(items)
     return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-
-
-# Helpers emitted only where the module calls them (helpers calling helpers included).
-_OPTIONAL = {
-    "multiple": "_check_multiple", "span": "_check_span", "relate": "_relate", "blocks": "_as_blocks", "need": "_need",
-    "coords": "_check_coords", "padding": "_check_padding", "offsets": "_check_offsets", "smem": "_check_smem",
-    "next_live": "_next_live", "coo_steps": "_coo_steps", "block_kinds": "_block_kinds", "densify": "_densify",
-    "gather": "_gather_blocks", "tails": "_mask_tail", "window": "_window", "join": "_block_slots", "no_gradient": "_no_gradient",
-    "cut_blocks": "_cut_blocks", "blocks_of": "_blocks_of", "at_blocks": "_at_blocks", "add_blocks": "_add_blocks",
-    "present": "_present", "expand": "_expand", "split_blocks": "_split_blocks", "join_blocks": "_join_blocks",
-    "row_walk": "_row_walk", "block_min_max": "_block_min_max", "block_any_all": "_block_any_all", "extremes": "_max_of", "extremes_min": "_min_of",
-    "floordiv": "_floordiv", "mod": "_mod", "whole": "_check_whole", "to_operand": "_to_operand", "scatter_blocks": "_scatter_blocks", "row_vector": "_row_vector", "softmax_rows": "_softmax_rows",
-    "matrix": "_matrix", "unmatrix": "_unmatrix", "walk": "_walk", "gpu_interpret": "_gpu_interpret",
-}  # fmt: skip
 
 
 class _Emitter:
@@ -319,20 +284,6 @@ class _Emitter:
             n_args=len(conv.impl_args),
         )
         return with_helpers(main)
-
-
-def with_helpers(main: str) -> str:
-    """A module's text with the helpers it calls in place of `{helpers}` (helpers that
-    helpers call included)."""
-    env = _environment()
-    uses = {key: False for key in _OPTIONAL}
-    text = main
-    for _ in range(3):  # helpers call helpers: until nothing new is used
-        called = set(re.findall(r"\b(_\w+)\(", text))
-        for key, fn in _OPTIONAL.items():
-            uses[key] = uses[key] or fn in called
-        text = main + env.get_template("helpers.py.j2").render(uses=uses)
-    return main.replace("{helpers}", env.get_template("helpers.py.j2").render(uses=uses).strip(), 1)
 
 
 def emit(m: TpuModule, source_name: str) -> str:

@@ -139,7 +139,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
     # ------------------------------------------------------------------ module
     def module(self, source_name: str, formatted: bool = True) -> str:
         from ...formatting import format_module
-        from ..emit import _environment, with_helpers
+        from ...templating import environment as _environment, with_helpers
 
         m, k, p, conv = self.m, self.k, self.p, self.m.conv
         env = _environment()
