@@ -369,3 +369,20 @@ def test_gradients_equal_those_of_reference(name):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         scale = max(1.0, float(np.sqrt(np.mean(w**2))))
         np.testing.assert_allclose(g, w, rtol=0.02, atol=0.02 * scale, err_msg=f"argument {n}")
+
+
+def test_what_lies_past_a_ragged_end_of_a_stored_block_is_absent():
+    """A stored block at a ragged end holds values past the array's end: they are not part of
+    the operand (as in `reference` and on the TPU), so not even a NaN there reaches the output."""
+    text = with_tiles(example_text("dsd_matmul"), m=64, n=64, k=64)
+    kernel, mod = build(text, "h200")
+    rng = np.random.default_rng(4)
+    blocks = rng.standard_normal((2, 64, 64)).astype(np.float32)
+    blocks[1, :, 40:] = np.nan  # K = 104: block column 1 holds 40 columns of x
+    blocks[1, 50:, :] = np.nan  # M = 114: block row 1 holds 50 rows
+    args = [jnp.asarray(blocks, jnp.bfloat16), np.array([0, 1], np.int32), np.array([0, 1], np.int32),
+            jnp.asarray(rng.standard_normal((104, 64)), jnp.bfloat16)]
+    out = np.asarray(mod.dsd_matmul(*args, M=114, interpret=True), np.float32)
+    ref = np.asarray(mod.reference(*args, M=114), np.float32)
+    assert np.isfinite(out).all() and np.isfinite(ref).all()
+    np.testing.assert_allclose(out, ref, rtol=0.02, atol=0.1)

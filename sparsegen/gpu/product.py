@@ -158,6 +158,14 @@ class ProductLowering:
             if extras:
                 fail(extras[0].span, f"'{extras[0].text}' multiplies the coo operand '{op.name}': not lowered for GPUs yet")
             blocks = self.ctx.source(main)
+            if any(op.dims[d].literal is None and self.tile[i] != 1 for d, i in enumerate(main.indices)):
+                # A ragged size: what lies past the array's end in a stored block is absent
+                # (zeroed, as `reference` does; the dense side's padding alone would turn a NaN there into NaN).
+                tiles = _tuple(str(self.tile[i]) for i in main.indices)
+                coords = _tuple(self.conv.param(op.name, "coords", d).internal for d in range(len(main.indices)))
+                shape = _tuple(render(self.conv.size(d), "host") for d in op.dims)
+                host.append(f"{var} = _cut_blocks({blocks}.reshape(({blocks}.shape[0], *{tiles})), {coords}, {tiles}, {shape}).reshape({blocks}.shape)")
+                blocks = var
             if copied:
                 host.append(f"{var} = {blocks}.swapaxes(-1, -2){why}")
                 blocks = var
