@@ -233,7 +233,7 @@ def _check_interpret(interpret):
         "InterpretGPUParams",
     ):
         _fail(
-            f"interpret must be True, False or pltpu.InterpretParams(...), got {interpret!r}"
+            f"interpret must be True, False or the interpreter's parameters (pltpu.InterpretParams(...); plgpu.InterpretGPUParams(...) for a GPU kernel), got {interpret!r}"
         )
     return interpret
 

@@ -8,6 +8,8 @@ business (`sparsegen.tpu.rules`).
 
 from __future__ import annotations
 
+import math
+
 import keyword
 import sys
 
@@ -310,6 +312,8 @@ class _KernelChecker:
                 continue
             summed_groups, end_groups = groups
             e = Einsum(target, reads, tuple(Number(n.value) for n in numbers), tuple(summed), summed_groups, end_groups, st.span)
+            if e.scale is not None and not math.isfinite(e.scale):
+                self.error(numbers[0].span, f"the statement's numbers multiply to {e.scale}, which is not a finite number")
             self.einsums.append(e)
         self.stop_if_errors()
 

@@ -183,7 +183,7 @@ def test_interpret_must_be_a_bool_or_interpret_params(value):
     blocks, rows, cols, y = dsd_args()
     raises(
         lambda: mod.dsd_matmul(blocks, rows, cols, y, M=384, interpret=value),
-        "interpret must be True, False or pltpu.InterpretParams(...)",
+        "interpret must be True, False or the interpreter's parameters (pltpu.InterpretParams(...)",
         repr(value),
     )
 

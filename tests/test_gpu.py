@@ -242,6 +242,7 @@ def test_every_example_lowers_and_compiles_for_h200():
         source = SourceFile(f"{name}.spk", example_text(name))
         items += [(m, source, "h200") for m in lower_source(source, "h200")]
     results = verify_modules(items)
+    assert [r.kernel for r in results] == [n.split(":")[-1] for n in EXAMPLES]
     for name, result in zip(EXAMPLES, results):
         assert result.lowered, (name, result.raw_error)
         if name != "block_slice":  # integers: no gradient
@@ -306,12 +307,70 @@ def test_dtypes_and_accumulators_wgmma_cannot_take():
 
 
 def test_shared_memory_the_tiles_need_is_checked_against_the_chip():
-    from sparsegen.gpu.plan import Tiles
-    from sparsegen.gpu.rules import smem_bytes
+    """Fewer pipeline stages where four do not fit; refused at the tile line where none does."""
+    import dataclasses
 
-    # The budget: four stages of 128x64 and 64x128 bf16 tiles fit; the rule falls back to fewer.
-    assert smem_bytes(Tiles(128, 128, 64, 128, 128, 64, 4), 2, 2) <= 232448
-    assert smem_bytes(Tiles(128, 256, 64, 128, 256, 64, 6), 2, 2) > 232448
+    from sparsegen.gpu.rules import product_tiles
+    from sparsegen.gpu.targets import GPU_TARGETS
+
+    text = with_tiles(example_text("dsd_matmul"), m=128, n=128, k=128)
+    kernel, _ = build(text, "h200")
+    bf16 = kernel.operand("x").dtype
+    small = dataclasses.replace(GPU_TARGETS["h200"], smem_bytes=70000)  # room for two stages, not four
+    assert product_tiles(kernel, GPU_TARGETS["h200"], "m", "n", "k", bf16, bf16, None).stages == 4
+    assert product_tiles(kernel, small, "m", "n", "k", bf16, bf16, None).stages == 2
+    with pytest.raises(Exception) as info:
+        product_tiles(kernel, dataclasses.replace(small, smem_bytes=20000), "m", "n", "k", bf16, bf16, None)
+    assert "shared memory" in info.value.diagnostics[0].message
+
+
+def test_review_findings_stay_fixed():
+    """An output mask whose coordinates are ordered unlike the output's; an integer output of a
+    fractional scale; factors dividing an index differently; a scale that is not finite; a
+    TMA row too narrow for a factor."""
+    permuted = """
+kernel permuted {
+    in  x: bf16[B, H, M, K]
+    in  y: bf16[B, H, K, N]
+    in  keep: i32[H, B, M, N] mask
+    out o: f32[B, H, M, N]
+    o[b, h, m, n] = keep[h, b, m, n] * x[b, h, m, k] * y[b, h, k, n]
+    tile b = 1, h = 1, m = 64, n = 64, k = 64
+}
+"""
+    run(permuted, dict(B=2, H=3, M=128, K=64, N=128), "random")
+    halved = """
+kernel halved {
+    in  x: i32[256, 256]
+    out o: i32[256, 256]
+    o[i, j] = x[i, j] * 0.5
+    tile i = 128, j = 128
+}
+"""
+    run(halved, {}, "random")
+    divided = """
+kernel divided {
+    in  x: bf16[H, M, K]
+    in  z: bf16[G, M, K]
+    in  y: bf16[H, K, N]
+    out o: f32[H, M, N]
+    o[h, m, n] = x[h, m, k] * z[h // 4, m, k] * y[h, k, n]
+    tile h = 1, m = 64, n = 64, k = 64
+}
+"""
+    assert "divided differently" in refused(divided)
+    infinite = example_text("sdd_matmul").replace("x[m, k] * y[k, n]", "x[m, k] * y[k, n] * 1e200 * 1e200")
+    assert "not a finite number" in refused(infinite, "v5e") and "not a finite number" in refused(infinite)
+    narrow = """
+kernel narrow {
+    in  x: i8[64, 64]
+    out o: f32[64, 64]
+    o[i, j] = x[i, j]
+    tile i = 64, j = 8
+}
+"""
+    rendered = refused(narrow)
+    assert "16 bytes" in rendered and "use a multiple of 16" in rendered
 
 
 @pytest.mark.parametrize("name,needle", [("causal_attention", "causal_attention"), ("document_attention", "document_attention")])

@@ -34,7 +34,8 @@ def describe_pass(p: GpuPass, target) -> list[str]:
     if isinstance(p, ElementwisePass):
         return describe_elementwise(p, target)
     t = p.tiles
-    mat = lambda x: f"{x.operand}" + (" (stored blocks)" if x.stored else "") + (" read transposed" if x.transposed else "")
+    mat = lambda x: (f"{x.operand}" + (" (stored blocks)" if x.stored else "") + (" read MN-major" if x.transposed else "")  # noqa: E731
+                     + (" (copied transposed by the wrapper: tf32 reads K-major tiles)" if x.copied else ""))
     lines = [
         f"statement: {p.statement.text}",
         f"  walk: {p.walk} — each output block's CTAs take {_walk(p)}",
@@ -46,7 +47,11 @@ def describe_pass(p: GpuPass, target) -> list[str]:
         + (f" times the {p.end.operand} tile" + (" where its block is partial" if p.end_mask else "") if p.end else "")
         + f", as {p.out_dtype.name}, through shared memory to {p.output} (TMA)",
         f"  shared memory: {p.smem} bytes per CTA (limit {target.smem_bytes} on {target.name})",
+        f"  work: at most {render(p.block_products, 'text')} block products of {p.flops_per_product} FLOPs ({p.in_dtype.name} in, f32 accumulated)",
     ]
+    if p.tables:
+        lines.append("  tables (int32, in GMEM, computed by the wrapper):")
+        lines += [f"    {name}: {about}" for name, about in p.tables]
     return lines
 
 

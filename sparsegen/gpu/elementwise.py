@@ -9,13 +9,8 @@ from __future__ import annotations
 
 from ..expr import Const, Expr, Load, Var, flat, names as expr_names, render
 from ..ir import Einsum
-from .plan import ElementwisePass
+from .plan import ElementwisePass, py_tuple
 from .rules import elementwise_smem_bytes, elementwise_tiles, fail
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 class ElementwiseLowering:
@@ -23,9 +18,6 @@ class ElementwiseLowering:
         self.ctx, self.st = ctx, st
         self.k, self.conv, self.tile, self.names = ctx.k, ctx.conv, ctx.tile, ctx.names
         self.target = ctx.target
-
-    def blocks(self, index: str) -> Expr:
-        return self.ctx.blocks(index)
 
     def size(self, index: str) -> Expr:
         return self.ctx.size(index)
@@ -49,7 +41,7 @@ class ElementwiseLowering:
             op = k.operand(f.operand)
             if op.sparsity == "coo":
                 self.fail(f.span, f"'{f.text}' is coo in an elementwise statement: not lowered for GPUs yet")
-            if set(f.indices) != set(target.indices) or len(set(f.indices)) != len(f.indices):
+            if set(f.indices) != set(target.indices):
                 self.fail(f.span, f"'{f.text}': an elementwise statement on GPUs multiplies factors with the output's indices (broadcasts are not lowered yet)")
         for read in (target, *st.factors):
             for s in read.subs:
@@ -71,8 +63,8 @@ class ElementwiseLowering:
             return render(e, "py")
 
         bm, bn = self.tile[r], self.tile[c]
-        itemsizes = out_op.dtype.itemsize + sum(k.operand(f.operand).dtype.itemsize for f in st.factors)
-        tm, tn = elementwise_tiles(k, self.target, r, c, out_op.dtype, itemsizes, len(st.factors))
+        dtypes = [out_op.dtype] + [k.operand(f.operand).dtype for f in st.factors]
+        tm, tn = elementwise_tiles(k, self.target, r, c, dtypes)
         var_of = {i: names.local(i) for i in target.indices}
         lets: list[tuple[str, str]] = []
         # The grid: the output array's blocks, row-major (a window's outside included).
@@ -103,7 +95,7 @@ class ElementwiseLowering:
             forder = [d for d, s in enumerate(f.subs) if s.index not in (r, c)] + [f.indices.index(r), f.indices.index(c)]
             var = names.local(f"{f.operand}_matrix")
             tiles = tuple(str(self.tile[f.indices[d]]) if f.indices[d] in (r, c) else "1" for d in forder)
-            host.append(f"{var} = _matrix({self.source(f)}, {_tuple(map(str, forder))}, {_tuple(tiles)})")
+            host.append(f"{var} = _matrix({self.source(f)}, {py_tuple(map(str, forder))}, {py_tuple(tiles)})")
 
             def at(d, f=f):
                 s = f.subs[d]
@@ -121,8 +113,8 @@ class ElementwiseLowering:
         out_var, raw = names.local(target.operand), names.local(f"{target.operand}_matrix")
         padded = [self.conv.size(out_op.dims[d]).cdiv(unit(target.indices[d])) * unit(target.indices[d]) for d in order]
         inv = tuple(order.index(d) for d in range(len(order)))
-        finish = [f"{out_var} = _unmatrix({raw}, {_tuple(render(e, 'host') for e in padded)}, "
-                  f"{_tuple(render(self.conv.size(out_op.dims[d]), 'host') for d in order)}, {_tuple(map(str, inv))})"]
+        finish = [f"{out_var} = _unmatrix({raw}, {py_tuple(render(e, 'host') for e in padded)}, "
+                  f"{py_tuple(render(self.conv.size(out_op.dims[d]), 'host') for d in order)}, {py_tuple(map(str, inv))})"]
         rows = Const(1)
         for e in padded[:-1]:
             rows = rows * e
@@ -134,6 +126,6 @@ class ElementwiseLowering:
             factors=factors, out_index=out_index, inside=py(cond) if cond is not None else None, scale=st.scale, host=host,
             tables=tables, finish=finish, out_var=out_var, raw=raw, raw_shape=(rows, padded[-1]), statics=tuple(sorted(statics)),
             names=names, fn=names.function(f"_{target.operand}_kernel"), call_fn=names.function(f"_{target.operand}_call"),
-            smem=elementwise_smem_bytes(tm, tn, itemsizes, len(st.factors)),
+            smem=elementwise_smem_bytes(tm, tn, sum(d.itemsize for d in dtypes), len(st.factors)),
         )
 

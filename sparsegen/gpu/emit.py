@@ -13,12 +13,7 @@ from ..formatting import format_module
 from ..templating import environment as _environment, with_helpers
 from ..wrapper import Wrapper, spec_text
 from .describe import describe
-from .plan import ElementwisePass, GpuModule, GpuPass
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+from .plan import ElementwisePass, GpuModule, GpuPass, py_tuple
 
 
 def _needed(lets: list[tuple[str, str]], expr: str) -> list[tuple[str, str]]:
@@ -57,9 +52,13 @@ class _Emitter:
         for f in p.factors:
             scoped += [f"{f['smem']}=plgpu.SMEM(({p.tm}, {p.tn}), {f['dtype'].jnp})", f"{f['barrier']}=plgpu.Barrier()"]
             scoped_names += [f["smem"], f["barrier"]]
-        value = " * ".join(f"{f['smem']}[...]" + (f".astype({p.out_dtype.jnp})" if f["dtype"].name != p.out_dtype.name else "") for f in p.factors)
+        # In the accumulate dtype, as `reference` computes, rounded once to the output's.
+        acc = mod.kernel.accumulate
+        value = " * ".join(f"{f['smem']}[...]" + (f".astype({acc.jnp})" if f["dtype"].name != acc.name else "") for f in p.factors)
         if p.scale is not None:
-            value = f"{value} * jnp.full(({p.tm}, {p.tn}), {_number(p.scale)}, {p.out_dtype.jnp})"
+            value = f"{value} * jnp.full(({p.tm}, {p.tn}), {_number(p.scale)}, {acc.jnp})"
+        if acc.name != p.out_dtype.name:
+            value = f"({value}).astype({p.out_dtype.jnp})"
         statics = list(p.statics)
         kernel = p.fn if not statics else f"functools.partial({p.fn}, " + ", ".join(f"{v}={v}" for v in statics) + ")"
         at = lambda index: f"{_ds(index[0], p.tm)}, {_ds(index[1], p.tn)}"  # noqa: E731
@@ -86,9 +85,9 @@ class _Emitter:
             "guard": [],
             "host": p.host,
             "raw": p.raw,
-            "raw_shape": _tuple([render(p.raw_shape[0], "host"), render(p.raw_shape[1], "host")]),
+            "raw_shape": py_tuple([render(p.raw_shape[0], "host"), render(p.raw_shape[1], "host")]),
             "kernel": kernel,
-            "grid": _tuple([render(p.cells, "host"), str(p.bm // p.tm), str(p.bn // p.tn)]),
+            "grid": py_tuple([render(p.cells, "host"), str(p.bm // p.tm), str(p.bn // p.tn)]),
             "kernel_args": tables + [f["array"] for f in p.factors],
             "finish": p.finish,
             "out_var": p.out_var,
@@ -110,11 +109,11 @@ class _Emitter:
         b_block = (t.tn, t.tk) if p.b.transposed else (t.tk, t.tn)
         maps = []
         for mat, index, fn in ((p.a, p.a_index, names.local(f"{p.a.operand}_tile")), (p.b, p.b_index, names.local(f"{p.b.operand}_tile"))):
-            text = _tuple(index)
+            text = py_tuple(index)
             what = "its stored block" if mat.stored else "its block"
-            about = f"Step s reads this tile of {mat.operand} ({what}, then the k tile inside it)"
+            about = f"Step s reads this tile of {mat.operand} ({what}, then the {p.a.col} tile inside it)"
             if mat.transposed:
-                about += f"; {mat.operand} is stored ({mat.col}, {mat.row}): WGMMA reads the tile transposed"
+                about += f"; {mat.operand} is stored ({mat.col}, {mat.row}): WGMMA reads the tile MN-major"
             maps.append({"fn": fn, "index": text, "lets": _needed(p.step_lets, text), "about": about + "."})
         def at(index):
             return f"{_ds(index[0], t.tm)}, {_ds(index[1], t.tn)}"
@@ -124,9 +123,6 @@ class _Emitter:
         if p.end is not None:
             scoped += [f"end_smem=plgpu.SMEM(({t.tm}, {t.tn}), {k.operand(p.end.operand).dtype.jnp})", "barrier=plgpu.Barrier()"]
             scoped_names += ["end_smem", "barrier"]
-        lets = [(name, value) for name, value in p.kernel_lets]
-        out_rows, out_cols = ("row", "col")
-        sizes = {s.internal for s in self.m.conv.sizes}
         statics = list(p.statics)
         kernel = p.fn if not statics else f"functools.partial({p.fn}, " + ", ".join(f"{v}={v}" for v in statics) + ")"
         if p.walk == "coo output":
@@ -135,8 +131,7 @@ class _Emitter:
             rows = Const(1)
             for i, e in p.cell_coords[:-1]:
                 rows = rows * e
-            raw_shape = _tuple([render(rows * t.bm, "host"), render(p.cell_coords[-1][1] * t.bn, "host")])
-        del sizes
+            raw_shape = py_tuple([render(rows * t.bm, "host"), render(p.cell_coords[-1][1] * t.bn, "host")])
         call_args = list(mod.conv.impl_args) + [dict(mod.outputs)[o] for o in self.reads(p, mod)]
         guard = list(p.guard)
         if guard:
@@ -147,14 +142,14 @@ class _Emitter:
             "params": params,
             "statics": statics,
             "about": self.kernel_about(p),
-            "lets": lets,
+            "lets": p.kernel_lets,
             "maps": maps,
             "a_smem": a_smem,
             "b_smem": b_smem,
             "a_operand": f"{a_smem}.transpose((1, 0))" if p.a.transposed else a_smem,
             "b_operand": f"{b_smem}.transpose((1, 0))" if p.b.transposed else b_smem,
-            "a_block": _tuple(map(str, a_block)),
-            "b_block": _tuple(map(str, b_block)),
+            "a_block": py_tuple(map(str, a_block)),
+            "b_block": py_tuple(map(str, b_block)),
             "a_ref": a_ref,
             "b_ref": b_ref,
             "stages": t.stages,
@@ -169,7 +164,7 @@ class _Emitter:
             "end_ref": end_ref,
             "end_at": at(p.end_index) if p.end_index else None,
             "out_ref": out_ref,
-            "out_at": at((out_rows, out_cols)),
+            "out_at": at(("row", "col")),
             "out_dtype": p.out_dtype.jnp,
             "call_fn": p.call_fn,
             "call_args": list(dict.fromkeys(call_args)),
@@ -179,7 +174,7 @@ class _Emitter:
             "raw": p.raw,
             "raw_shape": raw_shape,
             "kernel": kernel,
-            "grid": _tuple([render(p.cells, "host"), str(t.bm // t.tm), str(t.bn // t.tn)]),
+            "grid": py_tuple([render(p.cells, "host"), str(t.bm // t.tm), str(t.bn // t.tn)]),
             "kernel_args": tables + [p.a.array, p.b.array] + ([p.end.array] if p.end else []),
             "finish": p.finish,
             "out_var": p.out_var,
@@ -195,8 +190,8 @@ class _Emitter:
         if p.walk == "coo output":
             read = p.statement.target
             tiles = [str(k.index(i).tile) for i in read.indices if k.index(i).tile != 1]
-            return f"jnp.zeros({_tuple(['0'] + tiles)}, {op.dtype.jnp})"
-        return f"jnp.zeros({_tuple(render(mod.conv.size(d), 'host') for d in op.dims)}, {op.dtype.jnp})"
+            return f"jnp.zeros({py_tuple(['0'] + tiles)}, {op.dtype.jnp})"
+        return f"jnp.zeros({py_tuple(render(mod.conv.size(d), 'host') for d in op.dims)}, {op.dtype.jnp})"
 
     def kernel_about(self, p: GpuPass) -> str:
         t = p.tiles
@@ -264,7 +259,7 @@ class _Emitter:
             doc=doc,
             call_doc=call_doc,
             helpers="{helpers}",
-            kinds=any("_block_kinds(" in line for p in m.passes for line in p.host),
+            kinds=any("_block_kinds(" in line for p in (*m.passes, *(m.backward_module.passes if m.backward_module else ())) for line in p.host),
             passes=[self.pass_dict(p) for p in m.passes],
             public_params=[p.internal for p in conv.params] + size_vars,
             prepare_lines=self.wrapper.prepare_lines([]),

@@ -19,6 +19,12 @@ from ..source import Diagnostic
 from .targets import GpuTarget
 
 
+def py_tuple(items) -> str:
+    """A Python tuple's text (one item: a trailing comma)."""
+    items = list(items)
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
 class GpuError(Exception):
     def __init__(self, diagnostics: list[Diagnostic]):
         self.diagnostics = diagnostics
@@ -61,9 +67,9 @@ class Matrix:
     coords: tuple[Coord, ...]  # grid coordinates, in the operand's order (leading, flattened into the rows)
     row: str
     col: str
-    transposed: bool  # stored (coords.., col) x row: the kernel transposes the shared-memory tile
+    transposed: bool  # stored (coords.., col) x row: WGMMA reads the shared-memory tile MN-major
     stored: bool  # a coo operand's blocks: stored block s is rows s*tile.. of the matrix
-    copied: bool = False  # the wrapper transposed it (tf32 reads K-major tiles only)
+    copied: bool = False  # the wrapper copies it transposed (tf32 WGMMA reads K-major tiles only)
 
 
 @dataclass
@@ -76,7 +82,6 @@ class ProductPass:
     sparse: str | None  # the operand whose blocks decide the walk
     a: Matrix
     b: Matrix
-    out: Matrix
     end: Matrix | None  # a factor applied after the sum (mask or dense), read per output tile
     end_mask: bool
     tiles: Tiles
@@ -136,8 +141,6 @@ class ElementwisePass:
     call_fn: str
     smem: int
     walk: str = "elementwise"
-    guard: tuple = ()
-    sparse: None = None
 
 
 @dataclass(frozen=True)
@@ -161,4 +164,4 @@ class GpuModule:
         return max(p.smem for p in self.passes)
 
 
-GpuPass = ProductPass  # either kind of pass, where the emitter does not mind
+GpuPass = ProductPass | ElementwisePass

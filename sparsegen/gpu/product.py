@@ -19,7 +19,7 @@ The walks (which steps a block takes) are the schedule's, said in GPU terms:
 The wrapper hands the kernel 2-D arrays: an operand with its grid coordinates leading,
 padded to whole blocks (ragged sizes), flattened; factors a covering factor multiplies are
 formed by the wrapper (XLA fuses them into one pass). A matrix stored (k, m) rather than
-(m, k) is not copied: the kernel transposes the shared-memory tile (16-bit types; tf32
+(m, k) is not copied: WGMMA reads its shared-memory tile MN-major (16-bit types; tf32
 WGMMA takes K-major tiles only, so 32-bit matrices the other way are copied transposed).
 """
 
@@ -27,15 +27,10 @@ from __future__ import annotations
 
 from ..expr import Const, Expr, Var, flat, names as expr_names, render
 from ..ir import Einsum, Read
-from .plan import Coord, Matrix, ProductPass
+from .plan import Coord, Matrix, ProductPass, py_tuple
 from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 class ProductLowering:
@@ -128,8 +123,6 @@ class ProductLowering:
         st, k, names, host = self.st, self.k, self.names, self.host
         main = st.factors[group.main]
         op = k.operand(main.operand)
-        if len(set(main.indices)) != len(main.indices):
-            fail(main.span, f"'{main.text}' repeats an index (a diagonal): not lowered for GPUs")
         stray = [i for i in main.indices if i not in (row, col) and i not in self.coords]
         if stray:
             fail(main.span, f"'{main.text}' has '{stray[0]}', which is neither the product's rows, columns nor sum "
@@ -138,15 +131,18 @@ class ProductLowering:
             fail(op.dtype_span, f"WGMMA multiplies bf16, f16 or f32 (as tf32) factors; '{op.name}' is {op.dtype.name}")
         mine = self.coords_of(main)
         stored_cr = main.indices.index(col) < main.indices.index(row)  # stored (col, row)
-        # 16-bit tiles are read either way (the kernel transposes in shared memory); 32-bit
+        # 16-bit tiles are read either way (WGMMA reads a transposed view MN-major); 32-bit
         # (tf32) WGMMA takes K-major tiles only: A as (m, k), B as (n, k).
         transposed = stored_cr if op.dtype.itemsize == 2 else is_b
         copied = transposed != stored_cr
         why = "  # tf32 WGMMA reads K-major tiles: a transposed copy" if copied else ""
         extras = [st.factors[e] for e in group.extras]
         mask = None
+        divisors = {s.index: s.divisor for s in main.subs}
         for e in extras:
             eop = k.operand(e.operand)
+            if any(s.divisor != divisors[s.index] for s in e.subs):
+                fail(e.span, f"'{e.text}' reads an index of '{main.text}' divided differently: not lowered for GPUs yet")
             if eop.sparsity == "coo":
                 fail(e.span, f"'{e.text}' is coo inside another factor's blocks: not lowered for GPUs yet")
             if eop.sparsity == "mask":
@@ -161,9 +157,9 @@ class ProductLowering:
             if any(op.dims[d].literal is None and self.tile[i] != 1 for d, i in enumerate(main.indices)):
                 # A ragged size: what lies past the array's end in a stored block is absent
                 # (zeroed, as `reference` does; the dense side's padding alone would turn a NaN there into NaN).
-                tiles = _tuple(str(self.tile[i]) for i in main.indices)
-                coords = _tuple(self.conv.param(op.name, "coords", d).internal for d in range(len(main.indices)))
-                shape = _tuple(render(self.conv.size(d), "host") for d in op.dims)
+                tiles = py_tuple(str(self.tile[i]) for i in main.indices)
+                coords = py_tuple(self.conv.param(op.name, "coords", d).internal for d in range(len(main.indices)))
+                shape = py_tuple(render(self.conv.size(d), "host") for d in op.dims)
                 host.append(f"{var} = _cut_blocks({blocks}.reshape(({blocks}.shape[0], *{tiles})), {coords}, {tiles}, {shape}).reshape({blocks}.shape)")
                 blocks = var
             if copied:
@@ -184,13 +180,13 @@ class ProductLowering:
         order = [c.index for c in mine] + ([col, row] if transposed else [row, col])
         perm = tuple(main.indices.index(i) for i in order)
         tiles = tuple(1 if i in self.coords else self.tile[i] for i in order)
-        host.append(f"{var} = _matrix({src}, {_tuple(map(str, perm))}, {_tuple(map(str, tiles))}){why}")
+        host.append(f"{var} = _matrix({src}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))}){why}")
         mvar = None
         if mask is not None:
             self.sparse_sources.append(("mask", mask))
             mvar = names.local(f"{mask.operand}_matrix")
             mperm = tuple(mask.indices.index(i) for i in order)
-            host.append(f"{mvar} = _matrix({self.ctx.source(mask)}, {_tuple(map(str, mperm))}, {_tuple(map(str, tiles))})")
+            host.append(f"{mvar} = _matrix({self.ctx.source(mask)}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, tiles))})")
         return Matrix(op.name, var, mine, row, col, transposed, False, copied), mvar
 
     def after_sum(self):
@@ -209,11 +205,12 @@ class ProductLowering:
         if set(e.indices) != set(st.out_indices) or eop.sparsity == "coo" or out_op.sparsity == "coo":
             fail(e.span, f"'{e.text}' after the sum: the GPU backend applies a dense or mask factor with the output's indices only")
         evar = self.names.local(f"{e.operand}_matrix")
-        ecoords = self.coords_of(e)
+        # In the output's order: its block kinds are read per cell, and cells are in that order.
+        ecoords = tuple(sorted(self.coords_of(e), key=lambda c: self.coords.index(c.index)))
         order = [c.index for c in ecoords] + [self.m, self.n]
         perm = tuple(e.indices.index(i) for i in order)
         tiles = tuple(1 if i in self.coords else self.tile[i] for i in order)
-        self.host.append(f"{evar} = _matrix({self.ctx.source(e)}, {_tuple(map(str, perm))}, {_tuple(map(str, tiles))})")
+        self.host.append(f"{evar} = _matrix({self.ctx.source(e)}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))})")
         self.end = Matrix(eop.name, evar, ecoords, self.m, self.n, False, False)
         self.end_mask = eop.sparsity == "mask"
         if self.end_mask:
@@ -300,7 +297,7 @@ class ProductLowering:
                 lead = lead * c.extent
             tb = (self.tile[first], self.tile[second])
             self.host.append(f"# The non-empty blocks of {sparse}: the only steps, grouped by the {line} of output blocks.")
-            self.host.append(f"{kinds} = _block_kinds({mvar}, {_tuple(map(str, tb))}, False).reshape("
+            self.host.append(f"{kinds} = _block_kinds({mvar}, {py_tuple(map(str, tb))}, False).reshape("
                              f"{render(lead, 'host')}, {render(self.ctx.blocks(first), 'host')}, {render(self.ctx.blocks(second), 'host')})")
             if first == kidx:  # bring the key index next to the coordinates, k last
                 self.host.append(f"{kinds} = {kinds}.transpose(0, 2, 1)")
@@ -395,11 +392,9 @@ class ProductLowering:
         b_index = self.matrix_index(self.b, t.ksub, t.bn // t.tn, "kk", "ni")
         out_coords = self.coords_of(st.target)
         if walk == "coo output":
-            out_mat = Matrix(out_op.name, "", (), m, n, False, True)
             out_index = (self.py(Var("cell") * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)), self.py(self.sub("ni", t.bn // t.tn)))
         else:
-            out_mat = Matrix(out_op.name, "", out_coords, m, n, False, False)
-            out_index = self.out_tile(out_mat)
+            out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False))
         end_index = self.out_tile(self.end) if self.end is not None else None
         self.kernel_lets += [("start", self.start), ("count", self.count)]
 
@@ -412,10 +407,10 @@ class ProductLowering:
             order = [c.index for c in out_coords] + [m, n]
             padded = [self.ctx.size(i) if i in self.coords else self.ctx.blocks(i) * self.tile[i] for i in order]
             inv = tuple(order.index(i) for i in st.target.indices)
-            finish = [f"{out_var} = _unmatrix({raw}, {_tuple(render(e, 'host') for e in padded)}, "
-                      f"{_tuple(render(self.ctx.size(i), 'host') for i in order)}, {_tuple(map(str, inv))})"]
+            finish = [f"{out_var} = _unmatrix({raw}, {py_tuple(render(e, 'host') for e in padded)}, "
+                      f"{py_tuple(render(self.ctx.size(i), 'host') for i in order)}, {py_tuple(map(str, inv))})"]
         return ProductPass(
-            statement=st, output=out_op.name, walk=walk, sparse=sparse, a=self.a, b=self.b, out=out_mat, end=self.end,
+            statement=st, output=out_op.name, walk=walk, sparse=sparse, a=self.a, b=self.b, end=self.end,
             end_mask=self.end_mask, tiles=t, in_dtype=da, out_dtype=out_op.dtype, scale=st.scale,
             cell_coords=tuple((i, self.cell_extent(i)) for i in (*self.coords, m, n)), cells=ncells, host=self.host,
             guard=self.guard, tables=self.tables, kernel_lets=self.kernel_lets, a_index=a_index, b_index=b_index,

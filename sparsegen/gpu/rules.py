@@ -59,11 +59,11 @@ def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype
     step = 32 // dtype.itemsize  # WGMMA's K: 16 for 16-bit factors, 8 for tf32
     if bk % swizzle == 0:
         tk = swizzle
-    elif bk % step == 0 and bk < swizzle:
+    elif bk in (step, 2 * step):  # a 32- or 64-byte row: the narrower swizzles
         tk = bk
     else:
-        fail(span[kidx], f"tile {kidx} = {bk}: WGMMA's K steps are multiples of {step} ({dtype.name}); on "
-                         f"{target.name} use a multiple of {swizzle}, or {step}, {2 * step}, ... below it")
+        fail(span[kidx], f"tile {kidx} = {bk}: WGMMA's K steps are multiples of {step} ({dtype.name}) in rows of 32, 64 or "
+                         f"128 bytes; on {target.name} use {step}, {2 * step} or a multiple of {swizzle}")
     need = 0
     for stages in (4, 3, 2):
         t = Tiles(bm, bn, bk, tm, tn, tk, stages)
@@ -73,16 +73,20 @@ def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype
     fail(k.tile_span, f"tiles need {need} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes})")
 
 
-def elementwise_tiles(k: Kernel, target: GpuTarget, r: str, c: str, out_dtype: DType, itemsizes: int, factors: int) -> tuple[int, int]:
-    """The CTA tile of an elementwise statement: at most 128 x 128 of the block, rows halved
-    until every factor's tile and the output's fit shared memory."""
+def elementwise_tiles(k: Kernel, target: GpuTarget, r: str, c: str, dtypes: list[DType]) -> tuple[int, int]:
+    """The CTA tile of an elementwise statement (`dtypes`: the output's, then each factor's):
+    at most 128 x 128 of the block, rows halved until every tile fits shared memory."""
     tile = {i.name: i.tile for i in k.indices}
     bm, bn = tile[r], tile[c]
+    narrowest = min(d.itemsize for d in dtypes)
+    itemsizes = sum(d.itemsize for d in dtypes)
     tn = next((t for t in (128, 64, 32, 16, 8) if bn % t == 0), None)
-    if tn is None or (tn * out_dtype.itemsize) % 16:
+    if tn is None or (tn * narrowest) % 16:
         fail(k.index(c).tile_span, f"tile {c} = {bn}: TMA copies rows of a multiple of 16 bytes; use a multiple of "
-                                   f"{16 // min(16, out_dtype.itemsize)}")
+                                   f"{16 // min(16, narrowest)}")
     tm = next(t for t in (128, 64, 32, 16, 8, 4, 2, 1) if bm % t == 0)
-    while tm > 1 and elementwise_smem_bytes(tm, tn, itemsizes, factors) > target.smem_bytes:
+    while tm > 1 and elementwise_smem_bytes(tm, tn, itemsizes, len(dtypes) - 1) > target.smem_bytes:
         tm //= 2
+    if elementwise_smem_bytes(tm, tn, itemsizes, len(dtypes) - 1) > target.smem_bytes:
+        fail(k.tile_span, f"the tiles of this statement's factors need more shared memory than {target.name} has ({target.smem_bytes} bytes)")
     return tm, tn

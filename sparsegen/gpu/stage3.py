@@ -35,14 +35,6 @@ def compile_job(request: dict) -> dict:
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    spec = importlib.util.spec_from_file_location("stage3_module", request["module"])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, request["function"])
-    topology = topologies.get_topology_desc(platform="cuda", target_config=request["target_config"], topology="1x1x1")
-    sharding = NamedSharding(Mesh(np.array(topology.devices), ("x",)), PartitionSpec())
-    structs = [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype) if dtype != "bfloat16" else jax.numpy.bfloat16, sharding=sharding)
-               for shape, dtype in request["args"]]
     keywords = request["keywords"]
     log = tempfile.TemporaryFile()
     saved = os.dup(1), os.dup(2)
@@ -51,7 +43,15 @@ def compile_job(request: dict) -> dict:
     os.dup2(log.fileno(), 2)
     start = time.perf_counter()
     error = None
-    try:
+    try:  # a failing job is reported as its own, and the next ones still run
+        spec = importlib.util.spec_from_file_location("stage3_module", request["module"])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        fn = getattr(module, request["function"])
+        topology = topologies.get_topology_desc(platform="cuda", target_config=request["target_config"], topology="1x1x1")
+        sharding = NamedSharding(Mesh(np.array(topology.devices), ("x",)), PartitionSpec())
+        structs = [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype) if dtype != "bfloat16" else jax.numpy.bfloat16, sharding=sharding)
+                   for shape, dtype in request["args"]]
         jax.jit(lambda *a: fn(*a, **keywords)).lower(*structs).compile()
     except Exception as exc:  # reported to the caller
         error = f"{type(exc).__name__}: {exc}"
