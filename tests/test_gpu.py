@@ -407,7 +407,10 @@ def test_cli_builds_plans_and_verifies_for_h200(tmp_path):
 
 # ------------------------------------------------------------------ gradients
 
-@pytest.mark.parametrize("name", [e for e in EXAMPLES if e != "block_slice"])
+GRADIENT_EXAMPLES = ["dsd_matmul", "dds_matmul", "sdd_matmul", "masked_backward:masked_matmul_dx"]  # a backward of every walk
+
+
+@pytest.mark.parametrize("name", [e for e in EXAMPLES if e != "block_slice"] if SWEEP else GRADIENT_EXAMPLES)
 def test_gradients_equal_those_of_reference(name):
     """jax.grad through the kernel (its backward: the derived kernels, on the GPU too) equals
     JAX's gradient of `reference`, for every differentiable input (masks get none)."""
