@@ -166,8 +166,7 @@ def test_misuse_is_a_value_error():
 # The v1 einsum features (tests/test_einsum.py), on the GPU: what lowers matches `reference`;
 # the rest is refused at the spec, saying what the GPU backend does not do yet.
 GPU_REFUSES = {
-    "two_sums": "sums over one index",
-    "coo_outer_sum": "sums over one index",
+    "coo_outer_sum": "'j' is in one only",
     "row_sum": "two groups of factors",
     "coo_outside_sum": "two groups of factors",
     "coo_join": "one sparse operand per statement",
@@ -188,6 +187,35 @@ def test_v1_einsum_features(name):
     run(text, sizes, "random")
     if SWEEP:
         run(text, sizes, "padded" if "coo" in text else "empty_lines", seed=2)
+
+
+def test_several_summed_indices_flatten_into_one_contraction():
+    """Heads summed away, and a sum over (k, l) with a mask after it; a sparse factor skips
+    blocks along one summed index only, so with two it is refused."""
+    heads = """
+kernel heads_sum {
+    in  q: bf16[B, H, S, D]
+    in  k: bf16[B, H, T, D]
+    out s: f32[B, S, T]
+    s[b, i, j] = q[b, h, i, d] * k[b, h, j, d]
+    tile b = 1, h = 1, i = 64, j = 64, d = 64
+}
+"""
+    run(heads, dict(B=2, H=3, S=128, T=64, D=64), "random")
+    two = """
+kernel masked_two {
+    in  x: bf16[M, K, L]
+    in  y: bf16[K, L, N]
+    in  keep: i32[M, N] mask
+    out o: bf16[M, N]
+    o[m, n] = keep[m, n] * x[m, k, l] * y[k, l, n]
+    tile m = 64, n = 64, k = 1, l = 64
+}
+"""
+    run(two, dict(M=128, K=3, L=100, N=128), "random")
+    coo = two.replace("in  x: bf16[M, K, L]", "in  x: bf16[M, K, L] coo").replace("in  keep: i32[M, N] mask\n", "")
+    coo = coo.replace("keep[m, n] * ", "")
+    assert "along one summed index" in refused(coo)
 
 
 def test_elementwise_statements_with_scales_and_grid_coordinates():

@@ -33,6 +33,11 @@ from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
+def walk_needs_k(sources) -> bool:
+    """Does the walk skip blocks along k (a sparse factor of the product)?"""
+    return any(what in ("coo", "mask") for what, _ in sources)
+
+
 class ProductLowering:
     def __init__(self, ctx, st: Einsum):
         self.ctx, self.st, self.k = ctx, st, ctx.k
@@ -55,6 +60,10 @@ class ProductLowering:
         """Values of a grid coordinate; blocks along the product's rows and columns."""
         return self.ctx.size(i) if i in self.coords else self.ctx.blocks(i)
 
+    def blocks(self, i: str) -> Expr:
+        """Blocks along an index; along k, of the flattened contraction (other summed indices first)."""
+        return self.KB if i == self.kidx else self.ctx.blocks(i)
+
     def coord_value(self, c: Coord) -> Expr:
         return Var(self.var_of[c.index]).div(c.divisor)
 
@@ -71,8 +80,9 @@ class ProductLowering:
             for s in read.subs:
                 if s.offset is not None:
                     fail(read.span, f"the GPU backend reads whole indices in a matrix product: '{s.text}' (an offset) is not lowered for GPUs yet")
-        if len(st.summed) != 1 or self.tile[st.summed[0]] == 1:
-            fail(st.span, "the GPU backend sums over one index with a tile of 16 or more (WGMMA's k); "
+        wide_sums = [i for i in st.summed if self.tile[i] != 1]
+        if not wide_sums:
+            fail(st.span, "the GPU backend sums over an index with a tile of 16 or more (WGMMA's k); "
                           f"this statement sums over {', '.join(st.summed)}")
         if len(st.summed_groups) != 2:
             fail(st.span, "the GPU backend multiplies two groups of factors (a matrix product); this statement has "
@@ -99,12 +109,18 @@ class ProductLowering:
         m = rows[-1]
         if m not in st.factors[ga.main].indices or n not in st.factors[gb.main].indices:
             fail(st.span, f"the GPU backend needs '{m}' and '{n}' on the covering factors of the product")
-        self.kidx, self.m, self.n, self.ga, self.gb = st.summed[0], m, n, ga, gb
+        # WGMMA's k: the last summed index with a tile above 1; the others are walked one value
+        # at a time, the contraction (others.., k) flattened on both sides.
+        self.kidx, self.m, self.n, self.ga, self.gb = wide_sums[-1], m, n, ga, gb
+        self.extra_sums = [i for i in st.summed if i != self.kidx]
+        for i in st.summed:
+            if i not in st.factors[ga.main].indices or i not in st.factors[gb.main].indices:
+                fail(st.span, f"the GPU backend sums over indices both factors of the product have; '{i}' is in one only")
         self.coords = [i for i in st.out_indices if i not in (m, n)]
         for read in (st.target, *st.factors):
             for s in read.subs:
                 if s.divisor != 1 and s.index not in self.coords:
-                    fail(read.span, f"'{s.text}' on GPUs: only a grid coordinate (not '{m}', '{n}' or '{self.kidx}') may be divided")
+                    fail(read.span, f"'{s.text}' on GPUs: only a grid coordinate (not '{m}', '{n}' or a summed index) may be divided")
 
     def coords_of(self, read: Read) -> tuple[Coord, ...]:
         op = self.k.operand(read.operand)
@@ -123,7 +139,7 @@ class ProductLowering:
         st, k, names, host = self.st, self.k, self.names, self.host
         main = st.factors[group.main]
         op = k.operand(main.operand)
-        stray = [i for i in main.indices if i not in (row, col) and i not in self.coords]
+        stray = [i for i in main.indices if i not in (row, col) and i not in self.coords and i not in self.extra_sums]
         if stray:
             fail(main.span, f"'{main.text}' has '{stray[0]}', which is neither the product's rows, columns nor sum "
                             "nor an index of the output: not lowered for GPUs")
@@ -132,10 +148,12 @@ class ProductLowering:
         mine = self.coords_of(main)
         stored_cr = main.indices.index(col) < main.indices.index(row)  # stored (col, row)
         # 16-bit tiles are read either way (WGMMA reads a transposed view MN-major); 32-bit
-        # (tf32) WGMMA takes K-major tiles only: A as (m, k), B as (n, k).
-        transposed = stored_cr if op.dtype.itemsize == 2 else is_b
+        # (tf32) WGMMA takes K-major tiles only: A as (m, k), B as (n, k). Several summed
+        # indices flatten into one contraction: (rows, k..) for A, (k.., columns) for B.
+        transposed = stored_cr if op.dtype.itemsize == 2 and not self.extra_sums else is_b and op.dtype.itemsize == 4
         copied = transposed != stored_cr
-        why = "  # tf32 WGMMA reads K-major tiles: a transposed copy" if copied else ""
+        why = ("  # the summed indices flattened into one contraction: a copy" if self.extra_sums else
+               "  # tf32 WGMMA reads K-major tiles: a transposed copy") if copied else ""
         extras = [st.factors[e] for e in group.extras]
         mask = None
         divisors = {s.index: s.divisor for s in main.subs}
@@ -177,10 +195,15 @@ class ProductLowering:
             host.append(f"# {' * '.join(r.text for r in (main, *extras))}, formed once (XLA fuses it into one pass)")
             host.append(f'{product} = jnp.einsum("{spec}->{"".join(letters[i] for i in main.indices)}", {terms})')
             src = product
-        order = [c.index for c in mine] + ([col, row] if transposed else [row, col])
+        contraction = [*self.extra_sums, self.kidx]
+        pair = [col, row] if transposed else [row, col]
+        order = [c.index for c in mine] + [x for i in pair for x in (contraction if i == self.kidx else [i])]
         perm = tuple(main.indices.index(i) for i in order)
-        tiles = tuple(1 if i in self.coords else self.tile[i] for i in order)
-        host.append(f"{var} = _matrix({src}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))}){why}")
+        tiles = tuple(1 if i in self.coords or i in self.extra_sums else self.tile[i] for i in order)
+        # The contraction's dimensions are the columns where it comes last (A; B read K-major).
+        columns = len(contraction) if pair[-1] == self.kidx else 1
+        host.append(f"{var} = _matrix({src}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))}"
+                    + (f", {columns})" if columns > 1 else ")") + why)
         mvar = None
         if mask is not None:
             self.sparse_sources.append(("mask", mask))
@@ -339,7 +362,7 @@ class ProductLowering:
             first, second = Var("stored"), Const(0)
         else:
             value = {i: Var(self.kvar) if i == self.kidx else Var(self.var_of[i]) for i in (mat.row, mat.col)}
-            first, second = self.rows_of(mat.coords, value[lead], self.ctx.blocks(lead)), value[other]
+            first, second = self.rows_of(mat.coords, value[lead], self.blocks(lead)), value[other]
         r, c = (second, first) if mat.transposed else (first, second)
         rr = self.py(r * row_tiles + self.sub(row_sub, row_tiles))
         cc = self.py(c * col_tiles + self.sub(col_sub, col_tiles))
@@ -371,6 +394,10 @@ class ProductLowering:
         end_dtype = k.operand(self.end.operand).dtype if self.end else None
         self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype)
         self.KB = self.ctx.blocks(kidx)
+        for i in self.extra_sums:
+            self.KB = self.ctx.size(i) * self.KB
+        if self.extra_sums and walk_needs_k(self.sparse_sources):
+            fail(st.span, f"the GPU backend skips blocks along one summed index; this statement sums over {', '.join(st.summed)}")
         walk, sparse = self.walk_of()
         self.var_of = {i: names.local(f"{i}_block" if i in (m, n) else i) for i in (*self.coords, m, n)}
         self.kvar = names.local(f"{kidx}_block")
