@@ -8,9 +8,8 @@ business (`sparsegen.tpu.rules`).
 
 from __future__ import annotations
 
-import math
-
 import keyword
+import math
 import sys
 
 from . import syntax as ast
