@@ -392,7 +392,7 @@ def cmd_variants(args) -> int:
         return 2
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     if not targets or any(t not in TARGETS for t in targets):
-        print(f"sparsegen variants: --target takes chips from {', '.join(sorted(TARGETS))}", file=sys.stderr)
+        print(f"sparsegen variants: --target takes TPU chips from {', '.join(sorted(TARGETS))} (GPU variants are not ranked yet: build each with --target h200 and run bench/bench_gpu.py)", file=sys.stderr)
         return 2
     if args.output and (problem := _output_problem(Path(args.output))):
         print(f"sparsegen variants: {problem}", file=sys.stderr)
