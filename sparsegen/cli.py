@@ -264,15 +264,29 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _verify_options(args) -> dict[str, int] | None:
+    """`--shape` and `--nnz`, checked (None after printing the usage error)."""
+    from .shapes import parse_shapes
+
+    try:
+        shapes = parse_shapes(args.shape)
+    except ValueError as exc:
+        print(f"sparsegen verify: {exc}", file=sys.stderr)
+        return None
+    if not 0 < args.nnz <= 1:
+        print("sparsegen verify: --nnz is a fraction of the blocks, in (0, 1]", file=sys.stderr)
+        return None
+    return shapes
+
+
 def cmd_verify(args) -> int:
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     if targets and any(is_gpu(t) for t in targets):
         if not all(is_gpu(t) for t in targets):
             print("sparsegen verify: give TPU chips or GPUs, not both, in one run", file=sys.stderr)
             return 2
-        from .gpu.verify import cmd_verify_gpu
-
-        return cmd_verify_gpu(args, targets)
+        shapes = _verify_options(args)
+        return 2 if shapes is None else _verify_gpu(args, targets, shapes)
     from .tpu import verify
     from .jaxenv import quiet_libtpu
 
@@ -287,13 +301,8 @@ def cmd_verify(args) -> int:
     if unknown or not targets:
         print(f"sparsegen verify: unknown target {', '.join(unknown) or '(none)'}; choose from {', '.join(sorted(TARGETS))}", file=sys.stderr)
         return 2
-    try:
-        shapes = verify.parse_shapes(args.shape)
-    except ValueError as exc:
-        print(f"sparsegen verify: {exc}", file=sys.stderr)
-        return 2
-    if not 0 < args.nnz <= 1:
-        print("sparsegen verify: --nnz is a fraction of the blocks, in (0, 1]", file=sys.stderr)
+    shapes = _verify_options(args)
+    if shapes is None:
         return 2
     report, failed = [], False
     for spec in args.specs:
@@ -312,6 +321,57 @@ def cmd_verify(args) -> int:
         print(json.dumps(payload, indent=2, sort_keys=True))
     else:
         _print_verify_table(report, args.verbose)
+    return 1 if failed else 0
+
+
+def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
+    """`verify` for GPU targets: stage 2 per kernel, stage 3 for all of them in one process."""
+    from .compiler import lower_source
+    from .gpu.verify import verify_modules
+    from .jaxenv import quiet_libtpu
+    from .source import SourceFile
+
+    quiet_libtpu()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    items, specs, sources, failed = [], {}, {}, False
+    for spec in args.specs:
+        source = SourceFile.read(spec)
+        try:
+            found = [(m, source, target) for target in targets for m in lower_source(source, target)]
+        except SpecError as exc:
+            print(exc.render(), file=sys.stderr)
+            failed = True
+            continue
+        for m, _, target in found:
+            specs[m.name, target], sources[m.name, target] = spec, source
+        items += found
+    results = verify_modules(items, shapes, args.nnz)
+    report = [(specs[r.kernel, r.target], r) for r in results]
+    for r in results:
+        failed |= not r.ok
+        if r.error:
+            print(SpecError([r.error], sources[r.kernel, r.target]).render(), file=sys.stderr)
+            if args.verbose and r.raw_error:
+                print("  raw compiler message:\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
+    if args.json:
+        import json
+
+        print(json.dumps({"schema": 1, "results": [dict(spec=spec, **r.to_json()) for spec, r in report]}, indent=2, sort_keys=True))
+        return 1 if failed else 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="sparsegen verify (Mosaic GPU: stage 2 lowering under an abstract device, stage 3 ptxas for sm_90a)")
+    for column in ("kernel", "target", "lowers", "backward", "shared memory used / estimate / limit", "compiles (ptxas)", "registers", "spills", "time"):
+        table.add_column(column, justify="right" if column in ("registers", "spills", "time") else "left")
+    for spec, r in report:
+        smem = f"{r.smem_used if r.smem_used is not None else '?'} / {r.smem_estimate} / {r.smem_limit}"
+        compiled = "yes" if r.compiled else "NO" if r.compiled is False else f"skipped: {r.stage3}"
+        table.add_row(r.kernel, r.target, "yes" if r.lowered else "NO", r.backward or "-", smem, compiled,
+                      ", ".join(map(str, r.registers)) or "-", f"{r.spill_bytes} B" if r.compiled else "-",
+                      f"{r.lower_seconds + r.compile_seconds:.1f} s")
+    Console(width=160).print(table)
     return 1 if failed else 0
 
 

@@ -73,6 +73,16 @@ def arg_structs(kernel: Kernel, env: dict[str, int], nb: int):
     return args, keywords
 
 
+def concrete(kernel: Kernel, shapes: dict[str, int] | None, nnz: float):
+    """What `verify` compiles a kernel for: every size (the defaults, `shapes` over them, the
+    spec's literals), the stored-block count for `nnz`, the argument shapes and keywords."""
+    env = {**default_shapes(kernel), **(shapes or {})}
+    env = {s: (lit if lit is not None else env[s]) for s, lit in kernel.symbols}
+    nb = stored_blocks(kernel, env, nnz)
+    args, keywords = arg_structs(kernel, env, nb or 0)
+    return env, nb, args, keywords
+
+
 def stored_blocks(kernel: Kernel, env: dict[str, int], nnz: float) -> int | None:
     """Stored (or requested) blocks for a density: `nnz` of the coo operand's block grid."""
     op = next((o for o in kernel.operands if o.sparsity == "coo"), None)

@@ -259,7 +259,7 @@ class _Emitter:
             doc=doc,
             call_doc=call_doc,
             helpers="{helpers}",
-            kinds=any("_block_kinds(" in line for p in (*m.passes, *(m.backward_module.passes if m.backward_module else ())) for line in p.host),
+            kinds=any(p.classifies for p in (*m.passes, *(m.backward_module.passes if m.backward_module else ()))),
             passes=[self.pass_dict(p) for p in m.passes],
             public_params=[p.internal for p in conv.params] + size_vars,
             prepare_lines=self.wrapper.prepare_lines([]),

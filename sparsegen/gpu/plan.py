@@ -111,6 +111,12 @@ class ProductPass:
     flops_per_product: int
     smem: int
 
+    @property
+    def classifies(self) -> bool:
+        """Does the wrapper classify a mask's blocks (`_block_kinds`) for this walk?"""
+        side = self.a if self.walk == "rows" else self.b
+        return self.walk == "output mask" or (self.walk in ("rows", "cols") and not side.stored)
+
 
 @dataclass
 class ElementwisePass:
@@ -141,6 +147,7 @@ class ElementwisePass:
     call_fn: str
     smem: int
     walk: str = "elementwise"
+    classifies: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -25,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..shapes import _load, arg_structs, default_shapes, parse_shapes, stored_blocks
-from ..source import Diagnostic, SourceFile, SpecError
+from ..shapes import _load, concrete
+from ..source import Diagnostic, SourceFile
 from .emit import emit_gpu
 from .plan import GpuModule
 from .targets import GPU_TARGETS, target_config
@@ -109,10 +108,7 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
     import jax
 
     k = m.kernel
-    env = {**default_shapes(k), **(shapes or {})}
-    env = {s: (lit if lit is not None else env[s]) for s, lit in k.symbols}
-    nb = stored_blocks(k, env, nnz)
-    args, keywords = arg_structs(k, env, nb or 0)
+    env, nb, args, keywords = concrete(k, shapes, nnz)
     chip = GPU_TARGETS[target]
     result = GpuResult(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, m.smem_bytes, chip.smem_bytes)
     code = emit_gpu(m, source.name)
@@ -211,64 +207,3 @@ def compile_stage3(python: str, jobs: list[dict]) -> list[dict]:
         outcomes = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
         last = (run.stderr.strip().splitlines() or ["stage 3 printed nothing"])[-1]
         return outcomes + [{"compiled": False, "error": last}] * (len(jobs) - len(outcomes))
-
-
-def verify_source(source: SourceFile, targets, shapes=None, nnz: float = 0.1, stage3: bool = True) -> list[GpuResult]:
-    from ..compiler import lower_source
-
-    items = [(m, source, target) for target in targets for m in lower_source(source, target)]  # SpecError: refused
-    return verify_modules(items, shapes, nnz, stage3)
-
-
-def cmd_verify_gpu(args, targets: list[str]) -> int:
-    from ..jaxenv import quiet_libtpu
-
-    quiet_libtpu()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    try:
-        shapes = parse_shapes(args.shape)
-    except ValueError as exc:
-        print(f"sparsegen verify: {exc}", file=sys.stderr)
-        return 2
-    if not 0 < args.nnz <= 1:
-        print("sparsegen verify: --nnz is a fraction of the blocks, in (0, 1]", file=sys.stderr)
-        return 2
-    from ..compiler import lower_source
-
-    items, specs, sources, failed = [], {}, {}, False
-    for spec in args.specs:
-        source = SourceFile.read(spec)
-        try:
-            found = [(m, source, target) for target in targets for m in lower_source(source, target)]
-        except SpecError as exc:
-            print(exc.render(), file=sys.stderr)
-            failed = True
-            continue
-        for m, _, target in found:
-            specs[m.name, target], sources[m.name, target] = spec, source
-        items += found
-    results = verify_modules(items, shapes, args.nnz)
-    report = [(specs[r.kernel, r.target], r) for r in results]
-    for r in results:
-        failed |= not r.ok
-        if r.error:
-            print(SpecError([r.error], sources[r.kernel, r.target]).render(), file=sys.stderr)
-            if args.verbose and r.raw_error:
-                print("  raw compiler message:\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
-    if args.json:
-        print(json.dumps({"schema": 1, "results": [dict(spec=spec, **r.to_json()) for spec, r in report]}, indent=2, sort_keys=True))
-        return 1 if failed else 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="sparsegen verify (Mosaic GPU: stage 2 lowering under an abstract device, stage 3 ptxas for sm_90a)")
-    for column in ("kernel", "target", "lowers", "backward", "shared memory used / estimate / limit", "compiles (ptxas)", "registers", "spills", "time"):
-        table.add_column(column, justify="right" if column in ("registers", "spills", "time") else "left")
-    for spec, r in report:
-        smem = f"{r.smem_used if r.smem_used is not None else '?'} / {r.smem_estimate} / {r.smem_limit}"
-        compiled = "yes" if r.compiled else "NO" if r.compiled is False else f"skipped: {r.stage3}"
-        table.add_row(r.kernel, r.target, "yes" if r.lowered else "NO", r.backward or "-", smem, compiled,
-                      ", ".join(map(str, r.registers)) or "-", f"{r.spill_bytes} B" if r.compiled else "-",
-                      f"{r.lower_seconds + r.compile_seconds:.1f} s")
-    Console(width=160).print(table)
-    return 1 if failed else 0

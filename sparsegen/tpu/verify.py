@@ -19,7 +19,7 @@ import numpy as np
 
 from ..expr import evaluate
 from ..source import Diagnostic, SourceFile
-from ..shapes import _load, arg_structs, default_shapes, parse_shapes, stored_blocks  # noqa: F401 (re-exported)
+from ..shapes import _load, arg_structs, concrete, default_shapes, parse_shapes, stored_blocks  # noqa: F401 (re-exported)
 from .emit import emit
 from .lower import TpuModule
 from .rules import suggest_tiles
@@ -197,10 +197,7 @@ def explain(plan: TpuModule, target: str, message: str) -> Diagnostic:
 
 def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[str, int] | None = None, nnz: float = 0.1, probe: bool = True) -> Result:
     k = plan.kernel
-    env = {**default_shapes(k), **(shapes or {})}
-    env = {s: (lit if lit is not None else env[s]) for s, lit in k.symbols}
-    nb = stored_blocks(k, env, nnz)
-    args, keywords = arg_structs(k, env, nb or 0)
+    env, nb, args, keywords = concrete(k, shapes, nnz)
     chip = TARGETS[target]
     values = {s.internal: env[s.symbol] for s in plan.conv.sizes}
     for tp in plan.passes:
