@@ -18,7 +18,7 @@ from .schedule.build import ScheduleError
 from .tpu.attention import lower_attention
 from .tpu.emit import emit
 from .tpu.lower import LayoutError, TpuModule, lower
-from .tpu.rules import check_kernel, check_module
+from .tpu.rules import check_attention, check_kernel, check_module
 from .tpu.targets import DEFAULT_TARGET, TARGETS
 from .gpu import GPU_TARGETS, GpuError, GpuModule, is_gpu, lower_gpu
 from .gpu.emit import emit_gpu
@@ -55,15 +55,18 @@ def lower_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAU
         return result
     chip = TARGETS[target]
     for kernel in kernels:
-        if is_row_kernel(kernel):
-            try:
-                result.append(lower_attention(kernel, row_plan(kernel), chip))
-            except ScheduleError as exc:
-                errors.append(exc.diagnostic)
-            continue
         problems = check_kernel(kernel, chip)
         if problems:
             errors += problems
+            continue
+        if is_row_kernel(kernel):
+            try:
+                m = lower_attention(kernel, row_plan(kernel), chip)
+            except ScheduleError as exc:
+                errors.append(exc.diagnostic)
+                continue
+            errors += check_attention(m)
+            result.append(m)
             continue
         try:
             m = lower(kernel, chip)

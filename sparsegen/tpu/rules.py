@@ -11,6 +11,8 @@ import dataclasses
 
 from ..ir import Kernel
 from ..source import Diagnostic
+from ..schedule.attention import row_plan
+from .attention.lower import AttentionModule, lower_attention
 from .lower import LayoutError, TpuModule, lower, smem_entries
 from .targets import Target, format_bytes
 
@@ -58,23 +60,55 @@ def check_kernel(kernel: Kernel, target: Target) -> list[Diagnostic]:
     return []
 
 
+def vmem_overflow(k: Kernel, target: Target, items: list[tuple[str, int]], smaller: Kernel | None, what: str) -> Diagnostic | None:
+    """The one VMEM rule for every kernel family: the estimate against the target's VMEM,
+    reported at the tile line with what takes the room and, when found, tiles that fit."""
+    need = sum(b for _, b in items)
+    if need <= target.vmem_bytes:
+        return None
+    notes = [f"VMEM holds {what}: " + ", ".join(f"{name} {format_bytes(b)}" for name, b in items)]
+    if smaller is not None:
+        notes.append(f"tiles that fit: {_tiles_text(smaller)}")
+    return Diagnostic(k.tile_span, f"tiles {_tiles_text(k)} need {format_bytes(need)} of VMEM on {target.name} (limit {format_bytes(target.vmem_bytes)})", tuple(notes))
+
+
+def check_attention(m: AttentionModule) -> list[Diagnostic]:
+    """The target's limits on a row walk (attention-like kernel): its VMEM estimate."""
+    k, target = m.kernel, m.target
+    if m.vmem_bytes <= target.vmem_bytes:
+        return []
+    problem = vmem_overflow(k, target, list(m.vmem), suggest_attention_tiles(k, target), "two buffers of every block plus the running statistics and f32 temporaries")
+    return [problem] if problem else []
+
+
+def suggest_attention_tiles(kernel: Kernel, target: Target) -> Kernel | None:
+    """Smaller query and key tiles that fit: halve the larger of the two while the score block
+    keeps its layout (key tile a multiple of 128 lanes, query tile of 8 sublanes)."""
+    plan = row_plan(kernel)
+    floor = {plan.query: 8, plan.key: 128}
+    for _ in range(64):
+        if lower_attention(kernel, row_plan(kernel), target).vmem_bytes <= target.vmem_bytes:
+            return kernel
+        tiles = {i.name: i for i in kernel.indices if i.name in floor}
+        for index in sorted(tiles.values(), key=lambda i: -i.tile):
+            half = index.tile // 2
+            if half >= floor[index.name] and half % floor[index.name] == 0 and (index.size.literal is None or index.size.literal % half == 0):
+                kernel = with_tile(kernel, index.name, half)
+                break
+        else:
+            return None
+    return None
+
+
 def check_module(m: TpuModule, suggest: bool = True) -> list[Diagnostic]:
     """The target's limits on a lowered module. `suggest=False` for a derived backward kernel:
     its tiles are the forward's, and its calling convention is its own."""
     k, target = m.kernel, m.target
     errors = []
-    need = m.vmem_bytes
-    if need > target.vmem_bytes:
-        notes = [
-            "VMEM holds two buffers of every block (double buffering) plus the accumulator: "
-            + ", ".join(f"{item.what} {format_bytes(item.bytes)}" for item in m.vmem)
-        ]
+    if m.vmem_bytes > target.vmem_bytes:
         smaller = suggest_tiles(k, target) if suggest else None
-        if smaller is not None:
-            notes.append(f"tiles that fit: {_tiles_text(smaller)}")
-        errors.append(
-            Diagnostic(k.tile_span, f"tiles {_tiles_text(k)} need {format_bytes(need)} of VMEM on {target.name} (limit {format_bytes(target.vmem_bytes)})", tuple(notes))
-        )
+        errors.append(vmem_overflow(k, target, [(item.what, item.bytes) for item in m.vmem], smaller,
+                                    "two buffers of every block (double buffering) plus the accumulator"))
     env = {s.internal: s.literal for s in m.conv.sizes}
     for tp in m.passes:
         entries = smem_entries(tp, env)
