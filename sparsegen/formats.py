@@ -9,17 +9,22 @@ not need the compiler or its templates.
 - `sparsify_mask`: the tutorial's function, vectorised, with exact block deduplication.
 - Bucketing: `BlockCOO.pad_to` / `BlockCOO.bucketed` pad the number of stored blocks so
   that new sparsity patterns reuse a compiled kernel.
+- Mixture of experts: `group_ids` / `group_offsets` turn group sizes into the sorted ids
+  (`where gid[m] == g`) or offsets (`lo[g] <= m < lo[g + 1]`) a grouped matmul reads, and
+  `route` turns per-token expert choices into the sorting permutation, ids and sizes.
+  numpy in, numpy out; jax arrays in (traced too), jax arrays out.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["BlockCOO", "sparsify_mask", "bucket_size"]
+__all__ = ["BlockCOO", "Routing", "bucket_size", "group_ids", "group_offsets", "route", "sparsify_mask"]
 
 
 def _check_block_shape(shape: tuple[int, ...], block_shape) -> tuple[int, ...]:
@@ -429,3 +434,77 @@ def _group_by_compare(mask: np.ndarray, bm: int, bn: int, cells: np.ndarray, fin
                     firsts.setdefault((cand, hash(block(first).tobytes())), []).append((g, first))
         groups[n] = gid
     return groups
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+
+def _integers(name: str, value, ndims: tuple[int, ...]):
+    xp = _array_module(value)
+    value = xp.asarray(value)
+    if value.ndim not in ndims or not xp.issubdtype(value.dtype, xp.integer):
+        raise ValueError(f"{name}: expected an integer array of {' or '.join(map(str, ndims))} dimensions, got {value.dtype}{list(value.shape)}")
+    return xp, value
+
+
+def group_ids(group_sizes, num_rows: int | None = None):
+    """Row m's group, rows sorted by group: `[0]*sizes[0] + [1]*sizes[1] + ...` (int32).
+
+    `num_rows` fixes the length (needed under `jit`, where the sizes are traced); rows past
+    the sizes' total get the last group (they hold padding, so any group serves). On
+    concrete sizes it defaults to their total and is checked against it."""
+    xp, sizes = _integers("group_sizes", group_sizes, (1,))
+    if not _is_traced(sizes):
+        concrete = np.asarray(sizes)
+        if (concrete < 0).any():
+            raise ValueError(f"group_sizes: sizes must be >= 0, got {int(concrete.min())} at group {int(concrete.argmin())}")
+        total = int(concrete.sum())
+        if num_rows is None:
+            num_rows = total
+        elif total > num_rows:
+            raise ValueError(f"group_sizes: the sizes add up to {total}, more than num_rows={num_rows}")
+    elif num_rows is None:
+        raise ValueError("group_ids: pass num_rows when group_sizes is traced (the row count must be static under jit)")
+    ends = xp.cumsum(sizes)
+    # searchsorted with side="right": row m belongs to the first group whose end exceeds m.
+    ids = xp.searchsorted(ends, xp.arange(num_rows), side="right")
+    return xp.minimum(ids, sizes.shape[0] - 1).astype(xp.int32)
+
+
+def group_offsets(group_sizes):
+    """Group g's rows are `offsets[g] <= m < offsets[g + 1]`: `[0, cumsum(sizes)]` (int32, E + 1)."""
+    xp, sizes = _integers("group_sizes", group_sizes, (1,))
+    return xp.concatenate([xp.zeros((1,), xp.int32), xp.cumsum(sizes).astype(xp.int32)])
+
+
+class Routing(NamedTuple):
+    """Per-token expert choices sorted by expert.
+
+    `order[r]` is the flat (token * top_k + choice) slot at sorted row r: gather the tokens
+    with `x[order // top_k]`, scatter results back with `out.at[order].set(y)` or by
+    `inverse`. `ids` are the sorted rows' experts, `sizes` the rows per expert."""
+
+    order: object
+    inverse: object
+    ids: object
+    sizes: object
+
+
+def route(choices, num_experts: int) -> Routing:
+    """Sort per-token expert choices (`choices[t, c]`, an expert per token and choice, or a
+    1-D array of one choice per token) by expert, stably (tokens keep their order within an
+    expert): the permutation, its inverse, the sorted ids and the group sizes (all int32).
+    jit-able: shapes depend only on `choices.shape`."""
+    xp, flat = _integers("choices", choices, (1, 2))
+    flat = flat.reshape(-1)
+    if not _is_traced(flat) and flat.size:
+        concrete = np.asarray(flat)
+        bad = np.flatnonzero((concrete < 0) | (concrete >= num_experts))
+        if bad.size:
+            raise ValueError(f"choices: expert {int(concrete[bad[0]])} at slot {int(bad[0])} is outside [0, {num_experts})")
+    stable = {"kind": "stable"} if xp is np else {"stable": True}  # numpy 1.26 has no stable=
+    order = xp.argsort(flat, **stable).astype(xp.int32)
+    inverse = xp.argsort(order, **stable).astype(xp.int32)
+    ids = flat[order].astype(xp.int32)
+    sizes = xp.bincount(flat, length=num_experts).astype(xp.int32) if xp is not np else np.bincount(flat, minlength=num_experts).astype(np.int32)
+    return Routing(order, inverse, ids, sizes)

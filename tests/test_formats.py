@@ -293,3 +293,74 @@ def test_sparsify_mask_any_layout_and_negative_zero():
     block_mask, _, _, _, data = sparsify_mask(floats, (128, 128))
     np.testing.assert_array_equal(block_mask, [[0, 1]])
     assert data.shape == (1, 128, 128)
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5, 1], [0, 0, 4], [2], [0, 7, 0]])
+def test_group_ids_and_offsets_match_repeat(sizes):
+    from sparsegen.formats import group_ids, group_offsets
+
+    expected = np.repeat(np.arange(len(sizes)), sizes)
+    ids = group_ids(np.array(sizes))
+    assert ids.dtype == np.int32 and ids.tolist() == expected.tolist()
+    offsets = group_offsets(np.array(sizes))
+    assert offsets.tolist() == [0, *np.cumsum(sizes).tolist()]
+    # Every row m lies in its group's offsets: lo[gid[m]] <= m < lo[gid[m] + 1].
+    m = np.arange(len(expected))
+    assert ((offsets[ids] <= m) & (m < offsets[ids + 1])).all()
+
+
+def test_group_ids_under_jit_pads_with_the_last_group():
+    import jax
+    import jax.numpy as jnp
+
+    from sparsegen.formats import group_ids
+
+    ids = jax.jit(lambda s: group_ids(s, num_rows=10))(jnp.array([2, 0, 3], jnp.int32))
+    assert np.asarray(ids).tolist() == [0, 0, 2, 2, 2, 2, 2, 2, 2, 2]
+    with pytest.raises(ValueError, match="num_rows"):
+        jax.jit(group_ids)(jnp.array([1, 2], jnp.int32))
+
+
+def test_group_helpers_refuse_bad_sizes():
+    from sparsegen.formats import group_ids, route
+
+    with pytest.raises(ValueError, match="group_sizes: sizes must be >= 0"):
+        group_ids(np.array([2, -1]))
+    with pytest.raises(ValueError, match="more than num_rows=3"):
+        group_ids(np.array([2, 2]), num_rows=3)
+    with pytest.raises(ValueError, match="group_sizes: expected an integer array"):
+        group_ids(np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"choices: expert 4 at slot 3 is outside \[0, 4\)"):
+        route(np.array([[0, 1], [2, 4]]), 4)
+
+
+@pytest.mark.parametrize("use_jax", [False, True])
+def test_route_sorts_tokens_by_expert_stably(use_jax):
+    import jax
+    import jax.numpy as jnp
+
+    from sparsegen.formats import route
+
+    rng = np.random.default_rng(0)
+    choices = rng.integers(0, 5, size=(13, 2)).astype(np.int32)
+    if use_jax:
+        r = jax.jit(lambda c: route(c, 6))(jnp.asarray(choices))
+        r = type(r)(*(np.asarray(a) for a in r))
+    else:
+        r = route(choices, 6)
+    flat = choices.reshape(-1)
+    assert r.ids.tolist() == sorted(flat.tolist())
+    assert (flat[r.order] == r.ids).all()
+    # Stable: within an expert the slots keep their order.
+    for e in range(6):
+        slots = r.order[r.ids == e]
+        assert (np.diff(slots) > 0).all()
+    assert r.sizes.tolist() == np.bincount(flat, minlength=6).tolist() and r.sizes[5] == 0
+    assert (r.order[r.inverse] == np.arange(flat.size)).all()
+    # Tokens gathered in sorted order and scattered back come home.
+    x = rng.normal(size=(13, 3))
+    rows = x[r.order // 2]
+    assert np.allclose(rows[r.inverse], np.repeat(x, 2, axis=0))
