@@ -80,8 +80,11 @@ def _output_problem(out: Path) -> str | None:
 def _write_all(files: dict[Path, str]) -> None:
     """Write every file or none: all temporaries first, then renames.
 
+    Files get the mode any new file gets (0o666 less the umask: 0644 under 022), not
+    mkstemp's 0600, which would lock other users out of a module a rebuild replaced.
     An OSError names the file being written (never a temporary), with filename set to it.
     """
+    mode = 0o666 & ~_umask()
     staged: list[tuple[str, Path]] = []
     try:
         for path, text in files.items():
@@ -93,6 +96,7 @@ def _write_all(files: dict[Path, str]) -> None:
                 # A short temporary name: one built from NAME.py can be too long where NAME.py is not.
                 fd, tmp = tempfile.mkstemp(prefix=".sparsegen-", suffix=".tmp", dir=path.parent)
                 staged.append((tmp, path))
+                os.fchmod(fd, mode)
                 with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
                     f.write(text)
             except OSError as exc:
@@ -105,6 +109,13 @@ def _write_all(files: dict[Path, str]) -> None:
     finally:
         for tmp, _ in staged:
             Path(tmp).unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: put it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _name_max(folder: Path) -> int:

@@ -247,3 +247,22 @@ def test_write_errors_name_the_target_not_a_temporary(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr == f"{tmp_path / 'out2' / ('k' * 260 + '.py')}: error: cannot write: File name too long\n"
     assert not any((tmp_path / "out2").iterdir())
+
+
+def _build_under_umask(umask, *args):
+    """`sparsegen build` in a child process whose umask is `umask`."""
+    code = f"import os, sys; os.umask({umask:#o}); from sparsegen.cli import main; sys.exit(main({list(map(str, args))!r}))"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_modules_are_written_with_the_umasks_mode(tmp_path):
+    """A module gets 0o666 less the umask (0644 under 022), as any new file, also when a
+    rebuild replaces one (mkstemp's 0600 would lock other users out of it)."""
+    import stat
+
+    module = tmp_path / "out" / "dsd_matmul.py"
+    for umask, mode in [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600), (0o022, 0o644)]:
+        result = _build_under_umask(umask, "build", "specs/dsd_matmul.spk", "-o", tmp_path / "out", "-q")
+        assert result.returncode == 0, result.stderr
+        assert stat.S_IMODE(module.stat().st_mode) == mode, (oct(umask), oct(module.stat().st_mode))
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["dsd_matmul.py"], "no temporary left behind"
