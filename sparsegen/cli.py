@@ -338,8 +338,13 @@ def _verify_options(args) -> dict[str, int] | None:
 
 
 def cmd_verify(args) -> int:
-    targets = [t.strip() for t in args.target.split(",") if t.strip()]
-    if targets and any(is_gpu(t) for t in targets):
+    targets = _target_list(args.target)
+    unknown = [t for t in targets if t not in TARGETS and not is_gpu(t)]
+    if unknown or not targets:
+        print(f"sparsegen verify: unknown target {', '.join(unknown) or '(none)'}; choose from {', '.join(sorted(TARGETS))} (TPU) "
+              f"or {', '.join(sorted(GPU_TARGETS))} (GPU)", file=sys.stderr)
+        return 2
+    if any(is_gpu(t) for t in targets):
         if not all(is_gpu(t) for t in targets):
             print("sparsegen verify: give TPU chips or GPUs, not both, in one run", file=sys.stderr)
             return 2
@@ -353,11 +358,6 @@ def cmd_verify(args) -> int:
         verify.require_libtpu()
     except verify.MissingLibtpu as exc:
         print(f"sparsegen verify: {exc}", file=sys.stderr)
-        return 2
-    targets = [t.strip() for t in args.target.split(",") if t.strip()]
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown or not targets:
-        print(f"sparsegen verify: unknown target {', '.join(unknown) or '(none)'}; choose from {', '.join(sorted(TARGETS))}", file=sys.stderr)
         return 2
     shapes = _verify_options(args)
     if shapes is None:
@@ -383,11 +383,19 @@ def cmd_verify(args) -> int:
 
 
 def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
-    """`verify` for GPU targets: stage 2 per kernel, stage 3 for all of them in one process."""
+    """`verify` for GPU targets: stage 2 per kernel, stage 3 for all of them in one process.
+    Stage 3 is asked for unless --lower-only: its environment is found first, and without
+    one (or where it could not compile) verify exits 2 saying how to provide it."""
     from .compiler import lower_source
-    from .gpu.verify import verify_modules
+    from .gpu.verify import gpu_python, verify_modules
+
+    python = None
+    if not args.lower_only:
+        python, why = gpu_python()
+        if python is None:
+            print(f"sparsegen verify: cannot compile for {', '.join(targets)} (stage 3, ptxas): {why}", file=sys.stderr)
+            return 2
     from .jaxenv import quiet_libtpu
-    from .source import SourceFile
 
     quiet_libtpu()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -404,7 +412,7 @@ def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
         for m, _, target in found:
             specs[m.name, target], sources[m.name, target] = spec, source
         items += found
-    results = verify_modules(items, shapes, args.nnz)
+    results = verify_modules(items, shapes, args.nnz, stage3=not args.lower_only, python=python)
     report = [(specs[r.kernel, r.target], r) for r in results]
     for r in results:
         failed |= not r.ok
@@ -412,11 +420,16 @@ def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
             print(SpecError([r.error], sources[r.kernel, r.target]).render(), file=sys.stderr)
             if args.verbose and r.raw_error:
                 print("  raw compiler message:\n" + "\n".join("    " + line for line in r.raw_error.splitlines()), file=sys.stderr)
+    # Asked for stage 3 and it did not run (ptxas missing): the measurements are not there.
+    unmeasured = [r for r in results if r.lowered and r.compiled is None and not args.lower_only]
+    status = 1 if failed else 2 if unmeasured else 0
+    if unmeasured:
+        print(f"sparsegen verify: stage 3 did not run for {len(unmeasured)} kernel{'s' if len(unmeasured) != 1 else ''}: {unmeasured[0].stage3}", file=sys.stderr)
     if args.json:
         import json
 
         print(json.dumps({"schema": 1, "results": [dict(spec=spec, **r.to_json()) for spec, r in report]}, indent=2, sort_keys=True))
-        return 1 if failed else 0
+        return status
     from rich.console import Console
     from rich.table import Table
 
@@ -425,12 +438,13 @@ def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
         table.add_column(column, justify="right" if column in ("registers", "spills", "time") else "left")
     for spec, r in report:
         smem = f"{r.smem_used if r.smem_used is not None else '?'} / {r.smem_estimate} / {r.smem_limit}"
-        compiled = "yes" if r.compiled else "NO" if r.compiled is False else f"skipped: {r.stage3}"
+        compiled = "yes" if r.compiled else "NO" if r.compiled is False else f"not run ({r.stage3})" if r.lowered else "-"
         table.add_row(r.kernel, r.target, "yes" if r.lowered else "NO", r.backward or "-", smem, compiled,
-                      ", ".join(map(str, r.registers)) or "-", f"{r.spill_bytes} B" if r.compiled else "-",
+                      "unknown" if r.registers is None else ", ".join(map(str, r.registers)),
+                      "unknown" if r.spill_bytes is None else f"{r.spill_bytes} B",
                       f"{r.lower_seconds + r.compile_seconds:.1f} s")
     Console(width=160).print(table)
-    return 1 if failed else 0
+    return status
 
 
 def _print_verify_table(report, verbose: bool) -> None:
@@ -508,7 +522,7 @@ def cmd_variants(args) -> int:
 
     if not _have_jax("variants"):
         return 2
-    targets = [t.strip() for t in args.target.split(",") if t.strip()]
+    targets = _target_list(args.target)
     if not targets or any(t not in TARGETS for t in targets):
         print(f"sparsegen variants: --target takes TPU chips from {', '.join(sorted(TARGETS))} (GPU variants are not ranked yet: build each with --target h200 and run bench/bench_gpu.py)", file=sys.stderr)
         return 2
@@ -632,53 +646,85 @@ def _print_variants(ranked, targets, pattern, sizes, timed) -> None:
     Console(width=160).print(table)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sparsegen")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _target_list(text: str) -> list[str]:
+    """A comma-separated --target, in lower case (H200 is h200)."""
+    return [t.strip().lower() for t in text.split(",") if t.strip()]
+
+
+SPEC_HELP = "a .spk spec file"
+SPECS_HELP = ".spk spec files (each may define several kernels)"
+VERIFY_EPILOG = (
+    "GPU targets are proven in two stages: stage 2 lowers each kernel under an abstract device (jax alone); "
+    "stage 3 compiles it through XLA:GPU and ptxas for sm_90a (registers, spills), in a Python environment with "
+    "the jax-cuda13 plugin: `make gpu-venv` in a sparsegen checkout makes one (.venv-gpu), or set "
+    "SPARSEGEN_GPU_PYTHON to a Python that has jax, jax-cuda13-plugin and nvidia-cuda-nvcc. Without one, verify "
+    "exits 2 saying so; --lower-only runs stage 2 alone."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsegen", description="Compile .spk specs into Pallas TPU kernel modules.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="sparsegen", description="Compile .spk specs into Pallas kernel modules (TPU, or Mosaic GPU for H100/H200).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="`sparsegen COMMAND --help` lists its options")
     targets = sorted(TARGETS) + sorted(GPU_TARGETS)
+    tpu_names, gpu_names = ", ".join(sorted(TARGETS)), ", ".join(sorted(GPU_TARGETS))
 
     build = sub.add_parser("build", help="write one module per kernel (nothing is written if any spec fails)")
-    build.add_argument("specs", nargs="+", metavar="SPEC")
+    build.add_argument("specs", nargs="+", metavar="SPEC", help=SPECS_HELP)
     build.add_argument("-o", "--output", default=".", metavar="DIR", help="where to write NAME.py (default: .)")
-    build.add_argument("--target", default=DEFAULT_TARGET, choices=targets, help=f"chip to check against (default: {DEFAULT_TARGET})")
+    build.add_argument("--target", default=DEFAULT_TARGET, type=str.lower, choices=targets,
+                       help=f"chip to build for and check against: {tpu_names} (TPU), {gpu_names} (Mosaic GPU) (default: {DEFAULT_TARGET})")
     build.add_argument("-q", "--quiet", action="store_true", help="do not list the files written")
     build.set_defaults(func=cmd_build)
 
     check = sub.add_parser("check", help="exit 1 if any module in DIR is missing or stale (writes nothing)")
-    check.add_argument("specs", nargs="+", metavar="SPEC")
+    check.add_argument("specs", nargs="+", metavar="SPEC", help=SPECS_HELP + ", as given to build")
     check.add_argument("-o", "--output", default=".", metavar="DIR", help="the folder the modules were written to (default: .)")
-    check.add_argument("--target", choices=targets, help="compare with modules built for this target "
-                       "(default: the target each module's header records; v5e for a missing one)")
+    check.add_argument("--target", type=str.lower, choices=targets, help="compare with modules built for this target "
+                       f"(default: the target each module's header records; {DEFAULT_TARGET} for a missing one)")
     check.set_defaults(func=cmd_check)
 
     plan = sub.add_parser("plan", help="print the kernel's plan: grid, blocks, index maps, memory")
-    plan.add_argument("spec", metavar="SPEC")
+    plan.add_argument("spec", metavar="SPEC", help=SPEC_HELP)
     plan.add_argument("--kernel", metavar="NAME", help="only this kernel of the spec")
-    plan.add_argument("--target", default=DEFAULT_TARGET, choices=targets)
+    plan.add_argument("--target", default=DEFAULT_TARGET, type=str.lower, choices=targets,
+                      help=f"chip to plan for: its memory budget, and for a GPU its walk and CTA tiles (default: {DEFAULT_TARGET})")
     plan.add_argument("--shape", metavar="M=4096,K=...", help="sizes of symbolic dimensions (default: 8 blocks of their tile)")
     plan.add_argument("--pattern", metavar="P", help="tril | density=F | band=W | FILE.npy: simulate the pipeline on it (needs jax)")
     plan.add_argument("--seed", type=int, default=0, help="seed of density= patterns")
     plan.add_argument("--json", action="store_true", help="counts and estimates as JSON")
     plan.add_argument("--png", metavar="FILE", help="draw the block pattern, the grid's traversal and its copies")
     plan.set_defaults(func=cmd_plan)
-    verify = sub.add_parser("verify", help="compile ahead of time through libtpu (TPUs) or for a compile-only H200 (GPUs); no device needed")
-    verify.add_argument("specs", nargs="+", metavar="SPEC")
-    verify.add_argument("--target", default=DEFAULT_TARGET, help="comma-separated chips (default: v5e; any of v4, v5e, v5p, v6e), or h100 / h200 (Mosaic GPU)")
+    verify = sub.add_parser("verify", help="compile ahead of time through libtpu (TPUs) or for a compile-only H200 (GPUs); no device needed",
+                            epilog=VERIFY_EPILOG)
+    verify.add_argument("specs", nargs="+", metavar="SPEC", help=SPECS_HELP)
+    verify.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"comma-separated chips: any of {tpu_names} (default: {DEFAULT_TARGET}), or of {gpu_names} (Mosaic GPU; see below)")
     verify.add_argument("--shape", metavar="M=4096,K=...", help="sizes of symbolic dimensions (default: 8 blocks of their tile)")
     verify.add_argument("--nnz", type=float, default=0.1, help="fraction of blocks a coo operand stores (default: 0.1)")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
-    verify.add_argument("--quick", action="store_true", help="skip probing the compiler's VMEM need")
+    verify.add_argument("--quick", action="store_true", help="TPU targets: skip probing the compiler's VMEM need")
+    verify.add_argument("--lower-only", action="store_true", help="GPU targets: stage 2 only (lowering), no ptxas compile (needs no plugin)")
     verify.add_argument("--verbose", action="store_true", help="print the raw compiler message of a failure")
     verify.set_defaults(func=cmd_verify)
     variants = sub.add_parser("variants", help="expand tile choices, drop what cannot work, rank the rest by a pipeline model")
-    variants.add_argument("spec", metavar="SPEC")
+    variants.add_argument("spec", metavar="SPEC", help=SPEC_HELP)
     variants.add_argument("--kernel", metavar="NAME", help="the kernel, if the spec has several")
     variants.add_argument("--tile", action="append", default=[], metavar="INDEX=SIZE,...", help="tile choices for one index (repeat)")
     variants.add_argument("--pattern", default="density=0.1", metavar="P", help="tril | density=F | band=W | FILE.npy (default: density=0.1)")
     variants.add_argument("--shape", metavar="M=4096,...", help="sizes of symbolic dimensions (default: 8 blocks of the largest tile)")
-    variants.add_argument("--target", default=DEFAULT_TARGET, help="comma-separated chips; the first ranks (default: v5e)")
+    variants.add_argument("--target", default=DEFAULT_TARGET, help=f"comma-separated TPU chips ({tpu_names}); the first ranks (default: {DEFAULT_TARGET})")
     variants.add_argument("--nnz", type=float, default=0.1, help="stored-block fraction for the compile check (default: 0.1)")
-    variants.add_argument("--seed", type=int, default=0)
+    variants.add_argument("--seed", type=int, default=0, help="seed of a density= pattern (default: 0)")
     variants.add_argument("--no-compile", action="store_true", help="skip ahead-of-time compiles (model only)")
     variants.add_argument("-o", "--output", metavar="DIR", help="write the surviving variants' modules here")
     variants.add_argument("--json", dest="json_file", metavar="FILE", help="write the full report as JSON")

@@ -90,7 +90,7 @@ def test_check_compares_with_the_target_a_module_records(tmp_path):
     """A module built for h200 records it; `check` without --target compares it with an h200
     build (not v5e, which would call it stale and advise replacing the GPU kernel by a TPU
     one), and a stale module's advice keeps its target."""
-    result = sparsegen("build", "specs/dsd_matmul.spk", "--target", "h200", "-o", tmp_path)
+    result = sparsegen("build", "specs/dsd_matmul.spk", "--target", "H200", "-o", tmp_path)  # any case
     assert result.returncode == 0, result.stderr
     lines = (tmp_path / "dsd_matmul.py").read_text().splitlines()
     assert lines[0].endswith(") for h200. Do not edit:") and lines[1] == "# change the spec and run `sparsegen build --target h200`."
@@ -288,3 +288,25 @@ def test_modules_are_written_with_the_umasks_mode(tmp_path):
         assert result.returncode == 0, result.stderr
         assert stat.S_IMODE(module.stat().st_mode) == mode, (oct(umask), oct(module.stat().st_mode))
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["dsd_matmul.py"], "no temporary left behind"
+
+
+def test_every_option_of_every_subcommand_has_help():
+    import argparse
+
+    from sparsegen.cli import _parser
+
+    parser = _parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == {"build", "check", "plan", "verify", "variants"}
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
+    assert all(a.help for a in parser._actions)
+
+
+def test_version():
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    result = sparsegen("--version")
+    assert result.returncode == 0 and result.stdout == f"sparsegen {version}\n", result.stdout + result.stderr
