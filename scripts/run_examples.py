@@ -159,7 +159,9 @@ def run_gpu() -> int:
             r = verify_module(m.plan, source, "h200")
             ok &= r.ok
             failures += not ok
-            ptxas = (f"{max(r.registers)} registers, {r.spill_bytes} B spilled" if r.compiled else
+            registers = "unknown" if r.registers is None else max(r.registers)
+            spilled = "unknown" if r.spill_bytes is None else f"{r.spill_bytes} B"
+            ptxas = (f"{registers} registers, {spilled} spilled" if r.compiled else
                      "[red]fails[/red]" if r.compiled is False else f"skipped: {r.stage3}")
             table.add_row(kernel.name, " + ".join(dict.fromkeys(p.walk for p in m.plan.passes)), ", ".join(f"{k}={env[k]}" for k in sizes) or "fixed",
                           f"{error:.3g}", f"{elapsed:.2f} s", result, "[green]yes[/green]" if r.lowered else "[red]no[/red]",

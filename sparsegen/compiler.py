@@ -91,8 +91,14 @@ def plans(path: str | Path, target: str = DEFAULT_TARGET) -> list[TpuModule]:
 def compile_source(source: SourceFile, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:
     """Every kernel of a spec as generated module source; `origin` is how the generated header
     names the spec (default: the source's name)."""
+    return compile_kernels(source, check(parse(source)), target, origin=origin)
+
+
+def compile_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:
+    """Checked kernels of a spec as generated module source (`sparsegen check` compiles each
+    kernel for the target its module records, so several calls may share one parse)."""
     origin = source.name if origin is None else origin
-    return [Module(m.name, emit_gpu(m, origin) if isinstance(m, GpuModule) else emit(m, origin), m) for m in lower_source(source, target)]
+    return [Module(m.name, emit_gpu(m, origin) if isinstance(m, GpuModule) else emit(m, origin), m) for m in lower_kernels(source, kernels, target)]
 
 
 def compile_file(path: str | Path, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:

@@ -33,8 +33,13 @@ class SourceFile:
     text: str
 
     def __post_init__(self):
-        if self.text.startswith("\ufeff"):  # a UTF-8 byte-order mark, as some editors write
-            object.__setattr__(self, "text", self.text[1:])
+        text = self.text.removeprefix("\ufeff")  # a UTF-8 byte-order mark, as some editors write
+        # Windows (\r\n) and classic Mac (\r) line endings are newlines: the parser, the
+        # diagnostics' line numbers and the header's digest all see \n (so a checkout that
+        # converts line endings still matches its generated modules).
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+        if text != self.text:
+            object.__setattr__(self, "text", text)
 
     @classmethod
     def read(cls, path: str | Path) -> "SourceFile":
@@ -45,6 +50,7 @@ class SourceFile:
         except OSError as exc:
             reason = exc.strerror or exc.__class__.__name__
             raise SpecError([Diagnostic(None, f"cannot read file: {reason}")], None, name) from None
+        data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")  # so that errors below count lines as the parser does
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -69,12 +75,13 @@ class SourceFile:
     # Computed once per file (not per kernel or diagnostic): a spec may hold thousands of kernels.
     @functools.cached_property
     def digest(self) -> str:
-        """The first 16 hex digits of the SHA-256 of the text, for generated headers."""
+        """The first 16 hex digits of the SHA-256 of the text (newlines as \n), for generated headers."""
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()[:16]
 
     @functools.cached_property
     def lines(self) -> tuple[str, ...]:
-        return tuple(self.text.splitlines())
+        # Only \n ends a line, as for the parser (str.splitlines would also split at \f, which is blank).
+        return tuple(self.text.removesuffix("\n").split("\n")) if self.text else ()
 
     def line(self, number: int) -> str:
         return self.lines[number - 1] if 0 < number <= len(self.lines) else ""

@@ -64,6 +64,31 @@ def test_not_utf8_is_an_error_at_its_byte(tmp_path):
     assert info.value.render().startswith(f"{spec}:2:24: error: file is not UTF-8 text (invalid byte 0xe9)")
 
 
+@pytest.mark.parametrize("newline", ["\r", "\r\n"], ids=["cr", "crlf"])
+def test_cr_and_crlf_line_endings_are_newlines(tmp_path, newline):
+    """A spec saved with classic Mac (\r) or Windows (\r\n) line endings builds the same
+    module as with \n, and its problems are reported at the same LINE:COL with their line."""
+    from sparsegen.compiler import compile_source
+    from sparsegen.source import SourceFile
+
+    good = Path(__file__).parents[1] / "specs" / "dsd_matmul.spk"
+    converted = tmp_path / "dsd_matmul.spk"
+    converted.write_bytes(good.read_bytes().replace(b"\n", newline.encode()))
+    (expected,) = compile_source(SourceFile("dsd_matmul.spk", good.read_text()))
+    (module,) = compile_file(converted, origin="dsd_matmul.spk")
+    assert module.code == expected.code
+    bad = Path(__file__).parent / "bad" / "tile_zero.spk"
+    where, message = expectation(bad)
+    spec = tmp_path / "tile_zero.spk"
+    spec.write_bytes(bad.read_bytes().replace(b"\n", newline.encode()))
+    with pytest.raises(SpecError) as info:
+        compile_file(spec)
+    report = info.value.render().splitlines()
+    assert report[0].startswith(f"{spec}:{where}: error: ") and message in report[0], report
+    line, col = map(int, where.split(":"))
+    assert report[1] == "    " + bad.read_text().splitlines()[line - 1] and report[2].index("^") == 4 + col - 1
+
+
 def test_binary_file_is_an_error(tmp_path):
     spec = tmp_path / "binary.spk"
     spec.write_bytes(b"kernel\x00k {}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,8 @@ def test_every_example_compiles_for_v5e_v6e_v4(spec, target):
         assert r.target == target
         assert r.smem_used <= r.smem_limit
         assert r.flops is not None and r.flops > 0 or r.kernel == "block_slice"
+        # Every derived backward compiles too, the attention kernels' dq and dk/dv included.
+        assert r.backward == "compiles" or r.kernel == "block_slice" and r.backward is None, (r.kernel, r.backward)
 
 
 TILINGS = [
@@ -123,6 +126,19 @@ def test_json_is_stable(capsys, monkeypatch):
     assert [(r["kernel"], r["target"]) for r in first["results"]] == [("sdd_matmul", "v5e"), ("sdd_matmul", "v4"), ("block_slice", "v5e"), ("block_slice", "v4")]
 
 
+def test_attention_backward_kernels_are_compiled(capsys):
+    """verify compiles an attention kernel's backward (dq and dk/dv, two pallas_calls beside
+    the forward's) and reports it as it does an einsum's."""
+    assert main(["verify", str(SPECS / "masked_attention.spk"), "--json", "--quick"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)["results"]
+    assert record["kernel"] == "masked_attention" and record["backward"] == "compiles"
+    source = SourceFile.read(SPECS / "masked_attention.spk")
+    (module,) = compile_source(source, "v5e")
+    _, _, args, keywords = verify.concrete(module.plan.kernel, None, 0.1)
+    compiled = verify._compile(module.plan, source, "v5e", args, keywords, backward=True)
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
+
+
 def test_shapes_and_nnz_options(capsys):
     assert main(["verify", str(SPECS / "dsd_matmul.spk"), "--shape", "M=2048,K=1024,N=512", "--nnz", "0.5", "--json", "--quick"]) == 0
     (record,) = json.loads(capsys.readouterr().out)["results"]
@@ -138,3 +154,49 @@ def test_without_libtpu_verify_says_how_to_install_it(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
     assert main(["verify", EXAMPLES[0]]) == 2
     assert "pip install 'sparsegen[tpu]'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ GPU targets: stage 3's environment
+
+
+def test_gpu_verify_without_the_plugin_exits_2_saying_how_to_provide_it(monkeypatch, capsys, tmp_path):
+    """Asked to compile for an H200 (stage 3) where no plugin environment is: one line that
+    says how to provide it, exit 2, and no result that claims a count (before any lowering)."""
+    import sparsegen.gpu.verify as gpu_verify
+
+    monkeypatch.setenv("SPARSEGEN_GPU_PYTHON", str(tmp_path / "absent" / "python"))
+    assert main(["verify", str(SPECS / "dsd_matmul.spk"), "--target", "h200", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert f"SPARSEGEN_GPU_PYTHON={tmp_path / 'absent' / 'python'} does not exist" in err
+    assert "make gpu-venv" in err and "--lower-only" in err
+    # No SPARSEGEN_GPU_PYTHON and no .venv-gpu beside sparsegen: the same, saying none was found.
+    monkeypatch.delenv("SPARSEGEN_GPU_PYTHON")
+    monkeypatch.setattr(gpu_verify, "ROOT", tmp_path)
+    assert main(["verify", str(SPECS / "dsd_matmul.spk"), "--target", "h200"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sparsegen verify: cannot compile for h200 (stage 3, ptxas): no environment with the jax-cuda13 plugin: run `make gpu-venv`")
+
+
+def test_gpu_verify_reports_what_stage_3_did_not_measure_as_unknown(monkeypatch, capsys):
+    """--lower-only (target names in any case): stage 2 alone, exit 0, registers and spills
+    null, not [] and 0. Asked for stage 3 when ptxas is missing: unknown too, and exit 2."""
+    import sparsegen.gpu.verify as gpu_verify
+
+    spec = str(SPECS / "dsd_matmul.spk")
+    assert main(["verify", spec, "--target", "H200", "--lower-only", "--json"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)["results"]
+    assert record["target"] == "h200" and record["lowered"] is True and record["backward"] == "lowers"
+    assert record["compiled"] is None and record["registers"] is None and record["spill_bytes"] is None
+    monkeypatch.setattr(gpu_verify, "gpu_python", lambda: (sys.executable, ""))
+    monkeypatch.setattr(gpu_verify, "compile_stage3", lambda python, jobs: [{"compiled": False, "error": "FileNotFoundError: ptxas not found"}] * len(jobs))
+    assert main(["verify", spec, "--target", "h200"]) == 2
+    out, err = capsys.readouterr()
+    assert "stage 3 did not run for 1 kernel: ptxas not found" in err
+    row = next(line for line in out.splitlines() if "dsd_matmul" in line)
+    assert row.count("unknown") == 2 and " B " not in row, row
+
+
+def test_unknown_verify_target_lists_tpu_and_gpu_targets(capsys):
+    assert main(["verify", str(SPECS / "dsd_matmul.spk"), "--target", "h201"]) == 2
+    assert "choose from v4, v5e, v5p, v6e (TPU) or h100, h200 (GPU)" in capsys.readouterr().err

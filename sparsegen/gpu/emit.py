@@ -256,6 +256,7 @@ class _Emitter:
             k=k,
             source=source_name.encode("unicode_escape").decode("ascii"),
             digest=k.digest,
+            target=m.target.name,
             doc=doc,
             call_doc=call_doc,
             helpers="{helpers}",

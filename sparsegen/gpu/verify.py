@@ -8,7 +8,9 @@ limit of 0 bytes, it says how many it needs.
 Stage 3 (a subprocess): an XLA:GPU compile for a compile-only H200 through the jax-cuda13
 plugin (Mosaic GPU -> PTX -> ptxas for sm_90a); ptxas reports registers and spills. The
 plugin has an environment of its own (`make gpu-venv` makes `.venv-gpu`, or set
-SPARSEGEN_GPU_PYTHON); without one, stage 3 is skipped and says why.
+SPARSEGEN_GPU_PYTHON); without one, `sparsegen verify` stops before stage 2 and says how
+to provide it (`--lower-only` asks for stage 2 alone). What stage 3 did not measure is
+None (unknown), never a count.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import re
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +46,8 @@ class GpuResult:
     smem_limit: int
     smem_used: int | None = None
     compiled: bool | None = None  # stage 3; None: not run
-    registers: list[int] = field(default_factory=list)
-    spill_bytes: int = 0
+    registers: list[int] | None = None  # per kernel, from ptxas; None: unknown (stage 3 not run, or ptxas said nothing)
+    spill_bytes: int | None = None  # None: unknown
     lower_seconds: float = 0.0
     compile_seconds: float = 0.0
     stage3: str = ""  # why stage 3 did not run, or its error
@@ -64,19 +66,25 @@ class GpuResult:
                 "compile_seconds": self.compile_seconds, "stage3": self.stage3, "backward": self.backward, "error": self.error.message if self.error else None}
 
 
+# How to provide stage 3's environment: said by every message that finds none (and by --help).
+PLUGIN_HOWTO = ("run `make gpu-venv` in a sparsegen checkout (it makes .venv-gpu), or set SPARSEGEN_GPU_PYTHON to a Python "
+                "with jax, jax-cuda13-plugin and nvidia-cuda-nvcc (ptxas); --lower-only skips stage 3")
+
+
 def gpu_python() -> tuple[str | None, str]:
-    """The Python that has the jax-cuda13 plugin, or None and why not."""
-    candidates = [os.environ["SPARSEGEN_GPU_PYTHON"]] if os.environ.get("SPARSEGEN_GPU_PYTHON") else []
-    candidates.append(str(ROOT / ".venv-gpu" / "bin" / "python"))
-    for python in candidates:
-        if not os.path.exists(python):
-            continue
-        probe = subprocess.run([python, "-c", "import jax_plugins.xla_cuda13, jax"], capture_output=True, text=True,
-                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        if probe.returncode == 0:
-            return python, ""
-        return None, f"{python} lacks the jax-cuda13 plugin ({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'import failed'})"
-    return None, "no environment with the jax-cuda13 plugin: run `make gpu-venv` (or set SPARSEGEN_GPU_PYTHON)"
+    """The Python that has the jax-cuda13 plugin, or None and why not. SPARSEGEN_GPU_PYTHON,
+    where set, is the only candidate (a wrong one is reported, not passed over)."""
+    chosen = os.environ.get("SPARSEGEN_GPU_PYTHON")
+    python = chosen or str(ROOT / ".venv-gpu" / "bin" / "python")
+    if not os.path.exists(python):
+        where = f"SPARSEGEN_GPU_PYTHON={chosen} does not exist" if chosen else "no environment with the jax-cuda13 plugin"
+        return None, f"{where}: {PLUGIN_HOWTO}"
+    probe = subprocess.run([python, "-c", "import jax_plugins.xla_cuda13, jax"], capture_output=True, text=True,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    if probe.returncode == 0:
+        return python, ""
+    last = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "import failed"
+    return None, f"{python} lacks the jax-cuda13 plugin ({last}): {PLUGIN_HOWTO}"
 
 
 def _lower(fn, structs, keywords, target, backward: bool = False) -> str:
@@ -138,9 +146,9 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
     return result, job
 
 
-def verify_modules(items, shapes=None, nnz: float = 0.1, stage3: bool = True) -> list[GpuResult]:
+def verify_modules(items, shapes=None, nnz: float = 0.1, stage3: bool = True, python: str | None = None) -> list[GpuResult]:
     """Stage 2 for each (module, source, target), then stage 3 for all that lowered, in one
-    process of the plugin's environment."""
+    process of the plugin's environment (`python`, found by gpu_python() if not given)."""
     results, jobs = [], []
     for m, source, target in items:
         result, job = stage2(m, source, target, shapes, nnz)
@@ -149,9 +157,11 @@ def verify_modules(items, shapes=None, nnz: float = 0.1, stage3: bool = True) ->
             jobs.append((result, m, job))
     if not stage3:
         for result in results:
-            result.stage3 = "not asked for"
+            result.stage3 = "not asked for"  # --lower-only
         return results
-    python, why = gpu_python()
+    why = ""
+    if python is None:
+        python, why = gpu_python()
     if python is None:
         for result in results:
             result.stage3 = why
@@ -162,8 +172,10 @@ def verify_modules(items, shapes=None, nnz: float = 0.1, stage3: bool = True) ->
         error = outcome.get("error") or ""
         if outcome.get("compiled"):
             result.compiled = True
-            result.registers = [kk["registers"] for kk in outcome["kernels"]]
-            result.spill_bytes = sum(kk.get("spill_bytes", 0) for kk in outcome["kernels"])
+            kernels = outcome["kernels"]  # what ptxas -v said; nothing said is unknown, not zero
+            result.registers = [kk["registers"] for kk in kernels] or None
+            if kernels and all("spill_bytes" in kk for kk in kernels):
+                result.spill_bytes = sum(kk["spill_bytes"] for kk in kernels)
         elif "ptxas" in error and ("not found" in error or "No such file" in error):
             result.stage3 = "ptxas not found (the nvidia-cuda-nvcc wheel or a CUDA install provides it)"
         else:

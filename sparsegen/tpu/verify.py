@@ -217,7 +217,7 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
     result.compiled = True
     if plan.backward_error:
         result.backward = f"not derived: {plan.backward_error}"
-    elif plan.backward_module is not None:
+    elif plan.backward_module is not None or not plan.passes:  # einsum passes, or a row walk's dq and dk/dv kernels
         try:
             _compile(plan, source, target, args, keywords, backward=True)
             result.backward = "compiles"
