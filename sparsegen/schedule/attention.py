@@ -27,6 +27,20 @@ from .build import ScheduleError
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+def read_key(r: Read) -> tuple:
+    """A read as the block it loads (two reads of `x[i, j]` at different places are one)."""
+    return (r.operand, r.subs)
+
+
+def _dedupe(reads) -> list[Read]:
+    out, seen = [], set()
+    for r in reads:
+        if read_key(r) not in seen:
+            seen.add(read_key(r))
+            out.append(r)
+    return out
+
+
 @dataclass(frozen=True)
 class Consumer:
     """An output fed by the rows of scores."""
@@ -92,23 +106,14 @@ class RowPlan:
     @property
     def reads(self) -> tuple[Read, ...]:
         """Operand reads of the chain, the points and the conditions (besides q, k and the values)."""
-        out: list[Read] = []
-        for _, term in self.chain:
-            out += [r for r in term.reads if r not in out]
-        out += [pt.read for pt in self.points if pt.read is not None and pt.read not in out]
-        for cond in self.conditions:
-            out += [r for r in cond.reads if r not in out]
-        return tuple(out)
+        reads = [r for _, term in self.chain for r in term.reads] + [pt.read for pt in self.points if pt.read is not None]
+        return tuple(_dedupe(reads + [r for cond in self.conditions for r in cond.reads]))
 
     def float_reads(self) -> tuple[Read, ...]:
         """Float operands the elementwise chain reads (biases, slopes, a stored score): they get gradients."""
-        out: list[Read] = []
         reads = [r for _, term in self.chain for r in term.reads] + [pt.read for pt in self.points if pt.read is not None]
-        for r in reads:
-            op = self.kernel.operand(r.operand)
-            if r not in out and op.dtype.is_float and op.sparsity != "mask":
-                out.append(r)
-        return tuple(out)
+        ops = [self.kernel.operand(r.operand) for r in reads]
+        return tuple(_dedupe(r for r, op in zip(reads, ops) if op.dtype.is_float and op.sparsity != "mask"))
 
     @property
     def data_dependent(self) -> bool:

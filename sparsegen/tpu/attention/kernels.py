@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from ...ir import Read, Term
+from ...schedule.attention import read_key
 from .lower import LANES, SUBLANES, Operand, render_term
 from .lower import py_tuple as _tuple
 
@@ -84,11 +85,11 @@ class KernelWriter:
         ti, tj = self.tile[p.query], self.tile[p.key]
         out = ["", "def _scores(masked):"]
         operands = self.operands(transposed)
-        floats = set(p.float_reads())
+        floats = {read_key(r) for r in p.float_reads()}
         for o in operands:
             if o.role == "value":
                 continue
-            if with_raw and (o.role in ("q", "k") or o.read in floats):
+            if with_raw and (o.role in ("q", "k") or read_key(o.read) in floats):
                 # Past the ends memory holds anything: zeros keep the scores finite there
                 # (the derivatives the chain sums for a bias too); the gradient products
                 # reuse these blocks.
@@ -113,7 +114,7 @@ class KernelWriter:
         chain_pos = self.chain_uses_positions()
         if chain_pos:
             out += pos_lines
-        block_of = {o.read: o.var for o in operands}
+        block_of = {read_key(o.read): o.var for o in operands}
         values = {} if raw is None else {p.score: raw}  # a local's variable, by its name
 
         def leaf(term: Term, float_ctx: bool) -> str:
@@ -126,14 +127,14 @@ class KernelWriter:
             if term.op == "local":
                 return values[term.read.operand]
             if term.op == "truth":
-                return f"({block_of[term.read]} != 0)"
-            v = block_of[term.read]
+                return f"({block_of[read_key(term.read)]} != 0)"
+            v = block_of[read_key(term.read)]
             return f"{v}.astype({acc.jnp})" if float_ctx else v
 
         def point_value(pt) -> str:
             return values[pt.local] if pt.local is not None else leaf(Term("read", read=pt.read), True)
 
-        fvars = [block_of[r] for r in p.float_reads()]
+        fvars = [block_of[read_key(r)] for r in p.float_reads()]
         args = ([raw] if raw is not None else []) + fvars
         if self.has_chain():
             # The elementwise steps (after the product), one function: its derivative is jax.vjp's.
@@ -206,6 +207,9 @@ class KernelWriter:
 
     def values(self) -> list[Operand]:
         return [o for o in self.m.operands if o.role == "value"]
+
+    def operand_of(self, r: Read) -> Operand:
+        return next(o for o in self.m.operands if read_key(o.read) == read_key(r))
 
     def consumer_value(self, c) -> Operand:
         return next(o for o in self.m.operands if o.read == c.value)
@@ -490,7 +494,7 @@ class KernelWriter:
         ti, tj = self.tile[p.query], self.tile[p.key]
         lead_shape = [self.size_of(i) for i in p.lead]
         for r, d in dos["floats"].items():
-            o = next(x for x in self.m.operands if x.read == r)
+            o = self.operand_of(r)
             ref, a = float_names[r]
             var = self.n.local(f"d{r.operand}_{''.join(r.indices)}")
             if o.layout == "natural":
@@ -594,7 +598,7 @@ class KernelWriter:
         key_accs, key_flush = [], []
         lead_shape = [self.size_of(i) for i in p.lead]
         for r, d in dos["floats"].items():
-            if next(x for x in self.m.operands if x.read == r).layout != "cols":
+            if self.operand_of(r).layout != "cols":
                 continue
             ref, a = float_names[r]
             var = self.n.local(f"d{r.operand}_{''.join(r.indices)}")
@@ -626,7 +630,7 @@ class KernelWriter:
         """The key-side backward walk: for the key factor, the values, per-key operands."""
         p = self.p
         return not p.stored_score or any(c.kind == "softmax_product" for c in p.consumers) or any(
-            o.layout == "cols" for o in self.m.operands if o.read in p.float_reads())
+            self.operand_of(r).layout == "cols" for r in p.float_reads())
 
     def row_tables(self) -> dict[str, str]:
         """The tables of a row walk: the row block read (QROW), the key block read (COL) and

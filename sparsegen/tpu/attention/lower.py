@@ -12,7 +12,7 @@ from ...callconv import Convention, convention
 from ...flow import FUNCTIONS
 from ...ir import Kernel, Read, Term
 from ...names import ModuleNames
-from ...schedule.attention import RowPlan
+from ...schedule.attention import RowPlan, read_key
 from ..layout import padded_bytes
 from ..targets import Target
 
@@ -68,7 +68,7 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
     tile = {i.name: i.tile for i in kernel.indices}
 
     def add(read: Read, role: str):
-        if any(o.read == read for o in ops):
+        if any(read_key(o.read) == read_key(read) for o in ops):
             return
         has_q, has_k = p.query in read.indices, p.key in read.indices
         layout = "natural" if role != "extra" or (has_q and has_k) else ("rows" if has_q else "cols" if has_k else "scalar")
