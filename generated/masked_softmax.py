@@ -533,7 +533,7 @@ def _impl(x, sizes, bound, interpret):
             dimension_semantics=("arbitrary",),
         ),
         cost_estimate=pl.CostEstimate(
-            flops=kinds.size * 0,
+            flops=kinds.size * 32768,
             transcendentals=kinds.size * 16384,
             bytes_accessed=0,
         ),
@@ -569,7 +569,7 @@ def _impl(x, sizes, bound, interpret):
             dimension_semantics=("arbitrary",),
         ),
         cost_estimate=pl.CostEstimate(
-            flops=kinds.size * 0,
+            flops=kinds.size * 32768,
             transcendentals=kinds.size * 16384,
             bytes_accessed=0,
         ),

@@ -192,6 +192,10 @@ def row_plan(kernel: Kernel) -> RowPlan:
         point_sts.append(st)
         return len(points) - 1
 
+    if not locals_ and not any(isinstance(st, (Reduction, SoftmaxProduct)) for st in sts):
+        fail(sts[0], "not supported yet: a kernel with conditions, expressions or reductions needs scores reduced along an "
+                     "index: a local `s[..., i, j]` (a product `q[..., i, d] * k[..., j, d]` or elementwise of stored inputs), "
+                     "or an input, under softmax, logsumexp, max or sum")
     for st in sts:
         if st is score_st:
             continue
@@ -228,10 +232,6 @@ def row_plan(kernel: Kernel) -> RowPlan:
             fail(st, "not supported yet in an attention-like kernel: statements other than a score, elementwise locals, "
                      "softmax products, reductions (logsumexp, max, sum, softmax) and elementwise outputs of a score local")
     if not consumers:
-        if score_st is None and not chain:
-            fail(sts[0], "not supported yet: a kernel with conditions, expressions or reductions needs scores reduced along an "
-                         "index: a local `s[..., i, j]` (a product `q[..., i, d] * k[..., j, d]` or elementwise of stored inputs), "
-                         "or an input, under softmax, logsumexp, max or sum")
         fail(sts[-1], "nothing reads the scores into an output")
 
     def ancestry(name: str) -> list[str]:

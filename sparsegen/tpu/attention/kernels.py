@@ -309,8 +309,9 @@ class KernelWriter:
                         f"{2 * dims * (self.score_depth() + e_total)}", f"{dims}", "the outputs", refs)
 
     def score_depth(self) -> int:
-        """Multiply-adds per score element: the product's summed tile (none for stored scores)."""
-        return self.tile[self.p.summed] if self.p.summed is not None else 0
+        """Multiply-adds per score element: the product's summed tile (a stored score: one,
+        its running max and sum; no product)."""
+        return self.tile[self.p.summed] if self.p.summed is not None else 1
 
     def stored_call(self) -> CallSpec:
         """Stored softmax or score outputs: every block written (zeros where empty), from a
