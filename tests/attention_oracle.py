@@ -86,6 +86,13 @@ def run(kernel, args: list, sizes: dict[str, int]):
             return out
         return FUNCS[t.op](*a)
 
+    def argument(read):
+        """A reduction's argument: a tensor assigned above, or an input read directly (all present)."""
+        if read.operand in values:
+            return values[read.operand][0], values[read.operand][1], present[read.operand]
+        arr = operand(read)
+        return arr, read.indices, np.ones(arr.shape, bool)
+
     for st in kernel.statements:
         dst = st.target.indices
         shape = [size[i] for i in dst]
@@ -102,8 +109,7 @@ def run(kernel, args: list, sizes: dict[str, int]):
             for loc in st.value.locals:
                 here = here & expand(present[loc.operand], loc.indices, dst)
         elif isinstance(st, Reduction):
-            arr, idx = values[st.arg.operand]
-            here_arg = present[st.arg.operand]
+            arr, idx, here_arg = argument(st.arg)
             axis = idx.index(st.index)
             masked = np.where(here_arg, arr, -np.inf)
             if st.fn == "softmax":
@@ -126,8 +132,7 @@ def run(kernel, args: list, sizes: dict[str, int]):
                 val = expand(val, tuple(i for i in idx if i != st.index), dst)
                 here = np.ones(shape, bool)
         else:  # SoftmaxProduct
-            arr, idx = values[st.scores.operand]
-            here_arg = present[st.scores.operand]
+            arr, idx, here_arg = argument(st.scores)
             axis = idx.index(st.index)
             m = np.where(here_arg, arr, -np.inf).max(axis=axis, keepdims=True)
             m = np.where(np.isneginf(m), 0.0, m)

@@ -20,7 +20,7 @@ def test_generated_is_current():
     """generated/ matches specs/ (what `sparsegen check` tells CI and pre-commit hooks)."""
     result = sparsegen("check", *EXAMPLES, "-o", "generated")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "12 modules up to date" in result.stdout
+    assert "13 modules up to date" in result.stdout
 
 
 def test_two_builds_are_byte_identical(tmp_path):
@@ -34,7 +34,7 @@ def test_two_builds_are_byte_identical(tmp_path):
     names = sorted(p.name for p in a.iterdir())
     assert names == ["batched_dsd.py", "block_slice.py", "causal_attention.py", "dds_matmul.py", "document_attention.py", "dsd_matmul.py",
                      "local_gqa_attention.py", "masked_attention.py", "masked_matmul.py", "masked_matmul_dx.py", "masked_matmul_dy.py",
-                     "sdd_matmul.py"]
+                     "masked_softmax.py", "sdd_matmul.py"]
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes()
         assert (a / name).read_bytes() == (ROOT / "generated" / name).read_bytes()
@@ -67,7 +67,7 @@ def test_check_does_not_depend_on_how_the_spec_is_spelled():
         ([f"../{e}" for e in EXAMPLES], ROOT / "tests", "../generated"),
     ]:
         result = sparsegen("check", *specs, "-o", out, cwd=cwd)
-        assert result.returncode == 0 and "12 modules up to date" in result.stdout, result.stdout + result.stderr
+        assert result.returncode == 0 and "13 modules up to date" in result.stdout, result.stdout + result.stderr
 
 
 def test_diagnostics_name_the_spec_as_typed():
@@ -133,7 +133,7 @@ def test_check_reports_orphans_and_leaves_other_files_alone(tmp_path):
     assert [line for line in result.stdout.splitlines() if line.startswith("orphan: ")] == [
         f"orphan: generated/{name}.py (no spec defines kernel '{name}')"
         for name in ("batched_dsd", "block_slice", "causal_attention", "dds_matmul", "document_attention", "local_gqa_attention",
-                     "masked_attention", "masked_matmul", "masked_matmul_dx", "masked_matmul_dy")
+                     "masked_attention", "masked_matmul", "masked_matmul_dx", "masked_matmul_dy", "masked_softmax")
     ]
 
 

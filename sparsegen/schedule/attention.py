@@ -27,6 +27,20 @@ from .build import ScheduleError
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+def read_key(r: Read) -> tuple:
+    """A read as the block it loads (two reads of `x[i, j]` at different places are one)."""
+    return (r.operand, r.subs)
+
+
+def _dedupe(reads) -> list[Read]:
+    out, seen = [], set()
+    for r in reads:
+        if read_key(r) not in seen:
+            seen.add(read_key(r))
+            out.append(r)
+    return out
+
+
 @dataclass(frozen=True)
 class Consumer:
     """An output fed by the rows of scores."""
@@ -36,6 +50,7 @@ class Consumer:
     value: Read | None = None  # the softmax product's other factor
     scale: float | int | None = None
     term: Term | None = None  # scores_out: the elementwise expression of the last score local
+    point: int = 0  # which of the plan's points (the local or operand it reads) it consumes
 
     @property
     def stored(self) -> bool:
@@ -44,50 +59,73 @@ class Consumer:
 
 
 @dataclass(frozen=True)
+class Point:
+    """What consumers read: a local of the chain (or the product's score), or a stored
+    operand read directly (`max(x[i, j], j)`), with the conditions of everything it
+    derives from, and-ed (None: every element present)."""
+
+    local: str | None
+    read: Read | None
+    condition: Term | None
+
+    @property
+    def name(self) -> str:
+        return self.local if self.local is not None else self.read.operand
+
+
+@dataclass(frozen=True)
 class RowPlan:
     kernel: Kernel
     lead: tuple[str, ...]  # row indices walked one at a time (batch, heads): grid axes
     query: str  # the row index walked in blocks
     key: str  # the index each row reduces over
-    summed: str  # the score product's summed index
-    q: Read  # the score factor holding the query index
-    k: Read  # the score factor holding the key index
+    summed: str | None  # the score product's summed index (None: a stored score)
+    q: Read | None  # the score factor holding the query index (None: a stored score)
+    k: Read | None  # the score factor holding the key index
     scale: float | int | None
-    chain: tuple[tuple[str, Term], ...]  # elementwise locals after the score, in order
-    score: str  # the local the score product assigns
-    condition: Term | None  # every statement's condition, and-ed
+    chain: tuple[tuple[str, Term], ...]  # elementwise locals (after the product's score), in order
+    score: str  # the product's local, or the first point's name for a stored score
+    points: tuple[Point, ...]
     consumers: tuple[Consumer, ...]
     inner: tuple[str, ...]  # indices a block spans whole (the summed one, a value's free one)
 
     @property
+    def stored_score(self) -> bool:
+        """The scores are read from stored operands (elementwise locals of inputs), not a product."""
+        return self.q is None
+
+    @property
+    def condition(self) -> Term | None:
+        """The condition of a single point (the walk's, for a plan with one)."""
+        return self.points[0].condition if len(self.points) == 1 else None
+
+    @property
+    def conditions(self) -> tuple[Term, ...]:
+        return tuple(pt.condition for pt in self.points if pt.condition is not None)
+
+    @property
     def reads(self) -> tuple[Read, ...]:
-        """Operand reads of the chain and the condition (besides q, k and the values)."""
-        out: list[Read] = []
-        for _, term in self.chain:
-            out += [r for r in term.reads if r not in out]
-        if self.condition is not None:
-            out += [r for r in self.condition.reads if r not in out]
-        return tuple(out)
+        """Operand reads of the chain, the points and the conditions (besides q, k and the values)."""
+        reads = [r for _, term in self.chain for r in term.reads] + [pt.read for pt in self.points if pt.read is not None]
+        return tuple(_dedupe(reads + [r for cond in self.conditions for r in cond.reads]))
 
     def float_reads(self) -> tuple[Read, ...]:
-        """Float operands the elementwise chain reads (biases, slopes): they get gradients."""
-        out: list[Read] = []
-        for _, term in self.chain:
-            out += [r for r in term.reads if r not in out and self.kernel.operand(r.operand).dtype.is_float
-                    and self.kernel.operand(r.operand).sparsity != "mask"]
-        return tuple(out)
+        """Float operands the elementwise chain reads (biases, slopes, a stored score): they get gradients."""
+        reads = [r for _, term in self.chain for r in term.reads] + [pt.read for pt in self.points if pt.read is not None]
+        ops = [self.kernel.operand(r.operand) for r in reads]
+        return tuple(_dedupe(r for r, op in zip(reads, ops) if op.dtype.is_float and op.sparsity != "mask"))
 
     @property
     def data_dependent(self) -> bool:
         """Does the classification read operands (segment ids, masks)?"""
-        return self.condition is not None and bool(self.condition.reads)
+        return any(cond.reads for cond in self.conditions)
 
     @property
     def class_axes(self) -> tuple[str, ...]:
-        """The axes of the block-kind array: lead indices the condition reads, query, key."""
+        """The axes of the block-kind array: lead indices the conditions read, query, key."""
         used = set()
-        if self.condition is not None:
-            for t in self.condition.walk():
+        for cond in self.conditions:
+            for t in cond.walk():
                 if t.op == "index":
                     used.add(t.name)
                 if t.read is not None:
@@ -99,70 +137,141 @@ def is_row_kernel(kernel: Kernel) -> bool:
     return not kernel.einsums_only
 
 
+def _as_term(st: Einsum) -> Term:
+    """A local assigned a product without a sum (`x[i, j] * 0.5`) as an elementwise term."""
+    parts = [Term("read", read=r) for r in st.factors] + [Term("num", value=n.value) for n in st.numbers]
+    out = parts[0]
+    for t in parts[1:]:
+        out = Term("*", (out, t))
+    return out
+
+
+def _and(conds: list[Term]) -> Term | None:
+    if not conds:
+        return None
+    return conds[0] if len(conds) == 1 else Term("and", tuple(conds))
+
+
 def row_plan(kernel: Kernel) -> RowPlan:
-    """Recognise the family; a ScheduleError at the statement it cannot walk."""
+    """Recognise the family; a ScheduleError at the statement it cannot walk.
+
+    The scores are either a product (a local `s[..., i, j] = q[..., i, d] * k[..., j, d]`)
+    or stored: elementwise locals of inputs read with the rows and the key index (a masked
+    softmax of logits the caller has). Consumers reduce any local, or an input directly;
+    each thing they read is a point of the walk, with its own condition."""
     sts = kernel.statements
     locals_ = {loc.name for loc in kernel.locals}
 
     def fail(st, message):
         raise ScheduleError(Diagnostic(st.span, message))
 
-    score_st = next((s for s in sts if isinstance(s, Einsum) and s.target.operand in locals_), None)
-    if score_st is None:
-        fail(sts[0], "not supported yet: a kernel with conditions, expressions or reductions needs a local score `s[..., i, j] = q[..., i, d] * k[..., j, d]`")
-    if len(score_st.summed) != 1 or len(score_st.factors) != 2 or len(score_st.summed_groups) != 2:
+    score_st = next((s for s in sts if isinstance(s, Einsum) and s.target.operand in locals_ and s.summed), None)
+    if score_st is not None and (len(score_st.summed) != 1 or len(score_st.factors) != 2 or len(score_st.summed_groups) != 2):
         fail(score_st, "not supported yet: the score is a product of two operands (and numbers) summed over one index")
-    conditions = [score_st.condition] if score_st.condition is not None else []
     chain: list[tuple[str, Term]] = []
-    current = score_st.target.operand
+    parents: dict[str, tuple[str, ...]] = {}  # local -> the locals it reads
+    own: dict[str, Term | None] = {}  # local -> its own condition
+    indices: dict[str, tuple[str, ...]] = {}
+    if score_st is not None:
+        parents[score_st.target.operand], own[score_st.target.operand] = (), score_st.condition
+        indices[score_st.target.operand] = score_st.target.indices
     consumers: list[Consumer] = []
+    points: list[Point] = []
+    point_sts = []
+
+    def point_of(arg: Read, st) -> int:
+        if arg.operand in locals_:
+            pt = Point(arg.operand, None, None)
+        else:
+            pt = Point(None, arg, None)
+            indices.setdefault(arg.operand, arg.indices)
+        for n, x in enumerate(points):
+            if x.local == pt.local and x.read == pt.read:
+                return n
+        points.append(pt)
+        point_sts.append(st)
+        return len(points) - 1
+
+    if not locals_ and not any(isinstance(st, (Reduction, SoftmaxProduct)) for st in sts):
+        fail(sts[0], "not supported yet: a kernel with conditions, expressions or reductions needs scores reduced along an "
+                     "index: a local `s[..., i, j]` (a product `q[..., i, d] * k[..., j, d]` or elementwise of stored inputs), "
+                     "or an input, under softmax, logsumexp, max or sum")
     for st in sts:
         if st is score_st:
             continue
-        if isinstance(st, Elementwise) and st.target.operand in locals_:
-            if [r.operand for r in st.value.locals] != [current] or st.target.indices != score_st.target.indices:
-                fail(st, "not supported yet: an elementwise local reads the previous score local once, with the same indices")
-            chain.append((st.target.operand, st.value))
-            current = st.target.operand
+        target = st.target.operand
+        if target in locals_:
+            if isinstance(st, Einsum) and not st.summed:
+                term = _as_term(st)
+            elif isinstance(st, Elementwise):
+                term = st.value
+            else:
+                fail(st, "not supported yet: more than one score product (one product, then elementwise locals)")
+            reads = tuple(dict.fromkeys(r.operand for r in term.locals))
+            if any(r.indices != st.target.indices for r in term.locals):
+                fail(st, "not supported yet: an elementwise local reads earlier locals with its own indices")
+            chain.append((target, term))
+            parents[target], own[target], indices[target] = reads, st.condition, st.target.indices
+        elif isinstance(st, SoftmaxProduct):
             if st.condition is not None:
-                conditions.append(st.condition)
-        elif isinstance(st, SoftmaxProduct) and st.target.operand not in locals_:
-            if st.scores.operand != current or st.condition is not None:
-                fail(st, f"not supported yet: the softmax reads the last score local ('{current}') with no condition of its own")
+                fail(st, "not supported yet: a softmax product has no condition of its own (put it on the score or an elementwise local)")
             scale = None
             for n in st.numbers:
                 scale = n.value if scale is None else scale * n.value
-            consumers.append(Consumer("softmax_product", st.target.operand, st.value, scale))
-        elif isinstance(st, Reduction) and st.target.operand not in locals_:
-            if st.arg.operand != current or st.condition is not None:
-                fail(st, f"not supported yet: a reduction reads the last score local ('{current}') with no condition of its own")
+            consumers.append(Consumer("softmax_product", target, st.value, scale, point=point_of(st.scores, st)))
+        elif isinstance(st, Reduction):
+            if st.condition is not None:
+                fail(st, "not supported yet: a reduction has no condition of its own (put it on the score or an elementwise local)")
             kind = "softmax_out" if st.fn == "softmax" else st.fn
-            consumers.append(Consumer(kind, st.target.operand))
-        elif isinstance(st, Elementwise) and st.target.operand not in locals_ and st.condition is None \
-                and [r.operand for r in st.value.locals] == [current]:
+            consumers.append(Consumer(kind, target, point=point_of(st.arg, st)))
+        elif isinstance(st, Elementwise) and st.condition is None and len({r.operand for r in st.value.locals}) == 1:
             if any(t.op in ("index", "read") for t in st.value.walk()):
                 fail(st, "not supported yet: a stored score's expression reads only the score local, numbers and sizes")
-            consumers.append(Consumer("scores_out", st.target.operand, term=st.value))
+            consumers.append(Consumer("scores_out", target, term=st.value, point=point_of(st.value.locals[0], st)))
         else:
             fail(st, "not supported yet in an attention-like kernel: statements other than a score, elementwise locals, "
-                     "softmax products, reductions (logsumexp, max, sum, softmax) and elementwise outputs of the last score local")
+                     "softmax products, reductions (logsumexp, max, sum, softmax) and elementwise outputs of a score local")
     if not consumers:
         fail(sts[-1], "nothing reads the scores into an output")
-    score_idx = score_st.target.indices
+
+    def ancestry(name: str) -> list[str]:
+        """The locals a local derives from, itself included, in statement order."""
+        seen, todo = set(), [name]
+        while todo:
+            x = todo.pop()
+            if x not in seen:
+                seen.add(x)
+                todo += list(parents.get(x, ()))
+        return [s.target.operand for s in sts if s.target.operand in seen]
+
+    points = [Point(pt.local, pt.read, _and([own[x] for x in ancestry(pt.local) if own.get(x) is not None]) if pt.local else None)
+              for pt in points]
+    score = score_st.target.operand if score_st is not None else chain[0][0] if chain else points[0].name
+    score_idx = indices[score]
+    for st in sts:
+        if st.target.operand in locals_ and indices[st.target.operand] != score_idx:
+            fail(st, f"not supported yet: every local of an attention-like kernel has the indices of '{score}', in order")
+    for pt, st in zip(points, point_sts):
+        if indices[pt.name] != score_idx:
+            fail(st, f"not supported yet: every score a reduction reads has the indices of '{score}', in order")
     key = _key_of(sts, consumers) or score_idx[-1]
     for st in sts:
         if isinstance(st, (SoftmaxProduct, Reduction)) and st.index != key:
             fail(st, f"not supported yet: every reduction of the scores runs over one index ('{key}')")
-    if key not in score_idx or score_idx[-1] != key:
-        fail(score_st, f"not supported yet: the score's last index is the one its rows reduce over ('{key}')")
+    if key not in score_idx or score_idx[-1] != key or len(score_idx) < 2:
+        fail(score_st or point_sts[0], f"not supported yet: the score's last index is the one its rows reduce over ('{key}'), after the row index")
     rows = score_idx[:-1]
     query = rows[-1]
     lead = rows[:-1]
-    g0, g1 = (score_st.factors[g.main] for g in score_st.summed_groups)
-    q, k = (g0, g1) if query in g0.indices else (g1, g0)
-    if query not in q.indices or key not in k.indices or key in q.indices or query in k.indices:
-        fail(score_st, "not supported yet: the score multiplies a factor with the row index by one with the key index")
-    inner = {score_st.summed[0]}
+    q = k = summed = None
+    inner = set()
+    if score_st is not None:
+        g0, g1 = (score_st.factors[g.main] for g in score_st.summed_groups)
+        q, k = (g0, g1) if query in g0.indices else (g1, g0)
+        if query not in q.indices or key not in k.indices or key in q.indices or query in k.indices:
+            fail(score_st, "not supported yet: the score multiplies a factor with the row index by one with the key index")
+        summed = score_st.summed[0]
+        inner.add(summed)
     for c in consumers:
         target = kernel.statement_of(c.output).target.indices
         if c.kind == "softmax_product":
@@ -188,11 +297,8 @@ def row_plan(kernel: Kernel) -> RowPlan:
         idx = kernel.index(i)
         if idx.size.literal is not None and idx.size.literal != idx.tile:
             raise ScheduleError(Diagnostic(idx.tile_span, f"tile {i} = {idx.tile} must span its size {idx.size.literal}: a score block sums (or a value block holds) all of '{i}'"))
-    condition = None
-    if conditions:
-        condition = conditions[0] if len(conditions) == 1 else Term("and", tuple(conditions))
-    return RowPlan(kernel, tuple(lead), query, key, score_st.summed[0], q, k, score_st.scale, tuple(chain), score_st.target.operand,
-                   condition, tuple(consumers), tuple(sorted(inner)))
+    return RowPlan(kernel, tuple(lead), query, key, summed, q, k, score_st.scale if score_st is not None else None, tuple(chain), score,
+                   tuple(points), tuple(consumers), tuple(sorted(inner)))
 
 
 def whole_sizes(kernel: Kernel) -> dict[str, int]:
@@ -456,10 +562,14 @@ class Classifier:
         """Lines computing `kinds` (EMPTY/PARTIAL/FULL per block over the class axes)."""
         for i in self.axes:
             self.index_range(i)
-        if self.p.condition is None:
-            can, must = "True", "True"
+        # A block is visited if some point may have an element present there, and full
+        # (no condition evaluated) only if every point has all of them.
+        parts = [self.truth(pt.condition) if pt.condition is not None else ("True", "True") for pt in self.p.points]
+        if len(parts) == 1:
+            can, must = parts[0]
         else:
-            can, must = self.truth(self.p.condition)
+            can = "True" if ("True", "True") in parts else " | ".join(f"({c})" for c, _ in parts)
+            must = " & ".join(f"({m})" for _, m in parts if m != "True") or "True"
         shape = "(" + ", ".join(f"{self.ranges[a][0]}.size" for a in self.axes) + ",)"
         tails = [f"({self.ranges[i][0]} + {self.tile_of(i)} > {self.size_of(i)})" for i in ragged]
         if tails:

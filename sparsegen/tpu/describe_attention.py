@@ -12,22 +12,30 @@ def describe_attention(m) -> list[str]:
     lines.append(f"walk: rows of '{p.score}' (one {p.query} block of {tile[p.query]} at a time, per {lead}),")
     lines.append(f"  reducing over {p.key} in blocks of {tile[p.key]}: grid ({', '.join(p.lead + ('steps',))}),")
     lines.append(f"  {', '.join(p.lead)}{' parallel, ' if p.lead else ''}steps arbitrary")
-    if p.condition is None:
+    if not p.conditions:
         lines.append("blocks: every block is full (no condition)")
     else:
         exact = "traced operands (classified under jit; the walk has the dense count, empty steps trailing)" if p.data_dependent else \
             "sizes only (classified with numpy at trace time; the walk visits exactly the non-empty blocks)"
-        lines.append(f"condition: {p.condition.text}")
+        if len(p.points) == 1:
+            lines.append(f"condition: {p.condition.text}")
+        else:
+            lines.append("conditions (a block is visited if some score has an element there, full if every score has all):")
+            lines += [f"  {pt.name}: {pt.condition.text if pt.condition is not None else 'none'}" for pt in p.points]
         lines.append(f"  per ({', '.join(p.class_axes)}) block: empty (skipped: no step), partial (evaluated from iota")
         lines.append(f"  and operand blocks) or full (not evaluated); depends on {exact}")
-    lines.append(f"step: s = {p.q.text} . {p.k.text} over {p.summed}" + (f" x {p.scale!r}" if p.scale is not None else "") + " (MXU, f32)")
+    if p.stored_score:
+        lines.append("step: the scores read from stored operands (no product)")
+    else:
+        lines.append(f"step: s = {p.q.text} . {p.k.text} over {p.summed}" + (f" x {p.scale!r}" if p.scale is not None else "") + " (MXU, f32)")
     for name, term in p.chain:
         lines.append(f"  then {name} = {term.text}")
     for c in p.consumers:
         if c.kind == "softmax_product":
             lines.append(f"{c.output}: softmax rows times {c.value.text}, online (running max and sum, rescaled accumulator)")
         else:
-            lines.append(f"{c.output}: {c.kind} of each row, from the running statistics")
+            of = f" of {p.points[c.point].name}" if len(p.points) > 1 else ""
+            lines.append(f"{c.output}: {c.kind} of each row{of}, from the running statistics")
     lines.append("rows with no present element: outputs 0 (logsumexp and max: -inf)")
     lines.append(f"VMEM: {m.vmem_bytes / 1024:.0f} KiB estimated")
     for what, b in m.vmem:
@@ -35,6 +43,10 @@ def describe_attention(m) -> list[str]:
     if m.backward_error:
         lines.append(f"gradients: not derived: {m.backward_error}")
     else:
-        lines.append("gradients (jax.grad): dq and the chain's per-row, per-block and per-walk operands over the same walk;")
-        lines.append(f"  d{p.k.operand} and the values over the key-side walk (the transposed classification, key x row blocks)")
+        if p.stored_score:
+            lines.append("gradients (jax.grad): the chain's operands over the same walk (a stored score per block, placed after),")
+            lines.append("  the values and per-key operands over the key-side walk (the transposed classification, key x row blocks)")
+        else:
+            lines.append("gradients (jax.grad): dq and the chain's per-row, per-block and per-walk operands over the same walk;")
+            lines.append(f"  d{p.k.operand} and the values over the key-side walk (the transposed classification, key x row blocks)")
     return lines

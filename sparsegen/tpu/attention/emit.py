@@ -65,7 +65,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], self.size_of)
         lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)])
         reads = []
-        for r in (p.condition.reads if p.condition is not None else ()):
+        for r in (r for cond in p.conditions for r in cond.reads):
             param = self.m.conv.param(r.operand).internal
             if param not in reads:
                 reads.append(param)
@@ -153,9 +153,16 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         forward = self.forward_call()
         row_consumers = [c for c in p.consumers if not c.stored]
         self.out_var = {c.output: forward.outs[n].var for n, c in enumerate(row_consumers)}
-        self.row_lse = forward.outs[-1].var
+        self.row_lses = [o.var for o in forward.outs[len(row_consumers):]]  # one per point
+        self.row_lse = self.row_lses[0]
         stored = None
+        stored_lines = []
         if any(c.stored for c in p.consumers):
+            self.stored_lse_hosts = {}
+            row_shape = _tuple([self.size_of(i) for i in p.lead] + [self.size_of(p.query), str(LANES)])
+            for pt in sorted({c.point for c in p.consumers if c.kind == "softmax_out"}):
+                host = self.stored_lse_hosts[pt] = self.row_hosts["row_lse"] if pt == 0 else self.n.local("row_lse_rows")
+                stored_lines.append(f"{host} = jnp.broadcast_to({self.row_lses[pt]}[..., None], {row_shape})")
             stored = self.stored_call()
             self.out_var.update({c.output: o.var for c, o in zip([c for c in p.consumers if c.stored], stored.outs)})
         error = m.backward_error
@@ -163,9 +170,9 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         outputs = [c.output for c in p.consumers]
         if error is None:
             self.cotangents = {o.name: self.n.local(f"g_{o.name}") for o in k.outputs}
-            dq, dkv = self.dq_call(), self.dkv_call()
+            dq, dkv = self.dq_call(), self.dkv_call() if self.needs_key_walk() else None
             backward = self.backward_glue(dq, dkv, outputs)
-            calls_b = [self.call_dict(dq, kinds_var), self.call_dict(dkv, f"{kinds_var}.transpose(0, 2, 1)")]
+            calls_b = [self.call_dict(dq, kinds_var)] + ([self.call_dict(dkv, f"{kinds_var}.transpose(0, 2, 1)")] if dkv else [])
         else:
             calls_b = []
         main = env.get_template("tpu/attention.py.j2").render(
@@ -183,10 +190,9 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             size_vars=self.sizes,
             forward=self.call_dict(forward, kinds_var),
             stored=self.call_dict(stored, kinds_var, walk="_dense_tables") if stored else None,
-            stored_lines=[f"{self.row_hosts['row_lse']} = jnp.broadcast_to({self.row_lse}[..., None], "
-                          f"{_tuple([self.size_of(i) for i in p.lead] + [self.size_of(p.query), str(LANES)])})"] if stored else [],
+            stored_lines=stored_lines,
             backward_calls=calls_b,
-            maps=self.all_maps([forward] + ([stored] if stored else []) + ([dq, dkv] if error is None else [])),
+            maps=self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if error is None else [])),
             map_params=self.grid_vars + [self.t] + self.tables,
             public_params=[p_.internal for p_ in conv.params] + self.sizes,
             prepare_lines=self.prepare_lines(),
@@ -202,7 +208,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             public_args=[p_.public for p_ in conv.params] + [s.symbol for s in conv.sizes],
             n_args=len(conv.impl_args),
             outputs=[self.out_var[c.output] for c in p.consumers],
-            row_lse=forward.outs[-1].var,
+            row_lse=", ".join(self.row_lses),
             declared=[self.out_var[o.name] for o in k.outputs],
             error=repr(f"{error}") if error else None,
             backward=backward,
@@ -250,12 +256,15 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             if c.kind == "sum":
                 lines.append(f"{self.row_hosts['dsum']} = jnp.broadcast_to({self.cotangents[c.output]}.astype({f32})[..., None], {row_shape})")
                 lines.append(f"{self.col_hosts['dsum']} = jnp.broadcast_to({self.cotangents[c.output]}.astype({f32})[..., None, :], {col_shape})")
-        results = [o.var for o in dq.outs] + [o.var for o in dkv.outs]
+        dkv_outs = dkv.outs if dkv is not None else []
+        results = [o.var for o in dq.outs] + [o.var for o in dkv_outs]
         # Per operand: the gradients its reads get, laid out as the operand.
         grads: dict[str, list[str]] = {}
-        std = {dq.outs[0].var: (p.q, p.lead + (p.query, p.summed)), dkv.outs[0].var: (p.k, p.lead + (p.key, p.summed))}
+        std = {}
+        if not p.stored_score:
+            std = {dq.outs[0].var: (p.q, p.lead + (p.query, p.summed)), dkv.outs[0].var: (p.k, p.lead + (p.key, p.summed))}
         vals = [c for c in p.consumers if c.kind == "softmax_product"]
-        for c, o in zip(vals, dkv.outs[1:]):
+        for c, o in zip(vals, dkv_outs[0 if p.stored_score else 1:]):
             std[o.var] = (c.value, p.lead + (p.key, self.e_of(c)))
         letters = {i: chr(97 + n) for n, i in enumerate(x.name for x in k.indices)}
         for var, (read, order) in std.items():
@@ -333,8 +342,10 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         return any(t.op == "index" and t.name in (self.p.query, self.p.key) for _, term in self.p.chain for t in term.walk())
 
     def precision(self) -> str:
+        """Full precision for f32 products: the score's factors (a stored score: the values')."""
+        factors = self.m.operands[:2] if not self.p.stored_score else self.values()
         return ", precision=lax.Precision.HIGHEST" if self.k.accumulate.name == "f32" and any(
-            self.k.operand(o.read.operand).dtype.name == "f32" for o in self.m.operands[:2]) else ""
+            self.k.operand(o.read.operand).dtype.name == "f32" for o in factors) else ""
 
     def block_value(self, o: Operand, transposed: bool = False) -> str:
         ref = o.ref

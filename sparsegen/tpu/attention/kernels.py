@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from ...ir import Read, Term
+from ...schedule.attention import read_key
 from .lower import LANES, SUBLANES, Operand, render_term
 from .lower import py_tuple as _tuple
 
@@ -84,24 +85,26 @@ class KernelWriter:
         ti, tj = self.tile[p.query], self.tile[p.key]
         out = ["", "def _scores(masked):"]
         operands = self.operands(transposed)
-        floats = set(p.float_reads())
+        floats = {read_key(r) for r in p.float_reads()}
         for o in operands:
             if o.role == "value":
                 continue
-            if with_raw and (o.role in ("q", "k") or o.read in floats):
+            if with_raw and (o.role in ("q", "k") or read_key(o.read) in floats):
                 # Past the ends memory holds anything: zeros keep the scores finite there
                 # (the derivatives the chain sums for a bias too); the gradient products
                 # reuse these blocks.
                 out += self.load_block(n, o, at, tables, "masked", (p.query, p.key), transposed)
             else:
                 out.append(f"    {o.var} = {self.block_value(o, transposed)}")
-        qo, ko = operands[0], operands[1]
-        qd, kd = self.live(qo.read).index(p.summed), self.live(ko.read).index(p.summed)
-        raw = n.local("raw_scores")
-        a, b, da, db = (ko.var, qo.var, kd, qd) if transposed else (qo.var, ko.var, qd, kd)
-        out.append(f"    {raw} = lax.dot_general({a}, {b}, ((({da},), ({db},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})")
-        if p.scale is not None:
-            out.append(f"    {raw} = {raw} * {p.scale!r}")
+        raw = None
+        if not p.stored_score:
+            qo, ko = operands[0], operands[1]
+            qd, kd = self.live(qo.read).index(p.summed), self.live(ko.read).index(p.summed)
+            raw = n.local("raw_scores")
+            a, b, da, db = (ko.var, qo.var, kd, qd) if transposed else (qo.var, ko.var, qd, kd)
+            out.append(f"    {raw} = lax.dot_general({a}, {b}, ((({da},), ({db},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})")
+            if p.scale is not None:
+                out.append(f"    {raw} = {raw} * {p.scale!r}")
         qpos, kpos = n.local(f"{p.query}_pos"), n.local(f"{p.key}_pos")
         qshape, kshape = ((1, ti), (tj, 1)) if transposed else ((ti, 1), (1, tj))
         pos_lines = [
@@ -111,7 +114,8 @@ class KernelWriter:
         chain_pos = self.chain_uses_positions()
         if chain_pos:
             out += pos_lines
-        block_of = {o.read: o.var for o in operands}
+        block_of = {read_key(o.read): o.var for o in operands}
+        values = {} if raw is None else {p.score: raw}  # a local's variable, by its name
 
         def leaf(term: Term, float_ctx: bool) -> str:
             if term.op == "index":
@@ -121,42 +125,55 @@ class KernelWriter:
                 v = self.m.conv.size_var(term.name)
                 return f"float({v})" if float_ctx else v
             if term.op == "local":
-                return current[0]
+                return values[term.read.operand]
             if term.op == "truth":
-                return f"({block_of[term.read]} != 0)"
-            v = block_of[term.read]
+                return f"({block_of[read_key(term.read)]} != 0)"
+            v = block_of[read_key(term.read)]
             return f"{v}.astype({acc.jnp})" if float_ctx else v
 
-        current = [raw]
-        fvars = [block_of[r] for r in p.float_reads()]
-        if p.chain:
-            # The elementwise steps after the product, one function: its derivative is jax.vjp's.
-            out += ["", f"    def _chain({', '.join([raw] + fvars)}):"]
+        def point_value(pt) -> str:
+            return values[pt.local] if pt.local is not None else leaf(Term("read", read=pt.read), True)
+
+        fvars = [block_of[read_key(r)] for r in p.float_reads()]
+        args = ([raw] if raw is not None else []) + fvars
+        if self.has_chain():
+            # The elementwise steps (after the product), one function: its derivative is jax.vjp's.
+            out += ["", f"    def _chain({', '.join(args)}):"]
             for name, term in p.chain:
                 var = n.local(name)
                 out.append(f"        {var} = {render_term(term, lambda x: leaf(x, True))}")
-                current[0] = var
-            out.append(f"        return {current[0]}")
+                values[name] = var
+            out.append(f"        return {', '.join(point_value(pt) for pt in p.points)}")
             out.append("")
-        s = n.local("s")
-        out.append(f"    {s} = _chain({', '.join([raw] + fvars)})" if p.chain else f"    {s} = {raw}")
-        cond = [] if p.condition is None else [render_term(p.condition, lambda x: leaf(x, False))]
-        for index, pos in ((p.query, qpos), (p.key, kpos)):
-            if self.ragged(index):
-                cond.append(f"({pos} < {self.size_of(index)})")
-        if cond:
+            ss = [n.local("s") for _ in p.points]
+            out.append(f"    {', '.join(ss)} = _chain({', '.join(args)})")
+        else:
+            ss = [n.local("s")]
+            out.append(f"    {ss[0]} = {raw}")
+        ragged = [f"({pos} < {self.size_of(index)})" for index, pos in ((p.query, qpos), (p.key, kpos)) if self.ragged(index)]
+        conds = [([] if pt.condition is None else [render_term(pt.condition, lambda x: leaf(x, False))]) + ragged for pt in p.points]
+        if any(conds):
             out.append("    if masked:")
             if not chain_pos:
                 out += ["    " + x for x in pos_lines]
-            present = n.local("present")
-            out.append(f"        {present} = " + " & ".join(cond))
-            out.append(f"        {s} = jnp.where({present}, {s}, -jnp.inf)")
-        if with_raw:
-            extras = f", ({', '.join(fvars)}{',' if len(fvars) == 1 else ''})" if fvars else ""
-            out.append(f"    return {raw}, {s}, _chain{extras}" if p.chain else f"    return {raw}, {s}")
+            for s, cond in zip(ss, conds):
+                if cond:
+                    present = n.local("present")
+                    out.append(f"        {present} = " + " & ".join(cond))
+                    out.append(f"        {s} = jnp.where({present}, {s}, -jnp.inf)")
+        if with_raw:  # one point (the gradients are derived for one)
+            got = ([raw] if raw is not None else []) + [ss[0]] + (["_chain"] if self.has_chain() else [])
+            if fvars:
+                got.append(f"({', '.join(fvars)}{',' if len(fvars) == 1 else ''})")
+            out.append(f"    return {', '.join(got)}")
         else:
-            out.append(f"    return {s}")
+            out.append(f"    return {', '.join(ss)}")
         return out
+
+    def has_chain(self) -> bool:
+        """Is there a `_chain` function (elementwise steps, several points, stored scores)?"""
+        p = self.p
+        return bool(p.chain) or p.stored_score or any(pt.local != p.score for pt in p.points)
 
     def load_block(self, n, o: Operand, at, tables, masked: str, along: tuple[str, ...], transposed: bool = False) -> list[str]:
         """An operand's block; on a partial step its rows (or columns) past the end of a
@@ -191,6 +208,9 @@ class KernelWriter:
     def values(self) -> list[Operand]:
         return [o for o in self.m.operands if o.role == "value"]
 
+    def operand_of(self, r: Read) -> Operand:
+        return next(o for o in self.m.operands if read_key(o.read) == read_key(r))
+
     def consumer_value(self, c) -> Operand:
         return next(o for o in self.m.operands if o.read == c.value)
 
@@ -209,7 +229,9 @@ class KernelWriter:
         tables = self.row_tables()
         lines, lead_vars, at, kind, flag = self.head(n, tables)
         ti = self.tile[p.query]
-        m_scr, l_scr = n.local("m_scratch"), n.local("l_scratch")
+        pts = range(len(p.points))
+        # Per point (what consumers read): a running max and sum.
+        stat_names = [(n.local("m_scratch"), n.local("l_scratch")) for _ in pts]
         accs = {}
         for c in consumers:
             if c.kind == "softmax_product":
@@ -217,22 +239,26 @@ class KernelWriter:
             elif c.kind == "sum":
                 accs[c.output] = n.local(f"{c.output}_sum")
         out_refs = {c.output: n.local(f"{c.output}_ref") for c in consumers}
-        stats_ref = n.local("row_lse_ref")
-        lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", "    # The row's first step: nothing seen yet.",
-                  f"    {m_scr}[...] = jnp.full_like({m_scr}, -jnp.inf)", f"    {l_scr}[...] = jnp.zeros_like({l_scr})"]
+        stats_refs = [n.local("row_lse_ref") for _ in pts]
+        lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", "    # The row's first step: nothing seen yet."]
+        for m_scr, l_scr in stat_names:
+            lines += [f"    {m_scr}[...] = jnp.full_like({m_scr}, -jnp.inf)", f"    {l_scr}[...] = jnp.zeros_like({l_scr})"]
         lines += [f"    {a}[...] = jnp.zeros_like({a})" for a in accs.values()]
         lines += self.scores(n, lead_vars, at, tables, with_raw=False)
-        nm = {x: n.local(x) for x in ["m_prev", "m_new", "m_safe", "alpha", "probs", "total", "nothing", "safe", "scores"]}
-        sv = nm["scores"]
-        lines += ["", "def _step(masked):", f"    {sv} = _scores(masked)", f"    {nm['m_prev']} = {m_scr}[...]",
-                  f"    {nm['m_new']} = jnp.maximum({nm['m_prev']}, jnp.max({sv}, axis=1, keepdims=True))",
-                  "    # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
-                  f"    {nm['m_safe']} = jnp.where(jnp.isneginf({nm['m_new']}), 0.0, {nm['m_new']})",
-                  f"    {nm['alpha']} = jnp.exp({nm['m_prev']} - {nm['m_safe']})",
-                  f"    {nm['probs']} = jnp.exp({sv} - {nm['m_safe']})",
-                  f"    {l_scr}[...] = {nm['alpha']} * {l_scr}[...] + jnp.sum({nm['probs']}, axis=1, keepdims=True)",
-                  f"    {m_scr}[...] = {nm['m_new']}"]
+        nms = [{x: n.local(x) for x in ["m_prev", "m_new", "m_safe", "alpha", "probs", "total", "nothing", "safe", "scores"]} for _ in pts]
+        lines += ["", "def _step(masked):", f"    {', '.join(nm['scores'] for nm in nms)} = _scores(masked)"]
+        for nm, (m_scr, l_scr) in zip(nms, stat_names):
+            sv = nm["scores"]
+            lines += [f"    {nm['m_prev']} = {m_scr}[...]",
+                      f"    {nm['m_new']} = jnp.maximum({nm['m_prev']}, jnp.max({sv}, axis=1, keepdims=True))",
+                      "    # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
+                      f"    {nm['m_safe']} = jnp.where(jnp.isneginf({nm['m_new']}), 0.0, {nm['m_new']})",
+                      f"    {nm['alpha']} = jnp.exp({nm['m_prev']} - {nm['m_safe']})",
+                      f"    {nm['probs']} = jnp.exp({sv} - {nm['m_safe']})",
+                      f"    {l_scr}[...] = {nm['alpha']} * {l_scr}[...] + jnp.sum({nm['probs']}, axis=1, keepdims=True)",
+                      f"    {m_scr}[...] = {nm['m_new']}"]
         for c in consumers:
+            nm, sv = nms[c.point], nms[c.point]["scores"]
             if c.kind == "softmax_product":
                 vo = self.consumer_value(c)
                 vd = self.live(vo.read).index(p.key)
@@ -243,12 +269,13 @@ class KernelWriter:
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")
-        lse = f"jnp.where({nm['nothing']}, -jnp.inf, {m_scr}[...] + jnp.log({nm['safe']}))"
-        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", "    # The row's last step: normalise and write.",
-                  f"    {nm['total']} = {l_scr}[...]", f"    {nm['nothing']} = {nm['total']} == 0.0",
-                  f"    {nm['safe']} = jnp.where({nm['nothing']}, 1.0, {nm['total']})"]
+        lses = [f"jnp.where({nm['nothing']}, -jnp.inf, {m_scr}[...] + jnp.log({nm['safe']}))" for nm, (m_scr, _) in zip(nms, stat_names)]
+        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", "    # The row's last step: normalise and write."]
+        for nm, (_, l_scr) in zip(nms, stat_names):
+            lines += [f"    {nm['total']} = {l_scr}[...]", f"    {nm['nothing']} = {nm['total']} == 0.0",
+                      f"    {nm['safe']} = jnp.where({nm['nothing']}, 1.0, {nm['total']})"]
         for c in consumers:
-            ref = out_refs[c.output]
+            ref, nm, lse, m_scr = out_refs[c.output], nms[c.point], lses[c.point], stat_names[c.point][0]
             if c.kind == "softmax_product":
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
                 lines.append(f"    {ref}[...] = ({accs[c.output]}[...] * jnp.where({nm['nothing']}, 0.0, 1.0 / {nm['safe']}){scale}).astype({ref}.dtype)")
@@ -258,25 +285,33 @@ class KernelWriter:
                 lines.append(f"    {ref}[...] = _row_vector({m_scr}[...]).astype({ref}.dtype)")
             else:
                 lines.append(f"    {ref}[...] = _row_vector({accs[c.output]}[...]).astype({ref}.dtype)")
-        lines.append(f"    {stats_ref}[...] = _row_vector({lse})  # kept for the gradients")
+        for stats_ref, lse in zip(stats_refs, lses):
+            lines.append(f"    {stats_ref}[...] = _row_vector({lse})  # kept for the gradients")
         ins = [self.arr(o, tables) for o in self.m.operands]
         outs = []
         for c in consumers:
             st = k.statement_of(c.output)
             outs.append(self.out_arr(out_refs[c.output], st.target.indices, k.operand(c.output).dtype.jnp, self.n.local(c.output),
                                      f"{st.target.text}: the row block of the step", vector=c.kind != "softmax_product"))
-        outs.append(self.out_arr(stats_ref, p.lead + (p.query,), "jnp.float32", self.n.local("row_lse"), "each row's logsumexp (for the gradients)", vector=True))
-        scratch = [f"pltpu.VMEM(({ti}, 1), {acc.jnp})", f"pltpu.VMEM(({ti}, 1), {acc.jnp})"]
+        for stats_ref, pt in zip(stats_refs, p.points):
+            about = "each row's logsumexp (for the gradients)" if len(p.points) == 1 else f"each row's logsumexp of {pt.name}"
+            outs.append(self.out_arr(stats_ref, p.lead + (p.query,), "jnp.float32", self.n.local("row_lse"), about, vector=True))
+        scratch = [f"pltpu.VMEM(({ti}, 1), {acc.jnp})" for _ in range(2 * len(p.points))]
         for c in consumers:
             if c.kind == "softmax_product":
                 scratch.append(f"pltpu.VMEM(({ti}, {self.tile[self.e_of(c)]}), {acc.jnp})")
             elif c.kind == "sum":
                 scratch.append(f"pltpu.VMEM(({ti}, 1), {acc.jnp})")
-        refs = [a.ref for a in ins] + [o.ref for o in outs] + [m_scr, l_scr] + list(accs.values())
+        refs = [a.ref for a in ins] + [o.ref for o in outs] + [x for pair in stat_names for x in pair] + list(accs.values())
         dims = self.block_elements()
         e_total = sum(self.tile[self.e_of(c)] for c in consumers if c.kind == "softmax_product")
         return CallSpec(self.n.function("_attention_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
-                        f"{2 * dims * (self.tile[p.summed] + e_total)}", f"{dims}", "the outputs", refs)
+                        f"{2 * dims * (self.score_depth() + e_total)}", f"{dims}", "the outputs", refs)
+
+    def score_depth(self) -> int:
+        """Multiply-adds per score element: the product's summed tile (a stored score: one,
+        its running max and sum; no product)."""
+        return self.tile[self.p.summed] if self.p.summed is not None else 1
 
     def stored_call(self) -> CallSpec:
         """Stored softmax or score outputs: every block written (zeros where empty), from a
@@ -288,22 +323,23 @@ class KernelWriter:
         lines, lead_vars, at, kind, flag = self.head(n, tables)
         out_refs = {c.output: n.local(f"{c.output}_ref") for c in stored}
         ins = [self.arr(o, tables) for o in self.m.operands if o.role != "value"]
-        lse_ref = None
-        if any(c.kind == "softmax_out" for c in stored):
-            lse_ref = n.local("row_lse_ref")
+        lse_refs = {}
+        for pt in sorted({c.point for c in stored if c.kind == "softmax_out"}):
+            lse_refs[pt] = n.local("row_lse_ref")
             block = tuple([None] * len(p.lead) + [self.tile[p.query], LANES])
             coords = tuple(list(p.lead) + ["QROW", "0"])
-            ins.append(Arr(lse_ref, block, coords, self.fn("_row_lse_rows_map"), self.row_hosts["row_lse"], "the forward's logsumexp per row, broadcast along lanes"))
+            ins.append(Arr(lse_refs[pt], block, coords, self.fn("_row_lse_rows_map"), self.stored_lse_hosts[pt],
+                           "the forward's logsumexp per row, broadcast along lanes"))
         lines += ["", f"@pl.when({kind} == _EMPTY)", "def _empty():", "    # Nothing present in this block: zeros."]
         lines += [f"    {r}[...] = jnp.zeros_like({r})" for r in out_refs.values()]
         lines += self.scores(n, lead_vars, at, tables, with_raw=False)
-        sv = n.local("scores")
-        lines += ["", "def _write(masked):", f"    {sv} = _scores(masked)"]
+        svs = [n.local("scores") for _ in p.points]
+        lines += ["", "def _write(masked):", f"    {', '.join(svs)} = _scores(masked)"]
         for c in stored:
-            ref = out_refs[c.output]
+            ref, sv = out_refs[c.output], svs[c.point]
             if c.kind == "softmax_out":
                 lse = n.local("lse")
-                lines += [f"    {lse} = {lse_ref}[:, 0:1]", f"    {lse} = jnp.where(jnp.isneginf({lse}), 0.0, {lse})",
+                lines += [f"    {lse} = {lse_refs[c.point]}[:, 0:1]", f"    {lse} = jnp.where(jnp.isneginf({lse}), 0.0, {lse})",
                           f"    {ref}[...] = jnp.where(jnp.isneginf({sv}), 0.0, jnp.exp({sv} - {lse})).astype({ref}.dtype)"]
             else:
                 value = render_term(c.term, lambda t: sv if t.op == "local" else self.scalar_leaf(t))
@@ -320,7 +356,7 @@ class KernelWriter:
         refs = [a.ref for a in ins] + [o.ref for o in outs]
         dims = self.block_elements()
         return CallSpec(self.n.function("_attention_stored_kernel"), lines, [], ins, outs, self.statics(lines), tables,
-                        f"{2 * dims * self.tile[p.summed]}", f"{dims}", "the stored softmax and score outputs", refs)
+                        f"{2 * dims * self.score_depth()}", f"{dims}", "the stored softmax and score outputs", refs)
 
     def scalar_leaf(self, t: Term) -> str:
         if t.op == "size":
@@ -375,7 +411,7 @@ class KernelWriter:
         row = "[0:1, :]" if transposed else "[:, 0:1]"  # a row's statistics: along lanes or sublanes
         fes = n.local("float_blocks")
         dfe = [n.local(f"d{r.operand}") for r in p.float_reads()]
-        got = f"{nm['raw']}, {nm['s']}, {chain}" if p.chain else f"{nm['raw']}, {nm['s']}"
+        got = ", ".join(([] if p.stored_score else [nm["raw"]]) + [nm["s"]] + ([chain] if self.has_chain() else []))
         if dfe:
             got += f", {fes}"
         delta = n.local("delta")
@@ -418,7 +454,10 @@ class KernelWriter:
             lines.append(f"    {nm['ds']} = -{nm['probs']} * {delta}")
         if "dsum" in extra:
             lines.append(f"    {nm['ds']} = {nm['ds']} + jnp.where(jnp.isneginf({nm['s']}), 0.0, {extra['dsum']}{row})")
-        if p.chain:
+        if p.stored_score:  # the chain's operands are all there is to differentiate
+            lines.append(f"    _, {nm['pull']} = jax.vjp({chain}, *{fes})")
+            lines.append(f"    {', '.join(dfe)}{',' if len(dfe) == 1 else ''} = {nm['pull']}({nm['ds']})")
+        elif self.has_chain():
             lines.append(f"    _, {nm['pull']} = jax.vjp({chain}, {nm['raw']}" + (f", *{fes})" if dfe else ")"))
             lines.append(f"    {', '.join([nm['draw']] + dfe)}{',' if not dfe else ''} = {nm['pull']}({nm['ds']})")
             lines.append(f"    {nm['draw']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['draw']})  # absent: no gradient")
@@ -440,21 +479,23 @@ class KernelWriter:
         float_names = {r: (n.local(f"d{r.operand}_ref"), n.local(f"d{r.operand}_acc")) for r in p.float_reads()}
         sn = n.scope()
         step, probs, draw, dos = self.backward_step(sn, at, tables, extra, "masked")
-        ko = self.m.operands[1]
-        kj = self.live(ko.read).index(p.key)
-        step += self.load_block(sn, ko, at, tables, "masked", (p.key,))
-        # The product's scale multiplies the (rows x d) result, not the (rows x keys) block.
-        scale = f" * {p.scale!r}" if p.scale is not None else ""
-        step.append(f"    {dq_acc}[...] += lax.dot_general({draw}.astype({ko.var}.dtype), {ko.var}, (((1,), ({kj},)), ((), ())), "
-                    f"preferred_element_type={acc.jnp}{self.precision()}){scale}")
-        outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), self.grad_dtype(p.q), self.n.local("dq_full"),
-                             "the row block's gradient of the score's row factor", vector=False)]
-        scratch = [f"pltpu.VMEM(({self.tile[p.query]}, {self.tile[p.summed]}), {acc.jnp})"]
+        outs, scratch = [], []
+        if not p.stored_score:
+            ko = self.m.operands[1]
+            kj = self.live(ko.read).index(p.key)
+            step += self.load_block(sn, ko, at, tables, "masked", (p.key,))
+            # The product's scale multiplies the (rows x d) result, not the (rows x keys) block.
+            scale = f" * {p.scale!r}" if p.scale is not None else ""
+            step.append(f"    {dq_acc}[...] += lax.dot_general({draw}.astype({ko.var}.dtype), {ko.var}, (((1,), ({kj},)), ((), ())), "
+                        f"preferred_element_type={acc.jnp}{self.precision()}){scale}")
+            outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), self.grad_dtype(p.q), self.n.local("dq_full"),
+                                 "the row block's gradient of the score's row factor", vector=False)]
+            scratch = [f"pltpu.VMEM(({self.tile[p.query]}, {self.tile[p.summed]}), {acc.jnp})"]
         row_accs, walk_accs, init, flush, finish, post = [], [], [], [], [], []
         ti, tj = self.tile[p.query], self.tile[p.key]
         lead_shape = [self.size_of(i) for i in p.lead]
         for r, d in dos["floats"].items():
-            o = next(x for x in self.m.operands if x.read == r)
+            o = self.operand_of(r)
             ref, a = float_names[r]
             var = self.n.local(f"d{r.operand}_{''.join(r.indices)}")
             if o.layout == "natural":
@@ -498,18 +539,24 @@ class KernelWriter:
         if walk_accs:
             lines += ["", f"@pl.when(pl.program_id({len(p.lead)}) == 0)", "def _start():", "    # Sums over the whole walk (a slope, a per-head bias) start once."]
             lines += [f"    {a}[...] = jnp.zeros_like({a})" for a in walk_accs]
-        lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", f"    {dq_acc}[...] = jnp.zeros_like({dq_acc})"] + init
+        if not p.stored_score:
+            init.insert(0, f"    {dq_acc}[...] = jnp.zeros_like({dq_acc})")
+            flush.insert(0, f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)")
+        if init:
+            lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():"] + init
         lines += self.scores(n, lead_vars, at, tables, with_raw=True)
         lines += ["", "def _step(masked):"] + step
         lines += self.phases(kind, "_step")
-        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)"] + flush
+        if flush:
+            lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():"] + flush
         if walk_accs:
             lines += ["", f"@pl.when(pl.program_id({len(p.lead)}) == {self.steps} - 1)", "def _finish():"] + finish
-        refs = [a.ref for a in ins] + [o.ref for o in outs] + [dq_acc] + row_accs + walk_accs
+        refs = [a.ref for a in ins] + [o.ref for o in outs] + ([] if p.stored_score else [dq_acc]) + row_accs + walk_accs
         dims = self.block_elements()
         e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
+        about = f"the gradient of {p.q.operand}" if not p.stored_score else "the gradients of the stored scores' operands"
         return CallSpec(self.n.function("_attention_dq_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
-                        f"{2 * dims * (2 * self.tile[p.summed] + e_total)}", f"{dims}", f"the gradient of {p.q.operand}", refs, post=post)
+                        f"{2 * dims * (2 * self.score_depth() + e_total)}", f"{dims}", about, refs, post=post)
 
     def dkv_call(self) -> CallSpec:
         """The key-side gradients: a walk over key blocks (the transposed classification),
@@ -524,21 +571,24 @@ class KernelWriter:
         float_names = {r: (n.local(f"d{r.operand}_ref"), n.local(f"d{r.operand}_acc")) for r in p.float_reads()}
         sn = n.scope()  # _step's own locals avoid the kernel-level names above
         step, probs, draw, dos = self.backward_step(sn, at, tables, extra, "masked", transposed=True)
-        qo = self.m.operands[0]
-        qi = self.live(qo.read).index(p.query)
-        step += self.load_block(sn, qo, at, tables, "masked", (p.query,))
+        if not p.stored_score:
+            qo = self.m.operands[0]
+            qi = self.live(qo.read).index(p.query)
+            step += self.load_block(sn, qo, at, tables, "masked", (p.query,))
         for c in p.consumers:
             if c.kind == "softmax_product":
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
                 do = dos[c.output]
                 step.append(f"    {dv[c.output][0]}[...] += lax.dot_general({probs}.astype({do}.dtype), {do}, "
                             f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()}){scale}")
-        scale = f" * {p.scale!r}" if p.scale is not None else ""
-        step.append(f"    {dk_acc}[...] += lax.dot_general({draw}.astype({qo.var}.dtype), {qo.var}, (((1,), ({qi},)), ((), ())), "
-                    f"preferred_element_type={acc.jnp}{self.precision()}){scale}")
-        outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), self.grad_dtype(p.k), self.n.local("dk_full"),
-                             "the key block's gradient of the score's key factor", vector=False)]
-        scratch = [f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[p.summed]}), {acc.jnp})"]
+        outs, scratch = [], []
+        if not p.stored_score:
+            scale = f" * {p.scale!r}" if p.scale is not None else ""
+            step.append(f"    {dk_acc}[...] += lax.dot_general({draw}.astype({qo.var}.dtype), {qo.var}, (((1,), ({qi},)), ((), ())), "
+                        f"preferred_element_type={acc.jnp}{self.precision()}){scale}")
+            outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), self.grad_dtype(p.k), self.n.local("dk_full"),
+                                 "the key block's gradient of the score's key factor", vector=False)]
+            scratch = [f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[p.summed]}), {acc.jnp})"]
         for c in p.consumers:
             if c.kind == "softmax_product":
                 e = self.e_of(c)
@@ -549,7 +599,7 @@ class KernelWriter:
         key_accs, key_flush = [], []
         lead_shape = [self.size_of(i) for i in p.lead]
         for r, d in dos["floats"].items():
-            if next(x for x in self.m.operands if x.read == r).layout != "cols":
+            if self.operand_of(r).layout != "cols":
                 continue
             ref, a = float_names[r]
             var = self.n.local(f"d{r.operand}_{''.join(r.indices)}")
@@ -562,19 +612,26 @@ class KernelWriter:
             scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, 1), {acc.jnp})")
             self.post_dkv.append(f"{var} = {var}[..., 0]")
             self.float_grads.append((r, var, p.lead + (p.key,)))
-        accs = [dk_acc] + [a for a, _ in dv.values()] + key_accs
+        accs = ([] if p.stored_score else [dk_acc]) + [a for a, _ in dv.values()] + key_accs
         lines = list(head) + ["", f"@pl.when({flag} & 1 != 0)", "def _init():"] + [f"    {a}[...] = jnp.zeros_like({a})" for a in accs]
         lines += ["", "# Blocks are key x row here: each row's statistics are row vectors, and both",
                   "# gradients are plain products with the row blocks."]
         lines += self.scores(n, lead_vars, at, tables, with_raw=True, transposed=True)
         lines += ["", "def _step(masked):"] + step + self.phases(kind, "_step")
-        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", f"    {dk_ref}[...] = {dk_acc}[...].astype({dk_ref}.dtype)"]
+        lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():"] + ([] if p.stored_score else [f"    {dk_ref}[...] = {dk_acc}[...].astype({dk_ref}.dtype)"])
         lines += [f"    {r}[...] = {a}[...].astype({r}.dtype)" for a, r in dv.values()] + key_flush
         refs = [a.ref for a in ins] + [o.ref for o in outs] + accs
         e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
         return CallSpec(self.n.function("_attention_dkv_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
-                        f"{2 * self.block_elements() * (2 * self.tile[p.summed] + 2 * e_total)}", f"{self.block_elements()}",
-                        f"the gradients of {p.k.operand} and the values", refs, suffix="_by_key", post=list(self.post_dkv))
+                        f"{2 * self.block_elements() * (2 * self.score_depth() + 2 * e_total)}", f"{self.block_elements()}",
+                        f"the gradients of {p.k.operand} and the values" if not p.stored_score else "the gradients of the values and per-key operands",
+                        refs, suffix="_by_key", post=list(self.post_dkv))
+
+    def needs_key_walk(self) -> bool:
+        """The key-side backward walk: for the key factor, the values, per-key operands."""
+        p = self.p
+        return not p.stored_score or any(c.kind == "softmax_product" for c in p.consumers) or any(
+            self.operand_of(r).layout == "cols" for r in p.float_reads())
 
     def row_tables(self) -> dict[str, str]:
         """The tables of a row walk: the row block read (QROW), the key block read (COL) and
@@ -593,6 +650,6 @@ class KernelWriter:
         gradient; f32 where the wrapper still sums partial gradients (grouped heads, a head
         the operand lacks, an operand read twice)."""
         p, op = self.p, self.k.operand(read.operand)
-        roles = [r for r in (p.q, p.k, *(c.value for c in p.consumers if c.value is not None)) if r.operand == read.operand]
+        roles = [r for r in (p.q, p.k, *(c.value for c in p.consumers if c.value is not None)) if r is not None and r.operand == read.operand]
         direct = len(set(roles)) == 1 and len(roles) == 1 and all(s.divisor == 1 for s in read.subs) and set(p.lead) <= set(read.indices)
         return op.dtype.jnp if direct else "jnp.float32"

@@ -12,7 +12,7 @@ from ...callconv import Convention, convention
 from ...flow import FUNCTIONS
 from ...ir import Kernel, Read, Term
 from ...names import ModuleNames
-from ...schedule.attention import RowPlan
+from ...schedule.attention import RowPlan, read_key
 from ..layout import padded_bytes
 from ..targets import Target
 
@@ -68,7 +68,7 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
     tile = {i.name: i.tile for i in kernel.indices}
 
     def add(read: Read, role: str):
-        if any(o.read == read for o in ops):
+        if any(read_key(o.read) == read_key(read) for o in ops):
             return
         has_q, has_k = p.query in read.indices, p.key in read.indices
         layout = "natural" if role != "extra" or (has_q and has_k) else ("rows" if has_q else "cols" if has_k else "scalar")
@@ -77,8 +77,9 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
                            names.function(f"_{read.operand}_map" if role != "extra" else f"_{read.operand}_{''.join(read.indices)}_map"),
                            layout, block, coords))
 
-    add(p.q, "q")
-    add(p.k, "k")
+    if not p.stored_score:
+        add(p.q, "q")
+        add(p.k, "k")
     for c in p.consumers:
         if c.value is not None:
             add(c.value, "value")
@@ -98,7 +99,7 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
             vmem.append((f"{c.output} accumulator", padded_bytes((ti, tile[e]), acc)))
         else:
             vmem.append((f"{c.output} block x2", 2 * padded_bytes((1, ti), out.dtype)))
-    vmem.append(("running max and sum", 3 * padded_bytes((ti, 1), acc)))
+    vmem.append(("running max and sum", 3 * len(p.points) * padded_bytes((ti, 1), acc)))
     vmem.append(("score block and its softmax (f32 temporaries)", 3 * padded_bytes((ti, tj), acc)))
     return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem), gradient_error(kernel, plan))
 
@@ -129,10 +130,15 @@ def layout_block(read: Read, layout: str, p: RowPlan, tile: dict) -> tuple[tuple
 
 def gradient_error(kernel: Kernel, p: RowPlan) -> str | None:
     """Why the flash-attention backward cannot be derived for this kernel (None: it can)."""
+    if len(p.points) > 1:
+        names = ", ".join(f"'{pt.name}'" for pt in p.points)
+        return f"the gradient of outputs that reduce different scores ({names}) in one kernel is not derived yet"
     if any(c.kind == "max" for c in p.consumers):
         return "the gradient of a max reduction is not derived yet"
     if any(c.stored for c in p.consumers):
         return "the gradient of a stored softmax or score output is not derived yet"
+    if p.stored_score and not p.float_reads():
+        return "a stored score of integer operands has no gradient"
     return None
 
 

@@ -32,12 +32,14 @@ class ReferenceWriter:
             return "".join(letters[i] for i in r.indices)
 
         dst = "".join(letters[i] for i in rows)
-        s = scope.local("s")
         widen = lambda r: f"{view(r)}.astype({acc.jnp})"
         prec = ", precision=lax.Precision.HIGHEST" if acc.is_float else ""
-        lines.append(f'{s} = jnp.einsum("{spec(p.q)},{spec(p.k)}->{dst}", {widen(p.q)}, {widen(p.k)}, preferred_element_type={acc.jnp}{prec})')
-        if p.scale is not None:
-            lines.append(f"{s} = {s} * {p.scale!r}")
+        values = {}  # a local's variable, by its name
+        if not p.stored_score:
+            s = values[p.score] = scope.local("s")
+            lines.append(f'{s} = jnp.einsum("{spec(p.q)},{spec(p.k)}->{dst}", {widen(p.q)}, {widen(p.k)}, preferred_element_type={acc.jnp}{prec})')
+            if p.scale is not None:
+                lines.append(f"{s} = {s} * {p.scale!r}")
 
         def leaf(t: Term, float_ctx: bool) -> str:
             if t.op == "index":
@@ -48,29 +50,40 @@ class ReferenceWriter:
                 v = conv.size_var(t.name)
                 return f"float({v})" if float_ctx else v
             if t.op == "local":
-                return current[0]
+                return values[t.read.operand]
             v = f'_expand({view(t.read)}, "{spec(t.read)}", "{dst}")'
             if t.op == "truth":
                 return f"({v} != 0)"
             return f"{v}.astype({acc.jnp})" if float_ctx else v
 
-        current = [s]
         for name, term in p.chain:
-            var = scope.local(name)
+            var = values[name] = scope.local(name)
             lines.append(f"{var} = {render_term(term, lambda x: leaf(x, True))}")
-            current[0] = var
-        final = current[0]
-        if p.condition is not None:
-            lines.append(f"{final} = jnp.where({render_term(p.condition, lambda x: leaf(x, False))}, {final}, -jnp.inf)")
-        probs, lse = scope.local("probs"), scope.local("lse")
+        finals = []  # per point: its scores, minus infinity where absent
+        for pt in p.points:
+            if pt.local is None:
+                final = scope.local(pt.read.operand)
+                lines.append(f"{final} = {leaf(Term('read', read=pt.read), True)}")
+            elif len(p.points) == 1 and pt.local == (p.chain[-1][0] if p.chain else p.score):
+                final = values[pt.local]  # the last local, masked in place
+            else:
+                final = scope.local(f"{pt.local}_present")
+                lines.append(f"{final} = {values[pt.local]}")
+            if pt.condition is not None:
+                lines.append(f"{final} = jnp.where({render_term(pt.condition, lambda x: leaf(x, False))}, {final}, -jnp.inf)")
+            finals.append(final)
+        stats = {}
+        for pt in sorted({c.point for c in p.consumers if c.kind in ("softmax_product", "logsumexp", "softmax_out")}):
+            probs, lse = scope.local("probs"), scope.local("lse")
+            lines.append(f"{probs}, {lse} = _softmax_rows({finals[pt]})")
+            stats[pt] = (probs, lse)
         results = {}
-        needs_softmax = any(c.kind in ("softmax_product", "logsumexp", "softmax_out") for c in p.consumers)
-        if needs_softmax:
-            lines.append(f"{probs}, {lse} = _softmax_rows({final})")
         for c in p.consumers:
             out = k.operand(c.output)
             var = scope.local(c.output)
             st = k.statement_of(c.output)
+            final = finals[c.point]
+            probs, lse = stats.get(c.point, (None, None))
             if c.kind == "softmax_product":
                 e_letters = "".join(letters[i] for i in st.target.indices)
                 lines.append(f'{var} = jnp.einsum("{dst},{spec(c.value)}->{e_letters}", {probs}, {widen(c.value)}, preferred_element_type={acc.jnp}{prec})')
