@@ -89,6 +89,7 @@ class PassCycles:
     hbm_cycles: int = 0
     mxu_cycles: float = 0.0  # the MXU minimum of the work the real walk does
     every_step_flops: int = 0  # MXU work outside every region
+    order: int = 0  # position among the kernel's forward or backward passes
     note: str | None = None
 
     @property
@@ -157,41 +158,61 @@ class KernelCycles:
 
 def measure(jobs: list[dict], timeout: float = 3600) -> list[KernelCycles]:
     """Run the helper process on `jobs` ({"spec", "kernel", "target", "shapes", "pattern", "seed"}
-    each); CyclesUnavailable if it gives nothing back."""
+    each). libtpu's profiler aborts the process on some kernels ("No DMA issue node found for
+    sync flag"): that pass is reported as not estimated, and a new process goes on after it.
+    NoProfile if this libtpu writes no estimate at all."""
     from ..jaxenv import quiet_libtpu
 
     quiet_libtpu()
-    with tempfile.TemporaryDirectory(prefix="sparsegen-cycles-") as tmp:
-        request = os.path.join(tmp, "request.json")
-        with open(request, "w") as f:
-            json.dump(jobs, f)
-        env = {**os.environ, "LIBTPU_INIT_ARGS": f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {FLAG}={tmp}/profile".strip()}
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-        proc = subprocess.run([sys.executable, "-m", "sparsegen.tpu.cycles", request], capture_output=True, text=True, env=env, timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if len(lines) < len(jobs):
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        raise CyclesUnavailable(f"the cycle-estimate process stopped (exit {proc.returncode}) after {len(lines)} of {len(jobs)} kernels: {tail}")
-    return [_from_json(json.loads(line)) for line in lines]
+    results = [KernelCycles(j["kernel"], j["target"], j["pattern"]) for j in jobs]
+    done: set[tuple] = set()
+    for _ in range(64):  # one restart per aborted pass
+        with tempfile.TemporaryDirectory(prefix="sparsegen-cycles-") as tmp:
+            request = os.path.join(tmp, "request.json")
+            with open(request, "w") as f:
+                json.dump({"jobs": jobs, "skip": sorted(done)}, f)
+            env = {**os.environ, "LIBTPU_INIT_ARGS": f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {FLAG}={tmp}/profile".strip()}
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+            proc = subprocess.run([sys.executable, "-m", "sparsegen.tpu.cycles", request], capture_output=True, text=True, env=env, timeout=timeout)
+        started = None
+        for line in proc.stdout.splitlines():
+            if not line.startswith("{"):
+                continue
+            msg = json.loads(line)
+            if "no_profile" in msg:
+                raise NoProfile(msg["no_profile"])
+            key = (msg["job"], msg["side"], msg["index"])
+            if "starting" in msg:
+                started = key, msg["starting"]
+                continue
+            done.add(key)
+            started = None
+            r = results[msg["job"]]
+            if "error" in msg:
+                r.error = msg["error"]
+            else:
+                getattr(r, msg["side"]).append(_pass_from_json(msg["pass"]))
+        if proc.returncode == 0:
+            break
+        if started is None:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+            raise CyclesUnavailable(f"the cycle-estimate process stopped (exit {proc.returncode}): {tail}")
+        key, name = started
+        why = next((line.split("] ", 1)[-1] for line in proc.stderr.splitlines() if line.startswith("F") and "] " in line), f"exit {proc.returncode}")
+        aborted = PassCycles(name, (), 0, None, None, note=f"not estimated: libtpu's static profiler aborted: {why}", order=key[2])
+        getattr(results[key[0]], key[1]).append(aborted)
+        done.add(key)
+    for r in results:
+        r.forward.sort(key=lambda p: p.order)
+        r.backward.sort(key=lambda p: p.order)
+    return results
 
 
-def _from_json(d: dict) -> KernelCycles:
-    def passes(items):
-        out = []
-        for p in items:
-            regions = [Region(**r) for r in p.pop("regions")]
-            out.append(PassCycles(**{**p, "grid": tuple(p["grid"])}, regions=regions))
-        return out
+def _pass_from_json(d: dict) -> PassCycles:
+    regions = [Region(**r) for r in d.pop("regions")]
+    return PassCycles(**{**d, "grid": tuple(d["grid"])}, regions=regions)
 
-    return KernelCycles(d["kernel"], d["target"], d["pattern"], passes(d["forward"]), passes(d["backward"]), d["error"])
-
-
-def _to_json(k: KernelCycles) -> dict:
-    def passes(items):
-        return [{**dataclasses.asdict(p), "grid": list(p.grid)} for p in items]
-
-    return {"kernel": k.kernel, "target": k.target, "pattern": k.pattern, "forward": passes(k.forward), "backward": passes(k.backward), "error": k.error}
 
 
 # ------------------------------------------------------------------ the helper process
@@ -496,7 +517,9 @@ def concrete_args(plan, env: dict[str, int], pattern: str, seed: int = 0):
     return args, keywords
 
 
-def run_job(job: dict) -> KernelCycles:
+def run_job(n: int, job: dict, skip: set[tuple], emit_line) -> None:
+    """Estimate every pass of one job, printing a line before each (so that the parent knows
+    which one libtpu aborted on) and one with its result."""
     from ..compiler import lower_source
     from ..shapes import _load, default_shapes
     from ..source import SourceFile
@@ -504,34 +527,55 @@ def run_job(job: dict) -> KernelCycles:
     from .targets import TARGETS
     from .verify import _device
 
-    source = SourceFile.read(job["spec"])
-    plan = next(p for p in lower_source(source, job["target"]) if p.name == job["kernel"])
-    k = plan.kernel
-    env = {**default_shapes(k), **job["shapes"]}
-    env = {s: (lit if lit is not None else env[s]) for s, lit in k.symbols}
-    result = KernelCycles(plan.name, job["target"], job["pattern"])
     try:
+        source = SourceFile.read(job["spec"])
+        plan = next(p for p in lower_source(source, job["target"]) if p.name == job["kernel"])
+        k = plan.kernel
+        env = {**default_shapes(k), **job["shapes"]}
+        env = {s: (lit if lit is not None else env[s]) for s, lit in k.symbols}
         args, keywords = concrete_args(plan, env, job["pattern"], job.get("seed", 0))
         module = _load(emit(plan, source.name), f"cycles_{plan.name}")
-        backward = getattr(plan, "backward_module", None) is not None and not getattr(plan, "backward_error", None)
-        forward, backward = capture(getattr(module, plan.name), args, keywords, backward, module.pl)
+        with_backward = getattr(plan, "backward_module", None) is not None and not getattr(plan, "backward_error", None)
+        sides = dict(zip(("forward", "backward"), capture(getattr(module, plan.name), args, keywords, with_backward, module.pl)))
         target, device = TARGETS[job["target"]], _device(TARGETS[job["target"]].topology)
-        result.forward = [pass_cycles(c, target, device) for c in forward]
-        result.backward = [pass_cycles(c, target, device) for c in backward]
-    except NoProfile:
-        raise
     except Exception as exc:  # reported per kernel; the others still run
-        result.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    return result
+        emit_line({"job": n, "side": "forward", "index": -1, "error": _first_line(exc)})
+        return
+    for side, calls in sides.items():
+        for i, call in enumerate(calls):
+            if (n, side, i) in skip:
+                continue
+            emit_line({"job": n, "side": side, "index": i, "starting": _name(call)})
+            try:
+                result = pass_cycles(call, target, device)
+            except NoProfile:
+                raise
+            except Exception as exc:  # this pass only
+                result = PassCycles(_name(call), call.grid, math.prod(call.grid), None, None, note=f"not estimated: {_first_line(exc)}")
+            result.order = i
+            emit_line({"job": n, "side": side, "index": i, "pass": {**dataclasses.asdict(result), "grid": list(result.grid)}})
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def main(path: str) -> None:
     if FLAG not in os.environ.get("LIBTPU_INIT_ARGS", ""):
         sys.exit(f"sparsegen.tpu.cycles: LIBTPU_INIT_ARGS must carry {FLAG}=DIR before libtpu loads")
     with open(path) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        print(json.dumps(_to_json(run_job(job))), flush=True)
+        request = json.load(f)
+    skip = {tuple(key) for key in request["skip"]}
+
+    def emit_line(msg):
+        print(json.dumps(msg), flush=True)
+
+    try:
+        for n, job in enumerate(request["jobs"]):
+            run_job(n, job, skip, emit_line)
+    except NoProfile as exc:
+        emit_line({"no_profile": str(exc)})
 
 
 if __name__ == "__main__":
