@@ -158,7 +158,7 @@ class KernelCycles:
 
 def measure(jobs: list[dict], timeout: float = 3600) -> list[KernelCycles]:
     """Run the helper process on `jobs` ({"spec", "kernel", "target", "shapes", "pattern", "seed"}
-    each). libtpu's profiler aborts the process on some kernels ("No DMA issue node found for
+    each; "backward": False leaves the backward out). libtpu's profiler aborts the process on some kernels ("No DMA issue node found for
     sync flag"): that pass is reported as not estimated, and a new process goes on after it.
     NoProfile if this libtpu writes no estimate at all."""
     from ..jaxenv import quiet_libtpu
@@ -302,12 +302,63 @@ def _globals(fn, **values):
     while not hasattr(fn, "__globals__"):  # functools.partial, Pallas's index-map wrapper
         fn = fn.func if isinstance(fn, functools.partial) else fn.__wrapped__
     g = fn.__globals__
-    saved = {name: g[name] for name in values}
+    missing = object()
+    saved = {name: g.get(name, missing) for name in values}
     g.update(values)
     try:
         yield
     finally:
-        g.update(saved)
+        for name, value in saved.items():
+            if value is missing:
+                del g[name]
+            else:
+                g[name] = value
+
+
+class _Absent:
+    """A ref's contents on the host: code outside the regions (a dense kernel's product) runs
+    on it and gives it back; conditions never depend on it in generated code."""
+
+    def __getattr__(self, name):
+        return _ABSENT
+
+    def __call__(self, *args, **kwargs):
+        return _ABSENT
+
+    def __getitem__(self, key):
+        return _ABSENT
+
+    def __setitem__(self, key, value):
+        pass
+
+    def _op(self, *other):
+        return _ABSENT
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _op
+    __neg__ = __and__ = __or__ = __lt__ = __gt__ = __le__ = __ge__ = __iadd__ = __matmul__ = _op
+
+
+_ABSENT = _Absent()
+
+
+class _Passing(types.ModuleType):
+    """`jnp` or `lax` on the host whose functions give _ABSENT back for an _ABSENT argument."""
+
+    def __init__(self, host):
+        super().__init__(host.__name__)
+        self._host = host
+
+    def __getattr__(self, name):
+        value = getattr(self._host, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+
+        def call(*args, **kwargs):
+            if any(isinstance(a, _Absent) for a in (*args, *kwargs.values())):
+                return _ABSENT
+            return value(*args, **kwargs)
+
+        return call
 
 
 def region_conditions(call: Call, zero: bool = False) -> list[tuple[str, np.ndarray]]:
@@ -320,9 +371,9 @@ def region_conditions(call: Call, zero: bool = False) -> list[tuple[str, np.ndar
     kernel = call.kernel
     bound = kernel.keywords if isinstance(kernel, functools.partial) else {}
     positional = len(inspect.signature(kernel).parameters) - len(bound)
-    with _globals(kernel, pl=host, jnp=_HOST_JNP, lax=_HOST_LAX):
-        # Refs are never touched outside a region, and region bodies do not run here.
-        kernel(*tables, *[None] * (positional - len(tables)))
+    with _globals(kernel, pl=host, jnp=_Passing(_HOST_JNP), lax=_Passing(_HOST_LAX)):
+        # Region bodies do not run here; code outside them runs on absent contents.
+        kernel(*tables, *[_ABSENT] * (positional - len(tables)))
     return host.regions
 
 
@@ -535,7 +586,9 @@ def run_job(n: int, job: dict, skip: set[tuple], emit_line) -> None:
         env = {s: (lit if lit is not None else env[s]) for s, lit in k.symbols}
         args, keywords = concrete_args(plan, env, job["pattern"], job.get("seed", 0))
         module = _load(emit(plan, source.name), f"cycles_{plan.name}")
-        with_backward = getattr(plan, "backward_module", None) is not None and not getattr(plan, "backward_error", None)
+        # Einsum plans carry their backward passes; attention modules always have one unless it cannot be derived.
+        derivable = not getattr(plan, "backward_error", None) and (plan.backward_module is not None or not plan.passes)
+        with_backward = job.get("backward", True) and derivable
         sides = dict(zip(("forward", "backward"), capture(getattr(module, plan.name), args, keywords, with_backward, module.pl)))
         target, device = TARGETS[job["target"]], _device(TARGETS[job["target"]].topology)
     except Exception as exc:  # reported per kernel; the others still run
@@ -580,3 +633,38 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+
+
+# ------------------------------------------------------------------ verify --cycles
+
+
+def for_verify(report, shapes: dict[str, int], pattern: str, seed: int = 0) -> dict[tuple[str, str, str], KernelCycles]:
+    """The estimate of every kernel `verify` compiled: {(spec, kernel, target): KernelCycles}."""
+    jobs, keys = [], []
+    for spec, _, results in report:
+        for r in results:
+            if r.compiled:
+                jobs.append({"spec": spec, "kernel": r.kernel, "target": r.target, "shapes": shapes, "pattern": pattern, "seed": seed})
+                keys.append((spec, r.kernel, r.target))
+    return dict(zip(keys, measure(jobs))) if jobs else {}
+
+
+def print_table(found: dict[tuple[str, str, str], KernelCycles], pattern: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"libtpu's static cycle estimate (pattern {pattern}; regions weighted by the real tables)")
+    for column in ("kernel", "target", "pass", "grid steps", "computing", "cycles", "per computing step", "x MXU minimum", "HBM cycles", "note"):
+        table.add_column(column, justify="left" if column in ("kernel", "target", "pass", "note") else "right")
+    for (_, kernel, target), k in found.items():
+        if k.error:
+            table.add_row(kernel, target, "-", "", "", "", "", "", "", f"[red]{k.error}[/red]")
+        for side, passes in (("fwd", k.forward), ("bwd", k.backward)):
+            for p in passes:
+                j = p.to_json()
+                note = p.note or ("memory-bound: the estimate is optimistic (HBM needs more)" if p.memory_bound else "")
+                table.add_row(kernel, target, f"{side} {p.kernel}", str(p.steps), str(j["computing_steps"]),
+                              f"{p.cycles:,}" if p.cycles is not None else "-",
+                              f"{j['cycles_per_computing_step']:,.0f}" if j["cycles_per_computing_step"] else "-",
+                              f"{j['mxu_ratio']:.2f}" if j["mxu_ratio"] else "-", f"{p.hbm_cycles:,}", note)
+    Console(width=200).print(table)
