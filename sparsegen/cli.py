@@ -334,6 +334,11 @@ def _verify_options(args) -> dict[str, int] | None:
     if not 0 < args.nnz <= 1:
         print("sparsegen verify: --nnz is a fraction of the blocks, in (0, 1]", file=sys.stderr)
         return None
+    if args.pattern and not args.cycles:
+        print("sparsegen verify: --pattern is the pattern of --cycles: add --cycles", file=sys.stderr)
+        return None
+    if args.cycles and not _pattern_ok("verify", args.pattern or f"density={args.nnz}"):
+        return None
     return shapes
 
 
@@ -372,14 +377,38 @@ def cmd_verify(args) -> int:
             continue
         report.append((spec, source, results))
         failed |= any(not r.compiled for r in results)
+    cycles = _verify_cycles(args, report, shapes) if args.cycles else {}
+    if cycles is None:
+        return 2
     if args.json:
         import json
 
-        payload = {"schema": 1, "results": [dict(spec=spec, **r.to_json(source)) for spec, source, results in report for r in results]}
+        payload = {"schema": 1, "results": [dict(spec=spec, **r.to_json(source), **_cycles_json(cycles, spec, r)) for spec, source, results in report for r in results]}
         print(json.dumps(payload, indent=2, sort_keys=True))
     else:
         _print_verify_table(report, args.verbose)
+        if cycles:
+            from .tpu.cycles import print_table
+
+            print_table(cycles, args.pattern or f"density={args.nnz}")
     return 1 if failed else 0
+
+
+def _verify_cycles(args, report, shapes):
+    """`verify --cycles`: libtpu's cycle estimate per kernel (None after printing why not)."""
+    from .tpu import cycles
+
+    pattern = args.pattern or f"density={args.nnz}"
+    try:
+        return cycles.for_verify(report, shapes, pattern, args.seed)
+    except cycles.CyclesUnavailable as exc:
+        print(f"sparsegen verify --cycles: {exc}", file=sys.stderr)
+        return None
+
+
+def _cycles_json(cycles, spec, result) -> dict:
+    found = cycles.get((spec, result.kernel, result.target))
+    return {"cycles": found.to_json()} if found is not None else {}
 
 
 def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
@@ -715,6 +744,9 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--quick", action="store_true", help="TPU targets: skip probing the compiler's VMEM need")
     verify.add_argument("--lower-only", action="store_true", help="GPU targets: stage 2 only (lowering), no ptxas compile (needs no plugin)")
     verify.add_argument("--verbose", action="store_true", help="print the raw compiler message of a failure")
+    verify.add_argument("--cycles", action="store_true", help="libtpu's static cycle estimate per kernel and backward pass, regions weighted by the real tables of --pattern (slower compiles)")
+    verify.add_argument("--pattern", metavar="P", help="with --cycles: tril | density=F | band=W | FILE.npy (default: density=NNZ)")
+    verify.add_argument("--seed", type=int, default=0, help="with --cycles: seed of density= patterns")
     verify.set_defaults(func=cmd_verify)
     variants = sub.add_parser("variants", help="expand tile choices, drop what cannot work, rank the rest by a pipeline model")
     variants.add_argument("spec", metavar="SPEC", help=SPEC_HELP)

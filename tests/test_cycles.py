@@ -1,0 +1,135 @@
+"""`sparsegen verify --cycles`: libtpu's static cycle estimate, parsed for a dense matmul, and
+the table-driven regions weighted by a walk whose tables are known (dsd_matmul on tril).
+
+The compiles run in a helper process with the profile flag; they are skipped only where this
+libtpu writes no estimate (it lacks --xla_jf_dump_static_llo_profile_to).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import SPECS
+
+from sparsegen.cli import main
+from sparsegen.tpu import cycles
+
+DENSE = """kernel mm {
+    in  x: bf16[M, K]
+    in  y: bf16[K, N]
+    out o: bf16[M, N]
+    o[m, n] = x[m, k] * y[k, n]
+    tile m = 256, n = 256, k = 256
+    accumulate f32
+}
+"""
+
+
+def _measure(job: dict) -> cycles.KernelCycles:
+    try:
+        (found,) = cycles.measure([{"seed": 0, "backward": False, **job}])
+    except cycles.NoProfile as exc:
+        pytest.skip(f"this libtpu lacks {cycles.FLAG} (no static profile): {exc}")
+    assert found.error is None, found.error
+    return found
+
+
+def test_dense_matmul_estimate_is_parsed(tmp_path):
+    spec = tmp_path / "mm.spk"
+    spec.write_text(DENSE)
+    found = _measure({"spec": str(spec), "kernel": "mm", "target": "v5e", "shapes": {"M": 512, "K": 512, "N": 512}, "pattern": "density=1"})
+    (p,) = found.forward
+    assert p.grid == (2, 2, 2) and p.steps == 8
+    # No condition reads a table: the estimator's own figure stands, from one compile.
+    assert p.walk is None and p.zero is None and p.cycles == p.raw
+    assert all(r.count == r.estimator_count for r in p.regions)
+    # 2 * 512^3 FLOPs at 131072 a cycle (four 128x128 MXUs): 2048 cycles at least.
+    assert p.mxu_cycles == 2048
+    assert p.computing_steps == 8
+    assert 2048 < p.cycles < 20 * 2048
+    assert found.to_json()["forward"]["mxu_ratio"] == round(p.cycles / 2048, 3)
+
+
+def test_regions_are_weighted_by_the_real_tables():
+    """dsd_matmul at 2048^3 with 512 tiles on tril: 10 stored blocks of 16, 4 column blocks.
+    The walk has 4 x (10 + 4) steps: 40 multiply a stored block, 16 flush one output block,
+    16 start one. The estimator reads the tables as zeros (every step a flush, none computing)."""
+    found = _measure({"spec": str(SPECS / "dsd_matmul.spk"), "kernel": "dsd_matmul", "target": "v5e",
+                      "shapes": {"M": 2048, "K": 2048, "N": 2048}, "pattern": "tril"})
+    (p,) = found.forward
+    assert p.grid == (4, 14)
+    counts = {r.name: (r.count, r.estimator_count) for r in p.regions}
+    assert counts == {"_init": (16, 56), "_compute": (40, 0), "_flush": (16, 56)}
+    assert p.computing_steps == 40
+    assert p.mxu_cycles == 40 * 2 * 512**3 / 131072
+    # The real walk computes 40 times where the estimator saw no compute at all.
+    assert p.walk > p.zero + 40 * 2048
+    assert p.cycles == p.walk + p.raw - p.zero
+    assert p.cycles > p.raw + 40 * 2048
+
+
+def test_lookup_reproduces_every_steps_bit():
+    """The condition that replaces a table-driven one is the step's bit, for any bits and grid."""
+    grid = (3, 5, 7)
+    host = cycles._HostPl(grid)
+    rng = np.random.default_rng(0)
+    for bits in (rng.random(host.steps) < 0.5, np.zeros(host.steps, bool), np.ones(host.steps, bool)):
+        got = cycles._lookup(bits, grid, host, _NumpyInt32())
+        assert np.array_equal(np.broadcast_to(got, bits.shape), bits)
+
+
+class _NumpyInt32:
+    int32 = staticmethod(np.int64)
+    where = staticmethod(np.where)
+
+
+def test_conditions_are_evaluated_from_the_kernel_code():
+    """region_conditions runs the kernel's own code on the tables, and on zeros."""
+
+    def kernel(kinds, x_ref, o_ref):
+        step = pl.program_id(1)
+
+        @pl.when(kinds[step] == 1)
+        def _compute():
+            raise AssertionError("region bodies never run on the host")
+
+        @pl.when(step == pl.num_programs(1) - 1)
+        def _flush():
+            raise AssertionError
+
+    call = cycles.Call(kernel, {"grid_spec": _Spec((2, 3), 1)}, (np.array([1, 0, 1], np.int32), None, None))
+    real = cycles.region_conditions(call)
+    zero = cycles.region_conditions(call, zero=True)
+    assert [n for n, _ in real] == ["_compute", "_flush"]
+    assert real[0][1].tolist() == [True, False, True] * 2 and not zero[0][1].any()
+    assert real[1][1].tolist() == zero[1][1].tolist() == [False, False, True] * 2
+
+
+pl = None  # the kernel above looks `pl` up in this module's globals, as generated code does
+
+
+class _Spec:
+    def __init__(self, grid, tables):
+        self.grid, self.num_scalar_prefetch = grid, tables
+
+
+def test_verify_cycles_json(tmp_path, capsys):
+    spec = tmp_path / "mm.spk"
+    spec.write_text(DENSE)
+    code = main(["verify", str(spec), "--quick", "--cycles", "--shape", "M=512,K=512,N=512", "--json"])
+    out = capsys.readouterr()
+    if "no static profile" in out.err or "no estimated_cycles" in out.err:
+        pytest.skip(f"this libtpu lacks {cycles.FLAG}")
+    assert code == 0, out.err
+    (result,) = json.loads(out.out)["results"]
+    forward = result["cycles"]["forward"]
+    assert forward["mxu_min_cycles"] == 2048 and forward["estimated_cycles"] > 2048
+    assert forward["passes"][0]["cycles_per_computing_step"] == round(forward["estimated_cycles"] / 8, 1)
+    assert result["cycles"]["backward"]["passes"], "the backward passes are estimated too"
+
+
+def test_pattern_needs_cycles(capsys):
+    assert main(["verify", str(SPECS / "dsd_matmul.spk"), "--quick", "--pattern", "tril"]) == 2
+    assert "--cycles" in capsys.readouterr().err
