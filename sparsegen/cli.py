@@ -353,6 +353,9 @@ def cmd_verify(args) -> int:
         if not all(is_gpu(t) for t in targets):
             print("sparsegen verify: give TPU chips or GPUs, not both, in one run", file=sys.stderr)
             return 2
+        if args.cycles:
+            print("sparsegen verify: --cycles is libtpu's estimate, for TPU targets only", file=sys.stderr)
+            return 2
         shapes = _verify_options(args)
         return 2 if shapes is None else _verify_gpu(args, targets, shapes)
     from .tpu import verify

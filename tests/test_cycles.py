@@ -133,3 +133,8 @@ def test_verify_cycles_json(tmp_path, capsys):
 def test_pattern_needs_cycles(capsys):
     assert main(["verify", str(SPECS / "dsd_matmul.spk"), "--quick", "--pattern", "tril"]) == 2
     assert "--cycles" in capsys.readouterr().err
+
+
+def test_cycles_is_refused_for_gpu_targets(capsys):
+    assert main(["verify", str(SPECS / "dsd_matmul.spk"), "--target", "h200", "--cycles"]) == 2
+    assert "for TPU targets only" in capsys.readouterr().err
