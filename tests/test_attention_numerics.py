@@ -151,3 +151,72 @@ def test_reference_skips_by_block_with_traced_kinds():
     assert_gradients_match(gradients(lambda *a: mod.seg_attention(*a, interpret=True), args, 3), want, bf16=False)
     check = run(kernel, [q, k, v, seg], sizes_of(kernel, [q, k, v, seg]))[0]
     np.testing.assert_allclose(np.asarray(mod.reference(q, k, v, seg)), check, **F32_TOL)
+
+
+# ------------------------------------------------------------------ precision
+# The CPU interpreter and the simulator multiply f32 exactly whatever the precision; on a
+# TPU the MXU rounds f32 operands to bf16 unless the matmul asks for fp32. What the
+# generated code asks for is observable in the lowered Mosaic kernels.
+
+F32_EINSUM = """kernel f32_masked {
+    in  x: f32[M, K]
+    in  y: f32[K, N]
+    in  mask: i32[M, N] mask
+    out o: f32[M, N]
+
+    o[m, n] = mask[m, n] * x[m, k] * y[k, n]
+
+    tile m = 128, n = 128, k = 256
+}
+"""
+
+
+def assert_f32_matmuls_at_full_precision(matmuls, at_least: int):
+    f32 = [m for m in matmuls if "xf32>" in m[1] or "xf32>" in m[2]]
+    assert len(f32) >= at_least, matmuls
+    rounded = [m for m in f32 if m[3] != "fp32"]
+    assert not rounded, f"f32 matmuls the MXU would round to bf16: {rounded}"
+
+
+def test_einsum_f32_products_are_lowered_at_full_precision():
+    """The forward and both gradient kernels of an f32 einsum (tpu/body.py)."""
+    from aot import lower_for, mosaic_matmuls
+
+    from sparsegen.testing import example_args
+
+    kernel, mod = build(F32_EINSUM)
+    args, keywords = example_args(kernel, {"M": 512, "N": 512, "K": 512}, "random", np.random.default_rng(0))
+
+    def loss(x, y, mask):
+        return jnp.sum(mod.f32_masked(x, y, mask, **keywords))
+
+    lowered = lower_for(lambda *a: jax.value_and_grad(loss, argnums=(0, 1))(*a), args)
+    matmuls = mosaic_matmuls(lowered)
+    assert len({m[0] for m in matmuls}) >= 3, matmuls  # the forward, dx and dy kernels
+    assert_f32_matmuls_at_full_precision(matmuls, 3)
+
+
+@pytest.mark.parametrize("dtypes", [("f32", "f32", "f32", "f32"), ("bf16", "bf16", "f32", "f32"), ("f32", "f32", "i8", "f32"), ("i8", "i8", "i8", "i8")])
+def test_attention_f32_products_are_lowered_at_full_precision(dtypes):
+    """Every product of the forward, dq and dk/dv kernels that multiplies f32 (an f32
+    operand, or one widened from integers) asks for fp32: bf16 queries with f32 values too."""
+    from aot import lower_for, mosaic_matmuls
+
+    kernel, mod = build(softmax_spec(*dtypes))
+    rng = np.random.default_rng(5)
+    args = [np.asarray(data(rng, dt, (512, 128))) for dt in dtypes[:3]]
+    n_float = sum(not dt.startswith("i") for dt in dtypes[:3])  # the float operands lead
+
+    def fn(*a):
+        if not n_float:
+            return mod.dtypes_attention(*a)
+
+        def loss(*f):
+            return jnp.sum(mod.dtypes_attention(*f, *a[n_float:]))
+
+        return jax.value_and_grad(loss, argnums=tuple(range(n_float)))(*a[:n_float])
+
+    matmuls = mosaic_matmuls(lower_for(fn, args))
+    kernels = {m[0] for m in matmuls}
+    assert len(kernels) == (3 if n_float else 1), kernels
+    assert_f32_matmuls_at_full_precision(matmuls, 1 if dtypes[0] == "bf16" else len(kernels))
