@@ -1144,8 +1144,8 @@ def _reference(q, k, v, sizes):
         s,
         -jnp.inf,
     )
-    probs, lse_ = _softmax_rows(s)
     visits = _classify_blocks(jnp, sizes)
+    probs, lse_ = _softmax_rows(s)
     o_ = _visited_product(
         probs,
         v.astype(jnp.float32),

@@ -1283,8 +1283,8 @@ def _reference(q, k, v, seg, sizes):
         s,
         -jnp.inf,
     )
-    probs, lse = _softmax_rows(s)
     visits = _classify_blocks(jnp, seg, sizes)
+    probs, lse = _softmax_rows(s)
     o_ = _visited_product(
         probs,
         v.astype(jnp.float32),

@@ -1180,8 +1180,8 @@ def _reference(q, k, v, sizes):
         s_,
         -jnp.inf,
     )
-    probs, lse = _softmax_rows(s_)
     visits = _classify_blocks(jnp, sizes)
+    probs, lse = _softmax_rows(s_)
     o_ = _visited_product(
         probs,
         jnp.repeat(v, 4, axis=1).astype(jnp.float32),

@@ -1143,8 +1143,8 @@ def _reference(q, k, v, keep, sizes):
         precision=lax.Precision.HIGHEST,
     )
     s = jnp.where((_expand(keep, "bc", "abc") != 0), s, -jnp.inf)
-    probs, lse = _softmax_rows(s)
     visits = _classify_blocks(jnp, keep, sizes)
+    probs, lse = _softmax_rows(s)
     o_ = _visited_product(
         probs, v.astype(jnp.float32), _expand(visits != _EMPTY, "bc", "abc"), (128, 128)
     )

@@ -63,18 +63,13 @@ class ReferenceWriter:
         if p.condition is not None:
             lines.append(f"{final} = jnp.where({render_term(p.condition, lambda x: leaf(x, False))}, {final}, -jnp.inf)")
         probs, lse = scope.local("probs"), scope.local("lse")
-        seen: list[str] = []
-
-        def visited() -> str:
-            """Which (row block, key block) the walk visits, over the score's axes."""
-            if not seen:
-                kinds = scope.local("visits")
-                args = ", ".join(self.classify_reads + ["sizes"])
-                classes = "".join(letters[i] for i in p.class_axes)
-                lines.append(f"{kinds} = {self.classify_fn}(jnp, {args})")
-                seen.append(f'_expand({kinds} != _EMPTY, "{classes}", "{dst}")')
-            return seen[0]
-
+        visited = None
+        if any(c.kind == "softmax_product" for c in p.consumers):
+            # Which (row block, key block) the walk visits, over the score's axes.
+            visits = scope.local("visits")
+            classes = "".join(letters[i] for i in p.class_axes)
+            lines.append(f"{visits} = {self.classify_fn}(jnp, {', '.join(self.classify_reads + ['sizes'])})")
+            visited = f'_expand({visits} != _EMPTY, "{classes}", "{dst}")'
         results = {}
         needs_softmax = any(c.kind in ("softmax_product", "logsumexp", "softmax_out") for c in p.consumers)
         if needs_softmax:
@@ -88,7 +83,7 @@ class ReferenceWriter:
                 keyed = "".join(letters[i] for i in p.lead + (p.key, self.e_of(c)))
                 values = widen(c.value) if spec(c.value) == keyed else f'_expand({widen(c.value)}, "{spec(c.value)}", "{keyed}")'
                 tiles = _tuple(str(self.tile[i]) for i in (p.query, p.key))
-                lines.append(f"{var} = _visited_product({probs}, {values}, {visited()}, {tiles})")
+                lines.append(f"{var} = _visited_product({probs}, {values}, {visited}, {tiles})")
                 if c.scale is not None:
                     lines.append(f"{var} = {var} * {c.scale!r}")
             elif c.kind == "logsumexp":
