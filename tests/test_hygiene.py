@@ -5,7 +5,8 @@ reserves (`sparsegen.names`: IMPORTS, HELPERS read from the helpers template, th
 names, FIXED_LOCALS), from the names the module template binds literally (`grid_spec`,
 `sizes`, ...) and from the builtins the templates call: specs are generated whose
 operands, indices and size symbols take every one of those names, in every walk, so a new
-helper or fixed local is covered the day it is added.
+helper or fixed local is covered the day it is added. The row walk's (attention) names are
+drawn from its generated code instead, so a name missing from the tables is still drawn.
 """
 
 from __future__ import annotations
@@ -368,8 +369,9 @@ def _bound_names(code: str) -> set[str]:
 def _generated_fixed_names() -> frozenset[str]:
     """Names the generated attention modules bind whatever the spec calls things: the
     modules of ATTENTION_COVER with two different sets of spec names, intersected."""
-    from sparsegen.compiler import compile_source
+    from sparsegen.compiler import lower_source
     from sparsegen.source import SourceFile
+    from sparsegen.tpu.attention.emit import AttentionEmitter
 
     fixed = None
     for variant in ("x", "y"):
@@ -377,8 +379,8 @@ def _generated_fixed_names() -> frozenset[str]:
         for n, template in enumerate(ATTENTION_COVER):
             assignment = {s: f"{s}{variant}{variant}" for s in _slot_names(template)}
             assignment["kernel"] = f"cover{n}{variant}"
-            (module,) = compile_source(SourceFile("cover.spk", template.format(**assignment)), "v5e")
-            names |= _bound_names(module.code)
+            (m,) = lower_source(SourceFile("cover.spk", template.format(**assignment)), "v5e")
+            names |= _bound_names(AttentionEmitter(m).module("cover.spk", formatted=False))  # black binds nothing
         fixed = names if fixed is None else fixed & names
     return frozenset(fixed)
 
