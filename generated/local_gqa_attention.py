@@ -180,6 +180,15 @@ def _check_smem(entries, what):
         )
 
 
+def _expand(value, src, dst):
+    """`value`, whose axes the letters of `src` name, laid out as `dst` (size 1 where absent)."""
+    present = [c for c in dst if c in src]
+    value = value.transpose([src.index(c) for c in present])
+    return value.reshape(
+        [value.shape[present.index(c)] if c in src else 1 for c in dst]
+    )
+
+
 def _row_walk(xp, kinds, bound=None):
     """The walk's tables from block kinds (groups x row blocks x key blocks): per step, the
     row block it writes, the key block and row block it reads, its kind, and whether it is
@@ -244,6 +253,32 @@ def _softmax_rows(s):
     l = jnp.sum(p, axis=-1, keepdims=True)
     lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
     return p / jnp.where(l == 0, 1.0, l), lse[..., 0]
+
+
+def _visited_product(probs, values, visited, tiles):
+    """probs[..., i, j] times values[..., j, e] summed over j, block by block as the row
+    walk sums it: only key blocks the row's block visits (`visited[..., row block, key
+    block]`) take part, so a NaN in a skipped block stays out; inside a visited block an
+    absent element's 0 meets it. Sizes past a partial last block are zero-padded."""
+    ti, tj = tiles
+    rows = probs.shape[-2]
+    n_i, n_j = -(-rows // ti), -(-probs.shape[-1] // tj)
+    pad = [(0, 0)] * (probs.ndim - 2)
+    probs = jnp.pad(
+        probs, pad + [(0, n_i * ti - probs.shape[-2]), (0, n_j * tj - probs.shape[-1])]
+    )
+    values = jnp.pad(
+        values,
+        [(0, 0)] * (values.ndim - 2) + [(0, n_j * tj - values.shape[-2]), (0, 0)],
+    )
+    probs = probs.reshape(probs.shape[:-2] + (n_i, ti, n_j, tj))
+    values = values.reshape(values.shape[:-2] + (n_j, tj, values.shape[-1]))
+    parts = jnp.einsum(
+        "...IiJj,...Jje->...IiJe", probs, values, precision=lax.Precision.HIGHEST
+    )
+    parts = jnp.where(visited[..., :, None, :, None], parts, 0.0)
+    total = parts.sum(axis=-2)
+    return total.reshape(total.shape[:-3] + (n_i * ti, total.shape[-1]))[..., :rows, :]
 
 
 def _check_whole(value, tile, what):
@@ -1146,12 +1181,12 @@ def _reference(q, k, v, sizes):
         -jnp.inf,
     )
     probs, lse = _softmax_rows(s_)
-    o_ = jnp.einsum(
-        "abcd,abdf->abcf",
+    visits = _classify_blocks(jnp, sizes)
+    o_ = _visited_product(
         probs,
         jnp.repeat(v, 4, axis=1).astype(jnp.float32),
-        preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST,
+        _expand(visits != _EMPTY, "cd", "abcd"),
+        (256, 512),
     )
     o_ = o_.astype(jnp.bfloat16)
     return o_

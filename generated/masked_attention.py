@@ -263,6 +263,32 @@ def _softmax_rows(s):
     return p / jnp.where(l == 0, 1.0, l), lse[..., 0]
 
 
+def _visited_product(probs, values, visited, tiles):
+    """probs[..., i, j] times values[..., j, e] summed over j, block by block as the row
+    walk sums it: only key blocks the row's block visits (`visited[..., row block, key
+    block]`) take part, so a NaN in a skipped block stays out; inside a visited block an
+    absent element's 0 meets it. Sizes past a partial last block are zero-padded."""
+    ti, tj = tiles
+    rows = probs.shape[-2]
+    n_i, n_j = -(-rows // ti), -(-probs.shape[-1] // tj)
+    pad = [(0, 0)] * (probs.ndim - 2)
+    probs = jnp.pad(
+        probs, pad + [(0, n_i * ti - probs.shape[-2]), (0, n_j * tj - probs.shape[-1])]
+    )
+    values = jnp.pad(
+        values,
+        [(0, 0)] * (values.ndim - 2) + [(0, n_j * tj - values.shape[-2]), (0, 0)],
+    )
+    probs = probs.reshape(probs.shape[:-2] + (n_i, ti, n_j, tj))
+    values = values.reshape(values.shape[:-2] + (n_j, tj, values.shape[-1]))
+    parts = jnp.einsum(
+        "...IiJj,...Jje->...IiJe", probs, values, precision=lax.Precision.HIGHEST
+    )
+    parts = jnp.where(visited[..., :, None, :, None], parts, 0.0)
+    total = parts.sum(axis=-2)
+    return total.reshape(total.shape[:-3] + (n_i * ti, total.shape[-1]))[..., :rows, :]
+
+
 def _check_whole(value, tile, what):
     """A block spans this whole dimension (a score sums all of it; a value block holds all of it)."""
     if value != tile:
@@ -1118,12 +1144,9 @@ def _reference(q, k, v, keep, sizes):
     )
     s = jnp.where((_expand(keep, "bc", "abc") != 0), s, -jnp.inf)
     probs, lse = _softmax_rows(s)
-    o_ = jnp.einsum(
-        "abc,ace->abe",
-        probs,
-        v.astype(jnp.float32),
-        preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST,
+    visits = _classify_blocks(jnp, keep, sizes)
+    o_ = _visited_product(
+        probs, v.astype(jnp.float32), _expand(visits != _EMPTY, "bc", "abc"), (128, 128)
     )
     o_ = o_.astype(jnp.float32)
     return o_

@@ -62,7 +62,14 @@ class ModuleNames:
         return self.internal.take(preferred)
 
     def function(self, preferred: str) -> str:
-        name = self.functions.take(preferred)
+        """A module-level function's name: free among functions and among the locals taken so
+        far (a local of `_impl` holding an output named `_attention_kernel` must not shadow
+        the kernel function it calls)."""
+        taken = self.internal.used | (self.parent.internal.used if self.parent is not None else set())
+        name = preferred
+        while name in taken or name in self.functions.used or keyword.iskeyword(name):
+            name += "_"
+        self.functions.used.add(name)
         self.internal.used.add(name)
         if self.parent is not None:
             self.parent.internal.used.add(name)

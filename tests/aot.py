@@ -32,3 +32,42 @@ def tpu_present() -> bool:
         return any(d.platform == "tpu" for d in jax.devices())
     except RuntimeError:
         return False
+
+
+def lower_for(fn, args, topology: str = "v5e:2x2"):
+    """Lower `fn(*args)` for the topology's first device (no compile); returns the lowered object."""
+    from jax.sharding import SingleDeviceSharding
+
+    device = topology_device(topology)
+    sharding = SingleDeviceSharding(device)
+    structs = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=sharding) for a in args]
+    with jax.default_device(device):
+        return jax.jit(fn).trace(*structs).lower()
+
+
+def mosaic_matmuls(lowered) -> list[tuple[str, str, str, str | None]]:
+    """Every matmul of the Mosaic kernels in a lowered computation: (kernel, lhs type, rhs
+    type, contract precision or None). The kernels travel as serialized MLIR in each
+    tpu_custom_call's backend_config; parsed back with unregistered dialects allowed."""
+    import base64
+    import json
+    import re
+
+    from jax._src.lib.mlir import ir
+
+    out = []
+    text = lowered.as_text()
+    for config, name in re.findall(r'backend_config = "((?:[^"\\]|\\.)*)", kernel_name = "(\w+)"', text):
+        config = re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), config)
+        body = base64.b64decode(json.loads(config)["custom_call_config"]["body"])
+        context = ir.Context()
+        context.allow_unregistered_dialects = True
+        with context:
+            asm = ir.Module.parse(body).operation.get_asm(print_generic_op_form=True)
+        for line in asm.splitlines():
+            if ".tpu.matmul\"" not in line:
+                continue
+            types = re.search(r":\s*\((vector<[^>]*>), (vector<[^>]*>), ", line)
+            precision = re.search(r"precision = #tpu\.contract_precision<(\w+)>", line)
+            out.append((name, types.group(1), types.group(2), precision.group(1) if precision else None))
+    return out

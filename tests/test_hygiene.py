@@ -5,7 +5,8 @@ reserves (`sparsegen.names`: IMPORTS, HELPERS read from the helpers template, th
 names, FIXED_LOCALS), from the names the module template binds literally (`grid_spec`,
 `sizes`, ...) and from the builtins the templates call: specs are generated whose
 operands, indices and size symbols take every one of those names, in every walk, so a new
-helper or fixed local is covered the day it is added.
+helper or fixed local is covered the day it is added. The row walk's (attention) names are
+drawn from its generated code instead, so a name missing from the tables is still drawn.
 """
 
 from __future__ import annotations
@@ -292,3 +293,215 @@ def test_kernel_named_after_a_builtin_the_module_calls():
         except Exception as exc:  # noqa: BLE001 - any failure counts
             broken[name] = f"{type(exc).__name__}: {exc}"[:120]
     assert not broken, broken
+
+
+# --------------------------------------------- the row walk's own names, from its code
+# The names above come from the compiler's tables: a name dropped from a table drops out of
+# its test too. Here they come from what the code binds instead: every name the generated
+# attention modules bind (functions, nested functions, parameters, locals, imports) that
+# does not derive from a spec's identifiers, and every name the templates bind literally.
+# Each becomes a lead index that the elementwise chain and the condition read (a lead
+# index is a local of every kernel, index map and classification), and other roles too.
+
+ATTENTION_COVER = [
+    # Everything the walk has: a data-dependent condition (segment ids, a mask), grouped
+    # heads, float operands in the chain per block, row, key and head, three row outputs.
+    """kernel {kernel} {{
+    in  {q}: f32[{B}, {H}, {S}, 64]
+    in  {k}: f32[{B}, {G}, {S}, 64]
+    in  {v}: f32[{B}, {G}, {S}, 64]
+    in  {bias}: f32[{H}, {S}, {S}]
+    in  {slope}: f32[{H}]
+    in  {qb}: f32[{B}, {H}, {S}]
+    in  {kb}: f32[{B}, {S}]
+    in  {seg}: i32[{B}, {S}]
+    in  {keep}: i8[{S}, {S}] mask
+    out {o}: f32[{B}, {H}, {S}, 64]
+    out {lse}: f32[{B}, {H}, {S}]
+    out {tot}: f32[{B}, {H}, {S}]
+    {raw}[{b}, {h}, {i}, {j}] = {q}[{b}, {h}, {i}, {d}] * {k}[{b}, {h} // 2, {j}, {d}] * 0.125
+    {s}[{b}, {h}, {i}, {j}] = {raw}[{b}, {h}, {i}, {j}] + {bias}[{h}, {i}, {j}] - {slope}[{h}] * abs({i} - {j}) + {qb}[{b}, {h}, {i}] * tanh({kb}[{b}, {j}]) where {i} >= {j} and {seg}[{b}, {i}] == {seg}[{b}, {j}] and {keep}[{i}, {j}]
+    {o}[{b}, {h}, {i}, {e}] = softmax({s}[{b}, {h}, {i}, {j}], {j}) * {v}[{b}, {h} // 2, {j}, {e}]
+    {lse}[{b}, {h}, {i}] = logsumexp({s}[{b}, {h}, {i}, {j}], {j})
+    {tot}[{b}, {h}, {i}] = sum({s}[{b}, {h}, {i}, {j}], {j})
+    tile {b} = 1, {h} = 1, {i} = 128, {j} = 128, {d} = 64, {e} = 64
+}}
+""",
+    # Stored softmax and scores, a max, sizes in the condition and the expression.
+    """kernel {kernel} {{
+    in  {q}: bf16[{S}, 128]
+    in  {k}: bf16[{T}, 128]
+    out {p}: f32[{S}, {T}]
+    out {sc}: f32[{S}, {T}]
+    out {m}: f32[{S}]
+    {s}[{i}, {j}] = {q}[{i}, {d}] * {k}[{j}, {d}] where {i} - {j} < 300 and {i} + {T} - {S} >= {j}
+    {p}[{i}, {j}] = softmax({s}[{i}, {j}], {j})
+    {sc}[{i}, {j}] = 2.0 * {s}[{i}, {j}] / {T}
+    {m}[{i}] = max({s}[{i}, {j}], {j})
+    tile {i} = 128, {j} = 256, {d} = 128
+}}
+""",
+]
+
+
+def _slot_names(template: str) -> list[str]:
+    return sorted(set(re.findall(r"(?<!\{)\{(\w+)\}(?!\})", template)))
+
+
+def _bound_names(code: str) -> set[str]:
+    """Every name a module binds: functions (nested too), parameters, assignment targets,
+    loop and comprehension variables, imports."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.alias):
+            out.add(node.asname or node.name.split(".")[0])
+    return out
+
+
+def _generated_fixed_names() -> frozenset[str]:
+    """Names the generated attention modules bind whatever the spec calls things: the
+    modules of ATTENTION_COVER with two different sets of spec names, intersected."""
+    from sparsegen.compiler import lower_source
+    from sparsegen.source import SourceFile
+    from sparsegen.tpu.attention.emit import AttentionEmitter
+
+    fixed = None
+    for variant in ("x", "y"):
+        names = set()
+        for n, template in enumerate(ATTENTION_COVER):
+            assignment = {s: f"{s}{variant}{variant}" for s in _slot_names(template)}
+            assignment["kernel"] = f"cover{n}{variant}"
+            (m,) = lower_source(SourceFile("cover.spk", template.format(**assignment)), "v5e")
+            names |= _bound_names(AttentionEmitter(m).module("cover.spk", formatted=False))  # black binds nothing
+        fixed = names if fixed is None else fixed & names
+    return frozenset(fixed)
+
+
+def _template_bound_names(template: str) -> frozenset[str]:
+    """Names a template binds literally: def names, parameters, assignment targets."""
+    text = re.sub(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", " ", read_resource("templates", template), flags=re.S)
+    bound = set(re.findall(r"^\s*def\s+([A-Za-z_]\w*)", text, re.M))
+    bound |= {n for targets in re.findall(r"^\s*([A-Za-z_][\w, ]*?) = ", text, re.M) for n in re.findall(r"[A-Za-z_]\w*", targets)}
+    for params in re.findall(r"def\s+\w*\s*\((.*?)\)\s*:", text, re.S):
+        bound |= set(re.findall(r"\b[A-Za-z_]\w*\b", re.sub(r"=[^,)]*", "", params)))
+    return frozenset(bound)
+
+
+# Helpers' own locals and parameters live in the helpers' scopes: only their names count.
+WALK_NAMES = sorted(
+    (_generated_fixed_names() | _template_bound_names("tpu/attention.py.j2") | sg_names.HELPERS) - set(keyword.kwlist)
+)
+LEADS_PER_SPEC = 20
+
+
+def walk_spec(n: int) -> tuple[str, dict[str, str]]:
+    """The n-th spec: LEADS_PER_SPEC of WALK_NAMES as its lead indices (the last of size 2,
+    the rest 1), read in the chain and the condition; names further on for its operands,
+    locals, other indices and the sequence length. Odd specs classify from segment ids."""
+    leads = [WALK_NAMES[(n * LEADS_PER_SPEC + x) % len(WALK_NAMES)] for x in range(LEADS_PER_SPEC)]
+    roles = ["Q", "K", "V", "O", "L", "G", "R", "T", "i", "j", "d", "e"]
+    start = (n * LEADS_PER_SPEC + len(WALK_NAMES) // 2) % len(WALK_NAMES)
+    pool = [x for x in WALK_NAMES[start:] + WALK_NAMES[:start] if x not in leads]
+    assignment = dict(zip(roles, pool))
+    assignment["S"] = next(x for x in pool[len(roles):] if x in SIZE_NAMES)
+    dims = ", ".join(["1"] * (LEADS_PER_SPEC - 1) + ["2"])
+    lead = ", ".join("{%s}" % f"a{x}" for x in range(LEADS_PER_SPEC)).format(**{f"a{x}": a for x, a in enumerate(leads)})
+    tiles = ", ".join(f"{a} = 1" for a in leads)
+    spread = " + ".join(f"{x + 1} * {a}" for x, a in enumerate(leads))
+    a = assignment
+    segments = n % 2 == 1
+    text = f"""kernel walk_names_{n} {{
+    in  {a['Q']}: f32[{dims}, {a['S']}, 128]
+    in  {a['K']}: f32[{dims}, {a['S']}, 128]
+    in  {a['V']}: f32[{dims}, {a['S']}, 128]{f'''
+    in  {a['G']}: i32[2, {a['S']}]''' if segments else ''}
+    out {a['O']}: f32[{dims}, {a['S']}, 128]
+    out {a['L']}: f32[{dims}, {a['S']}]
+    {a['R']}[{lead}, {a['i']}, {a['j']}] = {a['Q']}[{lead}, {a['i']}, {a['d']}] * {a['K']}[{lead}, {a['j']}, {a['d']}] * 0.125
+    {a['T']}[{lead}, {a['i']}, {a['j']}] = {a['R']}[{lead}, {a['i']}, {a['j']}] - 0.01 * ({spread}) * {a['j']} where {a['i']} + 64 * ({spread}) >= {a['j']}{f" and {a['G']}[{leads[-1]}, {a['i']}] == {a['G']}[{leads[-1]}, {a['j']}]" if segments else ''}
+    {a['O']}[{lead}, {a['i']}, {a['e']}] = softmax({a['T']}[{lead}, {a['i']}, {a['j']}], {a['j']}) * {a['V']}[{lead}, {a['j']}, {a['e']}]
+    {a['L']}[{lead}, {a['i']}] = logsumexp({a['T']}[{lead}, {a['i']}, {a['j']}], {a['j']})
+    tile {tiles}, {a['i']} = 128, {a['j']} = 128, {a['d']} = 128, {a['e']} = 128
+}}
+"""
+    return text, {**assignment, "leads": leads}
+
+
+WALK_SPECS = -(-len(WALK_NAMES) // LEADS_PER_SPEC)
+
+
+def test_walk_names_come_from_the_code():
+    """The row walk's literal names are drawn (whether or not a table reserves them), and
+    every one is some spec's lead index."""
+    assert {"_partial", "_full", "_step", "_scores", "_chain", "masked", "bound", "overflow", "xp", "can", "must",
+            "_visited_product", "grid_spec", "residuals", "cotangent"} <= set(WALK_NAMES)
+    leads = {x for n in range(WALK_SPECS) for x in walk_spec(n)[1]["leads"]}
+    assert leads == set(WALK_NAMES)
+
+
+def build_unformatted(text: str):
+    """(kernel, module) of an attention spec, the module as emitted before black formats
+    it (the same code; black takes most of the build time of names this long)."""
+    import importlib.util
+    import sys
+
+    from conftest import BUILD_CACHE
+
+    from sparsegen.compiler import lower_source
+    from sparsegen.source import SourceFile
+    from sparsegen.tpu.attention.emit import AttentionEmitter
+
+    (m,) = lower_source(SourceFile("walk_names.spk", text), "v5e")
+    BUILD_CACHE.mkdir(parents=True, exist_ok=True)
+    path = BUILD_CACHE / f"{m.name}_unformatted.py"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(AttentionEmitter(m).module("walk_names.spk", formatted=False))
+    tmp.replace(path)
+    spec = importlib.util.spec_from_file_location(f"sparsegen_test_{m.name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return m.kernel, mod
+
+
+@pytest.mark.parametrize("n", range(WALK_SPECS))
+def test_walk_names_as_lead_indices(n):
+    """The kernel and `reference` against the f64 oracle; the gradient kernels traced
+    (compared with `reference`'s gradient as well under SPARSEGEN_SWEEP=1: the compiles
+    of twenty nested grid axes take a while)."""
+    import os
+
+    import jax
+    import jax.numpy as jnp
+    from attention_oracle import run as attention_oracle
+    from test_attention import assert_gradients_match, gradients
+
+    text, a = walk_spec(n)
+    kernel, mod = build_unformatted(text)
+    rng = np.random.default_rng(n)
+    S = 200
+    shape = (1,) * (LEADS_PER_SPEC - 1) + (2, S, 128)
+    args = [jnp.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(3)]
+    if n % 2:
+        args.append(jnp.asarray(np.sort(rng.integers(0, 3, (2, S))).astype(np.int32)))
+    fn = getattr(mod, kernel.name)
+    want = attention_oracle(kernel, [np.asarray(x) for x in args], {a["S"]: S})
+    for got in (fn(*args, interpret=True), mod.reference(*args)):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-4, atol=2e-4)
+
+    def kernel_gradients(*x):
+        return gradients(lambda *y: fn(*y, interpret=True), list(x), 3)
+
+    if os.environ.get("SPARSEGEN_SWEEP") == "1":
+        assert_gradients_match(kernel_gradients(*args), gradients(mod.reference, args, 3), bf16=False)
+    else:
+        jax.jit(kernel_gradients).lower(*args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...dtypes import DTYPES
 from ...ir import Read
 from ...schedule.attention import Classifier
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
@@ -144,6 +145,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         m, k, p, conv = self.m, self.k, self.p, self.m.conv
         env = _environment()
         classify_fn, classify_reads, classify_lines = self.classify()
+        self.classify_fn, self.classify_reads = classify_fn, classify_reads  # `reference` visits as the walk does
         data = p.data_dependent
         xp = "jnp" if data else "np"
         kinds_var = self.n.local("block_kinds")
@@ -341,11 +343,33 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
     def chain_uses_positions(self) -> bool:
         return any(t.op == "index" and t.name in (self.p.query, self.p.key) for _, term in self.p.chain for t in term.walk())
 
-    def precision(self) -> str:
-        """Full precision for f32 products: the score's factors (a stored score: the values')."""
-        factors = self.m.operands[:2] if not self.p.stored_score else self.values()
-        return ", precision=lax.Precision.HIGHEST" if self.k.accumulate.name == "f32" and any(
-            self.k.operand(o.read.operand).dtype.name == "f32" for o in factors) else ""
+    def precision(self, *dtypes) -> str:
+        """A product's precision, from the dtypes its operands enter it with: the MXU rounds
+        f32 operands to bf16 unless asked for full precision."""
+        return ", precision=lax.Precision.HIGHEST" if any(d.name == "f32" for d in dtypes) else ""
+
+    def mxu(self, computed: str, block: str, dtype) -> tuple[str, str, str]:
+        """A product of a block computed in the accumulate dtype (probabilities, a gradient)
+        by a block of a spec array of `dtype`: (computed, block, precision) as the MXU takes
+        them. A float block sets the dtype (bf16 products, as flash attention does them); an
+        integer block is widened instead (probabilities cast to an integer would be 0 or 1)."""
+        if dtype.is_float:
+            return f"{computed}.astype({block}.dtype)", block, self.precision(dtype)
+        return computed, f"{block}.astype({self.acc.jnp})", self.precision(self.acc)
+
+    def score_factors(self, qo: Operand, ko: Operand) -> tuple[tuple[str, str], str]:
+        """The score's two blocks as the MXU takes them, and the product's precision. Mosaic
+        multiplies no integer block into a float sum: integer factors are widened, as
+        `reference` widens them, to bf16 when both hold 8 bits (exact there), else to f32."""
+        qt, kt = self.dtype_of(qo), self.dtype_of(ko)
+        if qt.is_float and kt.is_float:
+            return (qo.var, ko.var), self.precision(qt, kt)
+        to = DTYPES["bf16" if qt.bits == kt.bits == 8 and not qt.is_float and not kt.is_float else "f32"]
+        blocks = tuple(o.var if t == to else f"{o.var}.astype({to.jnp})" for o, t in ((qo, qt), (ko, kt)))
+        return blocks, self.precision(to)
+
+    def dtype_of(self, o: Operand):
+        return self.k.operand(o.read.operand).dtype
 
     def block_value(self, o: Operand, transposed: bool = False) -> str:
         ref = o.ref

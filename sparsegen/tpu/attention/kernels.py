@@ -101,8 +101,9 @@ class KernelWriter:
             qo, ko = operands[0], operands[1]
             qd, kd = self.live(qo.read).index(p.summed), self.live(ko.read).index(p.summed)
             raw = n.local("raw_scores")
-            a, b, da, db = (ko.var, qo.var, kd, qd) if transposed else (qo.var, ko.var, qd, kd)
-            out.append(f"    {raw} = lax.dot_general({a}, {b}, ((({da},), ({db},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})")
+            (qv, kv), prec = self.score_factors(qo, ko)
+            a, b, da, db = (kv, qv, kd, qd) if transposed else (qv, kv, qd, kd)
+            out.append(f"    {raw} = lax.dot_general({a}, {b}, ((({da},), ({db},)), ((), ())), preferred_element_type={acc.jnp}{prec})")
             if p.scale is not None:
                 out.append(f"    {raw} = {raw} * {p.scale!r}")
         qpos, kpos = n.local(f"{p.query}_pos"), n.local(f"{p.key}_pos")
@@ -264,8 +265,9 @@ class KernelWriter:
                 vd = self.live(vo.read).index(p.key)
                 lines += self.load_block(n, vo, at, tables, "masked", (p.key,))
                 a = accs[c.output]
-                lines.append(f"    {a}[...] = {nm['alpha']} * {a}[...] + lax.dot_general({nm['probs']}.astype({vo.var}.dtype), {vo.var}, "
-                             f"(((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})")
+                pv, vv, prec = self.mxu(nm["probs"], vo.var, self.dtype_of(vo))
+                lines.append(f"    {a}[...] = {nm['alpha']} * {a}[...] + lax.dot_general({pv}, {vv}, "
+                             f"(((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{prec})")
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")
@@ -442,10 +444,11 @@ class KernelWriter:
                     ti = self.tile[p.query]
                     lines += [f"    if {masked}:", f"        # Past the end of {p.query} memory holds anything: zero it.",
                               f"        {do} = jnp.where({tables['QROW']}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0) < {self.size_of(p.query)}, {do}, 0)"]
+                dov, vv, prec = self.mxu(do, vo.var, self.dtype_of(vo))
                 if transposed:
-                    term = f"lax.dot_general({vo.var}, {do}.astype({vo.var}.dtype), ((({ve},), (1,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})"
+                    term = f"lax.dot_general({vv}, {dov}, ((({ve},), (1,)), ((), ())), preferred_element_type={acc.jnp}{prec})"
                 else:
-                    term = f"lax.dot_general({do}.astype({vo.var}.dtype), {vo.var}, (((1,), ({ve},)), ((), ())), preferred_element_type={acc.jnp}{self.precision()})"
+                    term = f"lax.dot_general({dov}, {vv}, (((1,), ({ve},)), ((), ())), preferred_element_type={acc.jnp}{prec})"
                 terms.append(term + (f" * {c.scale!r}" if c.scale is not None else ""))
         if terms:
             lines.append(f"    {nm['dprobs']} = " + " + ".join(terms))
@@ -486,8 +489,9 @@ class KernelWriter:
             step += self.load_block(sn, ko, at, tables, "masked", (p.key,))
             # The product's scale multiplies the (rows x d) result, not the (rows x keys) block.
             scale = f" * {p.scale!r}" if p.scale is not None else ""
-            step.append(f"    {dq_acc}[...] += lax.dot_general({draw}.astype({ko.var}.dtype), {ko.var}, (((1,), ({kj},)), ((), ())), "
-                        f"preferred_element_type={acc.jnp}{self.precision()}){scale}")
+            dr, kv, prec = self.mxu(draw, ko.var, self.dtype_of(ko))
+            step.append(f"    {dq_acc}[...] += lax.dot_general({dr}, {kv}, (((1,), ({kj},)), ((), ())), "
+                        f"preferred_element_type={acc.jnp}{prec}){scale}")
             outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), self.grad_dtype(p.q), self.n.local("dq_full"),
                                  "the row block's gradient of the score's row factor", vector=False)]
             scratch = [f"pltpu.VMEM(({self.tile[p.query]}, {self.tile[p.summed]}), {acc.jnp})"]
@@ -579,13 +583,15 @@ class KernelWriter:
             if c.kind == "softmax_product":
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
                 do = dos[c.output]
-                step.append(f"    {dv[c.output][0]}[...] += lax.dot_general({probs}.astype({do}.dtype), {do}, "
-                            f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{self.precision()}){scale}")
+                pv, dov, prec = self.mxu(probs, do, self.k.operand(c.output).dtype)
+                step.append(f"    {dv[c.output][0]}[...] += lax.dot_general({pv}, {dov}, "
+                            f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{prec}){scale}")
         outs, scratch = [], []
         if not p.stored_score:
             scale = f" * {p.scale!r}" if p.scale is not None else ""
-            step.append(f"    {dk_acc}[...] += lax.dot_general({draw}.astype({qo.var}.dtype), {qo.var}, (((1,), ({qi},)), ((), ())), "
-                        f"preferred_element_type={acc.jnp}{self.precision()}){scale}")
+            dr, qv, prec = self.mxu(draw, qo.var, self.dtype_of(qo))
+            step.append(f"    {dk_acc}[...] += lax.dot_general({dr}, {qv}, (((1,), ({qi},)), ((), ())), "
+                        f"preferred_element_type={acc.jnp}{prec}){scale}")
             outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), self.grad_dtype(p.k), self.n.local("dk_full"),
                                  "the key block's gradient of the score's key factor", vector=False)]
             scratch = [f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[p.summed]}), {acc.jnp})"]

@@ -77,6 +77,13 @@ class ReferenceWriter:
             probs, lse = scope.local("probs"), scope.local("lse")
             lines.append(f"{probs}, {lse} = _softmax_rows({finals[pt]})")
             stats[pt] = (probs, lse)
+        visited = None
+        if any(c.kind == "softmax_product" for c in p.consumers):
+            # Which (row block, key block) the walk visits, over the score's axes.
+            visits = scope.local("visits")
+            classes = "".join(letters[i] for i in p.class_axes)
+            lines.append(f"{visits} = {self.classify_fn}(jnp, {', '.join(self.classify_reads + ['sizes'])})")
+            visited = f'_expand({visits} != _EMPTY, "{classes}", "{dst}")'
         results = {}
         for c in p.consumers:
             out = k.operand(c.output)
@@ -85,8 +92,11 @@ class ReferenceWriter:
             final = finals[c.point]
             probs, lse = stats.get(c.point, (None, None))
             if c.kind == "softmax_product":
-                e_letters = "".join(letters[i] for i in st.target.indices)
-                lines.append(f'{var} = jnp.einsum("{dst},{spec(c.value)}->{e_letters}", {probs}, {widen(c.value)}, preferred_element_type={acc.jnp}{prec})')
+                # Summed over the blocks the walk visits only, as the kernel sums it.
+                keyed = "".join(letters[i] for i in p.lead + (p.key, self.e_of(c)))
+                vals = widen(c.value) if spec(c.value) == keyed else f'_expand({widen(c.value)}, "{spec(c.value)}", "{keyed}")'
+                tiles = _tuple(str(self.tile[i]) for i in (p.query, p.key))
+                lines.append(f"{var} = _visited_product({probs}, {vals}, {visited}, {tiles})")
                 if c.scale is not None:
                     lines.append(f"{var} = {var} * {c.scale!r}")
             elif c.kind == "logsumexp":
