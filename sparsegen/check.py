@@ -202,10 +202,11 @@ class _KernelChecker:
                     if sub.offset is not None:
                         offsets_used.add(sub.offset.operand.text)
             self.parsed.append((st, factors, numbers))
+        read_locals = set().union(*(form.reads_locals for form in self.flow.values()))
         for name, acc in self.locals.items():
             if self.errors:
                 break  # a statement that failed may be the one reading it
-            if not any(id(st) in self.flow and name in self.flow[id(st)].reads_locals for st in k.statements):
+            if name not in read_locals:
                 self.error(acc.operand.span, f"local tensor '{name}' is never read; an output is declared with `out`")
         for op in self.outputs:
             if op.name.text not in assigned and not self.errors:  # else a misspelt target is the cause

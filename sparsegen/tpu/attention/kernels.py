@@ -144,6 +144,8 @@ class KernelWriter:
         for index, pos in ((p.query, qpos), (p.key, kpos)):
             if self.ragged(index):
                 cond.append(f"({pos} < {self.size_of(index)})")
+        if len(cond) > 1 and p.condition is not None:
+            cond[0] = f"({cond[0]})"  # `&` binds tighter than the comparisons in it
         if cond:
             out.append("    if masked:")
             if not chain_pos:
