@@ -221,9 +221,21 @@ class _KernelChecker:
             elif op.name.text not in used:
                 self.error(op.name.span, f"input '{op.name.text}' is not used in any statement")
         self.stop_if_errors()
+        self.check_local_names()
         for st, factors, _ in self.parsed:
             self.check_accesses(st, factors)
         self.stop_if_errors()
+
+    def check_local_names(self) -> None:
+        """A local tensor's name is taken from the namespace indices and operands share (as an
+        output's is), and is not a size's: `S[i, j]` beside `S` the size reads as one thing."""
+        indices = set(self.all_indices())
+        sizes = {d.value for op in self.k.operands for d in op.dims if isinstance(d.value, str)}
+        for name, target in self.locals.items():
+            if name in indices:
+                self.error(target.operand.span, f"local tensor '{name}' is named like an index; index, operand and local names share one namespace")
+            elif name in sizes:
+                self.error(target.operand.span, f"local tensor '{name}' is named like the size {name}; choose another name")
 
     def product(self, value: ast.Expr) -> tuple[list[ast.Access] | None, list[ast.Number]]:
         """The factors of a right side: operand reads and numeric literals multiplied together."""
