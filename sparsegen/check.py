@@ -159,6 +159,10 @@ class _KernelChecker:
             if op is None or st.condition is not None or not ast.is_product(st.value) or reads_local:
                 # Language v1, sections 3-5: local tensors, conditions, expressions, reductions.
                 result = flow_statement(self, st, assigned)
+                if result is None and op is None:
+                    # Its error is reported: later reads of the local are not also "not declared".
+                    self.locals[name] = target
+                    assigned[name] = st
                 if result is not None:
                     accesses, form = result
                     if op is None:

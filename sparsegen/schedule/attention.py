@@ -150,11 +150,14 @@ def row_plan(kernel: Kernel) -> RowPlan:
         fail(sts[-1], "nothing reads the scores into an output")
     score_idx = score_st.target.indices
     key = _key_of(sts, consumers) or score_idx[-1]
-    for st in sts:
-        if isinstance(st, (SoftmaxProduct, Reduction)) and st.index != key:
-            fail(st, f"not supported yet: every reduction of the scores runs over one index ('{key}')")
+    reducing = [st for st in sts if isinstance(st, (SoftmaxProduct, Reduction))]
+    for st in reducing:
+        if st.index != key:
+            raise ScheduleError(Diagnostic(st.index_span or st.span, f"not supported yet: every reduction of the scores runs over one index ('{key}')"))
     if key not in score_idx or score_idx[-1] != key:
-        fail(score_st, f"not supported yet: the score's last index is the one its rows reduce over ('{key}')")
+        # Reported where the reduction names its index: that is what to change, more often than the score.
+        at = next((st.index_span for st in reducing if st.index == key and st.index_span is not None), score_st.span)
+        raise ScheduleError(Diagnostic(at, f"not supported yet: the scores are reduced over their last index ('{score_idx[-1]}'), not '{key}'"))
     rows = score_idx[:-1]
     query = rows[-1]
     lead = rows[:-1]
