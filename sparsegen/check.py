@@ -143,6 +143,7 @@ class _KernelChecker:
         used: set[str] = set()
         offsets_used: set[str] = set()
         self.locals: dict[str, ast.Access] = {}
+        self.free_sizes: dict[str, ast.Name] = {}  # sizes only expressions name (flow.py), first use
         self.flow: dict[int, object] = {}  # id(statement) -> its checked v1 form (flow.py)
         for st in k.statements:
             target = st.target
@@ -235,6 +236,12 @@ class _KernelChecker:
         output's is), and is not a size's: `S[i, j]` beside `S` the size reads as one thing."""
         indices = set(self.all_indices())
         sizes = {d.value for op in self.k.operands for d in op.dims if isinstance(d.value, str)}
+        for name, use in self.free_sizes.items():
+            self.check_identifier(use, "size")
+            if name in indices:
+                self.error(use.span, f"'{name}' is an index of another statement, not of this left side, nor a size")
+            elif name in ("interpret", "max_steps") or name in HELPERS:
+                self.error(use.span, f"size '{name}' would clash with a name of the generated module; rename it")
         for name, target in self.locals.items():
             if name in indices:
                 self.error(target.operand.span, f"local tensor '{name}' is named like an index; index, operand and local names share one namespace")
@@ -543,6 +550,8 @@ class _KernelChecker:
             for d in op.dims:
                 if d.symbol is not None:
                     symbols.setdefault(d.symbol, d.literal)
+        for name in self.free_sizes:  # named only in expressions: a keyword of the call
+            symbols.setdefault(name, None)
         return Kernel(
             name=k.name.text,
             source_name=self.source_name,

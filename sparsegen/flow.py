@@ -264,8 +264,12 @@ class _Flow:
             return Term("index", name=name)
         if any(name == s for s, _ in _symbols(self.c)):
             return Term("size", name=name)
-        self.error(e.span, f"'{name}' is neither an index of the left side nor a size")
-        return Term("num", value=0)
+        if name in self.c.operands or name in self.c.locals or name in self.assigned:
+            self.error(e.span, f"'{name}' is neither an index of the left side nor a size")
+            return Term("num", value=0)
+        # A size no operand has (a prefix length): passed as a keyword, like `M=`.
+        self.c.free_sizes.setdefault(name, e.name)
+        return Term("size", name=name)
 
     def condition(self, e: ast.Expr, top: bool = False) -> Term:
         """A truth value: comparisons of integer terms, and/or/not, a mask read."""
