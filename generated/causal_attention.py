@@ -360,7 +360,7 @@ def _attention_kernel(
         if masked:
             i_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
             j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
-            present = ((i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
+            present = (i_pos >= j_pos) & (i_pos < S) & (j_pos < S)
             s = jnp.where(present, s, -jnp.inf)
         return s
 
@@ -464,7 +464,7 @@ def _attention_dq_kernel(
         if masked:
             i_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
             j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
-            present = ((i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
+            present = (i_pos >= j_pos) & (i_pos < S) & (j_pos < S)
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -588,7 +588,7 @@ def _attention_dkv_kernel(
         if masked:
             i_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
             j_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
-            present = ((i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
+            present = (i_pos >= j_pos) & (i_pos < S) & (j_pos < S)
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -1135,12 +1135,7 @@ def _reference(q, k, v, sizes):
     )
     s = s * 0.08838834764831845
     s = jnp.where(
-        (
-            (
-                jnp.arange(S).reshape((1, 1, -1, 1))
-                >= jnp.arange(S).reshape((1, 1, 1, -1))
-            )
-        ),
+        jnp.arange(S).reshape((1, 1, -1, 1)) >= jnp.arange(S).reshape((1, 1, 1, -1)),
         s,
         -jnp.inf,
     )

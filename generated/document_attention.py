@@ -414,9 +414,7 @@ def _attention_kernel(
             i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
             present = (
-                ((((seg_blk == seg_blk_))) & (((i_pos >= j_pos))))
-                & (i_pos < S)
-                & (j_pos < S)
+                ((seg_blk == seg_blk_) & (i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
             )
             s = jnp.where(present, s, -jnp.inf)
         return s
@@ -523,9 +521,7 @@ def _attention_dq_kernel(
             i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
             present = (
-                ((((seg_blk == seg_blk_))) & (((i_pos >= j_pos))))
-                & (i_pos < S)
-                & (j_pos < S)
+                ((seg_blk == seg_blk_) & (i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
             )
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
@@ -655,9 +651,7 @@ def _attention_dkv_kernel(
             i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
             j_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             present = (
-                ((((seg_blk == seg_blk_))) & (((i_pos >= j_pos))))
-                & (i_pos < S)
-                & (j_pos < S)
+                ((seg_blk == seg_blk_) & (i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
             )
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
@@ -1269,16 +1263,9 @@ def _reference(q, k, v, seg, sizes):
     )
     s = s * 0.125
     s = jnp.where(
-        (
-            (((_expand(seg, "ac", "abcd") == _expand(seg, "ad", "abcd"))))
-            & (
-                (
-                    (
-                        jnp.arange(S).reshape((1, 1, -1, 1))
-                        >= jnp.arange(S).reshape((1, 1, 1, -1))
-                    )
-                )
-            )
+        (_expand(seg, "ac", "abcd") == _expand(seg, "ad", "abcd"))
+        & (
+            jnp.arange(S).reshape((1, 1, -1, 1)) >= jnp.arange(S).reshape((1, 1, 1, -1))
         ),
         s,
         -jnp.inf,

@@ -369,7 +369,7 @@ def _attention_kernel(
         raw_scores = raw_scores * 0.08838834764831845
 
         def _chain(raw_scores):
-            s = 50.0 * jnp.tanh((raw_scores / 50.0))
+            s = 50.0 * jnp.tanh(raw_scores / 50.0)
             return s
 
         s_ = _chain(raw_scores)
@@ -377,9 +377,7 @@ def _attention_kernel(
             i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
             present = (
-                ((((i_pos >= j_pos))) & ((((i_pos - j_pos) < 1024))))
-                & (i_pos < S)
-                & (j_pos < S)
+                ((i_pos >= j_pos) & (i_pos - j_pos < 1024)) & (i_pos < S) & (j_pos < S)
             )
             s_ = jnp.where(present, s_, -jnp.inf)
         return s_
@@ -479,7 +477,7 @@ def _attention_dq_kernel(
         raw_scores = raw_scores * 0.08838834764831845
 
         def _chain(raw_scores):
-            s = 50.0 * jnp.tanh((raw_scores / 50.0))
+            s = 50.0 * jnp.tanh(raw_scores / 50.0)
             return s
 
         s_ = _chain(raw_scores)
@@ -487,9 +485,7 @@ def _attention_dq_kernel(
             i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
             present = (
-                ((((i_pos >= j_pos))) & ((((i_pos - j_pos) < 1024))))
-                & (i_pos < S)
-                & (j_pos < S)
+                ((i_pos >= j_pos) & (i_pos - j_pos < 1024)) & (i_pos < S) & (j_pos < S)
             )
             s_ = jnp.where(present, s_, -jnp.inf)
         return raw_scores, s_, _chain
@@ -614,7 +610,7 @@ def _attention_dkv_kernel(
         raw_scores = raw_scores * 0.08838834764831845
 
         def _chain(raw_scores):
-            s = 50.0 * jnp.tanh((raw_scores / 50.0))
+            s = 50.0 * jnp.tanh(raw_scores / 50.0)
             return s
 
         s_ = _chain(raw_scores)
@@ -622,9 +618,7 @@ def _attention_dkv_kernel(
             i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
             j_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
             present = (
-                ((((i_pos >= j_pos))) & ((((i_pos - j_pos) < 1024))))
-                & (i_pos < S)
-                & (j_pos < S)
+                ((i_pos >= j_pos) & (i_pos - j_pos < 1024)) & (i_pos < S) & (j_pos < S)
             )
             s_ = jnp.where(present, s_, -jnp.inf)
         return raw_scores, s_, _chain
@@ -1154,28 +1148,12 @@ def _reference(q, k, v, sizes):
         precision=lax.Precision.HIGHEST,
     )
     s = s * 0.08838834764831845
-    s_ = 50.0 * jnp.tanh((s / 50.0))
+    s_ = 50.0 * jnp.tanh(s / 50.0)
     s_ = jnp.where(
-        (
-            (
-                (
-                    (
-                        jnp.arange(S).reshape((1, 1, -1, 1))
-                        >= jnp.arange(S).reshape((1, 1, 1, -1))
-                    )
-                )
-            )
-            & (
-                (
-                    (
-                        (
-                            jnp.arange(S).reshape((1, 1, -1, 1))
-                            - jnp.arange(S).reshape((1, 1, 1, -1))
-                        )
-                        < 1024
-                    )
-                )
-            )
+        (jnp.arange(S).reshape((1, 1, -1, 1)) >= jnp.arange(S).reshape((1, 1, 1, -1)))
+        & (
+            jnp.arange(S).reshape((1, 1, -1, 1)) - jnp.arange(S).reshape((1, 1, 1, -1))
+            < 1024
         ),
         s_,
         -jnp.inf,

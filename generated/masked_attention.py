@@ -391,7 +391,7 @@ def _attention_kernel(
         if masked:
             i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
             j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = (keep_blk != 0) & (i_pos < S) & (j_pos < T)
+            present = ((keep_blk != 0)) & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return s
 
@@ -498,7 +498,7 @@ def _attention_dq_kernel(
         if masked:
             i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
             j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = (keep_blk != 0) & (i_pos < S) & (j_pos < T)
+            present = ((keep_blk != 0)) & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -626,7 +626,7 @@ def _attention_dkv_kernel(
         if masked:
             i_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
             j_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            present = (keep_blk != 0) & (i_pos < S) & (j_pos < T)
+            present = ((keep_blk != 0)) & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 

@@ -308,7 +308,7 @@ def _attention_kernel(
         if masked:
             i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
             j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = ((i_pos >= j_pos)) & (i_pos < S) & (j_pos < T)
+            present = (i_pos >= j_pos) & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
             present_ = (i_pos < S) & (j_pos < T)
             s_ = jnp.where(present_, s_, -jnp.inf)
@@ -388,7 +388,7 @@ def _attention_stored_kernel(
         if masked:
             i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
             j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = ((i_pos >= j_pos)) & (i_pos < S) & (j_pos < T)
+            present = (i_pos >= j_pos) & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
             present_ = (i_pos < S) & (j_pos < T)
             s_ = jnp.where(present_, s_, -jnp.inf)
@@ -606,7 +606,7 @@ def _reference(x, sizes):
     lower = _expand(x, "ab", "ab").astype(jnp.float32)
     lower_present = lower
     lower_present = jnp.where(
-        ((jnp.arange(S).reshape((-1, 1)) >= jnp.arange(T).reshape((1, -1)))),
+        jnp.arange(S).reshape((-1, 1)) >= jnp.arange(T).reshape((1, -1)),
         lower_present,
         -jnp.inf,
     )

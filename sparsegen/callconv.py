@@ -159,7 +159,7 @@ def convention(kernel: Kernel, names: ModuleNames) -> Convention:
     sizes = []
     for symbol, literal in kernel.symbols:
         holders = [op.name for op in kernel.operands if any(d.symbol == symbol for d in op.dims)]
-        about = " and ".join(f"'{h}'" for h in holders)
+        about = " and ".join(f"'{h}'" for h in holders) or "the kernel's conditions and expressions"  # a size only they name
         sizes.append(SizeParam(symbol, names.local(symbol), literal, not carried[symbol] and literal is None, about))
     coo = [op for op in kernel.operands if op.sparsity == "coo"]
     pads = tuple((op.name, names.local("pad" if len(coo) == 1 else f"{op.name}_pad")) for op in coo)

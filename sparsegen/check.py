@@ -143,6 +143,7 @@ class _KernelChecker:
         used: set[str] = set()
         offsets_used: set[str] = set()
         self.locals: dict[str, ast.Access] = {}
+        self.free_sizes: dict[str, ast.Name] = {}  # sizes only expressions name (flow.py), first use
         self.flow: dict[int, object] = {}  # id(statement) -> its checked v1 form (flow.py)
         for st in k.statements:
             target = st.target
@@ -159,6 +160,10 @@ class _KernelChecker:
             if op is None or st.condition is not None or not ast.is_product(st.value) or reads_local:
                 # Language v1, sections 3-5: local tensors, conditions, expressions, reductions.
                 result = flow_statement(self, st, assigned)
+                if result is None and op is None:
+                    # Its error is reported: later reads of the local are not also "not declared".
+                    self.locals[name] = target
+                    assigned[name] = st
                 if result is not None:
                     accesses, form = result
                     if op is None:
@@ -202,10 +207,11 @@ class _KernelChecker:
                     if sub.offset is not None:
                         offsets_used.add(sub.offset.operand.text)
             self.parsed.append((st, factors, numbers))
+        read_locals = set().union(*(form.reads_locals for form in self.flow.values()))
         for name, acc in self.locals.items():
             if self.errors:
                 break  # a statement that failed may be the one reading it
-            if not any(id(st) in self.flow and name in self.flow[id(st)].reads_locals for st in k.statements):
+            if name not in read_locals:
                 self.error(acc.operand.span, f"local tensor '{name}' is never read; an output is declared with `out`")
         for op in self.outputs:
             if op.name.text not in assigned and not self.errors:  # else a misspelt target is the cause
@@ -220,9 +226,27 @@ class _KernelChecker:
             elif op.name.text not in used:
                 self.error(op.name.span, f"input '{op.name.text}' is not used in any statement")
         self.stop_if_errors()
+        self.check_local_names()
         for st, factors, _ in self.parsed:
             self.check_accesses(st, factors)
         self.stop_if_errors()
+
+    def check_local_names(self) -> None:
+        """A local tensor's name is taken from the namespace indices and operands share (as an
+        output's is), and is not a size's: `S[i, j]` beside `S` the size reads as one thing."""
+        indices = set(self.all_indices())
+        sizes = {d.value for op in self.k.operands for d in op.dims if isinstance(d.value, str)}
+        for name, use in self.free_sizes.items():
+            self.check_identifier(use, "size")
+            if name in indices:
+                self.error(use.span, f"'{name}' is an index of another statement, not of this left side, nor a size")
+            elif name in ("interpret", "max_steps") or name in HELPERS:
+                self.error(use.span, f"size '{name}' would clash with a name of the generated module; rename it")
+        for name, target in self.locals.items():
+            if name in indices:
+                self.error(target.operand.span, f"local tensor '{name}' is named like an index; index, operand and local names share one namespace")
+            elif name in sizes:
+                self.error(target.operand.span, f"local tensor '{name}' is named like the size {name}; choose another name")
 
     def product(self, value: ast.Expr) -> tuple[list[ast.Access] | None, list[ast.Number]]:
         """The factors of a right side: operand reads and numeric literals multiplied together."""
@@ -526,6 +550,8 @@ class _KernelChecker:
             for d in op.dims:
                 if d.symbol is not None:
                     symbols.setdefault(d.symbol, d.literal)
+        for name in self.free_sizes:  # named only in expressions: a keyword of the call
+            symbols.setdefault(name, None)
         return Kernel(
             name=k.name.text,
             source_name=self.source_name,

@@ -32,6 +32,7 @@ class Form:
     fn: str | None = None
     arg: ast.Access | None = None
     index: str | None = None
+    index_span: object = None  # the reduced index's token
     reads_locals: set = field(default_factory=set)
     floats: list = field(default_factory=list)  # float literals, for the accumulate rule
     needs_float: bool = False  # functions and reductions compute in a float dtype
@@ -49,9 +50,9 @@ class Form:
         if self.kind == "elementwise":
             return Elementwise(target, self.value, self.condition, self.st.span)
         if self.kind == "reduction":
-            return Reduction(target, self.fn, read(self.arg), self.index, self.condition, self.st.span)
+            return Reduction(target, self.fn, read(self.arg), self.index, self.condition, self.st.span, self.index_span)
         numbers = tuple(Number(n.value) for n in self.numbers)
-        return SoftmaxProduct(target, read(self.arg), self.index, read(self.factors[0]), numbers, self.st.span, self.condition)
+        return SoftmaxProduct(target, read(self.arg), self.index, read(self.factors[0]), numbers, self.st.span, self.condition, self.index_span)
 
 
 def flow_statement(c, st: ast.Statement, assigned: dict) -> tuple[list[ast.Access], Form] | None:
@@ -112,6 +113,10 @@ class _Flow:
                 self.form.factors.append(p)
             else:
                 self.number(ast.literal(p))
+        on_right = {s.index.text for p in self.form.factors for s in p.subscripts}
+        for sub in self.st.target.subscripts:
+            if sub.index.text not in on_right:
+                self.error(sub.index.span, f"index '{sub.index.text}' of the left side appears in no factor on the right")
 
     def number(self, n: ast.Number):
         self.form.numbers.append(n)
@@ -138,7 +143,7 @@ class _Flow:
         want = arg_indices if fn == "softmax" else [i for i in arg_indices if i != j]
         if sorted(self.left) != sorted(want):
             self.error(self.st.target.span, f"{fn}(..., {j}) gives the indices {', '.join(want)}; the left side has {', '.join(self.left)}")
-        self.form.fn, self.form.arg, self.form.index = fn, arg, j
+        self.form.fn, self.form.arg, self.form.index, self.form.index_span = fn, arg, j, index.span
 
     def softmax_product(self, parts, call: ast.Call):
         self.form.kind = "softmax_product"
@@ -165,7 +170,7 @@ class _Flow:
             self.error(v.span, f"'{v.operand.text}' is not read with '{j}': the softmax product sums over it")
         if j in self.left:
             self.error(self.st.target.span, f"the softmax product sums over '{j}'; the left side cannot keep it")
-        self.form.arg, self.form.index, self.form.factors = arg, j, [v]
+        self.form.arg, self.form.index, self.form.factors, self.form.index_span = arg, j, [v], index.span
 
     # ------------------------------------------------------------- reads
     def tensor_read(self, acc: ast.Access):
@@ -259,8 +264,12 @@ class _Flow:
             return Term("index", name=name)
         if any(name == s for s, _ in _symbols(self.c)):
             return Term("size", name=name)
-        self.error(e.span, f"'{name}' is neither an index of the left side nor a size")
-        return Term("num", value=0)
+        if name in self.c.operands or name in self.c.locals or name in self.assigned:
+            self.error(e.span, f"'{name}' is neither an index of the left side nor a size")
+            return Term("num", value=0)
+        # A size no operand has (a prefix length): passed as a keyword, like `M=`.
+        self.c.free_sizes.setdefault(name, e.name)
+        return Term("size", name=name)
 
     def condition(self, e: ast.Expr, top: bool = False) -> Term:
         """A truth value: comparisons of integer terms, and/or/not, a mask read."""

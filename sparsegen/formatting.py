@@ -17,12 +17,22 @@ checks that on every example and many variants):
   integer replaced by a same-width placeholder name, which black lays out exactly as it
   would the number; the numbers are put back afterwards. The layout is cached by the
   placeholder form, so a chunk is formatted once per shape of its numbers.
+- most lines of a long spec's module are one-line assignments (an elementwise chain is one
+  per local, in the kernel, its backward and `reference`). A run of consecutive such lines
+  that black leaves alone is taken out of its chunk and stands as one assignment while
+  black formats the rest (the skeleton): black lays out statements one by one, and the
+  blank lines around an assignment do not depend on its text. Whether black leaves a line
+  alone is decided once per shape of the line (names and numbers as same-width
+  placeholders), and the skeleton is the same for every length of chain and every
+  constant in it, so formatting is linear in the module's size and cached across kernels.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import io
+import keyword
 import re
 import tokenize
 
@@ -57,15 +67,129 @@ def _format_module(source: str) -> str:
         # The header comments and module docstring are emitted black-clean (they vary with
         # every variant, so caching would not help); black keeps one blank line after them.
         docstring, chunks[0] = head
-    forms = [_placeholders(chunk) for chunk in chunks]
+    parts = [_skeleton(chunk) for chunk in chunks]
+    forms = [_placeholders(skeleton) for skeleton, _ in parts]
     features = set().union(*(_features(form) for form, _ in forms))
+    features |= set().union(*(_features(shape) for _, runs in parts for run in runs for shape in run.shapes))
     if docstring is not None:
         features |= _features(docstring)
     # As black infers them for the whole module (an empty set, which no real code gives,
     # would let black infer them per chunk).
     versions = frozenset(v for v in black.TargetVersion if features <= VERSION_TO_FEATURES[v])
-    body = "\n\n\n".join(_format_chunk(chunk, form, numbers, versions).rstrip("\n") for chunk, (form, numbers) in zip(chunks, forms))
+    body = "\n\n\n".join(
+        _format_with_runs(chunk, skeleton, runs, form, numbers, versions).rstrip("\n")
+        for chunk, (skeleton, runs), (form, numbers) in zip(chunks, parts, forms)
+    )
     return (docstring + "\n\n" if docstring is not None else "") + body + "\n"
+
+
+# ---------------------------------------------------------------- runs of plain lines
+
+# A one-line assignment of names, numbers, operators and brackets (no strings, comments,
+# colons or keyword arguments): the only lines taken out of a chunk.
+_PLAIN = re.compile(r"^( *)([A-Za-z_]\w*) = ([\w .+\-*/%@&|~^()\[\],]+)$", re.M)
+_WORD = re.compile(r"[A-Za-z_]\w*|\.?\d(?:[\w.]|(?<=[eE])[+-])*")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e-?\d+)?")  # as black spells it (not `1.`, `.5`, `1E5`, `1e+5`)
+_STAND_IN = "_sparsegen_run = None"  # what a run is while black formats its chunk
+
+
+class _Run:
+    def __init__(self, indent: str, lines: list[str], shapes: list[str]):
+        self.indent, self.lines, self.shapes = indent, lines, shapes
+
+
+def _shape(code: str) -> str | None:
+    """The line with every name and number a same-width placeholder (black lays them out
+    alike); None where a word is a keyword or a number black would respell (`1.`, `1E5`)."""
+    out, last = [], 0
+    for m in _WORD.finditer(code):
+        word = m.group()
+        if word[0].isdigit() or word[0] == ".":
+            if not _NUMBER.fullmatch(word):
+                return None
+        elif keyword.iskeyword(word) or keyword.issoftkeyword(word):
+            return None
+        out += [code[last : m.start()], "Q" * len(word)]
+        last = m.end()
+    return "".join(out) + code[last:]
+
+
+@functools.lru_cache(maxsize=4096)
+def _left_alone(shape: str) -> bool:
+    """Does black leave this one-line statement as it is?"""
+    try:
+        return black.format_str(shape, mode=BLACK_MODE) == shape + "\n"
+    except Exception:  # not a statement at all: black cannot parse it
+        return False
+
+
+def _skeleton(chunk: str) -> tuple[str, tuple[_Run, ...]]:
+    """The chunk with each run of plain lines black leaves alone replaced by one stand-in
+    line, and the runs; the chunk itself and () where it has none."""
+    if _STAND_IN in chunk or "= " not in chunk:
+        return chunk, ()
+    lines = chunk.split("\n")
+    plain: dict[int, tuple[str, str]] = {}
+    row, at = 0, 0
+    for m in _PLAIN.finditer(chunk):
+        row, at = row + chunk.count("\n", at, m.start()), m.start()
+        indent, code = m.group(1), m.group()[len(m.group(1)) :]
+        if len(m.group()) > black.DEFAULT_LINE_LENGTH:
+            continue
+        shape = _shape(code)
+        if shape is not None and _left_alone(shape):
+            plain[row] = (indent, shape)
+    if not plain:
+        return chunk, ()
+    out: list[str] = []
+    runs: list[_Run] = []
+    n = 0
+    while n < len(lines):
+        if n not in plain:
+            out.append(lines[n])
+            n += 1
+            continue
+        indent = plain[n][0]
+        run = _Run(indent, [], [])
+        while n in plain and plain[n][0] == indent:
+            run.lines.append(lines[n])
+            run.shapes.append(plain[n][1])
+            n += 1
+        runs.append(run)
+        out.append(indent + _STAND_IN)
+    skeleton = "\n".join(out)
+    if not _stand_ins_are_statements(skeleton, tuple(len(r.indent) for r in runs)):
+        return chunk, ()  # a line inside a string or brackets: format the chunk whole
+    return skeleton, tuple(runs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stand_ins_are_statements(skeleton: str, indents: tuple[int, ...]) -> bool:
+    """Is every stand-in an assignment statement of its own in the skeleton (not text in a
+    string, nor a keyword argument in brackets)? Then the lines it stands for are too."""
+    try:
+        tree = ast.parse(skeleton)
+    except SyntaxError:
+        return False
+    found = [
+        node.col_offset
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "_sparsegen_run"
+    ]
+    return sorted(found) == sorted(indents) and len(found) == len(indents)
+
+
+def _format_with_runs(chunk: str, skeleton: str, runs: tuple[_Run, ...], form: str, numbers: tuple[str, ...], versions: frozenset) -> str:
+    formatted = _format_chunk(skeleton, form, numbers, versions)
+    if not runs:
+        return formatted
+    lines = formatted.split("\n")
+    stand_ins = [n for n, line in enumerate(lines) if line.strip() == _STAND_IN]
+    if len(stand_ins) != len(runs) or any(lines[n] != run.indent + _STAND_IN for n, run in zip(stand_ins, runs)):
+        return _format_chunk(chunk, *_placeholders(chunk), versions)
+    for n, run in reversed(list(zip(stand_ins, runs))):
+        lines[n : n + 1] = run.lines
+    return "\n".join(lines)
 
 
 def _split_docstring(chunk: str) -> tuple[str, str] | None:

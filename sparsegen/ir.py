@@ -303,6 +303,7 @@ class Reduction:
     index: str
     condition: Term | None
     span: Span
+    index_span: Span | None = None  # the reduced index's token, for messages
 
     @property
     def factors(self) -> tuple[Read, ...]:
@@ -330,6 +331,7 @@ class SoftmaxProduct:
     numbers: tuple[Number, ...]
     span: Span
     condition: Term | None = None
+    index_span: Span | None = None  # the summed index's token in `softmax(s[...], j)`, for messages
 
     @property
     def factors(self) -> tuple[Read, ...]:

@@ -219,6 +219,35 @@ def _name(tok: Token) -> Name:
 
 
 _BINARY = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%"}
+# How deep an expression may nest: every operator, comparison, `and`/`or`/`not` and function
+# call is a level above its operands (a chain `a + b + c` a level per operator). Generated
+# code nests at most one bracket per level, well inside what Python, black and the
+# recursive passes of the compiler handle (Python refuses 200 nested brackets).
+MAX_DEPTH = 100
+_OPERATORS = frozenset(_BINARY) | {"neg", "not_", "and_", "or_", "compare", "call"}
+
+
+def _too_deep(tree: Tree) -> list[Diagnostic]:
+    """A diagnostic at the first operator of each statement's expressions that lies more than
+    MAX_DEPTH levels deep, found without recursion (the tree may be thousands deep)."""
+    found = []
+    statements = (item for kernel in tree.children for item in kernel.children if isinstance(item, Tree) and item.data == "statement")
+    for statement in statements:
+        for top in statement.children[1:]:
+            if not isinstance(top, Tree) or top.data in ("access",):
+                continue
+            stack = [(top, 1 if top.data in _OPERATORS else 0)]
+            while stack:
+                node, level = stack.pop()
+                if level > MAX_DEPTH:
+                    found.append(Diagnostic(_span(node), f"expression nested more than {MAX_DEPTH} levels deep (each operator and function call is a level; a chain `a + b + c` one per operator); split it into local tensors", ))
+                    break
+                for child in node.children:
+                    if isinstance(child, Tree) and child.data in _OPERATORS:
+                        stack.append((child, level + 1))
+                    elif isinstance(child, Tree) and child.data != "access":
+                        stack.append((child, level))
+    return found
 
 
 class _Builder:
@@ -408,4 +437,7 @@ def parse(source: SourceFile) -> Spec:
         tree = _parser().parse(source.text)
     except lark.exceptions.LarkError as exc:
         raise SpecError([_syntax_error(source, exc)], source) from None
+    too_deep = _too_deep(tree)
+    if too_deep:
+        raise SpecError(too_deep, source)
     return _Builder().spec(source, tree)

@@ -113,3 +113,11 @@ def test_int8_matmul_is_rejected_on_v4_only(tmp_path):
     with pytest.raises(SpecError) as info:
         compile_file(spec, "v4")
     assert info.value.render().startswith(f"{spec}:2:12: error: v4 has no int8 matmul: 'x' is i8")
+
+
+def test_an_error_in_a_scores_where_is_reported_once():
+    """The score's statement failing does not make every later read of it "not declared"."""
+    path = Path(__file__).parent / "bad" / "attention_where_unknown_name.spk"
+    with pytest.raises(SpecError) as info:
+        compile_file(path)
+    assert len(info.value.diagnostics) == 1, info.value.render()

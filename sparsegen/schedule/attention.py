@@ -165,6 +165,9 @@ def row_plan(kernel: Kernel) -> RowPlan:
     def fail(st, message):
         raise ScheduleError(Diagnostic(st.span, message))
 
+    def fail_at(span, message):
+        raise ScheduleError(Diagnostic(span, message))
+
     score_st = next((s for s in sts if isinstance(s, Einsum) and s.target.operand in locals_ and s.summed), None)
     if score_st is not None and (len(score_st.summed) != 1 or len(score_st.factors) != 2 or len(score_st.summed_groups) != 2):
         fail(score_st, "not supported yet: the score is a product of two operands (and numbers) summed over one index")
@@ -255,11 +258,15 @@ def row_plan(kernel: Kernel) -> RowPlan:
         if indices[pt.name] != score_idx:
             fail(st, f"not supported yet: every score a reduction reads has the indices of '{score}', in order")
     key = _key_of(sts, consumers) or score_idx[-1]
-    for st in sts:
-        if isinstance(st, (SoftmaxProduct, Reduction)) and st.index != key:
-            fail(st, f"not supported yet: every reduction of the scores runs over one index ('{key}')")
+    reducing = [st for st in sts if isinstance(st, (SoftmaxProduct, Reduction))]
+    for st in reducing:
+        if st.index != key:
+            fail_at(st.index_span or st.span, f"not supported yet: every reduction of the scores runs over one index ('{key}')")
     if key not in score_idx or score_idx[-1] != key or len(score_idx) < 2:
-        fail(score_st or point_sts[0], f"not supported yet: the score's last index is the one its rows reduce over ('{key}'), after the row index")
+        # Reported where the reduction names its index: that is what to change, more often than the score.
+        at = next((st.index_span for st in reducing if st.index == key and st.index_span is not None), (score_st or point_sts[0]).span)
+        fail_at(at, f"not supported yet: the scores are reduced over their last index ('{score_idx[-1]}'), not '{key}'"
+                if key != score_idx[-1] else f"not supported yet: the score's last index is the one its rows reduce over ('{key}'), after the row index")
     rows = score_idx[:-1]
     query = rows[-1]
     lead = rows[:-1]

@@ -152,7 +152,9 @@ class KernelWriter:
             ss = [n.local("s")]
             out.append(f"    {ss[0]} = {raw}")
         ragged = [f"({pos} < {self.size_of(index)})" for index, pos in ((p.query, qpos), (p.key, kpos)) if self.ragged(index)]
-        conds = [([] if pt.condition is None else [render_term(pt.condition, lambda x: leaf(x, False))]) + ragged for pt in p.points]
+        # `&` binds tighter than the comparisons in a condition: bracket it when anything joins it.
+        conds = [([] if pt.condition is None else [render_term(pt.condition, lambda x: leaf(x, False))]) for pt in p.points]
+        conds = [[f"({c[0]})"] + ragged if c and ragged else c + ragged for c in conds]
         if any(conds):
             out.append("    if masked:")
             if not chain_pos:
