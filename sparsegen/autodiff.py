@@ -77,11 +77,17 @@ def has_gradient(op: Operand) -> bool:
 
 
 def refusals(kernel: Kernel, backward: Backward | None, error: str | None) -> tuple[Refusal, ...]:
-    """Every gradient of a kernel that is not derived: the backward's own refusals, or, where
-    no backward is available at all (`error`), every float input's, through any output."""
-    if error:
-        return tuple(Refusal(op.name, None, error) for op in kernel.operands if has_gradient(op))
-    return backward.refused if backward is not None else ()
+    """Every gradient of a kernel that is not derived: the backward's own refusals, and where
+    the backward is not available (`error`), those it derived too (every float input's,
+    through any output, where none was derived)."""
+    own = backward.refused if backward is not None else ()
+    if not error:
+        return own
+    if backward is not None and backward.partials:
+        # The backward was derived but cannot run: each of its gradients is refused.
+        whole = dict.fromkeys((p.operand, p.through) for p in backward.partials)
+        return own + tuple(Refusal(operand, output, error) for operand, output in whole)
+    return tuple(Refusal(op.name, None, error) for op in kernel.operands if has_gradient(op))
 
 
 def gradient_lines(kernel: Kernel, partials, refused) -> list[str]:
@@ -107,16 +113,20 @@ class _Unsupported(Exception):
     pass
 
 
-def derive(kernel: Kernel, conv: Convention, names: ModuleNames) -> Backward:
+def derive(kernel: Kernel, conv: Convention, names: ModuleNames, densify: str | None = None) -> Backward:
+    """The backward kernel of the gradients that can be derived, and a refusal for each that
+    cannot. `densify`: where a target cannot densify a coo input for a gradient, why (that
+    gradient is refused)."""
     try:
-        return _Deriver(kernel, conv, names).run()
+        return _Deriver(kernel, conv, names, densify).run()
     except _Unsupported as exc:
         return Backward(None, None, (), (), str(exc))
 
 
 class _Deriver:
-    def __init__(self, kernel: Kernel, conv: Convention, names: ModuleNames):
+    def __init__(self, kernel: Kernel, conv: Convention, names: ModuleNames, densify: str | None = None):
         self.k = kernel
+        self.no_densify = densify
         self.conv = conv
         self.names = names
         # Operand names of the backward kernel: the forward's, then new ones that avoid them.
@@ -158,7 +168,7 @@ class _Deriver:
                 if not has_gradient(op):
                     continue
                 # A factor whose gradient cannot be derived is refused alone: the others are.
-                saved = self.snapshot()
+                saved, self.current = self.snapshot(), (op.name, st.target.operand)
                 try:
                     if any(s.divisor != 1 for s in f.subs):
                         raise _Unsupported(f"the gradient of '{op.name}', read as {f.text}, is not supported yet (a divided subscript on the left)")
@@ -255,6 +265,9 @@ class _Deriver:
     def densified(self, r: Read) -> Read:
         """A coo input read as the dense array it stands for, built by the wrapper."""
         op = self.operands[r.operand]
+        if self.no_densify:
+            raise _Unsupported(f"the gradient of '{self.current[0]}' through '{self.current[1]}' reads the coo input '{op.name}' "
+                               f"as a dense array, {self.no_densify}")
         if op.name not in self.dense_alias:
             alias = self.operand_names.take(f"{op.name}_dense")
             array = self.names.local(f"{op.name}_dense")
