@@ -74,7 +74,7 @@ Plan (target v5e):
         body temporaries: 1 x 512x256 f32 = 512 KiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
-    backward (jax.grad): 2 passes, one per gradient of a float input
+    backward (jax.grad): 2 passes, one per derived gradient of a float input through a statement (each run only where its gradient is needed)
       pass 1: d_x[b, m, k] = g_o[b, m, n] * y[b, k, n]  (coo output: the grid walks the requested output blocks (padding entries are written as zeros))
         grid (nb, ceil(N / 256))
           b: the requested blocks of d_x [parallel]
@@ -138,6 +138,9 @@ Plan (target v5e):
           body temporaries: 1 x 256x256 f32 = 256 KiB
           Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
         SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+    gradients (jax.grad), per float input:
+      x: through o
+      y: through o
 """
 
 import functools
@@ -241,6 +244,44 @@ def _check_interpret(interpret):
             f"interpret must be True, False or the interpreter's parameters (pltpu.InterpretParams(...); plgpu.InterpretGPUParams(...) for a GPU kernel), got {interpret!r}"
         )
     return interpret
+
+
+def _primals(*primals):
+    """custom_vjp's primals (with symbolic zeros): their values, then which of them are
+    differentiated, as a static structure the residuals carry (() where one is, None where
+    not)."""
+    return (
+        *(p.value for p in primals),
+        tuple(() if p.perturbed else None for p in primals),
+    )
+
+
+def _cotangents(cotangent, n):
+    """The outputs' cotangents as a tuple, None for a symbolic zero (an output the loss does
+    not use, or whose gradient is stopped)."""
+    cotangent = cotangent if n > 1 else (cotangent,)
+    return tuple(
+        None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c
+        for c in cotangent
+    )
+
+
+def _gradients_wanted(name, perturbed, cotangents, partials, refused):
+    """Which partial gradients to compute: those of a differentiated argument through an
+    output with a cotangent. A gradient not derived is refused here, only where it would be
+    needed, so it blocks no other."""
+    given = [c is not None for c in cotangents]
+    for arg, out, why in refused:
+        if perturbed[arg] is not None and (any(given) if out is None else given[out]):
+            raise NotImplementedError(f"{name}: {why}")
+    return tuple(perturbed[arg] is not None and given[out] for arg, out in partials)
+
+
+def _add(*partials):
+    """An argument's gradient: the sum of its partial gradients that were computed (None,
+    a zero, where none was)."""
+    partials = [p for p in partials if p is not None]
+    return sum(partials[1:], partials[0]) if partials else None
 
 
 def _as_blocks(name, value, tiles, dtype):
@@ -406,14 +447,6 @@ def _mask_tail(value, axis, limit):
     block, memory holds anything (NaN too), and absent elements add nothing to a sum."""
     inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit
     return jnp.where(inside, value, jnp.zeros_like(value))
-
-
-def _no_gradient(value):
-    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
-    for integers (coordinates, offsets, padding flags), as JAX requires."""
-    if jnp.issubdtype(value.dtype, jnp.floating):
-        return jnp.zeros_like(value)
-    return np.zeros(value.shape, jax.dtypes.float0)
 
 
 def _kernel(
@@ -788,11 +821,22 @@ def _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret
     )
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
-def _backward(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret):
-    """The partial gradients: one pass per differentiable factor of each statement."""
-    d_x = _d_x_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret)
-    d_y = _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret)
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret", "wanted"))
+def _backward(
+    x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret, wanted
+):
+    """The partial gradients: one pass per differentiable factor of each statement, run
+    where `wanted` says its gradient is needed (None where not)."""
+    d_x = (
+        _d_x_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret)
+        if wanted[0]
+        else None
+    )
+    d_y = (
+        _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret)
+        if wanted[1]
+        else None
+    )
     return d_x, d_y
 
 
@@ -802,7 +846,11 @@ def _run(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret):
 
 
 def _run_forward(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret):
-    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals,
+    # with which of them are differentiated.
+    x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, perturbed = _primals(
+        x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad
+    )
     return _impl(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret), (
         x_blocks,
         x_idx_0,
@@ -810,34 +858,32 @@ def _run_forward(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret):
         x_idx_2,
         y,
         pad,
+        perturbed,
     )
+
+
+# The backward's passes, in order: (the argument whose gradient each computes, the output
+# whose cotangent it reads), by position.
+_PARTIALS = ((0, 0), (4, 0))
+# The gradients not derived: (argument, output or None for any, why). Each is raised only
+# where needed: its argument differentiated and that cotangent not a symbolic zero.
+_REFUSED = ()
 
 
 def _run_backward(sizes, interpret, residuals, cotangent):
-    (
-        x_blocks,
-        x_idx_0,
-        x_idx_1,
-        x_idx_2,
-        y,
-        pad,
-    ) = residuals
-    g_o = cotangent
-    (
-        d_x,
-        d_y,
-    ) = _backward(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret)
-    return (
-        d_x,
-        _no_gradient(x_idx_0),
-        _no_gradient(x_idx_1),
-        _no_gradient(x_idx_2),
-        d_y,
-        _no_gradient(pad),
+    x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, perturbed = residuals
+    cotangent = _cotangents(cotangent, 1)
+    wanted = _gradients_wanted(_NAME, perturbed, cotangent, _PARTIALS, _REFUSED)
+    if not any(wanted):
+        return (None, None, None, None, None, None)
+    (g_o,) = cotangent
+    d_x, d_y = _backward(
+        x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret, wanted
     )
+    return (_add(d_x), None, None, None, _add(d_y), None)
 
 
-_run.defvjp(_run_forward, _run_backward)
+_run.defvjp(_run_forward, _run_backward, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

@@ -54,7 +54,8 @@ Plan (target v5e):
         body temporaries: 1 x 128x128 i32 = 64 KiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM estimate: 8 B of 1016 KiB
-    backward (jax.grad): no float input, so nothing to differentiate
+    gradients (jax.grad), per float input:
+      none: no float input, so nothing to differentiate
 """
 
 import functools
@@ -150,6 +151,44 @@ def _check_interpret(interpret):
     return interpret
 
 
+def _primals(*primals):
+    """custom_vjp's primals (with symbolic zeros): their values, then which of them are
+    differentiated, as a static structure the residuals carry (() where one is, None where
+    not)."""
+    return (
+        *(p.value for p in primals),
+        tuple(() if p.perturbed else None for p in primals),
+    )
+
+
+def _cotangents(cotangent, n):
+    """The outputs' cotangents as a tuple, None for a symbolic zero (an output the loss does
+    not use, or whose gradient is stopped)."""
+    cotangent = cotangent if n > 1 else (cotangent,)
+    return tuple(
+        None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c
+        for c in cotangent
+    )
+
+
+def _gradients_wanted(name, perturbed, cotangents, partials, refused):
+    """Which partial gradients to compute: those of a differentiated argument through an
+    output with a cotangent. A gradient not derived is refused here, only where it would be
+    needed, so it blocks no other."""
+    given = [c is not None for c in cotangents]
+    for arg, out, why in refused:
+        if perturbed[arg] is not None and (any(given) if out is None else given[out]):
+            raise NotImplementedError(f"{name}: {why}")
+    return tuple(perturbed[arg] is not None and given[out] for arg, out in partials)
+
+
+def _add(*partials):
+    """An argument's gradient: the sum of its partial gradients that were computed (None,
+    a zero, where none was)."""
+    partials = [p for p in partials if p is not None]
+    return sum(partials[1:], partials[0]) if partials else None
+
+
 def _check_offsets(name, value, uses):
     """Block offsets read from an index operand, one per use (position, tile, max_start, what).
 
@@ -184,14 +223,6 @@ def _check_smem(entries, what):
         _fail(
             f"{what} need {entries * 4} bytes of SMEM, more than the {_SMEM_BYTES} a TensorCore has"
         )
-
-
-def _no_gradient(value):
-    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
-    for integers (coordinates, offsets, padding flags), as JAX requires."""
-    if jnp.issubdtype(value.dtype, jnp.floating):
-        return jnp.zeros_like(value)
-    return np.zeros(value.shape, jax.dtypes.float0)
 
 
 def _kernel(offsets, x_ref, o_ref):
@@ -271,26 +302,29 @@ def _run(x, offsets, sizes, interpret):
 
 
 def _run_forward(x, offsets, sizes, interpret):
-    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
-    return _impl(x, offsets, sizes, interpret), (
-        x,
-        offsets,
-    )
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals,
+    # with which of them are differentiated.
+    x, offsets, perturbed = _primals(x, offsets)
+    return _impl(x, offsets, sizes, interpret), (x, offsets, perturbed)
+
+
+# The backward's passes, in order: (the argument whose gradient each computes, the output
+# whose cotangent it reads), by position.
+_PARTIALS = ()
+# The gradients not derived: (argument, output or None for any, why). Each is raised only
+# where needed: its argument differentiated and that cotangent not a symbolic zero.
+_REFUSED = ()
 
 
 def _run_backward(sizes, interpret, residuals, cotangent):
-    (
-        x,
-        offsets,
-    ) = residuals
-    g_o = cotangent
-    return (
-        _no_gradient(x),
-        _no_gradient(offsets),
-    )
+    x, offsets, perturbed = residuals
+    cotangent = _cotangents(cotangent, 1)
+    # No gradient is derived: this raises where one is needed.
+    _gradients_wanted(_NAME, perturbed, cotangent, _PARTIALS, _REFUSED)
+    return (None, None)
 
 
-_run.defvjp(_run_forward, _run_backward)
+_run.defvjp(_run_forward, _run_backward, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

@@ -60,8 +60,13 @@ Plan (target v5e):
       lse block x2: 32 KiB
       running max and sum: 768 KiB
       score block and its softmax (f32 temporaries): 3072 KiB
-    gradients (jax.grad): dq and the chain's per-row, per-block and per-walk operands over the same walk;
-      dk and the values over the key-side walk (the transposed classification, key x row blocks)
+    backward (jax.grad), through o, lse: dq and the chain's per-row, per-block and per-walk operands
+      over the same walk; dk and the values over the key-side walk (the transposed classification,
+      key x row blocks); run only where a gradient is needed
+    gradients (jax.grad), per float input:
+      q: through o, lse
+      k: through o, lse
+      v: through o
 """
 
 import functools
@@ -162,6 +167,44 @@ def _check_interpret(interpret):
     return interpret
 
 
+def _primals(*primals):
+    """custom_vjp's primals (with symbolic zeros): their values, then which of them are
+    differentiated, as a static structure the residuals carry (() where one is, None where
+    not)."""
+    return (
+        *(p.value for p in primals),
+        tuple(() if p.perturbed else None for p in primals),
+    )
+
+
+def _cotangents(cotangent, n):
+    """The outputs' cotangents as a tuple, None for a symbolic zero (an output the loss does
+    not use, or whose gradient is stopped)."""
+    cotangent = cotangent if n > 1 else (cotangent,)
+    return tuple(
+        None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c
+        for c in cotangent
+    )
+
+
+def _gradients_wanted(name, perturbed, cotangents, partials, refused):
+    """Which partial gradients to compute: those of a differentiated argument through an
+    output with a cotangent. A gradient not derived is refused here, only where it would be
+    needed, so it blocks no other."""
+    given = [c is not None for c in cotangents]
+    for arg, out, why in refused:
+        if perturbed[arg] is not None and (any(given) if out is None else given[out]):
+            raise NotImplementedError(f"{name}: {why}")
+    return tuple(perturbed[arg] is not None and given[out] for arg, out in partials)
+
+
+def _add(*partials):
+    """An argument's gradient: the sum of its partial gradients that were computed (None,
+    a zero, where none was)."""
+    partials = [p for p in partials if p is not None]
+    return sum(partials[1:], partials[0]) if partials else None
+
+
 def _check_smem(entries, what):
     if entries * 4 > _SMEM_BYTES:
         _fail(
@@ -175,6 +218,13 @@ def _expand(value, src, dst):
     value = value.transpose([src.index(c) for c in present])
     return value.reshape(
         [value.shape[present.index(c)] if c in src else 1 for c in dst]
+    )
+
+
+def _zeros_for_none(cotangents, outputs):
+    """The cotangents with zeros in place of symbolic zeros (a kernel that reads them all)."""
+    return tuple(
+        jnp.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs)
     )
 
 
@@ -1081,17 +1131,27 @@ def _run(q, k, v, sizes, bound, interpret):
 
 
 def _run_forward(q, k, v, sizes, bound, interpret):
-    # The residuals: the arguments, the outputs and each row's logsumexp.
+    # The residuals: the arguments, the outputs and each row's logsumexp, with which
+    # arguments are differentiated.
+    q, k, v, perturbed = _primals(q, k, v)
     o, lse, row_lse = _impl(q, k, v, sizes, bound, interpret)
-    return (o, lse), (q, k, v, o, lse, row_lse)
+    return (o, lse), (q, k, v, o, lse, row_lse, perturbed)
+
+
+# The gradients the backward computes: (argument, output whose cotangent carries it).
+_PARTIALS = ((0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1))
+# The gradients not derived: (argument, output or None for any, why). Each is raised only
+# where needed: its argument differentiated and that cotangent not a symbolic zero.
+_REFUSED = ()
 
 
 def _run_backward(sizes, bound, interpret, residuals, cotangent):
-    q, k, v, o, lse, row_lse = residuals
-    (
-        g_o,
-        g_lse,
-    ) = cotangent
+    q, k, v, o, lse, row_lse, perturbed = residuals
+    cotangent = _cotangents(cotangent, 2)
+    if not any(_gradients_wanted(_NAME, perturbed, cotangent, _PARTIALS, _REFUSED)):
+        return (None, None, None)
+    # The backward reads every cotangent: an unused output's is zeros.
+    g_o, g_lse = _zeros_for_none(cotangent, (o, lse))
     B, H, S, D = sizes
     delta = jnp.sum(
         g_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1
@@ -1120,7 +1180,7 @@ def _run_backward(sizes, bound, interpret, residuals, cotangent):
     )
 
 
-_run.defvjp(_run_forward, _run_backward)
+_run.defvjp(_run_forward, _run_backward, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

@@ -59,8 +59,13 @@ Plan (target v5e):
       o accumulator: 128 KiB
       running max and sum: 384 KiB
       score block and its softmax (f32 temporaries): 1536 KiB
-    gradients (jax.grad): dq and the chain's per-row, per-block and per-walk operands over the same walk;
-      dk and the values over the key-side walk (the transposed classification, key x row blocks)
+    backward (jax.grad), through o: dq and the chain's per-row, per-block and per-walk operands
+      over the same walk; dk and the values over the key-side walk (the transposed classification,
+      key x row blocks); run only where a gradient is needed
+    gradients (jax.grad), per float input:
+      q: through o
+      k: through o
+      v: through o
 """
 
 import functools
@@ -161,6 +166,44 @@ def _check_interpret(interpret):
     return interpret
 
 
+def _primals(*primals):
+    """custom_vjp's primals (with symbolic zeros): their values, then which of them are
+    differentiated, as a static structure the residuals carry (() where one is, None where
+    not)."""
+    return (
+        *(p.value for p in primals),
+        tuple(() if p.perturbed else None for p in primals),
+    )
+
+
+def _cotangents(cotangent, n):
+    """The outputs' cotangents as a tuple, None for a symbolic zero (an output the loss does
+    not use, or whose gradient is stopped)."""
+    cotangent = cotangent if n > 1 else (cotangent,)
+    return tuple(
+        None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c
+        for c in cotangent
+    )
+
+
+def _gradients_wanted(name, perturbed, cotangents, partials, refused):
+    """Which partial gradients to compute: those of a differentiated argument through an
+    output with a cotangent. A gradient not derived is refused here, only where it would be
+    needed, so it blocks no other."""
+    given = [c is not None for c in cotangents]
+    for arg, out, why in refused:
+        if perturbed[arg] is not None and (any(given) if out is None else given[out]):
+            raise NotImplementedError(f"{name}: {why}")
+    return tuple(perturbed[arg] is not None and given[out] for arg, out in partials)
+
+
+def _add(*partials):
+    """An argument's gradient: the sum of its partial gradients that were computed (None,
+    a zero, where none was)."""
+    partials = [p for p in partials if p is not None]
+    return sum(partials[1:], partials[0]) if partials else None
+
+
 def _relate(size, big, small, divisor, what):
     """`h // n`: a dimension of size(h) / n. Either size gives the other; both must agree."""
     if size[big] is None and size[small] is not None:
@@ -186,6 +229,13 @@ def _expand(value, src, dst):
     value = value.transpose([src.index(c) for c in present])
     return value.reshape(
         [value.shape[present.index(c)] if c in src else 1 for c in dst]
+    )
+
+
+def _zeros_for_none(cotangents, outputs):
+    """The cotangents with zeros in place of symbolic zeros (a kernel that reads them all)."""
+    return tuple(
+        jnp.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs)
     )
 
 
@@ -1100,14 +1150,27 @@ def _run(q, k, v, sizes, bound, interpret):
 
 
 def _run_forward(q, k, v, sizes, bound, interpret):
-    # The residuals: the arguments, the outputs and each row's logsumexp.
+    # The residuals: the arguments, the outputs and each row's logsumexp, with which
+    # arguments are differentiated.
+    q, k, v, perturbed = _primals(q, k, v)
     o, row_lse = _impl(q, k, v, sizes, bound, interpret)
-    return (o), (q, k, v, o, row_lse)
+    return (o), (q, k, v, o, row_lse, perturbed)
+
+
+# The gradients the backward computes: (argument, output whose cotangent carries it).
+_PARTIALS = ((0, 0), (1, 0), (2, 0))
+# The gradients not derived: (argument, output or None for any, why). Each is raised only
+# where needed: its argument differentiated and that cotangent not a symbolic zero.
+_REFUSED = ()
 
 
 def _run_backward(sizes, bound, interpret, residuals, cotangent):
-    q, k, v, o, row_lse = residuals
-    g_o = cotangent
+    q, k, v, o, row_lse, perturbed = residuals
+    cotangent = _cotangents(cotangent, 1)
+    if not any(_gradients_wanted(_NAME, perturbed, cotangent, _PARTIALS, _REFUSED)):
+        return (None, None, None)
+    # The backward reads every cotangent: an unused output's is zeros.
+    (g_o,) = _zeros_for_none(cotangent, (o,))
     B, H, S, D, G = sizes
     delta = jnp.sum(g_o.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     row_lse_rows = jnp.broadcast_to(row_lse[..., None], (B, H, S, 128))
@@ -1134,7 +1197,7 @@ def _run_backward(sizes, bound, interpret, residuals, cotangent):
     )
 
 
-_run.defvjp(_run_forward, _run_backward)
+_run.defvjp(_run_forward, _run_backward, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

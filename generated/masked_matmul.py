@@ -75,7 +75,7 @@ Plan (target v5e):
         body temporaries: 2 x 512x512 f32 = 2 MiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
-    backward (jax.grad): 2 passes, one per gradient of a float input
+    backward (jax.grad): 2 passes, one per derived gradient of a float input through a statement (each run only where its gradient is needed)
       pass 1: d_x[m, k] = g_o[m, n] * mask[m, n] * y[k, n]  (mask: a dense grid that skips the cells whose mask block is empty)
         grid (ceil(M / 512), ceil(K / 1024), ceil(N / 512))
           m: output blocks along m [parallel]
@@ -138,6 +138,9 @@ Plan (target v5e):
           body temporaries: 1 x 1024x512 f32 = 2 MiB
           Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
         SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+    gradients (jax.grad), per float input:
+      x: through o
+      y: through o
 """
 
 import functools
@@ -238,6 +241,44 @@ def _check_interpret(interpret):
     return interpret
 
 
+def _primals(*primals):
+    """custom_vjp's primals (with symbolic zeros): their values, then which of them are
+    differentiated, as a static structure the residuals carry (() where one is, None where
+    not)."""
+    return (
+        *(p.value for p in primals),
+        tuple(() if p.perturbed else None for p in primals),
+    )
+
+
+def _cotangents(cotangent, n):
+    """The outputs' cotangents as a tuple, None for a symbolic zero (an output the loss does
+    not use, or whose gradient is stopped)."""
+    cotangent = cotangent if n > 1 else (cotangent,)
+    return tuple(
+        None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c
+        for c in cotangent
+    )
+
+
+def _gradients_wanted(name, perturbed, cotangents, partials, refused):
+    """Which partial gradients to compute: those of a differentiated argument through an
+    output with a cotangent. A gradient not derived is refused here, only where it would be
+    needed, so it blocks no other."""
+    given = [c is not None for c in cotangents]
+    for arg, out, why in refused:
+        if perturbed[arg] is not None and (any(given) if out is None else given[out]):
+            raise NotImplementedError(f"{name}: {why}")
+    return tuple(perturbed[arg] is not None and given[out] for arg, out in partials)
+
+
+def _add(*partials):
+    """An argument's gradient: the sum of its partial gradients that were computed (None,
+    a zero, where none was)."""
+    partials = [p for p in partials if p is not None]
+    return sum(partials[1:], partials[0]) if partials else None
+
+
 def _check_smem(entries, what):
     if entries * 4 > _SMEM_BYTES:
         _fail(
@@ -308,14 +349,6 @@ def _mask_tail(value, axis, limit):
     block, memory holds anything (NaN too), and absent elements add nothing to a sum."""
     inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit
     return jnp.where(inside, value, jnp.zeros_like(value))
-
-
-def _no_gradient(value):
-    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
-    for integers (coordinates, offsets, padding flags), as JAX requires."""
-    if jnp.issubdtype(value.dtype, jnp.floating):
-        return jnp.zeros_like(value)
-    return np.zeros(value.shape, jax.dtypes.float0)
 
 
 def _kernel(kind, next_step, next_mask, mask_ref, x_ref, y_ref, o_ref, acc_ref, *, K):
@@ -702,11 +735,12 @@ def _d_y_call(x, y, mask, g_o, sizes, interpret):
     )(*_d_y_prefetch(x, y, mask, g_o, sizes), g_o, mask, x)
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
-def _backward(x, y, mask, g_o, sizes, interpret):
-    """The partial gradients: one pass per differentiable factor of each statement."""
-    d_x = _d_x_call(x, y, mask, g_o, sizes, interpret)
-    d_y = _d_y_call(x, y, mask, g_o, sizes, interpret)
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret", "wanted"))
+def _backward(x, y, mask, g_o, sizes, interpret, wanted):
+    """The partial gradients: one pass per differentiable factor of each statement, run
+    where `wanted` says its gradient is needed (None where not)."""
+    d_x = _d_x_call(x, y, mask, g_o, sizes, interpret) if wanted[0] else None
+    d_y = _d_y_call(x, y, mask, g_o, sizes, interpret) if wanted[1] else None
     return d_x, d_y
 
 
@@ -716,33 +750,32 @@ def _run(x, y, mask, sizes, interpret):
 
 
 def _run_forward(x, y, mask, sizes, interpret):
-    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
-    return _impl(x, y, mask, sizes, interpret), (
-        x,
-        y,
-        mask,
-    )
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals,
+    # with which of them are differentiated.
+    x, y, mask, perturbed = _primals(x, y, mask)
+    return _impl(x, y, mask, sizes, interpret), (x, y, mask, perturbed)
+
+
+# The backward's passes, in order: (the argument whose gradient each computes, the output
+# whose cotangent it reads), by position.
+_PARTIALS = ((0, 0), (1, 0))
+# The gradients not derived: (argument, output or None for any, why). Each is raised only
+# where needed: its argument differentiated and that cotangent not a symbolic zero.
+_REFUSED = ()
 
 
 def _run_backward(sizes, interpret, residuals, cotangent):
-    (
-        x,
-        y,
-        mask,
-    ) = residuals
-    g_o = cotangent
-    (
-        d_x,
-        d_y,
-    ) = _backward(x, y, mask, g_o, sizes, interpret)
-    return (
-        d_x,
-        d_y,
-        _no_gradient(mask),
-    )
+    x, y, mask, perturbed = residuals
+    cotangent = _cotangents(cotangent, 1)
+    wanted = _gradients_wanted(_NAME, perturbed, cotangent, _PARTIALS, _REFUSED)
+    if not any(wanted):
+        return (None, None, None)
+    (g_o,) = cotangent
+    d_x, d_y = _backward(x, y, mask, g_o, sizes, interpret, wanted)
+    return (_add(d_x), _add(d_y), None)
 
 
-_run.defvjp(_run_forward, _run_backward)
+_run.defvjp(_run_forward, _run_backward, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

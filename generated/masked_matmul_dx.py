@@ -72,7 +72,7 @@ Plan (target v5e):
         body temporaries: 1 x 512x512 f32 = 1 MiB
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
-    backward (jax.grad): 2 passes, one per gradient of a float input
+    backward (jax.grad): 2 passes, one per derived gradient of a float input through a statement (each run only where its gradient is needed)
       pass 1: d_g[m, n] = g_dx[m, k] * keep[m, n] * y[k, n]  (mask: a dense grid that skips the cells whose keep block is empty)
         grid (ceil(M / 512), ceil(N / 512), ceil(K / 512))
           m: output blocks along m [parallel]
@@ -138,6 +138,9 @@ Plan (target v5e):
           body temporaries: 1 x 512x512 f32 = 1 MiB
           Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
         SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
+    gradients (jax.grad), per float input:
+      g: through dx
+      y: through dx
 """
 
 import functools
@@ -236,6 +239,44 @@ def _check_interpret(interpret):
             f"interpret must be True, False or the interpreter's parameters (pltpu.InterpretParams(...); plgpu.InterpretGPUParams(...) for a GPU kernel), got {interpret!r}"
         )
     return interpret
+
+
+def _primals(*primals):
+    """custom_vjp's primals (with symbolic zeros): their values, then which of them are
+    differentiated, as a static structure the residuals carry (() where one is, None where
+    not)."""
+    return (
+        *(p.value for p in primals),
+        tuple(() if p.perturbed else None for p in primals),
+    )
+
+
+def _cotangents(cotangent, n):
+    """The outputs' cotangents as a tuple, None for a symbolic zero (an output the loss does
+    not use, or whose gradient is stopped)."""
+    cotangent = cotangent if n > 1 else (cotangent,)
+    return tuple(
+        None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c
+        for c in cotangent
+    )
+
+
+def _gradients_wanted(name, perturbed, cotangents, partials, refused):
+    """Which partial gradients to compute: those of a differentiated argument through an
+    output with a cotangent. A gradient not derived is refused here, only where it would be
+    needed, so it blocks no other."""
+    given = [c is not None for c in cotangents]
+    for arg, out, why in refused:
+        if perturbed[arg] is not None and (any(given) if out is None else given[out]):
+            raise NotImplementedError(f"{name}: {why}")
+    return tuple(perturbed[arg] is not None and given[out] for arg, out in partials)
+
+
+def _add(*partials):
+    """An argument's gradient: the sum of its partial gradients that were computed (None,
+    a zero, where none was)."""
+    partials = [p for p in partials if p is not None]
+    return sum(partials[1:], partials[0]) if partials else None
 
 
 def _check_smem(entries, what):
@@ -345,14 +386,6 @@ def _mask_tail(value, axis, limit):
     block, memory holds anything (NaN too), and absent elements add nothing to a sum."""
     inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit
     return jnp.where(inside, value, jnp.zeros_like(value))
-
-
-def _no_gradient(value):
-    """The cotangent of an argument that gets no gradient: zeros for floats (a mask), float0
-    for integers (coordinates, offsets, padding flags), as JAX requires."""
-    if jnp.issubdtype(value.dtype, jnp.floating):
-        return jnp.zeros_like(value)
-    return np.zeros(value.shape, jax.dtypes.float0)
 
 
 def _kernel(kind, next_step, g_ref, keep_ref, y_ref, dx_ref, acc_ref, *, N):
@@ -733,11 +766,12 @@ def _d_y_call(g, keep, y, g_dx, sizes, interpret):
     )(*_d_y_prefetch(g, keep, y, g_dx, sizes), g_dx, g, keep)
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
-def _backward(g, keep, y, g_dx, sizes, interpret):
-    """The partial gradients: one pass per differentiable factor of each statement."""
-    d_g = _d_g_call(g, keep, y, g_dx, sizes, interpret)
-    d_y = _d_y_call(g, keep, y, g_dx, sizes, interpret)
+@functools.partial(jax.jit, static_argnames=("sizes", "interpret", "wanted"))
+def _backward(g, keep, y, g_dx, sizes, interpret, wanted):
+    """The partial gradients: one pass per differentiable factor of each statement, run
+    where `wanted` says its gradient is needed (None where not)."""
+    d_g = _d_g_call(g, keep, y, g_dx, sizes, interpret) if wanted[0] else None
+    d_y = _d_y_call(g, keep, y, g_dx, sizes, interpret) if wanted[1] else None
     return d_g, d_y
 
 
@@ -747,33 +781,32 @@ def _run(g, keep, y, sizes, interpret):
 
 
 def _run_forward(g, keep, y, sizes, interpret):
-    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals.
-    return _impl(g, keep, y, sizes, interpret), (
-        g,
-        keep,
-        y,
-    )
+    # The gradient of an einsum needs the inputs, never the outputs: they are the residuals,
+    # with which of them are differentiated.
+    g, keep, y, perturbed = _primals(g, keep, y)
+    return _impl(g, keep, y, sizes, interpret), (g, keep, y, perturbed)
+
+
+# The backward's passes, in order: (the argument whose gradient each computes, the output
+# whose cotangent it reads), by position.
+_PARTIALS = ((0, 0), (2, 0))
+# The gradients not derived: (argument, output or None for any, why). Each is raised only
+# where needed: its argument differentiated and that cotangent not a symbolic zero.
+_REFUSED = ()
 
 
 def _run_backward(sizes, interpret, residuals, cotangent):
-    (
-        g,
-        keep,
-        y,
-    ) = residuals
-    g_dx = cotangent
-    (
-        d_g,
-        d_y,
-    ) = _backward(g, keep, y, g_dx, sizes, interpret)
-    return (
-        d_g,
-        _no_gradient(keep),
-        d_y,
-    )
+    g, keep, y, perturbed = residuals
+    cotangent = _cotangents(cotangent, 1)
+    wanted = _gradients_wanted(_NAME, perturbed, cotangent, _PARTIALS, _REFUSED)
+    if not any(wanted):
+        return (None, None, None)
+    (g_dx,) = cotangent
+    d_g, d_y = _backward(g, keep, y, g_dx, sizes, interpret, wanted)
+    return (_add(d_g), None, _add(d_y))
 
 
-_run.defvjp(_run_forward, _run_backward)
+_run.defvjp(_run_forward, _run_backward, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

@@ -54,7 +54,8 @@ Plan (target v5e):
       r block x2: 8 KiB
       running max and sum: 384 KiB
       score block and its softmax (f32 temporaries): 192 KiB
-    gradients: not derived: the gradient of outputs that reduce different scores ('lower', 'x') in one kernel is not derived yet
+    gradients (jax.grad), per float input:
+      x: not derived through p: the gradient of 'x' through 'p' (a stored softmax) is not derived yet (raised only where needed: x differentiated and the cotangent of p not zero); not derived through r: the gradient of 'x' through 'r' (a max reduction) is not derived yet (raised only where needed: x differentiated and the cotangent of r not zero); not derived through any output: the gradient of outputs that reduce different scores ('lower', 'x') in one kernel is not derived yet (raised only where needed: x differentiated and a cotangent not zero)
 """
 
 import functools
@@ -153,6 +154,44 @@ def _check_interpret(interpret):
             f"interpret must be True, False or the interpreter's parameters (pltpu.InterpretParams(...); plgpu.InterpretGPUParams(...) for a GPU kernel), got {interpret!r}"
         )
     return interpret
+
+
+def _primals(*primals):
+    """custom_vjp's primals (with symbolic zeros): their values, then which of them are
+    differentiated, as a static structure the residuals carry (() where one is, None where
+    not)."""
+    return (
+        *(p.value for p in primals),
+        tuple(() if p.perturbed else None for p in primals),
+    )
+
+
+def _cotangents(cotangent, n):
+    """The outputs' cotangents as a tuple, None for a symbolic zero (an output the loss does
+    not use, or whose gradient is stopped)."""
+    cotangent = cotangent if n > 1 else (cotangent,)
+    return tuple(
+        None if isinstance(c, jax.custom_derivatives.SymbolicZero) else c
+        for c in cotangent
+    )
+
+
+def _gradients_wanted(name, perturbed, cotangents, partials, refused):
+    """Which partial gradients to compute: those of a differentiated argument through an
+    output with a cotangent. A gradient not derived is refused here, only where it would be
+    needed, so it blocks no other."""
+    given = [c is not None for c in cotangents]
+    for arg, out, why in refused:
+        if perturbed[arg] is not None and (any(given) if out is None else given[out]):
+            raise NotImplementedError(f"{name}: {why}")
+    return tuple(perturbed[arg] is not None and given[out] for arg, out in partials)
+
+
+def _add(*partials):
+    """An argument's gradient: the sum of its partial gradients that were computed (None,
+    a zero, where none was)."""
+    partials = [p for p in partials if p is not None]
+    return sum(partials[1:], partials[0]) if partials else None
 
 
 def _check_smem(entries, what):
@@ -585,19 +624,45 @@ def _run(x, sizes, bound, interpret):
 
 
 def _run_forward(x, sizes, bound, interpret):
-    # The residuals: the arguments, the outputs and each row's logsumexp.
+    # The residuals: the arguments, the outputs and each row's logsumexp, with which
+    # arguments are differentiated.
+    x, perturbed = _primals(x)
     p, r, row_lse, row_lse_ = _impl(x, sizes, bound, interpret)
-    return (p, r), (x, p, r, row_lse, row_lse_)
+    return (p, r), (x, p, r, row_lse, row_lse_, perturbed)
+
+
+# The gradients the backward computes: (argument, output whose cotangent carries it).
+_PARTIALS = ()
+# The gradients not derived: (argument, output or None for any, why). Each is raised only
+# where needed: its argument differentiated and that cotangent not a symbolic zero.
+_REFUSED = (
+    (
+        0,
+        0,
+        "the gradient of 'x' through 'p' (a stored softmax) is not derived yet; asked for because 'x' is differentiated and the cotangent of 'p' is not zero (stop the gradient of 'x' or leave 'p' out of the loss to differentiate the rest)",
+    ),
+    (
+        0,
+        1,
+        "the gradient of 'x' through 'r' (a max reduction) is not derived yet; asked for because 'x' is differentiated and the cotangent of 'r' is not zero (stop the gradient of 'x' or leave 'r' out of the loss to differentiate the rest)",
+    ),
+    (
+        0,
+        None,
+        "the gradient of outputs that reduce different scores ('lower', 'x') in one kernel is not derived yet; asked for because 'x' is differentiated and a cotangent is not zero (stop the gradient of 'x' to differentiate the rest)",
+    ),
+)
 
 
 def _run_backward(sizes, bound, interpret, residuals, cotangent):
-    raise NotImplementedError(
-        f"{_NAME}: "
-        + "the gradient of outputs that reduce different scores ('lower', 'x') in one kernel is not derived yet"
-    )
+    x, p, r, row_lse, row_lse_, perturbed = residuals
+    cotangent = _cotangents(cotangent, 2)
+    # No gradient is derived: this raises where one is needed.
+    _gradients_wanted(_NAME, perturbed, cotangent, _PARTIALS, _REFUSED)
+    return (None,)
 
 
-_run.defvjp(_run_forward, _run_backward)
+_run.defvjp(_run_forward, _run_backward, symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes",))

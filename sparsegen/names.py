@@ -21,12 +21,12 @@ HELPERS = frozenset(
     name for template in ("helpers.py.j2", "tpu/module.py.j2", "tpu/attention.py.j2", "gpu/module.py.j2")
     for name in re.findall(r"^def (_\w+)\(", read_resource("templates", template), re.M)
 ) | {
-    "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES",
+    "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES", "_PARTIALS", "_REFUSED",
     "_kernel", "_impl", "_reference", "_prepare", "_prefetch", "_init", "_compute", "_flush",
 }  # fmt: skip
 MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds"}
 # Fixed parameter and local names of the generated functions.
-FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec", "residuals", "cotangent"}) | {
+FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec", "residuals", "cotangent", "perturbed", "wanted"}) | {
     # the row walk's (attention) fixed names: its kernels' nested functions and parameters,
     # the walk's wrapper locals, the classification's locals
     "masked", "bound", "overflow", "max_steps", "xp", "can", "must",

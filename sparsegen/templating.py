@@ -42,7 +42,7 @@ _OPTIONAL = {
     "multiple": "_check_multiple", "span": "_check_span", "relate": "_relate", "blocks": "_as_blocks", "need": "_need",
     "coords": "_check_coords", "padding": "_check_padding", "offsets": "_check_offsets", "smem": "_check_smem",
     "next_live": "_next_live", "coo_steps": "_coo_steps", "block_kinds": "_block_kinds", "densify": "_densify",
-    "gather": "_gather_blocks", "tails": "_mask_tail", "window": "_window", "join": "_block_slots", "no_gradient": "_no_gradient",
+    "gather": "_gather_blocks", "tails": "_mask_tail", "window": "_window", "join": "_block_slots", "zeros_for_none": "_zeros_for_none",
     "cut_blocks": "_cut_blocks", "blocks_of": "_blocks_of", "at_blocks": "_at_blocks", "add_blocks": "_add_blocks",
     "present": "_present", "expand": "_expand", "split_blocks": "_split_blocks", "join_blocks": "_join_blocks",
     "row_walk": "_row_walk", "block_min_max": "_block_min_max", "block_any_all": "_block_any_all", "extremes": "_max_of", "extremes_min": "_min_of",

@@ -325,6 +325,44 @@ class Wrapper:
         return args
 
 
+def gradient_tables(kernel: Kernel, conv: Convention, backward, refused, pass_outputs: dict[str, str]) -> dict:
+    """What `_run_backward` needs, the same for every target: per backward pass (in order,
+    `pass_outputs`: its output operand -> its variable) the argument whose gradient it
+    computes and the output whose cotangent it reads (`_PARTIALS`); the gradients not
+    derived (`_REFUSED`: argument, output or None for any, message); and what each argument
+    gets back: the sum of its computed partials, None for no gradient."""
+    args = list(conv.impl_args)
+    outputs = [o.name for o in kernel.outputs]
+
+    def arg_of(operand: str) -> int:
+        return args.index(next(p.internal for p in conv.params if p.operand == operand and p.kind in ("dense", "blocks")))
+
+    partials = {part.output: part for part in backward.partials} if backward is not None else {}
+    table, by_operand = [], {}
+    for output, var in pass_outputs.items():
+        part = partials[output]
+        table.append(f"({arg_of(part.operand)}, {outputs.index(part.through)})")
+        by_operand.setdefault(part.operand, []).append(var)
+    refusals = [f"({arg_of(r.operand)}, {outputs.index(r.output) if r.output else None}, {r.message!r})" for r in refused]
+    returns = []
+    for a in args:
+        param = next((p for p in conv.params if p.internal == a), None)
+        if param is not None and param.kind in ("dense", "blocks") and param.operand in by_operand:
+            returns.append(f"_add({', '.join(by_operand[param.operand])})")
+        else:
+            returns.append("None")
+    tables = "\n".join([
+        "# The backward's passes, in order: (the argument whose gradient each computes, the output",
+        "# whose cotangent it reads), by position.",
+        f"_PARTIALS = {_tuple(table)}",
+        "# The gradients not derived: (argument, output or None for any, why). Each is raised only",
+        "# where needed: its argument differentiated and that cotangent not a symbolic zero.",
+        f"_REFUSED = {_tuple(refusals)}",
+    ])
+    return {"partials": list(pass_outputs.values()), "tables": tables, "returns": returns, "nothing": _tuple(["None"] * len(args)),
+            "n_outputs": len(outputs)}
+
+
 def _widen(value: str, dtype, acc) -> str:
     return value if dtype == acc else f"{value}.astype({acc.jnp})"
 

@@ -80,10 +80,12 @@ def assert_matches(kernel, out, ref, env=None):
 @pytest.fixture(params=["cpu", "sim"])
 def interpret(request):
     """The CPU interpreter and the TPU simulator (NaN-filled memory, revisit and bounds checks)."""
+    import jax
     from jax.experimental.pallas import tpu as pltpu
 
     if request.param == "cpu":
         yield True
     else:
         yield pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
+        jax.effects_barrier()  # a kernel whose result nobody awaited (a forward under grad) may still run
         pltpu.reset_tpu_interpret_mode_state()

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from attention_oracle import brute_kinds, run
 from conftest import SPECS, build, spec_text
@@ -410,8 +411,79 @@ def test_stored_softmax_and_scores():
     args = [rand(rng, (520, 128), jnp.float32), rand(rng, (600, 128), jnp.float32)]
     for interpret in (True, pltpu.InterpretParams()):
         check_outputs(kernel, mod.stored_softmax(*args, interpret=interpret), args, sizes_of(kernel, args))
-    with pytest.raises(NotImplementedError, match="not derived yet"):
+    with pytest.raises(NotImplementedError, match=r"the gradient of 'q' through 'p' \(a stored softmax\) is not derived yet"):
         jax.grad(lambda q: jnp.sum(mod.stored_softmax(q, args[1], interpret=True)[0]))(args[0])
+
+
+# A softmax product and a row maximum of the same biased scores.
+WITH_MAX = """kernel with_max {
+    in  q: f32[H, S, D]
+    in  k: f32[H, S, D]
+    in  v: f32[H, S, E]
+    in  bias: f32[H, S]
+    out o: f32[H, S, E]
+    out m: f32[H, S]
+
+    raw[h, i, j] = q[h, i, d] * k[h, j, d] * 0.125
+    s[h, i, j] = raw[h, i, j] + bias[h, j] where i >= j
+    o[h, i, e] = softmax(s[h, i, j], j) * v[h, j, e]
+    m[h, i] = max(s[h, i, j], j)
+
+    tile h = 1, i = 128, j = 128, d = 128, e = 128
+}
+"""
+
+
+def with_max_setup():
+    kernel, mod = build(WITH_MAX)
+    rng = np.random.default_rng(21)
+    args = [rand(rng, (2, 260, 128), jnp.float32) for _ in range(3)] + [rand(rng, (2, 260), jnp.float32)]
+    w = jnp.asarray(rng.standard_normal((2, 260, 128)).astype(np.float32))
+    return kernel, mod, args, w
+
+
+def test_a_max_output_blocks_no_other_gradient(interpret):
+    """A loss on o alone (m's cotangent a symbolic zero), or with m behind stop_gradient:
+    every input's gradient equals JAX's gradient of `reference`; a loss on m differentiates
+    v (zero: m does not read it)."""
+    kernel, mod, args, w = with_max_setup()
+    run = lambda *a: mod.with_max(*a, interpret=interpret)  # noqa: E731
+    want = jax.grad(lambda *a: jnp.sum(mod.reference(*a)[0] * w), argnums=(0, 1, 2, 3))(*args)
+    got = jax.grad(lambda *a: jnp.sum(run(*a)[0] * w), argnums=(0, 1, 2, 3))(*args)
+    assert_gradients_match(got, want, bf16=False)
+    got = jax.grad(lambda *a: jnp.sum(run(*a)[0] * w) + jnp.sum(lax.stop_gradient(run(*a)[1])), argnums=(0, 1, 2, 3))(*args)
+    assert_gradients_match(got, want, bf16=False)
+    got = jax.grad(lambda v: jnp.sum(run(args[0], args[1], v, args[3])[1]))(args[2])
+    assert not np.asarray(got).any()
+
+
+def test_the_gradient_through_a_max_raises_where_it_is_asked_for():
+    kernel, mod, args, w = with_max_setup()
+
+    def loss(*a):
+        o, m = mod.with_max(*a, interpret=True)
+        return jnp.sum(o * w) + jnp.sum(jnp.where(jnp.isfinite(m), m, 0.0))
+
+    for n, name in ((0, "q"), (1, "k"), (3, "bias")):
+        with pytest.raises(NotImplementedError, match=rf"with_max: the gradient of '{name}' through 'm' \(a max reduction\) is not "
+                                                      rf"derived yet; asked for because '{name}' is differentiated and the cotangent "
+                                                      "of 'm' is not zero"):
+            jax.grad(loss, argnums=n)(*args)
+    assert jax.grad(loss, argnums=2)(*args).shape == args[2].shape  # v's gradient does not go through m
+
+
+def test_plan_lists_the_attention_gradients_per_input(tmp_path, capsys):
+    from sparsegen.cli import main
+
+    spec = tmp_path / "with_max.spk"
+    spec.write_text(WITH_MAX)
+    assert main(["plan", str(spec)]) == 0
+    out = capsys.readouterr().out
+    assert "not derived: the gradient of a max" not in out and "backward (jax.grad), through o:" in out
+    lines = out[out.index("gradients (jax.grad), per float input:"):].splitlines()[1:5]
+    for line, name in zip(lines, ("q", "k", "v", "bias")):
+        assert line.strip().startswith(f"{name}: through o"), line
+        assert (f"not derived through m: the gradient of '{name}' through 'm' (a max reduction)" in line) == (name != "v"), line
 
 
 def test_max_steps_bounds_a_traced_walk():

@@ -477,3 +477,34 @@ def test_what_lies_past_a_ragged_end_of_a_stored_block_is_absent():
     ref = np.asarray(mod.reference(*args, M=114), np.float32)
     assert np.isfinite(out).all() and np.isfinite(ref).all()
     np.testing.assert_allclose(out, ref, rtol=0.02, atol=0.1)
+
+
+def test_an_underivable_gradient_blocks_no_other_on_the_gpu():
+    """Grouped heads: k's gradient (read through h // 4) is not derived, q's is; asking for
+    q's runs the GPU backward (interpreted) and equals JAX's gradient of `reference`, asking
+    for k's raises, naming it; `plan --target h200` says which is which."""
+    text = """kernel grouped {
+    in  q: bf16[B, H, S, D]
+    in  k: bf16[B, G, T, D]
+    out s: bf16[B, H, S, T]
+    s[b, h, i, j] = q[b, h, i, d] * k[b, h // 2, j, d] * 0.125
+    tile b = 1, h = 1, i = 64, j = 64, d = 64
+}"""
+    from sparsegen.gpu.describe import describe
+
+    kernel, mod = build(text, "h200")
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((1, 2, 64, 64)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, 1, 128, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((1, 2, 64, 128)), jnp.float32)
+    run = lambda q, k: mod.grouped(q, k, interpret=True)  # noqa: E731
+    got = jax.grad(lambda q: jnp.sum(run(q, k).astype(jnp.float32) * w))(q)
+    want = jax.grad(lambda q: jnp.sum(mod.reference(q, k).astype(jnp.float32) * w))(q)
+    g, r = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    np.testing.assert_allclose(g, r, rtol=0.02, atol=0.02 * max(1.0, float(np.sqrt(np.mean(r**2)))))
+    with pytest.raises(NotImplementedError, match=r"grouped: the gradient of 'k', read as k\[b, h // 2, j, d\], is not supported yet"):
+        jax.grad(lambda k: jnp.sum(run(q, k).astype(jnp.float32)))(k)
+    (m,) = lower_source(SourceFile("grouped.spk", text), "h200")
+    lines = describe(m)
+    assert lines[lines.index("gradients (jax.grad), per float input:") + 1] == "  q: through s"
+    assert lines[-1].startswith("  k: not derived through s: the gradient of 'k', read as k[b, h // 2, j, d]")

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from aot import compile_for
 from conftest import SPECS, assert_matches, build, spec_text  # noqa: F401
 from test_einsum import SPECS as FEATURES
@@ -188,14 +189,122 @@ def test_backward_kernels_compile_ahead_of_time(name, topology):
     assert hlo.count("tpu_custom_call") >= len(argnums)
 
 
+def derivable(kernel, target="v5e"):
+    """The differentiable arguments whose every gradient is derived (what a loss on every
+    output may differentiate)."""
+    refused = {r.operand for r in lower(kernel, TARGETS[target]).refused}
+    conv = convention(kernel, ModuleNames(kernel))
+    return [n for n in differentiable(kernel) if conv.params[n].operand not in refused]
+
+
+# A frozen dequantisation scale: the gradients of x and y are plain two-factor sums; sc's
+# would sum three groups of factors (a local tensor), so it alone is not derived.
+SCALED = """kernel scaled_bmm {
+    in  x: f32[B, M, K]
+    in  y: f32[B, K, N]
+    in  sc: f32[B, N]
+    out o: f32[B, M, N]
+
+    o[b, m, n] = x[b, m, k] * y[b, k, n] * sc[b, n]
+
+    tile b = 1, m = 128, n = 128, k = 128
+}
+"""
+
+
+def scaled_setup():
+    kernel, mod = build(SCALED)
+    rng = np.random.default_rng(5)
+    x, y = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((2, 200, 256), (2, 256, 130)))
+    sc = jnp.asarray(rng.standard_normal((2, 130)), jnp.float32)
+    weights = [jnp.asarray(rng.standard_normal((2, 200, 130)), jnp.float32)]
+    return kernel, mod, (x, y, sc), weights
+
+
+def test_an_underivable_gradient_blocks_no_other(interpret):
+    """jax.grad of x and y through the scaled product equals JAX's gradient of `reference`:
+    sc, not differentiated or behind stop_gradient, is never asked for its gradient."""
+    kernel, mod, args, weights = scaled_setup()
+    env = dict(B=2, M=200, K=256, N=130)
+    want = jax.grad(loss_of(mod.reference, {}, weights), argnums=(0, 1))(*args)
+    got = jax.grad(loss_of(mod.scaled_bmm, {"interpret": interpret}, weights), argnums=(0, 1))(*args)
+    assert_gradients_match(kernel, got, want, env)
+    frozen = loss_of(lambda x, y, sc, **kw: mod.scaled_bmm(x, y, lax.stop_gradient(sc), **kw), {"interpret": interpret}, weights)
+    got = jax.grad(frozen, argnums=(0, 1, 2))(*args)
+    assert_gradients_match(kernel, got[:2], want, env)
+    assert not np.asarray(got[2]).any()
+
+
+def test_an_underivable_gradient_raises_where_it_is_asked_for():
+    kernel, mod, args, weights = scaled_setup()
+    loss = loss_of(mod.scaled_bmm, {"interpret": True}, weights)
+    with pytest.raises(NotImplementedError, match=r"scaled_bmm: the gradient of 'sc' through 'o' multiplies three groups of factors in "
+                                                   r"one sum, which needs a local tensor \(not supported yet\); asked for because 'sc' "
+                                                   r"is differentiated and the cotangent of 'o' is not zero"):
+        jax.grad(loss, argnums=(0, 2))(*args)
+    assert jax.jit(jax.grad(loss, argnums=1))(*args).shape == args[1].shape  # and under jit, without sc
+
+
+def test_an_unused_output_needs_no_gradient_through_it(interpret):
+    """Two outputs: z's gradient through t is not derived; a loss on o alone (t's cotangent
+    a symbolic zero) differentiates x, y and z (z's is zero), a loss on t differentiates x
+    and y, and a loss on both asking for z raises, naming z and t."""
+    text = """kernel two_outputs {
+    in  x: f32[M, K]
+    in  y: f32[K, N]
+    in  z: f32[N]
+    out o: f32[M, N]
+    out t: f32[M, N]
+    o[m, n] = x[m, k] * y[k, n]
+    t[m, n] = x[m, k] * y[k, n] * z[n]
+    tile m = 128, n = 128, k = 128
+}"""
+    kernel, mod = build(text)
+    rng = np.random.default_rng(9)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((256, 384), (384, 128), (128,))]
+    env = dict(M=256, K=384, N=128)
+    w = jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)
+
+    def on(which, fn):
+        return lambda *a: jnp.sum(fn(*a)[which] * w)
+
+    kernel_fn = lambda *a: mod.two_outputs(*a, interpret=interpret)  # noqa: E731
+    got = jax.grad(on(0, kernel_fn), argnums=(0, 1, 2))(*args)
+    want = jax.grad(on(0, mod.reference), argnums=(0, 1, 2))(*args)
+    assert_gradients_match(kernel, got, want, env)
+    assert not np.asarray(got[2]).any()
+    got = jax.grad(on(1, kernel_fn), argnums=(0, 1))(*args)
+    want = jax.grad(on(1, mod.reference), argnums=(0, 1))(*args)
+    assert_gradients_match(kernel, got, want, env)
+    with pytest.raises(NotImplementedError, match="the gradient of 'z' through 't' .*the cotangent of 't' is not zero"):
+        jax.grad(lambda *a: on(0, kernel_fn)(*a) + on(1, kernel_fn)(*a), argnums=(0, 2))(*args)
+
+
+def test_plan_lists_the_gradients_per_input(tmp_path, capsys):
+    from sparsegen.cli import main
+
+    spec = tmp_path / "scaled.spk"
+    spec.write_text(SCALED)
+    assert main(["plan", str(spec)]) == 0
+    out = capsys.readouterr().out
+    assert "not available" not in out
+    assert "backward (jax.grad): 2 passes" in out
+    lines = out[out.index("gradients (jax.grad), per float input:"):].splitlines()
+    assert lines[1] == "  x: through o" and lines[2] == "  y: through o"
+    assert lines[3].startswith("  sc: not derived through o: the gradient of 'sc' through 'o' multiplies three groups")
+    assert "raised only where needed: sc differentiated and the cotangent of o not zero" in lines[3]
+
+
 def test_what_is_not_derived_yet_says_why():
+    """Grouped heads: k's gradient (read through h // 4) is not derived; q's is."""
     text, sizes = FEATURES["grouped_heads"]
     kernel, mod = build(text)
     args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(0))
     with pytest.raises(NotImplementedError, match="the gradient of 'k', read as k\\[b, h // 4, j, d\\], is not supported yet"):
-        jax.grad(lambda q: jnp.sum(mod.grouped_heads(q, args[1], **keywords, interpret=True)))(args[0])
-    assert mod.reference is not None  # and the reference stays differentiable by JAX
-    jax.grad(lambda q: jnp.sum(mod.reference(q, args[1], **keywords)))(args[0])
+        jax.grad(lambda k: jnp.sum(mod.grouped_heads(args[0], k, **keywords, interpret=True)))(args[1])
+    got = jax.grad(lambda q: jnp.sum(mod.grouped_heads(q, args[1], **keywords, interpret=True)))(args[0])
+    want = jax.grad(lambda q: jnp.sum(mod.reference(q, args[1], **keywords)))(args[0])
+    assert_gradients_match(kernel, [got], [want], resolve_sizes(kernel, sizes))
 
 
 def test_forward_mode_is_refused_clearly():

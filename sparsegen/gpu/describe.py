@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..autodiff import gradient_lines
 from ..expr import render
 from .plan import ElementwisePass, GpuModule, GpuPass
 
@@ -59,4 +60,5 @@ def describe(m: GpuModule) -> list[str]:
     lines = [f"target: {m.target.name} (Mosaic GPU: TMA copies, WGMMA, one warpgroup per CTA)"]
     for p in m.passes:
         lines += describe_pass(p, m.target)
-    return lines
+    partials = m.backward.partials if m.backward is not None and m.backward_module is not None else ()
+    return lines + gradient_lines(m.kernel, partials, m.refused)

@@ -11,7 +11,7 @@ import re
 from ..expr import Const, render
 from ..formatting import format_module
 from ..templating import environment as _environment, with_helpers
-from ..wrapper import Wrapper, spec_text
+from ..wrapper import Wrapper, gradient_tables, spec_text
 from .describe import describe
 from .plan import ElementwisePass, GpuModule, GpuPass, py_tuple
 
@@ -208,26 +208,12 @@ class _Emitter:
     def gradient(self) -> dict:
         """The custom_vjp glue: residuals (the inputs), the backward passes, a cotangent per argument."""
         m = self.m
-        args = list(m.conv.impl_args)
-        info = {"error": None, "passes": [], "bargs": [], "partials": [], "returns": [], "cotangents": []}
-        info["cotangents"] = [a for _, a in m.backward.cotangents] if m.backward else [m.names.local(f"g_{o.name}") for o in self.k.outputs]
-        if m.backward_error or m.backward_module is None:
-            info["error"] = repr(m.backward_error or "no input of this kernel has a gradient")
-            return info
         bm = m.backward_module
-        outputs = dict(bm.outputs)
-        info["passes"] = [self.pass_dict(p, bm) for p in bm.passes]
-        info["bargs"] = list(bm.conv.impl_args)
-        info["partials"] = [outputs[p.output] for p in bm.passes]
-        by_operand: dict[str, list[str]] = {}
-        for part in m.backward.partials:
-            by_operand.setdefault(part.operand, []).append(outputs[part.output])
-        for a in args:
-            param = next((p for p in m.conv.params if p.internal == a), None)
-            if param is not None and param.kind in ("dense", "blocks") and param.operand in by_operand:
-                info["returns"].append(" + ".join(by_operand[param.operand]))
-            else:
-                info["returns"].append(f"_no_gradient({a})")
+        passes = {p.output: dict(bm.outputs)[p.output] for p in bm.passes} if bm is not None else {}
+        info = gradient_tables(self.k, m.conv, m.backward, m.refused, passes)
+        info["cotangents"] = [a for _, a in m.backward.cotangents] if m.backward else [m.names.local(f"g_{o.name}") for o in self.k.outputs]
+        info["passes"] = [self.pass_dict(p, bm) for p in bm.passes] if bm is not None else []
+        info["bargs"] = list(bm.conv.impl_args) if bm is not None else []
         return info
 
     def module(self, source_name: str) -> str:

@@ -83,11 +83,9 @@ def lower_gpu(kernel: Kernel, target: GpuTarget, backward: bool = True) -> GpuMo
     m = _Lowering(kernel, target).lower()
     if not backward:
         return m
-    b = derive(m.kernel, m.conv, m.names)
+    b = derive(m.kernel, m.conv, m.names, densify="which is not lowered for GPUs yet")
     if b.error or b.kernel is None:
         return dataclasses.replace(m, backward=b, backward_error=b.error)
-    if b.prelude:
-        return dataclasses.replace(m, backward=b, backward_error="gradients that densify a coo input are not lowered for GPUs yet")
     try:
         bm = _Lowering(b.kernel, target, m.names, b.conv).lower()
     except GpuError as exc:

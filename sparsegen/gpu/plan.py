@@ -160,11 +160,18 @@ class GpuModule:
     outputs: tuple[tuple[str, str], ...]
     backward: object | None = None  # autodiff.Backward: how the gradients are derived
     backward_module: "GpuModule | None" = None  # its passes, lowered like any kernel's
-    backward_error: str | None = None  # why `jax.grad` cannot go through this kernel
+    backward_error: str | None = None  # why `jax.grad` cannot go through this kernel at all
 
     @property
     def name(self) -> str:
         return self.kernel.name
+
+    @property
+    def refused(self) -> tuple:
+        """The gradients not derived (autodiff.Refusal), each raised only where it is needed."""
+        from ..autodiff import refusals
+
+        return refusals(self.kernel, self.backward, self.backward_error)
 
     @property
     def smem_bytes(self) -> int:

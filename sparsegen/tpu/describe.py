@@ -88,6 +88,7 @@ def describe_pass(m: TpuModule, tp: TpuPass) -> list[str]:
 
 def describe(m: TpuModule) -> list[str]:
     """Lines describing the plan (no trailing newlines), the backward kernel's too."""
+    from ..autodiff import gradient_lines
     from .attention import AttentionModule
     from .describe_attention import describe_attention
 
@@ -104,15 +105,13 @@ def describe(m: TpuModule) -> list[str]:
         else:
             lines.append(f"  {sub[0]}")
             lines += sub[1:]
-    if m.backward_error:
-        lines.append(f"backward (jax.grad): not available: {m.backward_error}")
-    elif m.backward_module is not None:
+    if m.backward_module is not None:
         bm = m.backward_module
-        lines.append(f"backward (jax.grad): {len(bm.passes)} pass{'es' if len(bm.passes) != 1 else ''}, one per gradient of a float input")
+        lines.append(f"backward (jax.grad): {len(bm.passes)} pass{'es' if len(bm.passes) != 1 else ''}, one per derived gradient "
+                     "of a float input through a statement (each run only where its gradient is needed)")
         for n, tp in enumerate(bm.passes):
             sub = describe_pass(bm, tp)
             lines.append(f"  pass {n + 1}: {sub[0]}")
             lines += ["  " + line for line in sub[1:]]
-    else:
-        lines.append("backward (jax.grad): no float input, so nothing to differentiate")
-    return lines
+    partials = m.backward.partials if m.backward is not None and m.backward_module is not None else ()
+    return lines + gradient_lines(k, partials, m.refused)

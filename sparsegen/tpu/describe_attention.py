@@ -40,13 +40,19 @@ def describe_attention(m) -> list[str]:
     lines.append(f"VMEM: {m.vmem_bytes / 1024:.0f} KiB estimated")
     for what, b in m.vmem:
         lines.append(f"  {what}: {b / 1024:.0f} KiB")
-    if m.backward_error:
-        lines.append(f"gradients: not derived: {m.backward_error}")
-    else:
-        if p.stored_score:
-            lines.append("gradients (jax.grad): the chain's operands over the same walk (a stored score per block, placed after),")
-            lines.append("  the values and per-key operands over the key-side walk (the transposed classification, key x row blocks)")
-        else:
-            lines.append("gradients (jax.grad): dq and the chain's per-row, per-block and per-walk operands over the same walk;")
-            lines.append(f"  d{p.k.operand} and the values over the key-side walk (the transposed classification, key x row blocks)")
-    return lines
+    from ..autodiff import Partial, gradient_lines, refusals
+    from .attention.lower import derived_outputs
+
+    derived = derived_outputs(p) if not m.backward_error else []
+    if derived and p.stored_score:
+        lines.append(f"backward (jax.grad), through {', '.join(derived)}: the chain's operands over the same walk (a stored score per block,")
+        lines.append("  placed after), the values and per-key operands over the key-side walk (the transposed classification,")
+        lines.append("  key x row blocks); run only where a gradient is needed")
+    elif derived:
+        lines.append(f"backward (jax.grad), through {', '.join(derived)}: dq and the chain's per-row, per-block and per-walk operands")
+        lines.append(f"  over the same walk; d{p.k.operand} and the values over the key-side walk (the transposed classification,")
+        lines.append("  key x row blocks); run only where a gradient is needed")
+    values = {c.value.operand: c.output for c in p.consumers if c.kind == "softmax_product"}
+    scored = ([] if p.stored_score else [p.q.operand, p.k.operand]) + [r.operand for r in p.float_reads()]
+    partials = [Partial(op, "", out) for out in derived for op in dict.fromkeys(scored + [v for v, o in values.items() if o == out])]
+    return lines + gradient_lines(k, partials, m.refused + refusals(k, None, m.backward_error))

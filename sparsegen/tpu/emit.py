@@ -12,7 +12,7 @@ import math
 from ..expr import Call, Const, Var, names as expr_names, render, substitute
 from ..formatting import format_module
 from ..templating import environment as _environment, with_helpers  # noqa: F401 (with_helpers: re-exported)
-from ..wrapper import Wrapper, spec_text
+from ..wrapper import Wrapper, gradient_tables, spec_text
 from .body import BodyWriter
 from .describe import describe
 from .lower import TpuModule, TpuPass
@@ -171,32 +171,18 @@ class _Emitter:
     def gradient(self) -> dict:
         """The custom_vjp glue: residuals, the backward passes, and a cotangent per argument."""
         m = self.m
-        args = list(m.conv.impl_args)
-        cotangents = [a for _, a in m.backward.cotangents] if m.backward else [self.m.names.local(f"g_{o.name}") for o in self.k.outputs]
-        info = {"args": args, "cotangents": cotangents, "error": None, "passes": [], "partials": [], "returns": [], "prelude": []}
-        if m.backward_error:
-            info["error"] = repr(m.backward_error)
-            return info
+        info = gradient_tables(self.k, m.conv, m.backward, m.refused, {} if m.backward_module is None else
+                               {tp.p.output: dict(m.backward_module.schedule.outputs)[tp.p.output] for tp in m.backward_module.passes})
+        info["cotangents"] = [a for _, a in m.backward.cotangents] if m.backward else [m.names.local(f"g_{o.name}") for o in self.k.outputs]
+        info["passes"], info["prelude"] = [], []
         bm = m.backward_module
-        by_operand: dict[str, list[str]] = {}
-        if bm is not None:
-            info["passes"] = self.pass_dicts(bm)
-            info["bargs"] = list(bm.conv.impl_args)
-            outputs = dict(bm.schedule.outputs)
-            info["partials"] = [outputs[tp.p.output] for tp in bm.passes]
-            for part in m.backward.partials:
-                by_operand.setdefault(part.operand, []).append(outputs[part.output])
-        returns = []
-        for a in args:
-            param = next((p for p in m.conv.params if p.internal == a), None)
-            if param is not None and param.kind in ("dense", "blocks") and param.operand in by_operand:
-                returns.append(" + ".join(by_operand[param.operand]))
-            else:
-                returns.append(f"_no_gradient({a})")
-        info["returns"] = returns
+        if bm is None:
+            return info
+        info["passes"] = self.pass_dicts(bm)
+        info["bargs"] = list(bm.conv.impl_args)
         # Coo inputs a backward pass reads densely (they meet another coo operand there).
         prelude = []
-        for var, (operand, tiles) in m.backward.prelude if m.backward else ():
+        for var, (operand, tiles) in m.backward.prelude:
             op = self.k.operand(operand)
             coords = _tuple(p.internal for p in m.conv.params if p.operand == operand and p.kind == "coords")
             shape = _tuple(render(m.conv.size(d), "host") for d in op.dims)
@@ -255,7 +241,7 @@ class _Emitter:
         passes = self.pass_dicts(m)
         gradient = self.gradient()
         kinds = []
-        for tp in (*m.passes, *(m.backward_module.passes if m.backward_module and not m.backward_error else ())):
+        for tp in (*m.passes, *(m.backward_module.passes if m.backward_module else ())):
             for name in tp.p.kinds:
                 if name not in kinds:
                     kinds.append(name)

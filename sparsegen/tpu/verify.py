@@ -107,8 +107,10 @@ def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywor
     structs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in args]
     call = lambda *a: fn(*a, **keywords)  # noqa: E731
     if backward:
-        # The gradient of a sum of the outputs for every float input: the backward passes.
-        floats = tuple(n for n, (_, dtype) in enumerate(args) if np.issubdtype(dtype, np.floating) or dtype == np.dtype("bfloat16"))
+        # The gradient of a sum of the outputs for every float input whose gradients are derived: the backward passes.
+        refused = {r.operand for r in plan.refused}
+        floats = tuple(n for n, (_, dtype) in enumerate(args) if (np.issubdtype(dtype, np.floating) or dtype == np.dtype("bfloat16"))
+                       and plan.conv.params[n].operand not in refused)
         call = jax.grad(lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in _tuple_of(fn(*a, **keywords))), argnums=floats)
     # Some Mosaic lowerings ask which TPU they target: the default device tells them.
     with jax.default_device(device):

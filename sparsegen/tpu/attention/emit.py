@@ -9,7 +9,7 @@ from ...dtypes import DTYPES
 from ...ir import Read
 from ...schedule.attention import Classifier
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
-from .lower import LANES, SUBLANES, AttentionModule, Operand, layout_block
+from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, layout_block
 from .lower import py_tuple as _tuple
 from .reference import ReferenceWriter
 
@@ -170,7 +170,8 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         error = m.backward_error
         backward = {}
         outputs = [c.output for c in p.consumers]
-        if error is None:
+        derived = derived_outputs(p) if error is None else []
+        if derived:
             self.cotangents = {o.name: self.n.local(f"g_{o.name}") for o in k.outputs}
             dq, dkv = self.dq_call(), self.dkv_call() if self.needs_key_walk() else None
             backward = self.backward_glue(dq, dkv, outputs)
@@ -194,7 +195,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             stored=self.call_dict(stored, kinds_var, walk="_dense_tables") if stored else None,
             stored_lines=stored_lines,
             backward_calls=calls_b,
-            maps=self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if error is None else [])),
+            maps=self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if derived else [])),
             map_params=self.grid_vars + [self.t] + self.tables,
             public_params=[p_.internal for p_ in conv.params] + self.sizes,
             prepare_lines=self.prepare_lines(),
@@ -212,13 +213,34 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             outputs=[self.out_var[c.output] for c in p.consumers],
             row_lse=", ".join(self.row_lses),
             declared=[self.out_var[o.name] for o in k.outputs],
-            error=repr(f"{error}") if error else None,
             backward=backward,
+            gradient_tables=self.gradient_tables(backward, derived),
+            nothing=_tuple(["None"] * len(conv.impl_args)),
             class_axes=list(p.class_axes),
             data=data,
         )
         text = with_helpers(main)
         return format_module(text, names=(m.name,)) if formatted else text
+
+    def gradient_tables(self, backward: dict, derived: list[str]) -> str:
+        """`_PARTIALS` (every gradient the backward computes: argument, output) and `_REFUSED`
+        (those not derived, raised only where needed), as in the einsum modules."""
+        from ...autodiff import refusals
+
+        k, conv = self.k, self.m.conv
+        args = list(conv.impl_args)
+        outputs = [o.name for o in k.outputs]
+        arg = {p_.operand: args.index(p_.internal) for p_ in conv.params if p_.internal in args}
+        table = [f"({arg[op]}, {outputs.index(o)})" for op in backward.get("grads", ()) for o in derived]
+        refused = self.m.refused + refusals(k, None, self.m.backward_error)
+        rows = [f"({arg[r.operand]}, {outputs.index(r.output) if r.output else None}, {r.message!r})" for r in refused]
+        return "\n".join([
+            "# The gradients the backward computes: (argument, output whose cotangent carries it).",
+            f"_PARTIALS = {_tuple(table)}",
+            "# The gradients not derived: (argument, output or None for any, why). Each is raised only",
+            "# where needed: its argument differentiated and that cotangent not a symbolic zero.",
+            f"_REFUSED = {_tuple(rows)}",
+        ])
 
     def all_maps(self, calls) -> list[dict]:
         """Every index map of the module, once each (the forward and dq walks share theirs)."""
@@ -287,9 +309,10 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             if op is not None and op.name in grads and op.dtype.is_float:
                 returns.append(f"({' + '.join(grads[op.name])}).astype({op.dtype.jnp})")
             else:
-                returns.append(f"_no_gradient({a})")
+                returns.append("None")
         do_args = [self.cot(c.output) for c in p.consumers if c.kind == "softmax_product"]
-        return {"lines": lines, "results": results, "returns": returns, "cotangents": [self.cotangents[o.name] for o in k.outputs],
+        floats = [op for op in grads if k.operand(op).dtype.is_float]
+        return {"lines": lines, "results": results, "returns": returns, "cotangents": [self.cotangents[o.name] for o in k.outputs], "grads": floats,
                 "args": list(conv.impl_args) + do_args + list(self.row_hosts.values()) + list(self.col_hosts.values())}
 
     def prepare_lines(self) -> list[str]:

@@ -44,8 +44,9 @@ class AttentionModule:
     plan: RowPlan
     operands: tuple[Operand, ...]
     vmem: tuple[tuple[str, int], ...]  # (what, bytes)
-    backward_error: str | None = None  # why jax.grad cannot go through this kernel
+    backward_error: str | None = None  # why jax.grad cannot go through this kernel at all
     vmem_limit_override: int | None = None  # verify's probe
+    refused: tuple = ()  # autodiff.Refusal: the gradients not derived, each raised only where needed
 
     @property
     def name(self) -> str:
@@ -101,7 +102,7 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
             vmem.append((f"{c.output} block x2", 2 * padded_bytes((1, ti), out.dtype)))
     vmem.append(("running max and sum", 3 * len(p.points) * padded_bytes((ti, 1), acc)))
     vmem.append(("score block and its softmax (f32 temporaries)", 3 * padded_bytes((ti, tj), acc)))
-    return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem), gradient_error(kernel, plan))
+    return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem), gradient_error(kernel, plan), refused=gradient_refusals(kernel, plan))
 
 
 def layout_block(read: Read, layout: str, p: RowPlan, tile: dict) -> tuple[tuple, tuple]:
@@ -129,17 +130,34 @@ def layout_block(read: Read, layout: str, p: RowPlan, tile: dict) -> tuple[tuple
 
 
 def gradient_error(kernel: Kernel, p: RowPlan) -> str | None:
-    """Why the flash-attention backward cannot be derived for this kernel (None: it can)."""
+    """Why the flash-attention backward cannot be derived for this kernel at all (None: it can;
+    the gradients through a max or stored output are refused one by one, `gradient_refusals`)."""
     if len(p.points) > 1:
         names = ", ".join(f"'{pt.name}'" for pt in p.points)
         return f"the gradient of outputs that reduce different scores ({names}) in one kernel is not derived yet"
-    if any(c.kind == "max" for c in p.consumers):
-        return "the gradient of a max reduction is not derived yet"
-    if any(c.stored for c in p.consumers):
-        return "the gradient of a stored softmax or score output is not derived yet"
     if p.stored_score and not p.float_reads():
         return "a stored score of integer operands has no gradient"
     return None
+
+
+_NOT_DERIVED = {"max": "a max reduction", "softmax_out": "a stored softmax", "scores_out": "a stored score"}
+
+
+def gradient_refusals(kernel: Kernel, p: RowPlan) -> tuple:
+    """The gradients the flash-attention backward does not derive: through a max reduction
+    or a stored output, for every float operand the score reads (the others' gradients, and
+    every gradient through the other outputs, are derived)."""
+    from ...autodiff import Refusal
+
+    reads = ([] if p.stored_score else [p.q.operand, p.k.operand]) + [r.operand for r in p.float_reads()]
+    operands = [op for op in kernel.operands if op.name in reads and op.dtype.is_float]
+    return tuple(Refusal(op.name, c.output, f"the gradient of '{op.name}' through '{c.output}' ({_NOT_DERIVED[c.kind]}) is not derived yet")
+                 for c in p.consumers if c.kind in _NOT_DERIVED for op in operands)
+
+
+def derived_outputs(p: RowPlan) -> list[str]:
+    """The outputs the backward carries gradients through (in the plan's order)."""
+    return [c.output for c in p.consumers if c.kind not in _NOT_DERIVED]
 
 
 # Python's precedence of what render_term writes (an atom binds tightest).
