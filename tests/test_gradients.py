@@ -338,3 +338,14 @@ def test_grad_under_vmap(name):
     ref = jax.vmap(lambda x: mod.reference(*args[:n], x, *args[n + 1 :], **keywords))(batch)
     for o, r in zip(out, ref):
         assert_matches(kernel, o, r, env)
+
+
+def test_verify_compiles_the_derived_gradients(tmp_path):
+    """`verify` compiles the backward of the gradients that are derived (x's and y's), not
+    refusing the kernel for sc's."""
+    from sparsegen.tpu.verify import verify_file
+
+    spec = tmp_path / "scaled.spk"
+    spec.write_text(SCALED)
+    _, (result,) = verify_file(spec, ["v5e"], probe=False)
+    assert result.compiled and result.backward == "compiles", result.backward
