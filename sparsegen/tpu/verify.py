@@ -111,10 +111,16 @@ def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywor
         refused = {r.operand for r in plan.refused}
         floats = tuple(n for n, (_, dtype) in enumerate(args) if (np.issubdtype(dtype, np.floating) or dtype == np.dtype("bfloat16"))
                        and plan.conv.params[n].operand not in refused)
+        if not floats:
+            raise _NothingDerived("every float input's gradient is refused")
         call = jax.grad(lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in _tuple_of(fn(*a, **keywords))), argnums=floats)
     # Some Mosaic lowerings ask which TPU they target: the default device tells them.
     with jax.default_device(device):
         return jax.jit(call).trace(*structs).lower().compile()
+
+
+class _NothingDerived(Exception):
+    """No float input has a derived gradient: there is no backward to compile."""
 
 
 def _tuple_of(out):
@@ -223,6 +229,8 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
         try:
             _compile(plan, source, target, args, keywords, backward=True)
             result.backward = "compiles"
+        except _NothingDerived as exc:
+            result.backward = f"not derived: {exc}"
         except Exception as exc:  # reported, not raised: the forward kernel stands on its own
             result.backward = "fails: " + next((line.strip() for line in str(exc).splitlines() if line.strip()), "compilation failed")
     cost = compiled.cost_analysis() or {}
