@@ -349,3 +349,24 @@ def test_verify_compiles_the_derived_gradients(tmp_path):
     spec.write_text(SCALED)
     _, (result,) = verify_file(spec, ["v5e"], probe=False)
     assert result.compiled and result.backward == "compiles", result.backward
+
+
+def test_a_gradient_that_sums_every_index_of_its_block_compiles():
+    """d_x2[d] sums g_o * x0 (one group) against x1 over every index in the block: Mosaic's
+    dot yields no scalar, so the body multiplies and sums (found by the property test)."""
+    text = """kernel sums_all {
+    in  x0: bf16[C, B, A] coo
+    in  x1: bf16[C, E]
+    in  x2: bf16[D]
+    out o: bf16[A, B, C]
+    o[a, b, c] = x0[c, b, a] * x1[c, e] * x2[d] * 2
+    tile a = 128, b = 16, c = 128, d = 128, e = 128
+}"""
+    kernel, mod = build(text)
+    sizes = dict(A=381, B=48, C=381, D=384, E=128)
+    args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(0))
+    loss = loss_of(mod.sums_all, keywords, [1.0])
+    assert "tpu_custom_call" in compile_for(jax.grad(loss, argnums=5), args, "v5e:2x2").as_text()
+    got = jax.grad(loss_of(mod.sums_all, {**keywords, "interpret": True}, [1.0]), argnums=5)(*args)
+    want = jax.grad(loss_of(mod.reference, keywords, [1.0]), argnums=5)(*args)
+    assert_gradients_match(kernel, [got], [want], resolve_sizes(kernel, sizes))

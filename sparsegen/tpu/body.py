@@ -172,6 +172,11 @@ class BodyWriter:
                 rest = tuple(i for i in v.axes if i not in summed)
                 parts.append(align(Val(code, rest, acc), target))
             return " * ".join(parts)
+        if not target:
+            # Everything summed: Mosaic's dot yields no scalar, so multiply and sum.
+            lhs = cast(a.code if a.simple else f"({a.code})", a.dtype, acc)
+            rhs = align(Val(cast(b.code if b.simple else f"({b.code})", b.dtype, acc), b.axes, acc), a.axes)
+            return f"jnp.sum({lhs} * {rhs})"
         if len(a.axes) == 2 and len(b.axes) == 2 and len(contracted) == 1 and not batch and not alone:
             lhs, rhs = (a, b) if tuple(fa + fb) == target else (b, a) if tuple(fb + fa) == target else (None, None)
             if lhs is not None:
