@@ -59,6 +59,13 @@ class _KernelChecker:
         if keyword.iskeyword(name.text):
             self.error(name.span, f"{what} '{name.text}' is a Python keyword; choose another name")
 
+    def check_size_name(self, name: ast.Name) -> None:
+        """A size is a keyword of the generated function: not a Python keyword, nor one of its
+        own keywords or helpers."""
+        self.check_identifier(name, "size")
+        if name.text in ("interpret", "max_steps") or name.text in HELPERS:
+            self.error(name.span, f"size '{name.text}' would clash with a name of the generated module; rename it")
+
     def check_names(self) -> None:
         k = self.k
         self.check_identifier(k.name, "kernel name")
@@ -88,9 +95,7 @@ class _KernelChecker:
                 seen[op.name.text] = op
             for dim in op.dims:
                 if isinstance(dim.value, str):
-                    self.check_identifier(ast.Name(dim.value, dim.span), "size")
-                    if dim.value in ("interpret", "max_steps") or dim.value in HELPERS:
-                        self.error(dim.span, f"size '{dim.value}' would clash with a name of the generated module; rename it")
+                    self.check_size_name(ast.Name(dim.value, dim.span))
         self.operands = seen
 
     # --------------------------------------------------------------- operands
@@ -232,16 +237,18 @@ class _KernelChecker:
         self.stop_if_errors()
 
     def check_local_names(self) -> None:
-        """A local tensor's name is taken from the namespace indices and operands share (as an
-        output's is), and is not a size's: `S[i, j]` beside `S` the size reads as one thing."""
+        """A size only expressions name is a size's name (a keyword of the call), not another
+        statement's index. A local tensor's name is taken from the namespace indices and
+        operands share (as an output's is), and is not a size's: `S[i, j]` beside `S` the
+        size reads as one thing."""
         indices = set(self.all_indices())
         sizes = {d.value for op in self.k.operands for d in op.dims if isinstance(d.value, str)}
         for name, use in self.free_sizes.items():
-            self.check_identifier(use, "size")
             if name in indices:
+                self.check_identifier(use, "size")
                 self.error(use.span, f"'{name}' is an index of another statement, not of this left side, nor a size")
-            elif name in ("interpret", "max_steps") or name in HELPERS:
-                self.error(use.span, f"size '{name}' would clash with a name of the generated module; rename it")
+            else:
+                self.check_size_name(use)
         for name, target in self.locals.items():
             if name in indices:
                 self.error(target.operand.span, f"local tensor '{name}' is named like an index; index, operand and local names share one namespace")

@@ -16,10 +16,8 @@ from pathlib import Path
 
 from collections.abc import Callable
 
-from .check import check
-from .compiler import Module, compile_kernels, plans
+from .compiler import Module, compile_for_targets, plans
 from .source import SourceFile, SpecError
-from .syntax import parse
 from .gpu import GPU_TARGETS, GpuModule, is_gpu
 from .gpu.describe import describe as describe_gpu
 from .tpu.describe import describe as describe_tpu
@@ -61,23 +59,10 @@ def _compile_all(specs: list[str], target_of: Callable[[str], str], out: Path) -
             continue  # another spelling of a file already given (./a.spk, an absolute path, a link)
         seen.add(_resolved(spec))
         try:
-            source = SourceFile.read(spec)
-            kernels = check(parse(source))
+            modules += [(spec, m) for m in compile_for_targets(SourceFile.read(spec), target_of, origin=_origin(spec, out))]
         except SpecError as exc:
             print(exc.render(), file=sys.stderr)
             failed = True
-            continue
-        by_target: dict[str, list] = {}
-        for kernel in kernels:
-            by_target.setdefault(target_of(kernel.name), []).append(kernel)
-        compiled: dict[str, Module] = {}
-        for target, group in by_target.items():
-            try:
-                compiled.update((m.kernel, m) for m in compile_kernels(source, group, target, origin=_origin(spec, out)))
-            except SpecError as exc:
-                print(exc.render(), file=sys.stderr)
-                failed = True
-        modules += [(spec, compiled[k.name]) for k in kernels if k.name in compiled]
     owners: dict[str, str] = {}
     for spec, m in modules:
         if m.kernel in owners and owners[m.kernel] != spec:

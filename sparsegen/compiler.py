@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +35,33 @@ class Module:
     plan: TpuModule
 
 
+def _in_order(errors: list[Diagnostic], source: SourceFile) -> SpecError:
+    """Every problem found, in the order of the spec."""
+    return SpecError(sorted(errors, key=lambda d: (d.span.line, d.span.col) if d.span else (0, 0)), source)
+
+
 def load(path: str | Path) -> tuple[SourceFile, list[Kernel]]:
     """Parse and check a spec file (SpecError on any problem)."""
     source = SourceFile.read(path)
     return source, check(parse(source))
+
+
+def lower_for_tpu(kernel: Kernel, chip) -> tuple[TpuModule | None, list[Diagnostic]]:
+    """One kernel through a TPU's lowering (the row walk or the einsum passes) and its rules:
+    the module (None where it could not be lowered) and every problem found."""
+    problems = check_kernel(kernel, chip)
+    if problems:
+        return None, problems
+    try:
+        if is_row_kernel(kernel):
+            m = lower_attention(kernel, row_plan(kernel), chip)
+            return m, check_attention(m)
+        m = lower(kernel, chip)
+    except ScheduleError as exc:
+        return None, [exc.diagnostic]
+    except LayoutError as exc:
+        return None, list(exc.diagnostics)
+    return m, check_module(m)
 
 
 def lower_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAULT_TARGET) -> list[TpuModule]:
@@ -53,32 +77,15 @@ def lower_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAU
             except GpuError as exc:
                 errors += exc.diagnostics
         if errors:
-            raise SpecError(sorted(errors, key=lambda d: (d.span.line, d.span.col) if d.span else (0, 0)), source)
+            raise _in_order(errors, source)
         return result
-    chip = TARGETS[target]
     for kernel in kernels:
-        problems = check_kernel(kernel, chip)
-        if problems:
-            errors += problems
-            continue
-        if is_row_kernel(kernel):
-            try:
-                m = lower_attention(kernel, row_plan(kernel), chip)
-            except ScheduleError as exc:
-                errors.append(exc.diagnostic)
-                continue
-            errors += check_attention(m)
+        m, problems = lower_for_tpu(kernel, TARGETS[target])
+        errors += problems
+        if m is not None:
             result.append(m)
-            continue
-        try:
-            m = lower(kernel, chip)
-        except LayoutError as exc:
-            errors += exc.diagnostics
-            continue
-        errors += check_module(m)
-        result.append(m)
     if errors:
-        raise SpecError(sorted(errors, key=lambda d: (d.span.line, d.span.col) if d.span else (0, 0)), source)
+        raise _in_order(errors, source)
     return result
 
 
@@ -108,16 +115,31 @@ def plans(path: str | Path, target: str = DEFAULT_TARGET) -> list[TpuModule]:
 def compile_source(source: SourceFile, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:
     """Every kernel of a spec as generated module source; `origin` is how the generated header
     names the spec (default: the source's name)."""
-    with _no_cycle_collection():
-        return compile_kernels(source, check(parse(source)), target, origin=origin)
+    return compile_for_targets(source, lambda _: target, origin=origin)
 
 
-def compile_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:
-    """Checked kernels of a spec as generated module source (`sparsegen check` compiles each
-    kernel for the target its module records, so several calls may share one parse)."""
+def compile_for_targets(source: SourceFile, target_of: Callable[[str], str], *, origin: str | None = None) -> list[Module]:
+    """Every kernel of a spec as generated module source, each for the target
+    `target_of(kernel name)` (`sparsegen check` compiles each for the target its module
+    records), in the spec's order; SpecError listing every problem of every target."""
     origin = source.name if origin is None else origin
     with _no_cycle_collection():
-        return [Module(m.name, emit_gpu(m, origin) if isinstance(m, GpuModule) else emit(m, origin), m) for m in lower_kernels(source, kernels, target)]
+        kernels = check(parse(source))
+        by_target: dict[str, list[Kernel]] = {}
+        for kernel in kernels:
+            by_target.setdefault(target_of(kernel.name), []).append(kernel)
+        compiled: dict[str, Module] = {}
+        errors: list[Diagnostic] = []
+        for target, group in by_target.items():
+            try:
+                lowered = lower_kernels(source, group, target)
+            except SpecError as exc:
+                errors += exc.diagnostics
+                continue
+            compiled.update((m.name, Module(m.name, emit_gpu(m, origin) if isinstance(m, GpuModule) else emit(m, origin), m)) for m in lowered)
+    if errors:
+        raise _in_order(errors, source)
+    return [compiled[k.name] for k in kernels]
 
 
 def compile_file(path: str | Path, target: str = DEFAULT_TARGET, *, origin: str | None = None) -> list[Module]:

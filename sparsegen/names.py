@@ -39,9 +39,10 @@ class NameTable:
     def __init__(self, reserved=()):
         self.used = set(reserved)
 
-    def take(self, preferred: str) -> str:
+    def take(self, preferred: str, *also: set[str]) -> str:
+        """`preferred`, underscores appended until free here and in the `also` sets."""
         name = preferred
-        while name in self.used or keyword.iskeyword(name):
+        while name in self.used or any(name in taken for taken in also) or keyword.iskeyword(name):
             name += "_"
         self.used.add(name)
         return name
@@ -65,11 +66,8 @@ class ModuleNames:
         """A module-level function's name: free among functions and among the locals taken so
         far (a local of `_impl` holding an output named `_attention_kernel` must not shadow
         the kernel function it calls)."""
-        taken = self.internal.used | (self.parent.internal.used if self.parent is not None else set())
-        name = preferred
-        while name in taken or name in self.functions.used or keyword.iskeyword(name):
-            name += "_"
-        self.functions.used.add(name)
+        parent = (self.parent.internal.used,) if self.parent is not None else ()
+        name = self.functions.take(preferred, self.internal.used, *parent)
         self.internal.used.add(name)
         if self.parent is not None:
             self.parent.internal.used.add(name)

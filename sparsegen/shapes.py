@@ -73,11 +73,26 @@ def arg_structs(kernel: Kernel, env: dict[str, int], nb: int):
     return args, keywords
 
 
+def sizes(kernel: Kernel, shapes: dict[str, int] | None) -> dict[str, int]:
+    """Every size of a kernel for a compile without data: the defaults, `shapes` over them,
+    the spec's literals over both."""
+    env = {**default_shapes(kernel), **(shapes or {})}
+    return {s: (lit if lit is not None else env[s]) for s, lit in kernel.symbols}
+
+
+def differentiated(conv, dtypes, refused) -> tuple[int, ...]:
+    """The argument positions `verify` differentiates to compile the backward: the float
+    arrays whose gradients are derived (`refused`: autodiff.Refusal, the ones not)."""
+    import jax.numpy as jnp
+
+    not_derived = {r.operand for r in refused}
+    return tuple(n for n, dtype in enumerate(dtypes) if jnp.issubdtype(dtype, jnp.floating) and conv.params[n].operand not in not_derived)
+
+
 def concrete(kernel: Kernel, shapes: dict[str, int] | None, nnz: float):
     """What `verify` compiles a kernel for: every size (the defaults, `shapes` over them, the
     spec's literals), the stored-block count for `nnz`, the argument shapes and keywords."""
-    env = {**default_shapes(kernel), **(shapes or {})}
-    env = {s: (lit if lit is not None else env[s]) for s, lit in kernel.symbols}
+    env = sizes(kernel, shapes)
     nb = stored_blocks(kernel, env, nnz)
     args, keywords = arg_structs(kernel, env, nb or 0)
     return env, nb, args, keywords

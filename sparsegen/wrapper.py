@@ -343,7 +343,6 @@ def gradient_tables(kernel: Kernel, conv: Convention, backward, refused, pass_ou
         part = partials[output]
         table.append(f"({arg_of(part.operand)}, {outputs.index(part.through)})")
         by_operand.setdefault(part.operand, []).append(var)
-    refusals = [f"({arg_of(r.operand)}, {outputs.index(r.output) if r.output else None}, {r.message!r})" for r in refused]
     returns = []
     for a in args:
         param = next((p for p in conv.params if p.internal == a), None)
@@ -351,16 +350,24 @@ def gradient_tables(kernel: Kernel, conv: Convention, backward, refused, pass_ou
             returns.append(f"_add({', '.join(by_operand[param.operand])})")
         else:
             returns.append("None")
-    tables = "\n".join([
-        "# The backward's passes, in order: (the argument whose gradient each computes, the output",
-        "# whose cotangent it reads), by position.",
-        f"_PARTIALS = {_tuple(table)}",
-        "# The gradients not derived: (argument, output or None for any, why). Each is raised only",
-        "# where needed: its argument differentiated and that cotangent not a symbolic zero.",
-        f"_REFUSED = {_tuple(refusals)}",
-    ])
+    tables = vjp_tables(["# The backward's passes, in order: (the argument whose gradient each computes, the output",
+                         "# whose cotangent it reads), by position."], table, refused, arg_of, outputs)
     return {"partials": list(pass_outputs.values()), "tables": tables, "returns": returns, "nothing": _tuple(["None"] * len(args)),
             "n_outputs": len(outputs)}
+
+
+def vjp_tables(partials_comment: list[str], partials: list[str], refused, arg_of, outputs: list[str]) -> str:
+    """The module-level tables `_gradients_wanted` reads, for every kernel family: `_PARTIALS`
+    (the gradients the backward computes, as `(argument, output)` tuples) and `_REFUSED`
+    (those not derived: argument, output or None for any, the message)."""
+    rows = [f"({arg_of(r.operand)}, {outputs.index(r.output) if r.output else None}, {r.message!r})" for r in refused]
+    return "\n".join([
+        *partials_comment,
+        f"_PARTIALS = {_tuple(partials)}",
+        "# The gradients not derived: (argument, output or None for any, why). Each is raised only",
+        "# where needed: its argument differentiated and that cotangent not a symbolic zero.",
+        f"_REFUSED = {_tuple(rows)}",
+    ])
 
 
 def _widen(value: str, dtype, acc) -> str:

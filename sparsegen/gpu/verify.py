@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..shapes import _load, concrete
+from ..shapes import _load, concrete, differentiated
 from ..source import Diagnostic, SourceFile
 from .emit import emit_gpu
 from .plan import GpuModule
@@ -87,17 +87,15 @@ def gpu_python() -> tuple[str | None, str]:
     return None, f"{python} lacks the jax-cuda13 plugin ({last}): {PLUGIN_HOWTO}"
 
 
-def _lower(fn, structs, keywords, target, backward: bool = False, refused=()) -> str:
+def _lower(fn, structs, keywords, target, argnums: tuple[int, ...] | None = None) -> str:
     import jax
     import jax.numpy as jnp
     from jax.sharding import AbstractDevice, AbstractMesh
 
     call = lambda *a: fn(*a, **keywords)  # noqa: E731
-    if backward:
-        # The gradient of a sum of the outputs for every float input whose gradients are
-        # derived (`refused`: argument positions that are not): the backward kernels.
-        floats = tuple(n for n, s in enumerate(structs) if jnp.issubdtype(s.dtype, jnp.floating) and n not in refused)
-        call = jax.grad(lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(fn(*a, **keywords))), argnums=floats)
+    if argnums is not None:
+        # The gradient of a sum of the outputs for the arguments `argnums`: the backward kernels.
+        call = jax.grad(lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(fn(*a, **keywords))), argnums=argnums)
     device = AbstractDevice(device_kind=GPU_TARGETS[target].device_kind, num_cores=GPU_TARGETS[target].sms, platform="cuda")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
         return jax.jit(call).trace(*structs).lower().as_text()
@@ -138,8 +136,7 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
         result.backward = f"not derived: {m.backward_error or 'no input has a gradient'}"
     else:
         try:
-            refused = {r.operand for r in m.refused}
-            _lower(fn, structs, keywords, target, backward=True, refused={n for n, p in enumerate(m.conv.params) if p.operand in refused})
+            _lower(fn, structs, keywords, target, argnums=differentiated(m.conv, [s.dtype for s in structs], m.refused))
             result.backward = "lowers"
         except Exception as exc:  # reported, not raised: the forward kernel stands on its own
             result.backward = "fails: " + next((line.strip() for line in str(exc).splitlines() if line.strip()), "lowering failed")

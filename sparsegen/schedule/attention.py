@@ -103,17 +103,24 @@ class RowPlan:
     def conditions(self) -> tuple[Term, ...]:
         return tuple(pt.condition for pt in self.points if pt.condition is not None)
 
+    def _valued_reads(self) -> list[Read]:
+        """Operand reads whose values the scores are made of: the chain's and the points'."""
+        return [r for _, term in self.chain for r in term.reads] + [pt.read for pt in self.points if pt.read is not None]
+
     @property
     def reads(self) -> tuple[Read, ...]:
         """Operand reads of the chain, the points and the conditions (besides q, k and the values)."""
-        reads = [r for _, term in self.chain for r in term.reads] + [pt.read for pt in self.points if pt.read is not None]
-        return tuple(_dedupe(reads + [r for cond in self.conditions for r in cond.reads]))
+        return tuple(_dedupe(self._valued_reads() + [r for cond in self.conditions for r in cond.reads]))
 
     def float_reads(self) -> tuple[Read, ...]:
         """Float operands the elementwise chain reads (biases, slopes, a stored score): they get gradients."""
-        reads = [r for _, term in self.chain for r in term.reads] + [pt.read for pt in self.points if pt.read is not None]
-        ops = [self.kernel.operand(r.operand) for r in reads]
-        return tuple(_dedupe(r for r, op in zip(reads, ops) if op.dtype.is_float and op.sparsity != "mask"))
+        ops = self.kernel.operand
+        return tuple(_dedupe(r for r in self._valued_reads() if ops(r.operand).dtype.is_float and ops(r.operand).sparsity != "mask"))
+
+    def score_operands(self) -> list[str]:
+        """The operands the scores are computed from (the product's factors, then the chain's
+        float reads), whose gradients flow through every output the scores reach."""
+        return ([] if self.stored_score else [self.q.operand, self.k.operand]) + [r.operand for r in self.float_reads()]
 
     @property
     def data_dependent(self) -> bool:
@@ -162,11 +169,11 @@ def row_plan(kernel: Kernel) -> RowPlan:
     sts = kernel.statements
     locals_ = {loc.name for loc in kernel.locals}
 
-    def fail(st, message):
-        raise ScheduleError(Diagnostic(st.span, message))
-
     def fail_at(span, message):
         raise ScheduleError(Diagnostic(span, message))
+
+    def fail(st, message):
+        fail_at(st.span, message)
 
     score_st = next((s for s in sts if isinstance(s, Einsum) and s.target.operand in locals_ and s.summed), None)
     if score_st is not None and (len(score_st.summed) != 1 or len(score_st.factors) != 2 or len(score_st.summed_groups) != 2):
@@ -303,7 +310,7 @@ def row_plan(kernel: Kernel) -> RowPlan:
     for i in inner:
         idx = kernel.index(i)
         if idx.size.literal is not None and idx.size.literal != idx.tile:
-            raise ScheduleError(Diagnostic(idx.tile_span, f"tile {i} = {idx.tile} must span its size {idx.size.literal}: a score block sums (or a value block holds) all of '{i}'"))
+            fail_at(idx.tile_span, f"tile {i} = {idx.tile} must span its size {idx.size.literal}: a score block sums (or a value block holds) all of '{i}'")
     return RowPlan(kernel, tuple(lead), query, key, summed, q, k, score_st.scale if score_st is not None else None, tuple(chain), score,
                    tuple(points), tuple(consumers), tuple(sorted(inner)))
 

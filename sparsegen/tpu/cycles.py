@@ -572,7 +572,7 @@ def run_job(n: int, job: dict, skip: set[tuple], emit_line) -> None:
     """Estimate every pass of one job, printing a line before each (so that the parent knows
     which one libtpu aborted on) and one with its result."""
     from ..compiler import lower_source
-    from ..shapes import _load, default_shapes
+    from ..shapes import _load, sizes
     from ..source import SourceFile
     from .emit import emit
     from .targets import TARGETS
@@ -582,13 +582,10 @@ def run_job(n: int, job: dict, skip: set[tuple], emit_line) -> None:
         source = SourceFile.read(job["spec"])
         plan = next(p for p in lower_source(source, job["target"]) if p.name == job["kernel"])
         k = plan.kernel
-        env = {**default_shapes(k), **job["shapes"]}
-        env = {s: (lit if lit is not None else env[s]) for s, lit in k.symbols}
+        env = sizes(k, job["shapes"])
         args, keywords = concrete_args(plan, env, job["pattern"], job.get("seed", 0))
         module = _load(emit(plan, source.name), f"cycles_{plan.name}")
-        # Einsum plans carry their backward passes; attention modules always have one unless it cannot be derived.
-        derivable = not getattr(plan, "backward_error", None) and (plan.backward_module is not None or not plan.passes)
-        with_backward = job.get("backward", True) and derivable
+        with_backward = job.get("backward", True) and not plan.backward_error and plan.has_backward
         sides = dict(zip(("forward", "backward"), capture(getattr(module, plan.name), args, keywords, with_backward, module.pl)))
         target, device = TARGETS[job["target"]], _device(TARGETS[job["target"]].topology)
     except Exception as exc:  # reported per kernel; the others still run

@@ -40,7 +40,7 @@ def describe_attention(m) -> list[str]:
     lines.append(f"VMEM: {m.vmem_bytes / 1024:.0f} KiB estimated")
     for what, b in m.vmem:
         lines.append(f"  {what}: {b / 1024:.0f} KiB")
-    from ..autodiff import Partial, gradient_lines, refusals
+    from ..autodiff import Partial, gradient_lines
     from .attention.lower import derived_outputs
 
     derived = derived_outputs(p) if not m.backward_error else []
@@ -53,6 +53,5 @@ def describe_attention(m) -> list[str]:
         lines.append(f"  over the same walk; d{p.k.operand} and the values over the key-side walk (the transposed classification,")
         lines.append("  key x row blocks); run only where a gradient is needed")
     values = {c.value.operand: c.output for c in p.consumers if c.kind == "softmax_product"}
-    scored = ([] if p.stored_score else [p.q.operand, p.k.operand]) + [r.operand for r in p.float_reads()]
-    partials = [Partial(op, "", out) for out in derived for op in dict.fromkeys(scored + [v for v, o in values.items() if o == out])]
-    return lines + gradient_lines(k, partials, m.refused + refusals(k, None, m.backward_error))
+    partials = [Partial(op, "", out) for out in derived for op in dict.fromkeys(p.score_operands() + [v for v, o in values.items() if o == out])]
+    return lines + gradient_lines(k, partials, m.refused)

@@ -119,6 +119,11 @@ class TpuModule:
         return self.kernel.name
 
     @property
+    def has_backward(self) -> bool:
+        """Are there backward passes (a float input with a derived gradient)?"""
+        return self.backward_module is not None
+
+    @property
     def refused(self) -> tuple:
         """The gradients not derived (autodiff.Refusal), each raised only where it is needed."""
         from ..autodiff import refusals

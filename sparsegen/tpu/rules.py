@@ -37,20 +37,31 @@ def _lowers(kernel: Kernel, target: Target) -> TpuModule | None:
         return None
 
 
-def suggest_tiles(kernel: Kernel, target: Target) -> Kernel | None:
-    """Smaller tiles that fit the target's VMEM: halve the largest tile until it fits."""
+def _halve_until_it_fits(kernel: Kernel, target: Target, vmem_of, halvable) -> Kernel | None:
+    """Halve the largest tile `halvable(trial kernel, index)` accepts halved until
+    `vmem_of(kernel)` (None: it does not lower) fits the target's VMEM; None if none does."""
     for _ in range(64):
-        m = _lowers(kernel, target)
-        if m is not None and m.vmem_bytes <= target.vmem_bytes:
+        need = vmem_of(kernel)
+        if need is not None and need <= target.vmem_bytes:
             return kernel
         for index in sorted(kernel.indices, key=lambda i: -i.tile):
             trial = with_tile(kernel, index.name, index.tile // 2)
-            if _lowers(trial, target) is not None:
+            if halvable(trial, index):
                 kernel = trial
                 break
         else:
             return None
     return None
+
+
+def suggest_tiles(kernel: Kernel, target: Target) -> Kernel | None:
+    """Smaller tiles that fit the target's VMEM: halve the largest tile until it fits."""
+
+    def vmem_of(k: Kernel) -> int | None:
+        m = _lowers(k, target)
+        return m.vmem_bytes if m is not None else None
+
+    return _halve_until_it_fits(kernel, target, vmem_of, lambda trial, _: _lowers(trial, target) is not None)
 
 
 def check_kernel(kernel: Kernel, target: Target) -> list[Diagnostic]:
@@ -60,13 +71,15 @@ def check_kernel(kernel: Kernel, target: Target) -> list[Diagnostic]:
     return []
 
 
-def vmem_overflow(k: Kernel, target: Target, items: list[tuple[str, int]], smaller: Kernel | None, what: str) -> Diagnostic | None:
+def vmem_overflow(k: Kernel, target: Target, items: list[tuple[str, int]], what: str, suggest=None) -> Diagnostic | None:
     """The one VMEM rule for every kernel family: the estimate against the target's VMEM,
-    reported at the tile line with what takes the room and, when found, tiles that fit."""
+    reported at the tile line with what takes the room and, when `suggest()` finds them
+    (asked only on an overflow), tiles that fit."""
     need = sum(b for _, b in items)
     if need <= target.vmem_bytes:
         return None
     notes = [f"VMEM holds {what}: " + ", ".join(f"{name} {format_bytes(b)}" for name, b in items)]
+    smaller = suggest() if suggest is not None else None
     if smaller is not None:
         notes.append(f"tiles that fit: {_tiles_text(smaller)}")
     return Diagnostic(k.tile_span, f"tiles {_tiles_text(k)} need {format_bytes(need)} of VMEM on {target.name} (limit {format_bytes(target.vmem_bytes)})", tuple(notes))
@@ -74,10 +87,8 @@ def vmem_overflow(k: Kernel, target: Target, items: list[tuple[str, int]], small
 
 def check_attention(m: AttentionModule) -> list[Diagnostic]:
     """The target's limits on a row walk (attention-like kernel): its VMEM estimate."""
-    k, target = m.kernel, m.target
-    if m.vmem_bytes <= target.vmem_bytes:
-        return []
-    problem = vmem_overflow(k, target, list(m.vmem), suggest_attention_tiles(k, target), "two buffers of every block plus the running statistics and f32 temporaries")
+    problem = vmem_overflow(m.kernel, m.target, list(m.vmem), "two buffers of every block plus the running statistics and f32 temporaries",
+                            lambda: suggest_attention_tiles(m.kernel, m.target))
     return [problem] if problem else []
 
 
@@ -86,18 +97,13 @@ def suggest_attention_tiles(kernel: Kernel, target: Target) -> Kernel | None:
     keeps its layout (key tile a multiple of 128 lanes, query tile of 8 sublanes)."""
     plan = row_plan(kernel)
     floor = {plan.query: 8, plan.key: 128}
-    for _ in range(64):
-        if lower_attention(kernel, row_plan(kernel), target).vmem_bytes <= target.vmem_bytes:
-            return kernel
-        tiles = {i.name: i for i in kernel.indices if i.name in floor}
-        for index in sorted(tiles.values(), key=lambda i: -i.tile):
-            half = index.tile // 2
-            if half >= floor[index.name] and half % floor[index.name] == 0 and (index.size.literal is None or index.size.literal % half == 0):
-                kernel = with_tile(kernel, index.name, half)
-                break
-        else:
-            return None
-    return None
+
+    def halvable(_, index) -> bool:
+        half = index.tile // 2
+        return index.name in floor and half >= floor[index.name] and half % floor[index.name] == 0 and (
+            index.size.literal is None or index.size.literal % half == 0)
+
+    return _halve_until_it_fits(kernel, target, lambda k: lower_attention(k, row_plan(k), target).vmem_bytes, halvable)
 
 
 def check_module(m: TpuModule, suggest: bool = True) -> list[Diagnostic]:
@@ -105,10 +111,10 @@ def check_module(m: TpuModule, suggest: bool = True) -> list[Diagnostic]:
     its tiles are the forward's, and its calling convention is its own."""
     k, target = m.kernel, m.target
     errors = []
-    if m.vmem_bytes > target.vmem_bytes:
-        smaller = suggest_tiles(k, target) if suggest else None
-        errors.append(vmem_overflow(k, target, [(item.what, item.bytes) for item in m.vmem], smaller,
-                                    "two buffers of every block (double buffering) plus the accumulator"))
+    problem = vmem_overflow(k, target, [(item.what, item.bytes) for item in m.vmem], "two buffers of every block (double buffering) plus the accumulator",
+                            (lambda: suggest_tiles(k, target)) if suggest else None)
+    if problem:
+        errors.append(problem)
     env = {s.internal: s.literal for s in m.conv.sizes}
     for tp in m.passes:
         entries = smem_entries(tp, env)

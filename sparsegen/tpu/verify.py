@@ -15,11 +15,9 @@ import re
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..expr import evaluate
 from ..source import Diagnostic, SourceFile
-from ..shapes import _load, arg_structs, concrete, default_shapes, parse_shapes, stored_blocks  # noqa: F401 (re-exported)
+from ..shapes import _load, arg_structs, concrete, default_shapes, differentiated, parse_shapes, stored_blocks  # noqa: F401 (re-exported)
 from .emit import emit
 from .lower import TpuModule
 from .rules import suggest_tiles
@@ -108,9 +106,7 @@ def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywor
     call = lambda *a: fn(*a, **keywords)  # noqa: E731
     if backward:
         # The gradient of a sum of the outputs for every float input whose gradients are derived: the backward passes.
-        refused = {r.operand for r in plan.refused}
-        floats = tuple(n for n, (_, dtype) in enumerate(args) if (np.issubdtype(dtype, np.floating) or dtype == np.dtype("bfloat16"))
-                       and plan.conv.params[n].operand not in refused)
+        floats = differentiated(plan.conv, [dtype for _, dtype in args], plan.refused)
         if not floats:
             raise _NothingDerived("every float input's gradient is refused")
         call = jax.grad(lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in _tuple_of(fn(*a, **keywords))), argnums=floats)
@@ -225,7 +221,7 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
     result.compiled = True
     if plan.backward_error:
         result.backward = f"not derived: {plan.backward_error}"
-    elif plan.backward_module is not None or not plan.passes:  # einsum passes, or a row walk's dq and dk/dv kernels
+    elif plan.has_backward:
         try:
             _compile(plan, source, target, args, keywords, backward=True)
             result.backward = "compiles"
@@ -251,30 +247,15 @@ def verify_file(path, targets, shapes=None, nnz: float = 0.1, probe: bool = True
 
 def verify_file_source(source: SourceFile, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
     from ..check import check
+    from ..compiler import lower_for_tpu
     from ..syntax import parse
-    from ..schedule.attention import is_row_kernel, row_plan
-    from ..schedule.build import ScheduleError
-    from .attention import lower_attention
-    from .lower import LayoutError, lower
-    from .rules import check_kernel, check_module
 
     kernels = check(parse(source))
     results = []
     for kernel in kernels:
         for target in targets:
             chip = TARGETS[target]
-            plan, problems = None, check_kernel(kernel, chip) if not is_row_kernel(kernel) else []
-            if is_row_kernel(kernel):
-                try:
-                    plan = lower_attention(kernel, row_plan(kernel), chip)
-                except ScheduleError as exc:
-                    problems = [exc.diagnostic]
-            elif not problems:
-                try:
-                    plan = lower(kernel, chip)
-                    problems = check_module(plan)
-                except LayoutError as exc:
-                    problems = exc.diagnostics
+            plan, problems = lower_for_tpu(kernel, chip)
             if problems:
                 env = {**default_shapes(kernel), **(shapes or {})}
                 results.append(Result(kernel.name, target, False, {s: env.get(s, lit) for s, lit in kernel.symbols}, None,

@@ -8,6 +8,7 @@ import dataclasses
 from ...dtypes import DTYPES
 from ...ir import Read
 from ...schedule.attention import Classifier
+from ...wrapper import vjp_tables
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
 from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, layout_block
 from .lower import py_tuple as _tuple
@@ -225,22 +226,12 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
     def gradient_tables(self, backward: dict, derived: list[str]) -> str:
         """`_PARTIALS` (every gradient the backward computes: argument, output) and `_REFUSED`
         (those not derived, raised only where needed), as in the einsum modules."""
-        from ...autodiff import refusals
-
-        k, conv = self.k, self.m.conv
-        args = list(conv.impl_args)
-        outputs = [o.name for o in k.outputs]
-        arg = {p_.operand: args.index(p_.internal) for p_ in conv.params if p_.internal in args}
+        args = list(self.m.conv.impl_args)
+        outputs = [o.name for o in self.k.outputs]
+        arg = {p_.operand: args.index(p_.internal) for p_ in self.m.conv.params if p_.internal in args}
         table = [f"({arg[op]}, {outputs.index(o)})" for op in backward.get("grads", ()) for o in derived]
-        refused = self.m.refused + refusals(k, None, self.m.backward_error)
-        rows = [f"({arg[r.operand]}, {outputs.index(r.output) if r.output else None}, {r.message!r})" for r in refused]
-        return "\n".join([
-            "# The gradients the backward computes: (argument, output whose cotangent carries it).",
-            f"_PARTIALS = {_tuple(table)}",
-            "# The gradients not derived: (argument, output or None for any, why). Each is raised only",
-            "# where needed: its argument differentiated and that cotangent not a symbolic zero.",
-            f"_REFUSED = {_tuple(rows)}",
-        ])
+        return vjp_tables(["# The gradients the backward computes: (argument, output whose cotangent carries it)."], table,
+                          self.m.refused, arg.__getitem__, outputs)
 
     def all_maps(self, calls) -> list[dict]:
         """Every index map of the module, once each (the forward and dq walks share theirs)."""

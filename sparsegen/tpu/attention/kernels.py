@@ -215,7 +215,7 @@ class KernelWriter:
         return next(o for o in self.m.operands if read_key(o.read) == read_key(r))
 
     def consumer_value(self, c) -> Operand:
-        return next(o for o in self.m.operands if o.read == c.value)
+        return self.operand_of(c.value)
 
     def e_of(self, c) -> str:
         return next(i for i in self.k.statement_of(c.output).target.indices if i not in self.p.lead and i != self.p.query)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...autodiff import Refusal, refusals
 from ...callconv import Convention, convention
 from ...flow import FUNCTIONS
 from ...ir import Kernel, Read, Term
@@ -46,7 +47,7 @@ class AttentionModule:
     vmem: tuple[tuple[str, int], ...]  # (what, bytes)
     backward_error: str | None = None  # why jax.grad cannot go through this kernel at all
     vmem_limit_override: int | None = None  # verify's probe
-    refused: tuple = ()  # autodiff.Refusal: the gradients not derived, each raised only where needed
+    refused: tuple = ()  # autodiff.Refusal: every gradient not derived, each raised only where needed
 
     @property
     def name(self) -> str:
@@ -55,6 +56,11 @@ class AttentionModule:
     @property
     def vmem_bytes(self) -> int:
         return sum(b for _, b in self.vmem)
+
+    @property
+    def has_backward(self) -> bool:
+        """The dq and dk/dv kernels, unless no gradient can be derived at all."""
+        return self.backward_error is None
 
     passes = ()
     backward_module = None
@@ -102,7 +108,9 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
             vmem.append((f"{c.output} block x2", 2 * padded_bytes((1, ti), out.dtype)))
     vmem.append(("running max and sum", 3 * len(p.points) * padded_bytes((ti, 1), acc)))
     vmem.append(("score block and its softmax (f32 temporaries)", 3 * padded_bytes((ti, tj), acc)))
-    return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem), gradient_error(kernel, plan), refused=gradient_refusals(kernel, plan))
+    error = gradient_error(kernel, plan)
+    return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem), error,
+                           refused=gradient_refusals(kernel, plan) + refusals(kernel, None, error))
 
 
 def layout_block(read: Read, layout: str, p: RowPlan, tile: dict) -> tuple[tuple, tuple]:
@@ -147,9 +155,7 @@ def gradient_refusals(kernel: Kernel, p: RowPlan) -> tuple:
     """The gradients the flash-attention backward does not derive: through a max reduction
     or a stored output, for every float operand the score reads (the others' gradients, and
     every gradient through the other outputs, are derived)."""
-    from ...autodiff import Refusal
-
-    reads = ([] if p.stored_score else [p.q.operand, p.k.operand]) + [r.operand for r in p.float_reads()]
+    reads = p.score_operands()
     operands = [op for op in kernel.operands if op.name in reads and op.dtype.is_float]
     return tuple(Refusal(op.name, c.output, f"the gradient of '{op.name}' through '{c.output}' ({_NOT_DERIVED[c.kind]}) is not derived yet")
                  for c in p.consumers if c.kind in _NOT_DERIVED for op in operands)

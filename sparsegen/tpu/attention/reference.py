@@ -88,7 +88,6 @@ class ReferenceWriter:
         for c in p.consumers:
             out = k.operand(c.output)
             var = scope.local(c.output)
-            st = k.statement_of(c.output)
             final = finals[c.point]
             probs, lse = stats.get(c.point, (None, None))
             if c.kind == "softmax_product":
