@@ -55,7 +55,7 @@ Plan (target v5e):
       running max and sum: 384 KiB
       score block and its softmax (f32 temporaries): 192 KiB
     gradients (jax.grad), per float input:
-      x: not derived through p: the gradient of 'x' through 'p' (a stored softmax) is not derived yet (raised only where needed: x differentiated and the cotangent of p not zero); not derived through r: the gradient of 'x' through 'r' (a max reduction) is not derived yet (raised only where needed: x differentiated and the cotangent of r not zero); not derived through any output: the gradient of outputs that reduce different scores ('lower', 'x') in one kernel is not derived yet (raised only where needed: x differentiated and a cotangent not zero)
+      x: not derived through any output: the gradient of outputs that reduce different scores ('lower', 'x') in one kernel is not derived yet (raised only where needed: x differentiated and a cotangent not zero); not derived through p: the gradient of 'x' through 'p' (a stored softmax) is not derived yet (raised only where needed: x differentiated and the cotangent of p not zero); not derived through r: the gradient of 'x' through 'r' (a max reduction) is not derived yet (raised only where needed: x differentiated and the cotangent of r not zero)
 """
 
 import functools
@@ -638,6 +638,11 @@ _PARTIALS = ()
 _REFUSED = (
     (
         0,
+        None,
+        "the gradient of outputs that reduce different scores ('lower', 'x') in one kernel is not derived yet; asked for because 'x' is differentiated and a cotangent is not zero (stop the gradient of 'x' to differentiate the rest)",
+    ),
+    (
+        0,
         0,
         "the gradient of 'x' through 'p' (a stored softmax) is not derived yet; asked for because 'x' is differentiated and the cotangent of 'p' is not zero (stop the gradient of 'x' or leave 'p' out of the loss to differentiate the rest)",
     ),
@@ -645,11 +650,6 @@ _REFUSED = (
         0,
         1,
         "the gradient of 'x' through 'r' (a max reduction) is not derived yet; asked for because 'x' is differentiated and the cotangent of 'r' is not zero (stop the gradient of 'x' or leave 'r' out of the loss to differentiate the rest)",
-    ),
-    (
-        0,
-        None,
-        "the gradient of outputs that reduce different scores ('lower', 'x') in one kernel is not derived yet; asked for because 'x' is differentiated and a cotangent is not zero (stop the gradient of 'x' to differentiate the rest)",
     ),
 )
 

@@ -155,10 +155,20 @@ def test_variant(which, interpret):
 
 
 def test_stored_softmax_gradient_is_refused():
+    """Through the stored softmax `p` (output 0) the gradient is refused; through `lse` alone
+    it is derived (p's cotangent is a symbolic zero) and equals `reference`'s."""
     kernel, mod = build(VARIANTS["mask"][0])
     args = mask_args(np.random.default_rng(4))
     with pytest.raises(NotImplementedError, match="stored softmax"):
-        jax.grad(lambda x: jnp.sum(mod.masked_logits(x, args[1], interpret=True)[1]))(args[0])
+        jax.grad(lambda x: jnp.sum(mod.masked_logits(x, args[1], interpret=True)[0]))(args[0])
+
+    def lse_loss(fn):
+        lse = fn(jnp.asarray(args[0]), args[1])[1]
+        return jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, lse))  # rows with nothing present: -inf
+
+    got = jax.grad(lambda x: lse_loss(lambda *a: mod.masked_logits(x, a[1], interpret=True)))(args[0])
+    want = jax.grad(lambda x: lse_loss(lambda *a: mod.reference(x, a[1])))(args[0])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_empty_blocks_are_not_computed():

@@ -38,15 +38,19 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         if any(c.kind == "sum" for c in self.p.consumers):
             self.row_hosts["dsum"] = self.n.local("dsum_rows")
             self.col_hosts["dsum"] = self.n.local("dsum_cols")
-        self._fns: dict[str, str] = {}
+        self._fns: dict[object, str] = {}
         self.float_grads: list = []  # (read, variable in _backward, the indices it is laid out over)
         self.post_dkv: list[str] = []
 
-    def fn(self, preferred: str) -> str:
-        """A module-level function name, the same for the same preferred name."""
-        if preferred not in self._fns:
-            self._fns[preferred] = self.n.function(preferred)
-        return self._fns[preferred]
+    def fn(self, preferred: str, key: object = None) -> str:
+        """A module-level function name, the same for the same `key` (default: the preferred
+        name, for the walk's fixed maps). A name derived from a spec name is keyed by what it
+        maps: an output named `row_lse_rows` prefers the name of the row statistics' map, and
+        must not be given it."""
+        key = preferred if key is None else key
+        if key not in self._fns:
+            self._fns[key] = self.n.function(preferred)
+        return self._fns[key]
 
     def size_of(self, index: str) -> str:
         size = self.k.index(index).size
@@ -95,7 +99,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
                 coords.append("0")
         shape = tuple(self.size_of(i) for i in indices)
         view = shape[:-1] + ("1",) + shape[-1:] if vector else shape
-        return OutArr(ref, tuple(block), tuple(coords), self.fn(f"_{ref.removesuffix('_ref')}_map"), "", about, shape, view, dtype, var)
+        return OutArr(ref, tuple(block), tuple(coords), self.fn(f"_{ref.removesuffix('_ref')}_map", key=("output", ref)), "", about, shape, view, dtype, var)
 
     def map_dict(self, a: Arr, call: CallSpec) -> dict:
         group = self.group_expr(dict(zip(self.p.lead, self.grid_vars)))

@@ -355,7 +355,7 @@ class KernelWriter:
             block = tuple(None if i in p.lead else self.tile[i] for i in st.target.indices)
             coords = tuple(i if i in p.lead else "QROW" if i == p.query else "COL" for i in st.target.indices)
             shape = tuple(self.size_of(i) for i in st.target.indices)
-            outs.append(OutArr(out_refs[c.output], block, coords, self.fn(f"_{c.output}_map"), "", f"{st.target.text}: the step's block",
+            outs.append(OutArr(out_refs[c.output], block, coords, self.fn(f"_{c.output}_map", key=("stored", c.output)), "", f"{st.target.text}: the step's block",
                                shape, shape, k.operand(c.output).dtype.jnp, self.n.local(c.output)))
         refs = [a.ref for a in ins] + [o.ref for o in outs]
         dims = self.block_elements()
@@ -385,7 +385,7 @@ class KernelWriter:
                 ref = n.local(f"d{c.output}_ref")
                 block = tuple(None if i in p.lead else self.tile[i] for i in st.target.indices)
                 coords = tuple(i if i in p.lead else "QROW" if i == p.query else "0" for i in st.target.indices)
-                ins.append(Arr(ref, block, coords, self.fn(f"_d{c.output}_map"), self.cot(c.output), f"the cotangent of {c.output}"))
+                ins.append(Arr(ref, block, coords, self.fn(f"_d{c.output}_map", key=("cotangent", c.output)), self.cot(c.output), f"the cotangent of {c.output}"))
                 extra[c.output] = ref
         about = {"row_lse": "the forward's logsumexp per row", "delta": "per row: sum(do * o) minus the logsumexp's cotangent",
                  "dsum": "per row: the cotangent of the sum"}
@@ -510,7 +510,7 @@ class KernelWriter:
                 block = tuple([None] * len(p.lead) + [None, ti, tj])
                 coords = tuple(list(p.lead) + ["STEP", "0", "0"])
                 shape = tuple(lead_shape + [self.steps, str(ti), str(tj)])
-                outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_steps_map"), "", f"the gradient of {r.text}, one block per step",
+                outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_steps_map", key=("steps", r)), "", f"the gradient of {r.text}, one block per step",
                                    shape, shape, "jnp.float32", var))
                 groups = f"_lead_groups({_tuple(lead_shape)}, {_tuple(str(i in p.class_axes) for i in p.lead)})"
                 post.append(f"{var} = _scatter_blocks({var}, {self.tables[0]}, {self.tables[1]}, {self.tables[3]}, {groups}, "
@@ -524,7 +524,7 @@ class KernelWriter:
                 block = tuple([None] * len(p.lead) + [ti, LANES])
                 coords = tuple(list(p.lead) + ["ROW", "0"])
                 shape = tuple(lead_shape + [self.size_of(p.query), str(LANES)])
-                outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_rows_map"), "", f"the gradient of {r.text}, per row",
+                outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_rows_map", key=("rows", r)), "", f"the gradient of {r.text}, per row",
                                    shape, shape, "jnp.float32", var))
                 post.append(f"{var} = {var}[..., 0]")
                 self.float_grads.append((r, var, p.lead + (p.query,)))
@@ -535,7 +535,7 @@ class KernelWriter:
                 block = tuple([None] * len(p.lead) + [SUBLANES, LANES])
                 coords = tuple(list(p.lead) + ["0", "0"])
                 shape = tuple(lead_shape + [str(SUBLANES), str(LANES)])
-                outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_scalar_map"), "", f"the gradient of {r.text}, summed over the walk",
+                outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_scalar_map", key=("scalar", r)), "", f"the gradient of {r.text}, summed over the walk",
                                    shape, shape, "jnp.float32", var))
                 post.append(f"{var} = {var}[..., 0, 0]")
                 self.float_grads.append((r, var, p.lead))
@@ -616,7 +616,7 @@ class KernelWriter:
             key_flush.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
             shape = tuple(lead_shape + [self.size_of(p.key), str(LANES)])
             outs.append(OutArr(ref, tuple([None] * len(p.lead) + [self.tile[p.key], LANES]), tuple(list(p.lead) + ["ROW", "0"]),
-                               self.fn(f"_d{r.operand}_keys_map"), "", f"the gradient of {r.text}, per key", shape, shape, "jnp.float32", var))
+                               self.fn(f"_d{r.operand}_keys_map", key=("keys", r)), "", f"the gradient of {r.text}, per key", shape, shape, "jnp.float32", var))
             scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, 1), {acc.jnp})")
             self.post_dkv.append(f"{var} = {var}[..., 0]")
             self.float_grads.append((r, var, p.lead + (p.key,)))

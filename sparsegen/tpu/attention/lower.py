@@ -110,7 +110,7 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
     vmem.append(("score block and its softmax (f32 temporaries)", 3 * padded_bytes((ti, tj), acc)))
     error = gradient_error(kernel, plan)
     return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem), error,
-                           refused=gradient_refusals(kernel, plan) + refusals(kernel, None, error))
+                           refused=refusals(kernel, None, error) + gradient_refusals(kernel, plan))  # the kernel-wide reason first
 
 
 def layout_block(read: Read, layout: str, p: RowPlan, tile: dict) -> tuple[tuple, tuple]:
