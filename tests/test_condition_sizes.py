@@ -63,3 +63,28 @@ def test_the_classification_uses_the_size(prefix):
     assert not (~present.all(axis=(2, 3)) & (kinds == 2)).any()
     # The prefix's key blocks are visited above the diagonal too: exactly the non-empty ones.
     assert ((kinds != 0) == present.any(axis=(2, 3))).all()
+
+
+def test_kernel_in_the_simulator_and_its_gradient(interpret):
+    """The keyword size in both interpreters, values and jax.grad against `reference`'s."""
+    import jax
+    import jax.numpy as jnp
+
+    kernel, mod = build(PREFIX_LM)
+    q, k, v = inputs(256)
+    assert_matches(kernel, mod.prefix_lm(q, k, v, P=200, interpret=interpret), mod.reference(q, k, v, P=200))
+    got = jax.grad(lambda q: jnp.sum(mod.prefix_lm(q, k, v, P=200, interpret=interpret) ** 2))(q)
+    want = jax.grad(lambda q: jnp.sum(mod.reference(q, k, v, P=200) ** 2))(q)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_compiles_for_tpu_forward_and_backward():
+    import jax
+    import jax.numpy as jnp
+    from aot import compile_for
+
+    _, mod = build(PREFIX_LM)
+    args = [np.zeros((1024, 64), np.float32)] * 3
+    assert compile_for(lambda q, k, v: mod.prefix_lm(q, k, v, P=300), args, "v5e:2x2") is not None
+    grad = jax.grad(lambda q, k, v: jnp.sum(mod.prefix_lm(q, k, v, P=300)), argnums=(0, 1, 2))
+    assert compile_for(grad, args, "v5e:2x2") is not None
