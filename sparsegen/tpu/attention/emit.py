@@ -8,7 +8,7 @@ import dataclasses
 from ...dtypes import DTYPES
 from ...ir import Read
 from ...schedule.attention import Classifier
-from ...wrapper import vjp_tables
+from ...wrapper import Wrapper, vjp_tables
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
 from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, layout_block
 from .lower import py_tuple as _tuple
@@ -17,8 +17,6 @@ from .reference import ReferenceWriter
 
 class AttentionEmitter(KernelWriter, ReferenceWriter):
     def __init__(self, m: AttentionModule):
-        from ...wrapper import Wrapper
-
         self.m = m
         self.k = m.kernel
         self.p = m.plan
