@@ -38,23 +38,33 @@ def with_tiles(text: str, **tiles: int) -> str:
 _modules: dict[str, tuple] = {}
 
 
-def build(text: str, target: str = "v5e"):
-    """Compile spec text with one kernel; return (checked kernel, imported module)."""
-    key = hashlib.sha256(f"{target}\n{text}".encode()).hexdigest()[:20]
+def build(text: str, target: str = "v5e", formatted: bool = True):
+    """Compile spec text with one kernel; return (checked kernel, imported module).
+    `formatted=False` (TPU targets): the module as the templates write it, before black (the
+    same code; black takes most of a build, and test_formatting proves its output)."""
+    key = hashlib.sha256(f"{target}\n{formatted}\n{text}".encode()).hexdigest()[:20]
     if key in _modules:
         return _modules[key]
-    (module,) = compile_source(SourceFile("test.spk", text), target)
+    if formatted:
+        (module,) = compile_source(SourceFile("test.spk", text), target)
+        name, code, plan = module.kernel, module.code, module.plan
+    else:
+        from sparsegen.compiler import lower_source
+        from sparsegen.tpu.emit import emit
+
+        (plan,) = lower_source(SourceFile("test.spk", text), target)
+        name, code = plan.name, emit(plan, "test.spk", formatted=False)
     BUILD_CACHE.mkdir(parents=True, exist_ok=True)
-    path = BUILD_CACHE / f"{module.kernel}_{key}.py"
+    path = BUILD_CACHE / f"{name}_{key}.py"
     # Both test workers may build the same module: write whole files only.
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(module.code)
+    tmp.write_text(code)
     os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"sparsegen_test_{module.kernel}_{key}", path)
+    spec = importlib.util.spec_from_file_location(f"sparsegen_test_{name}_{key}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
-    _modules[key] = (module.plan.kernel, mod)
+    _modules[key] = (plan.kernel, mod)
     return _modules[key]
 
 

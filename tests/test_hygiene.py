@@ -230,7 +230,8 @@ def test_hostile_names_cover_every_table_in_every_role():
 
 @pytest.mark.parametrize("walk,n,assignment", HOSTILE_CASES, ids=[f"{w}-{n}" for w, n, _ in HOSTILE_CASES])
 def test_hostile_names_build_and_run(walk, n, assignment):
-    kernel, mod = build(hostile_text(walk, n, assignment))
+    # Unformatted: black changes layout only, and would take most of these 280 builds.
+    kernel, mod = build(hostile_text(walk, n, assignment), formatted=False)
     sizes = {assignment[s]: v for s, v in NEUTRAL_SIZES.items() if s in assignment}
     args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(n))
     expected = oracle(kernel, args, keywords)

@@ -272,10 +272,12 @@ class _Emitter:
         return with_helpers(main)
 
 
-def emit(m: TpuModule, source_name: str) -> str:
-    """The generated module's source, formatted by black."""
+def emit(m: TpuModule, source_name: str, formatted: bool = True) -> str:
+    """The generated module's source, formatted by black (`formatted=False`: the same code as
+    the templates write it, for tests that build hundreds of modules)."""
     from .attention import AttentionModule, emit_attention
 
     if isinstance(m, AttentionModule):
-        return emit_attention(m, source_name)
-    return format_module(_Emitter(m).module(source_name), names=(m.name,))
+        return emit_attention(m, source_name, formatted)
+    text = _Emitter(m).module(source_name)
+    return format_module(text, names=(m.name,)) if formatted else text

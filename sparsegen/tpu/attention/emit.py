@@ -448,5 +448,5 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
 
 
 
-def emit_attention(m: AttentionModule, source_name: str) -> str:
-    return AttentionEmitter(m).module(source_name)
+def emit_attention(m: AttentionModule, source_name: str, formatted: bool = True) -> str:
+    return AttentionEmitter(m).module(source_name, formatted)
