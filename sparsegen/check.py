@@ -13,6 +13,7 @@ import math
 import sys
 
 from . import syntax as ast
+from .allocation import no_cycle_collection
 from .dtypes import DATA_DTYPES, DTYPES
 from .flow import flow_statement
 from .ir import Einsum, Group, Index, Kernel, Local, Number, OffsetRef, Operand, Read, Relation, Size, Sub, group_factors, summed_indices
@@ -604,6 +605,7 @@ def _describe(e: ast.Expr) -> str:
     return "this expression"
 
 
+@no_cycle_collection()
 def check(spec: ast.Spec) -> list[Kernel]:
     """Check every kernel of a spec; raise SpecError listing all problems found."""
     errors: list[Diagnostic] = []

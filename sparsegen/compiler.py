@@ -6,12 +6,11 @@ rule checked here is checked for all of them.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .allocation import no_cycle_collection
 from .check import check
 from .ir import Kernel
 from .source import SourceFile, SpecError
@@ -89,22 +88,8 @@ def lower_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAU
     return result
 
 
-@contextlib.contextmanager
-def _no_cycle_collection():
-    """Compiling allocates millions of small acyclic objects (syntax trees, terms, lines of
-    code); the cyclic collector would rescan all live ones again and again, which made a long
-    spec's build superlinear. Reference counting still frees them; cycles wait until the end."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def lower_source(source: SourceFile, target: str = DEFAULT_TARGET) -> list[TpuModule]:
-    with _no_cycle_collection():
+    with no_cycle_collection():
         return lower_kernels(source, check(parse(source)), target)
 
 
@@ -123,7 +108,7 @@ def compile_for_targets(source: SourceFile, target_of: Callable[[str], str], *, 
     `target_of(kernel name)` (`sparsegen check` compiles each for the target its module
     records), in the spec's order; SpecError listing every problem of every target."""
     origin = source.name if origin is None else origin
-    with _no_cycle_collection():
+    with no_cycle_collection():
         kernels = check(parse(source))
         by_target: dict[str, list[Kernel]] = {}
         for kernel in kernels:

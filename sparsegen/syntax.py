@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import lark
 from lark import Lark, Token, Tree
 
+from .allocation import no_cycle_collection
 from .resources import read_resource
 from .source import Diagnostic, SourceFile, Span, SpecError
 
@@ -431,6 +432,7 @@ def _syntax_error(source: SourceFile, exc: lark.exceptions.LarkError) -> Diagnos
     return Diagnostic(None, f"cannot parse: {exc}")
 
 
+@no_cycle_collection()
 def parse(source: SourceFile) -> Spec:
     """Parse a spec; raise SpecError with one diagnostic on a syntax error."""
     try:
