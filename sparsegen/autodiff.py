@@ -238,7 +238,8 @@ class _Deriver:
         if len(summed_groups) > 2:
             raise _Unsupported(f"the gradient of '{op.name}' through '{st.target.operand}' multiplies three groups of factors in one sum, "
                                "which needs a local tensor (not supported yet)")
-        e = Einsum(target, factors, st.numbers, tuple(summed), summed_groups, end_groups, st.span)
+        # A condition on the terms keeps them: the derived statement has the same terms.
+        e = Einsum(target, factors, st.numbers, tuple(summed), summed_groups, end_groups, st.span, st.condition)
         # Offsets keep their slots: the backward reads the same offsets where the forward did.
         forward_name = {dname: op.name, gname: st.target.operand}
         for r in (target, *factors):

@@ -70,6 +70,9 @@ class _Flow:
         self.accesses: list[ast.Access] = []
         self.failed = False
         self.left = [s.index.text for s in st.target.subscripts]
+        # The indices a condition may use: the left side's, and for a product its summed
+        # ones too (language v2, section 1: a condition selects terms).
+        self.cond_indices = list(self.left)
         self.form = Form("elementwise", st)
 
     def error(self, span, message, *notes):
@@ -101,7 +104,11 @@ class _Flow:
                 if not self.failed and sub.index.text not in used:
                     self.error(sub.index.span, f"index '{sub.index.text}' of the left side appears nowhere on the right")
         if st.condition is not None:
+            if self.form.kind == "einsum":
+                self.cond_indices += [s.index.text for p in self.form.factors for s in p.subscripts if s.index.text not in self.cond_indices]
+            self.in_condition = True
             self.form.condition = self.condition(st.condition, top=True)
+            self.in_condition = False
         return self.form
 
     # --------------------------------------------------------------- forms
@@ -258,14 +265,17 @@ class _Flow:
         self.error(e.span, "a comparison belongs in a `where` condition")
         return Term("num", value=0)
 
+    in_condition = False
+
     def value(self, e: ast.Value) -> Term:
         name = e.name.text
-        if name in self.left:
+        if name in (self.cond_indices if self.in_condition else self.left):
             return Term("index", name=name)
         if any(name == s for s, _ in _symbols(self.c)):
             return Term("size", name=name)
         if name in self.c.operands or name in self.c.locals or name in self.assigned:
-            self.error(e.span, f"'{name}' is neither an index of the left side nor a size")
+            where = "an index of the statement" if self.in_condition and self.form.kind == "einsum" else "an index of the left side"
+            self.error(e.span, f"'{name}' is neither {where} nor a size")
             return Term("num", value=0)
         # A size no operand has (a prefix length): passed as a keyword, like `M=`.
         self.c.free_sizes.setdefault(name, e.name)
@@ -293,8 +303,11 @@ class _Flow:
         for s in e.subscripts:
             if s.divisor is not None:
                 self.error(s.span, "an operand in a condition is read with plain indices")
-            if s.index.text not in self.left:
-                self.error(s.index.span, f"index '{s.index.text}' is not on the left side; a condition uses the left side's indices")
+            if s.index.text not in self.cond_indices:
+                if self.form.kind == "einsum":
+                    self.error(s.index.span, f"index '{s.index.text}' is not an index of the statement; a condition uses the statement's indices")
+                else:
+                    self.error(s.index.span, f"index '{s.index.text}' is not on the left side; a condition uses the left side's indices")
 
     def integer(self, e: ast.Expr) -> Term:
         if isinstance(e, ast.Number):

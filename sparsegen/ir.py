@@ -402,8 +402,8 @@ class Kernel:
 
     @property
     def einsums_only(self) -> bool:
-        """Version-0-style kernels: products of operands only (the einsum walks run them)."""
-        return not self.locals and all(isinstance(s, Einsum) and s.condition is None for s in self.statements)
+        """Products of operands only, with or without conditions (the einsum walks run them)."""
+        return not self.locals and all(isinstance(s, Einsum) for s in self.statements)
 
     @property
     def inputs(self) -> tuple[Operand, ...]:

@@ -165,7 +165,10 @@ class Wrapper:
                 # Every factor in the accumulate dtype: exact for narrower data, and one dtype
                 # for XLA's dot (its CPU backend lacks some mixed-dtype forms).
                 views = [_widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, acc) for n, r in enumerate(st.factors)]
-                spec = ",".join("".join(letters[i] for i in f.indices) for f in st.factors) + "->" + "".join(letters[i] for i in st.out_indices)
+                specs = ["".join(letters[i] for i in f.indices) for f in st.factors]
+                if st.condition is not None:
+                    self.select_terms(st, views, specs, letters, lines)
+                spec = ",".join(specs) + "->" + "".join(letters[i] for i in st.out_indices)
                 lines.append(f'{var} = jnp.einsum("{spec}", {", ".join(views)}, preferred_element_type={acc.jnp}{precision})')
                 if sparse is not None:
                     # A mask applied after the sum: its all-zero blocks are skipped, so what
@@ -205,6 +208,38 @@ class Wrapper:
 
     def local(self, preferred: str) -> str:
         return self.scope.local(preferred) if self.scope is not None else preferred
+
+    def select_terms(self, st: Einsum, views: list[str], specs: list[str], letters: dict, lines: list[str]) -> None:
+        """A condition on the statement's terms: the factor holding most of its indices has
+        its absent terms replaced by 0, extended over the condition's other indices."""
+        from .schedule.condition import condition_indices
+        from .tpu.attention.lower import render_term
+
+        k, conv = self.k, self.conv
+        used = condition_indices(st.condition)
+        src = "".join(letters[i] for i in used)
+
+        def leaf(t) -> str:
+            if t.op == "size":
+                return conv.size_var(t.name)
+            if t.op == "index":
+                shape = _tuple("-1" if i == t.name else "1" for i in used)
+                return f"jnp.arange({host(conv.size(k.index(t.name).size))}).reshape({shape})"
+            value = conv.param(t.read.operand).internal
+            here = "".join(letters[i] for i in t.read.indices)
+            value = f'_expand({value}, "{here}", "{src}")' if here != src else value
+            return f"({value} != 0)" if t.op == "truth" else value
+
+        present = self.local("present")
+        lines.append(f"{present} = {render_term(st.condition, leaf)}")
+        n = max(range(len(st.factors)), key=lambda n: (len(set(st.factors[n].indices) & set(used)), -n))
+        dst = specs[n] + "".join(c for c in src if c not in specs[n])
+        shape = _tuple(host(conv.size(k.index(i).size)) for i in (*st.factors[n].indices, *(i for i in used if letters[i] not in specs[n])))
+        # Selected, not multiplied: what an absent term holds (NaN too) does not count.
+        value = f'_expand({views[n]}, "{specs[n]}", "{dst}")' if dst != specs[n] else views[n]
+        mask = f'_expand({present}, "{src}", "{dst}")' if dst != src else present
+        views[n] = f"jnp.where(jnp.broadcast_to({mask}, {shape}), {value}, 0)"
+        specs[n] = dst
 
     def block_products(self, st: Einsum, sparse: int, var: str, letters, outputs, precision) -> list[str]:
         """The statement as a sum of per-block products over the sparse operand's blocks (a

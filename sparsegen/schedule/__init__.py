@@ -13,6 +13,7 @@ from ..names import ModuleNames
 from ..source import Diagnostic
 from .build import ScheduleError
 from .coo_input import CooInputWalk
+from .condition import ConditionWalk
 from .coo_output import CooOutputWalk
 from .core import Pass, Schedule
 from .dense import DenseWalk
@@ -24,6 +25,8 @@ __all__ = ["Schedule", "Pass", "ScheduleError", "schedule"]
 def walk_of(kernel: Kernel, st: Einsum):
     out = kernel.operand(st.target.operand)
     kinds = {kernel.operand(r.operand).sparsity for r in st.factors}
+    if st.condition is not None:
+        return ConditionWalk
     if out.sparsity == "coo":
         return CooOutputWalk
     if "coo" in kinds:

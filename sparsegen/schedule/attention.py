@@ -286,6 +286,9 @@ def row_plan(kernel: Kernel) -> RowPlan:
             fail(score_st, "not supported yet: the score multiplies a factor with the row index by one with the key index")
         summed = score_st.summed[0]
         inner.add(summed)
+        if score_st.condition is not None and any(t.op == "index" and t.name == summed or t.read is not None and summed in t.read.indices
+                                                  for t in score_st.condition.walk()):
+            fail(score_st, f"not supported yet: a condition on the score's summed index '{summed}' (the walk classifies row and key blocks)")
     for c in consumers:
         target = kernel.statement_of(c.output).target.indices
         if c.kind == "softmax_product":
@@ -343,9 +346,18 @@ def _key_of(sts, consumers) -> str | None:
 # is intersected first (a window: i >= j and i - j < 1024), so it is exact too.
 
 
+@dataclass(frozen=True)
+class Conditions:
+    """What the classifier reads of a plan: the points' conditions and the class axes (a
+    row plan is one; an einsum's condition over its whole index space is another)."""
+
+    points: tuple[Point, ...]
+    class_axes: tuple[str, ...]
+
+
 class Classifier:
     """Host code (over `xp`: numpy at trace time, or jax.numpy for traced operands) that
-    computes the block kinds of a row plan's condition."""
+    computes the block kinds of a row plan's condition (or any `Conditions`)."""
 
     def __init__(self, plan: RowPlan, conv, local, tile_of, size_of):
         self.p = plan

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..dtypes import DType
 from ..expr import Expr
-from ..ir import Einsum, Number
+from ..ir import Einsum, Number, Term
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class Block:
     lets: tuple[tuple[str, Expr], ...]
     about: str
     is_output: bool = False
+    layout: str = "natural"  # a condition's 1-index read: "rows" (lane-broadcast: a column) | "cols" (sublane-broadcast: a row)
 
     @property
     def live(self) -> tuple[str, ...]:
@@ -108,12 +109,34 @@ class Tail:
 
 
 @dataclass(frozen=True)
+class Select:
+    """A condition on a statement's terms (language v2, section 1): in a partial step the
+    entries of one value where it is false are replaced by 0 (selected, not multiplied).
+
+    `target` is the value: "group" (the sum's group `group`, before the sum) or "flush" (the
+    value written, for a condition on the output's indices only). Element positions are
+    block coordinate x tile + offset in the block; an index walked one value at a time is
+    a scalar; a read of an integer operand is its block `reads[read]`."""
+
+    condition: Term
+    target: str  # "group" | "flush"
+    group: int
+    coords: tuple[tuple[str, Expr], ...]  # each index of the condition: its block coordinate at the step
+    reads: tuple[tuple[object, str], ...]  # (ir.Read, Block.key) of each operand the condition reads
+    when: Expr  # the step is partial
+    full: Expr  # the step is full (every term present)
+    not_partial: Expr  # full, or nothing present (a flush writes what the sum gave: zeros)
+    sizes: tuple[tuple[str, str], ...] = ()  # each size symbol the condition names: its variable
+
+
+@dataclass(frozen=True)
 class FlushCase:
     when: Expr | None
     products: tuple[Product, ...] | None  # multiplied into the result; None writes zeros
     name: str
     about: str
     scale: bool = True  # apply the statement's literal factors
+    select: bool = False  # apply the body's Select (target "flush") to the value written
 
 
 @dataclass(frozen=True)
@@ -133,11 +156,32 @@ class Body:
     out_tails: tuple[Tail, ...] = ()  # ragged output indices of a stored (coo) output block
     notes: tuple[str, ...] = ()
     lets: tuple[tuple[str, Expr], ...] = ()  # values the phases read (over axes, extents and tables)
+    select: Select | None = None  # a condition on the statement's terms
 
     @property
     def matrix_product(self) -> bool:
         """Two groups that share a summed index: a matrix product (the MXU's, on a TPU)."""
         return len(self.summed) == 2 and bool(set(self.summed[0].live) & set(self.summed[1].live) & set(self.summed_indices))
+
+
+@dataclass(frozen=True)
+class HostFunction:
+    name: str
+    params: tuple[str, ...]
+    doc: str
+    lines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """The walk's length under `jit` is `count` (a bound, e.g. row blocks + groups - 1 for
+    sorted group ids); where the data needs more (`needed`, traced), the pass runs with
+    `dense` steps instead (`lax.cond`): correct for any data, slower."""
+
+    count: str  # the count variable the tables and grid use
+    bound: str  # host expressions over the sizes
+    dense: str
+    needed: str  # host expression (traced) of the steps the data needs
 
 
 @dataclass(frozen=True)
@@ -165,6 +209,8 @@ class Pass:
     scale: Number | None = None
     kinds: tuple[str, ...] = ()  # named step or block kinds the tables use (_BLOCK, _EMPTY, ...)
     names: object = None  # the pass's own name scope (names.ModuleNames), for the target's locals
+    functions: tuple["HostFunction", ...] = ()  # module-level host functions the wrapper lines call
+    fallback: "Fallback | None" = None  # a walk whose length is a bound that data may exceed
 
     @property
     def inputs(self) -> tuple[Block, ...]:

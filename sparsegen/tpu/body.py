@@ -210,24 +210,72 @@ class BodyWriter:
         cond = " or ".join(sizes)
         return [f"if {cond}:  # a partial last block: what lies past the end is absent", *("    " + line for line in lines)]
 
-    def compute_lines(self) -> tuple[list[str], str]:
-        """Lines before the accumulation, and the accumulated value."""
+    # ------------------------------------------------------------ conditions
+    def select_lines(self, name: str, v: Val) -> list[str]:
+        """`name` (a value over v.axes) with the entries where the body's condition is false
+        replaced by 0: positions from the step's block coordinates, integer operands from
+        their blocks, an index walked one value at a time as a scalar."""
+        from .attention.lower import render_term
+
+        sel = self.body.select
+        coords = dict(sel.coords)
+        reads = dict(sel.reads)
+        rank = len(v.axes)
+        lines: list[str] = []
+        pos: dict[str, str] = {}
+
+        def leaf(t) -> str:
+            if t.op == "size":
+                return dict(sel.sizes)[t.name]
+            if t.op == "index":
+                i = t.name
+                coord = render(coords[i], "py")
+                tile = self.k.index(i).tile
+                if tile == 1:
+                    return coord if " " not in coord else f"({coord})"
+                if i not in pos:
+                    pos[i] = self.tp_local(f"{i}_pos")
+                    shape = _tuple("1" if a != i else str(tile) for a in v.axes)
+                    lines.append(f"{pos[i]} = {coord} * {tile} + lax.broadcasted_iota(jnp.int32, {shape}, {v.axes.index(i)})")
+                return pos[i]
+            spec = self.spec[reads[t.read]]
+            layout = spec.block.layout
+            ref = spec.ref
+            value = f"{ref}[:, 0:1]" if layout == "rows" else f"{ref}[0:1, :]" if layout == "cols" else \
+                f"{ref}[...]" if spec.view.ref_shape == tuple(d.extent for d in spec.block.dims if d.live) else f"{ref}[...].reshape(())"
+            if layout != "natural" and rank > 2:
+                value = f"{value}.reshape({_tuple(str(self.k.index(a).tile) if a in t.read.indices else '1' for a in v.axes)})"
+            return f"({value} != 0)" if t.op == "truth" else value
+
+        present = render_term(sel.condition, leaf)
+        keep = self.tp_local("present")
+        lines.append(f"{keep} = {present}")
+        lines.append(f"{name} = jnp.where({keep}, {name}, jnp.zeros_like({name}))")
+        return lines
+
+    def compute_lines(self, partial: bool = False) -> tuple[list[str], str]:
+        """Lines before the accumulation, and the accumulated value; `partial`: in a step
+        where the body's condition holds for some terms only (its absent ones selected out)."""
         body = self.body
         groups = body.summed or body.step
         # Only two groups that share a summed axis make a matrix product; elsewhere products
         # stay wide (the reference rounds nothing before the sum).
         vals = [self.product(q, for_mxu=body.matrix_product) for q in groups]
         tails = body.tails
-        needs_locals = any(t.index in v.axes for v in vals for t in tails)
+        selected = body.select.group if partial and body.select is not None and body.select.target == "group" else None
+        needs_locals = any(t.index in v.axes for v in vals for t in tails) or selected is not None
         lines: list[str] = []
         if needs_locals:
             masked = []
             named = []
-            for q, v in zip(groups, vals):
+            for n, (q, v) in enumerate(zip(groups, vals)):
                 name = self.tp_local(q.factors[0].operand)
                 lines.append(f"{name} = {v.code}")
                 named.append(Val(name, v.axes, v.dtype, True))
                 masked += self.tail_lines(name, named[-1], tails)
+                if n == selected:
+                    # The condition's absent terms: selected out, so what they hold never counts.
+                    lines += self.select_lines(name, named[-1])
             lines += self.guarded(tails, masked)
             vals = named
         if body.summed:
@@ -253,8 +301,9 @@ class BodyWriter:
 
     _locals: set = set()
 
-    def flush_value(self, products: tuple[Product, ...] | None) -> tuple[list[str], str]:
-        """The value written to the output block at a flush (zeros for None)."""
+    def flush_value(self, products: tuple[Product, ...] | None, select: bool = False) -> tuple[list[str], str]:
+        """The value written to the output block at a flush (zeros for None); `select`: the
+        body's condition selects absent elements out where the step is partial."""
         out = self.tp.out_spec
         ref = out.ref
         if products is None:
@@ -278,6 +327,11 @@ class BodyWriter:
             # Factors that lack some of the output's indices: the block repeats along them.
             value = f"jnp.broadcast_to({value}, {_tuple(map(str, self.body.acc_shape))})"
         lines = []
+        if select and body.select is not None and body.select.target == "flush":
+            name = self.tp_local("value")
+            lines.append(f"{name} = {value}")
+            lines += self.select_lines(name, Val(name, body.out_live, self.acc))
+            value = name
         if body.out_tails and any(t.index in body.out_live for t in body.out_tails):
             name = self.tp_local("value")
             lines.append(f"{name} = {value}")

@@ -42,19 +42,43 @@ class _Emitter:
         phase_exprs = [e for e in (body.init_when, body.compute_when, body.flush_when) if e is not None]
         phase_exprs += [c.when for c in body.flush_cases if c.when is not None] + [v for _, v in body.lets]
         phase_exprs += [t.coord for t in (*body.tails, *body.out_tails)]
+        if body.select is not None:
+            phase_exprs += [body.select.when, *(e for _, e in body.select.coords)]
         used = set()
         for e in phase_exprs:
             used |= expr_names(e)
         lets = [(a.var, render(Call("pl.program_id", (Const(d),)), "py")) for d, a in enumerate(p.axes)]
         lets += [(a.static, render(Call("pl.num_programs", (Const(d),)), "py")) for d, a in enumerate(p.axes) if a.static in used]
+        axis_statics = {a.static for a in p.axes}
+        # Extents a block coordinate decodes with (a flattened row of several indices).
+        lets += [(name, render(value, "py")) for name, value in p.statics if name in used and name not in axis_statics]
         lets += [(name, render(value, "py")) for name, value in body.lets]
         compute_lines, compute_value = ([], "")
+        computes = []
         if body.accumulator:
             compute_lines, compute_value = w.compute_lines()
+            if body.select is not None and body.select.target == "group":
+                # A partial step selects the absent terms out; a full one needs no condition.
+                partial = render(body.select.when, "py")
+                lines, value = w.compute_lines(partial=True)
+                computes = [{"name": "compute_partial", "when": partial, "lines": lines, "value": value,
+                             "about": "Some terms absent: the condition selects them out."},
+                            {"name": "compute_full", "when": render(body.select.full, "py"),
+                             "lines": compute_lines, "value": compute_value, "about": "Every term present: no condition to evaluate."}]
         cases = []
         for case in body.flush_cases:
             whens = [render(e, "py") for e in (body.flush_when, case.when) if e is not None]
             when = " & ".join(f"({x})" if len(whens) > 1 else x for x in whens) if whens else None
+            if case.select and body.select is not None and body.select.target == "flush":
+                partial = render(body.select.when, "py")
+                lines, value = w.flush_value(case.products, select=True)
+                cases.append({"when": f"({when}) & ({partial})" if when else partial, "lines": lines, "value": value,
+                              "name": f"{case.name}_partial", "about": case.about + " Some elements absent: zeros there."})
+                lines, value = w.flush_value(case.products)
+                full = render(body.select.not_partial, "py")
+                cases.append({"when": f"({when}) & ({full})" if when else full, "lines": lines, "value": value,
+                              "name": case.name, "about": case.about})
+                continue
             lines, value = w.flush_value(case.products)
             cases.append({"when": when, "lines": lines, "value": value, "name": case.name, "about": case.about})
         return {
@@ -67,6 +91,7 @@ class _Emitter:
             "compute_when": render(body.compute_when, "py") if body.compute_when is not None else None,
             "compute_lines": compute_lines,
             "compute_value": compute_value,
+            "computes": computes,
             "cases": cases,
             "acc": tp.acc_ref,
             "out_ref": tp.out_spec.ref,
@@ -122,7 +147,8 @@ class _Emitter:
             "reads": list(dict.fromkeys(reads)),
             "pre": list(p.pre),
             "guard": guard,
-            "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes), " if p.tables else "",
+            "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes{', ' + p.fallback.count if p.fallback else ''}), " if p.tables else "",
+            "fallback": p.fallback,
             "tables": len(p.tables),
             "grid": _tuple(render(a.extent, "host") for a in p.axes),
             "in_specs": [self.spec_text(s) for s in tp.in_specs],
@@ -160,13 +186,14 @@ class _Emitter:
         return next((tp, mod) for mod in mods for tp in mod.passes if spec in tp.specs)
 
     def prefetch(self, tp: TpuPass, mod: TpuModule) -> dict:
-        counts = [f"{var} = {value}" for var, value in tp.p.counts]
+        fb = tp.p.fallback
+        counts = [f"{var} = {value}" if fb is None or var != fb.count else f"{var} = {value} if {var} is None else {var}" for var, value in tp.p.counts]
         return {"fn": tp.prefetch_fn, "lines": counts + list(tp.p.host), "tables": [t.var for t in tp.p.tables], "args": list(mod.conv.impl_args)}
 
     def pass_dicts(self, mod: TpuModule) -> list[dict]:
         outputs = dict(mod.schedule.outputs)
         return [{"kernel": self.kernel_text(tp, mod), "maps": self.maps(tp), "prefetch": self.prefetch(tp, mod), "call": self.call(tp, mod),
-                 "output": outputs[tp.p.output]} for tp in mod.passes]
+                 "output": outputs[tp.p.output], "functions": tp.p.functions} for tp in mod.passes]
 
     def gradient(self) -> dict:
         """The custom_vjp glue: residuals, the backward passes, and a cotangent per argument."""

@@ -227,7 +227,15 @@ def _lower_pass(kernel: Kernel, names: ModuleNames, p: Pass, several: bool, targ
     if errors:
         raise LayoutError(_unique(errors))
     acc_ref = p.names.local("acc_ref")
-    sizes = tuple(dict.fromkeys(t.size for t in (*p.body.tails, *p.body.out_tails)))
+    sizes = [t.size for t in (*p.body.tails, *p.body.out_tails)]
+    if p.body.select is not None:
+        # The condition's sizes, and those of the extents its block coordinates decode with.
+        sizes += [var for _, var in p.body.select.sizes]
+        for e in (*(e for _, e in p.body.select.coords), *(t.coord for t in p.body.tails)):
+            for name in expr_names(e):
+                if name in statics and name not in {a.static for a in p.axes}:
+                    sizes += sorted(expr_names(statics[name]))
+    sizes = tuple(dict.fromkeys(sizes))
     return TpuPass(p, kernel_fn, prefetch_fn, call_fn, tuple(specs), acc_ref, sizes, _vmem(kernel, p, specs, target))
 
 
@@ -239,6 +247,10 @@ def _spec(kernel: Kernel, names: ModuleNames, local: ModuleNames, b: Block, stat
         dims = (None,) + dims[1:]
     else:
         dims = tuple(d.literal for d in op.dims)
+    if b.layout == "rows":  # a lane-broadcast copy: the kernel reads a column
+        block, dims = block + (128,), dims + (128,)
+    elif b.layout == "cols":  # a sublane-broadcast copy: the kernel reads a row
+        block, dims = block[:-1] + (8, block[-1]), dims[:-1] + (8, dims[-1])
     v = view(block, dims, op.dtype)
     if isinstance(v, LayoutProblem):
         d = b.dims[v.dim]
@@ -246,6 +258,10 @@ def _spec(kernel: Kernel, names: ModuleNames, local: ModuleNames, b: Block, stat
         raise LayoutError([Diagnostic(index.tile_span,
                                       f"tile {d.index} = {index.tile} breaks the TPU layout rule for '{op.name}' ({op.dtype.name}): its block dim {v.dim} {v.reason}")])
     index = list(b.coords)
+    if b.layout == "rows":
+        index.append(Const(0))
+    elif b.layout == "cols":
+        index.insert(len(index) - 1, Const(0))
     for pos in sorted(v.inserted):
         index.insert(pos, Const(0))
     used = set()

@@ -1,0 +1,297 @@
+"""The condition walk: a statement whose `where` selects terms (language v2, section 1).
+
+The condition is classified over the blocks of the indices it uses: those of the output
+(its *rows*) and the summed ones (its *columns*), as empty, partial or full, by the
+row walk's classifier (exact for affine comparisons and their `and`, sorted ids compared
+for equality, masks; partial where unsure). The grid walks, per output block of the
+other indices (parallel axes), one flat axis of steps over the non-empty (row, column)
+pairs in row order, each row's run a consecutive revisit of its output block, a row
+with none getting one step that writes zeros; summed indices the condition does not use
+are walked inside each step. In a partial step the absent terms are selected out of the
+factor that holds the condition's indices (or, for a condition on the output's indices
+alone, out of the value written).
+
+The number of steps: known at trace time when the classification depends on sizes only
+(numpy); with traced operands, the dense count, or for grouped ids (`gid[m] == g`, `g`
+walked one value at a time) the bound `row blocks + groups - 1` that sorted ids meet,
+with a fallback to the dense count where the data needs more (unsorted ids: correct,
+slower).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..expr import Const, Expr, Load, Var, Where, render
+from ..ir import Read, Term
+from ..source import Diagnostic
+from .attention import Classifier, Conditions, Point
+from .build import PassBuilder, ScheduleError
+from .core import Block, Body, Fallback, FlushCase, HostFunction, Pass, Product, Select
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def condition_indices(cond: Term) -> list[str]:
+    """The indices a condition uses (its index terms and its reads' subscripts), in order."""
+    out: list[str] = []
+    for t in cond.walk():
+        names = [t.name] if t.op == "index" else list(t.read.indices) if t.read is not None else []
+        out += [i for i in names if i not in out]
+    return out
+
+
+class ConditionWalk(PassBuilder):
+    walk = "condition"
+
+    def build(self) -> Pass:
+        st = self.st
+        cond = st.condition
+        self.refuse_unsupported()
+        used = condition_indices(cond)
+        out_c = [i for i in st.out_indices if i in used]
+        sum_c = [i for i in st.summed if i in used]
+        for i in st.out_indices:
+            if i not in out_c:
+                self.axis("blocks", i, self.blocks_along(i), True, f"output blocks along {i}")
+        n_steps = self.local("n_steps")
+        what = " x ".join(f"{i} blocks" for i in out_c + sum_c)
+        step_axis = self.axis("steps", None, Var(n_steps), False,
+                              f"the non-empty ({what}) of the condition, each output block's in a run", var=self.local("step"))
+        step = Var(step_axis.var)
+        inner = [self.axis("reduce", i, self.blocks_along(i), False, f"the sum over {i}, which the condition does not use, inside each step")
+                 for i in st.summed if i not in sum_c]
+
+        length = Var(n_steps)
+        row = self.table("step_row", length, "the output block a step writes, row-major over " + ", ".join(out_c)) if out_c else None
+        read_row = self.table("step_read", length, "the output block whose inputs a step reads (steps that compute nothing hold the last one read)") if out_c else None
+        col = self.table("step_col", length, "the block of the summed " + ", ".join(sum_c) + " a step reads, row-major") if sum_c else None
+        kind = self.table("step_kind", length, "_EMPTY (nothing present: no compute), _PARTIAL (the condition is evaluated), _FULL")
+        flags = self.table("step_flags", length, "1: the first step of its output block (init), 2: the last (flush)")
+        self.kinds = ["_EMPTY", "_PARTIAL", "_FULL"]
+
+        statics = {}
+        for i in out_c + sum_c:
+            statics[i] = self.local(f"n_{i}")
+            self.statics[statics[i]] = self.blocks_along(i)
+
+        def decode(table: str, group: list[str], index: str) -> Expr:
+            value = Load(table, step)
+            later = Const(1)
+            for n in group[group.index(index) + 1:]:
+                later = later * Var(statics[n])
+            value = value.div(later)
+            if group.index(index) > 0:
+                value = value.rem(Var(statics[index]))
+            return value
+
+        live = Load(kind, step).ne(Var("_EMPTY"))
+
+        def read_coord(index: str) -> Expr:
+            if index in out_c:
+                return decode(read_row, out_c, index)
+            if index in sum_c:
+                return decode(col, sum_c, index)
+            axis = self.axis_of(index)
+            if axis in inner:
+                # Walked while the step computes; other steps hold the last block.
+                return Where(live, Var(axis.var), Var(axis.static) - 1)
+            return Var(axis.var)
+
+        def compute_coord(index: str) -> Expr:
+            """At a step that computes (the inner axes walk)."""
+            axis = next((a for a in inner if a.index == index), None)
+            return Var(axis.var) if axis is not None else read_coord(index)
+
+        def write_coord(index: str) -> Expr:
+            return decode(row, out_c, index) if index in out_c else Var(self.axis_of(index).var)
+
+        blocks: dict[str, Block] = {}
+        for n in range(len(st.factors)):
+            b = self.natural_block(n, read_coord, "Steps that compute nothing hold the blocks of the last step that did: no copy.")
+            blocks[b.key] = b
+        select_on, group = self.select_target(used)
+        reads = []
+        for n, r in enumerate(dict.fromkeys(cond.reads)):
+            b = self.condition_block(n, r, read_coord, select_on, group, blocks)
+            blocks[b.key] = b
+            reads.append((r, b.key))
+        blocks["out"] = self.out_block(self.coords(st.target, write_coord))
+
+        # Where each of the condition's indices is at a computing step (element positions).
+        coord_at = tuple((i, read_coord(i)) for i in used)
+        flag = Load(flags, step)
+        first = (flag & Const(1)).ne(0)
+        last = (flag & Const(2)).ne(0)
+        for a in inner:
+            first = first & Var(a.var).eq(0)
+            last = last & Var(a.var).eq(Var(a.static) - 1)
+        here = self.local("step_kind_here")
+        partial = Var(here).eq(Var("_PARTIAL"))
+        sizes = tuple((t.name, self.conv.size_var(t.name)) for t in cond.walk() if t.op == "size")
+        select = Select(cond, select_on, group, coord_at, tuple(reads), partial, Var(here).eq(Var("_FULL")), Var(here).ne(Var("_PARTIAL")), tuple(dict.fromkeys(sizes)))
+        summed, end = self.products(blocks)
+        out = blocks["out"]
+        acc_live, acc_shape = self.acc_layout(out, summed)
+        notes = ("A run of steps accumulates one output block; a step with nothing present computes nothing.",)
+        if st.summed:
+            cases = (FlushCase(None, end, "flush", "Write the block (zeros if nothing was present).", select=select_on == "flush"),)
+            body = Body(True, first, Var(here).ne(Var("_EMPTY")), summed, (), last, cases, st.summed, acc_live, acc_shape, out.live,
+                        tails=self.tails(compute_coord), notes=notes, lets=((here, Load(kind, step)),), select=select)
+        else:
+            cases = (FlushCase(Var(here).eq(Var("_EMPTY")), None, "flush_empty", "Nothing present: zeros."),
+                     FlushCase(Var(here).ne(Var("_EMPTY")), end, "flush", "Write the block; in a partial one the absent elements are zeros.",
+                               select=True))
+            body = Body(False, None, None, (), (), last, cases, (), acc_live, acc_shape, out.live,
+                        notes=notes, lets=((here, Load(kind, step)),), select=select)
+
+        self.classify_host(cond, out_c, sum_c, n_steps, (row, col, read_row, kind, flags))
+        products = Var(n_steps)
+        for a in self.axes:
+            if a.role != "steps":
+                products = products * a.extent
+        about = f"the non-empty blocks of the condition `{cond.text}`"
+        p = self.finish(list(blocks.values()), body, about, self.dense_out_shape(), products)
+        return dataclasses.replace(p, functions=tuple(self.functions), fallback=self.fallback)
+
+    # ------------------------------------------------------------ refusals
+    def refuse_unsupported(self) -> None:
+        st, k = self.st, self.k
+        for r in st.factors:
+            op = k.operand(r.operand)
+            if op.sparsity in ("coo", "mask"):
+                raise ScheduleError(Diagnostic(r.span, f"not supported yet: a condition on a statement with a {op.sparsity} operand ('{op.name}'); "
+                                                       "read a mask in the condition instead (`where keep[m, k]`)"))
+            if op.direction == "out":
+                raise ScheduleError(Diagnostic(r.span, f"not supported yet: a condition on a statement that reads another output ('{op.name}')"))
+        for r in (st.target, *st.factors):
+            if any(s.offset is not None for s in r.subs):
+                raise ScheduleError(Diagnostic(r.span, "not supported yet: offsets in a statement with a condition"))
+        if self.out.sparsity == "coo":
+            raise ScheduleError(Diagnostic(st.target.span, "not supported yet: a condition on a statement with a coo output"))
+
+    def select_target(self, used: list[str]) -> tuple[str, int]:
+        """Where absent terms are selected out: the sum's group whose factors hold every index
+        of the condition that a block spans (an index walked one value at a time is a scalar),
+        else the value written when those are all the output's."""
+        st = self.st
+        spanned = {i for i in used if self.tile[i] > 1}
+        for g, grp in enumerate(st.summed_groups):
+            if spanned <= set(st.factors[grp.main].indices):
+                return "group", g
+        if spanned <= set(st.out_indices):
+            return "flush", 0
+        holders = ", ".join(sorted(spanned))
+        raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({holders}) "
+                                                "that a block spans; a condition on summed indices needs one factor with all of them"))
+
+    def condition_block(self, n: int, r: Read, coord, target: str, group: int, blocks) -> Block:
+        """The block of an integer operand a condition reads, laid out as the value it selects
+        in sees it: its own layout when it has that value's indices in order; a 1-index read
+        as a column (lane-broadcast copy) or a row (sublane-broadcast copy)."""
+        st, k = self.st, self.k
+        op = k.operand(r.operand)
+        if target == "group":
+            axes = blocks[f"f{st.summed_groups[group].main}"].live
+        else:
+            axes = tuple(i for i in st.out_indices if self.tile[i] > 1)
+        live = tuple(i for i in r.indices if self.tile[i] > 1)
+        dims = self.dims(r)
+        coords = self.coords(r, coord)
+        param = self.conv.param(op.name).internal
+        if live == axes or not live:
+            layout, array = "natural", param
+        elif len(live) == 1 and len(axes) >= 2 and live[0] == axes[-2]:
+            layout = "rows"
+        elif len(live) == 1 and len(axes) >= 2 and live[0] == axes[-1]:
+            layout = "cols"
+        else:
+            raise ScheduleError(Diagnostic(r.span, f"not supported yet: the condition reads '{op.name}' with indices that are not "
+                                                   f"those of the block it selects in ({', '.join(axes)})"))
+        if layout != "natural":
+            array = self.local(f"{op.name}_{layout}")
+            if len(r.indices) != 1:
+                raise ScheduleError(Diagnostic(r.span, f"not supported yet: the condition reads '{op.name}' with several indices, one of them spanned"))
+            size = self.conv.size(op.dims[0])
+            n_el = render(size, "host")
+            if layout == "rows":
+                self.pre.append(f"{array} = jnp.broadcast_to({param}.astype(jnp.int32)[:, None], ({n_el}, 128))  # {r.text} per row: a column in the kernel")
+            else:
+                self.pre.append(f"{array} = jnp.broadcast_to({param}.astype(jnp.int32)[None, :], (8, {n_el}))  # {r.text} per column: a row in the kernel")
+        return Block(f"c{n}", op.name, array, False, dims, coords, (), f"{r.text}, read by the condition", layout=layout)
+
+    # ------------------------------------------------------------ host
+    functions: list
+    fallback = None
+
+    def classify_host(self, cond: Term, out_c: list[str], sum_c: list[str], n_steps: str, tables) -> None:
+        """The classification function, the walk's length and its tables."""
+        self.functions = []
+        scope = self.names.scope()
+        axes = tuple(out_c + sum_c)
+        cl = Classifier(Conditions((Point(None, None, cond),), axes), self.conv, scope.local, lambda i: self.tile[i],
+                        lambda i: render(self.size(i), "host"))
+        lines = cl.kinds([])
+        reads = list(dict.fromkeys(self.conv.param(r.operand).internal for r in cond.reads))
+        fn = self.fn("classify")
+        sizes = [s.internal for s in self.conv.sizes]
+        head = [f"{', '.join(sizes)}{',' if len(sizes) == 1 else ''} = sizes"] if sizes else ["del sizes"]
+        self.functions.append(HostFunction(fn, ("xp", *reads, "sizes"), "Per (row block, column block) of the condition: "
+                                           "empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands).",
+                                           tuple(head + lines)))
+        rows = Const(1)
+        for i in out_c:
+            rows = rows * self.blocks_along(i)
+        cols = Const(1)
+        for i in sum_c:
+            cols = cols * self.blocks_along(i)
+        shape = f"(1, {render(rows, 'host')}, {render(cols, 'host')})"
+        data = bool(reads)
+        xp = "jnp" if data else "np"
+        kinds = self.local("kinds")
+        # The sizes as a tuple of their variables: counts are also evaluated where `sizes` is not bound.
+        size_tuple = "(" + ", ".join(sizes) + ("," if len(sizes) == 1 else "") + ")"
+        call = f"{fn}({xp}, {', '.join(reads + [size_tuple])}).reshape({shape})"
+        row, col, read_row, kind, flags = tables
+        names = ", ".join(x if x else "_" for x in (row, col, read_row, kind, flags))
+        if not data:
+            # Known at trace time: exactly the non-empty steps.
+            self.counts.append((n_steps, f"int(_row_walk(np, {call})[1])"))
+            self.host += ["# The walk's steps, from the condition's blocks (known at trace time).",
+                          f"{kinds} = {call}",
+                          f"({names}), _, _ = _row_walk(np, {kinds})"]
+            return
+        dense = f"{render(rows, 'host')} * {render(cols, 'host')}"
+        bound = self.grouped_bound(cond, out_c, sum_c)
+        self.counts.append((n_steps, bound or dense))
+        self.host += [f"# The walk's steps, from the condition's blocks (traced: {n_steps} steps, the unused ones trailing).",
+                      f"{kinds} = {call}",
+                      f"({names}), _, _ = _row_walk(jnp, {kinds}, {n_steps})"]
+        if bound is not None:
+            needed = f"_row_walk(jnp, {call}, 1)[2][0]"
+            self.fallback = Fallback(n_steps, bound, dense, needed)
+
+    def grouped_bound(self, cond: Term, out_c: list[str], sum_c: list[str]) -> str | None:
+        """`row blocks + groups - 1` (times the other classified blocks) for a condition that is,
+        or is and-ed with, sorted ids compared for equality with an index walked one value at a
+        time (`gid[m] == g`); None for any other."""
+        conjuncts = list(cond.args) if cond.op == "and" else [cond]
+        for c in conjuncts:
+            if c.op != "cmp" or c.ops != ("==",):
+                continue
+            a, b = c.args
+            for ids, g in ((a, b), (b, a)):
+                if ids.op == "read" and len(ids.read.indices) == 1 and g.op == "index" and self.tile[g.name] == 1:
+                    m = ids.read.indices[0]
+                    if m == g.name or self.k.operand(ids.read.operand).dtype.is_float:
+                        continue
+                    others = Const(1)
+                    for i in out_c + sum_c:
+                        if i not in (m, g.name):
+                            others = others * self.blocks_along(i)
+                    pairs = self.blocks_along(m) + self.blocks_along(g.name) - 1
+                    return render(pairs * others, "host")
+        return None
+
+
+__all__ = ["ConditionWalk", "condition_indices", "EMPTY", "PARTIAL", "FULL", "Product"]
