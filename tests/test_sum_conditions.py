@@ -1,0 +1,258 @@
+"""Conditions that restrict a sum (language v2, section 1): triangular and grouped
+(mixture-of-experts) matmuls, in the CPU interpreter, the TPU simulator and ahead of time.
+
+The examples' own tiles are 512; the interpreter tests use the same specs with 128 tiles
+(the walk and the classification are the same code), small enough for the simulator.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from aot import compile_for
+from conftest import assert_matches, build, spec_text, with_tiles
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+TRIL = with_tiles(spec_text("tril_matmul"), m=128, k=128, n=128)
+GROUPED = with_tiles(spec_text("grouped_matmul"), m=128, k=128, n=128, g=1)
+
+
+def bf16(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+def f32(x):
+    return np.asarray(x, np.float32)
+
+
+def ids_of(sizes, m):
+    return jnp.repeat(jnp.arange(len(sizes), dtype=jnp.int32), jnp.asarray(sizes, jnp.int32), total_repeat_length=m)
+
+
+# ------------------------------------------------------------------ classification
+
+
+def test_tril_classification_is_exact_against_brute_force():
+    _, mod = build(TRIL)
+    m = 300  # ragged: the last block holds 44 rows
+    kinds = mod._classify(np, (m, 128))
+    t = 128
+    for a in range(kinds.shape[0]):
+        for b in range(kinds.shape[1]):
+            rows = np.arange(a * t, min(m, a * t + t))[:, None]
+            cols = np.arange(b * t, min(m, b * t + t))[None, :]
+            present = cols <= rows
+            want = 2 if present.all() else 1 if present.any() else 0
+            assert kinds[a, b] == want, (a, b)
+
+
+def test_grouped_classification_against_brute_force_and_the_bound():
+    _, mod = build(GROUPED)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        e = int(rng.integers(1, 9))
+        sizes = rng.multinomial(640, np.ones(e) / e)
+        sizes[rng.integers(0, e)] = 0  # an empty group
+        sizes = np.append(sizes, 0)[:e]
+        m = int(sizes.sum()) or 1
+        gid = np.asarray(ids_of(sizes, m))
+        kinds = np.asarray(mod._classify(jnp, jnp.asarray(gid), (m, 128, e, 128)))
+        blocks = -(-m // 128)
+        for a in range(blocks):
+            rows = gid[a * 128:(a + 1) * 128]
+            for g in range(e):
+                present = rows == g
+                if present.all():
+                    assert kinds[a, g] == 2
+                elif present.any():
+                    assert kinds[a, g] == 1
+                else:
+                    # Exact for sorted ids but for a group with no rows inside the block's range.
+                    assert kinds[a, g] == 0 or (rows.min() < g < rows.max() and sizes[g] == 0)
+        # Sorted ids: the non-empty (row block, group) pairs fit the walk's static bound.
+        assert (kinds != 0).sum() <= blocks + e - 1
+
+
+# ------------------------------------------------------------------ tril
+
+
+@pytest.mark.parametrize("m,n", [(256, 128), (300, 200)])
+def test_tril_matches_the_oracle(interpret, m, n):
+    kernel, mod = build(TRIL)
+    rng = np.random.default_rng(m)
+    x, y = bf16(rng, (m, m)), bf16(rng, (m, n))
+    want = np.tril(f32(x)) @ f32(y)
+    out = mod.tril_matmul(x, y, interpret=interpret)
+    assert_matches(kernel, out, want)
+    assert_matches(kernel, mod.reference(x, y), want)
+
+
+def test_tril_never_reads_the_upper_triangle():
+    """A NaN above the diagonal is selected out, in partial blocks and skipped ones."""
+    kernel, mod = build(TRIL)
+    rng = np.random.default_rng(1)
+    x, y = f32(bf16(rng, (256, 256))), bf16(rng, (256, 128))
+    x[np.triu_indices(256, 1)] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    want = np.tril(np.nan_to_num(f32(x))) @ f32(y)
+    assert_matches(kernel, mod.tril_matmul(x, y, interpret=True), want)
+    assert_matches(kernel, mod.reference(x, y), want)
+
+
+def test_tril_steps_visit_only_the_lower_blocks():
+    _, mod = build(TRIL)
+    row, read, col, kind, flags = mod._prefetch(None, None, (512, 128))
+    assert len(kind) == 4 * 5 // 2  # the blocks on or below the diagonal, no more
+    assert all(c <= r for r, c in zip(row, col))
+
+
+def test_tril_gradients(interpret):
+    kernel, mod = build(TRIL)
+    rng = np.random.default_rng(2)
+    x, y = bf16(rng, (256, 256)), bf16(rng, (256, 128))
+
+    def loss(f):
+        return lambda x, y: (f(x, y).astype(jnp.float32) ** 2).sum()
+
+    got = jax.grad(loss(lambda x, y: mod.tril_matmul(x, y, interpret=interpret)), argnums=(0, 1))(x, y)
+    want = jax.grad(loss(lambda x, y: jnp.tril(x.astype(jnp.float32)) @ y.astype(jnp.float32)), argnums=(0, 1))(x, y)
+    for g, w in zip(got, want):
+        w = f32(w)
+        assert np.abs(f32(g) - w).max() <= 0.02 * np.abs(w).max()
+    assert np.all(f32(got[0])[np.triu_indices(256, 1)] == 0)  # absent terms have no gradient
+
+
+# ------------------------------------------------------------------ grouped
+
+
+GROUPS = {
+    "empty groups": [100, 0, 200, 0, 84],
+    "a group spanning several row blocks": [20, 300, 64],
+    "a block straddling three groups": [50, 30, 40, 264],
+    "one group": [384],
+}
+
+
+@pytest.mark.parametrize("sizes", list(GROUPS.values()), ids=list(GROUPS))
+def test_grouped_matches_ragged_dot(interpret, sizes):
+    kernel, mod = build(GROUPED)
+    rng = np.random.default_rng(len(sizes))
+    m, e = sum(sizes), len(sizes)
+    x, w = bf16(rng, (m, 256)), bf16(rng, (e, 256, 128))
+    gid = ids_of(sizes, m)
+    want = jax.lax.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32), preferred_element_type=jnp.float32)
+    assert_matches(kernel, mod.grouped_matmul(x, w, gid, interpret=interpret), want)
+    assert_matches(kernel, mod.reference(x, w, gid), want)
+
+
+def test_grouped_matches_megablox_gmm():
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    kernel, mod = build(GROUPED)
+    rng = np.random.default_rng(3)
+    sizes = GROUPS["a block straddling three groups"]
+    m, e = sum(sizes), len(sizes)
+    x, w = bf16(rng, (m, 256)), bf16(rng, (e, 256, 128))
+    want = gmm(x, w, jnp.asarray(sizes, jnp.int32), preferred_element_type=jnp.float32, tiling=(128, 128, 128), interpret=True)
+    assert_matches(kernel, mod.grouped_matmul(x, w, ids_of(sizes, m), interpret=True), want)
+
+
+def test_grouped_under_jit_sorted_and_unsorted():
+    """Traced ids: the walk has row blocks + groups - 1 steps; unsorted ids take the dense
+    walk (lax.cond), still correct."""
+    kernel, mod = build(GROUPED)
+    rng = np.random.default_rng(4)
+    sizes = [100, 0, 200, 84]
+    m = sum(sizes)
+    x, w = bf16(rng, (m, 128)), bf16(rng, (4, 128, 128))
+    gid = ids_of(sizes, m)
+    run = jax.jit(lambda x, w, gid: mod.grouped_matmul(x, w, gid, interpret=True))
+    want = f32(jax.lax.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32), preferred_element_type=jnp.float32))
+    assert_matches(kernel, run(x, w, gid), want)
+    perm = rng.permutation(m)
+    assert_matches(kernel, run(x[perm], w, gid[perm]), want[perm])
+    # Rows whose id is no group's (padding, -1) are absent: zeros.
+    pad = gid.at[-10:].set(-1)
+    expect = want.copy()
+    expect[-10:] = 0
+    assert_matches(kernel, run(x, w, pad), expect)
+    text = str(jax.make_jaxpr(lambda x, w, gid: mod.grouped_matmul(x, w, gid, interpret=True))(x, w, gid))
+    assert "cond" in text
+
+
+def test_grouped_gradients_equal_ragged_dots(interpret):
+    """dx is gmm with the matrices transposed and dw is tgmm, both derived with the condition."""
+    kernel, mod = build(GROUPED)
+    rng = np.random.default_rng(5)
+    sizes = [50, 0, 300, 34]
+    m = sum(sizes)
+    x, w = bf16(rng, (m, 128)), bf16(rng, (4, 128, 128))
+    gid, gs = ids_of(sizes, m), jnp.asarray(sizes, jnp.int32)
+
+    def loss(f):
+        return lambda x, w: (f(x, w).astype(jnp.float32) ** 2).sum()
+
+    got = jax.grad(loss(lambda x, w: mod.grouped_matmul(x, w, gid, interpret=interpret)), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)), argnums=(0, 1))(x, w)
+    for g, wv in zip(got, want):
+        wv = f32(wv)
+        assert np.abs(f32(g) - wv).max() <= 0.02 * np.abs(wv).max()
+    assert np.all(f32(got[1])[1] == 0)  # the empty group's matrix gets no gradient
+
+
+# ------------------------------------------------------------------ random conditions on a sum
+
+AFFINE = """kernel banded {{
+    in  x: f32[M, K]
+    in  y: f32[K, N]
+    out o: f32[M, N]
+
+    o[m, n] = x[m, k] * y[k, n] where {cond}
+
+    tile m = 128, k = 128, n = 128
+}}
+"""
+
+
+@settings(max_examples=8, deadline=None)
+@given(lo=st.integers(-300, 300), width=st.integers(0, 400), outside=st.booleans())
+def test_random_affine_conditions_on_the_sum(lo, width, outside):
+    """A band of the sum (exact: one affine form, intersected), or what lies outside it (an
+    `or`: correct, partial where unsure)."""
+    cond = f"k >= m + {lo} and k < m + {lo + width}" if not outside else f"k < m + {lo} or k >= m + {lo + width}"
+    kernel, mod = build(AFFINE.format(cond=cond))
+    rng = np.random.default_rng(abs(lo) + width)
+    m, kk, n = 256, 384, 256
+    x, y = rng.standard_normal((m, kk), dtype=np.float32), rng.standard_normal((kk, n), dtype=np.float32)
+    mi, ki = np.arange(m)[:, None, None], np.arange(kk)[None, :, None]
+    present = (ki >= mi + lo) & (ki < mi + lo + width)
+    present = ~present if outside else present
+    want = np.einsum("mk,mk,kn->mn", present[..., 0].astype(np.float64), x, y)
+    assert_matches(kernel, mod.banded(x, y, interpret=True), want)
+    assert_matches(kernel, mod.reference(x, y), want)
+
+
+def test_a_condition_no_factor_can_select_is_refused():
+    from sparsegen.source import SpecError
+
+    with pytest.raises(SpecError, match="no factor holds every index of the condition"):
+        build(AFFINE.format(cond="k + n >= m"))  # x has m and k, y has k and n
+
+
+# ------------------------------------------------------------------ ahead of time
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2", "v4:2x2x1"])
+def test_examples_compile_ahead_of_time_forward_and_backward(topology):
+    """The examples at their own 512 tiles."""
+    _, tril = build(spec_text("tril_matmul"))
+    _, grouped = build(spec_text("grouped_matmul"))
+    x, y = np.zeros((2048, 2048), jnp.bfloat16), np.zeros((2048, 1024), jnp.bfloat16)
+    compile_for(lambda x, y: tril.tril_matmul(x, y), (x, y), topology)
+    compile_for(jax.grad(lambda x, y: tril.tril_matmul(x, y).astype(jnp.float32).sum(), argnums=(0, 1)), (x, y), topology)
+    w, gid = np.zeros((8, 2048, 1024), jnp.bfloat16), np.zeros((2048,), np.int32)
+    compile_for(lambda x, w, g: grouped.grouped_matmul(x, w, g), (x, w, gid), topology)
+    compile_for(jax.grad(lambda x, w, g: grouped.grouped_matmul(x, w, g).astype(jnp.float32).sum(), argnums=(0, 1)), (x, w, gid), topology)
