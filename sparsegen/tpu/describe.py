@@ -35,6 +35,10 @@ def _calls(tp: TpuPass) -> list[str]:
         lines.append(f"accumulate {what}{when}")
         for t in body.tails:
             lines.append(f"  past {t.size} along {t.index} (a partial last block) the factors are zero")
+    if body.select is not None:
+        sel = body.select
+        on = "the value written" if sel.target == "flush" else " * ".join(f.operand for f in body.summed[sel.group].factors)
+        lines.append(f"in a partial step ({render(sel.when, 'text')}) the terms where not ({sel.condition.text}) are selected out of {on}")
     for case in body.flush_cases:
         when = [render(e, "text") for e in (body.flush_when, case.when) if e is not None]
         cond = " and ".join(when) if when else "every step"
@@ -53,6 +57,14 @@ def describe_pass(m: TpuModule, tp: TpuPass) -> list[str]:
     p = tp.p
     out = [f"{p.statement.text}  ({p.walk}: {p.about})"]
     out.append(f"  grid ({', '.join(render(a.extent, 'text') for a in p.axes)})")
+    if p.fallback is not None:
+        f = p.fallback
+        out.append(f"    {f.count} = {f.bound} when the data allows (sorted group ids), else {f.dense} (lax.cond: correct for any ids)")
+    elif p.walk == "condition":
+        var, value = p.counts[0]
+        known = value.startswith("int(")  # counted with numpy at trace time
+        out.append(f"    {var}: " + ("the non-empty blocks of the condition, counted at trace time" if known else
+                                      f"{value} (the condition reads traced operands: unused steps trailing)"))
     for a in p.axes:
         out.append(f"    {a.var}: {a.about} [{'parallel' if a.parallel else 'arbitrary'}]")
     out.append(f"  dimension_semantics ({', '.join(tp.dimension_semantics)})")
