@@ -85,6 +85,14 @@ def default_sizes(kernel: Kernel, options: dict[str, list[int]]) -> dict[str, in
             if index.size.symbol == symbol:
                 tiles += options.get(index.name, [index.tile])
         sizes[symbol] = 8 * max(tiles) if tiles else 1024
+    from .schedule.attention import whole_sizes
+
+    sizes.update(whole_sizes(kernel))  # a row walk's summed and value indices: one block spans them
+    for rel in kernel.relations:  # `h // n`: the smaller size follows from the larger one
+        big = kernel.index(rel.index).size.symbol
+        if big in sizes and rel.dim.symbol in sizes:
+            sizes[big] = math.lcm(sizes[big], rel.divisor)
+            sizes[rel.dim.symbol] = sizes[big] // rel.divisor
     return sizes
 
 
@@ -99,9 +107,18 @@ def build(variant: Variant, target: str) -> None:
 
 def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[str], seed: int) -> None:
     from .callconv import operand_indices
+    from .tpu.attention.simulate import LayoutRefused, analyse_attention
     from .tpu.simulate import analyse
 
     k = variant.plan.kernel
+    if not variant.plan.passes:  # the row walk: a block sums all of `d` and holds all of a value's index
+        for i in variant.plan.plan.inner:
+            index = k.index(i)
+            symbol = index.size.symbol
+            if symbol is not None and sizes.get(symbol, index.tile) != index.tile:
+                variant.rejected = (f"tile {i} = {index.tile} must span {symbol}, which is {sizes[symbol]}: an attention block "
+                                    f"sums (or holds) all of '{i}' (set sizes with --shape)")
+                return
     for operand, d, tile in variant.plan.spans:
         dim = k.operand(operand).dims[d]
         if dim.symbol is not None and sizes.get(dim.symbol, tile) != tile:
@@ -110,7 +127,12 @@ def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[s
                                 f"{dim.symbol}, which is {sizes[dim.symbol]} (set sizes with --shape)")
             return
     try:
-        variant.report = analyse(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed)
+        if variant.plan.passes:
+            variant.report = analyse(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed)
+        else:
+            variant.report = analyse_attention(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed, strict=True)
+    except LayoutRefused as exc:
+        variant.rejected = str(exc)
     except (ValueError, KeyError) as exc:
         variant.rejected = f"cannot model it on {pattern}: {exc}"
 
@@ -153,6 +175,8 @@ def time_on_tpu(variant: Variant, sizes: dict[str, int], pattern: str, seed: int
             args.append(sparse[op.name])
         elif p.kind == "index":
             args.append(np.zeros(op.dims[0].literal, np.int32))
+        elif op.name in sparse:  # a condition's data (segment ids) from the pattern
+            args.append(sparse[op.name])
         else:
             args.append(rng.standard_normal(shape).astype(op.dtype.np_dtype))
     keywords = {s: env[s] for s, lit in k.symbols if lit is None}

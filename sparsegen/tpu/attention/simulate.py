@@ -32,8 +32,14 @@ class WalkSimulation(Simulation):
         return sum(t.copies * t.block_bytes for t in self.traffic.values()) + self.write_back_bytes + self.prefetch_bytes
 
 
-def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",), seed: int = 0) -> Report:
-    """Simulate the row walk of an attention-like kernel on a pattern, and its dense twin."""
+class LayoutRefused(ValueError):
+    """A block of the walk breaks the TPU layout rule at these sizes: the compile refuses it."""
+
+
+def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",), seed: int = 0, strict: bool = False) -> Report:
+    """Simulate the row walk of an attention-like kernel on a pattern, and its dense twin.
+    With `strict`, a block that breaks the TPU layout rule raises LayoutRefused (variants
+    drops it); otherwise it is a note."""
     from ...shapes import _load
     from ..cycles import capture, concrete_args
     from ..emit import emit
@@ -44,8 +50,11 @@ def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",
     module = _load(emit(plan, "<memory>", formatted=False), f"sparsegen_walk_{plan.name}")
     fn = getattr(module, plan.name)
     calls, _ = capture(fn, args, keywords, False, module.pl)
+    problem = _layout_problem(plan, calls)
+    if problem and strict:
+        raise LayoutRefused(problem)
     sim = _walk(plan, calls)
-    notes = _notes(p, module, args, keywords, pattern, sim)
+    notes = _notes(p, module, args, keywords, pattern, sim) + ((f"{problem}: the compile will refuse it",) if problem else ())
     # The dense twin: every block classified partial (visited, the condition evaluated).
     classify = next(n for n in module.block_kinds.__code__.co_names if n.startswith("_classify_blocks"))
     real = getattr(module, classify)
@@ -58,6 +67,28 @@ def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",
         estimates[name] = {"seconds": ours["seconds"], "dense_seconds": base["seconds"],
                            "speedup": base["seconds"] / ours["seconds"] if ours["seconds"] else float("inf"), "bound": ours["bound"]}
     return Report(plan, env, pattern, sim, dense, estimates, None, tuple(notes))
+
+
+def _layout_problem(plan, calls) -> str | None:
+    """The first block whose last two dimensions break the TPU layout rule (multiples of 8
+    and 128, or the array's own), as Pallas checks it when it lowers the call."""
+    from ..cycles import block_walks
+
+    p = plan.plan
+    for call in calls:
+        for spec, array, is_output, _, _ in block_walks(call):
+            block, shape = spec.block_shape, array.shape
+            if block is None or len(block) < 2:
+                continue
+            for d, quantum in ((-2, 8), (-1, 128)):
+                b = block[d]
+                if b is not None and int(getattr(b, "block_size", b)) % quantum and int(getattr(b, "block_size", b)) != shape[d]:
+                    what = "output" if is_output else "input"
+                    name = _map_name(spec.index_map).strip("_").removesuffix("_map")
+                    sizes = tuple(None if x is None else int(getattr(x, "block_size", x)) for x in block)
+                    return (f"the {what} block {sizes} of '{name}' (array {tuple(shape)}) breaks the TPU layout rule: its last two "
+                            f"dimensions must be multiples of 8 and 128 or span the array (choose other {p.query} or {p.key} tiles)")
+    return None
 
 
 def _notes(p, module, args, keywords, pattern: str, sim) -> tuple[str, ...]:
