@@ -5,7 +5,9 @@ checked model with new tiles and compiled through the whole pipeline, so it obey
 rule `build` does. Variants the checks reject are dropped with their reason; unless
 `--no-compile`, so are those that fail to compile ahead of time for a target. The rest are
 ranked by the pipeline simulator's roofline estimate on the pattern, and, where a TPU is
-present, timed and ranked by measured time.
+present, timed and ranked by measured time; `--rank cycles` ranks by libtpu's static cycle
+estimate instead (a profiled compile per variant: slow). Attention-like kernels take part
+through their row walk (`tpu/attention/simulate.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class Variant:
     report: object | None = None
     compiled: dict[str, bool] = field(default_factory=dict)
     measured: float | None = None  # median seconds on a TPU
+    cycles: int | None = None  # libtpu's weighted static estimate of the forward passes (--rank cycles)
+    cycles_reason: str | None = None  # why there is none
+    cycles_report: object | None = None  # cycles.KernelCycles
 
     @property
     def estimate(self) -> float:
@@ -207,7 +212,37 @@ def tpu_present() -> bool:
         return False
 
 
-def rank(variants: list[Variant]) -> list[Variant]:
-    """Survivors by measured time where there is one, else by the model; ties by name."""
+def estimate_cycles(variants: list[Variant], sizes: dict[str, int], pattern: str, target: str, seed: int) -> None:
+    """libtpu's static cycle estimate of each variant's forward passes, the table-driven
+    regions weighted by the pattern's walk (`tpu/cycles.py`, all in one helper process).
+    Where there is none (this libtpu lacks the profile flag, a profile failed or was not
+    weighted) the variant keeps `cycles` None and says why in `cycles_reason`."""
+    import subprocess
+
+    from .tpu import cycles
+
+    jobs = [{"spec": v.source.name, "text": v.source.text, "kernel": v.name, "target": target, "shapes": sizes,
+             "pattern": pattern, "seed": seed, "backward": False} for v in variants]
+    if not jobs:
+        return
+    try:
+        found = cycles.measure(jobs)
+    except (cycles.CyclesUnavailable, subprocess.TimeoutExpired, OSError) as exc:
+        for v in variants:
+            v.cycles_reason = f"no estimate: {exc}".splitlines()[0]
+        return
+    for v, k in zip(variants, found):
+        v.cycles_report = k
+        v.cycles = k.total(k.forward)
+        if v.cycles is None:
+            why = k.error or next((p.note for p in k.forward if p.cycles is None and p.note), None)
+            v.cycles_reason = why or "no pass was estimated"
+
+
+def rank(variants: list[Variant], by: str = "model") -> list[Variant]:
+    """Survivors by measured time where there is one, else by the model; with `by="cycles"`,
+    by libtpu's cycle estimate, those without one last. Ties by the model, then by name."""
     alive = [v for v in variants if v.rejected is None]
+    if by == "cycles":
+        return sorted(alive, key=lambda v: (v.cycles is None, v.cycles or 0, v.estimate, v.name))
     return sorted(alive, key=lambda v: (v.measured if v.measured is not None else math.inf, v.estimate, v.name))

@@ -158,7 +158,8 @@ class KernelCycles:
 
 def measure(jobs: list[dict], timeout: float = 3600) -> list[KernelCycles]:
     """Run the helper process on `jobs` ({"spec", "kernel", "target", "shapes", "pattern", "seed"}
-    each; "backward": False leaves the backward out). libtpu's profiler aborts the process on some kernels ("No DMA issue node found for
+    each; "backward": False leaves the backward out; "text": the spec's text, where "spec"
+    only names it). libtpu's profiler aborts the process on some kernels ("No DMA issue node found for
     sync flag"): that pass is reported as not estimated, and a new process goes on after it.
     NoProfile if this libtpu writes no estimate at all."""
     from ..jaxenv import quiet_libtpu
@@ -587,7 +588,8 @@ def run_job(n: int, job: dict, skip: set[tuple], emit_line) -> None:
     from .verify import _device
 
     try:
-        source = SourceFile.read(job["spec"])
+        # A variant's spec exists only as text (`variants --rank cycles`).
+        source = SourceFile(job["spec"], job["text"]) if "text" in job else SourceFile.read(job["spec"])
         plan = next(p for p in lower_source(source, job["target"]) if p.name == job["kernel"])
         k = plan.kernel
         env = sizes(k, job["shapes"])
