@@ -273,9 +273,9 @@ def cmd_plan(args) -> int:
         return 2
     reports = []
     for p in found:
-        if not p.passes:  # a row walk: its steps come from block_kinds(), not a pattern
-            print(f"sparsegen plan: --pattern simulates the einsum walks; '{p.name}' is attention-like: its condition "
-                  "is its pattern (call block_kinds() in the generated module, or see bench/bench_attention.py)", file=sys.stderr)
+        if not p.passes and args.png:
+            print(f"sparsegen plan: --png draws the einsum walks; '{p.name}' is attention-like (its walk is not drawn yet: "
+                  "leave out --png)", file=sys.stderr)
             return 2
         sizes = {**default_shapes(p.kernel), **shapes}
         missing = [s for s, lit in p.kernel.symbols if lit is None and s not in sizes]
@@ -563,9 +563,6 @@ def cmd_variants(args) -> int:
         print(f"sparsegen variants: choose one kernel with --kernel (the spec has: {names})", file=sys.stderr)
         return 2
     kernel = found[0].kernel
-    if not found[0].passes:
-        print(f"sparsegen variants: '{kernel.name}' is attention-like; variants explores the einsum walks only (not yet the row walk)", file=sys.stderr)
-        return 2
     from .tpu.verify import parse_shapes
 
     try:
@@ -599,6 +596,11 @@ def cmd_variants(args) -> int:
             for v in alive:
                 vs.compile_check(v, sizes, targets, args.nnz)
                 progress.advance(task)
+        if args.rank == "cycles":
+            alive = [v for v in candidates if v.rejected is None]
+            task = progress.add_task(f"libtpu's cycle estimate ({len(alive)} profiled compiles, in one process)", total=1)
+            vs.estimate_cycles(alive, sizes, args.pattern, targets[0], args.seed)
+            progress.advance(task)
         if timed:
             alive = [v for v in candidates if v.rejected is None]
             task = progress.add_task("timing on the TPU", total=len(alive))
@@ -608,8 +610,11 @@ def cmd_variants(args) -> int:
     for v in candidates:
         if v.rejected is not None:
             print(f"dropped {v.name}: {v.rejected}", file=sys.stderr)
-    ranked = vs.rank(candidates)
-    _print_variants(ranked, targets, args.pattern, sizes, timed)
+    ranked = vs.rank(candidates, args.rank)
+    _print_variants(ranked, targets, args.pattern, sizes, timed, args.rank)
+    for v in ranked:
+        if args.rank == "cycles" and v.cycles is None:
+            print(f"cycles unknown for {v.name} (ranked last): {v.cycles_reason}", file=sys.stderr)
     if args.output and ranked:
         try:
             _write_all({Path(args.output) / f"{v.name}.py": v.code for v in ranked})
@@ -625,6 +630,7 @@ def cmd_variants(args) -> int:
             "pattern": args.pattern,
             "shapes": sizes,
             "targets": targets,
+            "rank_by": "cycles" if args.rank == "cycles" else "measured time" if timed else "model",
             "variants": [
                 {
                     "name": v.name,
@@ -634,6 +640,7 @@ def cmd_variants(args) -> int:
                     "compiled": v.compiled,
                     "measured_seconds": v.measured,
                     "model": v.report.to_json() if v.report else None,
+                    **({"cycles": _variant_cycles_json(v)} if args.rank == "cycles" else {}),
                 }
                 for v in candidates
             ],
@@ -642,19 +649,27 @@ def cmd_variants(args) -> int:
     return 0 if ranked else 1
 
 
-def _print_variants(ranked, targets, pattern, sizes, timed) -> None:
+def _variant_cycles_json(v) -> dict:
+    """A variant's cycle estimate in `variants --json`: the figure ranked by (null: unknown, with the reason)."""
+    forward = v.cycles_report.to_json()["forward"] if v.cycles_report is not None else None
+    return {"estimated_cycles": v.cycles, "reason": v.cycles_reason if v.cycles is None else None, "forward": forward}
+
+
+def _print_variants(ranked, targets, pattern, sizes, timed, by: str = "model") -> None:
     from rich.console import Console
     from rich.table import Table
 
     from .tpu.targets import format_bytes
 
     shapes = ", ".join(f"{k}={v}" for k, v in sizes.items())
-    table = Table(title=f"variants ranked by {'measured time' if timed else 'the model'}: pattern {pattern}, {shapes}")
-    for column in ("#", "variant", "VMEM", "block products", "wasted copies", "HBM", *(f"{t} est." for t in targets), "vs dense", *(["measured"] if timed else [])):
+    how = f"libtpu's cycle estimate ({targets[0]})" if by == "cycles" else "measured time" if timed else "the model"
+    table = Table(title=f"variants ranked by {how}: pattern {pattern}, {shapes}")
+    cycles = ["est. cycles"] if by == "cycles" else []
+    for column in ("#", "variant", *cycles, "VMEM", "block products", "wasted copies", "HBM", *(f"{t} est." for t in targets), "vs dense", *(["measured"] if timed else [])):
         table.add_column(column, justify="left" if column == "variant" else "right")
     for n, v in enumerate(ranked, 1):
         r = v.report
-        row = [str(n), v.name, format_bytes(v.plan.vmem_bytes), f"{r.sim.block_products} / {r.dense.block_products}", str(r.sim.wasted_copies), format_bytes(r.sim.hbm_bytes)]
+        row = [str(n), v.name, *([f"{v.cycles:,}" if v.cycles is not None else "unknown"] if by == "cycles" else []), format_bytes(v.plan.vmem_bytes), f"{r.sim.block_products} / {r.dense.block_products}", str(r.sim.wasted_copies), format_bytes(r.sim.hbm_bytes)]
         row += [f"{r.estimates[t]['seconds'] * 1e3:.3f} ms" for t in targets]
         row.append(f"{r.estimates[targets[0]]['speedup']:.2f}x")
         if timed:
@@ -736,7 +751,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--pattern", metavar="P", help="with --cycles: tril | density=F | band=W | FILE.npy (default: density=NNZ)")
     verify.add_argument("--seed", type=int, default=0, help="with --cycles: seed of density= patterns")
     verify.set_defaults(func=cmd_verify)
-    variants = sub.add_parser("variants", help="expand tile choices, drop what cannot work, rank the rest by a pipeline model")
+    variants = sub.add_parser("variants", help="expand tile choices, drop what cannot work, rank the rest by a pipeline model (or libtpu's cycle estimate)")
     variants.add_argument("spec", metavar="SPEC", help=SPEC_HELP)
     variants.add_argument("--kernel", metavar="NAME", help="the kernel, if the spec has several")
     variants.add_argument("--tile", action="append", default=[], metavar="INDEX=SIZE,...", help="tile choices for one index (repeat)")
@@ -746,6 +761,10 @@ def _parser() -> argparse.ArgumentParser:
     variants.add_argument("--nnz", type=float, default=0.1, help="stored-block fraction for the compile check (default: 0.1)")
     variants.add_argument("--seed", type=int, default=0, help="seed of a density= pattern (default: 0)")
     variants.add_argument("--no-compile", action="store_true", help="skip ahead-of-time compiles (model only)")
+    variants.add_argument("--rank", choices=("model", "cycles"), default="model",
+                          help="model: the pipeline model, or measured time where a TPU is present (default); cycles: libtpu's static "
+                               "cycle estimate of each variant on --pattern, for the first --target (slow: a profiled compile per "
+                               "variant, three where a condition reads tables); a variant without one ranks last, saying why")
     variants.add_argument("-o", "--output", metavar="DIR", help="write the surviving variants' modules here")
     variants.add_argument("--json", dest="json_file", metavar="FILE", help="write the full report as JSON")
     variants.set_defaults(func=cmd_variants)

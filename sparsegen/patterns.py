@@ -4,6 +4,10 @@ laid over a kernel's sparse operand. Backend-neutral: numpy only.
 A pattern is `tril` (causal), `density=F` (a random fraction F of the blocks, 0 <= F <= 1),
 `band=W` (elements within W of the diagonal, W >= 1), or a `.npy` file (numpy.save) holding
 a bool or numeric array: the operand's dense mask or its block-level pattern (nonzero: set).
+
+An attention-like kernel's condition reads its data from the pattern too: a mask operand as
+above, and integer operands (segment ids, `where seg[b, i] == seg[b, j]`) as sorted ids
+along their last dimension (`segment_ids`). A condition on sizes alone reads nothing.
 """
 
 from __future__ import annotations
@@ -112,6 +116,9 @@ def pattern_args(plan: TpuModule, env: dict[str, int], pattern: str | Pattern, s
     k = plan.kernel
     tile = {i.name: i.tile for i in k.indices}
     args = {}
+    for op, key in condition_ids(plan):
+        shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in op.dims)
+        args[op.name] = segment_ids(pattern, op.name, shape, tile[key], seed)
     for sparse in (o for o in k.operands if o.sparsity in ("coo", "mask")):
         shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims)
         tiles = tuple(tile[i] for i in operand_indices(k, sparse))
@@ -130,8 +137,45 @@ def pattern_args(plan: TpuModule, env: dict[str, int], pattern: str | Pattern, s
         elif p.kind == "blocks":
             out.append(np.zeros((len(args[p.operand][0]), 1), np.float32))  # only its length is read
         elif p.kind != "index":
-            out.append(None)  # data the tables never read
+            out.append(args.get(p.operand))  # None: data the tables never read
     return out, args
+
+
+def condition_ids(plan) -> list:
+    """Integer operands an attention-like kernel's condition reads (segment ids), with the
+    key index whose blocks a document starts at; [] for other kernels."""
+    row = getattr(plan, "plan", None)
+    if row is None or not hasattr(row, "conditions"):
+        return []
+    k = plan.kernel
+    names = dict.fromkeys(r.operand for cond in row.conditions for r in cond.reads)
+    return [(k.operand(n), row.key) for n in names if k.operand(n).sparsity == "dense" and not k.operand(n).dtype.is_float]
+
+
+def segment_ids(pattern: Pattern, name: str, shape, tile: int, seed: int) -> np.ndarray:
+    """Sorted ids along the last dimension (one document per run), the same layout for every
+    leading index unless a file gives them all: `tril` one document (the condition's other
+    parts decide), `band=W` documents of W positions, `density=F` a new document at each
+    block of `tile` with probability 1 - F (F=1: one document), a file the ids themselves
+    (the operand's shape, or its last dimension's)."""
+    n = shape[-1]
+    if pattern.kind == "file":
+        data = pattern.data
+        if data.dtype.kind not in "biu":
+            raise PatternError(f"pattern file {pattern.text} holds {data.dtype} values; '{name}' takes integer ids")
+        if data.shape not in (tuple(shape), (n,)):
+            raise PatternError(f"pattern file {pattern.text} has shape {data.shape}; '{name}' takes ids of shape {tuple(shape)} or ({n},)")
+        return np.broadcast_to(data.astype(np.int32), shape).copy()
+    if pattern.kind == "tril":
+        ids = np.zeros(n, np.int32)
+    elif pattern.kind == "band":
+        ids = (np.arange(n) // int(pattern.value)).astype(np.int32)
+    else:
+        blocks = -(-n // tile)
+        starts = np.random.default_rng(seed).random(blocks) >= pattern.value
+        starts[0] = False
+        ids = np.repeat(np.cumsum(starts), tile)[:n].astype(np.int32)
+    return np.broadcast_to(ids, shape).copy()
 
 
 def _grid(shape, tiles) -> tuple[int, ...]:

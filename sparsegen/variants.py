@@ -5,7 +5,9 @@ checked model with new tiles and compiled through the whole pipeline, so it obey
 rule `build` does. Variants the checks reject are dropped with their reason; unless
 `--no-compile`, so are those that fail to compile ahead of time for a target. The rest are
 ranked by the pipeline simulator's roofline estimate on the pattern, and, where a TPU is
-present, timed and ranked by measured time.
+present, timed and ranked by measured time; `--rank cycles` ranks by libtpu's static cycle
+estimate instead (a profiled compile per variant: slow). Attention-like kernels take part
+through their row walk (`tpu/attention/simulate.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class Variant:
     report: object | None = None
     compiled: dict[str, bool] = field(default_factory=dict)
     measured: float | None = None  # median seconds on a TPU
+    cycles: int | None = None  # libtpu's weighted static estimate of the forward passes (--rank cycles)
+    cycles_reason: str | None = None  # why there is none
+    cycles_report: object | None = None  # cycles.KernelCycles
 
     @property
     def estimate(self) -> float:
@@ -85,6 +90,14 @@ def default_sizes(kernel: Kernel, options: dict[str, list[int]]) -> dict[str, in
             if index.size.symbol == symbol:
                 tiles += options.get(index.name, [index.tile])
         sizes[symbol] = 8 * max(tiles) if tiles else 1024
+    from .schedule.attention import whole_sizes
+
+    sizes.update(whole_sizes(kernel))  # a row walk's summed and value indices: one block spans them
+    for rel in kernel.relations:  # `h // n`: the smaller size follows from the larger one
+        big = kernel.index(rel.index).size.symbol
+        if big in sizes and rel.dim.symbol in sizes:
+            sizes[big] = math.lcm(sizes[big], rel.divisor)
+            sizes[rel.dim.symbol] = sizes[big] // rel.divisor
     return sizes
 
 
@@ -99,9 +112,18 @@ def build(variant: Variant, target: str) -> None:
 
 def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[str], seed: int) -> None:
     from .callconv import operand_indices
+    from .tpu.attention.simulate import LayoutRefused, analyse_attention
     from .tpu.simulate import analyse
 
     k = variant.plan.kernel
+    if not variant.plan.passes:  # the row walk: a block sums all of `d` and holds all of a value's index
+        for i in variant.plan.plan.inner:
+            index = k.index(i)
+            symbol = index.size.symbol
+            if symbol is not None and sizes.get(symbol, index.tile) != index.tile:
+                variant.rejected = (f"tile {i} = {index.tile} must span {symbol}, which is {sizes[symbol]}: an attention block "
+                                    f"sums (or holds) all of '{i}' (set sizes with --shape)")
+                return
     for operand, d, tile in variant.plan.spans:
         dim = k.operand(operand).dims[d]
         if dim.symbol is not None and sizes.get(dim.symbol, tile) != tile:
@@ -110,7 +132,12 @@ def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[s
                                 f"{dim.symbol}, which is {sizes[dim.symbol]} (set sizes with --shape)")
             return
     try:
-        variant.report = analyse(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed)
+        if variant.plan.passes:
+            variant.report = analyse(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed)
+        else:
+            variant.report = analyse_attention(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed, strict=True)
+    except LayoutRefused as exc:
+        variant.rejected = str(exc)
     except (ValueError, KeyError) as exc:
         variant.rejected = f"cannot model it on {pattern}: {exc}"
 
@@ -133,10 +160,13 @@ def time_on_tpu(variant: Variant, sizes: dict[str, int], pattern: str, seed: int
     import numpy as np
 
     from .callconv import stored_tiles
-    from .tpu.simulate import load_module, pattern_args
+    from .shapes import _load
+    from .tpu.simulate import pattern_args
 
     plan = variant.plan
-    module = load_module(plan, f"timed_{variant.name}")
+    # The module as written (jax itself: load_module's host stand-ins are for the simulator),
+    # an einsum or a row-walk kernel alike.
+    module = _load(variant.code, f"timed_{variant.name}")
     k = plan.kernel
     env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
     _, sparse = pattern_args(plan, env, pattern, seed)
@@ -153,6 +183,8 @@ def time_on_tpu(variant: Variant, sizes: dict[str, int], pattern: str, seed: int
             args.append(sparse[op.name])
         elif p.kind == "index":
             args.append(np.zeros(op.dims[0].literal, np.int32))
+        elif op.name in sparse:  # a condition's data (segment ids) from the pattern
+            args.append(sparse[op.name])
         else:
             args.append(rng.standard_normal(shape).astype(op.dtype.np_dtype))
     keywords = {s: env[s] for s, lit in k.symbols if lit is None}
@@ -183,7 +215,37 @@ def tpu_present() -> bool:
         return False
 
 
-def rank(variants: list[Variant]) -> list[Variant]:
-    """Survivors by measured time where there is one, else by the model; ties by name."""
+def estimate_cycles(variants: list[Variant], sizes: dict[str, int], pattern: str, target: str, seed: int) -> None:
+    """libtpu's static cycle estimate of each variant's forward passes, the table-driven
+    regions weighted by the pattern's walk (`tpu/cycles.py`, all in one helper process).
+    Where there is none (this libtpu lacks the profile flag, a profile failed or was not
+    weighted) the variant keeps `cycles` None and says why in `cycles_reason`."""
+    import subprocess
+
+    from .tpu import cycles
+
+    jobs = [{"spec": v.source.name, "text": v.source.text, "kernel": v.name, "target": target, "shapes": sizes,
+             "pattern": pattern, "seed": seed, "backward": False} for v in variants]
+    if not jobs:
+        return
+    try:
+        found = cycles.measure(jobs)
+    except (cycles.CyclesUnavailable, subprocess.TimeoutExpired, OSError) as exc:
+        for v in variants:
+            v.cycles_reason = f"no estimate: {exc}".splitlines()[0]
+        return
+    for v, k in zip(variants, found):
+        v.cycles_report = k
+        v.cycles = k.total(k.forward)
+        if v.cycles is None:
+            why = k.error or next((p.note for p in k.forward if p.cycles is None and p.note), None)
+            v.cycles_reason = why or "no pass was estimated"
+
+
+def rank(variants: list[Variant], by: str = "model") -> list[Variant]:
+    """Survivors by measured time where there is one, else by the model; with `by="cycles"`,
+    by libtpu's cycle estimate, those without one last. Ties by the model, then by name."""
     alive = [v for v in variants if v.rejected is None]
+    if by == "cycles":
+        return sorted(alive, key=lambda v: (v.cycles is None, v.cycles or 0, v.estimate, v.name))
     return sorted(alive, key=lambda v: (v.measured if v.measured is not None else math.inf, v.estimate, v.name))

@@ -552,16 +552,18 @@ def test_biased_backward_compiles_for_tpu(target):
     assert compiled.as_text().count("tpu_custom_call") >= 3
 
 
-def test_cli_says_what_attention_kernels_do_not_support():
+def test_cli_walks_attention_kernels():
+    """plan --pattern and variants take attention-like kernels (tests/test_plan_attention.py
+    and test_variants.py check their figures); --png, which draws einsum walks, says so."""
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    for argv in (["plan", "specs/causal_attention.spk", "--pattern", "tril"],
-                 ["variants", "specs/causal_attention.spk", "--tile", "i=256,512", "--no-compile"]):
+    for argv, said in ((["plan", "specs/causal_attention.spk", "--pattern", "tril", "--shape", "B=1,H=2,S=2048"], "blocks visited (computing steps)"),
+                       (["variants", "specs/causal_attention.spk", "--tile", "i=256,512", "--shape", "B=1,H=2,S=2048", "--no-compile"], "variants ranked by the model")):
         result = subprocess.run([sys.executable, "-m", "sparsegen", *argv], cwd=ROOT, capture_output=True, text=True)
-        assert result.returncode == 2 and "attention-like" in result.stderr and "Traceback" not in result.stderr, result.stderr
+        assert result.returncode == 0 and said in result.stdout and "Traceback" not in result.stderr, result.stderr
     result = subprocess.run([sys.executable, "-m", "sparsegen", "plan", "specs/document_attention.spk"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0 and "traced operands" in result.stdout and "key-side walk" in result.stdout
 

@@ -158,7 +158,8 @@ class KernelCycles:
 
 def measure(jobs: list[dict], timeout: float = 3600) -> list[KernelCycles]:
     """Run the helper process on `jobs` ({"spec", "kernel", "target", "shapes", "pattern", "seed"}
-    each; "backward": False leaves the backward out). libtpu's profiler aborts the process on some kernels ("No DMA issue node found for
+    each; "backward": False leaves the backward out; "text": the spec's text, where "spec"
+    only names it). libtpu's profiler aborts the process on some kernels ("No DMA issue node found for
     sync flag"): that pass is reported as not estimated, and a new process goes on after it.
     NoProfile if this libtpu writes no estimate at all."""
     from ..jaxenv import quiet_libtpu
@@ -377,9 +378,12 @@ def region_conditions(call: Call, zero: bool = False) -> list[tuple[str, np.ndar
     return host.regions
 
 
-def hbm_bytes(call: Call) -> int:
-    """Bytes the pipeline copies for the real tables: a block whenever its index changes."""
-    from .simulate import _HOST_JNP, _HOST_LAX, _runs
+def block_walks(call: Call):
+    """Per BlockSpec of the call (inputs, then outputs): its spec, the array, whether it is an
+    output, the bytes of one block, and the block index at every grid step (row-major, one row
+    per coordinate), from the index maps run on the host with the real tables (None: no index
+    map, the whole array is one block)."""
+    from .simulate import _HOST_JNP, _HOST_LAX
 
     import jax
 
@@ -389,20 +393,25 @@ def hbm_bytes(call: Call) -> int:
     tables = call.tables
     operands = list(call.args[gs.num_scalar_prefetch :])
     outs = jax.tree.leaves(call.kwargs["out_shape"])
-    specs = list(jax.tree.leaves(gs.in_specs, is_leaf=lambda s: hasattr(s, "index_map"))) + list(
-        jax.tree.leaves(gs.out_specs, is_leaf=lambda s: hasattr(s, "index_map"))
-    )
-    total = 0
-    for spec, array in zip(specs, operands + outs):
+    ins = list(jax.tree.leaves(gs.in_specs, is_leaf=lambda s: hasattr(s, "index_map")))
+    specs = ins + list(jax.tree.leaves(gs.out_specs, is_leaf=lambda s: hasattr(s, "index_map")))
+    for n, (spec, array) in enumerate(zip(specs, operands + outs)):
+        itemsize = np.dtype(array.dtype).itemsize
         if getattr(spec, "index_map", None) is None or spec.block_shape is None:
-            total += math.prod(array.shape) * np.dtype(array.dtype).itemsize
+            yield spec, array, n >= len(ins), math.prod(array.shape) * itemsize, None
             continue
         with _globals(spec.index_map, jnp=_HOST_JNP, lax=_HOST_LAX):
             coords = spec.index_map(*axes, *tables)
         keys = np.stack([np.broadcast_to(np.asarray(c, np.int64), (steps,)) for c in coords])
         block = math.prod(1 if b is None else int(getattr(b, "block_size", b)) for b in spec.block_shape)
-        total += int(_runs(keys).sum()) * block * np.dtype(array.dtype).itemsize
-    return total
+        yield spec, array, n >= len(ins), block * itemsize, keys
+
+
+def hbm_bytes(call: Call) -> int:
+    """Bytes the pipeline copies for the real tables: a block whenever its index changes."""
+    from .simulate import _runs
+
+    return sum(size if keys is None else int(_runs(keys).sum()) * size for _, _, _, size, keys in block_walks(call))
 
 
 def _lookup(bits: np.ndarray, grid: tuple[int, ...], pl, jnp):
@@ -553,18 +562,18 @@ def _mxu_speed(call: Call) -> float:
 
 def concrete_args(plan, env: dict[str, int], pattern: str, seed: int = 0):
     """Arrays for the generated function: the pattern's coordinates and masks, zeros for data."""
-    from ..patterns import pattern_args
+    from ..patterns import condition_ids, pattern_args
     from ..shapes import arg_structs
 
     params = [p for p in plan.conv.params if p.kind != "index"] if hasattr(plan, "conv") else []
-    sparse = any(plan.kernel.operand(p.operand).sparsity in ("coo", "mask") for p in params)
+    sparse = any(plan.kernel.operand(p.operand).sparsity in ("coo", "mask") for p in params) or condition_ids(plan)
     given = dict(zip([id(p) for p in params], pattern_args(plan, env, pattern, seed)[0])) if sparse else {}
     nb = next((len(given[id(p)]) for p in params if p.kind == "coords"), 0)
     structs, keywords = arg_structs(plan.kernel, env, nb)
     args = []
     for p, (shape, dtype) in zip(plan.conv.params, structs):
-        value = given.get(id(p))
-        args.append(np.asarray(value).astype(dtype) if p.kind in ("coords", "out_coords", "mask") and value is not None else np.zeros(shape, dtype))
+        value = given.get(id(p)) if p.kind != "blocks" else None  # a blocks stand-in has only its length
+        args.append(np.asarray(value).astype(dtype) if value is not None else np.zeros(shape, dtype))
     return args, keywords
 
 
@@ -579,7 +588,8 @@ def run_job(n: int, job: dict, skip: set[tuple], emit_line) -> None:
     from .verify import _device
 
     try:
-        source = SourceFile.read(job["spec"])
+        # A variant's spec exists only as text (`variants --rank cycles`).
+        source = SourceFile(job["spec"], job["text"]) if "text" in job else SourceFile.read(job["spec"])
         plan = next(p for p in lower_source(source, job["target"]) if p.name == job["kernel"])
         k = plan.kernel
         env = sizes(k, job["shapes"])

@@ -273,21 +273,30 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
             continue
         t = traffic[s.block.operand]
         used = consumers[s.block.key]
-        t.copies = int(new.sum())
-        run_id = np.cumsum(new) - 1
-        used_runs = np.zeros(t.copies, bool)
-        np.logical_or.at(used_runs, run_id[used], True)
-        t.wasted = int((~used_runs).sum())
-        if not used.any():
-            t.wasted -= 1  # the prologue copy: made even when no step uses the block
-        t.ideal = max(1, int(_runs(keys[:, used]).sum())) if used.any() else 1
+        wasted = count_copies(t, keys, used)
         if keep_trace:
             trace[f"copy:{s.block.operand}"] = new
-            trace[f"wasted:{s.block.operand}"] = new & ~used_runs[run_id]
+            trace[f"wasted:{s.block.operand}"] = wasted
             trace[f"use:{s.block.operand}"] = used
     products = int(compute.sum()) if body.accumulator else int(flush.sum())
     prefetch_bytes = sum(a.nbytes for a in prefetch)
     return Simulation(grid, steps, products, products * p.flops_per_product, write_backs, out_bytes, prefetch_bytes, traffic, trace)
+
+
+def count_copies(t: Traffic, keys: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """Set `t`'s copies, ideal and wasted copies from an operand's block index at every step
+    (`keys`, one row per coordinate) and the steps that use its block; per step, whether it
+    starts a wasted copy."""
+    new = _runs(keys)
+    t.copies = int(new.sum())
+    run_id = np.cumsum(new) - 1
+    used_runs = np.zeros(t.copies, bool)
+    np.logical_or.at(used_runs, run_id[used], True)
+    t.wasted = int((~used_runs).sum())
+    if not used.any():
+        t.wasted -= 1  # the prologue copy: made even when no step uses the block
+    t.ideal = max(1, int(_runs(keys[:, used]).sum())) if used.any() else 1
+    return new & ~used_runs[run_id]
 
 
 # ------------------------------------------------------------------- costs
@@ -322,6 +331,7 @@ class Report:
     dense: Simulation
     estimates: dict[str, dict]
     blocks: np.ndarray | None = None  # the sparse operand's block pattern (kinds or counts), for pictures
+    notes: tuple[str, ...] = ()  # what the figures assume (a row walk: how the pattern was used)
 
     def to_json(self) -> dict:
         sim = self.sim
@@ -343,6 +353,7 @@ class Report:
             "dense_flops": self.dense.flops,
             "vmem_bytes": self.plan.vmem_bytes,
             "estimate": self.estimates,
+            **({"notes": list(self.notes)} if self.notes else {}),
         }
 
 
@@ -352,6 +363,10 @@ def dense_twin(plan: TpuModule) -> TpuModule:
 
 def analyse(plan: TpuModule, sizes: dict[str, int], pattern: str, targets=("v5e",), seed: int = 0, module=None, trace: bool = False) -> Report:
     """Simulate a plan on a pattern and its dense twin on everything; estimate both per target."""
+    if not plan.passes:  # an attention-like kernel: the row walk
+        from .attention.simulate import analyse_attention
+
+        return analyse_attention(plan, sizes, pattern, targets, seed)
     k = plan.kernel
     env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
     module = module or load_module(plan)
@@ -401,7 +416,11 @@ def describe_report(report: Report) -> list[str]:
 
     sim, dense = report.sim, report.dense
     lines = [f"  pattern {report.pattern} at " + ", ".join(f"{k}={v}" for k, v in report.sizes.items())]
-    lines.append(f"    grid {sim.grid}: {sim.steps} steps; block products {sim.block_products} of {dense.block_products} dense")
+    if report.plan.passes:
+        lines.append(f"    grid {sim.grid}: {sim.steps} steps; block products {sim.block_products} of {dense.block_products} dense")
+    else:
+        lines.append(f"    grid {sim.grid}: {sim.steps} steps; blocks visited (computing steps) {sim.block_products} of {dense.block_products} dense")
+    lines += [f"    note: {n}" for n in report.notes]
     for t in sim.traffic.values():
         lines.append(f"    {t.operand}: {t.copies} copies of {format_bytes(t.block_bytes)} (ideal {t.ideal}, wasted {t.wasted})")
     lines.append(f"    output write-backs {sim.write_backs}; HBM {format_bytes(sim.hbm_bytes)} (dense {format_bytes(dense.hbm_bytes)}); "
