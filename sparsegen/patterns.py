@@ -145,9 +145,16 @@ def condition_ids(plan) -> list:
     """Integer operands an attention-like kernel's condition reads (segment ids), with the
     key index whose blocks a document starts at; [] for other kernels."""
     row = getattr(plan, "plan", None)
-    if row is None or not hasattr(row, "conditions"):
-        return []
     k = plan.kernel
+    if row is None or not hasattr(row, "conditions"):
+        # A product's condition (grouped ids, `gid[m] == g`): ids along the index they are read with.
+        out = {}
+        for st in k.statements:
+            for r in (st.condition.reads if getattr(st, "condition", None) is not None else ()):
+                op = k.operand(r.operand)
+                if op.sparsity == "dense" and not op.dtype.is_float and op.name not in out:
+                    out[op.name] = (op, r.indices[-1])
+        return list(out.values())
     names = dict.fromkeys(r.operand for cond in row.conditions for r in cond.reads)
     return [(k.operand(n), row.key) for n in names if k.operand(n).sparsity == "dense" and not k.operand(n).dtype.is_float]
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from aot import compile_for
-from conftest import assert_matches, build, spec_text, with_tiles
+from conftest import SPECS, assert_matches, build, spec_text, with_tiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -256,3 +256,18 @@ def test_examples_compile_ahead_of_time_forward_and_backward(topology):
     w, gid = np.zeros((8, 2048, 1024), jnp.bfloat16), np.zeros((2048,), np.int32)
     compile_for(lambda x, w, g: grouped.grouped_matmul(x, w, g), (x, w, gid), topology)
     compile_for(jax.grad(lambda x, w, g: grouped.grouped_matmul(x, w, g).astype(jnp.float32).sum(), argnums=(0, 1)), (x, w, gid), topology)
+
+
+def test_plan_pattern_counts_the_condition_walk():
+    """`plan --pattern` runs the walk's own tables: tril visits the 10 blocks on or below the
+    diagonal of 4 x 4 per column block; grouped ids of 256 rows visit 8 (row block, group)
+    pairs of the 4 x 8 the dense product would."""
+    from sparsegen.compiler import plans
+    from sparsegen.tpu.simulate import analyse
+
+    (tril,) = plans(SPECS / "tril_matmul.spk")
+    report = analyse(tril, {"M": 2048, "N": 1024}, "density=0.5")
+    assert report.sim.block_products == 2 * 10 and report.dense.block_products == 2 * 16
+    (grouped,) = plans(SPECS / "grouped_matmul.spk")
+    report = analyse(grouped, {"M": 2048, "K": 1024, "N": 1024, "E": 8}, "band=256")
+    assert report.sim.block_products == 2 * 2 * 8 and report.dense.block_products == 2 * 2 * 4 * 8

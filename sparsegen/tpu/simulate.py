@@ -96,8 +96,8 @@ class _HostNumpy(types.ModuleType):
         return getattr(np, name)
 
     @staticmethod
-    def argsort(a, stable=False):
-        return np.argsort(a, kind="stable" if stable else None)
+    def argsort(a, axis=-1, stable=False):
+        return np.argsort(a, axis=axis, kind="stable" if stable else None)
 
 
 class _HostLax(types.ModuleType):
@@ -116,8 +116,10 @@ class _HostLax(types.ModuleType):
         return np.minimum.accumulate(x[::-1])[::-1] if reverse else np.minimum.accumulate(x)
 
     @staticmethod
-    def cummax(x, reverse=False):
-        return np.maximum.accumulate(x[::-1])[::-1] if reverse else np.maximum.accumulate(x)
+    def cummax(x, axis=0, reverse=False):
+        x = np.flip(x, axis) if reverse else x
+        out = np.maximum.accumulate(x, axis=axis)
+        return np.flip(out, axis) if reverse else out
 
     @staticmethod
     def cond(pred, true_fn, false_fn, *operands):
@@ -138,7 +140,10 @@ _HOST_PL = _HostPallas("pl (numpy on the host)")
 def dense_kernel(kernel: Kernel) -> Kernel:
     """The same statement and tiles with no sparse operand: the baseline a sparse kernel beats."""
     operands = tuple(dataclasses.replace(op, sparsity="dense") if op.sparsity in ("coo", "mask") else op for op in kernel.operands)
-    return dataclasses.replace(kernel, operands=operands, name=f"{kernel.name}_dense")
+    # A condition on a product's terms is dropped too: the dense product is the baseline.
+    statements = tuple(dataclasses.replace(st, condition=None) if getattr(st, "condition", None) is not None and kernel.einsums_only else st
+                       for st in kernel.statements)
+    return dataclasses.replace(kernel, operands=operands, statements=statements, name=f"{kernel.name}_dense")
 
 
 # ----------------------------------------------------------------- simulate
@@ -216,9 +221,12 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
     conv, p = plan.conv, tp.p
     env = {s.internal: sizes[s.symbol] for s in conv.sizes}
     by_name = dict(zip(conv.impl_args, args))
-    for var, value in p.counts:  # `x_blocks.shape[0]`: the stored or requested blocks
-        array = by_name[value.split(".shape")[0]]
-        env[var] = int(np.shape(array)[0])
+    for var, value in p.counts:
+        if ".shape" in value:  # `x_blocks.shape[0]`: the stored or requested blocks
+            array = by_name[value.split(".shape")[0]]
+            env[var] = int(np.shape(array)[0])
+        else:  # a condition walk's length: host code over the sizes (and the module's functions)
+            env[var] = int(eval(value, {**vars(module), **env, **by_name}))  # the module's own generated text
     k = plan.kernel
     out_bytes = block_bytes(k, tp.out_spec)
     traffic = {s.block.operand: Traffic(s.block.operand, block_bytes(k, s)) for s in tp.in_specs}
