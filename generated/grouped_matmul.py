@@ -44,6 +44,7 @@ Plan (target v5e):
     kernel grouped_matmul
       o[m, n] = x[m, k] * w[g, k, n] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
       grid (ceil(N / 512), n_steps, ceil(K / 512))
+        n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E (lax.cond: correct for any ids)
         n: output blocks along n [parallel]
         step: the non-empty (m blocks x g blocks) of the condition, each output block's in a run [arbitrary]
         k: the sum over k, which the condition does not use, inside each step [arbitrary]
@@ -66,6 +67,7 @@ Plan (target v5e):
         init accumulator when (step_flags[step] & 1 != 0) & (k == 0)
         accumulate the product of x and w summed over k, g when step_kind_here != _EMPTY
           past K along k (a partial last block) the factors are zero
+        in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of x
         write output when (step_flags[step] & 2 != 0) & (k == n_k - 1): accumulator
       VMEM estimate: 5.6 MiB of 128 MiB on v5e
         x block: 2 x 512x512 bf16 = 1 MiB
@@ -79,6 +81,7 @@ Plan (target v5e):
     backward (jax.grad): 2 passes, one per derived gradient of a float input through a statement (each run only where its gradient is needed)
       pass 1: d_x[m, k] = g_o[m, n] * w[g, k, n] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
         grid (ceil(K / 512), n_steps, ceil(N / 512))
+          n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E (lax.cond: correct for any ids)
           k: output blocks along k [parallel]
           step: the non-empty (m blocks x g blocks) of the condition, each output block's in a run [arbitrary]
           n: the sum over n, which the condition does not use, inside each step [arbitrary]
@@ -101,6 +104,7 @@ Plan (target v5e):
           init accumulator when (step_flags[step] & 1 != 0) & (n == 0)
           accumulate the product of g_o and w summed over n, g when step_kind_here != _EMPTY
             past N along n (a partial last block) the factors are zero
+          in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of g_o
           write output when (step_flags[step] & 2 != 0) & (n == n_n - 1): accumulator
         VMEM estimate: 5.6 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB
@@ -113,6 +117,7 @@ Plan (target v5e):
         SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
       pass 2: d_w[g, k, n] = g_o[m, n] * x[m, k] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
         grid (ceil(K / 512), ceil(N / 512), n_steps)
+          n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else E * pl.cdiv(M, 512) (lax.cond: correct for any ids)
           k: output blocks along k [parallel]
           n: output blocks along n [parallel]
           step: the non-empty (g blocks x m blocks) of the condition, each output block's in a run [arbitrary]
@@ -135,6 +140,7 @@ Plan (target v5e):
           init accumulator when step_flags[step] & 1 != 0
           accumulate the product of g_o and x summed over m when step_kind_here != _EMPTY
             past M along m (a partial last block) the factors are zero
+          in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of g_o
           write output when step_flags[step] & 2 != 0: accumulator
         VMEM estimate: 5.6 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB

@@ -40,6 +40,7 @@ Plan (target v5e):
     kernel tril_matmul
       o[m, n] = x[m, k] * y[k, n] where k <= m  (condition: the non-empty blocks of the condition `k <= m`)
       grid (ceil(N / 512), n_steps)
+        n_steps: the non-empty blocks of the condition, counted at trace time
         n: output blocks along n [parallel]
         step: the non-empty (m blocks x k blocks) of the condition, each output block's in a run [arbitrary]
       dimension_semantics (parallel, arbitrary)
@@ -59,6 +60,7 @@ Plan (target v5e):
         init accumulator when step_flags[step] & 1 != 0
         accumulate the product of x and y summed over k when step_kind_here != _EMPTY
           past M along k (a partial last block) the factors are zero
+        in a partial step (step_kind_here == _PARTIAL) the terms where not (k <= m) are selected out of x
         write output when step_flags[step] & 2 != 0: accumulator
       VMEM estimate: 5.1 MiB of 128 MiB on v5e
         x block: 2 x 512x512 bf16 = 1 MiB
@@ -71,6 +73,7 @@ Plan (target v5e):
     backward (jax.grad): 2 passes, one per derived gradient of a float input through a statement (each run only where its gradient is needed)
       pass 1: d_x[m, k] = g_o[m, n] * y[k, n] where k <= m  (condition: the non-empty blocks of the condition `k <= m`)
         grid (n_steps, ceil(N / 512))
+          n_steps: the non-empty blocks of the condition, counted at trace time
           step: the non-empty (m blocks x k blocks) of the condition, each output block's in a run [arbitrary]
           n: the sum over n, which the condition does not use, inside each step [arbitrary]
         dimension_semantics (arbitrary, arbitrary)
@@ -89,6 +92,7 @@ Plan (target v5e):
           init accumulator when (step_flags[step] & 1 != 0) & (n == 0)
           accumulate the product of g_o and y summed over n when step_kind_here != _EMPTY
             past N along n (a partial last block) the factors are zero
+          in a partial step (step_kind_here == _PARTIAL) the terms where not (k <= m) are selected out of the value written
           write output when (step_flags[step] & 2 != 0) & (n == n_n - 1): accumulator
         VMEM estimate: 5.1 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB
@@ -100,6 +104,7 @@ Plan (target v5e):
         SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
       pass 2: d_y[k, n] = g_o[m, n] * x[m, k] where k <= m  (condition: the non-empty blocks of the condition `k <= m`)
         grid (ceil(N / 512), n_steps)
+          n_steps: the non-empty blocks of the condition, counted at trace time
           n: output blocks along n [parallel]
           step: the non-empty (k blocks x m blocks) of the condition, each output block's in a run [arbitrary]
         dimension_semantics (parallel, arbitrary)
@@ -119,6 +124,7 @@ Plan (target v5e):
           init accumulator when step_flags[step] & 1 != 0
           accumulate the product of g_o and x summed over m when step_kind_here != _EMPTY
             past M along m (a partial last block) the factors are zero
+          in a partial step (step_kind_here == _PARTIAL) the terms where not (k <= m) are selected out of x
           write output when step_flags[step] & 2 != 0: accumulator
         VMEM estimate: 5.1 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB

@@ -21,6 +21,7 @@ from .tpu.attention import lower_attention
 from .tpu.emit import emit
 from .tpu.lower import LayoutError, TpuModule, lower
 from .tpu.rules import check_attention, check_kernel, check_module
+from .tpu.suggest import suggest_attention_tiles, suggest_tiles
 from .tpu.targets import DEFAULT_TARGET, TARGETS
 from .gpu import GPU_TARGETS, GpuError, GpuModule, is_gpu, lower_gpu
 from .gpu.emit import emit_gpu
@@ -54,13 +55,13 @@ def lower_for_tpu(kernel: Kernel, chip) -> tuple[TpuModule | None, list[Diagnost
     try:
         if is_row_kernel(kernel):
             m = lower_attention(kernel, row_plan(kernel), chip)
-            return m, check_attention(m)
+            return m, check_attention(m, lambda: suggest_attention_tiles(m.kernel, m.target))
         m = lower(kernel, chip)
     except ScheduleError as exc:
         return None, [exc.diagnostic]
     except LayoutError as exc:
         return None, list(exc.diagnostics)
-    return m, check_module(m)
+    return m, check_module(m, lambda: suggest_tiles(m.kernel, m.target))
 
 
 def lower_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAULT_TARGET) -> list[TpuModule]:

@@ -12,6 +12,7 @@ import re
 import jinja2
 
 from .expr import render
+from .pytext import py_tuple
 from .resources import resource_dir
 
 
@@ -27,14 +28,9 @@ def environment() -> jinja2.Environment:
     )
     env.filters["py"] = lambda e: render(e, "py")
     env.filters["host"] = lambda e: render(e, "host")
-    env.filters["pytuple"] = _tuple
+    env.filters["pytuple"] = py_tuple
     env.filters["quote"] = lambda text: f'"{text}"'
     return env
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 # Helpers emitted only where the module calls them (helpers calling helpers included).

@@ -10,11 +10,7 @@ from __future__ import annotations
 from .callconv import Convention
 from .expr import render
 from .ir import Einsum, Kernel
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+from .pytext import py_tuple
 
 
 def spec_text(kernel: Kernel, name: str | None = None, tiles: dict[str, int] | None = None) -> str:
@@ -73,7 +69,7 @@ class Wrapper:
                     lines.append(f'{name} = _as_array("{p.public}", {name}, {op.rank + 1}, {op.dtype.jnp})')
                 else:
                     # Tile-1 dimensions are dropped from the stored blocks; given kept, they are squeezed.
-                    lines.append(f'{name} = _as_blocks("{p.public}", {name}, {_tuple(map(str, tiles))}, {op.dtype.jnp})')
+                    lines.append(f'{name} = _as_blocks("{p.public}", {name}, {py_tuple(map(str, tiles))}, {op.dtype.jnp})')
                 indices = [i for i, t in zip(read.indices, tiles) if t != 1]
                 for d, (idx, tile) in enumerate(zip(indices, kept)):
                     lines.append(f'_check_dim({name}.shape[{d + 1}], {tile}, "{p.public} dim {d + 1} (the tile of {idx})")')
@@ -120,8 +116,8 @@ class Wrapper:
                 lines.append(f'{p.internal} = _check_coords("{p.public}", {p.internal}, {limit}, "{op.name} dim {p.dim}")')
         for operand, var in conv.pads:
             coords = [p for p in conv.params if p.operand == operand and p.kind in ("coords", "out_coords")]
-            quoted = _tuple(f'"{p.public}"' for p in coords)
-            lines.append(f"{var} = _check_padding({quoted}, {_tuple(p.internal for p in coords)})")
+            quoted = py_tuple(f'"{p.public}"' for p in coords)
+            lines.append(f"{var} = _check_padding({quoted}, {py_tuple(p.internal for p in coords)})")
         if conv.offset_uses:
             by_param: dict[str, list] = {}
             for use in conv.offset_uses:
@@ -133,7 +129,7 @@ class Wrapper:
                 parts.append(f'*_check_offsets("{public}", {param}, ({spec},))')
             lines.append(f"{conv.offsets} = jnp.stack([{', '.join(parts)}])")
         lines += smem_checks
-        sizes = _tuple(s.internal for s in conv.sizes)
+        sizes = py_tuple(s.internal for s in conv.sizes)
         lines.append(f"return {', '.join(list(conv.impl_args) + [sizes])}")
         return lines
 
@@ -175,7 +171,7 @@ class Wrapper:
                     # the sum gives there (NaN too) is not multiplied: zeros.
                     read = st.factors[sparse]
                     mask = self.view(st, sparse, lines, outputs)
-                    tiles = _tuple(str(k.index(i).tile) for i in read.indices)
+                    tiles = py_tuple(str(k.index(i).tile) for i in read.indices)
                     src = "".join(letters[i] for i in read.indices)
                     dst = "".join(letters[i] for i in st.out_indices)
                     present = f"_present({mask} != 0, {tiles})"
@@ -193,12 +189,12 @@ class Wrapper:
                     else:
                         slot = conv.offset_slot(out.name, out.name, d)
                         starts.append(f"{conv.offsets}[{slot}] * {k.index(s.index).tile}")
-                shape = _tuple(host(conv.size(d)) for d in out.dims)
-                lines.append(f"{var} = lax.dynamic_update_slice(jnp.zeros({shape}, {acc.jnp}), {var}, {_tuple(starts)})")
+                shape = py_tuple(host(conv.size(d)) for d in out.dims)
+                lines.append(f"{var} = lax.dynamic_update_slice(jnp.zeros({shape}, {acc.jnp}), {var}, {py_tuple(starts)})")
             if out.sparsity == "coo":
                 # Gathered before the cast, so repeated blocks' gradients add up in f32.
-                tiles = _tuple(str(k.index(i).tile) for i in st.out_indices)
-                coords = _tuple(p.internal for p in conv.params if p.operand == out.name and p.kind == "out_coords")
+                tiles = py_tuple(str(k.index(i).tile) for i in st.out_indices)
+                coords = py_tuple(p.internal for p in conv.params if p.operand == out.name and p.kind == "out_coords")
                 lines.append(f"{var} = _gather_blocks({var}, {coords}, {conv.pad(out.name)}, {tiles})")
             lines.append(f"{var} = {var}.astype({out.dtype.jnp})")
             values[out.name] = var
@@ -223,7 +219,7 @@ class Wrapper:
             if t.op == "size":
                 return conv.size_var(t.name)
             if t.op == "index":
-                shape = _tuple("-1" if i == t.name else "1" for i in used)
+                shape = py_tuple("-1" if i == t.name else "1" for i in used)
                 return f"jnp.arange({host(conv.size(k.index(t.name).size))}).reshape({shape})"
             value = conv.param(t.read.operand).internal
             here = "".join(letters[i] for i in t.read.indices)
@@ -234,7 +230,7 @@ class Wrapper:
         lines.append(f"{present} = {render_term(st.condition, leaf)}")
         n = max(range(len(st.factors)), key=lambda n: (len(set(st.factors[n].indices) & set(used)), -n))
         dst = specs[n] + "".join(c for c in src if c not in specs[n])
-        shape = _tuple(host(conv.size(k.index(i).size)) for i in (*st.factors[n].indices, *(i for i in used if letters[i] not in specs[n])))
+        shape = py_tuple(host(conv.size(k.index(i).size)) for i in (*st.factors[n].indices, *(i for i in used if letters[i] not in specs[n])))
         # Selected, not multiplied: what an absent term holds (NaN too) does not count.
         value = f'_expand({views[n]}, "{specs[n]}", "{dst}")' if dst != specs[n] else views[n]
         mask = f'_expand({present}, "{src}", "{dst}")' if dst != src else present
@@ -250,12 +246,12 @@ class Wrapper:
         op = k.operand(read.operand)
         idx = read.indices
         tiles = {i: k.index(i).tile for i in idx}
-        tile_text = _tuple(str(tiles[i]) for i in idx)
-        shape = _tuple(host(conv.size(d)) for d in op.dims)
+        tile_text = py_tuple(str(tiles[i]) for i in idx)
+        shape = py_tuple(host(conv.size(d)) for d in op.dims)
         blocks, coords = self.local(f"{op.name}_at"), self.local(f"{op.name}_coords")
         if op.sparsity == "coo":
             param, pad = conv.param(op.name, "blocks").internal, conv.pad(op.name)
-            lines.append(f"{coords} = {_tuple(p.internal for p in conv.params if p.operand == op.name and p.kind == 'coords')}")
+            lines.append(f"{coords} = {py_tuple(p.internal for p in conv.params if p.operand == op.name and p.kind == 'coords')}")
             # What lies past the array's end in a partial last block is absent.
             full = ", ".join(str(tiles[i]) for i in idx)
             lines.append(f"{blocks} = _cut_blocks({param}.reshape(({param}.shape[0], {full})).astype({acc.jnp}), {coords}, {tile_text}, {shape})")
@@ -263,7 +259,7 @@ class Wrapper:
             pad = self.local(f"{op.name}_skip")
             mask = _widen(self.view(st, sparse, lines, outputs), op.dtype, acc)
             lines.append(f"{blocks}, {coords} = _blocks_of({mask}, {tile_text})")
-            lines.append(f"{pad} = ~jnp.any({blocks} != 0, axis={_tuple(str(d + 1) for d in range(len(idx)))})")
+            lines.append(f"{pad} = ~jnp.any({blocks} != 0, axis={py_tuple(str(d + 1) for d in range(len(idx)))})")
         # Block-local indices are upper case; the block number is a letter no index uses.
         local = {i: letters[i].upper() for i in idx}
         block = next(c for c in "ZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in local.values())
@@ -278,18 +274,18 @@ class Wrapper:
             view = _widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, acc)
             axes = [d for d, i in enumerate(r.indices) if i in local]
             if axes:
-                picked = _tuple(f"{coords}[{idx.index(r.indices[d])}]" for d in axes)
-                view = f"_at_blocks({view}, {_tuple(map(str, axes))}, {picked}, {_tuple(str(tiles[r.indices[d]]) for d in axes)})"
+                picked = py_tuple(f"{coords}[{idx.index(r.indices[d])}]" for d in axes)
+                view = f"_at_blocks({view}, {py_tuple(map(str, axes))}, {picked}, {py_tuple(str(tiles[r.indices[d]]) for d in axes)})"
             operands.append(view)
             specs.append((block if axes else "") + "".join(name_of(i) for i in r.indices))
         parts = self.local(f"{var}_parts")
         spec = ",".join(specs) + "->" + block + "".join(name_of(i) for i in st.out_indices)
         lines.append(f'{parts} = jnp.einsum("{spec}", {", ".join(operands)}, preferred_element_type={acc.jnp}{precision})')
         axes = [d for d, i in enumerate(st.out_indices) if i in local]
-        out_shape = _tuple(host(conv.size(k.index(i).size)) for i in st.out_indices)
-        picked = _tuple(f"{coords}[{idx.index(st.out_indices[d])}]" for d in axes)
-        out_tiles = _tuple(str(tiles[st.out_indices[d]]) for d in axes)
-        lines.append(f"{var} = _add_blocks({parts}, {_tuple(map(str, axes))}, {picked}, {pad}, {out_shape}, {out_tiles})")
+        out_shape = py_tuple(host(conv.size(k.index(i).size)) for i in st.out_indices)
+        picked = py_tuple(f"{coords}[{idx.index(st.out_indices[d])}]" for d in axes)
+        out_tiles = py_tuple(str(tiles[st.out_indices[d]]) for d in axes)
+        lines.append(f"{var} = _add_blocks({parts}, {py_tuple(map(str, axes))}, {picked}, {pad}, {out_shape}, {out_tiles})")
         return lines
 
     def view(self, st: Einsum, n: int, lines: list[str], outputs: dict[str, str]) -> str:
@@ -301,9 +297,9 @@ class Wrapper:
             return outputs[op.name]
         param = conv.param(op.name, "blocks" if op.sparsity == "coo" else None).internal
         if op.sparsity == "coo":
-            coords = _tuple(p.internal for p in conv.params if p.operand == op.name and p.kind == "coords")
-            shape = _tuple(host(conv.size(d)) for d in op.dims)
-            tiles = _tuple(str(k.index(i).tile) for i in read.indices)
+            coords = py_tuple(p.internal for p in conv.params if p.operand == op.name and p.kind == "coords")
+            shape = py_tuple(host(conv.size(d)) for d in op.dims)
+            tiles = py_tuple(str(k.index(i).tile) for i in read.indices)
             name = f"{param}_dense"
             lines.append(f"{name} = _densify({param}, {coords}, {conv.pad(op.name)}, {shape}, {tiles}, {k.accumulate.jnp})")
             return name
@@ -318,7 +314,7 @@ class Wrapper:
                     slot = conv.offset_slot(st.target.operand, op.name, d)
                     starts.append(f"{conv.offsets}[{slot}] * {k.index(s.index).tile}")
                     sizes.append(host(conv.size(k.index(s.index).size)))
-            value = f"lax.dynamic_slice({value}, {_tuple(starts)}, {_tuple(sizes)})"
+            value = f"lax.dynamic_slice({value}, {py_tuple(starts)}, {py_tuple(sizes)})"
         for d, s in enumerate(read.subs):
             if s.divisor != 1:
                 # h // n: each element serves n consecutive values of h.
@@ -387,7 +383,7 @@ def gradient_tables(kernel: Kernel, conv: Convention, backward, refused, pass_ou
             returns.append("None")
     tables = vjp_tables(["# The backward's passes, in order: (the argument whose gradient each computes, the output",
                          "# whose cotangent it reads), by position."], table, refused, arg_of, outputs)
-    return {"partials": list(pass_outputs.values()), "tables": tables, "returns": returns, "nothing": _tuple(["None"] * len(args)),
+    return {"partials": list(pass_outputs.values()), "tables": tables, "returns": returns, "nothing": py_tuple(["None"] * len(args)),
             "n_outputs": len(outputs)}
 
 
@@ -398,10 +394,10 @@ def vjp_tables(partials_comment: list[str], partials: list[str], refused, arg_of
     rows = [f"({arg_of(r.operand)}, {outputs.index(r.output) if r.output else None}, {r.message!r})" for r in refused]
     return "\n".join([
         *partials_comment,
-        f"_PARTIALS = {_tuple(partials)}",
+        f"_PARTIALS = {py_tuple(partials)}",
         "# The gradients not derived: (argument, output or None for any, why). Each is raised only",
         "# where needed: its argument differentiated and that cotangent not a symbolic zero.",
-        f"_REFUSED = {_tuple(rows)}",
+        f"_REFUSED = {py_tuple(rows)}",
     ])
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from ..expr import Const, Expr, Load, Var, flat, names as expr_names, render
 from ..ir import Einsum
-from .plan import ElementwisePass, py_tuple
+from ..pytext import py_tuple
+from .plan import ElementwisePass
 from .rules import elementwise_smem_bytes, elementwise_tiles, fail
 
 

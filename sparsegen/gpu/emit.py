@@ -10,10 +10,11 @@ import re
 
 from ..expr import Const, render
 from ..formatting import format_module
+from ..pytext import py_tuple
 from ..templating import environment as _environment, with_helpers
 from ..wrapper import Wrapper, gradient_tables, spec_text
 from .describe import describe
-from .plan import ElementwisePass, GpuModule, GpuPass, py_tuple
+from .plan import ElementwisePass, GpuModule, GpuPass
 
 
 def _needed(lets: list[tuple[str, str]], expr: str) -> list[tuple[str, str]]:

@@ -19,12 +19,6 @@ from ..source import Diagnostic
 from .targets import GpuTarget
 
 
-def py_tuple(items) -> str:
-    """A Python tuple's text (one item: a trailing comma)."""
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
-
-
 class GpuError(Exception):
     def __init__(self, diagnostics: list[Diagnostic]):
         self.diagnostics = diagnostics

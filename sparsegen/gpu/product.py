@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from ..expr import Const, Expr, Var, flat, names as expr_names, render
 from ..ir import Einsum, Read
-from .plan import Coord, Matrix, ProductPass, py_tuple
+from ..pytext import py_tuple
+from .plan import Coord, Matrix, ProductPass
 from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"

@@ -10,8 +10,9 @@ coordinates of the input are summed first). Either way empty cells skip their co
 from __future__ import annotations
 
 from ..expr import Const, Load, Var
+from ..pytext import py_tuple
 from .core import Pass, Tail
-from .kinds import KindSource, KindsMixin, _tuple
+from .kinds import KindSource, KindsMixin
 
 
 class CooOutputWalk(KindsMixin):
@@ -84,12 +85,12 @@ class CooOutputWalk(KindsMixin):
         op = self.k.operand(read.operand)
         blocks_param = self.conv.param(op.name, "blocks").internal
         coords = [self.conv.param(op.name, "coords", d).internal for d in range(op.rank)]
-        grid = _tuple(_host(self.blocks_along(i)) for i in read.indices)
+        grid = py_tuple(_host(self.blocks_along(i)) for i in read.indices)
         axes = self.axes_of(read.indices)
         slots, stored, block = self.local("slot"), self.local("stored"), self.local("step_block")
         host = [
             f"# The stored block of {op.name} each cell meets (-1: none), over the block grid of {op.name}.",
-            f"{slots} = _block_slots({_tuple(coords)}, {self.conv.pad(op.name)}, {grid})",
+            f"{slots} = _block_slots({py_tuple(coords)}, {self.conv.pad(op.name)}, {grid})",
             f"{stored} = {slots}[{self.gather(read.indices, axes)}]",
             f"kind_{op.name} = jnp.where({stored} >= 0, _FULL, _EMPTY).astype(jnp.int32)",
         ]
@@ -99,7 +100,7 @@ class CooOutputWalk(KindsMixin):
         self.tables.append(_table(block, size.prefix_of(axes), f"per grid cell: the stored block of {op.name} the next computing cell reads"))
         extra = [f"{block} = jnp.maximum({self.broadcast(stored, axes, self.axes[: self.last_pos(axes) + 1])}.reshape(-1)[{{next_step}}], 0)"]
         # Repeated coordinates add up: their blocks are summed into the first before the call.
-        self.pre = [f"{blocks_param} = _sum_duplicates({blocks_param}, {_tuple(coords)}, {self.conv.pad(op.name)}, {grid})"]
+        self.pre = [f"{blocks_param} = _sum_duplicates({blocks_param}, {py_tuple(coords)}, {self.conv.pad(op.name)}, {grid})"]
 
         def custom(cell, nxt):
             return (Load(block, cell),) + (Const(0),) * sum(1 for s in read.subs if self.tile[s.index] != 1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..expr import Const, Expr, Load, Var, Where, clip, flat, render
+from ..pytext import py_tuple as _tuple
 from .build import PassBuilder
 from .core import Axis, Block, Body, FlushCase
 
@@ -33,11 +34,6 @@ class KindSource:
 
 def _host(e: Expr) -> str:
     return render(e, "host")
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 class KindsMixin(PassBuilder):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..dtypes import DType
 from ..expr import render
+from ..pytext import py_tuple as _tuple
 from ..schedule.core import Factor, Product, Tail
 from .lower import Spec, TpuPass
 
@@ -22,11 +23,6 @@ class Val:
     axes: tuple[str, ...]
     dtype: DType
     simple: bool = True  # a ref read or a name: safe to use twice, no parentheses needed
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 def align(v: Val, target: tuple[str, ...]) -> str:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..expr import render
-from .lower import TpuModule, TpuPass, smem_entries
+from .lower import TpuModule, TpuPass
+from .rules import smem_entries
 from .targets import format_bytes
 
 

@@ -11,16 +11,12 @@ import math
 
 from ..expr import Call, Const, Var, names as expr_names, render, substitute
 from ..formatting import format_module
+from ..pytext import py_tuple
 from ..templating import environment as _environment, with_helpers  # noqa: F401 (with_helpers: re-exported)
 from ..wrapper import Wrapper, gradient_tables, spec_text
 from .body import BodyWriter
 from .describe import describe
 from .lower import TpuModule, TpuPass
-
-
-def _tuple(items) -> str:
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 class _Emitter:
@@ -105,7 +101,7 @@ class _Emitter:
         return out
 
     def spec_text(self, s) -> dict:
-        shape = _tuple("None" if x is None else str(x) for x in s.shape)
+        shape = py_tuple("None" if x is None else str(x) for x in s.shape)
         if s.statics:
             kw = ", ".join(f"{name}={render(value, 'host')}" for name, value in s.statics)
             map_text = f"functools.partial({s.fn}, {kw})"
@@ -126,7 +122,7 @@ class _Emitter:
                 a = f"{a}.reshape({shape})"
             arrays.append(a)
         out = tp.out_spec
-        out_shape = _tuple(render(e, "host") for e in p.out_shape)
+        out_shape = py_tuple(render(e, "host") for e in p.out_shape)
         view_shape = self.view_shape(out) if out.view.reshapes else out_shape
         kernel = tp.kernel_fn
         if tp.sizes:
@@ -150,15 +146,15 @@ class _Emitter:
             "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes{', ' + p.fallback.count if p.fallback else ''}), " if p.tables else "",
             "fallback": p.fallback,
             "tables": len(p.tables),
-            "grid": _tuple(render(a.extent, "host") for a in p.axes),
+            "grid": py_tuple(render(a.extent, "host") for a in p.axes),
             "in_specs": [self.spec_text(s) for s in tp.in_specs],
             "out_spec": self.spec_text(out),
-            "scratch": f"pltpu.VMEM({_tuple(map(str, p.body.acc_shape or (1, 1)))}, {p.accumulate.jnp})" if p.body.accumulator else "",
+            "scratch": f"pltpu.VMEM({py_tuple(map(str, p.body.acc_shape or (1, 1)))}, {p.accumulate.jnp})" if p.body.accumulator else "",
             "kernel": kernel,
             "out_struct": f"jax.ShapeDtypeStruct({view_shape}, {p.out_dtype.jnp})",
             "reshape_out": out_shape if out.view.reshapes else None,
             "lead": f"{outputs[p.output]} = " if out.view.reshapes else "return ",
-            "semantics": _tuple(f'"{x}"' for x in tp.dimension_semantics),
+            "semantics": py_tuple(f'"{x}"' for x in tp.dimension_semantics),
             "vmem_limit": tp.vmem_limit(self.m.target),
             "flops": render(products * p.flops_per_product, "host"),
             "bytes": render(products * per + out_bytes, "host"),
@@ -179,7 +175,7 @@ class _Emitter:
             dims = [lead] + [str(d.extent) for d in s.block.dims[1:]]
         else:
             dims = [render(mod.conv.size(d), "host") for d in op.dims]
-        return _tuple(map(str, view_shape(tuple(dims), s.view.inserted)))
+        return py_tuple(map(str, view_shape(tuple(dims), s.view.inserted)))
 
     def pass_of(self, spec):
         mods = [self.m] + ([self.m.backward_module] if self.m.backward_module else [])
@@ -211,10 +207,10 @@ class _Emitter:
         prelude = []
         for var, (operand, tiles) in m.backward.prelude:
             op = self.k.operand(operand)
-            coords = _tuple(p.internal for p in m.conv.params if p.operand == operand and p.kind == "coords")
-            shape = _tuple(render(m.conv.size(d), "host") for d in op.dims)
+            coords = py_tuple(p.internal for p in m.conv.params if p.operand == operand and p.kind == "coords")
+            shape = py_tuple(render(m.conv.size(d), "host") for d in op.dims)
             blocks = m.conv.param(operand, "blocks").internal
-            prelude.append(f"{var} = _densify({blocks}, {coords}, {m.conv.pad(operand)}, {shape}, {_tuple(map(str, tiles))}, {op.dtype.jnp})")
+            prelude.append(f"{var} = _densify({blocks}, {coords}, {m.conv.pad(operand)}, {shape}, {py_tuple(map(str, tiles))}, {op.dtype.jnp})")
         info["prelude"] = prelude
         return info
 

@@ -194,7 +194,7 @@ def _with_backward(m: TpuModule) -> TpuModule:
         return dataclasses.replace(m, backward=b, backward_error=b.error)
     try:
         bm = lower(b.kernel, m.target, m.names, b.conv, backward=False)
-        problems = check_kernel(b.kernel, m.target) + check_module(bm, suggest=False)
+        problems = check_kernel(b.kernel, m.target) + check_module(bm)
     except LayoutError as exc:
         bm, problems = None, exc.diagnostics
     if problems:
@@ -313,19 +313,6 @@ def _vmem(kernel: Kernel, p: Pass, specs: list[Spec], target: Target) -> tuple[V
             items.append(VmemItem(f"{main.operand} block, widened", shape, p.accumulate, 1))
     items.append(VmemItem("Mosaic internal scratch", (MOSAIC_SCRATCH // 4,), DTYPE_I32, 1))
     return tuple(items)
-
-
-def smem_entries(tp: TpuPass, env: dict[str, int | None]) -> int | None:
-    """Int32 entries of a pass's scalar-prefetch tables, or None when a size is unknown."""
-    from ..expr import evaluate
-
-    total = 0
-    for t in tp.p.tables:
-        value = evaluate(t.length, env)
-        if value is None:
-            return None
-        total += value
-    return total
 
 
 def block_bytes(kernel: Kernel, spec: Spec) -> int:

@@ -2,18 +2,19 @@
 
 Layout problems are found while lowering (`layout.view`); the rest here, after, because
 the footprint depends on the blocks and scratch. Diagnostics still point at the spec
-(the tile line, an operand's dtype, the accumulate line).
+(the tile line, an operand's dtype, the accumulate line). Tiles that would fit are found
+by lowering again (`suggest.py`, above the lowerings); a caller passes that search in as
+`suggest`, so `lower` can check the backward kernel it derives against these rules.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 
+from ..expr import evaluate
 from ..ir import Kernel
 from ..source import Diagnostic
-from ..schedule.attention import row_plan
-from .attention.lower import AttentionModule, lower_attention
-from .lower import LayoutError, TpuModule, lower, smem_entries
+from .attention.lower import AttentionModule
 from .targets import Target, format_bytes
 
 ACCUMULATORS = ("f32", "i32")
@@ -21,47 +22,6 @@ ACCUMULATORS = ("f32", "i32")
 
 def _tiles_text(kernel: Kernel) -> str:
     return ", ".join(f"{i.name}={i.tile}" for i in kernel.indices)
-
-
-def with_tile(kernel: Kernel, name: str, tile: int) -> Kernel:
-    return dataclasses.replace(kernel, indices=tuple(dataclasses.replace(i, tile=tile) if i.name == name else i for i in kernel.indices))
-
-
-def _lowers(kernel: Kernel, target: Target) -> TpuModule | None:
-    for i in kernel.indices:
-        if i.tile < 1 or (i.size.literal is not None and i.size.literal % i.tile):
-            return None
-    try:
-        return lower(kernel, target, backward=False)  # the forward decides the tiles
-    except LayoutError:
-        return None
-
-
-def _halve_until_it_fits(kernel: Kernel, target: Target, vmem_of, halvable) -> Kernel | None:
-    """Halve the largest tile `halvable(trial kernel, index)` accepts halved until
-    `vmem_of(kernel)` (None: it does not lower) fits the target's VMEM; None if none does."""
-    for _ in range(64):
-        need = vmem_of(kernel)
-        if need is not None and need <= target.vmem_bytes:
-            return kernel
-        for index in sorted(kernel.indices, key=lambda i: -i.tile):
-            trial = with_tile(kernel, index.name, index.tile // 2)
-            if halvable(trial, index):
-                kernel = trial
-                break
-        else:
-            return None
-    return None
-
-
-def suggest_tiles(kernel: Kernel, target: Target) -> Kernel | None:
-    """Smaller tiles that fit the target's VMEM: halve the largest tile until it fits."""
-
-    def vmem_of(k: Kernel) -> int | None:
-        m = _lowers(k, target)
-        return m.vmem_bytes if m is not None else None
-
-    return _halve_until_it_fits(kernel, target, vmem_of, lambda trial, _: _lowers(trial, target) is not None)
 
 
 def check_kernel(kernel: Kernel, target: Target) -> list[Diagnostic]:
@@ -85,34 +45,33 @@ def vmem_overflow(k: Kernel, target: Target, items: list[tuple[str, int]], what:
     return Diagnostic(k.tile_span, f"tiles {_tiles_text(k)} need {format_bytes(need)} of VMEM on {target.name} (limit {format_bytes(target.vmem_bytes)})", tuple(notes))
 
 
-def check_attention(m: AttentionModule) -> list[Diagnostic]:
-    """The target's limits on a row walk (attention-like kernel): its VMEM estimate."""
+def check_attention(m: AttentionModule, suggest: Callable[[], Kernel | None] | None = None) -> list[Diagnostic]:
+    """The target's limits on a row walk (attention-like kernel): its VMEM estimate
+    (`suggest`: tiles that fit, asked only on an overflow; `suggest.suggest_attention_tiles`)."""
     problem = vmem_overflow(m.kernel, m.target, list(m.vmem), "two buffers of every block plus the running statistics and f32 temporaries",
-                            lambda: suggest_attention_tiles(m.kernel, m.target))
+                            suggest)
     return [problem] if problem else []
 
 
-def suggest_attention_tiles(kernel: Kernel, target: Target) -> Kernel | None:
-    """Smaller query and key tiles that fit: halve the larger of the two while the score block
-    keeps its layout (key tile a multiple of 128 lanes, query tile of 8 sublanes)."""
-    plan = row_plan(kernel)
-    floor = {plan.query: 8, plan.key: 128}
-
-    def halvable(_, index) -> bool:
-        half = index.tile // 2
-        return index.name in floor and half >= floor[index.name] and half % floor[index.name] == 0 and (
-            index.size.literal is None or index.size.literal % half == 0)
-
-    return _halve_until_it_fits(kernel, target, lambda k: lower_attention(k, row_plan(k), target).vmem_bytes, halvable)
+def smem_entries(tp, env: dict[str, int | None]) -> int | None:
+    """Int32 entries of a pass's (lower.TpuPass) scalar-prefetch tables, or None when a size is unknown."""
+    total = 0
+    for t in tp.p.tables:
+        value = evaluate(t.length, env)
+        if value is None:
+            return None
+        total += value
+    return total
 
 
-def check_module(m: TpuModule, suggest: bool = True) -> list[Diagnostic]:
-    """The target's limits on a lowered module. `suggest=False` for a derived backward kernel:
+def check_module(m, suggest: Callable[[], Kernel | None] | None = None) -> list[Diagnostic]:
+    """The target's limits on a lowered module (lower.TpuModule). `suggest`: tiles that fit,
+    asked only on an overflow (`suggest.suggest_tiles`); none for a derived backward kernel:
     its tiles are the forward's, and its calling convention is its own."""
     k, target = m.kernel, m.target
     errors = []
     problem = vmem_overflow(k, target, [(item.what, item.bytes) for item in m.vmem], "two buffers of every block (double buffering) plus the accumulator",
-                            (lambda: suggest_tiles(k, target)) if suggest else None)
+                            suggest)
     if problem:
         errors.append(problem)
     env = {s.internal: s.literal for s in m.conv.sizes}

@@ -20,7 +20,7 @@ from ..source import Diagnostic, SourceFile
 from ..shapes import _load, arg_structs, concrete, default_shapes, differentiated, parse_shapes, stored_blocks  # noqa: F401 (re-exported)
 from .emit import emit
 from .lower import TpuModule
-from .rules import suggest_tiles
+from .suggest import suggest_tiles
 from .targets import TARGETS, format_bytes
 
 # The static VMEM estimate (what `build` checks) must bound the compiler's figure, and not by

@@ -7,11 +7,11 @@ import dataclasses
 
 from ...dtypes import DTYPES
 from ...ir import Read
+from ...pytext import py_tuple
 from ...schedule.attention import Classifier
 from ...wrapper import Wrapper, vjp_tables
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
 from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, layout_block
-from .lower import py_tuple as _tuple
 from .reference import ReferenceWriter
 
 
@@ -124,13 +124,13 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             "kernel_statics": call.statics,
             "kernel_lines": call.kernel_lines,
             "maps": [self.map_dict(a, call) for a in call.ins + call.outs],
-            "in_specs": [(_tuple("None" if b is None else str(b) for b in a.block), a.fn + call.suffix) for a in call.ins],
-            "outs": [{"block": _tuple("None" if b is None else str(b) for b in o.block), "map": o.fn + call.suffix, "view": _tuple(o.view), "shape": _tuple(o.shape),
+            "in_specs": [(py_tuple("None" if b is None else str(b) for b in a.block), a.fn + call.suffix) for a in call.ins],
+            "outs": [{"block": py_tuple("None" if b is None else str(b) for b in o.block), "map": o.fn + call.suffix, "view": py_tuple(o.view), "shape": py_tuple(o.shape),
                       "dtype": o.dtype, "var": o.var, "reshape": o.view != o.shape} for o in call.outs],
             "arrays": [a.host for a in call.ins],
             "scratch": call.scratch,
-            "grid": _tuple(grid),
-            "semantics": _tuple(['"parallel"'] * len(self.p.lead) + ['"arbitrary"']),
+            "grid": py_tuple(grid),
+            "semantics": py_tuple(['"parallel"'] * len(self.p.lead) + ['"arbitrary"']),
             "flops": f"{self.tables[3]}.size * {call.flops}",
             "transcendentals": f"{self.tables[3]}.size * {call.transcendentals}",
             "statics_kw": ", ".join(f"{v}={v}" for v in call.statics),
@@ -164,7 +164,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         stored_lines = []
         if any(c.stored for c in p.consumers):
             self.stored_lse_hosts = {}
-            row_shape = _tuple([self.size_of(i) for i in p.lead] + [self.size_of(p.query), str(LANES)])
+            row_shape = py_tuple([self.size_of(i) for i in p.lead] + [self.size_of(p.query), str(LANES)])
             for pt in sorted({c.point for c in p.consumers if c.kind == "softmax_out"}):
                 host = self.stored_lse_hosts[pt] = self.row_hosts["row_lse"] if pt == 0 else self.n.local("row_lse_rows")
                 stored_lines.append(f"{host} = jnp.broadcast_to({self.row_lses[pt]}[..., None], {row_shape})")
@@ -218,7 +218,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             declared=[self.out_var[o.name] for o in k.outputs],
             backward=backward,
             gradient_tables=self.gradient_tables(backward, derived),
-            nothing=_tuple(["None"] * len(conv.impl_args)),
+            nothing=py_tuple(["None"] * len(conv.impl_args)),
             class_axes=list(p.class_axes),
             data=data,
         )
@@ -252,7 +252,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         p, k, conv = self.p, self.k, self.m.conv
         lines = []
         f32 = "jnp.float32"
-        row_shape = _tuple([self.size_of(i) for i in p.lead] + [self.size_of(p.query), str(LANES)])
+        row_shape = py_tuple([self.size_of(i) for i in p.lead] + [self.size_of(p.query), str(LANES)])
         lse_var = self.row_lse
         delta = self.n.local("delta")
         parts = []
@@ -266,7 +266,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         lines.append(f"{delta} = " + (" + ".join(parts) if parts else f"jnp.zeros({lse_var}.shape, {f32})"))
         lines.append(f"{self.row_hosts['row_lse']} = jnp.broadcast_to({lse_var}[..., None], {row_shape})")
         lines.append(f"{self.row_hosts['delta']} = jnp.broadcast_to({delta}[..., None], {row_shape})")
-        col_shape = _tuple([self.size_of(i) for i in p.lead] + [str(SUBLANES), self.size_of(p.query)])
+        col_shape = py_tuple([self.size_of(i) for i in p.lead] + [str(SUBLANES), self.size_of(p.query)])
         lines.append(f"{self.col_hosts['row_lse']} = jnp.broadcast_to({lse_var}[..., None, :], {col_shape})")
         lines.append(f"{self.col_hosts['delta']} = jnp.broadcast_to({delta}[..., None, :], {col_shape})")
         for c in p.consumers:
@@ -287,12 +287,12 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         for var, (read, order) in std.items():
             src = "".join(letters[i] for i in order)
             dst = "".join(letters[s.index] for s in read.subs)
-            divided = _tuple(f'("{letters[s.index]}", {s.divisor})' for s in read.subs if s.divisor != 1)
+            divided = py_tuple(f'("{letters[s.index]}", {s.divisor})' for s in read.subs if s.divisor != 1)
             grads.setdefault(read.operand, []).append(f'_to_operand({var}, "{src}", "{dst}", {divided})')
         for r, var, order in self.float_grads:
             src = "".join(letters[i] for i in order)
             dst = "".join(letters[s.index] for s in r.subs)
-            divided = _tuple(f'("{letters[s.index]}", {s.divisor})' for s in r.subs if s.divisor != 1)
+            divided = py_tuple(f'("{letters[s.index]}", {s.divisor})' for s in r.subs if s.divisor != 1)
             grads.setdefault(r.operand, []).append(f'_to_operand({var}, "{src}", "{dst}", {divided})')
             results.append(var)
         returns = []
@@ -337,10 +337,10 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         x = f"{param}.astype({dtype})"
         shape = [self.dim_size(o.read, d) for d in range(len(o.read.subs))]
         if o.layout == "rows":
-            return f"jnp.broadcast_to({x}[..., None], {_tuple(shape + [str(LANES)])})"
+            return f"jnp.broadcast_to({x}[..., None], {py_tuple(shape + [str(LANES)])})"
         if o.layout == "cols":
-            return f"jnp.broadcast_to({x}[..., None, :], {_tuple(shape[:-1] + [str(SUBLANES), shape[-1]])})"
-        return f"jnp.broadcast_to({x}[..., None, None], {_tuple(shape + [str(SUBLANES), str(LANES)])})"
+            return f"jnp.broadcast_to({x}[..., None, :], {py_tuple(shape[:-1] + [str(SUBLANES), shape[-1]])})"
+        return f"jnp.broadcast_to({x}[..., None, None], {py_tuple(shape + [str(SUBLANES), str(LANES)])})"
 
     def dim_size(self, read: Read, d: int) -> str:
         dim = self.k.operand(read.operand).dims[d]

@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass, field
 
 from ...ir import Read, Term
+from ...pytext import py_tuple
 from ...schedule.attention import read_key
 from .lower import LANES, SUBLANES, Operand, render_term
-from .lower import py_tuple as _tuple
 
 
 @dataclass
@@ -512,7 +512,7 @@ class KernelWriter:
                 shape = tuple(lead_shape + [self.steps, str(ti), str(tj)])
                 outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_steps_map", key=("steps", r)), "", f"the gradient of {r.text}, one block per step",
                                    shape, shape, "jnp.float32", var))
-                groups = f"_lead_groups({_tuple(lead_shape)}, {_tuple(str(i in p.class_axes) for i in p.lead)})"
+                groups = f"_lead_groups({py_tuple(lead_shape)}, {py_tuple(str(i in p.class_axes) for i in p.lead)})"
                 post.append(f"{var} = _scatter_blocks({var}, {self.tables[0]}, {self.tables[1]}, {self.tables[3]}, {groups}, "
                             f"({self.size_of(p.query)}, {self.size_of(p.key)}))")
                 self.float_grads.append((r, var, p.lead + (p.query, p.key)))

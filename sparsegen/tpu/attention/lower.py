@@ -210,9 +210,3 @@ def _render_term(t: Term, leaf) -> tuple[str, int]:
     if t.op == "%":
         return f"_mod({args[0][0]}, {args[1][0]})", _ATOM
     return f"{_FUNCTIONS[t.op]}({', '.join(a[0] for a in args)})", _ATOM
-
-
-def py_tuple(items) -> str:
-    """A Python tuple literal from item texts (a 1-tuple keeps its comma)."""
-    items = list(items)
-    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ...ir import Read, Term
-from .lower import py_tuple as _tuple
+from ...pytext import py_tuple
 from .lower import render_term
 
 
@@ -43,7 +43,7 @@ class ReferenceWriter:
 
         def leaf(t: Term, float_ctx: bool) -> str:
             if t.op == "index":
-                shape = _tuple("-1" if i == t.name else "1" for i in rows)
+                shape = py_tuple("-1" if i == t.name else "1" for i in rows)
                 v = f"jnp.arange({self.size_of(t.name)}).reshape({shape})"
                 return f"{v}.astype({acc.jnp})" if float_ctx else v
             if t.op == "size":
@@ -94,7 +94,7 @@ class ReferenceWriter:
                 # Summed over the blocks the walk visits only, as the kernel sums it.
                 keyed = "".join(letters[i] for i in p.lead + (p.key, self.e_of(c)))
                 vals = widen(c.value) if spec(c.value) == keyed else f'_expand({widen(c.value)}, "{spec(c.value)}", "{keyed}")'
-                tiles = _tuple(str(self.tile[i]) for i in (p.query, p.key))
+                tiles = py_tuple(str(self.tile[i]) for i in (p.query, p.key))
                 lines.append(f"{var} = _visited_product({probs}, {vals}, {visited}, {tiles})")
                 if c.scale is not None:
                     lines.append(f"{var} = {var} * {c.scale!r}")
