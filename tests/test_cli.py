@@ -20,7 +20,7 @@ def test_generated_is_current():
     """generated/ matches specs/ (what `sparsegen check` tells CI and pre-commit hooks)."""
     result = sparsegen("check", *EXAMPLES, "-o", "generated")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "13 modules up to date" in result.stdout
+    assert "15 modules up to date" in result.stdout
 
 
 def test_two_builds_are_byte_identical(tmp_path):
@@ -33,8 +33,8 @@ def test_two_builds_are_byte_identical(tmp_path):
     assert sparsegen("build", *(tmp_path / e for e in EXAMPLES), "-o", b, cwd=ROOT / "tests").returncode == 0
     names = sorted(p.name for p in a.iterdir())
     assert names == ["batched_dsd.py", "block_slice.py", "causal_attention.py", "dds_matmul.py", "document_attention.py", "dsd_matmul.py",
-                     "local_gqa_attention.py", "masked_attention.py", "masked_matmul.py", "masked_matmul_dx.py", "masked_matmul_dy.py",
-                     "masked_softmax.py", "sdd_matmul.py"]
+                     "grouped_matmul.py", "local_gqa_attention.py", "masked_attention.py", "masked_matmul.py", "masked_matmul_dx.py",
+                     "masked_matmul_dy.py", "masked_softmax.py", "sdd_matmul.py", "tril_matmul.py"]
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes()
         assert (a / name).read_bytes() == (ROOT / "generated" / name).read_bytes()
@@ -67,7 +67,7 @@ def test_check_does_not_depend_on_how_the_spec_is_spelled():
         ([f"../{e}" for e in EXAMPLES], ROOT / "tests", "../generated"),
     ]:
         result = sparsegen("check", *specs, "-o", out, cwd=cwd)
-        assert result.returncode == 0 and "13 modules up to date" in result.stdout, result.stdout + result.stderr
+        assert result.returncode == 0 and "15 modules up to date" in result.stdout, result.stdout + result.stderr
 
 
 def test_diagnostics_name_the_spec_as_typed():
