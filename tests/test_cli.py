@@ -132,8 +132,9 @@ def test_check_reports_orphans_and_leaves_other_files_alone(tmp_path):
     assert result.returncode == 1
     assert [line for line in result.stdout.splitlines() if line.startswith("orphan: ")] == [
         f"orphan: generated/{name}.py (no spec defines kernel '{name}')"
-        for name in ("batched_dsd", "block_slice", "causal_attention", "dds_matmul", "document_attention", "local_gqa_attention",
-                     "masked_attention", "masked_matmul", "masked_matmul_dx", "masked_matmul_dy", "masked_softmax")
+        for name in ("batched_dsd", "block_slice", "causal_attention", "dds_matmul", "document_attention", "grouped_matmul",
+                     "local_gqa_attention", "masked_attention", "masked_matmul", "masked_matmul_dx", "masked_matmul_dy", "masked_softmax",
+                     "tril_matmul")
     ]
 
 
