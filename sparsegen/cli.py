@@ -18,16 +18,15 @@ from collections.abc import Callable
 
 from .compiler import Module, compile_for_targets, plans
 from .source import SourceFile, SpecError
-from .gpu import GPU_TARGETS, GpuModule, is_gpu
-from .gpu.describe import describe as describe_gpu
-from .tpu.describe import describe as describe_tpu
+from .backends import describe_module
+from .gpu import GPU_TARGETS, is_gpu
 from .tpu.targets import DEFAULT_TARGET, TARGETS
 
 ALL_TARGETS = {**TARGETS, **GPU_TARGETS}
 
 
 def describe(m) -> list[str]:
-    return describe_gpu(m) if isinstance(m, GpuModule) else describe_tpu(m)
+    return describe_module(m)
 
 
 def _resolved(path: str | Path) -> Path:

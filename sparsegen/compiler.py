@@ -1,7 +1,9 @@
-"""One way through: source -> syntax -> check (IR) -> schedule + TPU lowering -> target rules -> emit.
+"""One way through, for every family and target: source -> syntax -> check (IR) -> the
+target's lowering (schedule, gradients, lowering) and rules -> emit.
 
-Every command goes through `lower_source` (build, check, plan, verify, variants), so a
-rule checked here is checked for all of them.
+Every command goes through `check_source` and `lower_kernels` (build, check, plan, verify,
+variants, the simulator), so a rule checked here is checked for all of them; which stages
+run for a kernel is `backends.TABLE`'s business, by (target, family).
 """
 
 from __future__ import annotations
@@ -11,21 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .allocation import no_cycle_collection
+from .backends import chip_of, emit_module, lower_kernel
 from .check import check
 from .ir import Kernel
-from .source import SourceFile, SpecError
+from .source import Diagnostic, SourceFile, SpecError
 from .syntax import parse
-from .schedule.attention import is_row_kernel, row_plan
-from .schedule.build import ScheduleError
-from .tpu.attention import lower_attention
-from .tpu.emit import emit
-from .tpu.lower import LayoutError, TpuModule, lower
-from .tpu.rules import check_attention, check_kernel, check_module
-from .tpu.suggest import suggest_attention_tiles, suggest_tiles
-from .tpu.targets import DEFAULT_TARGET, TARGETS
-from .gpu import GPU_TARGETS, GpuError, GpuModule, is_gpu, lower_gpu
-from .gpu.emit import emit_gpu
-from .source import Diagnostic
+from .tpu.lower import TpuModule
+from .tpu.targets import DEFAULT_TARGET
 
 
 @dataclass(frozen=True)
@@ -43,46 +37,28 @@ def _in_order(errors: list[Diagnostic], source: SourceFile) -> SpecError:
 def load(path: str | Path) -> tuple[SourceFile, list[Kernel]]:
     """Parse and check a spec file (SpecError on any problem)."""
     source = SourceFile.read(path)
-    return source, check(parse(source))
+    return source, check_source(source)
+
+
+def check_source(source: SourceFile) -> list[Kernel]:
+    """Parse and check a spec (SpecError listing every problem)."""
+    with no_cycle_collection():
+        return check(parse(source))
 
 
 def lower_for_tpu(kernel: Kernel, chip) -> tuple[TpuModule | None, list[Diagnostic]]:
-    """One kernel through a TPU's lowering (the row walk or the einsum passes) and its rules:
-    the module (None where it could not be lowered) and every problem found."""
-    problems = check_kernel(kernel, chip)
-    if problems:
-        return None, problems
-    try:
-        if is_row_kernel(kernel):
-            m = lower_attention(kernel, row_plan(kernel), chip)
-            return m, check_attention(m, lambda: suggest_attention_tiles(m.kernel, m.target))
-        m = lower(kernel, chip)
-    except ScheduleError as exc:
-        return None, [exc.diagnostic]
-    except LayoutError as exc:
-        return None, list(exc.diagnostics)
-    return m, check_module(m, lambda: suggest_tiles(m.kernel, m.target))
+    """One kernel through a TPU's lowering and rules (the module, or None, and every problem)."""
+    return lower_kernel(kernel, chip.name, chip)
 
 
-def lower_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAULT_TARGET) -> list[TpuModule]:
-    """Schedule, lower and check every kernel against the target (SpecError listing every problem)."""
+def lower_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAULT_TARGET) -> list:
+    """Lower and check every kernel against the target (SpecError listing every problem)."""
+    chip_of(target)  # an unknown target is the caller's to report
     result, errors = [], []
-    if is_gpu(target):
-        for kernel in kernels:
-            if is_row_kernel(kernel):
-                errors.append(Diagnostic(kernel.name_span, f"attention-like kernels (softmax, `where`) are not lowered for GPUs yet; build '{kernel.name}' for a TPU target"))
-                continue
-            try:
-                result.append(lower_gpu(kernel, GPU_TARGETS[target]))
-            except GpuError as exc:
-                errors += exc.diagnostics
-        if errors:
-            raise _in_order(errors, source)
-        return result
     for kernel in kernels:
-        m, problems = lower_for_tpu(kernel, TARGETS[target])
+        m, problems = lower_kernel(kernel, target)
         errors += problems
-        if m is not None:
+        if m is not None and not problems:
             result.append(m)
     if errors:
         raise _in_order(errors, source)
@@ -91,7 +67,7 @@ def lower_kernels(source: SourceFile, kernels: list[Kernel], target: str = DEFAU
 
 def lower_source(source: SourceFile, target: str = DEFAULT_TARGET) -> list[TpuModule]:
     with no_cycle_collection():
-        return lower_kernels(source, check(parse(source)), target)
+        return lower_kernels(source, check_source(source), target)
 
 
 def plans(path: str | Path, target: str = DEFAULT_TARGET) -> list[TpuModule]:
@@ -110,7 +86,7 @@ def compile_for_targets(source: SourceFile, target_of: Callable[[str], str], *, 
     records), in the spec's order; SpecError listing every problem of every target."""
     origin = source.name if origin is None else origin
     with no_cycle_collection():
-        kernels = check(parse(source))
+        kernels = check_source(source)
         by_target: dict[str, list[Kernel]] = {}
         for kernel in kernels:
             by_target.setdefault(target_of(kernel.name), []).append(kernel)
@@ -122,7 +98,7 @@ def compile_for_targets(source: SourceFile, target_of: Callable[[str], str], *, 
             except SpecError as exc:
                 errors += exc.diagnostics
                 continue
-            compiled.update((m.name, Module(m.name, emit_gpu(m, origin) if isinstance(m, GpuModule) else emit(m, origin), m)) for m in lowered)
+            compiled.update((m.name, Module(m.name, emit_module(m, origin), m)) for m in lowered)
     if errors:
         raise _in_order(errors, source)
     return [compiled[k.name] for k in kernels]

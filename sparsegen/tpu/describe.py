@@ -99,14 +99,17 @@ def describe_pass(m: TpuModule, tp: TpuPass) -> list[str]:
     return out
 
 
-def describe(m: TpuModule) -> list[str]:
+def describe(m) -> list[str]:
+    """A TPU module's plan in words (`sparsegen.backends.describe_module` for any target)."""
+    from ..backends import describe_module
+
+    return describe_module(m)
+
+
+def describe_einsum(m: TpuModule) -> list[str]:
     """Lines describing the plan (no trailing newlines), the backward kernel's too."""
     from ..autodiff import gradient_lines
-    from .attention import AttentionModule
-    from .describe_attention import describe_attention
 
-    if isinstance(m, AttentionModule):
-        return [f"kernel {m.kernel.name}"] + ["  " + line for line in describe_attention(m)]
     k = m.kernel
     several = len(m.passes) > 1
     lines = [f"kernel {k.name}" + (f": {len(m.passes)} passes, one per statement, in order" if several else "")]

@@ -295,12 +295,15 @@ class _Emitter:
         return with_helpers(main)
 
 
-def emit(m: TpuModule, source_name: str, formatted: bool = True) -> str:
+def emit(m, source_name: str, formatted: bool = True) -> str:
+    """A TPU module's source, einsum or row walk (`sparsegen.backends.emit_module` for any target)."""
+    from ..backends import emit_module
+
+    return emit_module(m, source_name, formatted)
+
+
+def emit_einsum(m: TpuModule, source_name: str, formatted: bool = True) -> str:
     """The generated module's source, formatted by black (`formatted=False`: the same code as
     the templates write it, for tests that build hundreds of modules)."""
-    from .attention import AttentionModule, emit_attention
-
-    if isinstance(m, AttentionModule):
-        return emit_attention(m, source_name, formatted)
     text = _Emitter(m).module(source_name)
     return format_module(text, names=(m.name,)) if formatted else text

@@ -246,11 +246,9 @@ def verify_file(path, targets, shapes=None, nnz: float = 0.1, probe: bool = True
 
 
 def verify_file_source(source: SourceFile, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
-    from ..check import check
-    from ..compiler import lower_for_tpu
-    from ..syntax import parse
+    from ..compiler import check_source, lower_for_tpu
 
-    kernels = check(parse(source))
+    kernels = check_source(source)
     results = []
     for kernel in kernels:
         for target in targets:

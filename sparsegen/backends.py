@@ -1,0 +1,164 @@
+"""Targets and kernel families, in one table: what lowers, checks, emits and describes a
+kernel of a family for a target.
+
+A *backend* (TPU: Pallas Mosaic TPU; GPU: Mosaic GPU) owns its chips; a *family* is how a
+kernel is walked: `einsum` (products of operands, with or without conditions on their
+terms: the einsum walks of `schedule/`) or `row` (attention-like kernels: local tensors,
+softmax and reductions, the row walk). Each (backend, family) entry lowers a checked kernel
+for a chip and applies the target's rules, returning the module or every problem found;
+its module knows how to be emitted and described. A pair the table lacks is refused in one
+form, at the kernel's name, saying what to do instead. The compiler, `verify`, `plan`,
+`variants` and the simulator all go through `lower_kernel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .ir import Kernel
+from .source import Diagnostic
+
+
+@dataclass(frozen=True)
+class Entry:
+    lower: Callable[[Kernel, object], tuple[object | None, list[Diagnostic]]]  # (kernel, chip) -> (module, problems)
+    emit: Callable[[object, str, bool], str]  # (module, origin, formatted) -> source
+    describe: Callable[[object], list[str]]
+
+
+def family_of(kernel: Kernel) -> str:
+    """`einsum` (products of operands, conditions included) or `row` (attention-like)."""
+    return "einsum" if kernel.einsums_only else "row"
+
+
+def backend_of(target: str) -> str:
+    from .gpu.targets import is_gpu
+
+    return "gpu" if is_gpu(target) else "tpu"
+
+
+def chip_of(target: str):
+    from .gpu.targets import GPU_TARGETS
+    from .tpu.targets import TARGETS
+
+    return GPU_TARGETS[target] if backend_of(target) == "gpu" else TARGETS[target]
+
+
+# ------------------------------------------------------------------ entries
+
+
+def _tpu_einsum(kernel, chip):
+    from .schedule.build import ScheduleError
+    from .tpu.lower import LayoutError, lower
+    from .tpu.rules import check_kernel, check_module
+
+    problems = check_kernel(kernel, chip)
+    if problems:
+        return None, problems
+    try:
+        m = lower(kernel, chip)
+    except ScheduleError as exc:
+        return None, [exc.diagnostic]
+    except LayoutError as exc:
+        return None, list(exc.diagnostics)
+    return m, check_module(m)
+
+
+def _tpu_row(kernel, chip):
+    from .schedule.attention import row_plan
+    from .schedule.build import ScheduleError
+    from .tpu.attention import lower_attention
+    from .tpu.rules import check_attention, check_kernel
+
+    problems = check_kernel(kernel, chip)
+    if problems:
+        return None, problems
+    try:
+        m = lower_attention(kernel, row_plan(kernel), chip)
+    except ScheduleError as exc:
+        return None, [exc.diagnostic]
+    return m, check_attention(m)
+
+
+def _gpu_einsum(kernel, chip):
+    from .gpu import GpuError, lower_gpu
+
+    try:
+        return lower_gpu(kernel, chip), []
+    except GpuError as exc:
+        return None, list(exc.diagnostics)
+
+
+def _tpu_emit(m, origin, formatted=True):
+    from .tpu.emit import emit_einsum
+
+    return emit_einsum(m, origin, formatted)
+
+
+def _row_emit(m, origin, formatted=True):
+    from .tpu.attention import emit_attention
+
+    return emit_attention(m, origin, formatted)
+
+
+def _gpu_emit(m, origin, formatted=True):
+    from .gpu.emit import emit_gpu
+
+    del formatted  # GPU modules are always formatted
+    return emit_gpu(m, origin)
+
+
+def _tpu_describe(m):
+    from .tpu.describe import describe_einsum
+
+    return describe_einsum(m)
+
+
+def _row_describe(m):
+    from .tpu.describe_attention import describe_attention
+
+    return [f"kernel {m.kernel.name}"] + ["  " + line for line in describe_attention(m)]
+
+
+def _gpu_describe(m):
+    from .gpu.describe import describe
+
+    return describe(m)
+
+
+TABLE: dict[tuple[str, str], Entry] = {
+    ("tpu", "einsum"): Entry(_tpu_einsum, _tpu_emit, _tpu_describe),
+    ("tpu", "row"): Entry(_tpu_row, _row_emit, _row_describe),
+    ("gpu", "einsum"): Entry(_gpu_einsum, _gpu_emit, _gpu_describe),
+}
+
+# Why a pair is missing, and what to do instead.
+UNSUPPORTED = {
+    ("gpu", "row"): "attention-like kernels (local tensors, softmax, reductions) are not lowered for GPUs yet; build '{name}' for a TPU target",
+}
+
+
+def entry(target: str, kernel: Kernel) -> Entry | None:
+    return TABLE.get((backend_of(target), family_of(kernel)))
+
+
+def lower_kernel(kernel: Kernel, target: str, chip=None) -> tuple[object | None, list[Diagnostic]]:
+    """One kernel through its target's lowering and rules: the module (None where it could
+    not be lowered) and every problem found. `chip`: the target's chip as given (a probe may
+    pass a variant of it), default the named one."""
+    e = entry(target, kernel)
+    if e is None:
+        key = (backend_of(target), family_of(kernel))
+        return None, [Diagnostic(kernel.name_span, UNSUPPORTED[key].format(name=kernel.name))]
+    return e.lower(kernel, chip if chip is not None else chip_of(target))
+
+
+def emit_module(m, origin: str, formatted: bool = True) -> str:
+    """A lowered module's source (any backend, any family)."""
+    return entry(m.target.name, m.kernel).emit(m, origin, formatted)
+
+
+def describe_module(m) -> list[str]:
+    """A lowered module's plan in words (no trailing newlines)."""
+    return entry(m.target.name, m.kernel).describe(m)
