@@ -151,6 +151,7 @@ class _KernelChecker:
         self.locals: dict[str, ast.Access] = {}
         self.free_sizes: dict[str, ast.Name] = {}  # sizes only expressions name (flow.py), first use
         self.flow: dict[int, object] = {}  # id(statement) -> its checked v1 form (flow.py)
+        self.cond_accesses: set[int] = set()  # id(access) of the reads in conditions (flow.py)
         for st in k.statements:
             target = st.target
             name = target.operand.text
@@ -293,6 +294,11 @@ class _KernelChecker:
                 if sub.index.text in seen:
                     self.error(sub.index.span, f"index '{sub.index.text}' is used twice in one access (a diagonal), which is not supported")
                 seen[sub.index.text] = sub
+                if sub.shift is not None:
+                    if id(acc) not in self.cond_accesses:
+                        self.error(sub.span, f"`{sub.index.text} {'+' if sub.shift > 0 else '-'} {abs(sub.shift)}` reads an integer operand in a condition only (`lo[g + 1]`)")
+                    elif sub.shift < 0:
+                        self.error(sub.span, "not supported yet: a read at an index minus an integer; shift the operand instead (`lo[g + 1]`)")
                 if sub.divisor is not None:
                     if acc is target:
                         self.error(sub.span, "a divided subscript (`h // 4`) reads an input; the left side uses plain indices")
@@ -350,7 +356,8 @@ class _KernelChecker:
 
     def read(self, acc: ast.Access) -> Read:
         subs = tuple(
-            Sub(s.index.text, OffsetRef(s.offset.operand.text, s.offset.position) if s.offset else None, s.divisor or 1) for s in acc.subscripts
+            Sub(s.index.text, OffsetRef(s.offset.operand.text, s.offset.position) if s.offset else None, s.divisor or 1, s.shift or 0)
+            for s in acc.subscripts
         )
         return Read(acc.operand.text, subs, acc.span)
 
@@ -380,12 +387,18 @@ class _KernelChecker:
         def size_of(dim: ast.Dim) -> Size:
             return Size(dim.value, None) if isinstance(dim.value, str) else Size(None, dim.value)
 
+        # A dimension read at an index plus an integer anywhere (`lo[g + 1]`) binds no index:
+        # it has a size of its own, and the call checks every read lies inside it.
+        shifted = {(acc.operand.text, d) for st, factors, _ in self.parsed for acc in factors
+                   for d, sub in enumerate(acc.subscripts) if sub.shift is not None}
         for st, factors, _ in self.parsed:
             for acc in (st.target, *factors):
                 op = self.operands.get(acc.operand.text)
                 if op is None:
                     continue
                 for d, (sub, dim) in enumerate(zip(acc.subscripts, op.dims)):
+                    if (acc.operand.text, d) in shifted:
+                        continue
                     if sub.divisor is not None:
                         divided.append((sub, dim, f"{op.name.text} dim {d}"))
                         continue

@@ -299,6 +299,7 @@ class _Flow:
         return Term("cmp", (Term("num", value=0), Term("num", value=0)), ops=("==",))
 
     def cond_read(self, e: ast.Access):
+        self.c.cond_accesses.add(id(e))
         self.operand_read(e)
         for s in e.subscripts:
             if s.divisor is not None:

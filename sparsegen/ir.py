@@ -48,11 +48,14 @@ class Sub:
     index: str
     offset: OffsetRef | None = None
     divisor: int = 1
+    shift: int = 0  # `g + 1` (a condition's read only)
 
     @property
     def text(self) -> str:
         if self.offset is not None:
             return f"{self.offset.operand}[{self.offset.position}] + {self.index}"
+        if self.shift:
+            return f"{self.index} {'+' if self.shift > 0 else '-'} {abs(self.shift)}"
         return f"{self.index} // {self.divisor}" if self.divisor != 1 else self.index
 
 

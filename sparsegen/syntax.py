@@ -60,6 +60,7 @@ class Subscript:
     offset: Offset | None
     divisor: int | None  # `h // 4`
     span: Span
+    shift: int | None = None  # `g + 1`: a condition's read at an index plus an integer (language v2, section 1)
 
 
 # Expressions. Every node has a span; the checker decides which ones a statement may use.
@@ -304,6 +305,9 @@ class _Builder:
         if tree.data == "divided":
             tok, divisor = tree.children
             return Subscript(_name(tok), None, int(divisor), _span(tree))
+        if tree.data in ("shifted", "shifted_back"):
+            tok, amount = tree.children
+            return Subscript(_name(tok), None, None, _span(tree), int(amount) * (1 if tree.data == "shifted" else -1))
         if tree.data == "offset_first":
             off, tok = tree.children
         else:

@@ -101,6 +101,17 @@ class Wrapper:
             dim = k.operand(operand).dims[d]
             if dim.symbol is not None:
                 lines.append(f'_check_span({conv.size_var(dim.symbol)}, {tile}, "{operand} dim {d} ({dim.symbol})")')
+        # A condition's read at an index plus an integer (`lo[g + 1]`) lies inside its dimension.
+        shifted = set()
+        for st in k.statements:
+            for r in (getattr(st, "condition", None).reads if getattr(st, "condition", None) is not None else ()):
+                for d, sub in enumerate(r.subs):
+                    dim = k.operand(r.operand).dims[d]
+                    if sub.shift and (r.operand, d, sub.index, sub.shift) not in shifted:
+                        shifted.add((r.operand, d, sub.index, sub.shift))
+                        last = host(conv.size(k.index(sub.index).size) + sub.shift)
+                        lines.append(f"if {last} > {host(conv.size(dim))}:")
+                        lines.append(f'    _fail(f"{r.operand} dim {d} has {{{host(conv.size(dim))}}} entries, but {r.text} reads entry {{{last} - 1}}")')
         # Dimensions read at an offset are addressed in whole blocks.
         checked = set()
         for use in conv.offset_uses:
@@ -222,6 +233,12 @@ class Wrapper:
                 shape = py_tuple("-1" if i == t.name else "1" for i in used)
                 return f"jnp.arange({host(conv.size(k.index(t.name).size))}).reshape({shape})"
             value = conv.param(t.read.operand).internal
+            op = k.operand(t.read.operand)
+            sizes = [host(conv.size(k.index(sub.index).size)) for sub in t.read.subs]
+            if any(sub.shift or host(conv.size(op.dims[d])) != sizes[d] for d, sub in enumerate(t.read.subs)):
+                # `lo[g + 1]` (and `lo[g]` of an `lo: i32[E1]`): the operand as the read sees it.
+                value = f"{value}[" + ", ".join((f"{sub.shift}:{sub.shift} + {sizes[d]}" if sub.shift else f":{sizes[d]}") if sub.shift or host(conv.size(op.dims[d])) != sizes[d]
+                                                else ":" for d, sub in enumerate(t.read.subs)) + "]"
             here = "".join(letters[i] for i in t.read.indices)
             value = f'_expand({value}, "{here}", "{src}")' if here != src else value
             return f"({value} != 0)" if t.op == "truth" else value

@@ -271,3 +271,93 @@ def test_plan_pattern_counts_the_condition_walk():
     (grouped,) = plans(SPECS / "grouped_matmul.spk")
     report = analyse(grouped, {"M": 2048, "K": 1024, "N": 1024, "E": 8}, "band=256")
     assert report.sim.block_products == 2 * 2 * 8 and report.dense.block_products == 2 * 2 * 4 * 8
+
+
+# ------------------------------------------------------------------ group offsets, scalars from SMEM
+
+OFFSETS = """kernel gmm_offsets {
+    in  x: bf16[M, K]
+    in  w: bf16[E, K, N]
+    in  lo: i32[E1]
+    out o: bf16[M, N]
+
+    o[m, n] = x[m, k] * w[g, k, n] where lo[g] <= m < lo[g + 1]
+
+    tile m = 128, k = 128, n = 128, g = 1
+}
+"""
+
+LENGTHS = """kernel ragged_sum {
+    in  x: f32[B, M, K]
+    in  y: f32[B, K, N]
+    in  lens: i32[B]
+    out o: f32[B, M, N]
+
+    o[b, m, n] = x[b, m, k] * y[b, k, n] where k < lens[b]
+
+    tile b = 1, m = 128, k = 128, n = 128
+}
+"""
+
+
+@pytest.mark.parametrize("sizes", [GROUPS["empty groups"], GROUPS["a block straddling three groups"]], ids=["empty", "straddling"])
+def test_group_offsets_match_ragged_dot(interpret, sizes):
+    """`lo[g] <= m < lo[g + 1]`: the offsets form; `lo` has E + 1 entries (its own size), read
+    one entry per step from SMEM."""
+    kernel, mod = build(OFFSETS)
+    rng = np.random.default_rng(6)
+    m, e = sum(sizes), len(sizes)
+    x, w = bf16(rng, (m, 128)), bf16(rng, (e, 128, 128))
+    lo = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
+    assert_matches(kernel, mod.gmm_offsets(x, w, lo, interpret=interpret), want)
+    assert_matches(kernel, mod.reference(x, w, lo), want)
+    got = jax.grad(lambda x, w: (mod.gmm_offsets(x, w, lo, interpret=interpret).astype(jnp.float32) ** 2).sum(), argnums=(0, 1))(x, w)
+    ref = jax.grad(lambda x, w: (jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32) ** 2).sum(), argnums=(0, 1))(x, w)
+    for g, r in zip(got, ref):
+        assert np.abs(f32(g) - f32(r)).max() <= 0.02 * np.abs(f32(r)).max()
+
+
+def test_group_offsets_walk_is_bounded_and_reads_are_checked():
+    _, mod = build(OFFSETS)
+    assert "pl.cdiv(M, 128) + E - 1" in open(mod.__file__).read()  # the sorted bound, as for ids
+    x, w = np.zeros((256, 128), jnp.bfloat16), np.zeros((4, 128, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"lo dim 0 has 4 entries, but lo\[g \+ 1\] reads entry 4"):
+        mod.gmm_offsets(x, w, np.zeros(4, np.int32), interpret=True)
+
+
+def test_lengths_read_from_smem(interpret):
+    """`k < lens[b]`: a per-batch length, one scalar per step (SMEM), under jit too."""
+    kernel, mod = build(LENGTHS)
+    rng = np.random.default_rng(7)
+    b, m, kk, n = 3, 128, 384, 128
+    x, y = rng.standard_normal((b, m, kk), dtype=np.float32), rng.standard_normal((b, kk, n), dtype=np.float32)
+    lens = np.array([0, 130, 384], np.int32)
+    want = np.einsum("bmk,bkn->bmn", x * (np.arange(kk)[None, None, :] < lens[:, None, None]), y)
+    assert_matches(kernel, mod.ragged_sum(x, y, lens, interpret=interpret), want)
+    assert_matches(kernel, jax.jit(lambda x, y, lens: mod.ragged_sum(x, y, lens, interpret=interpret))(x, y, lens), want)
+    assert "lens_smem[step_read[step]]" in open(mod.__file__).read()
+
+
+@pytest.mark.parametrize("text,message", [
+    ("o[m, n] = x[m, k] * w[g + 1, k, n] where lo[g] <= m", r"reads an integer operand in a condition only"),
+    ("o[m, n] = x[m, k] * w[g, k, n] where lo[g - 1] <= m", r"not supported yet: a read at an index minus an integer"),
+])
+def test_shifted_reads_outside_conditions_are_refused(text, message):
+    from sparsegen.source import SpecError
+
+    spec = OFFSETS.replace("o[m, n] = x[m, k] * w[g, k, n] where lo[g] <= m < lo[g + 1]", text)
+    with pytest.raises(SpecError, match=message):
+        build(spec)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_offsets_and_lengths_compile_ahead_of_time(topology):
+    _, off = build(OFFSETS)
+    x, w, lo = np.zeros((1024, 256), jnp.bfloat16), np.zeros((8, 256, 256), jnp.bfloat16), np.zeros((9,), np.int32)
+    compile_for(lambda x, w, lo: off.gmm_offsets(x, w, lo), (x, w, lo), topology)
+    compile_for(jax.grad(lambda x, w, lo: off.gmm_offsets(x, w, lo).astype(jnp.float32).sum(), argnums=(0, 1)), (x, w, lo), topology)
+    _, lengths = build(LENGTHS)
+    x, y, lens = np.zeros((2, 256, 512), np.float32), np.zeros((2, 512, 256), np.float32), np.zeros((2,), np.int32)
+    compile_for(lambda x, y, lens: lengths.ragged_sum(x, y, lens), (x, y, lens), topology)

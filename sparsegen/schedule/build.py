@@ -109,6 +109,8 @@ class PassBuilder:
             c = coord_of(sub.index)
             if sub.divisor != 1:
                 c = c.div(sub.divisor // self.tile[sub.index])
+            if sub.shift:  # a condition's read at `g + 1`, walked one value at a time
+                c = c + sub.shift
             if sub.offset is not None:
                 slot = self.conv.offset_slot(self.st.target.operand, read.operand, d)
                 c = Load(self.conv.offsets, Const(slot)) + c

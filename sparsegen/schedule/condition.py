@@ -111,8 +111,15 @@ class ConditionWalk(PassBuilder):
             b = self.natural_block(n, read_coord, "Steps that compute nothing hold the blocks of the last step that did: no copy.")
             blocks[b.key] = b
         select_on, group = self.select_target(used)
-        reads = []
+        reads, scalars = [], []
         for n, r in enumerate(dict.fromkeys(cond.reads)):
+            if any(sub.shift and self.tile[sub.index] != 1 for sub in r.subs):
+                raise ScheduleError(Diagnostic(r.span, f"not supported yet: '{r.text}' reads at an index plus an integer along an index "
+                                                       "with a tile above 1; such an index is walked one value at a time (tile 1)"))
+            if all(self.tile[i] == 1 for i in r.indices):
+                # One element per step (`lens[b]`, `lo[g]`): read from scalar memory.
+                scalars.append((r, self.scalar_read(r, read_coord)))
+                continue
             b = self.condition_block(n, r, read_coord, select_on, group, blocks)
             blocks[b.key] = b
             reads.append((r, b.key))
@@ -129,7 +136,7 @@ class ConditionWalk(PassBuilder):
         here = self.local("step_kind_here")
         partial = Var(here).eq(Var("_PARTIAL"))
         sizes = tuple((t.name, self.conv.size_var(t.name)) for t in cond.walk() if t.op == "size")
-        select = Select(cond, select_on, group, coord_at, tuple(reads), partial, Var(here).eq(Var("_FULL")), Var(here).ne(Var("_PARTIAL")), tuple(dict.fromkeys(sizes)))
+        select = Select(cond, select_on, group, coord_at, tuple(reads), tuple(scalars), partial, Var(here).eq(Var("_FULL")), Var(here).ne(Var("_PARTIAL")), tuple(dict.fromkeys(sizes)))
         summed, end = self.products(blocks)
         out = blocks["out"]
         acc_live, acc_shape = self.acc_layout(out, summed)
@@ -185,6 +192,24 @@ class ConditionWalk(PassBuilder):
         raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({holders}) "
                                                 "that a block spans; a condition on summed indices needs one factor with all of them"))
 
+    def scalar_read(self, r: Read, coord) -> Expr:
+        """An integer operand every index of whose read walks one value at a time: a table
+        (the operand flattened, in SMEM) read at the step's element."""
+        if not hasattr(self, "scalar_tables"):
+            self.scalar_tables = {}
+        op = self.k.operand(r.operand)
+        if op.name not in self.scalar_tables:
+            length = Const(1)
+            for d in op.dims:
+                length = length * self.conv.size(d)
+            var = self.table(f"{op.name}_smem", length, f"{op.name}, flattened: read one element per step by the condition")
+            self.host.append(f"{var} = {self.conv.param(op.name).internal}.reshape(-1).astype(jnp.int32)")
+            self.scalar_tables[op.name] = var
+        at = Const(0)
+        for d, c in enumerate(self.coords(r, coord)):
+            at = at * self.conv.size(op.dims[d]) + c if d else c
+        return Load(self.scalar_tables[op.name], at)
+
     def condition_block(self, n: int, r: Read, coord, target: str, group: int, blocks) -> Block:
         """The block of an integer operand a condition reads, laid out as the value it selects
         in sees it: its own layout when it has that value's indices in order; a 1-index read
@@ -229,7 +254,7 @@ class ConditionWalk(PassBuilder):
         self.functions = []
         scope = self.names.scope()
         axes = tuple(out_c + sum_c)
-        cl = Classifier(Conditions((Point(None, None, cond),), axes), self.conv, scope.local, lambda i: self.tile[i],
+        cl = Classifier(Conditions((Point(None, None, cond),), axes, self.k), self.conv, scope.local, lambda i: self.tile[i],
                         lambda i: render(self.size(i), "host"))
         lines = cl.kinds([])
         reads = list(dict.fromkeys(self.conv.param(r.operand).internal for r in cond.reads))
@@ -271,11 +296,33 @@ class ConditionWalk(PassBuilder):
             needed = f"_row_walk(jnp, {call}, 1)[2][0]"
             self.fallback = Fallback(n_steps, bound, dense, needed)
 
+    def other_blocks(self, indices: list[str], pair: tuple[str, str]) -> Expr:
+        out = Const(1)
+        for i in indices:
+            if i not in pair:
+                out = out * self.blocks_along(i)
+        return out
+
     def grouped_bound(self, cond: Term, out_c: list[str], sum_c: list[str]) -> str | None:
         """`row blocks + groups - 1` (times the other classified blocks) for a condition that is,
         or is and-ed with, sorted ids compared for equality with an index walked one value at a
         time (`gid[m] == g`); None for any other."""
         conjuncts = list(cond.args) if cond.op == "and" else [cond]
+        # Chains (`lo[g] <= m < lo[g + 1]`) as their comparisons.
+        conjuncts = [Term("cmp", (c.args[n], c.args[n + 1]), ops=(op,)) if c.op == "cmp" else c
+                     for c in conjuncts for n, op in enumerate(c.ops if c.op == "cmp" else (None,))]
+        others_of = lambda m, g: self.other_blocks(out_c + sum_c, (m, g))  # noqa: E731
+        # Group offsets: `lo[g] <= m` and `m < lo[g + 1]` (sorted offsets: each row block meets a run of groups).
+        lows = {(c.args[0].read.operand, c.args[0].read.subs[0].index, c.args[1].name) for c in conjuncts
+                if c.op == "cmp" and c.ops[0] == "<=" and c.args[0].op == "read" and c.args[1].op == "index"
+                and len(c.args[0].read.subs) == 1 and not c.args[0].read.subs[0].shift}
+        for c in conjuncts:
+            if c.op == "cmp" and c.ops[0] in ("<", "<=") and c.args[0].op == "index" and c.args[1].op == "read" and len(c.args[1].read.subs) == 1:
+                sub = c.args[1].read.subs[0]
+                m, lo, g = c.args[0].name, c.args[1].read.operand, sub.index
+                if sub.shift == 1 and (lo, g, m) in lows and self.tile[g] == 1 and m != g:
+                    pairs = self.blocks_along(m) + self.blocks_along(g) - 1
+                    return render(pairs * others_of(m, g), "host")
         for c in conjuncts:
             if c.op != "cmp" or c.ops != ("==",):
                 continue

@@ -122,7 +122,8 @@ class Select:
     target: str  # "group" | "flush"
     group: int
     coords: tuple[tuple[str, Expr], ...]  # each index of the condition: its block coordinate at the step
-    reads: tuple[tuple[object, str], ...]  # (ir.Read, Block.key) of each operand the condition reads
+    reads: tuple[tuple[object, str], ...]  # (ir.Read, Block.key) of each operand block the condition reads
+    scalars: tuple[tuple[object, Expr], ...]  # (ir.Read, its element at the step): one value per step, from SMEM
     when: Expr  # the step is partial
     full: Expr  # the step is full (every term present)
     not_partial: Expr  # full, or nothing present (a flush writes what the sum gave: zeros)

@@ -216,6 +216,7 @@ class BodyWriter:
         sel = self.body.select
         coords = dict(sel.coords)
         reads = dict(sel.reads)
+        scalars = dict(sel.scalars)
         rank = len(v.axes)
         lines: list[str] = []
         pos: dict[str, str] = {}
@@ -234,6 +235,9 @@ class BodyWriter:
                     shape = _tuple("1" if a != i else str(tile) for a in v.axes)
                     lines.append(f"{pos[i]} = {coord} * {tile} + lax.broadcasted_iota(jnp.int32, {shape}, {v.axes.index(i)})")
                 return pos[i]
+            if t.read in scalars:
+                value = render(scalars[t.read], "py")
+                return f"({value} != 0)" if t.op == "truth" else value
             spec = self.spec[reads[t.read]]
             layout = spec.block.layout
             ref = spec.ref

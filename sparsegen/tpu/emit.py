@@ -39,7 +39,7 @@ class _Emitter:
         phase_exprs += [c.when for c in body.flush_cases if c.when is not None] + [v for _, v in body.lets]
         phase_exprs += [t.coord for t in (*body.tails, *body.out_tails)]
         if body.select is not None:
-            phase_exprs += [body.select.when, *(e for _, e in body.select.coords)]
+            phase_exprs += [body.select.when, *(e for _, e in body.select.coords), *(e for _, e in body.select.scalars)]
         used = set()
         for e in phase_exprs:
             used |= expr_names(e)

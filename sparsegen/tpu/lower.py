@@ -231,7 +231,7 @@ def _lower_pass(kernel: Kernel, names: ModuleNames, p: Pass, several: bool, targ
     if p.body.select is not None:
         # The condition's sizes, and those of the extents its block coordinates decode with.
         sizes += [var for _, var in p.body.select.sizes]
-        for e in (*(e for _, e in p.body.select.coords), *(t.coord for t in p.body.tails)):
+        for e in (*(e for _, e in p.body.select.coords), *(e for _, e in p.body.select.scalars), *(t.coord for t in p.body.tails)):
             for name in expr_names(e):
                 if name in statics and name not in {a.static for a in p.axes}:
                     sizes += sorted(expr_names(statics[name]))
