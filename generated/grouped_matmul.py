@@ -55,12 +55,13 @@ Plan (target v5e):
         step_col[n_steps]: the block of the summed g a step reads, row-major
         step_kind[n_steps]: _EMPTY (nothing present: no compute), _PARTIAL (the condition is evaluated), _FULL
         step_flags[n_steps]: 1: the first step of its output block (init), 2: the last (flush)
+        step_cond[n_steps]: the next step that evaluates the condition (the last one after it)
       blocks:
         in  x block (512, 512), index map (step_read[step], (k if step_kind[step] != _EMPTY else n_k - 1))
             Steps that compute nothing hold the blocks of the last step that did: no copy.
         in  w block (squeezed, 512, 512), index map (step_col[step], (k if step_kind[step] != _EMPTY else n_k - 1), n)
             Steps that compute nothing hold the blocks of the last step that did: no copy.
-        in  gid block (512, 128), index map (step_read[step], 0)
+        in  gid block (512, 128), index map (step_read[step_cond[step]], 0)
             gid[m], read by the condition
         out o block (512, 512), index map (step_row[step], n)
       body:
@@ -92,12 +93,13 @@ Plan (target v5e):
           step_col[n_steps]: the block of the summed g a step reads, row-major
           step_kind[n_steps]: _EMPTY (nothing present: no compute), _PARTIAL (the condition is evaluated), _FULL
           step_flags[n_steps]: 1: the first step of its output block (init), 2: the last (flush)
+          step_cond[n_steps]: the next step that evaluates the condition (the last one after it)
         blocks:
           in  g_o block (512, 512), index map (step_read[step], (n if step_kind[step] != _EMPTY else n_n - 1))
               Steps that compute nothing hold the blocks of the last step that did: no copy.
           in  w block (squeezed, 512, 512), index map (step_col[step], k, (n if step_kind[step] != _EMPTY else n_n - 1))
               Steps that compute nothing hold the blocks of the last step that did: no copy.
-          in  gid block (512, 128), index map (step_read[step], 0)
+          in  gid block (512, 128), index map (step_read[step_cond[step]], 0)
               gid[m], read by the condition
           out d_x block (512, 512), index map (step_row[step], k)
         body:
@@ -128,12 +130,13 @@ Plan (target v5e):
           step_col[n_steps]: the block of the summed m a step reads, row-major
           step_kind[n_steps]: _EMPTY (nothing present: no compute), _PARTIAL (the condition is evaluated), _FULL
           step_flags[n_steps]: 1: the first step of its output block (init), 2: the last (flush)
+          step_cond[n_steps]: the next step that evaluates the condition (the last one after it)
         blocks:
           in  g_o block (512, 512), index map (step_col[step], n)
               Steps that compute nothing hold the blocks of the last step that did: no copy.
           in  x block (512, 512), index map (step_col[step], k)
               Steps that compute nothing hold the blocks of the last step that did: no copy.
-          in  gid block (512, 128), index map (step_col[step], 0)
+          in  gid block (512, 128), index map (step_col[step_cond[step]], 0)
               gid[m], read by the condition
           out d_w block (squeezed, 512, 512), index map (step_row[step], k, n)
         body:
@@ -299,6 +302,17 @@ def _check_smem(entries, what):
         )
 
 
+def _next_live(live):
+    """Per position: the next live position at or after it; past the last live one, that
+    last one; 0 when none is live. A prefetch map built from it never starts a copy that
+    no live step uses."""
+    n = live.shape[0]
+    pos = jnp.arange(n, dtype=jnp.int32)
+    ahead = lax.cummin(jnp.where(live, pos, n), reverse=True)
+    behind = lax.cummax(jnp.where(live, pos, -1))
+    return jnp.where(ahead < n, ahead, jnp.maximum(behind, 0)).astype(jnp.int32)
+
+
 def _expand(value, src, dst):
     """`value`, whose axes the letters of `src` name, laid out as `dst` (size 1 where absent)."""
     present = [c for c in dst if c in src]
@@ -392,6 +406,7 @@ def _kernel(
     step_col,
     step_kind,
     step_flags,
+    step_cond,
     x_ref,
     w_ref,
     gid_ref,
@@ -440,25 +455,29 @@ def _kernel(
 
 
 def _x_index_map(
-    n, step, k, step_row, step_read, step_col, step_kind, step_flags, *, n_k
+    n, step, k, step_row, step_read, step_col, step_kind, step_flags, step_cond, *, n_k
 ):
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_read[step], jnp.where(step_kind[step] != _EMPTY, k, n_k - 1))
 
 
 def _w_index_map(
-    n, step, k, step_row, step_read, step_col, step_kind, step_flags, *, n_k
+    n, step, k, step_row, step_read, step_col, step_kind, step_flags, step_cond, *, n_k
 ):
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], jnp.where(step_kind[step] != _EMPTY, k, n_k - 1), n)
 
 
-def _gid_index_map(n, step, k, step_row, step_read, step_col, step_kind, step_flags):
+def _gid_index_map(
+    n, step, k, step_row, step_read, step_col, step_kind, step_flags, step_cond
+):
     # gid[m], read by the condition
-    return (step_read[step], 0)
+    return (step_read[step_cond[step]], 0)
 
 
-def _o_index_map(n, step, k, step_row, step_read, step_col, step_kind, step_flags):
+def _o_index_map(
+    n, step, k, step_row, step_read, step_col, step_kind, step_flags, step_cond
+):
     return (step_row[step], n)
 
 
@@ -499,7 +518,8 @@ def _prefetch(x, w, gid, sizes, n_steps=None):
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
         jnp, kinds, n_steps
     )
-    return (step_row, step_read, step_col, step_kind, step_flags)
+    step_cond = _next_live(step_kind == _PARTIAL)
+    return (step_row, step_read, step_col, step_kind, step_flags, step_cond)
 
 
 def _d_x_kernel(
@@ -508,6 +528,7 @@ def _d_x_kernel(
     step_col,
     step_kind,
     step_flags,
+    step_cond,
     g_o_ref,
     w_ref,
     gid_ref,
@@ -560,28 +581,28 @@ def _d_x_kernel(
 
 
 def _d_x_g_o_index_map(
-    k, step, n, step_row, step_read, step_col, step_kind, step_flags, *, n_n
+    k, step, n, step_row, step_read, step_col, step_kind, step_flags, step_cond, *, n_n
 ):
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_read[step], jnp.where(step_kind[step] != _EMPTY, n, n_n - 1))
 
 
 def _d_x_w_index_map(
-    k, step, n, step_row, step_read, step_col, step_kind, step_flags, *, n_n
+    k, step, n, step_row, step_read, step_col, step_kind, step_flags, step_cond, *, n_n
 ):
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], k, jnp.where(step_kind[step] != _EMPTY, n, n_n - 1))
 
 
 def _d_x_gid_index_map(
-    k, step, n, step_row, step_read, step_col, step_kind, step_flags
+    k, step, n, step_row, step_read, step_col, step_kind, step_flags, step_cond
 ):
     # gid[m], read by the condition
-    return (step_read[step], 0)
+    return (step_read[step_cond[step]], 0)
 
 
 def _d_x_d_x_index_map(
-    k, step, n, step_row, step_read, step_col, step_kind, step_flags
+    k, step, n, step_row, step_read, step_col, step_kind, step_flags, step_cond
 ):
     return (step_row[step], k)
 
@@ -623,7 +644,8 @@ def _d_x_prefetch(x, w, gid, g_o, sizes, n_steps=None):
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
         jnp, kinds, n_steps
     )
-    return (step_row, step_read, step_col, step_kind, step_flags)
+    step_cond = _next_live(step_kind == _PARTIAL)
+    return (step_row, step_read, step_col, step_kind, step_flags, step_cond)
 
 
 def _d_w_kernel(
@@ -632,6 +654,7 @@ def _d_w_kernel(
     step_col,
     step_kind,
     step_flags,
+    step_cond,
     g_o_ref,
     x_ref,
     gid_ref,
@@ -683,26 +706,28 @@ def _d_w_kernel(
 
 
 def _d_w_g_o_index_map(
-    k, n, step, step_row, step_read, step_col, step_kind, step_flags
+    k, n, step, step_row, step_read, step_col, step_kind, step_flags, step_cond
 ):
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], n)
 
 
-def _d_w_x_index_map(k, n, step, step_row, step_read, step_col, step_kind, step_flags):
+def _d_w_x_index_map(
+    k, n, step, step_row, step_read, step_col, step_kind, step_flags, step_cond
+):
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], k)
 
 
 def _d_w_gid_index_map(
-    k, n, step, step_row, step_read, step_col, step_kind, step_flags
+    k, n, step, step_row, step_read, step_col, step_kind, step_flags, step_cond
 ):
     # gid[m], read by the condition
-    return (step_col[step], 0)
+    return (step_col[step_cond[step]], 0)
 
 
 def _d_w_d_w_index_map(
-    k, n, step, step_row, step_read, step_col, step_kind, step_flags
+    k, n, step, step_row, step_read, step_col, step_kind, step_flags, step_cond
 ):
     return (step_row[step], k, n)
 
@@ -744,7 +769,8 @@ def _d_w_prefetch(x, w, gid, g_o, sizes, n_steps=None):
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
         jnp, kinds, n_steps
     )
-    return (step_row, step_read, step_col, step_kind, step_flags)
+    step_cond = _next_live(step_kind == _PARTIAL)
+    return (step_row, step_read, step_col, step_kind, step_flags, step_cond)
 
 
 def _prepare(x, w, gid, M, K, E, N):
@@ -761,7 +787,7 @@ def _prepare(x, w, gid, M, K, E, N):
     _bind(size, "M", gid.shape[0], "gid dim 0")
     M, K, E, N = size["M"][0], size["K"][0], size["E"][0], size["N"][0]
     _check_smem(
-        5 * (pl.cdiv(M, 512) + E - 1), "the scalar-prefetch tables of this call"
+        6 * (pl.cdiv(M, 512) + E - 1), "the scalar-prefetch tables of this call"
     )
     return x, w, gid, (M, K, E, N)
 
@@ -777,7 +803,7 @@ def _impl(x, w, gid, sizes, interpret):
     def _walk(n_steps):
         # The pass with n_steps steps.
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(pl.cdiv(N, 512), n_steps, pl.cdiv(K, 512)),
             in_specs=[
                 pl.BlockSpec(
@@ -831,7 +857,7 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
     def _walk(n_steps):
         # The pass with n_steps steps.
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(pl.cdiv(K, 512), n_steps, pl.cdiv(N, 512)),
             in_specs=[
                 pl.BlockSpec(
@@ -888,7 +914,7 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
     def _walk(n_steps):
         # The pass with n_steps steps.
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(pl.cdiv(K, 512), pl.cdiv(N, 512), n_steps),
             in_specs=[
                 pl.BlockSpec((512, 512), _d_w_g_o_index_map),

@@ -75,8 +75,8 @@ class ConditionWalk(PassBuilder):
             statics[i] = self.local(f"n_{i}")
             self.statics[statics[i]] = self.blocks_along(i)
 
-        def decode(table: str, group: list[str], index: str) -> Expr:
-            value = Load(table, step)
+        def decode(table: str, group: list[str], index: str, at: Expr = step) -> Expr:
+            value = Load(table, at)
             later = Const(1)
             for n in group[group.index(index) + 1:]:
                 later = later * Var(statics[n])
@@ -97,6 +97,20 @@ class ConditionWalk(PassBuilder):
                 # Walked while the step computes; other steps hold the last block.
                 return Where(live, Var(axis.var), Var(axis.static) - 1)
             return Var(axis.var)
+
+        self.cond_step = None
+
+        def cond_coord(index: str) -> Expr:
+            """A condition operand's block: read at partial steps only, so every other step
+            holds the block of the next partial one (no copy where the condition is not evaluated)."""
+            if self.cond_step is None:
+                self.cond_step = self.table("step_cond", length, "the next step that evaluates the condition (the last one after it)")
+            at = Load(self.cond_step, step)
+            if index in out_c:
+                return decode(read_row, out_c, index, at)
+            if index in sum_c:
+                return decode(col, sum_c, index, at)
+            return read_coord(index)
 
         def compute_coord(index: str) -> Expr:
             """At a step that computes (the inner axes walk)."""
@@ -120,7 +134,7 @@ class ConditionWalk(PassBuilder):
                 # One element per step (`lens[b]`, `lo[g]`): read from scalar memory.
                 scalars.append((r, self.scalar_read(r, read_coord)))
                 continue
-            b = self.condition_block(n, r, read_coord, select_on, group, blocks)
+            b = self.condition_block(n, r, cond_coord, select_on, group, blocks)
             blocks[b.key] = b
             reads.append((r, b.key))
         blocks["out"] = self.out_block(self.coords(st.target, write_coord))
@@ -285,6 +299,7 @@ class ConditionWalk(PassBuilder):
             self.host += ["# The walk's steps, from the condition's blocks (known at trace time).",
                           f"{kinds} = {call}",
                           f"({names}), _, _ = _row_walk(np, {kinds})"]
+            self.cond_host(kind)
             return
         dense = f"{render(rows, 'host')} * {render(cols, 'host')}"
         bound = self.grouped_bound(cond, out_c, sum_c)
@@ -292,9 +307,14 @@ class ConditionWalk(PassBuilder):
         self.host += [f"# The walk's steps, from the condition's blocks (traced: {n_steps} steps, the unused ones trailing).",
                       f"{kinds} = {call}",
                       f"({names}), _, _ = _row_walk(jnp, {kinds}, {n_steps})"]
+        self.cond_host(kind)
         if bound is not None:
             needed = f"_row_walk(jnp, {call}, 1)[2][0]"
             self.fallback = Fallback(n_steps, bound, dense, needed)
+
+    def cond_host(self, kind: str) -> None:
+        if self.cond_step is not None:
+            self.host.append(f"{self.cond_step} = _next_live({kind} == _PARTIAL)")
 
     def other_blocks(self, indices: list[str], pair: tuple[str, str]) -> Expr:
         out = Const(1)
