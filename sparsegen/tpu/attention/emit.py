@@ -207,7 +207,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             xp=xp,
             tables=self.tables,
             steps=self.steps,
-            vmem_limit=self.vmem_limit(),
+            vmem_limit=self.m.vmem_limit(),
             reference_lines=self.reference_lines(),
             kernel_signature=self.wrapper.signature()[0],
             reference_signature=self.wrapper.signature()[1],
@@ -345,16 +345,6 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
     def dim_size(self, read: Read, d: int) -> str:
         dim = self.k.operand(read.operand).dims[d]
         return str(dim.literal) if dim.literal is not None else self.m.conv.size_var(dim.symbol)
-
-    def vmem_limit(self) -> int | None:
-        if self.m.vmem_limit_override is not None:
-            return self.m.vmem_limit_override
-        need = self.m.vmem_bytes + 128 * 1024
-        t = self.m.target
-        if need <= t.scoped_vmem_bytes * 3 // 4:
-            return None
-        limit = -(-(need * 5 // 4 + 2 * (1 << 20)) // (1 << 20)) * (1 << 20)
-        return min(max(limit, t.scoped_vmem_bytes), t.vmem_bytes)
 
     def chain_uses_positions(self) -> bool:
         return any(t.op == "index" and t.name in (self.p.query, self.p.key) for _, term in self.p.chain for t in term.walk())
