@@ -91,7 +91,7 @@ def describe(m: TpuModule) -> list[str]:
     """Lines describing the plan (no trailing newlines), the backward kernel's too."""
     from ..autodiff import gradient_lines
     from .attention import AttentionModule
-    from .describe_attention import describe_attention
+    from .attention.describe import describe_attention
 
     if isinstance(m, AttentionModule):
         return [f"kernel {m.kernel.name}"] + ["  " + line for line in describe_attention(m)]

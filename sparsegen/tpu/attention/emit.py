@@ -10,6 +10,7 @@ from ...ir import Read
 from ...pytext import py_tuple
 from ...schedule.attention import Classifier
 from ...wrapper import Wrapper, vjp_tables
+from .describe import describe_attention
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
 from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, layout_block
 from .reference import ReferenceWriter
@@ -411,8 +412,6 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
 
     # ------------------------------------------------------------- docstring
     def docstring(self) -> tuple[str, str]:
-        from ..describe_attention import describe_attention
-
         signature = self.wrapper.signature()[0]
         args = []
         if self.p.data_dependent:

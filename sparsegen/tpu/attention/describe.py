@@ -40,8 +40,8 @@ def describe_attention(m) -> list[str]:
     lines.append(f"VMEM: {m.vmem_bytes / 1024:.0f} KiB estimated")
     for item in m.vmem:
         lines.append(f"  {item.what}: {item.bytes / 1024:.0f} KiB")
-    from ..autodiff import Partial, gradient_lines
-    from .attention.lower import derived_outputs
+    from ...autodiff import Partial, gradient_lines
+    from .lower import derived_outputs
 
     derived = derived_outputs(p) if not m.backward_error else []
     if derived and p.stored_score:
