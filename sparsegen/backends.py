@@ -116,7 +116,7 @@ def _tpu_describe(m):
 
 
 def _row_describe(m):
-    from .tpu.describe_attention import describe_attention
+    from .tpu.attention.describe import describe_attention
 
     return [f"kernel {m.kernel.name}"] + ["  " + line for line in describe_attention(m)]
 

@@ -15,12 +15,10 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .tpu.lower import TpuModule
+from .ir import Kernel
 
 USAGE = "use tril, density=F, band=W or FILE.npy"
 _NPY_MAGIC = b"\x93NUMPY"
@@ -105,18 +103,17 @@ def _load(path: str) -> np.ndarray:
         raise PatternError(f"pattern file {path} is not a readable .npy array: {exc}") from None
 
 
-def pattern_args(plan: TpuModule, env: dict[str, int], pattern: str | Pattern, seed: int = 0):
-    """Arguments of `_prefetch` for a sparsity pattern (arrays the tables do not read are None).
-
-    Also the pattern per sparse operand: {name: mask array or coordinate arrays}.
-    """
+def sparse_arrays(k: Kernel, env: dict[str, int], pattern: str | Pattern, seed: int = 0, ids=()) -> dict:
+    """The pattern laid over each sparse operand of `k` at sizes `env`: {name: mask array
+    (the operand's dtype) or coordinate arrays (int32)}, and over the integer operands a
+    condition reads (`ids`, from `condition_ids`: sorted segment ids). What a backend's
+    function takes for them is the backend's business (`tpu.simulate.pattern_args`)."""
     from .callconv import operand_indices
 
     pattern = pattern if isinstance(pattern, Pattern) else parse_pattern(pattern)
-    k = plan.kernel
     tile = {i.name: i.tile for i in k.indices}
     args = {}
-    for op, key in condition_ids(plan):
+    for op, key in ids:
         shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in op.dims)
         args[op.name] = segment_ids(pattern, op.name, shape, tile[key], seed)
     for sparse in (o for o in k.operands if o.sparsity in ("coo", "mask")):
@@ -128,17 +125,7 @@ def pattern_args(plan: TpuModule, env: dict[str, int], pattern: str | Pattern, s
         else:
             coords = np.nonzero(_pattern_blocks(pattern, shape, tiles, seed))
             args[sparse.name] = tuple(c.astype(np.int32) for c in coords)
-    out = []
-    for p in plan.conv.params:
-        if p.kind == "mask":
-            out.append(args[p.operand])
-        elif p.kind in ("coords", "out_coords"):
-            out.append(args[p.operand][p.dim])
-        elif p.kind == "blocks":
-            out.append(np.zeros((len(args[p.operand][0]), 1), np.float32))  # only its length is read
-        elif p.kind != "index":
-            out.append(args.get(p.operand))  # None: data the tables never read
-    return out, args
+    return args
 
 
 def condition_ids(plan) -> list:

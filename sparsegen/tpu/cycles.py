@@ -562,8 +562,9 @@ def _mxu_speed(call: Call) -> float:
 
 def concrete_args(plan, env: dict[str, int], pattern: str, seed: int = 0):
     """Arrays for the generated function: the pattern's coordinates and masks, zeros for data."""
-    from ..patterns import condition_ids, pattern_args
+    from ..patterns import condition_ids
     from ..shapes import arg_structs
+    from .simulate import pattern_args
 
     params = [p for p in plan.conv.params if p.kind != "index"] if hasattr(plan, "conv") else []
     sparse = any(plan.kernel.operand(p.operand).sparsity in ("coo", "mask") for p in params) or condition_ids(plan)

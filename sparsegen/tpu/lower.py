@@ -13,20 +13,15 @@ import math
 from dataclasses import dataclass
 
 from ..callconv import Convention, convention
-from ..dtypes import DTYPES, DType
 from ..expr import Const, Expr, names as expr_names
 from ..ir import Kernel
 from ..names import ModuleNames
 from ..schedule import Pass, Schedule, schedule
 from ..schedule.core import Block
 from ..source import Diagnostic
-from .layout import LayoutProblem, View, padded_bytes, view
+from .layout import LayoutProblem, View, view
 from .targets import Target
-
-# VMEM the compiler keeps for itself beside a kernel's buffers (measured: 64-90 KiB).
-MOSAIC_SCRATCH = 128 * 1024
-DTYPE_I32 = DTYPES["i32"]
-
+from .vmem import VmemItem, einsum_vmem, vmem_limit
 
 @dataclass(frozen=True)
 class Spec:
@@ -42,18 +37,6 @@ class Spec:
     @property
     def shape(self) -> tuple[int | None, ...]:
         return self.view.block
-
-
-@dataclass(frozen=True)
-class VmemItem:
-    what: str
-    shape: tuple[int, ...]
-    dtype: DType
-    buffers: int
-
-    @property
-    def bytes(self) -> int:
-        return self.buffers * padded_bytes(self.shape, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -85,19 +68,8 @@ class TpuPass:
         return tuple("parallel" if a.parallel else "arbitrary" for a in self.p.axes)
 
     def vmem_limit(self, target: Target) -> int | None:
-        """vmem_limit_bytes for the compiler: None while the default scoped limit is ample.
-
-        The estimate leaves out Mosaic's own scratch and spills, so the limit adds a
-        quarter and 2 MiB on top, within the chip's capacity.
-        """
-        if self.vmem_limit_override is not None:
-            return self.vmem_limit_override
-        need = self.vmem_bytes
-        if need <= target.scoped_vmem_bytes * 3 // 4:
-            return None
-        limit = need * 5 // 4 + 2 * (1 << 20)
-        limit = -(-limit // (1 << 20)) * (1 << 20)
-        return min(max(limit, target.scoped_vmem_bytes), target.vmem_bytes)
+        """vmem_limit_bytes for the compiler (`vmem.vmem_limit`; its estimate holds Mosaic's scratch)."""
+        return vmem_limit(self.vmem_bytes, target, self.vmem_limit_override)
 
 
 @dataclass(frozen=True)
@@ -236,7 +208,7 @@ def _lower_pass(kernel: Kernel, names: ModuleNames, p: Pass, several: bool, targ
                 if name in statics and name not in {a.static for a in p.axes}:
                     sizes += sorted(expr_names(statics[name]))
     sizes = tuple(dict.fromkeys(sizes))
-    return TpuPass(p, kernel_fn, prefetch_fn, call_fn, tuple(specs), acc_ref, sizes, _vmem(kernel, p, specs, target))
+    return TpuPass(p, kernel_fn, prefetch_fn, call_fn, tuple(specs), acc_ref, sizes, einsum_vmem(kernel, p, specs, target))
 
 
 def _spec(kernel: Kernel, names: ModuleNames, local: ModuleNames, b: Block, statics: dict[str, Expr], prefix: str) -> Spec:
@@ -271,48 +243,6 @@ def _spec(kernel: Kernel, names: ModuleNames, local: ModuleNames, b: Block, stat
     fn = names.function(f"_{prefix}{op.name}_index_map")
     ref = local.local(f"{op.name}_ref")
     return Spec(b, fn, ref, v, tuple(index), spec_statics)
-
-
-def _vmem(kernel: Kernel, p: Pass, specs: list[Spec], target: Target) -> tuple[VmemItem, ...]:
-    items = []
-    for s in specs:
-        op = kernel.operand(s.block.operand)
-        items.append(VmemItem(f"{op.name} block" + (" (output)" if s.block.is_output else ""), s.view.ref_shape or (1,), op.dtype, 2))
-    body = p.body
-    acc_shape = body.acc_shape or (1, 1)
-    if body.accumulator:
-        items.append(VmemItem("accumulator", acc_shape, p.accumulate, 1))
-    # Values the body computes on a whole block may spill from vector registers to VMEM: the
-    # product of the sum and the product with each end factor (output-sized), and a factor of
-    # the sum that a covered factor is broadcast into (one copy in the accumulate dtype:
-    # measured, 8 MiB for f32 128x128x128 blocks; same-shaped covered factors and ragged
-    # tails are computed in place).
-    out_shape = tuple(d.extent for d in p.out.dims if d.live) or (1, 1)
-    temporaries = (1 if body.summed or body.step else 0) + max(len(c.products or ()) for c in body.flush_cases)
-    # A factor brought into the output's index order keeps its aligned copy; Mosaic moves a
-    # block of three or more dimensions through several (measured: 64-80 MiB for 128^3
-    # blocks multiplied as (b, a) x (c, a, b) -> (a, b, c)).
-    for q in (*body.step, *(q for c in body.flush_cases for q in (c.products or ()))):
-        for f in q.factors:
-            if f.live != body.out_live[-len(f.live):] if f.live else False:
-                temporaries += target.transpose_copies if len(body.out_live) >= 3 else 1
-    if temporaries:
-        items.append(VmemItem("body temporaries", out_shape, p.accumulate, temporaries))
-    if len(body.summed) == 2 and any(len(q.live) >= 3 for q in body.summed):
-        # A product of blocks of three or more dimensions goes through jnp.einsum, which
-        # transposes them for the MXU (measured: 41 MiB where a 128^3 f32 block takes 16).
-        for q in body.summed:
-            if len(q.live) >= 3:
-                shape = next(tuple(d.extent for d in b.dims if d.live) for b in p.blocks if b.key == q.factors[0].block)
-                items.append(VmemItem(f"{q.factors[0].operand} block, transposed", shape, p.accumulate, 3))
-        items.append(VmemItem("product, transposed", out_shape, p.accumulate, 3))
-    for q in (*body.summed, *body.step):
-        main = q.factors[0]
-        if any(len(f.live) < len(main.live) for f in q.factors[1:]):
-            shape = next(tuple(d.extent for d in b.dims if d.live) for b in p.blocks if b.key == main.block)
-            items.append(VmemItem(f"{main.operand} block, widened", shape, p.accumulate, 1))
-    items.append(VmemItem("Mosaic internal scratch", (MOSAIC_SCRATCH // 4,), DTYPE_I32, 1))
-    return tuple(items)
 
 
 def block_bytes(kernel: Kernel, spec: Spec) -> int:

@@ -16,6 +16,7 @@ from ..ir import Kernel
 from ..source import Diagnostic
 from .attention.lower import AttentionModule
 from .targets import Target, format_bytes
+from .vmem import VmemItem
 
 ACCUMULATORS = ("f32", "i32")
 
@@ -31,14 +32,14 @@ def check_kernel(kernel: Kernel, target: Target) -> list[Diagnostic]:
     return []
 
 
-def vmem_overflow(k: Kernel, target: Target, items: list[tuple[str, int]], what: str, suggest=None) -> Diagnostic | None:
+def vmem_overflow(k: Kernel, target: Target, items: tuple[VmemItem, ...], what: str, suggest=None) -> Diagnostic | None:
     """The one VMEM rule for every kernel family: the estimate against the target's VMEM,
     reported at the tile line with what takes the room and, when `suggest()` finds them
     (asked only on an overflow), tiles that fit."""
-    need = sum(b for _, b in items)
+    need = sum(item.bytes for item in items)
     if need <= target.vmem_bytes:
         return None
-    notes = [f"VMEM holds {what}: " + ", ".join(f"{name} {format_bytes(b)}" for name, b in items)]
+    notes = [f"VMEM holds {what}: " + ", ".join(f"{item.what} {format_bytes(item.bytes)}" for item in items)]
     smaller = suggest() if suggest is not None else None
     if smaller is not None:
         notes.append(f"tiles that fit: {_tiles_text(smaller)}")
@@ -48,7 +49,7 @@ def vmem_overflow(k: Kernel, target: Target, items: list[tuple[str, int]], what:
 def check_attention(m: AttentionModule, suggest: Callable[[], Kernel | None] | None = None) -> list[Diagnostic]:
     """The target's limits on a row walk (attention-like kernel): its VMEM estimate
     (`suggest`: tiles that fit, asked only on an overflow; `suggest.suggest_attention_tiles`)."""
-    problem = vmem_overflow(m.kernel, m.target, list(m.vmem), "two buffers of every block plus the running statistics and f32 temporaries",
+    problem = vmem_overflow(m.kernel, m.target, m.vmem, "two buffers of every block plus the running statistics and f32 temporaries",
                             suggest)
     return [problem] if problem else []
 
@@ -70,7 +71,7 @@ def check_module(m, suggest: Callable[[], Kernel | None] | None = None) -> list[
     its tiles are the forward's, and its calling convention is its own."""
     k, target = m.kernel, m.target
     errors = []
-    problem = vmem_overflow(k, target, [(item.what, item.bytes) for item in m.vmem], "two buffers of every block (double buffering) plus the accumulator",
+    problem = vmem_overflow(k, target, m.vmem, "two buffers of every block (double buffering) plus the accumulator",
                             suggest)
     if problem:
         errors.append(problem)

@@ -14,8 +14,8 @@ from ...flow import FUNCTIONS
 from ...ir import Kernel, Read, Term
 from ...names import ModuleNames
 from ...schedule.attention import RowPlan, read_key
-from ..layout import padded_bytes
 from ..targets import Target
+from ..vmem import MOSAIC_SCRATCH, VmemItem, attention_vmem, vmem_limit
 
 LANES, SUBLANES = 128, 8
 _FUNCTIONS = {f: f"jnp.{f}" for f in FUNCTIONS}  # every function of the language is jax.numpy's
@@ -44,7 +44,7 @@ class AttentionModule:
     names: ModuleNames
     plan: RowPlan
     operands: tuple[Operand, ...]
-    vmem: tuple[tuple[str, int], ...]  # (what, bytes)
+    vmem: tuple[VmemItem, ...]
     backward_error: str | None = None  # why jax.grad cannot go through this kernel at all
     vmem_limit_override: int | None = None  # verify's probe
     refused: tuple = ()  # autodiff.Refusal: every gradient not derived, each raised only where needed
@@ -55,7 +55,11 @@ class AttentionModule:
 
     @property
     def vmem_bytes(self) -> int:
-        return sum(b for _, b in self.vmem)
+        return sum(item.bytes for item in self.vmem)
+
+    def vmem_limit(self) -> int | None:
+        """vmem_limit_bytes for the compiler (`vmem.vmem_limit`, Mosaic's scratch on top of the estimate)."""
+        return vmem_limit(self.vmem_bytes + MOSAIC_SCRATCH, self.target, self.vmem_limit_override)
 
     @property
     def has_backward(self) -> bool:
@@ -92,24 +96,9 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
             add(c.value, "value")
     for r in p.reads:
         add(r, "extra")
-    vmem = []
-    acc = kernel.accumulate
-    for o in ops:
-        shape = tuple(b for b in o.block if b is not None)
-        vmem.append((f"{o.read.operand} block x2", 2 * padded_bytes(shape, kernel.operand(o.read.operand).dtype)))
-    ti, tj = tile[p.query], tile[p.key]
-    for c in p.consumers:
-        out = kernel.operand(c.output)
-        if c.kind == "softmax_product":
-            e = [i for i in kernel.statement_of(c.output).target.indices if i not in p.lead and i != p.query][0]
-            vmem.append((f"{c.output} block x2", 2 * padded_bytes((ti, tile[e]), out.dtype)))
-            vmem.append((f"{c.output} accumulator", padded_bytes((ti, tile[e]), acc)))
-        else:
-            vmem.append((f"{c.output} block x2", 2 * padded_bytes((1, ti), out.dtype)))
-    vmem.append(("running max and sum", 3 * len(p.points) * padded_bytes((ti, 1), acc)))
-    vmem.append(("score block and its softmax (f32 temporaries)", 3 * padded_bytes((ti, tj), acc)))
+    vmem = attention_vmem(kernel, p, ops)
     error = gradient_error(kernel, plan)
-    return AttentionModule(kernel, target, conv, names, plan, tuple(ops), tuple(vmem), error,
+    return AttentionModule(kernel, target, conv, names, plan, tuple(ops), vmem, error,
                            refused=refusals(kernel, None, error) + gradient_refusals(kernel, plan))  # the kernel-wide reason first
 
 

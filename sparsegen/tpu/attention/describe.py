@@ -38,10 +38,10 @@ def describe_attention(m) -> list[str]:
             lines.append(f"{c.output}: {c.kind} of each row{of}, from the running statistics")
     lines.append("rows with no present element: outputs 0 (logsumexp and max: -inf)")
     lines.append(f"VMEM: {m.vmem_bytes / 1024:.0f} KiB estimated")
-    for what, b in m.vmem:
-        lines.append(f"  {what}: {b / 1024:.0f} KiB")
-    from ..autodiff import Partial, gradient_lines
-    from .attention.lower import derived_outputs
+    for item in m.vmem:
+        lines.append(f"  {item.what}: {item.bytes / 1024:.0f} KiB")
+    from ...autodiff import Partial, gradient_lines
+    from .lower import derived_outputs
 
     derived = derived_outputs(p) if not m.backward_error else []
     if derived and p.stored_score:
