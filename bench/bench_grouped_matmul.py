@@ -22,7 +22,9 @@ half the rows, the other E - 1 share the rest, so their boundaries fall inside r
    (`--xla_jf_dump_static_llo_profile_to`, in a subprocess: libtpu reads the flag when it
    loads). The estimator reads scalar-prefetch tables as zeros; sparsegen/tpu/cycles.py's
    weighting (raw + walk - zero, the `pl.when` conditions looked up from constants) gives
-   the real path for sparsegen's kernels and for tgmm; gmm's conditions depend only on
+   the real path for sparsegen's kernels and for tgmm (sparsegen's partial steps counted at
+   a full step's cost: libtpu's profiler aborts walking the partial region, see
+   `weighted`); gmm's conditions depend only on
    program_id, so its raw estimate is its real one. For sparsegen this is the bounded walk
    (the branch sorted ids take), trailing empty steps included. Index maps still read the
    tables as zeros there (the estimator sees fewer copies than the walk makes), so HBM
@@ -329,6 +331,37 @@ def capture_pass(impl: str, side: str, M: int, E: int, dist: str):
     return call if impl == "sparsegen" else flat_call(call)
 
 
+def weighted(call, device, fold_partial: bool) -> dict:
+    """sparsegen/tpu/cycles.py's weighting, walk + (raw - zero), the regions' conditions
+    looked up from constants. fold_partial: sparsegen's `_compute_partial` steps are counted
+    as `_compute_full` ones (the same product without the select): libtpu's static profiler
+    aborts walking the partial region of this kernel (LLO type check: "Expected
+    vector-bf16packed, got vector-int16" on the vmatmul after the bf16 select), though the
+    kernel compiles without the profile. The select's cost on partial steps is left out."""
+    from sparsegen.tpu import cycles
+
+    real = cycles.region_conditions(call)
+    assumed = cycles.region_conditions(call, zero=True)
+    names = [n for n, _ in real]
+    bits = [c.copy() for _, c in real]
+    folded = 0
+    if fold_partial and "_compute_partial" in names:
+        p, f = names.index("_compute_partial"), names.index("_compute_full")
+        folded = int(bits[p].sum())
+        bits[f] |= bits[p]
+        bits[p][:] = False
+    raw = cycles.estimate(call, device)[0]
+    if all(np.array_equal(c, z) for (_, c), (_, z) in zip(real, assumed)):
+        walk = zero = None
+        total = raw
+    else:
+        walk = cycles.estimate(call, device, bits)[0]
+        zero = cycles.estimate(call, device, [z for _, z in assumed])[0]
+        total = walk + raw - zero
+    return {"cycles": total, "raw": raw, "walk": walk, "zero": zero, "grid": list(call.grid), "partial_folded_into_full": folded,
+            "regions": {n: int(c.sum()) for n, c in real}}
+
+
 def worker(request: str) -> None:
     """The helper process: one JSON line per job ("starting" first, so the parent knows
     which one libtpu aborted on)."""
@@ -350,9 +383,7 @@ def worker(request: str) -> None:
                 raw = cycles.estimate(call, device)[0]
                 out = {"cycles": raw, "raw": raw, "walk": None, "zero": None, "grid": list(call.grid)}
             else:
-                p = cycles.pass_cycles(call, target, device)
-                out = {"cycles": p.cycles, "raw": p.raw, "walk": p.walk, "zero": p.zero, "grid": list(p.grid), "note": p.note,
-                       "regions": [dataclasses.asdict(r) for r in p.regions]}
+                out = weighted(call, device, fold_partial=job["impl"] == "sparsegen")
         except cycles.NoProfile as exc:
             print(json.dumps({"job": job, "no_profile": str(exc)}), flush=True)
             return
@@ -360,6 +391,14 @@ def worker(request: str) -> None:
             out = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"}
         out["seconds"] = round(time.perf_counter() - start, 1)
         print(json.dumps({"job": job, "result": out}), flush=True)
+
+
+def _limit_memory():
+    """The helper's address space is capped (16 GiB): libtpu's profiler, where it aborts on a
+    kernel, first grew past 20 GiB on this shared machine."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))
 
 
 def estimate_cycles(jobs: list[dict], timeout: float) -> list[dict]:
@@ -376,7 +415,7 @@ def estimate_cycles(jobs: list[dict], timeout: float) -> list[dict]:
             env = {**os.environ, "LIBTPU_INIT_ARGS": f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {FLAG}={tmp}/profile".strip()}
             try:
                 proc = subprocess.run([sys.executable, __file__, "--worker", str(req)], capture_output=True, text=True, env=env,
-                                      timeout=max(1.0, deadline - time.monotonic()))
+                                      timeout=max(1.0, deadline - time.monotonic()), preexec_fn=_limit_memory)
                 stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
             except subprocess.TimeoutExpired as exc:
                 stdout, stderr, rc = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), "", "timeout"
@@ -478,8 +517,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="M = 2048, v5e only, forward cycles only")
     parser.add_argument("--no-cycles", action="store_true", help="skip the static cycle estimate")
     parser.add_argument("--no-aot", action="store_true")
-    parser.add_argument("--backward-cycles", choices=("all", "first", "none"), default=None,
-                        help="which cases get backward cycle estimates (default: first; none with --quick)")
+    parser.add_argument("--cycles-cases", default=None,
+                        help="E:groups:pass,... to estimate (default: 8:uniform:fwd,8:skewed:fwd,64:uniform:fwd,8:uniform:dx,"
+                             "8:uniform:dw; --quick: 8:uniform:fwd); 'all' for every row")
     parser.add_argument("--cycles-timeout", type=float, default=1800)
     parser.add_argument("--json", metavar="FILE", default=str(ROOT / "bench" / "results" / "grouped_matmul.json"))
     parser.add_argument("--worker", metavar="REQUEST", help=argparse.SUPPRESS)
@@ -490,7 +530,6 @@ def main() -> int:
     started = time.perf_counter()
     M = 2048 if a.quick else 16384
     cases = [(E, dist) for E in (8, 64) for dist in ("uniform", "skewed")]
-    backward_cycles = a.backward_cycles or ("none" if a.quick else "first")
     result = {"M": M, "K": K, "N": N, "tiles": TILING, "dtype": "bf16", "jax": jax.__version__, "quick": a.quick,
               "group_sizes": {f"E={E} {d}": group_sizes(M, E, d).tolist() for E, d in cases}, "walk": []}
     print(f"1. The walk (M = {M})", flush=True)
@@ -510,9 +549,10 @@ def main() -> int:
         print("3. Static cycle estimates (v5e, helper process)", flush=True)
         t0 = time.perf_counter()
         jobs, where = [], []
+        wanted = a.cycles_cases or ("8:uniform:fwd" if a.quick else "8:uniform:fwd,8:skewed:fwd,64:uniform:fwd,8:uniform:dx,8:uniform:dw")
+        wanted = None if wanted == "all" else {tuple(c.split(":")) for c in wanted.split(",")}
         for n, row in enumerate(result["walk"]):
-            first = (row["E"], row["dist"]) == cases[0]
-            if row["side"] != "fwd" and not (backward_cycles == "all" or (backward_cycles == "first" and first)):
+            if wanted is not None and (str(row["E"]), row["dist"], row["side"]) not in wanted:
                 continue
             for impl in ("sparsegen", "megablox"):
                 jobs.append({"impl": impl, "side": row["side"], "M": M, "E": row["E"], "dist": row["dist"]})
