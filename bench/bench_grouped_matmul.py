@@ -25,7 +25,7 @@ half the rows, the other E - 1 share the rest, so their boundaries fall inside r
    the real path for sparsegen's kernels and for tgmm (sparsegen's partial steps counted at
    a full step's cost: libtpu's profiler aborts walking the partial region, see
    `weighted`; every word of the lookup chain emitted in both the walk and the zero-table
-   compile, so that its cost cancels, see `_lookup_every_word`); gmm's conditions depend only on
+   compile, so that its cost cancels, as `sparsegen.tpu.cycles._lookup` does); gmm's conditions depend only on
    program_id, so its raw estimate is its real one. For sparsegen this is the bounded walk
    (the branch sorted ids take), trailing empty steps included. Index maps still read the
    tables as zeros there (the estimator sees fewer copies than the walk makes), so HBM
@@ -332,22 +332,6 @@ def capture_pass(impl: str, side: str, M: int, E: int, dist: str):
     return call if impl == "sparsegen" else flat_call(call)
 
 
-def _lookup_every_word(bits, grid, pl, jnp):
-    """cycles._lookup with every word of the chain emitted (bit 31, never read, set in each):
-    cycles.py skips all-zero words, so the zero-table compile, whose bits are mostly zero,
-    had no chain at all while the walk's paid one select per 31 steps per region at every
-    step; with every word present both pay the same chain and it cancels in walk - zero."""
-    step = jnp.int32(0)
-    for d, n in enumerate(grid):
-        step = step * n + pl.program_id(d)
-    word_of = step // 31
-    word = jnp.int32(0)
-    for k in range(0, len(bits), 31):
-        value = sum(1 << j for j, b in enumerate(bits[k : k + 31]) if b) - (1 << 31)
-        word = jnp.where(word_of == k // 31, jnp.int32(value), word)
-    return ((word >> (step % 31)) & 1) == 1
-
-
 def weighted(call, device, fold_partial: bool) -> dict:
     """sparsegen/tpu/cycles.py's weighting, walk + (raw - zero), the regions' conditions
     looked up from constants. fold_partial: sparsegen's `_compute_partial` steps are counted
@@ -357,7 +341,6 @@ def weighted(call, device, fold_partial: bool) -> dict:
     kernel compiles without the profile. The select's cost on partial steps is left out."""
     from sparsegen.tpu import cycles
 
-    cycles._lookup = _lookup_every_word
     real = cycles.region_conditions(call)
     assumed = cycles.region_conditions(call, zero=True)
     names = [n for n, _ in real]

@@ -422,9 +422,11 @@ def _lookup(bits: np.ndarray, grid: tuple[int, ...], pl, jnp):
     word_of = step // 31
     word = jnp.int32(0)
     for k in range(0, len(bits), 31):
-        value = sum(1 << j for j, b in enumerate(bits[k : k + 31]) if b)
-        if value:
-            word = jnp.where(word_of == k // 31, jnp.int32(value), word)
+        # Every word is emitted, all-zero ones too (bit 31, never read, is set in each): the
+        # walk's compile and the zero-table compile then pay the same chain, which cancels in
+        # walk - zero (skipping zero words left the zero-table compile without a chain).
+        value = sum(1 << j for j, b in enumerate(bits[k : k + 31]) if b) - (1 << 31)
+        word = jnp.where(word_of == k // 31, jnp.int32(value), word)
     return ((word >> (step % 31)) & 1) == 1
 
 
