@@ -43,7 +43,8 @@ Plan (target v5e):
 
     kernel grouped_matmul
       o[m, n] = x[m, k] * w[g, k, n] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
-      grid (ceil(N / 512), n_steps, ceil(K / 512))
+      grid (ceil(N / 512), n_run, ceil(K / 512))
+        n_run: the steps the data needs (traced), at most n_steps, the tables' length
         n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E (lax.cond: correct for any ids)
         n: output blocks along n [parallel]
         step: the non-empty (m blocks x g blocks) of the condition, each output block's in a run [arbitrary]
@@ -81,7 +82,8 @@ Plan (target v5e):
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
     backward (jax.grad): 2 passes, one per derived gradient of a float input through a statement (each run only where its gradient is needed)
       pass 1: d_x[m, k] = g_o[m, n] * w[g, k, n] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
-        grid (ceil(K / 512), n_steps, ceil(N / 512))
+        grid (ceil(K / 512), n_run, ceil(N / 512))
+          n_run: the steps the data needs (traced), at most n_steps, the tables' length
           n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E (lax.cond: correct for any ids)
           k: output blocks along k [parallel]
           step: the non-empty (m blocks x g blocks) of the condition, each output block's in a run [arbitrary]
@@ -118,7 +120,8 @@ Plan (target v5e):
           Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
         SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
       pass 2: d_w[g, k, n] = g_o[m, n] * x[m, k] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
-        grid (ceil(K / 512), ceil(N / 512), n_steps)
+        grid (ceil(K / 512), ceil(N / 512), n_run)
+          n_run: the steps the data needs (traced), at most n_steps, the tables' length
           n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else E * pl.cdiv(M, 512) (lax.cond: correct for any ids)
           k: output blocks along k [parallel]
           n: output blocks along n [parallel]
@@ -513,7 +516,7 @@ def _prefetch(x, w, gid, sizes, n_steps=None):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, E, N = sizes
     n_steps = pl.cdiv(M, 512) + E - 1 if n_steps is None else n_steps
-    # The walk's steps, from the condition's blocks (traced: n_steps steps, the unused ones trailing).
+    # The walk's steps, from the condition's blocks (traced: tables of n_steps steps; the grid runs those needed).
     kinds = _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
         jnp, kinds, n_steps
@@ -639,7 +642,7 @@ def _d_x_prefetch(x, w, gid, g_o, sizes, n_steps=None):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, E, N = sizes
     n_steps = pl.cdiv(M, 512) + E - 1 if n_steps is None else n_steps
-    # The walk's steps, from the condition's blocks (traced: n_steps steps, the unused ones trailing).
+    # The walk's steps, from the condition's blocks (traced: tables of n_steps steps; the grid runs those needed).
     kinds = _d_x_classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
         jnp, kinds, n_steps
@@ -764,7 +767,7 @@ def _d_w_prefetch(x, w, gid, g_o, sizes, n_steps=None):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, E, N = sizes
     n_steps = pl.cdiv(M, 512) + E - 1 if n_steps is None else n_steps
-    # The walk's steps, from the condition's blocks (traced: n_steps steps, the unused ones trailing).
+    # The walk's steps, from the condition's blocks (traced: tables of n_steps steps; the grid runs those needed).
     kinds = _d_w_classify(jnp, gid, (M, K, E, N)).reshape((1, E, pl.cdiv(M, 512)))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
         jnp, kinds, n_steps
@@ -799,12 +802,17 @@ def _impl(x, w, gid, sizes, interpret):
         gid.astype(jnp.int32)[:, None], (M, 128)
     )  # gid[m] per row: a column in the kernel
     n_steps = pl.cdiv(M, 512) + E - 1
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    needed = _row_walk(
+        jnp, _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E)), 1
+    )[2][0]
 
     def _walk(n_steps):
-        # The pass with n_steps steps.
+        # The pass over tables of n_steps steps.
+        n_run = jnp.minimum(needed, n_steps)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(pl.cdiv(N, 512), n_steps, pl.cdiv(K, 512)),
+            grid=(pl.cdiv(N, 512), n_run, pl.cdiv(K, 512)),
             in_specs=[
                 pl.BlockSpec(
                     (512, 512), functools.partial(_x_index_map, n_k=pl.cdiv(K, 512))
@@ -834,13 +842,10 @@ def _impl(x, w, gid, sizes, interpret):
             interpret=interpret,
         )(*_prefetch(x, w, gid, sizes, n_steps), x, w, gid_rows)
 
-    # Sorted group ids need at most n_steps steps; other data runs the dense walk
-    # (correct for any ids, slower).
+    # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes tables of the
+    # dense count (correct for any ids).
     return lax.cond(
-        _row_walk(
-            jnp, _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E)), 1
-        )[2][0]
-        <= pl.cdiv(M, 512) + E - 1,
+        needed <= pl.cdiv(M, 512) + E - 1,
         lambda: _walk(pl.cdiv(M, 512) + E - 1),
         lambda: _walk(pl.cdiv(M, 512) * E),
     )
@@ -853,12 +858,17 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
         gid.astype(jnp.int32)[:, None], (M, 128)
     )  # gid[m] per row: a column in the kernel
     n_steps = pl.cdiv(M, 512) + E - 1
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    needed = _row_walk(
+        jnp, _d_x_classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E)), 1
+    )[2][0]
 
     def _walk(n_steps):
-        # The pass with n_steps steps.
+        # The pass over tables of n_steps steps.
+        n_run = jnp.minimum(needed, n_steps)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(pl.cdiv(K, 512), n_steps, pl.cdiv(N, 512)),
+            grid=(pl.cdiv(K, 512), n_run, pl.cdiv(N, 512)),
             in_specs=[
                 pl.BlockSpec(
                     (512, 512),
@@ -889,15 +899,10 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
             interpret=interpret,
         )(*_d_x_prefetch(x, w, gid, g_o, sizes, n_steps), g_o, w, gid_rows)
 
-    # Sorted group ids need at most n_steps steps; other data runs the dense walk
-    # (correct for any ids, slower).
+    # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes tables of the
+    # dense count (correct for any ids).
     return lax.cond(
-        _row_walk(
-            jnp,
-            _d_x_classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E)),
-            1,
-        )[2][0]
-        <= pl.cdiv(M, 512) + E - 1,
+        needed <= pl.cdiv(M, 512) + E - 1,
         lambda: _walk(pl.cdiv(M, 512) + E - 1),
         lambda: _walk(pl.cdiv(M, 512) * E),
     )
@@ -910,12 +915,17 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
         gid.astype(jnp.int32)[:, None], (M, 128)
     )  # gid[m] per row: a column in the kernel
     n_steps = pl.cdiv(M, 512) + E - 1
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    needed = _row_walk(
+        jnp, _d_w_classify(jnp, gid, (M, K, E, N)).reshape((1, E, pl.cdiv(M, 512))), 1
+    )[2][0]
 
     def _walk(n_steps):
-        # The pass with n_steps steps.
+        # The pass over tables of n_steps steps.
+        n_run = jnp.minimum(needed, n_steps)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(pl.cdiv(K, 512), pl.cdiv(N, 512), n_steps),
+            grid=(pl.cdiv(K, 512), pl.cdiv(N, 512), n_run),
             in_specs=[
                 pl.BlockSpec((512, 512), _d_w_g_o_index_map),
                 pl.BlockSpec((512, 512), _d_w_x_index_map),
@@ -940,15 +950,10 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
             interpret=interpret,
         )(*_d_w_prefetch(x, w, gid, g_o, sizes, n_steps), g_o, x, gid_rows)
 
-    # Sorted group ids need at most n_steps steps; other data runs the dense walk
-    # (correct for any ids, slower).
+    # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes tables of the
+    # dense count (correct for any ids).
     return lax.cond(
-        _row_walk(
-            jnp,
-            _d_w_classify(jnp, gid, (M, K, E, N)).reshape((1, E, pl.cdiv(M, 512))),
-            1,
-        )[2][0]
-        <= pl.cdiv(M, 512) + E - 1,
+        needed <= pl.cdiv(M, 512) + E - 1,
         lambda: _walk(pl.cdiv(M, 512) + E - 1),
         lambda: _walk(E * pl.cdiv(M, 512)),
     )

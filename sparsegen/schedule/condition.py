@@ -56,7 +56,9 @@ class ConditionWalk(PassBuilder):
                 self.axis("blocks", i, self.blocks_along(i), True, f"output blocks along {i}")
         n_steps = self.local("n_steps")
         what = " x ".join(f"{i} blocks" for i in out_c + sum_c)
-        step_axis = self.axis("steps", None, Var(n_steps), False,
+        # Traced operands in the condition: the grid runs exactly the steps the data needs.
+        self.n_run = self.local("n_run") if any(self.k.operand(r.operand).sparsity == "dense" for r in cond.reads) else None
+        step_axis = self.axis("steps", None, Var(self.n_run or n_steps), False,
                               f"the non-empty ({what}) of the condition, each output block's in a run", var=self.local("step"))
         step = Var(step_axis.var)
         inner = [self.axis("reduce", i, self.blocks_along(i), False, f"the sum over {i}, which the condition does not use, inside each step")
@@ -262,6 +264,7 @@ class ConditionWalk(PassBuilder):
     # ------------------------------------------------------------ host
     functions: list
     fallback = None
+    n_run = None
 
     def classify_host(self, cond: Term, out_c: list[str], sum_c: list[str], n_steps: str, tables) -> None:
         """The classification function, the walk's length and its tables."""
@@ -304,13 +307,11 @@ class ConditionWalk(PassBuilder):
         dense = f"{render(rows, 'host')} * {render(cols, 'host')}"
         bound = self.grouped_bound(cond, out_c, sum_c)
         self.counts.append((n_steps, bound or dense))
-        self.host += [f"# The walk's steps, from the condition's blocks (traced: {n_steps} steps, the unused ones trailing).",
+        self.host += [f"# The walk's steps, from the condition's blocks (traced: tables of {n_steps} steps; the grid runs those needed).",
                       f"{kinds} = {call}",
                       f"({names}), _, _ = _row_walk(jnp, {kinds}, {n_steps})"]
         self.cond_host(kind)
-        if bound is not None:
-            needed = f"_row_walk(jnp, {call}, 1)[2][0]"
-            self.fallback = Fallback(n_steps, bound, dense, needed)
+        self.fallback = Fallback(n_steps, self.n_run, self.local("needed"), f"_row_walk(jnp, {call}, 1)[2][0]", bound, dense)
 
     def cond_host(self, kind: str) -> None:
         if self.cond_step is not None:

@@ -175,14 +175,18 @@ class HostFunction:
 
 @dataclass(frozen=True)
 class Fallback:
-    """The walk's length under `jit` is `count` (a bound, e.g. row blocks + groups - 1 for
-    sorted group ids); where the data needs more (`needed`, traced), the pass runs with
-    `dense` steps instead (`lax.cond`): correct for any data, slower."""
+    """The walk's length where the classification reads traced operands: the grid runs the
+    `needed` steps exactly (a traced grid dimension, `run`, as megablox's), over tables of
+    `count` entries (static). `count` is the dense count, or a bound the data may exceed
+    (`row blocks + groups - 1` for sorted group ids): then where the data needs more the pass
+    runs over tables of `dense` entries instead (`lax.cond`): correct for any data."""
 
-    count: str  # the count variable the tables and grid use
-    bound: str  # host expressions over the sizes
+    count: str  # the static length of the tables
+    run: str  # the grid's traced extent: min(needed, count)
+    needed: str  # the needed steps' variable
+    needed_value: str  # host expression (traced) of the steps the data needs
+    bound: str | None  # host expressions over the sizes
     dense: str
-    needed: str  # host expression (traced) of the steps the data needs
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,11 @@ def describe_pass(m: TpuModule, tp: TpuPass) -> list[str]:
     out.append(f"  grid ({', '.join(render(a.extent, 'text') for a in p.axes)})")
     if p.fallback is not None:
         f = p.fallback
-        out.append(f"    {f.count} = {f.bound} when the data allows (sorted group ids), else {f.dense} (lax.cond: correct for any ids)")
+        out.append(f"    {f.run}: the steps the data needs (traced), at most {f.count}, the tables' length")
+        if f.bound is not None:
+            out.append(f"    {f.count} = {f.bound} when the data allows (sorted group ids), else {f.dense} (lax.cond: correct for any ids)")
+        else:
+            out.append(f"    {f.count} = {f.dense}")
     elif p.walk == "condition":
         var, value = p.counts[0]
         known = value.startswith("int(")  # counted with numpy at trace time

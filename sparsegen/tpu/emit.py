@@ -143,7 +143,8 @@ class _Emitter:
             "reads": list(dict.fromkeys(reads)),
             "pre": list(p.pre),
             "guard": guard,
-            "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes{', ' + p.fallback.count if p.fallback else ''}), " if p.tables else "",
+            "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes{', ' + p.fallback.count if p.fallback and p.fallback.bound else ''}), "
+                        if p.tables else "",
             "fallback": p.fallback,
             "tables": len(p.tables),
             "grid": py_tuple(render(a.extent, "host") for a in p.axes),
@@ -183,7 +184,8 @@ class _Emitter:
 
     def prefetch(self, tp: TpuPass, mod: TpuModule) -> dict:
         fb = tp.p.fallback
-        counts = [f"{var} = {value}" if fb is None or var != fb.count else f"{var} = {value} if {var} is None else {var}" for var, value in tp.p.counts]
+        counts = [f"{var} = {value}" if fb is None or fb.bound is None or var != fb.count else f"{var} = {value} if {var} is None else {var}"
+                  for var, value in tp.p.counts]
         return {"fn": tp.prefetch_fn, "lines": counts + list(tp.p.host), "tables": [t.var for t in tp.p.tables], "args": list(mod.conv.impl_args)}
 
     def pass_dicts(self, mod: TpuModule) -> list[dict]:

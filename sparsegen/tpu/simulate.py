@@ -246,6 +246,9 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
             env[var] = int(np.shape(array)[0])
         else:  # a condition walk's length: host code over the sizes (and the module's functions)
             env[var] = int(eval(value, {**vars(module), **env, **by_name}))  # the module's own generated text
+    if p.fallback is not None:  # the grid runs the steps the data needs (a traced extent in the module)
+        needed = int(eval(p.fallback.needed_value, {**vars(module), **env, **by_name}))
+        env[p.fallback.run] = min(needed, env[p.fallback.count])
     k = plan.kernel
     out_bytes = block_bytes(k, tp.out_spec)
     traffic = {s.block.operand: Traffic(s.block.operand, block_bytes(k, s)) for s in tp.in_specs}
