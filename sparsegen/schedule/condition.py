@@ -25,11 +25,11 @@ import dataclasses
 from ..expr import Const, Expr, Load, Var, Where, render
 from ..ir import Read, Term
 from ..source import Diagnostic
-from .attention import Classifier, Conditions, Point
+from .attention import Point
+from .classify import Classifier, Conditions
 from .build import PassBuilder, ScheduleError
-from .core import Block, Body, Fallback, FlushCase, HostFunction, Pass, Product, Select
+from .core import Block, Body, Fallback, FlushCase, HostFunction, Pass, Select
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 def condition_indices(cond: Term) -> list[str]:
@@ -362,4 +362,4 @@ class ConditionWalk(PassBuilder):
         return None
 
 
-__all__ = ["ConditionWalk", "condition_indices", "EMPTY", "PARTIAL", "FULL", "Product"]
+__all__ = ["ConditionWalk", "condition_indices"]

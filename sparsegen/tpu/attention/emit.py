@@ -8,7 +8,7 @@ import dataclasses
 from ...dtypes import DTYPES
 from ...ir import Read
 from ...pytext import py_tuple
-from ...schedule.attention import Classifier
+from ...schedule.classify import Classifier
 from ...wrapper import Wrapper, vjp_tables
 from .describe import describe_attention
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
