@@ -11,7 +11,8 @@ half the rows, the other E - 1 share the rest, so their boundaries fall inside r
    block product, and block copies per operand (a copy whenever an operand's block index
    differs from the previous grid step's: the Pallas pipeline rule), from both sides'
    tables evaluated in numpy: sparsegen's index-map functions over `_prefetch`'s tables
-   (the bounded walk, row blocks + E - 1 steps, that sorted ids take under jit), megablox's
+   (the branch sorted ids take under jit: tables of row blocks + E - 1 steps, the grid
+   running the steps the data needs, a traced extent as megablox's), megablox's
    index maps over `make_group_metadata`. Megablox's grid is (tiles_n, num_active_tiles,
    tiles_k) for gmm, (tiles_n, tiles_k, num_active_tiles) for tgmm.
 2. Ahead-of-time compiles for v5e and v6e (get_topology_desc; no execution), forward and
@@ -26,8 +27,8 @@ half the rows, the other E - 1 share the rest, so their boundaries fall inside r
    a full step's cost: libtpu's profiler aborts walking the partial region, see
    `weighted`; every word of the lookup chain emitted in both the walk and the zero-table
    compile, so that its cost cancels, as `sparsegen.tpu.cycles._lookup` does); gmm's conditions depend only on
-   program_id, so its raw estimate is its real one. For sparsegen this is the bounded walk
-   (the branch sorted ids take), trailing empty steps included. Index maps still read the
+   program_id, so its raw estimate is its real one. For sparsegen this is the branch sorted
+   ids take. Index maps still read the
    tables as zeros there (the estimator sees fewer copies than the walk makes), so HBM
    cycles of the real copies are printed beside it: where they exceed the estimate the pass
    is memory-bound and the estimate optimistic.
@@ -122,7 +123,8 @@ def block_bytes(shape, dtype) -> int:
 
 
 def ours_walk(M: int, E: int, gid: np.ndarray, side: str) -> dict:
-    """Grid, steps, computing steps and copies per operand of one sparsegen pass (the bounded walk)."""
+    """Grid, steps, computing steps and copies per operand of one sparsegen pass (the walk sorted
+    ids take: tables of row blocks + E - 1 steps, the grid running the steps the data needs)."""
     sizes = (M, K, E, N)
     n_steps = pl.cdiv(M, TILE) + E - 1
     prefetch = {"fwd": GEN._prefetch, "dx": GEN._d_x_prefetch, "dw": GEN._d_w_prefetch}[side]
@@ -134,23 +136,24 @@ def ours_walk(M: int, E: int, gid: np.ndarray, side: str) -> dict:
     classify = {"fwd": GEN._classify, "dx": GEN._d_x_classify, "dw": GEN._d_w_classify}[side]
     kinds = np.asarray(classify(jnp, jnp.asarray(gid), sizes))
     needed = int(GEN._row_walk(np, kinds.reshape((1,) + kinds.shape))[1])
+    run = min(needed, n_steps)  # the grid's traced extent: the steps the data needs
     nk, nn = K // TILE, N // TILE
     if side == "fwd":
-        grid = (nn, n_steps, nk)
+        grid = (nn, run, nk)
         maps = {"x": (functools.partial(GEN._x_index_map, n_k=nk), (TILE, TILE)),
                 "w": (functools.partial(GEN._w_index_map, n_k=nk), (TILE, TILE)),
                 "gid": (GEN._gid_index_map, (TILE, 128), np.int32),
                 "o": (GEN._o_index_map, (TILE, TILE))}
         step_axis = 1
     elif side == "dx":
-        grid = (nk, n_steps, nn)
+        grid = (nk, run, nn)
         maps = {"g_o": (functools.partial(GEN._d_x_g_o_index_map, n_n=nn), (TILE, TILE)),
                 "w": (functools.partial(GEN._d_x_w_index_map, n_n=nn), (TILE, TILE)),
                 "gid": (GEN._d_x_gid_index_map, (TILE, 128), np.int32),
                 "dx": (GEN._d_x_d_x_index_map, (TILE, TILE))}
         step_axis = 1
     else:
-        grid = (nk, nn, n_steps)
+        grid = (nk, nn, run)
         maps = {"g_o": (GEN._d_w_g_o_index_map, (TILE, TILE)),
                 "x": (GEN._d_w_x_index_map, (TILE, TILE)),
                 "gid": (GEN._d_w_gid_index_map, (TILE, 128), np.int32),
@@ -498,9 +501,9 @@ def print_tables(result: dict) -> None:
                   copies, f"{o['hbm_bytes'] / 2**20:,.0f} / {m['hbm_bytes'] / 2**20:,.0f}", cyc, ratio,
                   f"{hb[0]:,} / {hb[1]:,}", f"{mxu_cycles(o['computing']):,.0f} / {mxu_cycles(m['computing']):,.0f}", "; ".join(notes))
     console.print(t)
-    console.print("  grid steps: sparsegen's bounded walk has row blocks + E - 1 steps per (n, k) (sorted ids need at most that; "
-                  "the trailing ones are empty); megablox's num_active_tiles is exact. partial: sparsegen steps that evaluate the "
-                  "condition (megablox masks the store of every step). Cycles: sparsegen's bounded walk (the branch sorted ids take).")
+    console.print("  grid steps: sparsegen's grid runs the steps the data needs (a traced extent, as megablox's num_active_tiles), over tables of row blocks + E - 1 steps "
+                  "(sorted ids need at most that). partial: sparsegen steps that evaluate the "
+                  "condition (megablox masks the store of every step). Cycles: the branch sorted ids take.")
     if result.get("aot"):
         a = Table(title="Ahead-of-time compiles: scoped VMEM per Mosaic kernel (MiB), compile seconds (ours / theirs)")
         for c in ("E", "chip", "pass", "sparsegen VMEM", "megablox VMEM", "compile s"):
