@@ -6,25 +6,13 @@ TPU modules' own (`sparsegen.wrapper`): a spec has one calling convention on eve
 
 from __future__ import annotations
 
-import re
-
 from ..expr import Const, render
 from ..formatting import format_module
-from ..pytext import py_tuple
+from ..pytext import needed as _needed, py_tuple
 from ..templating import environment as _environment, with_helpers
 from ..wrapper import Wrapper, gradient_tables, spec_text
 from .describe import describe
 from .plan import ElementwisePass, GpuModule, GpuPass
-
-
-def _needed(lets: list[tuple[str, str]], expr: str) -> list[tuple[str, str]]:
-    """The lets `expr` reads, directly or through other lets, in order."""
-    want, out = set(re.findall(r"\b\w+\b", expr)), []
-    for name, value in reversed(lets):
-        if name in want:
-            out.append((name, value))
-            want |= set(re.findall(r"\b\w+\b", value))
-    return out[::-1]
 
 
 def _ds(index: str, tile: int) -> str:

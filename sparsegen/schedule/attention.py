@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..pytext import live_lines
 from ..ir import Einsum, Elementwise, Kernel, Read, Reduction, SoftmaxProduct, Term
 from ..source import Diagnostic
 from .build import ScheduleError
@@ -600,11 +601,13 @@ class Classifier:
         tails = [f"({self.ranges[i][0]} + {self.tile_of(i)} > {self.size_of(i)})" for i in ragged]
         if tails:
             must = f"({must}) & ~({' | '.join(tails)})"
-        return self.lines + [
+        tail = [
             f"can = xp.broadcast_to({can}, {shape})",
             f"must = xp.broadcast_to({must}, {shape})",
             f"return xp.where(can, xp.where(must, {FULL}, {PARTIAL}), {EMPTY}).astype(xp.int32)",
         ]
+        # Ranges are written whole (lo and hi); the ends no comparison reads are dropped.
+        return live_lines(self.lines, *tail) + tail
 
 
 def _term(c: int, x: str) -> str:
