@@ -44,12 +44,14 @@ def needed(lets, *texts: str) -> list:
 
 
 def live_lines(lines, *tail: str) -> list[str]:
-    """`lines` (statements `a = ...` or `a, b = ...`, one a line) less the assignments that
-    nothing after them reads: later kept lines or `tail`."""
+    """`lines` (a function body's, one statement a line, nested blocks indented) less the
+    unindented assignments `a = ...` or `a, b = ...` that nothing after them reads: later
+    kept lines or `tail`."""
     want, out = set().union(*(words(t) for t in tail)), []
     for line in reversed(list(lines)):
         head, sep, value = line.partition(" = ")
-        targets = {t.strip() for t in head.split(",")} if sep and all(t.strip().isidentifier() for t in head.split(",")) else None
+        plain = sep and not line[:1].isspace() and all(t.strip().isidentifier() for t in head.split(","))
+        targets = {t.strip() for t in head.split(",")} if plain else None
         if targets is not None and not targets & want:
             continue
         out.append(line)

@@ -110,8 +110,8 @@ COMMON = dict(deadline=None, derandomize=True, phases=[Phase.explicit, Phase.gen
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
 
-@pytest.mark.parametrize("target", ["v5e", "h200"])
-@pytest.mark.parametrize("sparse", SPARSE)
+# The GPU refuses the random coo outputs these draw (nearly all): drawing them is no test.
+@pytest.mark.parametrize("sparse,target", [(s, "v5e") for s in SPARSE] + [(s, "h200") for s in SPARSE if s not in ("coo_out", "coo_join")])
 def test_random_einsums_are_pyflakes_clean(sparse, target):
     @settings(max_examples=6, **COMMON)
     @given(einsum_specs(sparse))

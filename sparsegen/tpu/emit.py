@@ -97,10 +97,16 @@ class _Emitter:
         params = [a.var for a in tp.p.axes] + [t.var for t in tp.p.tables]
         out = []
         for s in tp.specs:
+            # The lets the index reads (directly or through later lets): a walk's shared lets
+            # (the next live step) are not all read by every operand's map.
+            used, lets = set().union(*(expr_names(e) for e in s.index)), []
+            for name, value in reversed(s.block.lets):
+                if name in used:
+                    lets.insert(0, (name, value))
+                    used |= expr_names(value)
             # Pallas passes every coordinate and table; the map names only those it reads.
-            used = set().union(*(expr_names(e) for e in (*(v for _, v in s.block.lets), *s.index)))
             signature, deleted = parameters(params, used, [name for name, _ in s.statics])
-            out.append({"fn": s.fn, "signature": signature, "deleted": deleted, "about": s.block.about, "lets": s.block.lets, "index": s.index})
+            out.append({"fn": s.fn, "signature": signature, "deleted": deleted, "about": s.block.about, "lets": lets, "index": s.index})
         return out
 
     def spec_text(self, s) -> dict:

@@ -7,7 +7,7 @@ import dataclasses
 
 from ...dtypes import DTYPES
 from ...ir import Read
-from ...pytext import py_tuple
+from ...pytext import live_lines, parameters, py_tuple, words
 from ...schedule.attention import Classifier
 from ...wrapper import Wrapper, vjp_tables
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
@@ -114,18 +114,28 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
                 name, _, div = c.partition(" // ")
                 v = self.grid_vars[self.p.lead.index(name)]
                 coords.append(f"lax.div({v}, {div})" if div else v)
-        return {"fn": a.fn + call.suffix, "coords": coords, "about": a.about}
+        # Pallas passes every coordinate and table; the map names only those it reads.
+        used = set().union(*(words(c) for c in coords))
+        statics = [self.steps] if self.steps in used else []
+        signature, deleted = parameters(self.grid_vars + [self.t] + self.tables, used, statics)
+        return {"fn": a.fn + call.suffix, "coords": coords, "about": a.about, "signature": signature, "deleted": deleted,
+                "spec_map": f"functools.partial({a.fn + call.suffix}, {self.steps}={self.steps})" if statics else a.fn + call.suffix}
 
     def call_dict(self, call: CallSpec, walk_kinds: str, walk: str = "_walk_tables") -> dict:
         grid = [self.size_of(i) if self.tile[i] == 1 else f"-(-{self.size_of(i)} // {self.tile[i]})" for i in self.p.lead] + [self.steps]
+        # The kernel's head binds every coordinate, slot and kind; those nothing reads are
+        # dropped, and the kernel `del`s the tables it does not read.
+        lines = live_lines(call.kernel_lines)
+        used = set().union(*(words(line) for line in lines))
+        signature, deleted = parameters(self.tables + call.refs, used | set(call.refs), call.statics, collapse=False)
         return {
             "kernel_fn": call.kernel_fn,
-            "kernel_params": self.tables + call.refs,
-            "kernel_statics": call.statics,
-            "kernel_lines": call.kernel_lines,
+            "kernel_signature": signature,
+            "kernel_deleted": deleted,
+            "kernel_lines": lines,
             "maps": [self.map_dict(a, call) for a in call.ins + call.outs],
-            "in_specs": [(py_tuple("None" if b is None else str(b) for b in a.block), a.fn + call.suffix) for a in call.ins],
-            "outs": [{"block": py_tuple("None" if b is None else str(b) for b in o.block), "map": o.fn + call.suffix, "view": py_tuple(o.view), "shape": py_tuple(o.shape),
+            "in_specs": [(py_tuple("None" if b is None else str(b) for b in a.block), self.map_dict(a, call)["spec_map"]) for a in call.ins],
+            "outs": [{"block": py_tuple("None" if b is None else str(b) for b in o.block), "map": self.map_dict(o, call)["spec_map"], "view": py_tuple(o.view), "shape": py_tuple(o.shape),
                       "dtype": o.dtype, "var": o.var, "reshape": o.view != o.shape} for o in call.outs],
             "arrays": [a.host for a in call.ins],
             "scratch": call.scratch,
@@ -199,7 +209,6 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             stored_lines=stored_lines,
             backward_calls=calls_b,
             maps=self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if derived else [])),
-            map_params=self.grid_vars + [self.t] + self.tables,
             public_params=[p_.internal for p_ in conv.params] + self.sizes,
             prepare_lines=self.prepare_lines(),
             impl_args=list(conv.impl_args),
