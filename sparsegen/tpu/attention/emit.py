@@ -4,6 +4,7 @@ custom_vjp glue, `reference`, `block_kinds`; Jinja (templates/tpu/attention.py.j
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ...dtypes import DTYPES
 from ...ir import Read
@@ -77,7 +78,9 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
 
     # ------------------------------------------------------------- arrays
     def arr(self, o: Operand, tables) -> Arr:
-        return Arr(o.ref, o.block, o.coords, o.fn, self.array(o), f"{o.read.text}: {self.about(o)}")
+        # Other layouts pass the operand broadcast as int32 or float32.
+        itemsize = self.k.operand(o.read.operand).dtype.itemsize if o.layout == "natural" else 4
+        return Arr(o.ref, o.block, o.coords, o.fn, self.array(o), f"{o.read.text}: {self.about(o)}", itemsize=itemsize)
 
     def out_arr(self, ref, indices, dtype, var, about, vector: bool) -> OutArr:
         p = self.p
@@ -142,6 +145,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             "grid": py_tuple(grid),
             "semantics": py_tuple(['"parallel"'] * len(self.p.lead) + ['"arbitrary"']),
             "flops": f"{self.tables[3]}.size * {call.flops}",
+            "bytes": self.bytes_accessed(call),
             "transcendentals": f"{self.tables[3]}.size * {call.transcendentals}",
             "statics_kw": ", ".join(f"{v}={v}" for v in call.statics),
             "walk_kinds": walk_kinds,
@@ -149,6 +153,14 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             "post": call.post,
             "about": call.about,
         }
+
+    def bytes_accessed(self, call: CallSpec) -> str:
+        """The call's HBM traffic for its cost estimate, as the einsum modules count it: every
+        step of the walk reads one block of each input, and each output is written once."""
+        itemsize = {d.jnp: d.itemsize for d in DTYPES.values()}
+        per_step = sum(math.prod(b for b in a.block if b is not None) * a.itemsize for a in call.ins)
+        outs = [" * ".join([*o.shape, str(itemsize[o.dtype])]) for o in call.outs]
+        return " + ".join([f"{self.tables[3]}.size * {per_step}"] + outs)
 
     # ------------------------------------------------------------------ module
     def module(self, source_name: str, formatted: bool = True) -> str:
