@@ -452,7 +452,7 @@ def _mask_tail(value, axis, limit):
 def _kernel(
     step_kind, step_block, step_row, step_b, step_k, x_ref, y_ref, o_ref, acc_ref, *, K
 ):
-    n = pl.program_id(0)
+    del step_block, step_row, step_b  # unused
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
@@ -475,24 +475,26 @@ def _kernel(
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _x_index_map(n, step, step_kind, step_block, step_row, step_b, step_k):
+def _x_index_map(n, step, step_kind, step_block, *_):
+    del n, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
 
 
 def _y_index_map(n, step, step_kind, step_block, step_row, step_b, step_k):
+    del step_kind, step_block, step_row  # unused
     # The block the stored block of this step meets (flush steps hold the next one).
     return (step_b[step], step_k[step], n)
 
 
-def _o_index_map(n, step, step_kind, step_block, step_row, step_b, step_k, *, n_m):
+def _o_index_map(n, step, step_kind, step_block, step_row, *_, n_m):
+    del step_kind, step_block  # unused
     return (lax.div(step_row[step], n_m), lax.rem(step_row[step], n_m), n)
 
 
 def _prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     B, M, K, N = sizes
-    nb = x_blocks.shape[0]
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
     step_kind, step_block, step_row = _coo_steps(
         x_idx_0 * pl.cdiv(M, 512) + x_idx_1, B * pl.cdiv(M, 512), pad
@@ -517,6 +519,7 @@ def _d_x_kernel(
     M,
     K,
 ):
+    del d_x_at_0, next_step  # unused
     b = pl.program_id(0)
     n = pl.program_id(1)
     n_n = pl.num_programs(1)
@@ -556,6 +559,7 @@ def _d_x_kernel(
 def _d_x_g_o_index_map(
     b, n, d_x_at_0, d_x_at_1, d_x_at_2, requested_d_x, next_step, *, n_n
 ):
+    del d_x_at_2  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = b
     nxt = next_step[cell]
@@ -570,6 +574,7 @@ def _d_x_g_o_index_map(
 def _d_x_y_index_map(
     b, n, d_x_at_0, d_x_at_1, d_x_at_2, requested_d_x, next_step, *, n_n
 ):
+    del d_x_at_1  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = b
     nxt = next_step[cell]
@@ -581,7 +586,7 @@ def _d_x_y_index_map(
     )
 
 
-def _d_x_d_x_index_map(b, n, d_x_at_0, d_x_at_1, d_x_at_2, requested_d_x, next_step):
+def _d_x_d_x_index_map(b, *_):
     # Block b of the stacked output.
     return (b, 0, 0)
 
@@ -589,7 +594,6 @@ def _d_x_d_x_index_map(b, n, d_x_at_0, d_x_at_1, d_x_at_2, requested_d_x, next_s
 def _d_x_prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     B, M, K, N = sizes
-    nb = x_idx_0.shape[0]
     # Where the requested blocks are (padding entries: block 0, and skipped).
     d_x_at_0 = jnp.maximum(x_idx_0, 0)
     d_x_at_1 = jnp.maximum(x_idx_1, 0)
@@ -613,7 +617,7 @@ def _d_y_kernel(
     *,
     M,
 ):
-    n = pl.program_id(0)
+    del step_block, step_row, step_b  # unused
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
@@ -639,25 +643,25 @@ def _d_y_kernel(
 
 
 def _d_y_g_o_index_map(n, step, step_kind, step_block, step_row, step_b, step_m):
+    del step_kind, step_block, step_row  # unused
     # The block the stored block of this step meets (flush steps hold the next one).
     return (step_b[step], step_m[step], n)
 
 
-def _d_y_x_index_map(n, step, step_kind, step_block, step_row, step_b, step_m):
+def _d_y_x_index_map(n, step, step_kind, step_block, *_):
+    del n, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
 
 
-def _d_y_d_y_index_map(
-    n, step, step_kind, step_block, step_row, step_b, step_m, *, n_k
-):
+def _d_y_d_y_index_map(n, step, step_kind, step_block, step_row, *_, n_k):
+    del step_kind, step_block  # unused
     return (lax.div(step_row[step], n_k), lax.rem(step_row[step], n_k), n)
 
 
 def _d_y_prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     B, M, K, N = sizes
-    nb = x_blocks.shape[0]
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
     step_kind, step_block, step_row = _coo_steps(
         x_idx_0 * pl.cdiv(K, 256) + x_idx_2, B * pl.cdiv(K, 256), pad

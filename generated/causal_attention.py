@@ -385,8 +385,7 @@ def _attention_kernel(
     S,
 ):
     # Computes the outputs.
-    b = pl.program_id(0)
-    h = pl.program_id(1)
+    del rows  # unused
     t = pl.program_id(2)
     at = t
     kind = kinds[at]
@@ -482,8 +481,7 @@ def _attention_dq_kernel(
     S,
 ):
     # Computes the gradient of q.
-    b = pl.program_id(0)
-    h = pl.program_id(1)
+    del rows  # unused
     t = pl.program_id(2)
     at = t
     kind = kinds[at]
@@ -602,8 +600,7 @@ def _attention_dkv_kernel(
     S,
 ):
     # Computes the gradients of k and the values.
-    b = pl.program_id(0)
-    h = pl.program_id(1)
+    del rows  # unused
     t = pl.program_id(2)
     at = t
     kind = kinds[at]
@@ -712,7 +709,8 @@ def _attention_dkv_kernel(
         dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
 
 
-def _q_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _q_map(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # q[b, h, i, d]: the row block the step reads
     return (
         b,
@@ -722,7 +720,8 @@ def _q_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _k_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _k_map(b, h, t, rows, cols, *_):
+    del rows  # unused
     # k[b, h, j, d]: the key block the step reads
     return (
         b,
@@ -732,7 +731,8 @@ def _k_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _v_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _v_map(b, h, t, rows, cols, *_):
+    del rows  # unused
     # v[b, h, j, e]: the key block the step reads
     return (
         b,
@@ -742,7 +742,7 @@ def _v_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _o_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _o_map(b, h, t, rows, *_):
     # o[b, h, i, e]: the row block of the step
     return (
         b,
@@ -752,7 +752,7 @@ def _o_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _lse_map(b, h, t, rows, *_):
     # lse[b, h, i]: the row block of the step
     return (
         b,
@@ -762,7 +762,7 @@ def _lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_map(b, h, t, rows, *_):
     # each row's logsumexp (for the gradients)
     return (
         b,
@@ -772,7 +772,8 @@ def _row_lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _do_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _do_map(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # the cotangent of o
     return (
         b,
@@ -782,7 +783,8 @@ def _do_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_rows_map(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # the forward's logsumexp per row, broadcast along lanes
     return (
         b,
@@ -792,7 +794,8 @@ def _row_lse_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _delta_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _delta_rows_map(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
     return (
         b,
@@ -802,7 +805,7 @@ def _delta_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _dq_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dq_map(b, h, t, rows, *_):
     # the row block's gradient of the score's row factor
     return (
         b,
@@ -812,7 +815,8 @@ def _dq_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _q_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _q_map_by_key(b, h, t, rows, cols, *_):
+    del rows  # unused
     # q[b, h, i, d]: the row block the step reads
     return (
         b,
@@ -822,7 +826,8 @@ def _q_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _k_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _k_map_by_key(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # k[b, h, j, d]: the key block the step reads
     return (
         b,
@@ -832,7 +837,8 @@ def _k_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _v_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _v_map_by_key(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # v[b, h, j, e]: the key block the step reads
     return (
         b,
@@ -842,7 +848,8 @@ def _v_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _do_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _do_map_by_key(b, h, t, rows, cols, *_):
+    del rows  # unused
     # the cotangent of o
     return (
         b,
@@ -852,7 +859,8 @@ def _do_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_cols_map_by_key(b, h, t, rows, cols, *_):
+    del rows  # unused
     # the forward's logsumexp per row, broadcast along sublanes
     return (
         b,
@@ -862,7 +870,8 @@ def _row_lse_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, st
     )
 
 
-def _delta_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _delta_cols_map_by_key(b, h, t, rows, cols, *_):
+    del rows  # unused
     # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along sublanes
     return (
         b,
@@ -872,7 +881,7 @@ def _delta_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, step
     )
 
 
-def _dk_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dk_map_by_key(b, h, t, rows, *_):
     # the key block's gradient of the score's key factor
     return (
         b,
@@ -882,7 +891,7 @@ def _dk_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _dv_o_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dv_o_map_by_key(b, h, t, rows, *_):
     # the key block's gradient of v
     return (
         b,
@@ -936,26 +945,14 @@ def _impl(q, k, v, sizes, bound, interpret):
         num_scalar_prefetch=5,
         grid=(B, H, steps),
         in_specs=[
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_q_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_k_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_v_map, steps=steps)
-            ),
+            pl.BlockSpec((None, None, 512, 128), _q_map),
+            pl.BlockSpec((None, None, 512, 128), _k_map),
+            pl.BlockSpec((None, None, 512, 128), _v_map),
         ],
         out_specs=[
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_o_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 1, 512), functools.partial(_lse_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 1, 512), functools.partial(_row_lse_map, steps=steps)
-            ),
+            pl.BlockSpec((None, None, 512, 128), _o_map),
+            pl.BlockSpec((None, None, 1, 512), _lse_map),
+            pl.BlockSpec((None, None, 1, 512), _row_lse_map),
         ],
         scratch_shapes=[
             pltpu.VMEM((512, 1), jnp.float32),
@@ -981,7 +978,10 @@ def _impl(q, k, v, sizes, bound, interpret):
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 134217728,
             transcendentals=kinds.size * 262144,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 393216
+            + B * H * S * D * 2
+            + B * H * S * 4
+            + B * H * S * 4,
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v)
@@ -1016,30 +1016,15 @@ def _backward(
         num_scalar_prefetch=5,
         grid=(B, H, steps),
         in_specs=[
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_q_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_k_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_v_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_do_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128),
-                functools.partial(_row_lse_rows_map, steps=steps),
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_delta_rows_map, steps=steps)
-            ),
+            pl.BlockSpec((None, None, 512, 128), _q_map),
+            pl.BlockSpec((None, None, 512, 128), _k_map),
+            pl.BlockSpec((None, None, 512, 128), _v_map),
+            pl.BlockSpec((None, None, 512, 128), _do_map),
+            pl.BlockSpec((None, None, 512, 128), _row_lse_rows_map),
+            pl.BlockSpec((None, None, 512, 128), _delta_rows_map),
         ],
         out_specs=[
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_dq_map, steps=steps)
-            ),
+            pl.BlockSpec((None, None, 512, 128), _dq_map),
         ],
         scratch_shapes=[pltpu.VMEM((512, 128), jnp.float32)],
     )
@@ -1055,7 +1040,7 @@ def _backward(
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 201326592,
             transcendentals=kinds.size * 262144,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 1048576 + B * H * S * D * 2,
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, g_o, row_lse_rows, delta_rows)
@@ -1067,34 +1052,16 @@ def _backward(
         num_scalar_prefetch=5,
         grid=(B, H, steps),
         in_specs=[
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_q_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_k_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_v_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_do_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 8, 512),
-                functools.partial(_row_lse_cols_map_by_key, steps=steps),
-            ),
-            pl.BlockSpec(
-                (None, None, 8, 512),
-                functools.partial(_delta_cols_map_by_key, steps=steps),
-            ),
+            pl.BlockSpec((None, None, 512, 128), _q_map_by_key),
+            pl.BlockSpec((None, None, 512, 128), _k_map_by_key),
+            pl.BlockSpec((None, None, 512, 128), _v_map_by_key),
+            pl.BlockSpec((None, None, 512, 128), _do_map_by_key),
+            pl.BlockSpec((None, None, 8, 512), _row_lse_cols_map_by_key),
+            pl.BlockSpec((None, None, 8, 512), _delta_cols_map_by_key),
         ],
         out_specs=[
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_dk_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_dv_o_map_by_key, steps=steps)
-            ),
+            pl.BlockSpec((None, None, 512, 128), _dk_map_by_key),
+            pl.BlockSpec((None, None, 512, 128), _dv_o_map_by_key),
         ],
         scratch_shapes=[
             pltpu.VMEM((512, 128), jnp.float32),
@@ -1117,7 +1084,7 @@ def _backward(
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 268435456,
             transcendentals=kinds.size * 262144,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 557056 + B * H * S * D * 2 + B * H * S * D * 2,
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, g_o, row_lse_cols, delta_cols)

@@ -435,7 +435,7 @@ def _mask_tail(value, axis, limit):
 def _kernel(
     step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref, *, K
 ):
-    m = pl.program_id(0)
+    del step_block, step_row  # unused
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
@@ -459,23 +459,25 @@ def _kernel(
 
 
 def _x_index_map(m, step, step_kind, step_block, step_row, step_k):
+    del step_kind, step_block, step_row  # unused
     # The block the stored block of this step meets (flush steps hold the next one).
     return (m, step_k[step])
 
 
-def _y_index_map(m, step, step_kind, step_block, step_row, step_k):
+def _y_index_map(m, step, step_kind, step_block, *_):
+    del m, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
 
 
-def _o_index_map(m, step, step_kind, step_block, step_row, step_k):
+def _o_index_map(m, step, step_kind, step_block, step_row, *_):
+    del step_kind, step_block  # unused
     return (m, step_row[step])
 
 
 def _prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    nb = y_blocks.shape[0]
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
     step_kind, step_block, step_row = _coo_steps(y_idx_1, pl.cdiv(N, 256), pad)
     step_k = jnp.maximum(y_idx_0[step_block], 0)  # 0 if every entry is padding
@@ -485,7 +487,7 @@ def _prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
 def _d_x_kernel(
     step_kind, step_block, step_row, step_n, g_o_ref, y_ref, d_x_ref, acc_ref, *, N
 ):
-    m = pl.program_id(0)
+    del step_block, step_row  # unused
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
@@ -511,23 +513,25 @@ def _d_x_kernel(
 
 
 def _d_x_g_o_index_map(m, step, step_kind, step_block, step_row, step_n):
+    del step_kind, step_block, step_row  # unused
     # The block the stored block of this step meets (flush steps hold the next one).
     return (m, step_n[step])
 
 
-def _d_x_y_index_map(m, step, step_kind, step_block, step_row, step_n):
+def _d_x_y_index_map(m, step, step_kind, step_block, *_):
+    del m, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
 
 
-def _d_x_d_x_index_map(m, step, step_kind, step_block, step_row, step_n):
+def _d_x_d_x_index_map(m, step, step_kind, step_block, step_row, *_):
+    del step_kind, step_block  # unused
     return (m, step_row[step])
 
 
 def _d_x_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    nb = y_blocks.shape[0]
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
     step_kind, step_block, step_row = _coo_steps(y_idx_0, pl.cdiv(K, 512), pad)
     step_n = jnp.maximum(y_idx_1[step_block], 0)  # 0 if every entry is padding
@@ -548,6 +552,7 @@ def _d_y_kernel(
     K,
     N,
 ):
+    del next_step  # unused
     b = pl.program_id(0)
     m = pl.program_id(1)
     n_m = pl.num_programs(1)
@@ -585,6 +590,7 @@ def _d_y_kernel(
 
 
 def _d_y_g_o_index_map(b, m, d_y_at_0, d_y_at_1, requested_d_y, next_step, *, n_m):
+    del d_y_at_0  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = b
     nxt = next_step[cell]
@@ -593,6 +599,7 @@ def _d_y_g_o_index_map(b, m, d_y_at_0, d_y_at_1, requested_d_y, next_step, *, n_
 
 
 def _d_y_x_index_map(b, m, d_y_at_0, d_y_at_1, requested_d_y, next_step, *, n_m):
+    del d_y_at_1  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = b
     nxt = next_step[cell]
@@ -600,7 +607,7 @@ def _d_y_x_index_map(b, m, d_y_at_0, d_y_at_1, requested_d_y, next_step, *, n_m)
     return (jnp.where(live, m, jnp.where(nxt > cell, 0, n_m - 1)), d_y_at_0[nxt])
 
 
-def _d_y_d_y_index_map(b, m, d_y_at_0, d_y_at_1, requested_d_y, next_step):
+def _d_y_d_y_index_map(b, *_):
     # Block b of the stacked output.
     return (b, 0, 0)
 
@@ -608,7 +615,6 @@ def _d_y_d_y_index_map(b, m, d_y_at_0, d_y_at_1, requested_d_y, next_step):
 def _d_y_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    nb = y_idx_0.shape[0]
     # Where the requested blocks are (padding entries: block 0, and skipped).
     d_y_at_0 = jnp.maximum(y_idx_0, 0)
     d_y_at_1 = jnp.maximum(y_idx_1, 0)

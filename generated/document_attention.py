@@ -357,7 +357,6 @@ def _classify_blocks(xp, seg, sizes):
     B, H, S, D = sizes
     b_block = xp.arange(-(-B // 1)).reshape((-1, 1, 1))
     b_lo = b_block * 1
-    b_hi = xp.minimum(b_lo + 1, B) - 1
     i_block = xp.arange(-(-S // 256)).reshape((1, -1, 1))
     i_lo = i_block * 256
     i_hi = xp.minimum(i_lo + 256, S) - 1
@@ -428,8 +427,8 @@ def _attention_kernel(
     S,
 ):
     # Computes the outputs.
+    del rows  # unused
     b = pl.program_id(0)
-    h = pl.program_id(1)
     t = pl.program_id(2)
     at = b * steps + t
     kind = kinds[at]
@@ -528,8 +527,8 @@ def _attention_dq_kernel(
     S,
 ):
     # Computes the gradient of q.
+    del rows  # unused
     b = pl.program_id(0)
-    h = pl.program_id(1)
     t = pl.program_id(2)
     at = b * steps + t
     kind = kinds[at]
@@ -654,8 +653,8 @@ def _attention_dkv_kernel(
     S,
 ):
     # Computes the gradients of k and the values.
+    del rows  # unused
     b = pl.program_id(0)
-    h = pl.program_id(1)
     t = pl.program_id(2)
     at = b * steps + t
     kind = kinds[at]
@@ -768,7 +767,8 @@ def _attention_dkv_kernel(
         dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
 
 
-def _q_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _q_map(b, h, t, rows, cols, read_rows, *_, steps):
+    del rows, cols  # unused
     # q[b, h, i, d]: the row block the step reads
     return (
         b,
@@ -778,7 +778,8 @@ def _q_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _k_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _k_map(b, h, t, rows, cols, *_, steps):
+    del rows  # unused
     # k[b, h, j, d]: the key block the step reads
     return (
         b,
@@ -788,7 +789,8 @@ def _k_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _v_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _v_map(b, h, t, rows, cols, *_, steps):
+    del rows  # unused
     # v[b, h, j, e]: the key block the step reads
     return (
         b,
@@ -798,7 +800,8 @@ def _v_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _seg_bi_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _seg_bi_map(b, h, t, rows, cols, read_rows, *_, steps):
+    del h, rows, cols  # unused
     # seg[b, i]: per row, broadcast along lanes
     return (
         b,
@@ -807,7 +810,8 @@ def _seg_bi_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _seg_bj_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _seg_bj_map(b, h, t, rows, cols, *_, steps):
+    del h, rows  # unused
     # seg[b, j]: per key, broadcast along sublanes
     return (
         b,
@@ -816,7 +820,7 @@ def _seg_bj_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _o_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _o_map(b, h, t, rows, *_, steps):
     # o[b, h, i, e]: the row block of the step
     return (
         b,
@@ -826,7 +830,7 @@ def _o_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_map(b, h, t, rows, *_, steps):
     # each row's logsumexp (for the gradients)
     return (
         b,
@@ -836,7 +840,8 @@ def _row_lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _do_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _do_map(b, h, t, rows, cols, read_rows, *_, steps):
+    del rows, cols  # unused
     # the cotangent of o
     return (
         b,
@@ -846,7 +851,8 @@ def _do_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_rows_map(b, h, t, rows, cols, read_rows, *_, steps):
+    del rows, cols  # unused
     # the forward's logsumexp per row, broadcast along lanes
     return (
         b,
@@ -856,7 +862,8 @@ def _row_lse_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _delta_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _delta_rows_map(b, h, t, rows, cols, read_rows, *_, steps):
+    del rows, cols  # unused
     # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
     return (
         b,
@@ -866,7 +873,7 @@ def _delta_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _dq_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dq_map(b, h, t, rows, *_, steps):
     # the row block's gradient of the score's row factor
     return (
         b,
@@ -876,7 +883,8 @@ def _dq_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _q_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _q_map_by_key(b, h, t, rows, cols, *_, steps):
+    del rows  # unused
     # q[b, h, i, d]: the row block the step reads
     return (
         b,
@@ -886,7 +894,8 @@ def _q_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _k_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _k_map_by_key(b, h, t, rows, cols, read_rows, *_, steps):
+    del rows, cols  # unused
     # k[b, h, j, d]: the key block the step reads
     return (
         b,
@@ -896,7 +905,8 @@ def _k_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _v_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _v_map_by_key(b, h, t, rows, cols, read_rows, *_, steps):
+    del rows, cols  # unused
     # v[b, h, j, e]: the key block the step reads
     return (
         b,
@@ -906,7 +916,8 @@ def _v_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _seg_bi_map_t_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _seg_bi_map_t_by_key(b, h, t, rows, cols, *_, steps):
+    del h, rows  # unused
     # seg[b, i]: per key, broadcast along sublanes
     return (
         b,
@@ -915,7 +926,8 @@ def _seg_bi_map_t_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps)
     )
 
 
-def _seg_bj_map_t_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _seg_bj_map_t_by_key(b, h, t, rows, cols, read_rows, *_, steps):
+    del h, rows, cols  # unused
     # seg[b, j]: per row, broadcast along lanes
     return (
         b,
@@ -924,7 +936,8 @@ def _seg_bj_map_t_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps)
     )
 
 
-def _do_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _do_map_by_key(b, h, t, rows, cols, *_, steps):
+    del rows  # unused
     # the cotangent of o
     return (
         b,
@@ -934,7 +947,8 @@ def _do_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_cols_map_by_key(b, h, t, rows, cols, *_, steps):
+    del rows  # unused
     # the forward's logsumexp per row, broadcast along sublanes
     return (
         b,
@@ -944,7 +958,8 @@ def _row_lse_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, st
     )
 
 
-def _delta_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _delta_cols_map_by_key(b, h, t, rows, cols, *_, steps):
+    del rows  # unused
     # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along sublanes
     return (
         b,
@@ -954,7 +969,7 @@ def _delta_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, step
     )
 
 
-def _dk_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dk_map_by_key(b, h, t, rows, *_, steps):
     # the key block's gradient of the score's key factor
     return (
         b,
@@ -964,7 +979,7 @@ def _dk_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _dv_o_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dv_o_map_by_key(b, h, t, rows, *_, steps):
     # the key block's gradient of v
     return (
         b,
@@ -1055,7 +1070,7 @@ def _impl(q, k, v, seg, sizes, bound, interpret):
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 16777216,
             transcendentals=kinds.size * 65536,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 237568 + B * H * S * D * 2 + B * H * S * 4,
         ),
         interpret=interpret,
     )(
@@ -1139,7 +1154,7 @@ def _backward(
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 25165824,
             transcendentals=kinds.size * 65536,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 532480 + B * H * S * D * 2,
         ),
         interpret=interpret,
     )(
@@ -1223,7 +1238,7 @@ def _backward(
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 33554432,
             transcendentals=kinds.size * 65536,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 286720 + B * H * S * D * 2 + B * H * S * D * 2,
         ),
         interpret=interpret,
     )(

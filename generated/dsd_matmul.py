@@ -435,7 +435,7 @@ def _mask_tail(value, axis, limit):
 def _kernel(
     step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref, *, K
 ):
-    n = pl.program_id(0)
+    del step_block, step_row  # unused
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
@@ -458,24 +458,26 @@ def _kernel(
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _x_index_map(n, step, step_kind, step_block, step_row, step_k):
+def _x_index_map(n, step, step_kind, step_block, *_):
+    del n, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
 
 
 def _y_index_map(n, step, step_kind, step_block, step_row, step_k):
+    del step_kind, step_block, step_row  # unused
     # The block the stored block of this step meets (flush steps hold the next one).
     return (step_k[step], n)
 
 
-def _o_index_map(n, step, step_kind, step_block, step_row, step_k):
+def _o_index_map(n, step, step_kind, step_block, step_row, *_):
+    del step_kind, step_block  # unused
     return (step_row[step], n)
 
 
 def _prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    nb = x_blocks.shape[0]
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
     step_kind, step_block, step_row = _coo_steps(x_idx_0, pl.cdiv(M, 512), pad)
     step_k = jnp.maximum(x_idx_1[step_block], 0)  # 0 if every entry is padding
@@ -496,6 +498,7 @@ def _d_x_kernel(
     M,
     K,
 ):
+    del next_step  # unused
     b = pl.program_id(0)
     n = pl.program_id(1)
     n_n = pl.num_programs(1)
@@ -533,6 +536,7 @@ def _d_x_kernel(
 
 
 def _d_x_g_o_index_map(b, n, d_x_at_0, d_x_at_1, requested_d_x, next_step, *, n_n):
+    del d_x_at_1  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = b
     nxt = next_step[cell]
@@ -541,6 +545,7 @@ def _d_x_g_o_index_map(b, n, d_x_at_0, d_x_at_1, requested_d_x, next_step, *, n_
 
 
 def _d_x_y_index_map(b, n, d_x_at_0, d_x_at_1, requested_d_x, next_step, *, n_n):
+    del d_x_at_0  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = b
     nxt = next_step[cell]
@@ -548,7 +553,7 @@ def _d_x_y_index_map(b, n, d_x_at_0, d_x_at_1, requested_d_x, next_step, *, n_n)
     return (d_x_at_1[nxt], jnp.where(live, n, jnp.where(nxt > cell, 0, n_n - 1)))
 
 
-def _d_x_d_x_index_map(b, n, d_x_at_0, d_x_at_1, requested_d_x, next_step):
+def _d_x_d_x_index_map(b, *_):
     # Block b of the stacked output.
     return (b, 0, 0)
 
@@ -556,7 +561,6 @@ def _d_x_d_x_index_map(b, n, d_x_at_0, d_x_at_1, requested_d_x, next_step):
 def _d_x_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    nb = x_idx_0.shape[0]
     # Where the requested blocks are (padding entries: block 0, and skipped).
     d_x_at_0 = jnp.maximum(x_idx_0, 0)
     d_x_at_1 = jnp.maximum(x_idx_1, 0)
@@ -569,7 +573,7 @@ def _d_x_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes):
 def _d_y_kernel(
     step_kind, step_block, step_row, step_m, g_o_ref, x_ref, d_y_ref, acc_ref, *, M
 ):
-    n = pl.program_id(0)
+    del step_block, step_row  # unused
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
@@ -595,23 +599,25 @@ def _d_y_kernel(
 
 
 def _d_y_g_o_index_map(n, step, step_kind, step_block, step_row, step_m):
+    del step_kind, step_block, step_row  # unused
     # The block the stored block of this step meets (flush steps hold the next one).
     return (step_m[step], n)
 
 
-def _d_y_x_index_map(n, step, step_kind, step_block, step_row, step_m):
+def _d_y_x_index_map(n, step, step_kind, step_block, *_):
+    del n, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
 
 
-def _d_y_d_y_index_map(n, step, step_kind, step_block, step_row, step_m):
+def _d_y_d_y_index_map(n, step, step_kind, step_block, step_row, *_):
+    del step_kind, step_block  # unused
     return (step_row[step], n)
 
 
 def _d_y_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    nb = x_blocks.shape[0]
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
     step_kind, step_block, step_row = _coo_steps(x_idx_1, pl.cdiv(K, 512), pad)
     step_m = jnp.maximum(x_idx_0[step_block], 0)  # 0 if every entry is padding

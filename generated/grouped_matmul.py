@@ -418,7 +418,7 @@ def _kernel(
     *,
     K,
 ):
-    n = pl.program_id(0)
+    del step_row, step_cond  # unused
     step = pl.program_id(1)
     k = pl.program_id(2)
     n_k = pl.num_programs(2)
@@ -457,16 +457,14 @@ def _kernel(
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _x_index_map(
-    n, step, k, step_row, step_read, step_col, step_kind, step_flags, step_cond, *, n_k
-):
+def _x_index_map(n, step, k, step_row, step_read, step_col, step_kind, *_, n_k):
+    del n, step_row, step_col  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_read[step], jnp.where(step_kind[step] != _EMPTY, k, n_k - 1))
 
 
-def _w_index_map(
-    n, step, k, step_row, step_read, step_col, step_kind, step_flags, step_cond, *, n_k
-):
+def _w_index_map(n, step, k, step_row, step_read, step_col, step_kind, *_, n_k):
+    del step_row, step_read  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], jnp.where(step_kind[step] != _EMPTY, k, n_k - 1), n)
 
@@ -474,13 +472,13 @@ def _w_index_map(
 def _gid_index_map(
     n, step, k, step_row, step_read, step_col, step_kind, step_flags, step_cond
 ):
+    del n, k, step_row, step_col, step_kind, step_flags  # unused
     # gid[m], read by the condition
     return (step_read[step_cond[step]], 0)
 
 
-def _o_index_map(
-    n, step, k, step_row, step_read, step_col, step_kind, step_flags, step_cond
-):
+def _o_index_map(n, step, k, step_row, *_):
+    del k  # unused
     return (step_row[step], n)
 
 
@@ -489,7 +487,6 @@ def _classify(xp, gid, sizes):
     M, K, E, N = sizes
     m_block = xp.arange(-(-M // 512)).reshape((-1, 1))
     m_lo = m_block * 512
-    m_hi = xp.minimum(m_lo + 512, M) - 1
     g_block = xp.arange(-(-E // 1)).reshape((1, -1))
     g_lo = g_block * 1
     g_hi = xp.minimum(g_lo + 1, E) - 1
@@ -540,7 +537,7 @@ def _d_x_kernel(
     *,
     N,
 ):
-    k = pl.program_id(0)
+    del step_row, step_cond  # unused
     step = pl.program_id(1)
     n = pl.program_id(2)
     n_n = pl.num_programs(2)
@@ -583,16 +580,14 @@ def _d_x_kernel(
         d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
 
 
-def _d_x_g_o_index_map(
-    k, step, n, step_row, step_read, step_col, step_kind, step_flags, step_cond, *, n_n
-):
+def _d_x_g_o_index_map(k, step, n, step_row, step_read, step_col, step_kind, *_, n_n):
+    del k, step_row, step_col  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_read[step], jnp.where(step_kind[step] != _EMPTY, n, n_n - 1))
 
 
-def _d_x_w_index_map(
-    k, step, n, step_row, step_read, step_col, step_kind, step_flags, step_cond, *, n_n
-):
+def _d_x_w_index_map(k, step, n, step_row, step_read, step_col, step_kind, *_, n_n):
+    del step_row, step_read  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], k, jnp.where(step_kind[step] != _EMPTY, n, n_n - 1))
 
@@ -600,13 +595,13 @@ def _d_x_w_index_map(
 def _d_x_gid_index_map(
     k, step, n, step_row, step_read, step_col, step_kind, step_flags, step_cond
 ):
+    del k, n, step_row, step_col, step_kind, step_flags  # unused
     # gid[m], read by the condition
     return (step_read[step_cond[step]], 0)
 
 
-def _d_x_d_x_index_map(
-    k, step, n, step_row, step_read, step_col, step_kind, step_flags, step_cond
-):
+def _d_x_d_x_index_map(k, step, n, step_row, *_):
+    del n  # unused
     return (step_row[step], k)
 
 
@@ -615,7 +610,6 @@ def _d_x_classify(xp, gid, sizes):
     M, K, E, N = sizes
     m_block = xp.arange(-(-M // 512)).reshape((-1, 1))
     m_lo = m_block * 512
-    m_hi = xp.minimum(m_lo + 512, M) - 1
     g_block = xp.arange(-(-E // 1)).reshape((1, -1))
     g_lo = g_block * 1
     g_hi = xp.minimum(g_lo + 1, E) - 1
@@ -666,8 +660,7 @@ def _d_w_kernel(
     *,
     M,
 ):
-    k = pl.program_id(0)
-    n = pl.program_id(1)
+    del step_row, step_cond  # unused
     step = pl.program_id(2)
     step_kind_here = step_kind[step]
     # A run of steps accumulates one output block; a step with nothing present computes nothing.
@@ -708,16 +701,14 @@ def _d_w_kernel(
         d_w_ref[...] = acc_ref[...].astype(d_w_ref.dtype)
 
 
-def _d_w_g_o_index_map(
-    k, n, step, step_row, step_read, step_col, step_kind, step_flags, step_cond
-):
+def _d_w_g_o_index_map(k, n, step, step_row, step_read, step_col, *_):
+    del k, step_row, step_read  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], n)
 
 
-def _d_w_x_index_map(
-    k, n, step, step_row, step_read, step_col, step_kind, step_flags, step_cond
-):
+def _d_w_x_index_map(k, n, step, step_row, step_read, step_col, *_):
+    del n, step_row, step_read  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], k)
 
@@ -725,13 +716,12 @@ def _d_w_x_index_map(
 def _d_w_gid_index_map(
     k, n, step, step_row, step_read, step_col, step_kind, step_flags, step_cond
 ):
+    del k, n, step_row, step_read, step_kind, step_flags  # unused
     # gid[m], read by the condition
     return (step_col[step_cond[step]], 0)
 
 
-def _d_w_d_w_index_map(
-    k, n, step, step_row, step_read, step_col, step_kind, step_flags, step_cond
-):
+def _d_w_d_w_index_map(k, n, step, step_row, *_):
     return (step_row[step], k, n)
 
 
@@ -743,7 +733,6 @@ def _d_w_classify(xp, gid, sizes):
     g_hi = xp.minimum(g_lo + 1, E) - 1
     m_block = xp.arange(-(-M // 512)).reshape((1, -1))
     m_lo = m_block * 512
-    m_hi = xp.minimum(m_lo + 512, M) - 1
     gid_min, gid_max = _block_min_max(gid, (512,))
     gid_min, gid_max = _expand(gid_min, "a", "za"), _expand(gid_max, "a", "za")
     can = xp.broadcast_to(
@@ -801,7 +790,6 @@ def _impl(x, w, gid, sizes, interpret):
     gid_rows = jnp.broadcast_to(
         gid.astype(jnp.int32)[:, None], (M, 128)
     )  # gid[m] per row: a column in the kernel
-    n_steps = pl.cdiv(M, 512) + E - 1
     # The steps the data needs: the grid runs exactly those (a traced grid dimension).
     needed = _row_walk(
         jnp, _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E)), 1
@@ -857,7 +845,6 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
     gid_rows = jnp.broadcast_to(
         gid.astype(jnp.int32)[:, None], (M, 128)
     )  # gid[m] per row: a column in the kernel
-    n_steps = pl.cdiv(M, 512) + E - 1
     # The steps the data needs: the grid runs exactly those (a traced grid dimension).
     needed = _row_walk(
         jnp, _d_x_classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E)), 1
@@ -914,7 +901,6 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
     gid_rows = jnp.broadcast_to(
         gid.astype(jnp.int32)[:, None], (M, 128)
     )  # gid[m] per row: a column in the kernel
-    n_steps = pl.cdiv(M, 512) + E - 1
     # The steps the data needs: the grid runs exactly those (a traced grid dimension).
     needed = _row_walk(
         jnp, _d_w_classify(jnp, gid, (M, K, E, N)).reshape((1, E, pl.cdiv(M, 512))), 1

@@ -396,8 +396,7 @@ def _attention_kernel(
     S,
 ):
     # Computes the outputs.
-    b = pl.program_id(0)
-    h = pl.program_id(1)
+    del rows  # unused
     t = pl.program_id(2)
     at = t
     kind = kinds[at]
@@ -497,8 +496,7 @@ def _attention_dq_kernel(
     S,
 ):
     # Computes the gradient of q.
-    b = pl.program_id(0)
-    h = pl.program_id(1)
+    del rows  # unused
     t = pl.program_id(2)
     at = t
     kind = kinds[at]
@@ -626,8 +624,7 @@ def _attention_dkv_kernel(
     S,
 ):
     # Computes the gradients of k and the values.
-    b = pl.program_id(0)
-    h = pl.program_id(1)
+    del rows  # unused
     t = pl.program_id(2)
     at = t
     kind = kinds[at]
@@ -745,7 +742,8 @@ def _attention_dkv_kernel(
         dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
 
 
-def _q_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _q_map(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # q[b, h, i, d]: the row block the step reads
     return (
         b,
@@ -755,7 +753,8 @@ def _q_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _k_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _k_map(b, h, t, rows, cols, *_):
+    del rows  # unused
     # k[b, h // 4, j, d]: the key block the step reads
     return (
         b,
@@ -765,7 +764,8 @@ def _k_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _v_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _v_map(b, h, t, rows, cols, *_):
+    del rows  # unused
     # v[b, h // 4, j, e]: the key block the step reads
     return (
         b,
@@ -775,7 +775,7 @@ def _v_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _o_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _o_map(b, h, t, rows, *_):
     # o[b, h, i, e]: the row block of the step
     return (
         b,
@@ -785,7 +785,7 @@ def _o_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_map(b, h, t, rows, *_):
     # each row's logsumexp (for the gradients)
     return (
         b,
@@ -795,7 +795,8 @@ def _row_lse_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _do_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _do_map(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # the cotangent of o
     return (
         b,
@@ -805,7 +806,8 @@ def _do_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_rows_map(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # the forward's logsumexp per row, broadcast along lanes
     return (
         b,
@@ -815,7 +817,8 @@ def _row_lse_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _delta_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _delta_rows_map(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
     return (
         b,
@@ -825,7 +828,7 @@ def _delta_rows_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _dq_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dq_map(b, h, t, rows, *_):
     # the row block's gradient of the score's row factor
     return (
         b,
@@ -835,7 +838,8 @@ def _dq_map(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _q_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _q_map_by_key(b, h, t, rows, cols, *_):
+    del rows  # unused
     # q[b, h, i, d]: the row block the step reads
     return (
         b,
@@ -845,7 +849,8 @@ def _q_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _k_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _k_map_by_key(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # k[b, h // 4, j, d]: the key block the step reads
     return (
         b,
@@ -855,7 +860,8 @@ def _k_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _v_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _v_map_by_key(b, h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # v[b, h // 4, j, e]: the key block the step reads
     return (
         b,
@@ -865,7 +871,8 @@ def _v_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _do_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _do_map_by_key(b, h, t, rows, cols, *_):
+    del rows  # unused
     # the cotangent of o
     return (
         b,
@@ -875,7 +882,8 @@ def _do_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_cols_map_by_key(b, h, t, rows, cols, *_):
+    del rows  # unused
     # the forward's logsumexp per row, broadcast along sublanes
     return (
         b,
@@ -885,7 +893,8 @@ def _row_lse_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, st
     )
 
 
-def _delta_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _delta_cols_map_by_key(b, h, t, rows, cols, *_):
+    del rows  # unused
     # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along sublanes
     return (
         b,
@@ -895,7 +904,7 @@ def _delta_cols_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, step
     )
 
 
-def _dk_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dk_map_by_key(b, h, t, rows, *_):
     # the key block's gradient of the score's key factor
     return (
         b,
@@ -905,7 +914,7 @@ def _dk_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _dv_o_map_by_key(b, h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dv_o_map_by_key(b, h, t, rows, *_):
     # the key block's gradient of v
     return (
         b,
@@ -961,23 +970,13 @@ def _impl(q, k, v, sizes, bound, interpret):
         num_scalar_prefetch=5,
         grid=(B, H, steps),
         in_specs=[
-            pl.BlockSpec(
-                (None, None, 256, 128), functools.partial(_q_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_k_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_v_map, steps=steps)
-            ),
+            pl.BlockSpec((None, None, 256, 128), _q_map),
+            pl.BlockSpec((None, None, 512, 128), _k_map),
+            pl.BlockSpec((None, None, 512, 128), _v_map),
         ],
         out_specs=[
-            pl.BlockSpec(
-                (None, None, 256, 128), functools.partial(_o_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 1, 256), functools.partial(_row_lse_map, steps=steps)
-            ),
+            pl.BlockSpec((None, None, 256, 128), _o_map),
+            pl.BlockSpec((None, None, 1, 256), _row_lse_map),
         ],
         scratch_shapes=[
             pltpu.VMEM((256, 1), jnp.float32),
@@ -1001,7 +1000,7 @@ def _impl(q, k, v, sizes, bound, interpret):
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 67108864,
             transcendentals=kinds.size * 131072,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 327680 + B * H * S * D * 2 + B * H * S * 4,
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v)
@@ -1035,30 +1034,15 @@ def _backward(
         num_scalar_prefetch=5,
         grid=(B, H, steps),
         in_specs=[
-            pl.BlockSpec(
-                (None, None, 256, 128), functools.partial(_q_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_k_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_v_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 256, 128), functools.partial(_do_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 256, 128),
-                functools.partial(_row_lse_rows_map, steps=steps),
-            ),
-            pl.BlockSpec(
-                (None, None, 256, 128), functools.partial(_delta_rows_map, steps=steps)
-            ),
+            pl.BlockSpec((None, None, 256, 128), _q_map),
+            pl.BlockSpec((None, None, 512, 128), _k_map),
+            pl.BlockSpec((None, None, 512, 128), _v_map),
+            pl.BlockSpec((None, None, 256, 128), _do_map),
+            pl.BlockSpec((None, None, 256, 128), _row_lse_rows_map),
+            pl.BlockSpec((None, None, 256, 128), _delta_rows_map),
         ],
         out_specs=[
-            pl.BlockSpec(
-                (None, None, 256, 128), functools.partial(_dq_map, steps=steps)
-            ),
+            pl.BlockSpec((None, None, 256, 128), _dq_map),
         ],
         scratch_shapes=[pltpu.VMEM((256, 128), jnp.float32)],
     )
@@ -1074,7 +1058,7 @@ def _backward(
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 100663296,
             transcendentals=kinds.size * 131072,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 655360 + B * H * S * D * 2,
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, g_o, row_lse_rows, delta_rows)
@@ -1086,34 +1070,16 @@ def _backward(
         num_scalar_prefetch=5,
         grid=(B, H, steps),
         in_specs=[
-            pl.BlockSpec(
-                (None, None, 256, 128), functools.partial(_q_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_k_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_v_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 256, 128), functools.partial(_do_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 8, 256),
-                functools.partial(_row_lse_cols_map_by_key, steps=steps),
-            ),
-            pl.BlockSpec(
-                (None, None, 8, 256),
-                functools.partial(_delta_cols_map_by_key, steps=steps),
-            ),
+            pl.BlockSpec((None, None, 256, 128), _q_map_by_key),
+            pl.BlockSpec((None, None, 512, 128), _k_map_by_key),
+            pl.BlockSpec((None, None, 512, 128), _v_map_by_key),
+            pl.BlockSpec((None, None, 256, 128), _do_map_by_key),
+            pl.BlockSpec((None, None, 8, 256), _row_lse_cols_map_by_key),
+            pl.BlockSpec((None, None, 8, 256), _delta_cols_map_by_key),
         ],
         out_specs=[
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_dk_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, None, 512, 128), functools.partial(_dv_o_map_by_key, steps=steps)
-            ),
+            pl.BlockSpec((None, None, 512, 128), _dk_map_by_key),
+            pl.BlockSpec((None, None, 512, 128), _dv_o_map_by_key),
         ],
         scratch_shapes=[
             pltpu.VMEM((512, 128), jnp.float32),
@@ -1136,7 +1102,7 @@ def _backward(
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 134217728,
             transcendentals=kinds.size * 131072,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 409600 + B * H * S * D * 4 + B * H * S * D * 4,
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, g_o, row_lse_cols, delta_cols)

@@ -355,10 +355,8 @@ def _classify_blocks(xp, keep, sizes):
     H, S, D, T = sizes
     i_block = xp.arange(-(-S // 128)).reshape((-1, 1))
     i_lo = i_block * 128
-    i_hi = xp.minimum(i_lo + 128, S) - 1
     j_block = xp.arange(-(-T // 128)).reshape((1, -1))
     j_lo = j_block * 128
-    j_hi = xp.minimum(j_lo + 128, T) - 1
     keep_any, keep_all = _block_any_all(
         keep != 0,
         (
@@ -405,7 +403,7 @@ def _attention_kernel(
     T,
 ):
     # Computes the outputs.
-    h = pl.program_id(0)
+    del rows  # unused
     t = pl.program_id(1)
     at = t
     kind = kinds[at]
@@ -505,7 +503,7 @@ def _attention_dq_kernel(
     T,
 ):
     # Computes the gradient of q.
-    h = pl.program_id(0)
+    del rows  # unused
     t = pl.program_id(1)
     at = t
     kind = kinds[at]
@@ -629,7 +627,7 @@ def _attention_dkv_kernel(
     T,
 ):
     # Computes the gradients of k and the values.
-    h = pl.program_id(0)
+    del rows  # unused
     t = pl.program_id(1)
     at = t
     kind = kinds[at]
@@ -742,7 +740,8 @@ def _attention_dkv_kernel(
         dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
 
 
-def _q_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _q_map(h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # q[h, i, d]: the row block the step reads
     return (
         h,
@@ -751,7 +750,8 @@ def _q_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _k_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _k_map(h, t, rows, cols, *_):
+    del rows  # unused
     # k[h, j, d]: the key block the step reads
     return (
         h,
@@ -760,7 +760,8 @@ def _k_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _v_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _v_map(h, t, rows, cols, *_):
+    del rows  # unused
     # v[h, j, e]: the key block the step reads
     return (
         h,
@@ -769,7 +770,8 @@ def _v_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _keep_ij_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _keep_ij_map(h, t, rows, cols, read_rows, *_):
+    del h, rows  # unused
     # keep[i, j]: the step's block
     return (
         read_rows[t],
@@ -777,7 +779,7 @@ def _keep_ij_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _o_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _o_map(h, t, rows, *_):
     # o[h, i, e]: the row block of the step
     return (
         h,
@@ -786,7 +788,7 @@ def _o_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_map(h, t, rows, *_):
     # each row's logsumexp (for the gradients)
     return (
         h,
@@ -795,7 +797,8 @@ def _row_lse_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _do_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _do_map(h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # the cotangent of o
     return (
         h,
@@ -804,7 +807,8 @@ def _do_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_rows_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_rows_map(h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # the forward's logsumexp per row, broadcast along lanes
     return (
         h,
@@ -813,7 +817,8 @@ def _row_lse_rows_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _delta_rows_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _delta_rows_map(h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along lanes
     return (
         h,
@@ -822,7 +827,7 @@ def _delta_rows_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _dq_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dq_map(h, t, rows, *_):
     # the row block's gradient of the score's row factor
     return (
         h,
@@ -831,7 +836,8 @@ def _dq_map(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _q_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _q_map_by_key(h, t, rows, cols, *_):
+    del rows  # unused
     # q[h, i, d]: the row block the step reads
     return (
         h,
@@ -840,7 +846,8 @@ def _q_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _k_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _k_map_by_key(h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # k[h, j, d]: the key block the step reads
     return (
         h,
@@ -849,7 +856,8 @@ def _k_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _v_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _v_map_by_key(h, t, rows, cols, read_rows, *_):
+    del rows, cols  # unused
     # v[h, j, e]: the key block the step reads
     return (
         h,
@@ -858,7 +866,8 @@ def _v_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _keep_ij_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _keep_ij_map_by_key(h, t, rows, cols, read_rows, *_):
+    del h, rows  # unused
     # keep[i, j]: the step's block
     return (
         cols[t],
@@ -866,7 +875,8 @@ def _keep_ij_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _do_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _do_map_by_key(h, t, rows, cols, *_):
+    del rows  # unused
     # the cotangent of o
     return (
         h,
@@ -875,7 +885,8 @@ def _do_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _row_lse_cols_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _row_lse_cols_map_by_key(h, t, rows, cols, *_):
+    del rows  # unused
     # the forward's logsumexp per row, broadcast along sublanes
     return (
         h,
@@ -884,7 +895,8 @@ def _row_lse_cols_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps
     )
 
 
-def _delta_cols_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _delta_cols_map_by_key(h, t, rows, cols, *_):
+    del rows  # unused
     # per row: sum(do * o) minus the logsumexp's cotangent, broadcast along sublanes
     return (
         h,
@@ -893,7 +905,7 @@ def _delta_cols_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _dk_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dk_map_by_key(h, t, rows, *_):
     # the key block's gradient of the score's key factor
     return (
         h,
@@ -902,7 +914,7 @@ def _dk_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
     )
 
 
-def _dv_o_map_by_key(h, t, rows, cols, read_rows, kinds, flags, *, steps):
+def _dv_o_map_by_key(h, t, rows, *_):
     # the key block's gradient of v
     return (
         h,
@@ -955,14 +967,14 @@ def _impl(q, k, v, keep, sizes, bound, interpret):
         num_scalar_prefetch=5,
         grid=(H, steps),
         in_specs=[
-            pl.BlockSpec((None, 128, 128), functools.partial(_q_map, steps=steps)),
-            pl.BlockSpec((None, 128, 128), functools.partial(_k_map, steps=steps)),
-            pl.BlockSpec((None, 128, 128), functools.partial(_v_map, steps=steps)),
-            pl.BlockSpec((128, 128), functools.partial(_keep_ij_map, steps=steps)),
+            pl.BlockSpec((None, 128, 128), _q_map),
+            pl.BlockSpec((None, 128, 128), _k_map),
+            pl.BlockSpec((None, 128, 128), _v_map),
+            pl.BlockSpec((128, 128), _keep_ij_map),
         ],
         out_specs=[
-            pl.BlockSpec((None, 128, 128), functools.partial(_o_map, steps=steps)),
-            pl.BlockSpec((None, 1, 128), functools.partial(_row_lse_map, steps=steps)),
+            pl.BlockSpec((None, 128, 128), _o_map),
+            pl.BlockSpec((None, 1, 128), _row_lse_map),
         ],
         scratch_shapes=[
             pltpu.VMEM((128, 1), jnp.float32),
@@ -986,7 +998,7 @@ def _impl(q, k, v, keep, sizes, bound, interpret):
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 8388608,
             transcendentals=kinds.size * 16384,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 212992 + H * S * D * 4 + H * S * 4,
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, keep)
@@ -1024,20 +1036,16 @@ def _backward(
         num_scalar_prefetch=5,
         grid=(H, steps),
         in_specs=[
-            pl.BlockSpec((None, 128, 128), functools.partial(_q_map, steps=steps)),
-            pl.BlockSpec((None, 128, 128), functools.partial(_k_map, steps=steps)),
-            pl.BlockSpec((None, 128, 128), functools.partial(_v_map, steps=steps)),
-            pl.BlockSpec((128, 128), functools.partial(_keep_ij_map, steps=steps)),
-            pl.BlockSpec((None, 128, 128), functools.partial(_do_map, steps=steps)),
-            pl.BlockSpec(
-                (None, 128, 128), functools.partial(_row_lse_rows_map, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, 128, 128), functools.partial(_delta_rows_map, steps=steps)
-            ),
+            pl.BlockSpec((None, 128, 128), _q_map),
+            pl.BlockSpec((None, 128, 128), _k_map),
+            pl.BlockSpec((None, 128, 128), _v_map),
+            pl.BlockSpec((128, 128), _keep_ij_map),
+            pl.BlockSpec((None, 128, 128), _do_map),
+            pl.BlockSpec((None, 128, 128), _row_lse_rows_map),
+            pl.BlockSpec((None, 128, 128), _delta_rows_map),
         ],
         out_specs=[
-            pl.BlockSpec((None, 128, 128), functools.partial(_dq_map, steps=steps)),
+            pl.BlockSpec((None, 128, 128), _dq_map),
         ],
         scratch_shapes=[pltpu.VMEM((128, 128), jnp.float32)],
     )
@@ -1053,7 +1061,7 @@ def _backward(
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 12582912,
             transcendentals=kinds.size * 16384,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 409600 + H * S * D * 4,
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, keep, g_o, row_lse_rows, delta_rows)
@@ -1067,35 +1075,17 @@ def _backward(
         num_scalar_prefetch=5,
         grid=(H, steps),
         in_specs=[
-            pl.BlockSpec(
-                (None, 128, 128), functools.partial(_q_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, 128, 128), functools.partial(_k_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, 128, 128), functools.partial(_v_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (128, 128), functools.partial(_keep_ij_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, 128, 128), functools.partial(_do_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, 8, 128), functools.partial(_row_lse_cols_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, 8, 128), functools.partial(_delta_cols_map_by_key, steps=steps)
-            ),
+            pl.BlockSpec((None, 128, 128), _q_map_by_key),
+            pl.BlockSpec((None, 128, 128), _k_map_by_key),
+            pl.BlockSpec((None, 128, 128), _v_map_by_key),
+            pl.BlockSpec((128, 128), _keep_ij_map_by_key),
+            pl.BlockSpec((None, 128, 128), _do_map_by_key),
+            pl.BlockSpec((None, 8, 128), _row_lse_cols_map_by_key),
+            pl.BlockSpec((None, 8, 128), _delta_cols_map_by_key),
         ],
         out_specs=[
-            pl.BlockSpec(
-                (None, 128, 128), functools.partial(_dk_map_by_key, steps=steps)
-            ),
-            pl.BlockSpec(
-                (None, 128, 128), functools.partial(_dv_o_map_by_key, steps=steps)
-            ),
+            pl.BlockSpec((None, 128, 128), _dk_map_by_key),
+            pl.BlockSpec((None, 128, 128), _dv_o_map_by_key),
         ],
         scratch_shapes=[
             pltpu.VMEM((128, 128), jnp.float32),
@@ -1118,7 +1108,7 @@ def _backward(
         cost_estimate=pl.CostEstimate(
             flops=kinds.size * 16777216,
             transcendentals=kinds.size * 16384,
-            bytes_accessed=0,
+            bytes_accessed=kinds.size * 286720 + H * T * D * 4 + H * T * D * 4,
         ),
         interpret=interpret,
     )(rows, cols, read_rows, kinds, flags, q, k, v, keep, g_o, row_lse_cols, delta_cols)

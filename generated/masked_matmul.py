@@ -352,6 +352,7 @@ def _mask_tail(value, axis, limit):
 
 
 def _kernel(kind, next_step, next_mask, mask_ref, x_ref, y_ref, o_ref, acc_ref, *, K):
+    del next_step, next_mask  # unused
     m = pl.program_id(0)
     n = pl.program_id(1)
     k = pl.program_id(2)
@@ -392,13 +393,14 @@ def _kernel(kind, next_step, next_mask, mask_ref, x_ref, y_ref, o_ref, acc_ref, 
 
 
 def _mask_index_map(m, n, k, kind, next_step, next_mask, *, n_n):
+    del k, kind, next_step  # unused
     # Only partial mask blocks are read: every other step holds the next partial one.
     cell = m * n_n + n
     nxt = next_mask[cell]
     return (lax.div(nxt, n_n), lax.rem(nxt, n_n))
 
 
-def _x_index_map(m, n, k, kind, next_step, next_mask, *, n_n, n_k):
+def _x_index_map(m, n, k, kind, next_step, *_, n_n, n_k):
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = m * n_n + n
     nxt = next_step[cell]
@@ -406,7 +408,7 @@ def _x_index_map(m, n, k, kind, next_step, next_mask, *, n_n, n_k):
     return (lax.div(nxt, n_n), jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)))
 
 
-def _y_index_map(m, n, k, kind, next_step, next_mask, *, n_n, n_k):
+def _y_index_map(m, n, k, kind, next_step, *_, n_n, n_k):
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = m * n_n + n
     nxt = next_step[cell]
@@ -414,7 +416,7 @@ def _y_index_map(m, n, k, kind, next_step, next_mask, *, n_n, n_k):
     return (jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)), lax.rem(nxt, n_n))
 
 
-def _o_index_map(m, n, k, kind, next_step, next_mask):
+def _o_index_map(m, n, *_):
     return (m, n)
 
 
@@ -430,8 +432,8 @@ def _prefetch(x, y, mask, sizes):
 
 
 def _d_x_kernel(kind, next_step, g_o_ref, mask_ref, y_ref, d_x_ref, acc_ref, *, N):
+    del next_step  # unused
     m = pl.program_id(0)
-    k = pl.program_id(1)
     n = pl.program_id(2)
     n_n = pl.num_programs(2)
     block_kind = kind[m * n_n + n]
@@ -461,6 +463,7 @@ def _d_x_kernel(kind, next_step, g_o_ref, mask_ref, y_ref, d_x_ref, acc_ref, *, 
 
 
 def _d_x_g_o_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
     nxt = next_step[cell]
@@ -468,6 +471,7 @@ def _d_x_g_o_index_map(m, k, n, kind, next_step, *, n_k, n_n):
 
 
 def _d_x_mask_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
     nxt = next_step[cell]
@@ -475,13 +479,14 @@ def _d_x_mask_index_map(m, k, n, kind, next_step, *, n_k, n_n):
 
 
 def _d_x_y_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
     nxt = next_step[cell]
     return (lax.rem(lax.div(nxt, n_n), n_k), lax.rem(nxt, n_n))
 
 
-def _d_x_d_x_index_map(m, k, n, kind, next_step):
+def _d_x_d_x_index_map(m, k, *_):
     return (m, k)
 
 
@@ -501,7 +506,7 @@ def _d_x_prefetch(x, y, mask, g_o, sizes):
 
 
 def _d_y_kernel(kind, next_step, g_o_ref, mask_ref, x_ref, d_y_ref, acc_ref, *, M):
-    k = pl.program_id(0)
+    del next_step  # unused
     n = pl.program_id(1)
     m = pl.program_id(2)
     n_m = pl.num_programs(2)
@@ -532,6 +537,7 @@ def _d_y_kernel(kind, next_step, g_o_ref, mask_ref, x_ref, d_y_ref, acc_ref, *, 
 
 
 def _d_y_g_o_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
     nxt = next_step[cell]
@@ -539,6 +545,7 @@ def _d_y_g_o_index_map(k, n, m, kind, next_step, *, n_n, n_m):
 
 
 def _d_y_mask_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
     nxt = next_step[cell]
@@ -546,13 +553,14 @@ def _d_y_mask_index_map(k, n, m, kind, next_step, *, n_n, n_m):
 
 
 def _d_y_x_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
     nxt = next_step[cell]
     return (lax.rem(nxt, n_m), lax.div(nxt, n_n * n_m))
 
 
-def _d_y_d_y_index_map(k, n, m, kind, next_step):
+def _d_y_d_y_index_map(k, n, *_):
     return (k, n)
 
 

@@ -389,8 +389,8 @@ def _mask_tail(value, axis, limit):
 
 
 def _kernel(kind, next_step, g_ref, keep_ref, y_ref, dx_ref, acc_ref, *, N):
+    del next_step  # unused
     m = pl.program_id(0)
-    k = pl.program_id(1)
     n = pl.program_id(2)
     n_n = pl.num_programs(2)
     block_kind = kind[m * n_n + n]
@@ -420,6 +420,7 @@ def _kernel(kind, next_step, g_ref, keep_ref, y_ref, dx_ref, acc_ref, *, N):
 
 
 def _g_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
     nxt = next_step[cell]
@@ -427,6 +428,7 @@ def _g_index_map(m, k, n, kind, next_step, *, n_k, n_n):
 
 
 def _keep_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
     nxt = next_step[cell]
@@ -434,13 +436,14 @@ def _keep_index_map(m, k, n, kind, next_step, *, n_k, n_n):
 
 
 def _y_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
     nxt = next_step[cell]
     return (lax.rem(lax.div(nxt, n_n), n_k), lax.rem(nxt, n_n))
 
 
-def _dx_index_map(m, k, n, kind, next_step):
+def _dx_index_map(m, k, *_):
     return (m, k)
 
 
@@ -462,6 +465,7 @@ def _prefetch(g, keep, y, sizes):
 def _d_g_kernel(
     kind, next_step, next_keep, g_dx_ref, keep_ref, y_ref, d_g_ref, acc_ref, *, K
 ):
+    del next_step, next_keep  # unused
     m = pl.program_id(0)
     n = pl.program_id(1)
     k = pl.program_id(2)
@@ -501,7 +505,7 @@ def _d_g_kernel(
         d_g_ref[...] = acc_ref[...].astype(d_g_ref.dtype)
 
 
-def _d_g_g_dx_index_map(m, n, k, kind, next_step, next_keep, *, n_n, n_k):
+def _d_g_g_dx_index_map(m, n, k, kind, next_step, *_, n_n, n_k):
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = m * n_n + n
     nxt = next_step[cell]
@@ -510,13 +514,14 @@ def _d_g_g_dx_index_map(m, n, k, kind, next_step, next_keep, *, n_n, n_k):
 
 
 def _d_g_keep_index_map(m, n, k, kind, next_step, next_keep, *, n_n):
+    del k, kind, next_step  # unused
     # Only partial mask blocks are read: every other step holds the next partial one.
     cell = m * n_n + n
     nxt = next_keep[cell]
     return (lax.div(nxt, n_n), lax.rem(nxt, n_n))
 
 
-def _d_g_y_index_map(m, n, k, kind, next_step, next_keep, *, n_n, n_k):
+def _d_g_y_index_map(m, n, k, kind, next_step, *_, n_n, n_k):
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = m * n_n + n
     nxt = next_step[cell]
@@ -524,7 +529,7 @@ def _d_g_y_index_map(m, n, k, kind, next_step, next_keep, *, n_n, n_k):
     return (jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)), lax.rem(nxt, n_n))
 
 
-def _d_g_d_g_index_map(m, n, k, kind, next_step, next_keep):
+def _d_g_d_g_index_map(m, n, *_):
     return (m, n)
 
 
@@ -540,7 +545,7 @@ def _d_g_prefetch(g, keep, y, g_dx, sizes):
 
 
 def _d_y_kernel(kind, next_step, g_dx_ref, g_ref, keep_ref, d_y_ref, acc_ref, *, M):
-    k = pl.program_id(0)
+    del next_step  # unused
     n = pl.program_id(1)
     m = pl.program_id(2)
     n_m = pl.num_programs(2)
@@ -571,6 +576,7 @@ def _d_y_kernel(kind, next_step, g_dx_ref, g_ref, keep_ref, d_y_ref, acc_ref, *,
 
 
 def _d_y_g_dx_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
     nxt = next_step[cell]
@@ -578,6 +584,7 @@ def _d_y_g_dx_index_map(k, n, m, kind, next_step, *, n_n, n_m):
 
 
 def _d_y_g_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
     nxt = next_step[cell]
@@ -585,13 +592,14 @@ def _d_y_g_index_map(k, n, m, kind, next_step, *, n_n, n_m):
 
 
 def _d_y_keep_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
     nxt = next_step[cell]
     return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
 
 
-def _d_y_d_y_index_map(k, n, m, kind, next_step):
+def _d_y_d_y_index_map(k, n, *_):
     return (k, n)
 
 

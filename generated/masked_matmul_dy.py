@@ -389,7 +389,7 @@ def _mask_tail(value, axis, limit):
 
 
 def _kernel(kind, next_step, x_ref, g_ref, keep_ref, dy_ref, acc_ref, *, M):
-    k = pl.program_id(0)
+    del next_step  # unused
     n = pl.program_id(1)
     m = pl.program_id(2)
     n_m = pl.num_programs(2)
@@ -420,6 +420,7 @@ def _kernel(kind, next_step, x_ref, g_ref, keep_ref, dy_ref, acc_ref, *, M):
 
 
 def _x_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
     nxt = next_step[cell]
@@ -427,6 +428,7 @@ def _x_index_map(k, n, m, kind, next_step, *, n_n, n_m):
 
 
 def _g_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
     nxt = next_step[cell]
@@ -434,13 +436,14 @@ def _g_index_map(k, n, m, kind, next_step, *, n_n, n_m):
 
 
 def _keep_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
     nxt = next_step[cell]
     return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
 
 
-def _dy_index_map(k, n, m, kind, next_step):
+def _dy_index_map(k, n, *_):
     return (k, n)
 
 
@@ -460,8 +463,8 @@ def _prefetch(x, g, keep, sizes):
 
 
 def _d_x_kernel(kind, next_step, g_dy_ref, g_ref, keep_ref, d_x_ref, acc_ref, *, N):
+    del next_step  # unused
     m = pl.program_id(0)
-    k = pl.program_id(1)
     n = pl.program_id(2)
     n_n = pl.num_programs(2)
     block_kind = kind[m * n_n + n]
@@ -491,6 +494,7 @@ def _d_x_kernel(kind, next_step, g_dy_ref, g_ref, keep_ref, d_x_ref, acc_ref, *,
 
 
 def _d_x_g_dy_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
     nxt = next_step[cell]
@@ -498,6 +502,7 @@ def _d_x_g_dy_index_map(m, k, n, kind, next_step, *, n_k, n_n):
 
 
 def _d_x_g_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
     nxt = next_step[cell]
@@ -505,13 +510,14 @@ def _d_x_g_index_map(m, k, n, kind, next_step, *, n_k, n_n):
 
 
 def _d_x_keep_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+    del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
     nxt = next_step[cell]
     return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
 
 
-def _d_x_d_x_index_map(m, k, n, kind, next_step):
+def _d_x_d_x_index_map(m, k, *_):
     return (m, k)
 
 
@@ -533,6 +539,7 @@ def _d_x_prefetch(x, g, keep, g_dy, sizes):
 def _d_g_kernel(
     kind, next_step, next_keep, g_dy_ref, x_ref, keep_ref, d_g_ref, acc_ref, *, K
 ):
+    del next_step, next_keep  # unused
     m = pl.program_id(0)
     n = pl.program_id(1)
     k = pl.program_id(2)
@@ -572,7 +579,7 @@ def _d_g_kernel(
         d_g_ref[...] = acc_ref[...].astype(d_g_ref.dtype)
 
 
-def _d_g_g_dy_index_map(m, n, k, kind, next_step, next_keep, *, n_n, n_k):
+def _d_g_g_dy_index_map(m, n, k, kind, next_step, *_, n_n, n_k):
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = m * n_n + n
     nxt = next_step[cell]
@@ -580,7 +587,7 @@ def _d_g_g_dy_index_map(m, n, k, kind, next_step, next_keep, *, n_n, n_k):
     return (jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)), lax.rem(nxt, n_n))
 
 
-def _d_g_x_index_map(m, n, k, kind, next_step, next_keep, *, n_n, n_k):
+def _d_g_x_index_map(m, n, k, kind, next_step, *_, n_n, n_k):
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = m * n_n + n
     nxt = next_step[cell]
@@ -589,13 +596,14 @@ def _d_g_x_index_map(m, n, k, kind, next_step, next_keep, *, n_n, n_k):
 
 
 def _d_g_keep_index_map(m, n, k, kind, next_step, next_keep, *, n_n):
+    del k, kind, next_step  # unused
     # Only partial mask blocks are read: every other step holds the next partial one.
     cell = m * n_n + n
     nxt = next_keep[cell]
     return (lax.div(nxt, n_n), lax.rem(nxt, n_n))
 
 
-def _d_g_d_g_index_map(m, n, k, kind, next_step, next_keep):
+def _d_g_d_g_index_map(m, n, *_):
     return (m, n)
 
 

@@ -393,6 +393,7 @@ def _mask_tail(value, axis, limit):
 def _kernel(
     o_at_0, o_at_1, requested_o, next_step, x_ref, y_ref, o_ref, acc_ref, *, K, M, N
 ):
+    del next_step  # unused
     b = pl.program_id(0)
     k = pl.program_id(1)
     n_k = pl.num_programs(1)
@@ -428,6 +429,7 @@ def _kernel(
 
 
 def _x_index_map(b, k, o_at_0, o_at_1, requested_o, next_step, *, n_k):
+    del o_at_1  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = b
     nxt = next_step[cell]
@@ -436,6 +438,7 @@ def _x_index_map(b, k, o_at_0, o_at_1, requested_o, next_step, *, n_k):
 
 
 def _y_index_map(b, k, o_at_0, o_at_1, requested_o, next_step, *, n_k):
+    del o_at_0  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = b
     nxt = next_step[cell]
@@ -443,7 +446,7 @@ def _y_index_map(b, k, o_at_0, o_at_1, requested_o, next_step, *, n_k):
     return (jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)), o_at_1[nxt])
 
 
-def _o_index_map(b, k, o_at_0, o_at_1, requested_o, next_step):
+def _o_index_map(b, *_):
     # Block b of the stacked output.
     return (b, 0, 0)
 
@@ -451,7 +454,6 @@ def _o_index_map(b, k, o_at_0, o_at_1, requested_o, next_step):
 def _prefetch(x, y, o_idx_0, o_idx_1, pad, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    nb = o_idx_0.shape[0]
     # Where the requested blocks are (padding entries: block 0, and skipped).
     o_at_0 = jnp.maximum(o_idx_0, 0)
     o_at_1 = jnp.maximum(o_idx_1, 0)
@@ -464,7 +466,7 @@ def _prefetch(x, y, o_idx_0, o_idx_1, pad, sizes):
 def _d_x_kernel(
     step_kind, step_block, step_row, step_n, g_o_ref, y_ref, d_x_ref, acc_ref, *, N
 ):
-    k = pl.program_id(0)
+    del step_block, step_row  # unused
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
@@ -489,24 +491,26 @@ def _d_x_kernel(
         d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
 
 
-def _d_x_g_o_index_map(k, step, step_kind, step_block, step_row, step_n):
+def _d_x_g_o_index_map(k, step, step_kind, step_block, *_):
+    del k, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
 
 
 def _d_x_y_index_map(k, step, step_kind, step_block, step_row, step_n):
+    del step_kind, step_block, step_row  # unused
     # The block the stored block of this step meets (flush steps hold the next one).
     return (k, step_n[step])
 
 
-def _d_x_d_x_index_map(k, step, step_kind, step_block, step_row, step_n):
+def _d_x_d_x_index_map(k, step, step_kind, step_block, step_row, *_):
+    del step_kind, step_block  # unused
     return (step_row[step], k)
 
 
 def _d_x_prefetch(x, y, o_idx_0, o_idx_1, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    nb = g_o.shape[0]
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
     step_kind, step_block, step_row = _coo_steps(o_idx_0, pl.cdiv(M, 128), pad)
     step_n = jnp.maximum(o_idx_1[step_block], 0)  # 0 if every entry is padding
@@ -516,7 +520,7 @@ def _d_x_prefetch(x, y, o_idx_0, o_idx_1, pad, g_o, sizes):
 def _d_y_kernel(
     step_kind, step_block, step_row, step_m, g_o_ref, x_ref, d_y_ref, acc_ref, *, M
 ):
-    k = pl.program_id(0)
+    del step_block, step_row  # unused
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
@@ -541,24 +545,26 @@ def _d_y_kernel(
         d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
 
 
-def _d_y_g_o_index_map(k, step, step_kind, step_block, step_row, step_m):
+def _d_y_g_o_index_map(k, step, step_kind, step_block, *_):
+    del k, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
 
 
 def _d_y_x_index_map(k, step, step_kind, step_block, step_row, step_m):
+    del step_kind, step_block, step_row  # unused
     # The block the stored block of this step meets (flush steps hold the next one).
     return (step_m[step], k)
 
 
-def _d_y_d_y_index_map(k, step, step_kind, step_block, step_row, step_m):
+def _d_y_d_y_index_map(k, step, step_kind, step_block, step_row, *_):
+    del step_kind, step_block  # unused
     return (k, step_row[step])
 
 
 def _d_y_prefetch(x, y, o_idx_0, o_idx_1, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    nb = g_o.shape[0]
     # Sort the stored blocks by the output block they feed; a flush step closes each output block.
     step_kind, step_block, step_row = _coo_steps(o_idx_1, pl.cdiv(N, 128), pad)
     step_m = jnp.maximum(o_idx_0[step_block], 0)  # 0 if every entry is padding

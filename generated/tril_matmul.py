@@ -360,7 +360,7 @@ def _kernel(
     *,
     M,
 ):
-    n = pl.program_id(0)
+    del step_row  # unused
     step = pl.program_id(1)
     step_kind_here = step_kind[step]
     # A run of steps accumulates one output block; a step with nothing present computes nothing.
@@ -399,17 +399,19 @@ def _kernel(
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _x_index_map(n, step, step_row, step_read, step_col, step_kind, step_flags):
+def _x_index_map(n, step, step_row, step_read, step_col, *_):
+    del n, step_row  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_read[step], step_col[step])
 
 
-def _y_index_map(n, step, step_row, step_read, step_col, step_kind, step_flags):
+def _y_index_map(n, step, step_row, step_read, step_col, *_):
+    del step_row, step_read  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], n)
 
 
-def _o_index_map(n, step, step_row, step_read, step_col, step_kind, step_flags):
+def _o_index_map(n, step, step_row, *_):
     return (step_row[step], n)
 
 
@@ -442,11 +444,6 @@ def _classify(xp, sizes):
 def _prefetch(x, y, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, N = sizes
-    n_steps = int(
-        _row_walk(
-            np, _classify(np, (M, N)).reshape((1, pl.cdiv(M, 512), pl.cdiv(M, 512)))
-        )[1]
-    )
     # The walk's steps, from the condition's blocks (known at trace time).
     kinds = _classify(np, (M, N)).reshape((1, pl.cdiv(M, 512), pl.cdiv(M, 512)))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(np, kinds)
@@ -466,6 +463,7 @@ def _d_x_kernel(
     N,
     M,
 ):
+    del step_row  # unused
     step = pl.program_id(0)
     n = pl.program_id(1)
     n_n = pl.num_programs(1)
@@ -512,9 +510,8 @@ def _d_x_kernel(
         d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
 
 
-def _d_x_g_o_index_map(
-    step, n, step_row, step_read, step_kind, step_flags, *, n_n, n_k
-):
+def _d_x_g_o_index_map(step, n, step_row, step_read, step_kind, *_, n_n, n_k):
+    del step_row  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (
         lax.div(step_read[step], n_k),
@@ -522,7 +519,8 @@ def _d_x_g_o_index_map(
     )
 
 
-def _d_x_y_index_map(step, n, step_row, step_read, step_kind, step_flags, *, n_n, n_k):
+def _d_x_y_index_map(step, n, step_row, step_read, step_kind, *_, n_n, n_k):
+    del step_row  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (
         lax.rem(step_read[step], n_k),
@@ -530,7 +528,8 @@ def _d_x_y_index_map(step, n, step_row, step_read, step_kind, step_flags, *, n_n
     )
 
 
-def _d_x_d_x_index_map(step, n, step_row, step_read, step_kind, step_flags, *, n_k):
+def _d_x_d_x_index_map(step, n, step_row, *_, n_k):
+    del n  # unused
     return (lax.div(step_row[step], n_k), lax.rem(step_row[step], n_k))
 
 
@@ -563,14 +562,6 @@ def _d_x_classify(xp, sizes):
 def _d_x_prefetch(x, y, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, N = sizes
-    n_steps = int(
-        _row_walk(
-            np,
-            _d_x_classify(np, (M, N)).reshape(
-                (1, pl.cdiv(M, 512) * pl.cdiv(M, 512), 1)
-            ),
-        )[1]
-    )
     # The walk's steps, from the condition's blocks (known at trace time).
     kinds = _d_x_classify(np, (M, N)).reshape((1, pl.cdiv(M, 512) * pl.cdiv(M, 512), 1))
     (step_row, _, step_read, step_kind, step_flags), _, _ = _row_walk(np, kinds)
@@ -590,7 +581,7 @@ def _d_y_kernel(
     *,
     M,
 ):
-    n = pl.program_id(0)
+    del step_row  # unused
     step = pl.program_id(1)
     step_kind_here = step_kind[step]
     # A run of steps accumulates one output block; a step with nothing present computes nothing.
@@ -633,17 +624,19 @@ def _d_y_kernel(
         d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
 
 
-def _d_y_g_o_index_map(n, step, step_row, step_read, step_col, step_kind, step_flags):
+def _d_y_g_o_index_map(n, step, step_row, step_read, step_col, *_):
+    del step_row, step_read  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], n)
 
 
-def _d_y_x_index_map(n, step, step_row, step_read, step_col, step_kind, step_flags):
+def _d_y_x_index_map(n, step, step_row, step_read, step_col, *_):
+    del n, step_row  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
     return (step_col[step], step_read[step])
 
 
-def _d_y_d_y_index_map(n, step, step_row, step_read, step_col, step_kind, step_flags):
+def _d_y_d_y_index_map(n, step, step_row, *_):
     return (step_row[step], n)
 
 
@@ -676,11 +669,6 @@ def _d_y_classify(xp, sizes):
 def _d_y_prefetch(x, y, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, N = sizes
-    n_steps = int(
-        _row_walk(
-            np, _d_y_classify(np, (M, N)).reshape((1, pl.cdiv(M, 512), pl.cdiv(M, 512)))
-        )[1]
-    )
     # The walk's steps, from the condition's blocks (known at trace time).
     kinds = _d_y_classify(np, (M, N)).reshape((1, pl.cdiv(M, 512), pl.cdiv(M, 512)))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(np, kinds)

@@ -26,7 +26,7 @@ HELPERS = frozenset(
 }  # fmt: skip
 MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds"}
 # Fixed parameter and local names of the generated functions.
-FIXED_LOCALS = frozenset({"sizes", "interpret", "grid_spec", "residuals", "cotangent", "perturbed", "wanted"}) | {
+FIXED_LOCALS = frozenset({"_", "sizes", "interpret", "grid_spec", "residuals", "cotangent", "perturbed", "wanted"}) | {
     # the row walk's (attention) fixed names: its kernels' nested functions and parameters,
     # the walk's wrapper locals, the classification's locals
     "masked", "bound", "overflow", "max_steps", "xp", "can", "must",

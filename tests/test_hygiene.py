@@ -75,7 +75,7 @@ def _template_locals() -> frozenset[str]:
     text = re.sub(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", " ", read_resource("templates", "tpu/module.py.j2"), flags=re.S)
     bound = set(re.findall(r"^\s*([A-Za-z_]\w*) = ", text, re.M))
     for params in re.findall(r"def\s+\w*\s*\((.*?)\)\s*:", text, re.S):
-        bound |= set(re.findall(r"\b[A-Za-z_]\w*\b", params))
+        bound |= set(re.findall(r"\b[A-Za-z_]\w*\b", re.sub(r"=[^,)]*", "", params)))  # not a default (`=None`)
     return frozenset(bound)
 
 

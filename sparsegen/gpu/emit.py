@@ -6,25 +6,37 @@ TPU modules' own (`sparsegen.wrapper`): a spec has one calling convention on eve
 
 from __future__ import annotations
 
-import re
-
 from ..expr import Const, render
 from ..formatting import format_module
-from ..pytext import py_tuple
+from ..pytext import needed as _needed, parameters, py_tuple, words
 from ..templating import environment as _environment, with_helpers
 from ..wrapper import Wrapper, gradient_tables
 from .describe import describe
 from .plan import ElementwisePass, GpuModule, GpuPass
 
 
-def _needed(lets: list[tuple[str, str]], expr: str) -> list[tuple[str, str]]:
-    """The lets `expr` reads, directly or through other lets, in order."""
-    want, out = set(re.findall(r"\b\w+\b", expr)), []
-    for name, value in reversed(lets):
-        if name in want:
-            out.append((name, value))
-            want |= set(re.findall(r"\b\w+\b", value))
-    return out[::-1]
+# The CTA's coordinates, bound at the top of a kernel where its body reads them.
+_HEAD = (("cell", 'lax.axis_index("cell")', "the output block"),
+         ("mi", 'lax.axis_index("m")', "this CTA's row tile inside it"),
+         ("ni", 'lax.axis_index("n")', "this CTA's column tile inside it"))
+# A pass's fields that are not the kernel's body (host code, names, docs).
+_NOT_BODY = frozenset({"form", "fn", "params", "n_tables", "statics", "about", "lets", "call_fn", "call_args", "call_about",
+                       "guard", "host", "raw", "raw_shape", "kernel", "grid", "kernel_args", "finish", "out_var"})
+
+
+def _trimmed(d: dict) -> dict:
+    """The pass with its kernel's head cut to what the body reads: the CTA coordinates and
+    lets nothing reads are not bound, and the tables nothing reads are `del`-ed."""
+    body = repr([v for key, v in d.items() if key not in _NOT_BODY])
+    if d["form"] == "product":
+        body += " count"  # the pipeline's grid (template text)
+    lets = _needed([(name, value) for name, value, _ in _HEAD] + list(d["lets"]), body)
+    notes = {name: note for name, _, note in _HEAD}
+    used = words(body) | set().union(*(words(value) for _, value in lets))
+    tables, refs = d["params"][: d["n_tables"]], d["params"][d["n_tables"]:]
+    signature, deleted = parameters(tables + refs, used | set(refs), d["statics"], collapse=False)
+    return dict(d, lets=[(name, value + (f"  # {notes[name]}" if name in notes else "")) for name, value in lets],
+                signature=signature, deleted=deleted)
 
 
 def _ds(index: str, tile: int) -> str:
@@ -63,10 +75,11 @@ class _Emitter:
         statics = list(p.statics)
         kernel = p.fn if not statics else f"functools.partial({p.fn}, " + ", ".join(f"{v}={v}" for v in statics) + ")"
         at = lambda index: f"{_ds(index[0], p.tm)}, {_ds(index[1], p.tn)}"  # noqa: E731
-        return {
+        return _trimmed({
             "form": "elementwise",
             "fn": p.fn,
             "params": tables + [f["ref"] for f in p.factors] + [out_ref],
+            "n_tables": len(tables),
             "statics": statics,
             "about": f"{p.statement.text}: one CTA per {p.tm}x{p.tn} tile of each output block; "
                      + ("tiles outside the window the statement writes are zeros." if p.inside else "its factors' tiles, multiplied."),
@@ -92,7 +105,7 @@ class _Emitter:
             "kernel_args": tables + [f["array"] for f in p.factors],
             "finish": p.finish,
             "out_var": p.out_var,
-        }
+        })
 
     def pass_dict(self, p: GpuPass, mod: GpuModule | None = None) -> dict:
         mod = mod or self.m
@@ -137,10 +150,11 @@ class _Emitter:
         guard = list(p.guard)
         if guard:
             guard.append(f"    return {self.zeros(p, mod)}")
-        return {
+        return _trimmed({
             "form": "product",
             "fn": p.fn,
             "params": params,
+            "n_tables": len(tables),
             "statics": statics,
             "about": self.kernel_about(p),
             "lets": p.kernel_lets,
@@ -179,7 +193,7 @@ class _Emitter:
             "kernel_args": tables + [p.a.array, p.b.array] + ([p.end.array] if p.end else []),
             "finish": p.finish,
             "out_var": p.out_var,
-        }
+        })
 
     def reads(self, p: GpuPass, mod: GpuModule) -> list[str]:
         """Outputs of earlier statements this pass reads."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import Kernel, Read, Term
+from ..pytext import live_lines
 
 # Block kinds (the same numbering in every walk's tables).
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -294,11 +295,13 @@ class Classifier:
         tails = [f"({self.ranges[i][0]} + {self.tile_of(i)} > {self.size_of(i)})" for i in ragged]
         if tails:
             must = f"({must}) & ~({' | '.join(tails)})"
-        return self.lines + [
+        tail = [
             f"can = xp.broadcast_to({can}, {shape})",
             f"must = xp.broadcast_to({must}, {shape})",
             f"return xp.where(can, xp.where(must, {FULL}, {PARTIAL}), {EMPTY}).astype(xp.int32)",
         ]
+        # Ranges are written whole (lo and hi); the ends no comparison reads are dropped.
+        return live_lines(self.lines, *tail) + tail
 
 
 def _term(c: int, x: str) -> str:

@@ -11,7 +11,7 @@ import math
 
 from ..expr import Call, Const, Var, names as expr_names, render, substitute
 from ..formatting import format_module
-from ..pytext import py_tuple
+from ..pytext import needed, parameters, py_tuple
 from ..templating import environment as _environment, with_helpers  # noqa: F401 (with_helpers: re-exported)
 from ..wrapper import Wrapper, gradient_tables
 from .body import BodyWriter
@@ -31,10 +31,7 @@ class _Emitter:
         p, body = tp.p, tp.p.body
         w = BodyWriter(mod.kernel, tp)
         w._locals = set()
-        params = [t.var for t in p.tables] + [s.ref for s in tp.in_specs] + [tp.out_spec.ref]
-        if body.accumulator:
-            params.append(tp.acc_ref)
-        sig = ", ".join(params) + (", *, " + ", ".join(tp.sizes) if tp.sizes else "")
+        refs = [s.ref for s in tp.in_specs] + [tp.out_spec.ref] + ([tp.acc_ref] if body.accumulator else [])
         phase_exprs = [e for e in (body.init_when, body.compute_when, body.flush_when) if e is not None]
         phase_exprs += [c.when for c in body.flush_cases if c.when is not None] + [v for _, v in body.lets]
         phase_exprs += [t.coord for t in (*body.tails, *body.out_tails)]
@@ -43,7 +40,9 @@ class _Emitter:
         used = set()
         for e in phase_exprs:
             used |= expr_names(e)
-        lets = [(a.var, render(Call("pl.program_id", (Const(d),)), "py")) for d, a in enumerate(p.axes)]
+        # The kernel receives every table; those no condition, let or tail reads are `del`-ed.
+        sig, deleted = parameters([t.var for t in p.tables] + refs, used | set(refs), tp.sizes, collapse=False)
+        lets = [(a.var, render(Call("pl.program_id", (Const(d),)), "py")) for d, a in enumerate(p.axes) if a.var in used]
         lets += [(a.static, render(Call("pl.num_programs", (Const(d),)), "py")) for d, a in enumerate(p.axes) if a.static in used]
         axis_statics = {a.static for a in p.axes}
         # Extents a block coordinate decodes with (a flattened row of several indices).
@@ -80,6 +79,7 @@ class _Emitter:
         return {
             "fn": tp.kernel_fn,
             "signature": sig,
+            "deleted": deleted,
             "lets": lets,
             "notes": body.notes,
             "accumulator": body.accumulator,
@@ -97,7 +97,16 @@ class _Emitter:
         params = [a.var for a in tp.p.axes] + [t.var for t in tp.p.tables]
         out = []
         for s in tp.specs:
-            out.append({"fn": s.fn, "params": params, "statics": s.statics, "about": s.block.about, "lets": s.block.lets, "index": s.index})
+            # The lets the index reads (directly or through later lets): a walk's shared lets
+            # (the next live step) are not all read by every operand's map.
+            used, lets = set().union(*(expr_names(e) for e in s.index)), []
+            for name, value in reversed(s.block.lets):
+                if name in used:
+                    lets.insert(0, (name, value))
+                    used |= expr_names(value)
+            # Pallas passes every coordinate and table; the map names only those it reads.
+            signature, deleted = parameters(params, used, [name for name, _ in s.statics])
+            out.append({"fn": s.fn, "signature": signature, "deleted": deleted, "about": s.block.about, "lets": lets, "index": s.index})
         return out
 
     def spec_text(self, s) -> dict:
@@ -134,10 +143,10 @@ class _Emitter:
         out_bytes = Const(p.out_dtype.itemsize)
         for e in p.out_shape:
             out_bytes = out_bytes * e
-        guard = [f"{var} = {value}" for var, value in p.counts] + list(p.guard)
+        guard = list(p.guard)
         if p.guard:
             guard.append(f"    return jnp.zeros({out_shape}, {p.out_dtype.jnp})")
-        return {
+        out = {
             "fn": tp.call_fn,
             "args": list(conv.impl_args),
             "reads": list(dict.fromkeys(reads)),
@@ -161,6 +170,15 @@ class _Emitter:
             "bytes": render(products * per + out_bytes, "host"),
             "arrays": arrays,
         }
+        # The block counts this call reads. With a fallback, the pallas_call lies inside
+        # `_walk`, whose parameter is the fallback's count: that count is read outside only.
+        fb = p.fallback
+        outside = guard + ([fb.needed, fb.bound, fb.dense] if fb else [])
+        inside = [str(v) for key, v in out.items() if key not in ("guard", "fallback")]
+        unshadowed = [(var, value) for var, value in p.counts if fb is None or var != fb.count]
+        kept = needed(p.counts, *outside, *(var for var, _ in needed(unshadowed, *inside)))
+        out["guard"] = [f"{var} = {value}" for var, value in kept] + guard
+        return out
 
     def kernel_of(self, mod: TpuModule):
         return mod.kernel
@@ -184,8 +202,9 @@ class _Emitter:
 
     def prefetch(self, tp: TpuPass, mod: TpuModule) -> dict:
         fb = tp.p.fallback
+        # The block counts the tables are computed from (the others: read by the call only).
         counts = [f"{var} = {value}" if fb is None or fb.bound is None or var != fb.count else f"{var} = {value} if {var} is None else {var}"
-                  for var, value in tp.p.counts]
+                  for var, value in needed(tp.p.counts, *tp.p.host)]
         return {"fn": tp.prefetch_fn, "lines": counts + list(tp.p.host), "tables": [t.var for t in tp.p.tables], "args": list(mod.conv.impl_args)}
 
     def pass_dicts(self, mod: TpuModule) -> list[dict]:

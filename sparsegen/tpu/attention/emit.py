@@ -4,10 +4,11 @@ custom_vjp glue, `reference`, `block_kinds`; Jinja (templates/tpu/attention.py.j
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ...dtypes import DTYPES
 from ...ir import Read
-from ...pytext import py_tuple
+from ...pytext import live_lines, parameters, py_tuple, words
 from ...schedule.classify import Classifier
 from ...wrapper import Wrapper, vjp_tables
 from .describe import describe_attention
@@ -78,7 +79,9 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
 
     # ------------------------------------------------------------- arrays
     def arr(self, o: Operand, tables) -> Arr:
-        return Arr(o.ref, o.block, o.coords, o.fn, self.array(o), f"{o.read.text}: {self.about(o)}")
+        # Other layouts pass the operand broadcast as int32 or float32.
+        itemsize = self.k.operand(o.read.operand).dtype.itemsize if o.layout == "natural" else 4
+        return Arr(o.ref, o.block, o.coords, o.fn, self.array(o), f"{o.read.text}: {self.about(o)}", itemsize=itemsize)
 
     def out_arr(self, ref, indices, dtype, var, about, vector: bool) -> OutArr:
         p = self.p
@@ -115,24 +118,35 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
                 name, _, div = c.partition(" // ")
                 v = self.grid_vars[self.p.lead.index(name)]
                 coords.append(f"lax.div({v}, {div})" if div else v)
-        return {"fn": a.fn + call.suffix, "coords": coords, "about": a.about}
+        # Pallas passes every coordinate and table; the map names only those it reads.
+        used = set().union(*(words(c) for c in coords))
+        statics = [self.steps] if self.steps in used else []
+        signature, deleted = parameters(self.grid_vars + [self.t] + self.tables, used, statics)
+        return {"fn": a.fn + call.suffix, "coords": coords, "about": a.about, "signature": signature, "deleted": deleted,
+                "spec_map": f"functools.partial({a.fn + call.suffix}, {self.steps}={self.steps})" if statics else a.fn + call.suffix}
 
     def call_dict(self, call: CallSpec, walk_kinds: str, walk: str = "_walk_tables") -> dict:
         grid = [self.size_of(i) if self.tile[i] == 1 else f"-(-{self.size_of(i)} // {self.tile[i]})" for i in self.p.lead] + [self.steps]
+        # The kernel's head binds every coordinate, slot and kind; those nothing reads are
+        # dropped, and the kernel `del`s the tables it does not read.
+        lines = live_lines(call.kernel_lines)
+        used = set().union(*(words(line) for line in lines))
+        signature, deleted = parameters(self.tables + call.refs, used | set(call.refs), call.statics, collapse=False)
         return {
             "kernel_fn": call.kernel_fn,
-            "kernel_params": self.tables + call.refs,
-            "kernel_statics": call.statics,
-            "kernel_lines": call.kernel_lines,
+            "kernel_signature": signature,
+            "kernel_deleted": deleted,
+            "kernel_lines": lines,
             "maps": [self.map_dict(a, call) for a in call.ins + call.outs],
-            "in_specs": [(py_tuple("None" if b is None else str(b) for b in a.block), a.fn + call.suffix) for a in call.ins],
-            "outs": [{"block": py_tuple("None" if b is None else str(b) for b in o.block), "map": o.fn + call.suffix, "view": py_tuple(o.view), "shape": py_tuple(o.shape),
+            "in_specs": [(py_tuple("None" if b is None else str(b) for b in a.block), self.map_dict(a, call)["spec_map"]) for a in call.ins],
+            "outs": [{"block": py_tuple("None" if b is None else str(b) for b in o.block), "map": self.map_dict(o, call)["spec_map"], "view": py_tuple(o.view), "shape": py_tuple(o.shape),
                       "dtype": o.dtype, "var": o.var, "reshape": o.view != o.shape} for o in call.outs],
             "arrays": [a.host for a in call.ins],
             "scratch": call.scratch,
             "grid": py_tuple(grid),
             "semantics": py_tuple(['"parallel"'] * len(self.p.lead) + ['"arbitrary"']),
             "flops": f"{self.tables[3]}.size * {call.flops}",
+            "bytes": self.bytes_accessed(call),
             "transcendentals": f"{self.tables[3]}.size * {call.transcendentals}",
             "statics_kw": ", ".join(f"{v}={v}" for v in call.statics),
             "walk_kinds": walk_kinds,
@@ -140,6 +154,14 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             "post": call.post,
             "about": call.about,
         }
+
+    def bytes_accessed(self, call: CallSpec) -> str:
+        """The call's HBM traffic for its cost estimate, as the einsum modules count it: every
+        step of the walk reads one block of each input, and each output is written once."""
+        itemsize = {d.jnp: d.itemsize for d in DTYPES.values()}
+        per_step = sum(math.prod(b for b in a.block if b is not None) * a.itemsize for a in call.ins)
+        outs = [" * ".join([*o.shape, str(itemsize[o.dtype])]) for o in call.outs]
+        return " + ".join([f"{self.tables[3]}.size * {per_step}"] + outs)
 
     # ------------------------------------------------------------------ module
     def module(self, source_name: str, formatted: bool = True) -> str:
@@ -201,7 +223,6 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             stored_lines=stored_lines,
             backward_calls=calls_b,
             maps=self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if derived else [])),
-            map_params=self.grid_vars + [self.t] + self.tables,
             public_params=[p_.internal for p_ in conv.params] + self.sizes,
             prepare_lines=self.prepare_lines(),
             impl_args=list(conv.impl_args),

@@ -25,6 +25,7 @@ class Arr:
     fn: str
     host: str
     about: str
+    itemsize: int = field(default=4, kw_only=True)  # bytes an element of the array passed (f32 unless said)
 
 
 @dataclass
@@ -385,7 +386,8 @@ class KernelWriter:
                 ref = n.local(f"d{c.output}_ref")
                 block = tuple(None if i in p.lead else self.tile[i] for i in st.target.indices)
                 coords = tuple(i if i in p.lead else "QROW" if i == p.query else "0" for i in st.target.indices)
-                ins.append(Arr(ref, block, coords, self.fn(f"_d{c.output}_map", key=("cotangent", c.output)), self.cot(c.output), f"the cotangent of {c.output}"))
+                ins.append(Arr(ref, block, coords, self.fn(f"_d{c.output}_map", key=("cotangent", c.output)), self.cot(c.output), f"the cotangent of {c.output}",
+                               itemsize=k.operand(c.output).dtype.itemsize))
                 extra[c.output] = ref
         about = {"row_lse": "the forward's logsumexp per row", "delta": "per row: sum(do * o) minus the logsumexp's cotangent",
                  "dsum": "per row: the cotangent of the sum"}
