@@ -173,9 +173,10 @@ class _Emitter:
         # The block counts this call reads. With a fallback, the pallas_call lies inside
         # `_walk`, whose parameter is the fallback's count: that count is read outside only.
         fb = p.fallback
-        outside = guard + ([fb.needed, fb.bound, fb.dense] if fb else [])
+        # Without a bound, the grid's extent min(needed, count) is computed outside, from the count.
+        outside = guard + ([fb.needed_value, fb.bound, fb.dense] if fb and fb.bound else [fb.needed_value, fb.count] if fb else [])
         inside = [str(v) for key, v in out.items() if key not in ("guard", "fallback")]
-        unshadowed = [(var, value) for var, value in p.counts if fb is None or var != fb.count]
+        unshadowed = [(var, value) for var, value in p.counts if fb is None or fb.bound is None or var != fb.count]
         kept = needed(p.counts, *outside, *(var for var, _ in needed(unshadowed, *inside)))
         out["guard"] = [f"{var} = {value}" for var, value in kept] + guard
         return out
