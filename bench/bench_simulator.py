@@ -17,7 +17,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsegen.compiler import plans  # noqa: E402
-from sparsegen.tpu.simulate import analyse, load_module  # noqa: E402
+from sparsegen.backends import analyse_module as analyse  # noqa: E402
+from sparsegen.tpu.simulate import load_module  # noqa: E402
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ class Entry:
     lower: Callable[[Kernel, object], tuple[object | None, list[Diagnostic]]]  # (kernel, chip) -> (module, problems)
     emit: Callable[[object, str, bool], str]  # (module, origin, formatted) -> source
     describe: Callable[[object], list[str]]
+    analyse: Callable | None = None  # (module, sizes, pattern, targets, seed, ...) -> a report: `plan --pattern`, `variants`
 
 
 def family_of(kernel: Kernel) -> str:
@@ -127,9 +128,23 @@ def _gpu_describe(m):
     return describe(m)
 
 
+def _tpu_analyse(m, sizes, pattern, targets=("v5e",), seed=0, **kw):
+    from .tpu.simulate import analyse_einsum
+
+    return analyse_einsum(m, sizes, pattern, targets, seed, **kw)
+
+
+def _row_analyse(m, sizes, pattern, targets=("v5e",), seed=0, **kw):
+    from .tpu.attention.simulate import analyse_attention
+
+    kw.pop("module", None)
+    kw.pop("trace", None)
+    return analyse_attention(m, sizes, pattern, targets, seed)
+
+
 TABLE: dict[tuple[str, str], Entry] = {
-    ("tpu", "einsum"): Entry(_tpu_einsum, _tpu_emit, _tpu_describe),
-    ("tpu", "row"): Entry(_tpu_row, _row_emit, _row_describe),
+    ("tpu", "einsum"): Entry(_tpu_einsum, _tpu_emit, _tpu_describe, _tpu_analyse),
+    ("tpu", "row"): Entry(_tpu_row, _row_emit, _row_describe, _row_analyse),
     ("gpu", "einsum"): Entry(_gpu_einsum, _gpu_emit, _gpu_describe),
 }
 
@@ -162,3 +177,11 @@ def emit_module(m, origin: str, formatted: bool = True) -> str:
 def describe_module(m) -> list[str]:
     """A lowered module's plan in words (no trailing newlines)."""
     return entry(m.target.name, m.kernel).describe(m)
+
+
+def analyse_module(m, sizes, pattern, targets=("v5e",), seed=0, **kw):
+    """A lowered module's walk on a sparsity pattern (`plan --pattern`, `variants`)."""
+    e = entry(m.target.name, m.kernel)
+    if e is None or e.analyse is None:
+        raise ValueError(f"no pattern analysis for {m.target.name} kernels of this kind")
+    return e.analyse(m, sizes, pattern, targets, seed, **kw)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from .compiler import Module, compile_for_targets, plans
 from .source import SourceFile, SpecError
-from .backends import describe_module
+from .backends import analyse_module, describe_module
 from .gpu import GPU_TARGETS, is_gpu
 from .tpu.targets import DEFAULT_TARGET, TARGETS
 
@@ -282,7 +282,7 @@ def cmd_plan(args) -> int:
             print(f"sparsegen plan: give --shape {','.join(f'{m}=...' for m in missing)}", file=sys.stderr)
             return 2
         try:
-            reports.append(simulate.analyse(p, sizes, args.pattern, targets=tuple(sorted(TARGETS)), seed=args.seed, trace=bool(args.png)))
+            reports.append(analyse_module(p, sizes, args.pattern, targets=tuple(sorted(TARGETS)), seed=args.seed, trace=bool(args.png)))
         except ValueError as exc:
             print(f"sparsegen plan: {exc}", file=sys.stderr)
             return 2

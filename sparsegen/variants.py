@@ -113,7 +113,7 @@ def build(variant: Variant, target: str) -> None:
 def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[str], seed: int) -> None:
     from .callconv import operand_indices
     from .tpu.attention.simulate import LayoutRefused, analyse_attention
-    from .tpu.simulate import analyse
+    from .tpu.simulate import analyse_einsum as analyse
 
     k = variant.plan.kernel
     if not variant.plan.passes:  # the row walk: a block sums all of `d` and holds all of a value's index

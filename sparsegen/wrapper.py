@@ -220,7 +220,7 @@ class Wrapper:
         """A condition on the statement's terms: the factor holding most of its indices has
         its absent terms replaced by 0, extended over the condition's other indices."""
         from .schedule.condition import condition_indices
-        from .tpu.attention.lower import render_term
+        from .terms import render_term
 
         k, conv = self.k, self.conv
         used = condition_indices(st.condition)

@@ -50,7 +50,7 @@ def build(text: str, target: str = "v5e", formatted: bool = True):
         name, code, plan = module.kernel, module.code, module.plan
     else:
         from sparsegen.compiler import lower_source
-        from sparsegen.tpu.emit import emit
+        from sparsegen.backends import emit_module as emit
 
         (plan,) = lower_source(SourceFile("test.spk", text), target)
         name, code = plan.name, emit(plan, "test.spk", formatted=False)

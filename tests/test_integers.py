@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import zlib
 
-import jax
 import numpy as np
 import pytest
 from aot import compile_for

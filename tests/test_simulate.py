@@ -15,7 +15,8 @@ from hygiene_specs import MASKED_SDD, NASTY_MASK, TRANSPOSED, XMASK, XMASK_SDD
 
 from sparsegen.cli import main
 from sparsegen.compiler import compile_source, plans
-from sparsegen.tpu.simulate import analyse, load_module, pattern_args, simulate
+from sparsegen.backends import analyse_module as analyse
+from sparsegen.tpu.simulate import load_module, pattern_args, simulate
 from sparsegen.source import SourceFile
 
 PATTERNS = ["tril", "density=0.1", "density=0.5", "band=300", "density=0.0", "density=1.0"]

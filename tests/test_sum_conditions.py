@@ -263,7 +263,7 @@ def test_plan_pattern_counts_the_condition_walk():
     diagonal of 4 x 4 per column block; grouped ids of 256 rows visit 8 (row block, group)
     pairs of the 4 x 8 the dense product would."""
     from sparsegen.compiler import plans
-    from sparsegen.tpu.simulate import analyse
+    from sparsegen.backends import analyse_module as analyse
 
     (tril,) = plans(SPECS / "tril_matmul.spk")
     report = analyse(tril, {"M": 2048, "N": 1024}, "density=0.5")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import zlib
 
-import jax
 import numpy as np
 import pytest
 from conftest import assert_matches, build

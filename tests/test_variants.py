@@ -154,7 +154,7 @@ def test_rank_cycles_without_a_profile_is_unknown_not_a_traceback(tmp_path, caps
     argv = ["variants", str(spec), "--tile", "k=256,512", "--shape", "M=512,N=512,K=512", "--no-compile", "--rank", "cycles"]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert f"cycles unknown for mm_m256_n256_k256 (ranked last): no estimate: libtpu wrote no estimated_cycles" in err
+    assert "cycles unknown for mm_m256_n256_k256 (ranked last): no estimate: libtpu wrote no estimated_cycles" in err
 
 
 DENSE = """kernel mm {

@@ -211,7 +211,7 @@ class BodyWriter:
         """`name` (a value over v.axes) with the entries where the body's condition is false
         replaced by 0: positions from the step's block coordinates, integer operands from
         their blocks, an index walked one value at a time as a scalar."""
-        from .attention.lower import render_term
+        from ..terms import render_term
 
         sel = self.body.select
         coords = dict(sel.coords)

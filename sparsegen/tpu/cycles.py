@@ -566,7 +566,7 @@ def concrete_args(plan, env: dict[str, int], pattern: str, seed: int = 0):
     """Arrays for the generated function: the pattern's coordinates and masks, zeros for data."""
     from ..patterns import condition_ids
     from ..shapes import arg_structs
-    from .simulate import pattern_args
+    from .arguments import pattern_args
 
     params = [p for p in plan.conv.params if p.kind != "index"] if hasattr(plan, "conv") else []
     sparse = any(plan.kernel.operand(p.operand).sparsity in ("coo", "mask") for p in params) or condition_ids(plan)
@@ -586,7 +586,7 @@ def run_job(n: int, job: dict, skip: set[tuple], emit_line) -> None:
     from ..compiler import lower_source
     from ..shapes import _load, sizes
     from ..source import SourceFile
-    from .emit import emit
+    from ..backends import emit_module as emit
     from .targets import TARGETS
     from .verify import _device
 

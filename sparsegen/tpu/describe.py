@@ -103,13 +103,6 @@ def describe_pass(m: TpuModule, tp: TpuPass) -> list[str]:
     return out
 
 
-def describe(m) -> list[str]:
-    """A TPU module's plan in words (`sparsegen.backends.describe_module` for any target)."""
-    from ..backends import describe_module
-
-    return describe_module(m)
-
-
 def describe_einsum(m: TpuModule) -> list[str]:
     """Lines describing the plan (no trailing newlines), the backward kernel's too."""
     from ..autodiff import gradient_lines

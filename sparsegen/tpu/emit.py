@@ -15,7 +15,7 @@ from ..pytext import needed, parameters, py_tuple
 from ..templating import environment as _environment, with_helpers  # noqa: F401 (with_helpers: re-exported)
 from ..wrapper import Wrapper, gradient_tables
 from .body import BodyWriter
-from .describe import describe
+from .describe import describe_einsum
 from .lower import TpuModule, TpuPass
 
 
@@ -262,7 +262,7 @@ class _Emitter:
             "ValueError naming the argument and dimension; under jax.jit, traced\n"
             "coordinates are clamped and offsets rounded down to their tile, so no copy\n"
             "ever leaves its array.",
-            describe(self.m), self.m.target.name,
+            describe_einsum(self.m), self.m.target.name,
         )
 
     def module(self, source_name: str) -> str:
@@ -303,13 +303,6 @@ class _Emitter:
             n_args=len(conv.impl_args),
         )
         return with_helpers(main)
-
-
-def emit(m, source_name: str, formatted: bool = True) -> str:
-    """A TPU module's source, einsum or row walk (`sparsegen.backends.emit_module` for any target)."""
-    from ..backends import emit_module
-
-    return emit_module(m, source_name, formatted)
 
 
 def emit_einsum(m: TpuModule, source_name: str, formatted: bool = True) -> str:

@@ -24,7 +24,8 @@ import numpy as np
 from ..callconv import operand_indices
 from ..expr import Bin, Call, Const, Expr, Load, Max, Min, Var, Where, evaluate
 from ..ir import Kernel
-from ..patterns import Pattern, condition_ids, sparse_arrays
+
+from .arguments import pattern_args
 from .lower import TpuModule, TpuPass, block_bytes, lower
 from .targets import TARGETS, Target
 
@@ -197,25 +198,6 @@ def impl_args(plan: TpuModule, module, args: list) -> list:
     if conv.offsets:
         by_name[conv.offsets] = np.zeros(len(conv.offset_uses), np.int32)
     return [by_name.get(name) for name in conv.impl_args]
-
-
-def pattern_args(plan: TpuModule, env: dict[str, int], pattern: str | Pattern, seed: int = 0):
-    """Arguments of `_prefetch` for a sparsity pattern (arrays the tables do not read are None).
-
-    Also the pattern per sparse operand: {name: mask array or coordinate arrays}.
-    """
-    args = sparse_arrays(plan.kernel, env, pattern, seed, condition_ids(plan))
-    out = []
-    for p in plan.conv.params:
-        if p.kind == "mask":
-            out.append(args[p.operand])
-        elif p.kind in ("coords", "out_coords"):
-            out.append(args[p.operand][p.dim])
-        elif p.kind == "blocks":
-            out.append(np.zeros((len(args[p.operand][0]), 1), np.float32))  # only its length is read
-        elif p.kind != "index":
-            out.append(args.get(p.operand))  # None: data the tables never read
-    return out, args
 
 
 def simulate(plan: TpuModule, module, args: list, sizes: dict[str, int], keep_trace: bool = False) -> Simulation:
@@ -391,12 +373,9 @@ def dense_twin(plan: TpuModule) -> TpuModule:
     return lower(dense_kernel(plan.kernel), plan.target, backward=False)
 
 
-def analyse(plan: TpuModule, sizes: dict[str, int], pattern: str, targets=("v5e",), seed: int = 0, module=None, trace: bool = False) -> Report:
+def analyse_einsum(plan: TpuModule, sizes: dict[str, int], pattern: str, targets=("v5e",), seed: int = 0, module=None,
+                   trace: bool = False) -> Report:
     """Simulate a plan on a pattern and its dense twin on everything; estimate both per target."""
-    if not plan.passes:  # an attention-like kernel: the row walk
-        from .attention.simulate import analyse_attention
-
-        return analyse_attention(plan, sizes, pattern, targets, seed)
     k = plan.kernel
     env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
     module = module or load_module(plan)

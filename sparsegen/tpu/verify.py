@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..expr import evaluate
 from ..source import Diagnostic, SourceFile
 from ..shapes import _load, arg_structs, concrete, default_shapes, differentiated, parse_shapes, stored_blocks  # noqa: F401 (re-exported)
-from .emit import emit
+from ..backends import emit_module as emit
 from .lower import TpuModule
 from .suggest import suggest_tiles
 from .targets import TARGETS, format_bytes

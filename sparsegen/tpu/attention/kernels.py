@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from ...ir import Read, Term
 from ...pytext import py_tuple
 from ...schedule.attention import read_key
-from .lower import LANES, SUBLANES, Operand, render_term
+from ...terms import render_term
+from .lower import LANES, SUBLANES, Operand
 
 
 @dataclass

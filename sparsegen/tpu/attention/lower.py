@@ -10,15 +10,13 @@ from dataclasses import dataclass
 
 from ...autodiff import Refusal, refusals
 from ...callconv import Convention, convention
-from ...flow import FUNCTIONS
-from ...ir import Kernel, Read, Term
+from ...ir import Kernel, Read
 from ...names import ModuleNames
 from ...schedule.attention import RowPlan, read_key
 from ..targets import Target
 from ..vmem import MOSAIC_SCRATCH, VmemItem, attention_vmem, vmem_limit
 
 LANES, SUBLANES = 128, 8
-_FUNCTIONS = {f: f"jnp.{f}" for f in FUNCTIONS}  # every function of the language is jax.numpy's
 
 
 
@@ -153,49 +151,3 @@ def gradient_refusals(kernel: Kernel, p: RowPlan) -> tuple:
 def derived_outputs(p: RowPlan) -> list[str]:
     """The outputs the backward carries gradients through (in the plan's order)."""
     return [c.output for c in p.consumers if c.kind not in _NOT_DERIVED]
-
-
-# Python's precedence of what render_term writes (an atom binds tightest).
-_ATOM, _UNARY, _MUL, _ADD, _AND, _OR, _CMP = 7, 6, 5, 4, 3, 2, 1
-_RENDERED = {"+": ("+", _ADD), "-": ("-", _ADD), "*": ("*", _MUL), "/": ("/", _MUL), "and": ("&", _AND), "or": ("|", _OR)}
-
-
-def render_term(t: Term, leaf) -> str:
-    """A checked term as jax.numpy code; `leaf` renders indices, sizes and reads (as atoms).
-
-    Brackets only where Python's precedence needs them, so the code keeps the term's exact
-    tree (`a + b + c` is `(a + b) + c`; `a - (b - c)` keeps its brackets) and nests no
-    deeper than the spec (whose depth the parser bounds)."""
-    return _render_term(t, leaf)[0]
-
-
-def _render_term(t: Term, leaf) -> tuple[str, int]:
-    if t.op == "num":
-        text = repr(t.value)
-        return text, (_UNARY if text.startswith("-") else _ATOM)
-    if t.op in ("index", "size", "read", "local", "truth"):
-        return leaf(t), _ATOM
-    args = [_render_term(x, leaf) for x in t.args]
-
-    def wrap(arg: tuple[str, int], at_least: int) -> str:
-        return arg[0] if arg[1] >= at_least else f"({arg[0]})"
-
-    if t.op in ("+", "-", "*", "/"):
-        op, prec = _RENDERED[t.op]
-        return f"{wrap(args[0], prec)} {op} {wrap(args[1], prec + 1)}", prec
-    if t.op in ("and", "or"):
-        op, prec = _RENDERED[t.op]
-        return f" {op} ".join(wrap(a, prec + 1) for a in args), prec
-    if t.op == "neg":
-        return f"-{wrap(args[0], _UNARY)}", _UNARY
-    if t.op == "not":
-        return f"~{wrap(args[0], _UNARY)}", _UNARY
-    if t.op == "cmp":
-        # A chain compares neighbours (`a < b <= c`); `&` binds tighter than a comparison.
-        pairs = [f"{wrap(args[n], _OR)} {op} {wrap(args[n + 1], _OR)}" for n, op in enumerate(t.ops)]
-        return (pairs[0], _CMP) if len(pairs) == 1 else (" & ".join(f"({x})" for x in pairs), _AND)
-    if t.op == "//":
-        return f"_floordiv({args[0][0]}, {args[1][0]})", _ATOM
-    if t.op == "%":
-        return f"_mod({args[0][0]}, {args[1][0]})", _ATOM
-    return f"{_FUNCTIONS[t.op]}({', '.join(a[0] for a in args)})", _ATOM

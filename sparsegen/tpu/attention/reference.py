@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...ir import Read, Term
 from ...pytext import py_tuple
-from .lower import render_term
+from ...terms import render_term
 
 
 class ReferenceWriter:
