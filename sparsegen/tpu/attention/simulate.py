@@ -42,7 +42,7 @@ def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",
     drops it); otherwise it is a note."""
     from ...shapes import _load
     from ..cycles import capture, concrete_args
-    from ..emit import emit
+    from .emit import emit_attention as emit
 
     k, p = plan.kernel, plan.plan
     env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
