@@ -53,6 +53,7 @@ def _tpu_einsum(kernel, chip):
     from .schedule.build import ScheduleError
     from .tpu.lower import LayoutError, lower
     from .tpu.rules import check_kernel, check_module
+    from .tpu.suggest import suggest_tiles
 
     problems = check_kernel(kernel, chip)
     if problems:
@@ -63,7 +64,7 @@ def _tpu_einsum(kernel, chip):
         return None, [exc.diagnostic]
     except LayoutError as exc:
         return None, list(exc.diagnostics)
-    return m, check_module(m)
+    return m, check_module(m, lambda: suggest_tiles(m.kernel, m.target))
 
 
 def _tpu_row(kernel, chip):
@@ -71,6 +72,7 @@ def _tpu_row(kernel, chip):
     from .schedule.build import ScheduleError
     from .tpu.attention import lower_attention
     from .tpu.rules import check_attention, check_kernel
+    from .tpu.suggest import suggest_attention_tiles
 
     problems = check_kernel(kernel, chip)
     if problems:
@@ -79,7 +81,7 @@ def _tpu_row(kernel, chip):
         m = lower_attention(kernel, row_plan(kernel), chip)
     except ScheduleError as exc:
         return None, [exc.diagnostic]
-    return m, check_attention(m)
+    return m, check_attention(m, lambda: suggest_attention_tiles(m.kernel, m.target))
 
 
 def _gpu_einsum(kernel, chip):
