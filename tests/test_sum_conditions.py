@@ -52,7 +52,7 @@ def test_tril_classification_is_exact_against_brute_force():
 def test_grouped_classification_against_brute_force_and_the_bound():
     _, mod = build(GROUPED)
     rng = np.random.default_rng(0)
-    for _ in range(20):
+    for _ in range(6):
         e = int(rng.integers(1, 9))
         sizes = rng.multinomial(640, np.ones(e) / e)
         sizes[rng.integers(0, e)] = 0  # an empty group
