@@ -605,39 +605,12 @@ def _d_x_d_x_index_map(k, step, n, step_row, *_):
     return (step_row[step], k)
 
 
-def _d_x_classify(xp, gid, sizes):
-    """Per (row block, column block) of the condition: empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands)."""
-    M, K, E, N = sizes
-    m_block = xp.arange(-(-M // 512)).reshape((-1, 1))
-    m_lo = m_block * 512
-    g_block = xp.arange(-(-E // 1)).reshape((1, -1))
-    g_lo = g_block * 1
-    g_hi = xp.minimum(g_lo + 1, E) - 1
-    gid_min, gid_max = _block_min_max(gid, (512,))
-    gid_min, gid_max = _expand(gid_min, "a", "az"), _expand(gid_max, "a", "az")
-    can = xp.broadcast_to(
-        ((-g_lo + gid_max) >= 0) & ((-g_hi + gid_min) <= 0) & (0 <= 0),
-        (
-            m_lo.size,
-            g_lo.size,
-        ),
-    )
-    must = xp.broadcast_to(
-        ((-g_hi + gid_min) >= 0) & ((-g_lo + gid_max) <= 0),
-        (
-            m_lo.size,
-            g_lo.size,
-        ),
-    )
-    return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
-
-
 def _d_x_prefetch(x, w, gid, g_o, sizes, n_steps=None):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, E, N = sizes
     n_steps = pl.cdiv(M, 512) + E - 1 if n_steps is None else n_steps
     # The walk's steps, from the condition's blocks (traced: tables of n_steps steps; the grid runs those needed).
-    kinds = _d_x_classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
+    kinds = _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
         jnp, kinds, n_steps
     )
@@ -847,7 +820,7 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
     )  # gid[m] per row: a column in the kernel
     # The steps the data needs: the grid runs exactly those (a traced grid dimension).
     needed = _row_walk(
-        jnp, _d_x_classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E)), 1
+        jnp, _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E)), 1
     )[2][0]
 
     def _walk(n_steps):

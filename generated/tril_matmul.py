@@ -533,37 +533,11 @@ def _d_x_d_x_index_map(step, n, step_row, *_, n_k):
     return (lax.div(step_row[step], n_k), lax.rem(step_row[step], n_k))
 
 
-def _d_x_classify(xp, sizes):
-    """Per (row block, column block) of the condition: empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands)."""
-    M, N = sizes
-    m_block = xp.arange(-(-M // 512)).reshape((-1, 1))
-    m_lo = m_block * 512
-    m_hi = xp.minimum(m_lo + 512, M) - 1
-    k_block = xp.arange(-(-M // 512)).reshape((1, -1))
-    k_lo = k_block * 512
-    k_hi = xp.minimum(k_lo + 512, M) - 1
-    can = xp.broadcast_to(
-        ((k_lo - m_hi) <= 0),
-        (
-            m_lo.size,
-            k_lo.size,
-        ),
-    )
-    must = xp.broadcast_to(
-        ((k_hi - m_lo) <= 0),
-        (
-            m_lo.size,
-            k_lo.size,
-        ),
-    )
-    return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
-
-
 def _d_x_prefetch(x, y, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, N = sizes
     # The walk's steps, from the condition's blocks (known at trace time).
-    kinds = _d_x_classify(np, (M, N)).reshape((1, pl.cdiv(M, 512) * pl.cdiv(M, 512), 1))
+    kinds = _classify(np, (M, N)).reshape((1, pl.cdiv(M, 512) * pl.cdiv(M, 512), 1))
     (step_row, _, step_read, step_kind, step_flags), _, _ = _row_walk(np, kinds)
     return (step_row, step_read, step_kind, step_flags)
 
@@ -741,10 +715,7 @@ def _d_x_call(x, y, g_o, sizes, interpret):
     M, N = sizes
     n_steps = int(
         _row_walk(
-            np,
-            _d_x_classify(np, (M, N)).reshape(
-                (1, pl.cdiv(M, 512) * pl.cdiv(M, 512), 1)
-            ),
+            np, _classify(np, (M, N)).reshape((1, pl.cdiv(M, 512) * pl.cdiv(M, 512), 1))
         )[1]
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(

@@ -58,6 +58,7 @@ class ModuleNames:
         self.public = NameTable({"_prepare", "_impl", "_run", "_reference", "_check_interpret", "_check_bound", "interpret", "max_steps"} | set(symbols))
         self.internal = NameTable(MODULE_NAMES | PYTHON_NAMES | FIXED_LOCALS | {kernel.name})
         self.functions = NameTable(MODULE_NAMES | {kernel.name})
+        self.host_functions: dict[tuple, str] = {}  # a host function's (parameters, body) -> its name
 
     def local(self, preferred: str) -> str:
         return self.internal.take(preferred)
@@ -73,6 +74,16 @@ class ModuleNames:
             self.parent.internal.used.add(name)
         return name
 
+    def host_function(self, preferred: str, body: tuple) -> tuple[str, bool]:
+        """A module-level host function for `body` (its parameters and lines): the name of one
+        already written with that body (the forward pass and a gradient's classify alike), or a
+        new name; and whether it is new (then the caller writes it)."""
+        if body in self.host_functions:
+            return self.host_functions[body], False
+        name = self.function(preferred)
+        self.host_functions[body] = name
+        return name, True
+
     parent: "ModuleNames | None" = None
 
     def scope(self) -> "ModuleNames":
@@ -80,5 +91,6 @@ class ModuleNames:
         module-level name taken so far, and each other, but not other passes' locals."""
         child = ModuleNames.__new__(ModuleNames)
         child.public, child.functions, child.parent = self.public, self.functions, self
+        child.host_functions = self.host_functions
         child.internal = NameTable(self.internal.used)
         return child

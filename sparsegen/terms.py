@@ -6,7 +6,7 @@ kernels of every target alike; `leaf` says how a target reads indices, sizes and
 from __future__ import annotations
 
 from .flow import FUNCTIONS
-from .ir import Term
+from .ir import Read, Term
 
 _FUNCTIONS = {f: f"jnp.{f}" for f in FUNCTIONS}  # every function of the language is jax.numpy's
 
@@ -54,3 +54,15 @@ def _render_term(t: Term, leaf) -> tuple[str, int]:
     if t.op == "%":
         return f"_mod({args[0][0]}, {args[1][0]})", _ATOM
     return f"{_FUNCTIONS[t.op]}({', '.join(a[0] for a in args)})", _ATOM
+
+
+def as_read(array: str, read: Read, dims: list[str], sizes: list[str]) -> str:
+    """`array` (host code) as `read` sees it: along a dimension read at a shift (`lo[g + 1]`)
+    or with a size of its own (`lo[g]` of an `lo: i32[E1]`), the slice its index ranges over.
+    `dims`: the array's dimension sizes, `sizes`: the read's indices' sizes (host text)."""
+    cut = [bool(sub.shift) or dims[d] != sizes[d] for d, sub in enumerate(read.subs)]
+    if not any(cut):
+        return array
+    parts = [(f"{sub.shift}:{sub.shift} + {sizes[d]}" if sub.shift else f":{sizes[d]}") if c else ":"
+             for d, (sub, c) in enumerate(zip(read.subs, cut))]
+    return f"{array}[{', '.join(parts)}]"

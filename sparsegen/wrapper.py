@@ -220,7 +220,7 @@ class Wrapper:
         """A condition on the statement's terms: the factor holding most of its indices has
         its absent terms replaced by 0, extended over the condition's other indices."""
         from .schedule.condition import condition_indices
-        from .terms import render_term
+        from .terms import as_read, render_term
 
         k, conv = self.k, self.conv
         used = condition_indices(st.condition)
@@ -233,12 +233,8 @@ class Wrapper:
                 shape = py_tuple("-1" if i == t.name else "1" for i in used)
                 return f"jnp.arange({host(conv.size(k.index(t.name).size))}).reshape({shape})"
             value = conv.param(t.read.operand).internal
-            op = k.operand(t.read.operand)
-            sizes = [host(conv.size(k.index(sub.index).size)) for sub in t.read.subs]
-            if any(sub.shift or host(conv.size(op.dims[d])) != sizes[d] for d, sub in enumerate(t.read.subs)):
-                # `lo[g + 1]` (and `lo[g]` of an `lo: i32[E1]`): the operand as the read sees it.
-                value = f"{value}[" + ", ".join((f"{sub.shift}:{sub.shift} + {sizes[d]}" if sub.shift else f":{sizes[d]}") if sub.shift or host(conv.size(op.dims[d])) != sizes[d]
-                                                else ":" for d, sub in enumerate(t.read.subs)) + "]"
+            dims = [host(conv.size(d)) for d in k.operand(t.read.operand).dims]
+            value = as_read(value, t.read, dims, [host(conv.size(k.index(i).size)) for i in t.read.indices])
             here = "".join(letters[i] for i in t.read.indices)
             value = f'_expand({value}, "{here}", "{src}")' if here != src else value
             return f"({value} != 0)" if t.op == "truth" else value

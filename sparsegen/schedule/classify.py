@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import Kernel, Read, Term
+from ..expr import render
 from ..pytext import live_lines
+from ..terms import as_read
 
 # Block kinds (the same numbering in every walk's tables).
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -30,7 +32,7 @@ class Conditions:
 
     points: tuple  # each with a `.condition` (None: every element present)
     class_axes: tuple[str, ...]
-    kernel: Kernel | None = None
+    kernel: Kernel  # whose operands the conditions read
 
 
 class Classifier:
@@ -64,17 +66,6 @@ class Classifier:
             self.ranges[i] = (lo, hi)
         return self.ranges[i]
 
-    def conv_dims(self, r: Read) -> list[str]:
-        """The host text of each dimension's size of the operand a read reads."""
-        from ..expr import render
-
-        op = self.p_kernel_operand(r.operand)
-        return [render(self.conv.size(d), "host") for d in op.dims] if op is not None else [self.size_of(i) for i in r.indices]
-
-    def p_kernel_operand(self, name: str):
-        kernel = getattr(self.p, "kernel", None)
-        return kernel.operand(name) if kernel is not None else None
-
     def read_range(self, r: Read) -> tuple[str, str]:
         """Per block, the least and greatest value an integer operand holds there."""
         if r not in self.read_ranges:
@@ -86,12 +77,8 @@ class Classifier:
         tiles), laid out over the class axes."""
         a, b = (self.local(f"{r.operand}_{w}") for w in what)
         param = self.conv.param(r.operand).internal
-        dims = self.conv_dims(r)
-        if any(sub.shift or dims[d] != self.size_of(sub.index) for d, sub in enumerate(r.subs)):
-            # `lo[g + 1]`, `lo[g]` of an `lo: i32[E1]`: the operand as the read sees it (a
-            # dimension read at a shift has a size of its own).
-            param = f"{param}[" + ", ".join((f"{sub.shift}:{sub.shift} + {self.size_of(sub.index)}" if sub.shift else f":{self.size_of(sub.index)}") if sub.shift or dims[d] != self.size_of(sub.index)
-                                            else ":" for d, sub in enumerate(r.subs)) + "]"
+        dims = [render(self.conv.size(d), "host") for d in self.p.kernel.operand(r.operand).dims]
+        param = as_read(param, r, dims, [self.size_of(i) for i in r.indices])
         tiles = "(" + ", ".join(str(self.tile_of(i)) for i in r.indices) + ",)"
         order = "".join(chr(97 + n) for n in range(len(r.indices)))
         dst = "".join(order[r.indices.index(x)] if x in r.indices else "z" for x in self.axes)

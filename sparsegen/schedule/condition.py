@@ -44,6 +44,14 @@ def condition_indices(cond: Term) -> list[str]:
 class ConditionWalk(PassBuilder):
     walk = "condition"
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.functions: list[HostFunction] = []  # the classification (unless a pass before wrote the same)
+        self.fallback: Fallback | None = None  # the traced walk length
+        self.n_run: str | None = None  # the grid's traced extent
+        self.cond_step: str | None = None  # table: the next partial step (condition operands' blocks)
+        self.scalar_tables: dict[str, str] = {}  # operand -> its SMEM table (reads one element per step)
+
     def build(self) -> Pass:
         st = self.st
         cond = st.condition
@@ -99,8 +107,6 @@ class ConditionWalk(PassBuilder):
                 # Walked while the step computes; other steps hold the last block.
                 return Where(live, Var(axis.var), Var(axis.static) - 1)
             return Var(axis.var)
-
-        self.cond_step = None
 
         def cond_coord(index: str) -> Expr:
             """A condition operand's block: read at partial steps only, so every other step
@@ -211,8 +217,6 @@ class ConditionWalk(PassBuilder):
     def scalar_read(self, r: Read, coord) -> Expr:
         """An integer operand every index of whose read walks one value at a time: a table
         (the operand flattened, in SMEM) read at the step's element."""
-        if not hasattr(self, "scalar_tables"):
-            self.scalar_tables = {}
         op = self.k.operand(r.operand)
         if op.name not in self.scalar_tables:
             length = Const(1)
@@ -262,25 +266,22 @@ class ConditionWalk(PassBuilder):
         return Block(f"c{n}", op.name, array, False, dims, coords, (), f"{r.text}, read by the condition", layout=layout)
 
     # ------------------------------------------------------------ host
-    functions: list
-    fallback = None
-    n_run = None
-
     def classify_host(self, cond: Term, out_c: list[str], sum_c: list[str], n_steps: str, tables) -> None:
         """The classification function, the walk's length and its tables."""
-        self.functions = []
         scope = self.names.scope()
         axes = tuple(out_c + sum_c)
         cl = Classifier(Conditions((Point(None, None, cond),), axes, self.k), self.conv, scope.local, lambda i: self.tile[i],
                         lambda i: render(self.size(i), "host"))
         lines = cl.kinds([])
         reads = list(dict.fromkeys(self.conv.param(r.operand).internal for r in cond.reads))
-        fn = self.fn("classify")
         sizes = [s.internal for s in self.conv.sizes]
         head = [f"{', '.join(sizes)}{',' if len(sizes) == 1 else ''} = sizes"] if sizes else ["del sizes"]
-        self.functions.append(HostFunction(fn, ("xp", *reads, "sizes"), "Per (row block, column block) of the condition: "
-                                           "empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands).",
-                                           tuple(head + lines)))
+        params, body = ("xp", *reads, "sizes"), tuple(head + lines)
+        # A gradient's pass with the same condition over the same axes calls the forward's.
+        fn, new = self.names.host_function(f"_{self.prefix}classify", (params, body))
+        if new:
+            self.functions.append(HostFunction(fn, params, "Per (row block, column block) of the condition: empty, partial or "
+                                               "full (xp: numpy when only sizes matter, jax.numpy for traced operands).", body))
         rows = Const(1)
         for i in out_c:
             rows = rows * self.blocks_along(i)
@@ -332,7 +333,6 @@ class ConditionWalk(PassBuilder):
         # Chains (`lo[g] <= m < lo[g + 1]`) as their comparisons.
         conjuncts = [Term("cmp", (c.args[n], c.args[n + 1]), ops=(op,)) if c.op == "cmp" else c
                      for c in conjuncts for n, op in enumerate(c.ops if c.op == "cmp" else (None,))]
-        others_of = lambda m, g: self.other_blocks(out_c + sum_c, (m, g))  # noqa: E731
         # Group offsets: `lo[g] <= m` and `m < lo[g + 1]` (sorted offsets: each row block meets a run of groups).
         lows = {(c.args[0].read.operand, c.args[0].read.subs[0].index, c.args[1].name) for c in conjuncts
                 if c.op == "cmp" and c.ops[0] == "<=" and c.args[0].op == "read" and c.args[1].op == "index"
@@ -343,7 +343,7 @@ class ConditionWalk(PassBuilder):
                 m, lo, g = c.args[0].name, c.args[1].read.operand, sub.index
                 if sub.shift == 1 and (lo, g, m) in lows and self.tile[g] == 1 and m != g:
                     pairs = self.blocks_along(m) + self.blocks_along(g) - 1
-                    return render(pairs * others_of(m, g), "host")
+                    return render(pairs * self.other_blocks(out_c + sum_c, (m, g)), "host")
         for c in conjuncts:
             if c.op != "cmp" or c.ops != ("==",):
                 continue
@@ -353,12 +353,8 @@ class ConditionWalk(PassBuilder):
                     m = ids.read.indices[0]
                     if m == g.name or self.k.operand(ids.read.operand).dtype.is_float:
                         continue
-                    others = Const(1)
-                    for i in out_c + sum_c:
-                        if i not in (m, g.name):
-                            others = others * self.blocks_along(i)
                     pairs = self.blocks_along(m) + self.blocks_along(g.name) - 1
-                    return render(pairs * others, "host")
+                    return render(pairs * self.other_blocks(out_c + sum_c, (m, g.name)), "host")
         return None
 
 
