@@ -2,7 +2,9 @@
 
 One walk per module: `dense` (every block), `coo_input` (the stored blocks of a coo
 input), `masked` (a dense grid whose cells have kinds: a mask operand, offsets on the
-left), `coo_output` (the requested output blocks; with a mask or coo input, kinds again).
+left), `coo_output` (the requested output blocks; with a mask or coo input, kinds again),
+`condition` (a `where` condition on the terms). Which one a statement takes, and which
+operands' blocks decide it, is `choice.choose_walk`: the GPU lowering takes it from there too.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from ..ir import Einsum, Kernel
 from ..names import ModuleNames
 from ..source import Diagnostic
 from .build import ScheduleError
+from .choice import Source, Walk, choose_walk
 from .coo_input import CooInputWalk
 from .condition import ConditionWalk
 from .coo_output import CooOutputWalk
@@ -19,23 +22,19 @@ from .core import Pass, Schedule
 from .dense import DenseWalk
 from .masked import MaskedWalk
 
-__all__ = ["Schedule", "Pass", "ScheduleError", "schedule"]
+__all__ = ["Schedule", "Pass", "ScheduleError", "Source", "Walk", "choose_walk", "schedule", "walk_of"]
+
+
+WALKS = {"condition": ConditionWalk, "coo output": CooOutputWalk, "coo input": CooInputWalk, "masked": MaskedWalk, "dense": DenseWalk}
 
 
 def walk_of(kernel: Kernel, st: Einsum):
-    out = kernel.operand(st.target.operand)
-    kinds = {kernel.operand(r.operand).sparsity for r in st.factors}
-    if st.condition is not None:
-        return ConditionWalk
-    if out.sparsity == "coo":
-        return CooOutputWalk
-    if "coo" in kinds:
-        if any(s.offset for s in st.target.subs):
-            raise ScheduleError(Diagnostic(st.target.span, "offsets on the left side of a statement with a coo input are not supported yet"))
-        return CooInputWalk
-    if "mask" in kinds or any(s.offset for s in st.target.subs):
-        return MaskedWalk
-    return DenseWalk
+    """The walk class that builds the statement's pass: the walk `choose_walk` names (the
+    GPU lowering takes the same decision)."""
+    walk = choose_walk(kernel, st)
+    if walk.name == "coo input" and walk.window:
+        raise ScheduleError(Diagnostic(st.target.span, "offsets on the left side of a statement with a coo input are not supported yet"))
+    return WALKS[walk.name]
 
 
 def schedule(kernel: Kernel, conv: Convention, names: ModuleNames) -> tuple[Schedule | None, list[Diagnostic]]:

@@ -13,6 +13,7 @@ from ..expr import names as expr_names
 from ..ir import Einsum, Kernel, Read
 from ..names import ModuleNames
 from ..source import Diagnostic
+from .choice import choose_walk
 from .core import Axis, Block, BlockDim, Body, Factor, FlushCase, Pass, Product, Table, Tail
 
 
@@ -35,6 +36,7 @@ class PassBuilder:
         self.st = statement
         self.prefix = prefix  # name prefix of this pass's functions when a module runs several
         self.out = kernel.operand(statement.target.operand)
+        self.choice = choose_walk(kernel, statement)  # the walk and the operands whose blocks decide it
         self.tile = {i.name: i.tile for i in kernel.indices}
         self.axes: list[Axis] = []
         self.tables: list[Table] = []

@@ -20,7 +20,7 @@ class CooInputWalk(PassBuilder):
 
     def build(self) -> Pass:
         st, k = self.st, self.k
-        n_coo = next(n for n, r in enumerate(st.factors) if k.operand(r.operand).sparsity == "coo")
+        n_coo = self.choice.of("coo")[0].factor
         coo_read = st.factors[n_coo]
         coo = k.operand(coo_read.operand)
         carried = [i for i in st.out_indices if i in coo_read.indices]

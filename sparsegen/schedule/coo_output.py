@@ -19,7 +19,7 @@ class CooOutputWalk(KindsMixin):
     walk = "coo output"
 
     def build(self) -> Pass:
-        st, k = self.st, self.k
+        st = self.st
         out = self.out
         coords = tuple(self.conv.param(out.name, "out_coords", d).internal for d in range(out.rank))
         nb = self.local("nb")
@@ -42,11 +42,12 @@ class CooOutputWalk(KindsMixin):
                               [f"{requested} = jnp.where({self.conv.pad(out.name)}, _EMPTY, _FULL).astype(jnp.int32)"], requested)]
         custom = {}
         about = "the grid walks the requested output blocks (padding entries are written as zeros)"
-        sparse = [n for n, r in enumerate(st.factors) if k.operand(r.operand).sparsity in ("coo", "mask")]
-        for n in sparse:
-            read = st.factors[n]
-            if k.operand(read.operand).sparsity == "mask":
-                sources.append(self.mask_source(n, applied_after_sum=not any(n in g.members for g in st.summed_groups)))
+        for s in self.choice.sources:
+            if s.place == "output":
+                continue
+            n, read = s.factor, s.read
+            if s.sparsity == "mask":
+                sources.append(self.mask_source(n, applied_after_sum=s.place == "after"))
                 about = f"the grid walks the requested output blocks; empty blocks of {read.operand} are skipped"
             else:
                 source, custom = self.join_source(n)

@@ -29,9 +29,8 @@ class MaskedWalk(KindsMixin):
         self.windows = windows
         self.window_counts: dict[str, str] = {}
         sources = [self.window_source(i, slot) for i, slot in windows.items()]
-        for n, read in enumerate(st.factors):
-            if self.k.operand(read.operand).sparsity == "mask":
-                sources.append(self.mask_source(n, applied_after_sum=not any(n in g.members for g in st.summed_groups)))
+        for s in self.choice.of("mask"):
+            sources.append(self.mask_source(s.factor, applied_after_sum=s.place == "after"))
         if windows:
             self.walk = "window" if len(sources) == len(windows) else "mask"
         # The output is written at every cell: its own blocks, zeros where nothing is computed.
