@@ -10,13 +10,15 @@ from __future__ import annotations
 from ..expr import Const, Expr, Load, Var, flat, names as expr_names, render
 from ..ir import Einsum
 from ..pytext import py_tuple
+from ..schedule.choice import Walk
 from .plan import ElementwisePass
 from .rules import elementwise_smem_bytes, elementwise_tiles, fail
 
 
 class ElementwiseLowering:
-    def __init__(self, ctx, st: Einsum):
+    def __init__(self, ctx, st: Einsum, walk: Walk):
         self.ctx, self.st = ctx, st
+        self.choice = walk  # the schedule's walk (schedule.choose_walk)
         self.k, self.conv, self.tile, self.names = ctx.k, ctx.conv, ctx.tile, ctx.names
         self.target = ctx.target
 
@@ -36,11 +38,13 @@ class ElementwiseLowering:
         if len(wide) < 2:
             self.fail(k.tile_span, f"an elementwise statement on GPUs has 2-D blocks: {target.text} needs two indices with tiles above 1")
         r, c = wide[-2], wide[-1]
-        if out_op.sparsity == "coo":
+        # Of the schedule's walks, a tile-by-tile copy runs the dense one and the masked one (a
+        # mask multiplied whole, a window written at offsets); not the coo ones.
+        if self.choice.name == "coo output":
             self.fail(target.span, "elementwise statements with a coo output are not lowered for GPUs yet")
-        for f in st.factors:
-            op = k.operand(f.operand)
-            if op.sparsity == "coo":
+        coo = {s.factor for s in self.choice.of("coo")}
+        for n, f in enumerate(st.factors):
+            if n in coo:
                 self.fail(f.span, f"'{f.text}' is coo in an elementwise statement: not lowered for GPUs yet")
             if set(f.indices) != set(target.indices):
                 self.fail(f.span, f"'{f.text}': an elementwise statement on GPUs multiplies factors with the output's indices (broadcasts are not lowered yet)")

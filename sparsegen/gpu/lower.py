@@ -13,6 +13,8 @@ from ..callconv import Convention, convention
 from ..expr import Expr
 from ..ir import Einsum, Kernel, Read
 from ..names import ModuleNames
+from ..schedule.build import operand_array
+from ..schedule.choice import choose_walk
 from ..source import Diagnostic
 from .elementwise import ElementwiseLowering
 from .plan import ElementwisePass, GpuError, GpuModule, ProductPass
@@ -50,15 +52,15 @@ class _Lowering:
 
     def source(self, read: Read) -> str:
         """The wrapper variable an operand is read from: an argument, or an earlier output."""
-        op = self.k.operand(read.operand)
-        if op.direction == "out":
-            return self.outputs[op.name]
-        return self.conv.param(op.name, "blocks" if op.sparsity == "coo" else None).internal
+        return operand_array(self.k, self.conv, self.outputs, read)
 
     def statement(self, st: Einsum) -> ProductPass | ElementwisePass:
-        if st.condition is not None:
-            raise GpuError([Diagnostic(st.span, "`where` conditions are not lowered for GPUs yet")])
-        return (ProductLowering if st.summed else ElementwiseLowering)(self, st).lower()
+        """The statement's pass, on the walk the schedule chooses for it (schedule.choose_walk)."""
+        walk = choose_walk(self.k, st)
+        if walk.name == "condition":
+            raise GpuError([Diagnostic(st.span, "`where` conditions are not lowered for GPUs yet (the schedule's condition walk); "
+                                                f"build '{self.k.name}' for a TPU target")])
+        return (ProductLowering if st.summed else ElementwiseLowering)(self, st, walk).lower()
 
     def lower(self) -> GpuModule:
         passes, errors = [], []

@@ -8,13 +8,16 @@ many steps its block takes and where they start, then runs `plgpu.emit_pipeline`
 dynamic count: TMA copies of an A tile and a B tile into shared memory per step, one WGMMA
 each, the accumulator in registers. A block nothing reaches runs zero steps, storing zeros.
 
-The walks (which steps a block takes) are the schedule's, said in GPU terms:
-- dense: every block along k;
-- rows / cols: a sparse A side (its coo blocks, or a mask factor's non-empty blocks) lists,
-  per row of output blocks, the blocks along k it holds; a sparse B side, per column;
+The walk (which steps a block takes) is the schedule's: `schedule.choose_walk` names it and
+the operand whose blocks decide it, and `walk_of` says it in GPU terms, or refuses it:
+- dense (the schedule's dense walk; a mask that is its group's covering factor is
+  multiplied whole): every block along k;
+- rows / cols (coo input, or masked by a factor covered in a summed group): a sparse A
+  side (its coo blocks, or the mask's non-empty blocks) lists, per row of output blocks,
+  the blocks along k it holds; a sparse B side, per column;
 - coo output: one cell per requested block, every block along k;
-- output mask: a mask applied after the sum; its empty blocks run no step, its all-ones
-  blocks are not read.
+- output mask (masked, by a factor applied after the sum): its empty blocks run no step,
+  its all-ones blocks are not read.
 
 The wrapper hands the kernel 2-D arrays: an operand with its grid coordinates leading,
 padded to whole blocks (ragged sizes), flattened; factors a covering factor multiplies are
@@ -28,20 +31,17 @@ from __future__ import annotations
 from ..expr import Const, Expr, Var, flat, names as expr_names, render
 from ..ir import Einsum, Read
 from ..pytext import py_tuple
+from ..schedule.choice import Source, Walk
 from .plan import Coord, Matrix, ProductPass
 from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def walk_needs_k(sources) -> bool:
-    """Does the walk skip blocks along k (a sparse factor of the product)?"""
-    return any(what in ("coo", "mask") for what, _ in sources)
-
-
 class ProductLowering:
-    def __init__(self, ctx, st: Einsum):
+    def __init__(self, ctx, st: Einsum, walk: Walk):
         self.ctx, self.st, self.k = ctx, st, ctx.k
+        self.choice = walk  # the schedule's walk (schedule.choose_walk)
         self.conv, self.tile = ctx.conv, ctx.tile
         self.names = ctx.names.scope()
         self.host: list[str] = []
@@ -49,7 +49,6 @@ class ProductLowering:
         self.kernel_lets: list[tuple[str, str]] = []
         self.step_lets: list[tuple[str, str]] = []
         self.statics: set[str] = set()
-        self.sparse_sources: list[tuple[str, Read]] = []
 
     # ------------------------------------------------------------ helpers
     def py(self, e: Expr) -> str:
@@ -156,7 +155,6 @@ class ProductLowering:
         why = ("  # the summed indices flattened into one contraction: a copy" if self.extra_sums else
                "  # tf32 WGMMA reads K-major tiles: a transposed copy") if copied else ""
         extras = [st.factors[e] for e in group.extras]
-        mask = None
         divisors = {s.index: s.divisor for s in main.subs}
         for e in extras:
             eop = k.operand(e.operand)
@@ -167,7 +165,8 @@ class ProductLowering:
             if eop.sparsity == "mask":
                 if set(e.indices) != set(main.indices):
                     fail(e.span, f"a mask factor on GPUs has the indices of the factor it multiplies ('{main.text}')")
-                mask = e
+        # The schedule's mask source, when this group holds it (covered: the main factor is not a mask's).
+        mask = next((st.factors[s.factor] for s in self.skipped() if s.place == "sum" and s.sparsity == "mask" and st.summed_groups[s.group] is group), None)
         var = names.local(f"{main.operand}_matrix")
         if op.sparsity == "coo":
             if extras:
@@ -185,7 +184,6 @@ class ProductLowering:
                 host.append(f"{var} = {blocks}.swapaxes(-1, -2){why}")
                 blocks = var
             host.append(f"{var} = {blocks}.reshape(-1, {blocks}.shape[-1])  # stored block s: rows s*tile..")
-            self.sparse_sources.append(("coo", main))
             return Matrix(op.name, var, mine, row, col, transposed, True, copied), None
         src = self.ctx.source(main)
         if extras:
@@ -207,7 +205,6 @@ class ProductLowering:
                     + (f", {columns})" if columns > 1 else ")") + why)
         mvar = None
         if mask is not None:
-            self.sparse_sources.append(("mask", mask))
             mvar = names.local(f"{mask.operand}_matrix")
             mperm = tuple(mask.indices.index(i) for i in order)
             host.append(f"{mvar} = _matrix({self.ctx.source(mask)}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, tiles))})")
@@ -220,8 +217,6 @@ class ProductLowering:
         self.end, self.end_mask = None, False
         if len(st.end_groups) > 1 or any(g.extras for g in st.end_groups):
             fail(st.span, "the GPU backend applies at most one factor after the sum")
-        if out_op.sparsity == "coo":
-            self.sparse_sources.append(("coo output", st.target))
         if not st.end_groups:
             return
         e = st.factors[st.end_groups[0].main]
@@ -237,21 +232,36 @@ class ProductLowering:
         self.host.append(f"{evar} = _matrix({self.ctx.source(e)}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))})")
         self.end = Matrix(eop.name, evar, ecoords, self.m, self.n, False, False)
         self.end_mask = eop.sparsity == "mask"
-        if self.end_mask:
-            self.sparse_sources.append(("output mask", e))
 
     # ------------------------------------------------------------ walks
+    def skipped(self) -> list[Source]:
+        """The schedule's sources whose blocks the GPU walk follows: A's side, B's, the output,
+        then a factor after the sum. A mask that is its group's covering factor is not one: it
+        is multiplied whole, every block along k (the schedule's masked walk skips its empty
+        blocks; here, the dense one)."""
+        groups = self.st.summed_groups
+        place = {"output": 2, "after": 3}
+
+        def order(s: Source) -> int:
+            return (0 if groups[s.group] is self.ga else 1) if s.place == "sum" else place[s.place]
+
+        return sorted((s for s in self.choice.sources if not (s.place == "sum" and s.sparsity == "mask" and not s.covered)), key=order)
+
     def walk_of(self) -> tuple[str, str | None]:
-        if not self.sparse_sources:
+        """The schedule's walk in GPU terms, and the operand whose blocks decide it."""
+        sources = self.skipped()
+        if not sources:
             return "dense", None
-        if len(self.sparse_sources) > 1:
-            what = " and ".join(f"'{r.operand}'" for _, r in self.sparse_sources)
+        if len(sources) > 1:
+            what = " and ".join(f"'{s.operand}'" for s in sources)
             fail(self.st.span, f"the GPU backend skips the blocks of one sparse operand per statement; here {what} both are")
-        what, read = self.sparse_sources[0]
-        if what in ("coo output", "output mask"):
-            return what, read.operand
-        on_a = read.operand == self.a.operand if what == "coo" else self.a_mask is not None
-        return ("rows" if on_a else "cols"), read.operand
+        (s,) = sources
+        if s.place == "output":  # the schedule's coo output walk
+            return "coo output", s.operand
+        if s.place == "after":  # masked, by a factor applied after the sum (a coo one was refused there)
+            return "output mask", s.operand
+        # coo input, or masked by a covered factor: the lines of output blocks on the side that holds it
+        return ("rows" if self.st.summed_groups[s.group] is self.ga else "cols"), s.operand
 
     def requested_cells(self) -> Expr:
         """A coo output: a cell per requested block, its coordinates from tables."""
@@ -397,7 +407,7 @@ class ProductLowering:
         self.KB = self.ctx.blocks(kidx)
         for i in self.extra_sums:
             self.KB = self.ctx.size(i) * self.KB
-        if self.extra_sums and walk_needs_k(self.sparse_sources):
+        if self.extra_sums and any(s.place == "sum" for s in self.skipped()):
             fail(st.span, f"the GPU backend skips blocks along one summed index; this statement sums over {', '.join(st.summed)}")
         walk, sparse = self.walk_of()
         self.var_of = {i: names.local(f"{i}_block" if i in (m, n) else i) for i in (*self.coords, m, n)}

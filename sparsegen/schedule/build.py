@@ -25,6 +25,15 @@ class ScheduleError(Exception):
         super().__init__(diagnostic.message)
 
 
+def operand_array(kernel: Kernel, conv: Convention, outputs: dict[str, str], read: Read) -> str:
+    """The wrapper variable an operand is read from: its argument (a coo input's stored
+    blocks), or the array of an output a statement above assigned (`outputs`). Every backend's."""
+    op = kernel.operand(read.operand)
+    if op.direction == "out":
+        return outputs[op.name]
+    return conv.param(op.name, "blocks" if op.sparsity == "coo" else None).internal
+
+
 class PassBuilder:
     walk = ""
 
@@ -120,10 +129,7 @@ class PassBuilder:
         return tuple(out)
 
     def array(self, read: Read) -> str:
-        op = self.k.operand(read.operand)
-        if op.direction == "out":  # an output a statement above assigned
-            return self.outputs[op.name]
-        return self.conv.param(op.name, "blocks" if op.sparsity == "coo" else None).internal
+        return operand_array(self.k, self.conv, self.outputs, read)
 
     def factor_block(self, n: int, coords, about: str = "", lets=()) -> Block:
         read = self.st.factors[n]
