@@ -72,7 +72,7 @@ class ProductPass:
 
     statement: Einsum
     output: str  # the output operand
-    walk: str  # "dense" | "rows" | "cols" | "coo output" | "output mask"
+    walk: str  # "dense" | "rows" | "cols" | "coo output" | "output mask": the schedule's walk (schedule.choose_walk) in GPU terms
     sparse: str | None  # the operand whose blocks decide the walk
     a: Matrix
     b: Matrix
