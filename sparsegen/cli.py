@@ -263,7 +263,7 @@ def cmd_plan(args) -> int:
         return 2
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the index maps run on the host
     from .tpu import simulate
-    from .tpu.verify import default_shapes, parse_shapes
+    from .shapes import default_shapes, parse_shapes
 
     try:
         shapes = parse_shapes(args.shape)
@@ -342,13 +342,14 @@ def cmd_verify(args) -> int:
             return 2
         shapes = _verify_options(args)
         return 2 if shapes is None else _verify_gpu(args, targets, shapes)
-    from .tpu import verify
     from .jaxenv import quiet_libtpu
+    from .tpu.verify import MissingLibtpu, require_libtpu
+    from .verify import verify_file
 
     quiet_libtpu()
     try:
-        verify.require_libtpu()
-    except verify.MissingLibtpu as exc:
+        require_libtpu()
+    except MissingLibtpu as exc:
         print(f"sparsegen verify: {exc}", file=sys.stderr)
         return 2
     shapes = _verify_options(args)
@@ -357,7 +358,7 @@ def cmd_verify(args) -> int:
     report, failed = [], False
     for spec in args.specs:
         try:
-            source, results = verify.verify_file(spec, targets, shapes, args.nnz, probe=not args.quick)
+            source, results = verify_file(spec, targets, shapes, args.nnz, probe=not args.quick)
         except SpecError as exc:
             print(exc.render(), file=sys.stderr)
             failed = True
@@ -383,7 +384,7 @@ def cmd_verify(args) -> int:
 
 def _verify_cycles(args, report, shapes):
     """`verify --cycles`: libtpu's cycle estimate per kernel (None after printing why not)."""
-    from .tpu import cycles
+    from . import cycles
 
     pattern = args.pattern or f"density={args.nnz}"
     try:
@@ -562,7 +563,7 @@ def cmd_variants(args) -> int:
         print(f"sparsegen variants: choose one kernel with --kernel (the spec has: {names})", file=sys.stderr)
         return 2
     kernel = found[0].kernel
-    from .tpu.verify import parse_shapes
+    from .shapes import parse_shapes
 
     try:
         options = vs.parse_tile_options(args.tile, kernel)

@@ -222,7 +222,7 @@ def estimate_cycles(variants: list[Variant], sizes: dict[str, int], pattern: str
     weighted) the variant keeps `cycles` None and says why in `cycles_reason`."""
     import subprocess
 
-    from .tpu import cycles
+    from . import cycles
 
     jobs = [{"spec": v.source.name, "text": v.source.text, "kernel": v.name, "target": target, "shapes": sizes,
              "pattern": pattern, "seed": seed, "backward": False} for v in variants]

@@ -14,6 +14,7 @@ import pytest
 from conftest import SPECS
 
 from sparsegen.cli import main
+from sparsegen.cycles import measure
 from sparsegen.tpu import cycles
 
 DENSE = """kernel mm {
@@ -29,7 +30,7 @@ DENSE = """kernel mm {
 
 def _measure(job: dict) -> cycles.KernelCycles:
     try:
-        (found,) = cycles.measure([{"seed": 0, "backward": False, **job}])
+        (found,) = measure([{"seed": 0, "backward": False, **job}])
     except cycles.NoProfile as exc:
         pytest.skip(f"this libtpu lacks {cycles.FLAG} (no static profile): {exc}")
     assert found.error is None, found.error

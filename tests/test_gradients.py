@@ -343,7 +343,7 @@ def test_grad_under_vmap(name):
 def test_verify_compiles_the_derived_gradients(tmp_path):
     """`verify` compiles the backward of the gradients that are derived (x's and y's), not
     refusing the kernel for sc's."""
-    from sparsegen.tpu.verify import verify_file
+    from sparsegen.verify import verify_file
 
     spec = tmp_path / "scaled.spk"
     spec.write_text(SCALED)

@@ -90,7 +90,7 @@ def test_attention_variants_drop_illegal_tiles(tmp_path, capsys):
 
 def test_rank_cycles_orders_by_the_estimate(tmp_path, capsys):
     """Two variants of a dense matmul, one profiled compile each."""
-    from sparsegen.tpu import cycles
+    from sparsegen import cycles
 
     spec = tmp_path / "mm.spk"
     spec.write_text(DENSE)
@@ -115,7 +115,7 @@ def test_rank_cycles_orders_by_the_estimate(tmp_path, capsys):
 
 def test_rank_cycles_puts_unknown_last_with_the_reason(tmp_path, capsys, monkeypatch):
     """A variant whose profile failed shows "unknown", ranks last and says why (no compile here)."""
-    from sparsegen.tpu import cycles
+    from sparsegen import cycles
 
     def measure(jobs):
         out = []
@@ -143,7 +143,7 @@ def test_rank_cycles_puts_unknown_last_with_the_reason(tmp_path, capsys, monkeyp
 
 
 def test_rank_cycles_without_a_profile_is_unknown_not_a_traceback(tmp_path, capsys, monkeypatch):
-    from sparsegen.tpu import cycles
+    from sparsegen import cycles
 
     def measure(jobs):
         raise cycles.NoProfile(f"libtpu wrote no estimated_cycles: this libtpu may not know {cycles.FLAG}")

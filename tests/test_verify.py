@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, SPECS, spec_text, with_tiles
 
+from sparsegen.verify import verify_file, verify_file_source
 from sparsegen.tpu import verify
 from sparsegen.cli import main
 from sparsegen.compiler import compile_source, load
@@ -24,7 +25,7 @@ EXAMPLES = sorted(str(p) for p in SPECS.glob("*.spk"))
 @pytest.mark.parametrize("target", ["v5e", "v6e", "v4"])
 @pytest.mark.parametrize("spec", EXAMPLES, ids=[Path(e).stem for e in EXAMPLES])
 def test_every_example_compiles_for_v5e_v6e_v4(spec, target):
-    source, results = verify.verify_file(spec, [target], probe=False)
+    source, results = verify_file(spec, [target], probe=False)
     # One result per kernel of the spec (masked_backward.spk has two).
     assert [r.kernel for r in results] == [k.name for k in load(spec)[1]]
     assert all(r.compiled for r in results), [(r.kernel, r.target, r.raw_error) for r in results if not r.compiled]
@@ -75,7 +76,7 @@ def test_no_tiling_passes_the_static_check_but_overflows_vmem_at_compile_time():
     accepted = 0
     for m, n, k in [(1024, 512, 512), (1024, 1024, 256), (512, 1024, 1024), (1024, 1024, 512), (2048, 1024, 256)]:
         source = SourceFile("edge.spk", with_tiles(spec_text("dsd_matmul"), m=m, n=n, k=k))
-        _, results = verify.verify_file_source(source, ["v4"], probe=False)
+        _, results = verify_file_source(source, ["v4"], probe=False)
         (r,) = results
         if r.vmem_estimate <= r.vmem_limit:
             accepted += 1

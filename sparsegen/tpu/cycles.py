@@ -27,7 +27,10 @@ selects per step (one per 31 steps of the grid); `walk` and `zero` both pay it, 
 cancels, but grids over MAX_STEPS steps are not weighted (the raw figure is given, marked).
 
 Like libtpu's flags, the profile must be set before libtpu loads, so the compiles run in a
-separate process (`python -m sparsegen.tpu.cycles REQUEST.json`), one for all kernels.
+separate process (`python -m sparsegen.cycles REQUEST.json`), one for all kernels. That
+process and its parent are the pipeline's part (`sparsegen/cycles.py`: each job's spec is
+checked, lowered and emitted there); this module takes the lowered module and its generated
+code (`estimate_job`), and holds what the estimate is made of.
 """
 
 from __future__ import annotations
@@ -36,13 +39,8 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import math
-import os
 import re
-import subprocess
-import sys
-import tempfile
 import types
 from dataclasses import dataclass, field
 
@@ -151,69 +149,6 @@ class KernelCycles:
             }
 
         return {"pattern": self.pattern, "forward": side(self.forward), "backward": side(self.backward) if self.backward else None, "error": self.error}
-
-
-# ------------------------------------------------------------------ the parent side
-
-
-def measure(jobs: list[dict], timeout: float = 3600) -> list[KernelCycles]:
-    """Run the helper process on `jobs` ({"spec", "kernel", "target", "shapes", "pattern", "seed"}
-    each; "backward": False leaves the backward out; "text": the spec's text, where "spec"
-    only names it). libtpu's profiler aborts the process on some kernels ("No DMA issue node found for
-    sync flag"): that pass is reported as not estimated, and a new process goes on after it.
-    NoProfile if this libtpu writes no estimate at all."""
-    from ..jaxenv import quiet_libtpu
-
-    quiet_libtpu()
-    results = [KernelCycles(j["kernel"], j["target"], j["pattern"]) for j in jobs]
-    done: set[tuple] = set()
-    for _ in range(64):  # one restart per aborted pass
-        with tempfile.TemporaryDirectory(prefix="sparsegen-cycles-") as tmp:
-            request = os.path.join(tmp, "request.json")
-            with open(request, "w") as f:
-                json.dump({"jobs": jobs, "skip": sorted(done)}, f)
-            env = {**os.environ, "LIBTPU_INIT_ARGS": f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {FLAG}={tmp}/profile".strip()}
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-            proc = subprocess.run([sys.executable, "-m", "sparsegen.tpu.cycles", request], capture_output=True, text=True, env=env, timeout=timeout)
-        started = None
-        for line in proc.stdout.splitlines():
-            if not line.startswith("{"):
-                continue
-            msg = json.loads(line)
-            if "no_profile" in msg:
-                raise NoProfile(msg["no_profile"])
-            key = (msg["job"], msg["side"], msg["index"])
-            if "starting" in msg:
-                started = key, msg["starting"]
-                continue
-            done.add(key)
-            started = None
-            r = results[msg["job"]]
-            if "error" in msg:
-                r.error = msg["error"]
-            else:
-                getattr(r, msg["side"]).append(_pass_from_json(msg["pass"]))
-        if proc.returncode == 0:
-            break
-        if started is None:
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-            raise CyclesUnavailable(f"the cycle-estimate process stopped (exit {proc.returncode}): {tail}")
-        key, name = started
-        why = next((line.split("] ", 1)[-1] for line in proc.stderr.splitlines() if line.startswith("F") and "] " in line), f"exit {proc.returncode}")
-        aborted = PassCycles(name, (), 0, None, None, note=f"not estimated: libtpu's static profiler aborted: {why}", order=key[2])
-        getattr(results[key[0]], key[1]).append(aborted)
-        done.add(key)
-    for r in results:
-        r.forward.sort(key=lambda p: p.order)
-        r.backward.sort(key=lambda p: p.order)
-    return results
-
-
-def _pass_from_json(d: dict) -> PassCycles:
-    regions = [Region(**r) for r in d.pop("regions")]
-    return PassCycles(**{**d, "grid": tuple(d["grid"])}, regions=regions)
-
 
 
 # ------------------------------------------------------------------ the helper process
@@ -580,24 +515,17 @@ def concrete_args(plan, env: dict[str, int], pattern: str, seed: int = 0):
     return args, keywords
 
 
-def run_job(n: int, job: dict, skip: set[tuple], emit_line) -> None:
-    """Estimate every pass of one job, printing a line before each (so that the parent knows
-    which one libtpu aborted on) and one with its result."""
-    from ..compiler import lower_source
-    from ..shapes import _load, sizes
-    from ..source import SourceFile
-    from ..backends import emit_module as emit
+def estimate_job(n: int, job: dict, plan, module, skip: set[tuple], emit_line) -> None:
+    """Estimate every pass of one job, given its lowered `plan` and its generated `module`
+    (loaded), printing a line before each (so that the parent knows which one libtpu
+    aborted on) and one with its result."""
+    from ..shapes import sizes
     from .targets import TARGETS
     from .verify import _device
 
     try:
-        # A variant's spec exists only as text (`variants --rank cycles`).
-        source = SourceFile(job["spec"], job["text"]) if "text" in job else SourceFile.read(job["spec"])
-        plan = next(p for p in lower_source(source, job["target"]) if p.name == job["kernel"])
-        k = plan.kernel
-        env = sizes(k, job["shapes"])
+        env = sizes(plan.kernel, job["shapes"])
         args, keywords = concrete_args(plan, env, job["pattern"], job.get("seed", 0))
-        module = _load(emit(plan, source.name), f"cycles_{plan.name}")
         with_backward = job.get("backward", True) and not plan.backward_error and plan.has_backward
         sides = dict(zip(("forward", "backward"), capture(getattr(module, plan.name), args, keywords, with_backward, module.pl)))
         target, device = TARGETS[job["target"]], _device(TARGETS[job["target"]].topology)
@@ -624,39 +552,7 @@ def _first_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def main(path: str) -> None:
-    if FLAG not in os.environ.get("LIBTPU_INIT_ARGS", ""):
-        sys.exit(f"sparsegen.tpu.cycles: LIBTPU_INIT_ARGS must carry {FLAG}=DIR before libtpu loads")
-    with open(path) as f:
-        request = json.load(f)
-    skip = {tuple(key) for key in request["skip"]}
-
-    def emit_line(msg):
-        print(json.dumps(msg), flush=True)
-
-    try:
-        for n, job in enumerate(request["jobs"]):
-            run_job(n, job, skip, emit_line)
-    except NoProfile as exc:
-        emit_line({"no_profile": str(exc)})
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-
-
 # ------------------------------------------------------------------ verify --cycles
-
-
-def for_verify(report, shapes: dict[str, int], pattern: str, seed: int = 0) -> dict[tuple[str, str, str], KernelCycles]:
-    """The estimate of every kernel `verify` compiled: {(spec, kernel, target): KernelCycles}."""
-    jobs, keys = [], []
-    for spec, _, results in report:
-        for r in results:
-            if r.compiled:
-                jobs.append({"spec": spec, "kernel": r.kernel, "target": r.target, "shapes": shapes, "pattern": pattern, "seed": seed})
-                keys.append((spec, r.kernel, r.target))
-    return dict(zip(keys, measure(jobs))) if jobs else {}
 
 
 def print_table(found: dict[tuple[str, str, str], KernelCycles], pattern: str) -> None:

@@ -1,6 +1,7 @@
 """`sparsegen verify`: compile kernels ahead of time for TPU targets through libtpu, no TPU needed.
 
-For each kernel and target: does it compile, how much VMEM the compiler needs (found by
+This is the TPU's part: it takes a lowered module (`sparsegen/verify.py` checks and lowers
+the spec through the compiler and hands each kernel's module here). For each kernel and target: does it compile, how much VMEM the compiler needs (found by
 probing: compile with a tiny `vmem_limit_bytes` and raise it by what each failure says
 is missing, until it compiles), SMEM for the prefetch tables, the compiled cost analysis
 and the compile time. Failures point back at the spec.
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 
 from ..expr import evaluate
 from ..source import Diagnostic, SourceFile
-from ..shapes import _load, arg_structs, concrete, default_shapes, differentiated, parse_shapes, stored_blocks  # noqa: F401 (re-exported)
-from ..backends import emit_module as emit
+from ..shapes import _load, concrete, differentiated
+from .attention import AttentionModule, emit_attention
+from .emit import emit_einsum
 from .lower import TpuModule
 from .suggest import suggest_tiles
 from .targets import TARGETS, format_bytes
@@ -89,6 +91,11 @@ class Result:
 # ----------------------------------------------------------------- compile
 
 
+def _emit(plan, origin: str) -> str:
+    """A TPU module's source: the row walk's (attention-like kernels) or the einsum walk's."""
+    return emit_attention(plan, origin) if isinstance(plan, AttentionModule) else emit_einsum(plan, origin)
+
+
 def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, vmem_limit=None, backward: bool = False):
     import jax
     import jax.numpy as jnp
@@ -98,7 +105,7 @@ def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywor
         plan = dataclasses.replace(plan, vmem_limit_override=vmem_limit)
     elif vmem_limit is not None:
         plan = dataclasses.replace(plan, passes=tuple(dataclasses.replace(tp, vmem_limit_override=vmem_limit) for tp in plan.passes))
-    module = _load(emit(plan, source.name), f"verify_{plan.name}")
+    module = _load(_emit(plan, source.name), f"verify_{plan.name}")
     fn = getattr(module, plan.name)
     device = _device(TARGETS[target_name].topology)
     sharding = SingleDeviceSharding(device)
@@ -237,27 +244,3 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
     if probe:
         result.vmem_used = probe_vmem(plan, source, target, args, keywords, start=max(4096, plan.vmem_bytes // 2 // 4096 * 4096))
     return result
-
-
-def verify_file(path, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
-    """Check a spec once, then plan, budget-check and compile each kernel per target.
-    A spec error raises SpecError; a kernel that does not fit a target is a failed Result."""
-    return verify_file_source(SourceFile.read(path), targets, shapes, nnz, probe)
-
-
-def verify_file_source(source: SourceFile, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
-    from ..compiler import check_source, lower_for_tpu
-
-    kernels = check_source(source)
-    results = []
-    for kernel in kernels:
-        for target in targets:
-            chip = TARGETS[target]
-            plan, problems = lower_for_tpu(kernel, chip)
-            if problems:
-                env = {**default_shapes(kernel), **(shapes or {})}
-                results.append(Result(kernel.name, target, False, {s: env.get(s, lit) for s, lit in kernel.symbols}, None,
-                                      plan.vmem_bytes if plan else 0, vmem_limit=chip.vmem_bytes, smem_limit=chip.smem_bytes, error=problems[0]))
-                continue
-            results.append(verify_plan(plan, source, target, shapes, nnz, probe))
-    return source, results
