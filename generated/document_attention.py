@@ -355,53 +355,29 @@ def _classify_blocks(xp, seg, sizes):
     """Per block: empty, partial or full. Work in the number of blocks (operands: one pass
     over their elements); xp is numpy when only sizes matter, jax.numpy under jit."""
     B, H, S, D = sizes
-    b_block = xp.arange(-(-B // 1)).reshape((-1, 1, 1))
-    b_lo = b_block * 1
-    i_block = xp.arange(-(-S // 256)).reshape((1, -1, 1))
+    seg_min, seg_max = _block_min_max(seg, (1, 256))
+    seg_min_bi = _expand(seg_min, "ab", "abz")
+    seg_max_bi = _expand(seg_max, "ab", "abz")
+    seg_min_bj = _expand(seg_min, "ab", "azb")
+    seg_max_bj = _expand(seg_max, "ab", "azb")
+    i_block = xp.reshape(xp.arange(-(-S // 256)), (1, -1, 1))
     i_lo = i_block * 256
     i_hi = xp.minimum(i_lo + 256, S) - 1
-    j_block = xp.arange(-(-S // 256)).reshape((1, 1, -1))
+    j_block = xp.reshape(xp.arange(-(-S // 256)), (1, 1, -1))
     j_lo = j_block * 256
     j_hi = xp.minimum(j_lo + 256, S) - 1
-    seg_min, seg_max = _block_min_max(
-        seg,
-        (
-            1,
-            256,
-        ),
-    )
-    seg_min, seg_max = _expand(seg_min, "ab", "abz"), _expand(seg_max, "ab", "abz")
-    seg_min_, seg_max_ = _block_min_max(
-        seg,
-        (
-            1,
-            256,
-        ),
-    )
-    seg_min_, seg_max_ = _expand(seg_min_, "ab", "azb"), _expand(seg_max_, "ab", "azb")
     can = xp.broadcast_to(
-        ((seg_max - seg_min_) >= 0)
-        & ((seg_min - seg_max_) <= 0)
-        & (0 <= 0)
-        & ((i_hi - j_lo) >= 0),
-        (
-            b_lo.size,
-            i_lo.size,
-            j_lo.size,
-        ),
+        (seg_max_bi - seg_min_bj >= 0)
+        & (seg_min_bi - seg_max_bj <= 0)
+        & (i_hi - j_lo >= 0),
+        (B, -(-S // 256), -(-S // 256)),
     )
     must = xp.broadcast_to(
-        (
-            ((seg_min - seg_max_) >= 0)
-            & ((seg_max - seg_min_) <= 0)
-            & ((i_lo - j_hi) >= 0)
-        )
+        (seg_min_bi - seg_max_bj >= 0)
+        & (seg_max_bi - seg_min_bj <= 0)
+        & (i_lo - j_hi >= 0)
         & ~((i_lo + 256 > S) | (j_lo + 256 > S)),
-        (
-            b_lo.size,
-            i_lo.size,
-            j_lo.size,
-        ),
+        (B, -(-S // 256), -(-S // 256)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 

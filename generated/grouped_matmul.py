@@ -485,26 +485,16 @@ def _o_index_map(n, step, k, step_row, *_):
 def _classify(xp, gid, sizes):
     """Per (row block, column block) of the condition: empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands)."""
     M, K, E, N = sizes
-    m_block = xp.arange(-(-M // 512)).reshape((-1, 1))
-    m_lo = m_block * 512
-    g_block = xp.arange(-(-E // 1)).reshape((1, -1))
-    g_lo = g_block * 1
-    g_hi = xp.minimum(g_lo + 1, E) - 1
+    g_block = xp.reshape(xp.arange(E), (1, -1))
+    g_lo = g_block
     gid_min, gid_max = _block_min_max(gid, (512,))
-    gid_min, gid_max = _expand(gid_min, "a", "az"), _expand(gid_max, "a", "az")
+    gid_min_m = _expand(gid_min, "a", "az")
+    gid_max_m = _expand(gid_max, "a", "az")
     can = xp.broadcast_to(
-        ((-g_lo + gid_max) >= 0) & ((-g_hi + gid_min) <= 0) & (0 <= 0),
-        (
-            m_lo.size,
-            g_lo.size,
-        ),
+        (-g_lo + gid_max_m >= 0) & (-g_lo + gid_min_m <= 0), (-(-M // 512), E)
     )
     must = xp.broadcast_to(
-        ((-g_hi + gid_min) >= 0) & ((-g_lo + gid_max) <= 0),
-        (
-            m_lo.size,
-            g_lo.size,
-        ),
+        (-g_lo + gid_min_m >= 0) & (-g_lo + gid_max_m <= 0), (-(-M // 512), E)
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
@@ -701,26 +691,16 @@ def _d_w_d_w_index_map(k, n, step, step_row, *_):
 def _d_w_classify(xp, gid, sizes):
     """Per (row block, column block) of the condition: empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands)."""
     M, K, E, N = sizes
-    g_block = xp.arange(-(-E // 1)).reshape((-1, 1))
-    g_lo = g_block * 1
-    g_hi = xp.minimum(g_lo + 1, E) - 1
-    m_block = xp.arange(-(-M // 512)).reshape((1, -1))
-    m_lo = m_block * 512
+    g_block = xp.reshape(xp.arange(E), (-1, 1))
+    g_lo = g_block
     gid_min, gid_max = _block_min_max(gid, (512,))
-    gid_min, gid_max = _expand(gid_min, "a", "za"), _expand(gid_max, "a", "za")
+    gid_min_m = _expand(gid_min, "a", "za")
+    gid_max_m = _expand(gid_max, "a", "za")
     can = xp.broadcast_to(
-        ((-g_lo + gid_max) >= 0) & ((-g_hi + gid_min) <= 0) & (0 <= 0),
-        (
-            g_lo.size,
-            m_lo.size,
-        ),
+        (-g_lo + gid_max_m >= 0) & (-g_lo + gid_min_m <= 0), (E, -(-M // 512))
     )
     must = xp.broadcast_to(
-        ((-g_hi + gid_min) >= 0) & ((-g_lo + gid_max) <= 0),
-        (
-            g_lo.size,
-            m_lo.size,
-        ),
+        (-g_lo + gid_min_m >= 0) & (-g_lo + gid_max_m <= 0), (E, -(-M // 512))
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 

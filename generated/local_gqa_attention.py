@@ -353,26 +353,20 @@ def _classify_blocks(xp, sizes):
     """Per block: empty, partial or full. Work in the number of blocks (operands: one pass
     over their elements); xp is numpy when only sizes matter, jax.numpy under jit."""
     B, H, S, D, G = sizes
-    i_block = xp.arange(-(-S // 256)).reshape((-1, 1))
+    i_block = xp.reshape(xp.arange(-(-S // 256)), (-1, 1))
     i_lo = i_block * 256
     i_hi = xp.minimum(i_lo + 256, S) - 1
-    j_block = xp.arange(-(-S // 512)).reshape((1, -1))
+    j_block = xp.reshape(xp.arange(-(-S // 512)), (1, -1))
     j_lo = j_block * 512
     j_hi = xp.minimum(j_lo + 512, S) - 1
     can = xp.broadcast_to(
-        ((i_hi - j_lo) >= 0) & ((i_lo - j_hi) <= -(-1024) - 1) & (0 <= -(-1024) - 1),
-        (
-            i_lo.size,
-            j_lo.size,
-        ),
+        (i_hi - j_lo >= 0) & (i_lo - j_hi <= 1023), (-(-S // 256), -(-S // 512))
     )
     must = xp.broadcast_to(
-        (((i_lo - j_hi) >= 0) & ((i_hi - j_lo) <= -(-1024) - 1))
+        (i_lo - j_hi >= 0)
+        & (i_hi - j_lo <= 1023)
         & ~((i_lo + 256 > S) | (j_lo + 512 > S)),
-        (
-            i_lo.size,
-            j_lo.size,
-        ),
+        (-(-S // 256), -(-S // 512)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 

@@ -353,31 +353,14 @@ def _classify_blocks(xp, keep, sizes):
     """Per block: empty, partial or full. Work in the number of blocks (operands: one pass
     over their elements); xp is numpy when only sizes matter, jax.numpy under jit."""
     H, S, D, T = sizes
-    i_block = xp.arange(-(-S // 128)).reshape((-1, 1))
+    keep_any, keep_all = _block_any_all(keep != 0, (128, 128))
+    i_block = xp.reshape(xp.arange(-(-S // 128)), (-1, 1))
     i_lo = i_block * 128
-    j_block = xp.arange(-(-T // 128)).reshape((1, -1))
+    j_block = xp.reshape(xp.arange(-(-T // 128)), (1, -1))
     j_lo = j_block * 128
-    keep_any, keep_all = _block_any_all(
-        keep != 0,
-        (
-            128,
-            128,
-        ),
-    )
-    keep_any, keep_all = _expand(keep_any, "ab", "ab"), _expand(keep_all, "ab", "ab")
-    can = xp.broadcast_to(
-        keep_any,
-        (
-            i_lo.size,
-            j_lo.size,
-        ),
-    )
+    can = xp.broadcast_to(keep_any, (-(-S // 128), -(-T // 128)))
     must = xp.broadcast_to(
-        (keep_all) & ~((i_lo + 128 > S) | (j_lo + 128 > T)),
-        (
-            i_lo.size,
-            j_lo.size,
-        ),
+        keep_all & ~((i_lo + 128 > S) | (j_lo + 128 > T)), (-(-S // 128), -(-T // 128))
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 

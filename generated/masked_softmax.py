@@ -280,24 +280,15 @@ def _classify_blocks(xp, sizes):
     """Per block: empty, partial or full. Work in the number of blocks (operands: one pass
     over their elements); xp is numpy when only sizes matter, jax.numpy under jit."""
     S, T = sizes
-    i_block = xp.arange(-(-S // 128)).reshape((-1, 1))
+    i_block = xp.reshape(xp.arange(-(-S // 128)), (-1, 1))
     i_lo = i_block * 128
-    j_block = xp.arange(-(-T // 128)).reshape((1, -1))
+    j_block = xp.reshape(xp.arange(-(-T // 128)), (1, -1))
     j_lo = j_block * 128
     j_hi = xp.minimum(j_lo + 128, T) - 1
-    can = xp.broadcast_to(
-        True,
-        (
-            i_lo.size,
-            j_lo.size,
-        ),
-    )
+    can = xp.broadcast_to(True, (-(-S // 128), -(-T // 128)))
     must = xp.broadcast_to(
-        ((((i_lo - j_hi) >= 0))) & ~((i_lo + 128 > S) | (j_lo + 128 > T)),
-        (
-            i_lo.size,
-            j_lo.size,
-        ),
+        (i_lo - j_hi >= 0) & ~((i_lo + 128 > S) | (j_lo + 128 > T)),
+        (-(-S // 128), -(-T // 128)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 

@@ -418,26 +418,14 @@ def _o_index_map(n, step, step_row, *_):
 def _classify(xp, sizes):
     """Per (row block, column block) of the condition: empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands)."""
     M, N = sizes
-    m_block = xp.arange(-(-M // 512)).reshape((-1, 1))
-    m_lo = m_block * 512
-    m_hi = xp.minimum(m_lo + 512, M) - 1
-    k_block = xp.arange(-(-M // 512)).reshape((1, -1))
+    k_block = xp.reshape(xp.arange(-(-M // 512)), (1, -1))
     k_lo = k_block * 512
     k_hi = xp.minimum(k_lo + 512, M) - 1
-    can = xp.broadcast_to(
-        ((k_lo - m_hi) <= 0),
-        (
-            m_lo.size,
-            k_lo.size,
-        ),
-    )
-    must = xp.broadcast_to(
-        ((k_hi - m_lo) <= 0),
-        (
-            m_lo.size,
-            k_lo.size,
-        ),
-    )
+    m_block = xp.reshape(xp.arange(-(-M // 512)), (-1, 1))
+    m_lo = m_block * 512
+    m_hi = xp.minimum(m_lo + 512, M) - 1
+    can = xp.broadcast_to(k_lo - m_hi <= 0, (-(-M // 512), -(-M // 512)))
+    must = xp.broadcast_to(k_hi - m_lo <= 0, (-(-M // 512), -(-M // 512)))
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 
@@ -617,26 +605,14 @@ def _d_y_d_y_index_map(n, step, step_row, *_):
 def _d_y_classify(xp, sizes):
     """Per (row block, column block) of the condition: empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands)."""
     M, N = sizes
-    k_block = xp.arange(-(-M // 512)).reshape((-1, 1))
+    k_block = xp.reshape(xp.arange(-(-M // 512)), (-1, 1))
     k_lo = k_block * 512
     k_hi = xp.minimum(k_lo + 512, M) - 1
-    m_block = xp.arange(-(-M // 512)).reshape((1, -1))
+    m_block = xp.reshape(xp.arange(-(-M // 512)), (1, -1))
     m_lo = m_block * 512
     m_hi = xp.minimum(m_lo + 512, M) - 1
-    can = xp.broadcast_to(
-        ((k_lo - m_hi) <= 0),
-        (
-            k_lo.size,
-            m_lo.size,
-        ),
-    )
-    must = xp.broadcast_to(
-        ((k_hi - m_lo) <= 0),
-        (
-            k_lo.size,
-            m_lo.size,
-        ),
-    )
+    can = xp.broadcast_to(k_lo - m_hi <= 0, (-(-M // 512), -(-M // 512)))
+    must = xp.broadcast_to(k_hi - m_lo <= 0, (-(-M // 512), -(-M // 512)))
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 

@@ -2,7 +2,9 @@
 
 The planner builds these trees; the emitter renders them as Python for Pallas
 (integer division as `lax.div`, which lowers for TPU without needing the chip's
-identity, unlike `//` on signed values) and `plan` renders them for people.
+identity, unlike `//` on signed values) and `plan` renders them for people. Host array
+code over `xp` (numpy at trace time, jax.numpy for traced operands: the block
+classification) is rendered from the same trees in the "xp" style.
 """
 
 from __future__ import annotations
@@ -102,6 +104,30 @@ class Call(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class Not(Expr):
+    """Elementwise logical not of a truth array (`~a`)."""
+
+    a: Expr
+
+
+@dataclass(frozen=True, eq=False)
+class Neg(Expr):
+    a: Expr
+
+
+@dataclass(frozen=True, eq=False)
+class Lit(Expr):
+    """An atom of host code written as it is: a string literal, `True`, an operand's slice."""
+
+    text: str
+
+
+@dataclass(frozen=True, eq=False)
+class Tup(Expr):
+    items: tuple[Expr, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class Max(Expr):
     a: Expr
     b: Expr
@@ -160,12 +186,23 @@ def flat(coords: list[Expr], extents: list[Expr]) -> Expr:
 _PREC = {"==": 1, "!=": 1, "<": 1, ">": 1, "<=": 1, ">=": 1, "|": 2, "&": 3, "+": 4, "-": 4, "*": 5, "//": 5, "%": 5}
 
 
+_UNARY = 6  # -a, ~a: tighter than * and //, looser than an atom
+
+
 def _render(e: Expr, style: str) -> tuple[str, int]:
     """Render with minimal parentheses; returns (text, precedence)."""
     if isinstance(e, Var):
         return e.name, 9
     if isinstance(e, Const):
-        return str(e.value), 9
+        return str(e.value), (9 if e.value >= 0 else _UNARY)
+    if isinstance(e, Lit):
+        return e.text, 9
+    if isinstance(e, Tup):
+        items = [render(x, style) for x in e.items]
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")", 9
+    if isinstance(e, (Not, Neg)):
+        a, pa = _render(e.a, style)
+        return ("~" if isinstance(e, Not) else "-") + (a if pa >= _UNARY else f"({a})"), _UNARY
     if isinstance(e, Load):
         return f"{e.array}[{render(e.index, style)}]", 9
     if isinstance(e, Call):
@@ -173,16 +210,20 @@ def _render(e: Expr, style: str) -> tuple[str, int]:
         return f"{fn}({', '.join(render(a, style) for a in e.args)})", 9
     if isinstance(e, (Max, Min)):
         word = "max" if isinstance(e, Max) else "min"
-        fn = f"jnp.{word}imum" if style == "py" else word
+        fn = f"jnp.{word}imum" if style == "py" else f"xp.{word}imum" if style == "xp" else word
         return f"{fn}({render(e.a, style)}, {render(e.b, style)})", 9
     if isinstance(e, Where):
         if style != "text":
-            return f"jnp.where({render(e.cond, style)}, {render(e.a, style)}, {render(e.b, style)})", 9
+            return f"{'xp' if style == 'xp' else 'jnp'}.where({render(e.cond, style)}, {render(e.a, style)}, {render(e.b, style)})", 9
         return f"({render(e.a, style)} if {render(e.cond, style)} else {render(e.b, style)})", 9
     if isinstance(e, Bin):
         if e.op == "cdiv":
             if style == "text":
                 return f"ceil({render(e.a, style)} / {render(e.b, style)})", 9
+            if style == "xp":
+                a, pa = _render(e.a, style)
+                b, pb = _render(e.b, style)
+                return f"-(-{a if pa >= _UNARY else f'({a})'} // {b if pb > 5 else f'({b})'})", _UNARY
             return f"pl.cdiv({render(e.a, style)}, {render(e.b, style)})", 9
         if style == "py" and e.op in ("//", "%"):  # device code
             fn = "lax.div" if e.op == "//" else "lax.rem"
@@ -202,7 +243,8 @@ def _render(e: Expr, style: str) -> tuple[str, int]:
 
 
 def render(e: Expr, style: str = "py") -> str:
-    """`style` is "py" (Pallas device code), "host" (plain Python) or "text" (for people)."""
+    """`style` is "py" (Pallas device code), "host" (plain Python), "xp" (host array code
+    over `xp`, numpy or jax.numpy) or "text" (for people)."""
     return _render(e, style)[0]
 
 
@@ -223,8 +265,12 @@ def names(e: Expr) -> set[str]:
     """Variables and arrays an expression reads."""
     if isinstance(e, Var):
         return {e.name}
-    if isinstance(e, Const):
+    if isinstance(e, (Const, Lit)):
         return set()
+    if isinstance(e, (Not, Neg)):
+        return names(e.a)
+    if isinstance(e, Tup):
+        return set().union(*(names(x) for x in e.items))
     if isinstance(e, Load):
         return {e.array} | names(e.index)
     if isinstance(e, Call):

@@ -78,3 +78,41 @@ def test_max_steps_covers_a_key_side_walk_longer_than_the_forward_one():
     # Under jit the operands are traced: a walk cut short makes what it feeds NaN, never wrong.
     cut = jax.jit(lambda *a: gradients(lambda *x: mod.cond_attention(*x, max_steps=4, interpret=True), list(a), 3))(*args)
     assert np.isnan(np.asarray(cut[1])).all()
+
+
+PER_HEAD_MASK = """kernel bh_attention {{
+    in  q: f32[B, {H}, S, D]
+    in  k: f32[B, {H}, T, D]
+    in  v: f32[B, {H}, T, D]
+    in  keep: i8[B, {H}, S, T] mask
+    out o: f32[B, {H}, S, D]
+
+    s[b, h, i, j] = q[b, h, i, d] * k[b, h, j, d] where keep[b, h, i, j]
+    o[b, h, i, e] = softmax(s[b, h, i, j], j) * v[b, h, j, e]
+
+    tile b = 1, h = 1, i = 128, j = 128, d = 128, e = 128
+}}
+"""
+
+
+@pytest.mark.parametrize("heads", ["H", "3"])
+def test_a_condition_over_two_lead_indices(interpret, heads):
+    """The walk's tables hold a group of steps per (b, h): a step's entry is
+    `(b * H + h) * steps + t`. It was written `(b) * H + h * steps + t` (a wrong entry: a
+    silent wrong answer with H = 3, a NameError with a symbolic H, which the index maps were
+    not passed)."""
+    _, mod = build(PER_HEAD_MASK.format(H=heads))
+    rng = np.random.default_rng(0)
+    B, H, S, T = 2, 3, 256, 384
+    q, k, v = (rng.standard_normal((B, H, n, 128)).astype(np.float32) for n in (S, T, T))
+    blocks = rng.random((B, H, S // 128, T // 128)) < 0.6
+    blocks[..., 0] = True
+    keep = np.repeat(np.repeat(blocks, 128, 2), 128, 3).astype(np.int8)
+    s = np.where(keep != 0, np.einsum("bhid,bhjd->bhij", q, k), -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhij,bhje->bhie", p / p.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(np.asarray(mod.bh_attention(q, k, v, keep, interpret=interpret)), want, atol=2e-3, rtol=2e-3)
+    if heads == "3":  # the backward's walks (dq over rows, dk/dv over keys) read the same slots
+        args = [jnp.asarray(x) for x in (q, k, v, keep)]
+        got = gradients(lambda *a: mod.bh_attention(*a, interpret=interpret), args, 3)
+        assert_gradients_match(got, gradients(mod.reference, args, 3), bf16=False)

@@ -235,6 +235,23 @@ def test_random_affine_conditions_on_the_sum(lo, width, outside):
     assert_matches(kernel, mod.reference(x, y), want)
 
 
+@pytest.mark.parametrize("cond", ["not (m % N < 3)", "not (k % N < 5 and m >= 3)"])
+def test_a_negated_condition_the_classifier_cannot_bound_is_partial_not_full(interpret, cond):
+    """`m % N` (a size divisor) has no block range: its comparison is "maybe" (can, not
+    must); its negation must stay "maybe". The classification used to write `~(True)` (-2 in
+    Python, truthy), so every block was full and the condition silently dropped."""
+    kernel, mod = build(AFFINE.format(cond=cond))
+    rng = np.random.default_rng(5)
+    m, kk, n = 256, 128, 128
+    x, y = rng.standard_normal((m, kk), dtype=np.float32), rng.standard_normal((kk, n), dtype=np.float32)
+    mi, ki = np.arange(m)[:, None], np.arange(kk)[None, :]
+    present = ~(mi % n < 3) if cond.startswith("not (m") else ~((ki % n < 5) & (mi >= 3))
+    want = np.einsum("mk,mk,kn->mn", np.broadcast_to(present, (m, kk)).astype(np.float64), x, y)
+    assert 2 not in np.asarray(mod._classify(np, (m, kk, n)))
+    assert_matches(kernel, mod.banded(x, y, interpret=interpret), want)
+    assert_matches(kernel, mod.reference(x, y), want)
+
+
 def test_a_condition_no_factor_can_select_is_refused():
     from sparsegen.source import SpecError
 

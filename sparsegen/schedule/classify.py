@@ -1,15 +1,17 @@
-"""Block classification, backend-neutral: a condition over a walk's class axes as host code
-(numpy at trace time, jax.numpy for traced operands) computing, per block, whether it is
-empty, partial or full. The row walk (attention) and the condition walk (a product's
-terms) both classify with it; the kernel-side evaluation of a condition is the target's.
+"""Block classification, backend-neutral: a condition over a walk's class axes as an
+expression tree (`Classification`, over `expr` nodes) computing, per block, whether it is
+empty, partial or full; rendered as host array code over `xp` (numpy at trace time,
+jax.numpy for traced operands), the same for every target. The row walk (attention) and
+the condition walk (a product's terms) both classify with it; the kernel-side evaluation
+of a condition is the target's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..expr import Call, Const, Expr, Lit, Min, Neg, Not, Tup, Var, Where, lift, render
 from ..ir import Kernel, Read, Term
-from ..expr import render
 from ..pytext import live_lines
 from ..terms import as_read
 
@@ -35,65 +37,136 @@ class Conditions:
     kernel: Kernel  # whose operands the conditions read
 
 
+TRUE, FALSE = Lit("True"), Lit("False")
+XP = Var("xp")
+
+
+@dataclass(frozen=True)
+class Classification:
+    """A condition's block kinds as trees: `lets` (names bound in order: block ranges,
+    per-block statistics of operands), then `can` (some element may be present) and `must`
+    (every element is), broadcast to `shape` (blocks per class axis)."""
+
+    lets: tuple[tuple[tuple[str, ...], Expr], ...]
+    can: Expr
+    must: Expr
+    shape: Expr
+
+    def lines(self) -> list[str]:
+        """The classification as host code over `xp`, ending in `return kinds`; the lets
+        nothing reads are dropped."""
+        tail = [
+            f"can = xp.broadcast_to({render(self.can, 'xp')}, {render(self.shape, 'xp')})",
+            f"must = xp.broadcast_to({render(self.must, 'xp')}, {render(self.shape, 'xp')})",
+            f"return xp.where(can, xp.where(must, {FULL}, {PARTIAL}), {EMPTY}).astype(xp.int32)",
+        ]
+        lets = [f"{', '.join(names)} = {render(value, 'xp')}" for names, value in self.lets]
+        return live_lines(lets, *tail) + tail
+
+
+def all_of(parts: list[Expr]) -> Expr:
+    """The truth arrays and-ed (literals folded: `~True` is -2 in Python, never written)."""
+    if any(p is FALSE for p in parts):
+        return FALSE
+    parts = [p for p in parts if p is not TRUE]
+    if not parts:
+        return TRUE
+    out = parts[0]
+    for p in parts[1:]:
+        out = out & p
+    return out
+
+
+def any_of(parts: list[Expr]) -> Expr:
+    if any(p is TRUE for p in parts):
+        return TRUE
+    parts = [p for p in parts if p is not FALSE]
+    if not parts:
+        return FALSE
+    out = parts[0]
+    for p in parts[1:]:
+        out = out | p
+    return out
+
+
+def negation(e: Expr) -> Expr:
+    return FALSE if e is TRUE else TRUE if e is FALSE else Not(e)
+
+
+def _extreme(fn: str, values: list[Expr]) -> Expr:
+    return values[0] if len(values) == 1 else Call(fn, (XP, *values))
+
+
 class Classifier:
-    """Host code (over `xp`: numpy at trace time, or jax.numpy for traced operands) that
-    computes the block kinds of a row plan's condition (or any `Conditions`)."""
+    """The block kinds of a row plan's condition (or any `Conditions`) as a `Classification`."""
 
     def __init__(self, plan: Conditions, conv, local, tile_of, size_of):
         self.p = plan
         self.conv = conv
         self.local = local  # a fresh local name
         self.tile_of = tile_of
-        self.size_of = size_of  # index -> host expression of its size
-        self.lines: list[str] = []
+        self.size_of = size_of  # index -> its size (an expr over the wrapper's size variables)
+        self.lets: list[tuple[tuple[str, ...], Expr]] = []
         self.axes = plan.class_axes
-        self.ranges: dict[str, tuple[str, str]] = {}
-        self.read_ranges: dict[Read, tuple[str, str]] = {}
+        self.ranges: dict[str, tuple[Expr, Expr]] = {}
+        self.read_ranges: dict[Read, tuple[Expr, Expr]] = {}
+        self.stats: dict[tuple, tuple[str, str]] = {}  # (helper, array, tiles) -> its two results
 
-    def shape_for(self, indices) -> str:
+    def let(self, name: str, value: Expr) -> Var:
+        self.lets.append(((name,), value))
+        return Var(name)
+
+    def place(self, indices) -> Expr:
         """A reshape target putting `indices` on their class axes (1 elsewhere)."""
-        return "(" + ", ".join("-1" if a in indices else "1" for a in self.axes) + ("," if len(self.axes) == 1 else "") + ")"
+        return Tup(tuple(Const(-1) if a in indices else Const(1) for a in self.axes))
 
-    def index_range(self, i: str) -> tuple[str, str]:
+    def blocks(self, i: str) -> Expr:
+        return self.size_of(i).cdiv(self.tile_of(i))
+
+    def index_range(self, i: str) -> tuple[Expr, Expr]:
+        """Per block along `i`, its first and last element."""
         if i not in self.ranges:
             t = self.tile_of(i)
-            blocks = self.local(f"{i}_block")
-            lo, hi = self.local(f"{i}_lo"), self.local(f"{i}_hi")
-            size = self.size_of(i)
-            self.lines.append(f"{blocks} = xp.arange(-(-{size} // {t})).reshape({self.shape_for([i])})")
-            self.lines.append(f"{lo} = {blocks} * {t}")
-            self.lines.append(f"{hi} = xp.minimum({lo} + {t}, {size}) - 1")
+            blocks = self.let(self.local(f"{i}_block"), Call("xp.reshape", (Call("xp.arange", (self.blocks(i),)), self.place([i]))))
+            lo = self.let(self.local(f"{i}_lo"), blocks * t)
+            hi = lo if t == 1 else self.let(self.local(f"{i}_hi"), Min(lo + t, self.size_of(i)) - 1)
             self.ranges[i] = (lo, hi)
         return self.ranges[i]
 
-    def read_range(self, r: Read) -> tuple[str, str]:
+    def read_range(self, r: Read) -> tuple[Expr, Expr]:
         """Per block, the least and greatest value an integer operand holds there."""
         if r not in self.read_ranges:
-            self.read_ranges[r] = self.block_pair(r, "_block_min_max", "{}", ("min", "max"))
+            self.read_ranges[r] = self.block_pair(r, "_block_min_max", lambda x: x, ("min", "max"))
         return self.read_ranges[r]
 
-    def block_pair(self, r: Read, helper: str, of: str, what: tuple[str, str]) -> tuple[str, str]:
+    def block_pair(self, r: Read, helper: str, of, what: tuple[str, str]) -> tuple[Expr, Expr]:
         """Two per-block statistics of an operand (`helper` over `of` its array, and its
-        tiles), laid out over the class axes."""
-        a, b = (self.local(f"{r.operand}_{w}") for w in what)
+        tiles; computed once per operand), laid out over the class axes as `r` reads it."""
         param = self.conv.param(r.operand).internal
         dims = [render(self.conv.size(d), "host") for d in self.p.kernel.operand(r.operand).dims]
-        param = as_read(param, r, dims, [self.size_of(i) for i in r.indices])
-        tiles = "(" + ", ".join(str(self.tile_of(i)) for i in r.indices) + ",)"
+        param = Lit(as_read(param, r, dims, [render(self.size_of(i), "host") for i in r.indices]))
+        tiles = Tup(tuple(Const(self.tile_of(i)) for i in r.indices))
+        key = (helper, param.text, tuple(self.tile_of(i) for i in r.indices))
+        if key not in self.stats:
+            names = tuple(self.local(f"{r.operand}_{w}") for w in what)
+            self.lets.append((names, Call(helper, (of(param), tiles))))
+            self.stats[key] = names
         order = "".join(chr(97 + n) for n in range(len(r.indices)))
         dst = "".join(order[r.indices.index(x)] if x in r.indices else "z" for x in self.axes)
-        self.lines.append(f"{a}, {b} = {helper}({of.format(param)}, {tiles})")
-        self.lines.append(f'{a}, {b} = _expand({a}, "{order}", "{dst}"), _expand({b}, "{order}", "{dst}")')
-        return a, b
+        if dst == order:
+            return tuple(Var(x) for x in self.stats[key])
+        return tuple(self.let(self.local(f"{x}_{''.join(r.indices)}"), Call("_expand", (Var(x), Lit(f'"{order}"'), Lit(f'"{dst}"'))))
+                     for x in self.stats[key])
 
     # Integer terms as ranges; None: unknown.
     def affine(self, t: Term) -> dict | None:
-        """t as {atom: coefficient} with the constant under key 1; atoms are index names or
-        Terms; None when t is not a sum of atoms times integer constants."""
+        """t as {atom: coefficient} with the constant under key 1 (an int, or an expr over
+        sizes); atoms are index names or Terms; None when t is not a sum of atoms times
+        integer constants."""
         if t.op == "num":
             return {1: t.value}
         if t.op == "size":
-            return {1: self.conv.size_var(t.name)}
+            return {1: Var(self.conv.size_var(t.name))}
         if t.op == "index":
             return {t.name: 1}
         if t.op in ("+", "-"):
@@ -118,7 +191,7 @@ class Classifier:
             return {t: 1}
         return {t: 1}  # // % reads: atoms with their own ranges
 
-    def atom_range(self, atom) -> tuple[str, str] | None:
+    def atom_range(self, atom) -> tuple[Expr, Expr] | None:
         if isinstance(atom, str):
             return self.index_range(atom)
         t: Term = atom
@@ -131,54 +204,54 @@ class Classifier:
             lo, hi = inner
             c = t.args[1].value
             if t.op == "//":
-                return f"({lo}) // {c}", f"({hi}) // {c}"
-            same = f"(({lo}) // {c} == ({hi}) // {c})"
-            return f"xp.where({same}, ({lo}) % {c}, 0)", f"xp.where({same}, ({hi}) % {c}, {c - 1})"
+                return lo.div(c), hi.div(c)
+            same = lo.div(c).eq(hi.div(c))  # one period: the remainders keep their order
+            return Where(same, lo.rem(c), 0), Where(same, hi.rem(c), c - 1)
         if t.op == "*":
             a, b = self.range(t.args[0]), self.range(t.args[1])
             if a is None or b is None:
                 return None
-            corners = [f"({x}) * ({y})" for x in a for y in b]
-            return f"_min_of(xp, {', '.join(corners)})", f"_max_of(xp, {', '.join(corners)})"
+            corners = [x * y for x in a for y in b]
+            return _extreme("_min_of", corners), _extreme("_max_of", corners)
         return None
 
-    def range(self, t: Term) -> tuple[str, str] | None:
+    def range(self, t: Term) -> tuple[Expr, Expr] | None:
         form = self.affine(t)
         if form is None:
             return None
         return self.form_range(form)
 
-    def form_range(self, form: dict) -> tuple[str, str] | None:
+    def form_range(self, form: dict) -> tuple[Expr, Expr] | None:
         const = form.get(1, 0)
-        lo, hi = ([str(const)], [str(const)]) if const != 0 else ([], [])
+        lo, hi = ([(1, lift(const))], [(1, lift(const))]) if not (isinstance(const, int) and const == 0) else ([], [])
         for atom, c in form.items():
-            if atom == 1 or c == 0:
+            if atom == 1 or (isinstance(c, int) and c == 0):
                 continue
             r = self.atom_range(atom)
             if r is None or not isinstance(c, int):
                 return None
             a, b = r if c > 0 else r[::-1]
-            lo.append(_term(c, a))
-            hi.append(_term(c, b))
+            lo.append((c, a))
+            hi.append((c, b))
         return _sum(lo), _sum(hi)
 
-    # Truth values: (can, must) code.
-    def truth(self, t: Term) -> tuple[str, str]:
+    # Truth values: (can, must) trees.
+    def truth(self, t: Term) -> tuple[Expr, Expr]:
         if t.op == "truth":
-            return self.block_pair(t.read, "_block_any_all", "{} != 0", ("any", "all"))
+            return self.block_pair(t.read, "_block_any_all", lambda x: x.ne(0), ("any", "all"))
         if t.op == "not":
             can, must = self.truth(t.args[0])
-            return f"~({must})", f"~({can})"
+            return negation(must), negation(can)
         if t.op == "or":
             parts = [self.truth(a) for a in t.args]
-            return " | ".join(f"({c})" for c, _ in parts), " | ".join(f"({m})" for _, m in parts)
+            return any_of([c for c, _ in parts]), any_of([m for _, m in parts])
         if t.op == "and":
             return self.conjunction(list(t.args))
         if t.op == "cmp":  # a chain a < b < c is split by conjunction
             return self.conjunction([t])
         raise AssertionError(t.op)
 
-    def conjunction(self, terms: list[Term]) -> tuple[str, str]:
+    def conjunction(self, terms: list[Term]) -> tuple[Expr, Expr]:
         """and: comparisons of one affine form intersect their bounds (exact); the rest and-ed."""
         flat: list[Term] = []
         for t in terms:
@@ -188,7 +261,7 @@ class Classifier:
                 flat += [Term("cmp", (t.args[n], t.args[n + 1]), ops=(op,)) for n, op in enumerate(t.ops)]
             else:
                 flat.append(t)
-        groups: dict[tuple, list[tuple[str, object]]] = {}
+        groups: dict[tuple, list[tuple[Expr | None, Expr | None]]] = {}
         rest: list[Term] = []
         for t in flat:
             bound = self.bound(t) if t.op == "cmp" else None
@@ -199,29 +272,28 @@ class Classifier:
             groups.setdefault(key, []).append((lo, hi))
         cans, musts = [], []
         for key, bounds in groups.items():
-            form = dict(key)
-            r = self.form_range(form)
+            r = self.form_range(dict(key))
             if r is None:
-                cans.append("True")
-                musts.append("False")
+                cans.append(TRUE)
+                musts.append(FALSE)
                 continue
-            lo, hi = (f"({x})" for x in r)
+            lo, hi = r
             los = [b for b, _ in bounds if b is not None]
             his = [b for _, b in bounds if b is not None]
-            low = f"_max_of(xp, {', '.join(map(str, los))})" if len(los) > 1 else (str(los[0]) if los else None)
-            high = f"_min_of(xp, {', '.join(map(str, his))})" if len(his) > 1 else (str(his[0]) if his else None)
+            low = _extreme("_max_of", los) if los else None
+            high = _extreme("_min_of", his) if his else None
             # Some value of the form in [low, high] lies in [lo, hi]; every value does.
-            can = [f"({hi} >= {low})" if low else None, f"({lo} <= {high})" if high else None]
-            must = [f"({lo} >= {low})" if low else None, f"({hi} <= {high})" if high else None]
-            if low and high:
-                can.append(f"({low} <= {high})")
-            cans.append(" & ".join(c for c in can if c) or "True")
-            musts.append(" & ".join(m for m in must if m) or "True")
+            can = [_le(low, hi) if low is not None else None, _le(lo, high) if high is not None else None]
+            must = [_le(low, lo) if low is not None else None, _le(hi, high) if high is not None else None]
+            if low is not None and high is not None:
+                can.append(_le(low, high))
+            cans.append(all_of([c for c in can if c is not None]))
+            musts.append(all_of([m for m in must if m is not None]))
         for t in rest:
             c, m = self.truth(t) if t.op != "cmp" else self.compare(t)
-            cans.append(f"({c})")
-            musts.append(f"({m})")
-        return " & ".join(cans), " & ".join(musts)
+            cans.append(c)
+            musts.append(m)
+        return all_of(cans), all_of(musts)
 
     def bound(self, t: Term):
         """A comparison as `low <= form <= high` over an affine form without constant."""
@@ -232,89 +304,83 @@ class Classifier:
         for k, c in b.items():
             form[k] = _add(form.get(k, 0), _mul(-1, c))
         const = form.pop(1, 0)
-        form = {k: c for k, c in form.items() if c != 0}
+        form = {k: c for k, c in form.items() if not (isinstance(c, int) and c == 0)}
         if not form or not all(isinstance(c, int) for c in form.values()):
             return None
         key = tuple(sorted(form.items(), key=lambda kv: repr(kv[0])))
-        neg = f"-({const})" if const != 0 else "0"
+        neg = Const(-const) if isinstance(const, int) else Neg(const)
         op = t.ops[0]
         # form + const op 0
         if op == ">=":
             return key, neg, None
         if op == ">":
-            return key, f"{neg} + 1", None
+            return key, neg + 1, None
         if op == "<=":
             return key, None, neg
         if op == "<":
-            return key, None, f"{neg} - 1"
+            return key, None, neg - 1
         if op == "==":
             return key, neg, neg
         return None  # != is no interval
 
-    def compare(self, t: Term) -> tuple[str, str]:
+    def compare(self, t: Term) -> tuple[Expr, Expr]:
         r = self.range(Term("-", (t.args[0], t.args[1])))
         if r is None:
-            return "True", "False"
-        lo, hi = (f"({x})" for x in r)
+            return TRUE, FALSE
+        lo, hi = r
         op = t.ops[0]
         return {
-            ">=": (f"{hi} >= 0", f"{lo} >= 0"),
-            ">": (f"{hi} > 0", f"{lo} > 0"),
-            "<=": (f"{lo} <= 0", f"{hi} <= 0"),
-            "<": (f"{lo} < 0", f"{hi} < 0"),
-            "==": (f"({lo} <= 0) & ({hi} >= 0)", f"({lo} == 0) & ({hi} == 0)"),
-            "!=": (f"~(({lo} == 0) & ({hi} == 0))", f"({lo} > 0) | ({hi} < 0)"),
+            ">=": (hi.ge(0), lo.ge(0)),
+            ">": (hi.gt(0), lo.gt(0)),
+            "<=": (lo.le(0), hi.le(0)),
+            "<": (lo.lt(0), hi.lt(0)),
+            "==": (lo.le(0) & hi.ge(0), lo.eq(0) & hi.eq(0)),
+            "!=": (negation(lo.eq(0) & hi.eq(0)), lo.gt(0) | hi.lt(0)),
         }[op]
 
-    def kinds(self, ragged: list[str]) -> list[str]:
-        """Lines computing `kinds` (EMPTY/PARTIAL/FULL per block over the class axes)."""
-        for i in self.axes:
-            self.index_range(i)
+    def classification(self, ragged: list[str]) -> Classification:
+        """The block kinds: EMPTY/PARTIAL/FULL per block over the class axes; `ragged`: the
+        class axes whose last block may be partly past the end (never full)."""
         # A block is visited if some point may have an element present there, and full
         # (no condition evaluated) only if every point has all of them.
-        parts = [self.truth(pt.condition) if pt.condition is not None else ("True", "True") for pt in self.p.points]
-        if len(parts) == 1:
-            can, must = parts[0]
-        else:
-            can = "True" if ("True", "True") in parts else " | ".join(f"({c})" for c, _ in parts)
-            must = " & ".join(f"({m})" for _, m in parts if m != "True") or "True"
-        shape = "(" + ", ".join(f"{self.ranges[a][0]}.size" for a in self.axes) + ",)"
-        tails = [f"({self.ranges[i][0]} + {self.tile_of(i)} > {self.size_of(i)})" for i in ragged]
+        parts = [self.truth(pt.condition) if pt.condition is not None else (TRUE, TRUE) for pt in self.p.points]
+        can, must = any_of([c for c, _ in parts]), all_of([m for _, m in parts])
+        tails = [(self.index_range(i)[0] + self.tile_of(i)).gt(self.size_of(i)) for i in ragged]
         if tails:
-            must = f"({must}) & ~({' | '.join(tails)})"
-        tail = [
-            f"can = xp.broadcast_to({can}, {shape})",
-            f"must = xp.broadcast_to({must}, {shape})",
-            f"return xp.where(can, xp.where(must, {FULL}, {PARTIAL}), {EMPTY}).astype(xp.int32)",
-        ]
-        # Ranges are written whole (lo and hi); the ends no comparison reads are dropped.
-        return live_lines(self.lines, *tail) + tail
+            must = all_of([must, negation(any_of(tails))])
+        shape = Tup(tuple(self.blocks(a) for a in self.axes))
+        return Classification(tuple(self.lets), can, must, shape)
+
+    def kinds(self, ragged: list[str]) -> list[str]:
+        """Host lines computing the block kinds (`Classification.lines`)."""
+        return self.classification(ragged).lines()
 
 
-def _term(c: int, x: str) -> str:
-    if c == 1:
-        return x
-    if c == -1:
-        return f"-{x}" if x.isidentifier() else f"-({x})"
-    return f"{c} * ({x})"
+def _le(a: Expr, b: Expr) -> Expr:
+    """a <= b, decided here when both are numbers."""
+    if isinstance(a, Const) and isinstance(b, Const):
+        return TRUE if a.value <= b.value else FALSE
+    return b.ge(a) if isinstance(a, Const) else a.le(b)
 
 
-def _sum(parts: list[str]) -> str:
-    if not parts:
-        return "0"
-    out = parts[0]
-    for x in parts[1:]:
-        out += f" - {x[1:]}" if x.startswith("-") else f" + {x}"
+def _sum(terms: list[tuple[int, Expr]]) -> Expr:
+    """sum of c * x (c an int): `a - 2 * b` rather than `a + -2 * b`."""
+    if not terms:
+        return Const(0)
+    c, x = terms[0]
+    out = x if c == 1 else Neg(x) if c == -1 else Const(c) * x
+    for c, x in terms[1:]:
+        out = out + (x if c == 1 else Const(c) * x) if c > 0 else out - (x if c == -1 else Const(-c) * x)
     return out
 
 
 def _add(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return a + b
-    return f"({a}) + ({b})"
+    return lift(a) + lift(b)
 
 
 def _mul(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return a * b
-    return f"({a}) * ({b})"
+    return lift(a) * lift(b)

@@ -271,7 +271,7 @@ class ConditionWalk(PassBuilder):
         scope = self.names.scope()
         axes = tuple(out_c + sum_c)
         cl = Classifier(Conditions((Point(None, None, cond),), axes, self.k), self.conv, scope.local, lambda i: self.tile[i],
-                        lambda i: render(self.size(i), "host"))
+                        self.size)
         lines = cl.kinds([])
         reads = list(dict.fromkeys(self.conv.param(r.operand).internal for r in cond.reads))
         sizes = [s.internal for s in self.conv.sizes]

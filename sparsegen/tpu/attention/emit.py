@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from ...dtypes import DTYPES
+from ...expr import Var, flat, render
 from ...ir import Read
 from ...pytext import live_lines, parameters, py_tuple, words
 from ...schedule.classify import Classifier
@@ -68,7 +69,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         """The block-kind function: its name, parameters and lines."""
         p = self.p
         scope = self.n.scope()
-        cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], self.size_of)
+        cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], lambda i: self.m.conv.size(self.k.index(i).size))
         lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)])
         reads = []
         for r in (r for cond in p.conditions for r in cond.reads):
@@ -104,8 +105,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         return OutArr(ref, tuple(block), tuple(coords), self.fn(f"_{ref.removesuffix('_ref')}_map", key=("output", ref)), "", about, shape, view, dtype, var)
 
     def map_dict(self, a: Arr, call: CallSpec) -> dict:
-        group = self.group_expr(dict(zip(self.p.lead, self.grid_vars)))
-        slot = self.t if group == "0" else f"{group} * {self.steps} + {self.t}"
+        slot = self.slot(dict(zip(self.p.lead, self.grid_vars)), self.t)
         coords = []
         for c in a.coords:
             if c in ("QROW", "COL", "ROW"):
@@ -120,10 +120,11 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
                 coords.append(f"lax.div({v}, {div})" if div else v)
         # Pallas passes every coordinate and table; the map names only those it reads.
         used = set().union(*(words(c) for c in coords))
-        statics = [self.steps] if self.steps in used else []
+        statics = [v for v in [self.steps] + self.sizes if v in used]  # the group's slot reads the lead sizes
         signature, deleted = parameters(self.grid_vars + [self.t] + self.tables, used, statics)
+        partial = ", ".join(f"{v}={v}" for v in statics)
         return {"fn": a.fn + call.suffix, "coords": coords, "about": a.about, "signature": signature, "deleted": deleted,
-                "spec_map": f"functools.partial({a.fn + call.suffix}, {self.steps}={self.steps})" if statics else a.fn + call.suffix}
+                "spec_map": f"functools.partial({a.fn + call.suffix}, {partial})" if statics else a.fn + call.suffix}
 
     def call_dict(self, call: CallSpec, walk_kinds: str, walk: str = "_walk_tables") -> dict:
         grid = [self.size_of(i) if self.tile[i] == 1 else f"-(-{self.size_of(i)} // {self.tile[i]})" for i in self.p.lead] + [self.steps]
@@ -421,15 +422,14 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         block, coords = layout_block(o.read, layout, self.p, self.tile)
         return dataclasses.replace(o, layout=layout, block=block, coords=coords, fn=self.fn(f"{o.fn}_t"))
 
-    def group_expr(self, lead_vars) -> str:
-        """The walk's table group of a step: a flat index over the lead axes the condition reads."""
-        axes = [a for a in self.p.class_axes[:-2]]
+    def slot(self, lead_vars, t: str) -> str:
+        """A step's entry in the walk's tables: the tables hold `steps` entries per group, a
+        group per value of the lead axes the condition reads (flat, row-major)."""
+        axes = self.p.class_axes[:-2]
         if not axes:
-            return "0"
-        expr = lead_vars[axes[0]]
-        for a in axes[1:]:
-            expr = f"({expr}) * {self.size_of(a)} + {lead_vars[a]}"
-        return expr
+            return t
+        group = flat([Var(lead_vars[a]) for a in axes], [self.m.conv.size(self.k.index(a).size) for a in axes])
+        return render(group * Var(self.steps) + Var(t), "py")
 
     # ------------------------------------------------------------- docstring
     def docstring(self) -> tuple[str, str]:
