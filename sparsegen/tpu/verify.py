@@ -11,7 +11,6 @@ jax is imported here only, and only when verify runs.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 from dataclasses import dataclass, field
@@ -19,8 +18,6 @@ from dataclasses import dataclass, field
 from ..expr import evaluate
 from ..source import Diagnostic, SourceFile
 from ..shapes import _load, concrete, differentiated
-from .attention import AttentionModule, emit_attention
-from .emit import emit_einsum
 from .lower import TpuModule
 from .suggest import suggest_tiles
 from .targets import TARGETS, format_bytes
@@ -91,21 +88,14 @@ class Result:
 # ----------------------------------------------------------------- compile
 
 
-def _emit(plan, origin: str) -> str:
-    """A TPU module's source: the row walk's (attention-like kernels) or the einsum walk's."""
-    return emit_attention(plan, origin) if isinstance(plan, AttentionModule) else emit_einsum(plan, origin)
-
-
 def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, vmem_limit=None, backward: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    if vmem_limit is not None and not plan.passes:  # a row walk: one pallas_call
-        plan = dataclasses.replace(plan, vmem_limit_override=vmem_limit)
-    elif vmem_limit is not None:
-        plan = dataclasses.replace(plan, passes=tuple(dataclasses.replace(tp, vmem_limit_override=vmem_limit) for tp in plan.passes))
-    module = _load(_emit(plan, source.name), f"verify_{plan.name}")
+    if vmem_limit is not None:
+        plan = plan.with_vmem_limit(vmem_limit)
+    module = _load(plan.source(source.name), f"verify_{plan.name}")
     fn = getattr(module, plan.name)
     device = _device(TARGETS[target_name].topology)
     sharding = SingleDeviceSharding(device)

@@ -6,6 +6,8 @@ The kernels themselves are written by `kernels.py`, the module around them by `e
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from ...autodiff import Refusal, refusals
@@ -63,6 +65,16 @@ class AttentionModule:
     def has_backward(self) -> bool:
         """The dq and dk/dv kernels, unless no gradient can be derived at all."""
         return self.backward_error is None
+
+    def source(self, origin: str, formatted: bool = True) -> str:
+        """The generated module's source (`origin`: how its header names the spec)."""
+        from .emit import emit_attention
+
+        return emit_attention(self, origin, formatted)
+
+    def with_vmem_limit(self, limit: int) -> "AttentionModule":
+        """The module compiled with `vmem_limit_bytes=limit` in every call (verify's probe)."""
+        return dataclasses.replace(self, vmem_limit_override=limit)
 
     passes = ()
     backward_module = None
