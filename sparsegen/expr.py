@@ -248,16 +248,19 @@ def render(e: Expr, style: str = "py") -> str:
     return _render(e, style)[0]
 
 
-def substitute(e: Expr, values: dict[str, Expr]) -> Expr:
-    """`e` with the variables in `values` replaced (folding constants again)."""
+def substitute(e: Expr, values: dict[str, Expr], arrays: dict[str, str] | None = None) -> Expr:
+    """`e` with the variables in `values` replaced (folding constants again), and the arrays
+    it loads from renamed by `arrays`."""
     if isinstance(e, Var):
         return values.get(e.name, e)
     if isinstance(e, Bin):
-        return _bin(e.op, substitute(e.a, values), substitute(e.b, values))
+        return _bin(e.op, substitute(e.a, values, arrays), substitute(e.b, values, arrays))
     if isinstance(e, Max):
-        return Max(substitute(e.a, values), substitute(e.b, values))
+        return Max(substitute(e.a, values, arrays), substitute(e.b, values, arrays))
     if isinstance(e, Min):
-        return Min(substitute(e.a, values), substitute(e.b, values))
+        return Min(substitute(e.a, values, arrays), substitute(e.b, values, arrays))
+    if isinstance(e, Load):
+        return Load((arrays or {}).get(e.array, e.array), substitute(e.index, values, arrays))
     return e
 
 
