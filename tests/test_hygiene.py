@@ -398,10 +398,10 @@ def _template_bound_names(template: str) -> frozenset[str]:
     return frozenset(bound)
 
 
-# Helpers' own locals and parameters live in the helpers' scopes: only their names count.
+# Helpers' own locals and parameters live in the helpers' scopes: only their names count. The
+# skeleton's (templates/module.py.j2) names an attention module binds are in the generated code.
 WALK_NAMES = sorted(
-    (_generated_fixed_names() | _template_bound_names("tpu/attention.py.j2") | _template_bound_names("module.py.j2") | sg_names.HELPERS)
-    - set(keyword.kwlist)
+    (_generated_fixed_names() | _template_bound_names("tpu/attention.py.j2") | sg_names.HELPERS) - set(keyword.kwlist)
 )
 LEADS_PER_SPEC = 20
 
