@@ -245,8 +245,6 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             tables=self.tables,
             steps=self.steps,
             vmem_limit=self.m.vmem_limit(),
-            outputs=outputs,
-            row_lse=", ".join(self.row_lses),
             class_axes=list(p.class_axes),
             data=data,
         )
