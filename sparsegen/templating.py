@@ -30,6 +30,8 @@ def environment() -> jinja2.Environment:
     env.filters["host"] = lambda e: render(e, "host")
     env.filters["pytuple"] = py_tuple
     env.filters["quote"] = lambda text: f'"{text}"'
+    # Names as the targets of an assignment, or a return's tuple: "a, b", or "a," for one.
+    env.filters["targets"] = lambda names: ", ".join(names) + ("," if len(names) == 1 else "")
     return env
 
 

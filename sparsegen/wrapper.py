@@ -1,5 +1,7 @@
 """The wrapper of a generated module, the same for every target: argument checks (`_prepare`),
-`reference` in plain jax.numpy, and the docstring's calling convention.
+`reference` in plain jax.numpy, the docstring's calling convention, the custom_vjp glue
+(`Glue`), and the rendering of the skeleton every module's template extends
+(`templates/module.py.j2`).
 
 Only validated identifiers and numbers from the spec reach the output: names come from
 the IR or the module's name tables, the spec is re-printed from the IR.
@@ -7,10 +9,13 @@ the IR or the module's name tables, the spec is re-printed from the IR.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from .callconv import Convention
 from .expr import render
 from .ir import Einsum, Kernel
 from .pytext import py_tuple
+from .templating import environment, with_helpers
 
 
 def spec_text(kernel: Kernel, name: str | None = None, tiles: dict[str, int] | None = None) -> str:
@@ -391,6 +396,101 @@ class Wrapper:
                 args.append(f"    {s.symbol}: int, keyword, optional  (taken from the arguments; must agree if given)")
         return args
 
+    # ------------------------------------------------------------------ module
+    def module(self, template: str, source_name: str, target: str, doc: str, call_doc: str, glue: "Glue",
+               prepare_lines: list[str], reference_lines: list[str], **context) -> str:
+        """The module's text (before black): `template`, which extends `templates/module.py.j2`,
+        rendered with the skeleton's context (header, `_prepare`, `_reference`, the public
+        functions, `glue`) and the target's own `context`; the helpers it calls in place."""
+        k, conv = self.k, self.conv
+        size_vars = [s.internal for s in conv.sizes]
+        kernel_signature, reference_signature = self.signature()
+        main = environment().get_template(template).render(
+            k=k,
+            source=source_name.encode("unicode_escape").decode("ascii"),
+            digest=k.digest,
+            target=target,
+            doc=doc,
+            call_doc=call_doc,
+            helpers="{helpers}",
+            public_params=[p.internal for p in conv.params] + size_vars,
+            public_args=[p.public for p in conv.params] + [s.symbol for s in conv.sizes],
+            prepare_lines=prepare_lines,
+            impl_args=list(conv.impl_args),
+            size_vars=size_vars,
+            reference_lines=reference_lines,
+            kernel_signature=kernel_signature,
+            reference_signature=reference_signature,
+            glue=glue,
+            **context,
+        )
+        return with_helpers(main)
+
+
+
+@dataclass
+class Glue:
+    """The custom_vjp glue of a module, as `templates/module.py.j2` writes it for every kernel
+    family: `_run` (`_impl` with its static arguments not differentiated), `_run_forward`
+    (the residuals), `_run_backward` (which gradients are wanted, the cotangents, `_backward`'s
+    call, a gradient per argument) and the `_PARTIALS`/`_REFUSED` tables."""
+
+    args: list[str]  # `_impl`'s array arguments
+    statics: list[str]  # its static arguments: the custom_vjp's nondiff ones, after `args`
+    tables: str  # `_PARTIALS` and `_REFUSED`
+    n_outputs: int
+    cotangents: list[str]  # `_run_backward`'s names for the cotangents, one per output
+    residuals_about: list[str]  # `_run_forward`'s comment
+    residuals: list[str] = field(default_factory=list)  # what `_run_forward` keeps (with `perturbed`); default: `args`
+    derived: bool = False  # a backward is derived (else `_run_backward` raises where a gradient is needed)
+    bargs: list[str] = field(default_factory=list)  # `_backward`'s array arguments
+    partials: list[str] = field(default_factory=list)  # its results
+    returns: list[str] = field(default_factory=list)  # `_run_backward`'s result per argument
+    prelude: list[str] = field(default_factory=list)  # `_run_backward`'s lines before `_backward` (sizes unpacked)
+    wanted: bool = True  # `_backward` takes which gradients are wanted, and skips the others
+    kept: list[str] = field(default_factory=list)  # `_impl`'s results, where it returns more than the outputs
+    declared: list[str] = field(default_factory=list)  # the outputs among `kept`
+    zeros: bool = False  # the backward reads every cotangent: symbolic zeros made zeros
+
+    def __post_init__(self):
+        self.residuals = self.residuals or list(self.args)
+
+    @property
+    def nothing(self) -> str:
+        """`_run_backward`'s result where no gradient is wanted."""
+        return py_tuple(["None"] * len(self.args))
+
+    @property
+    def nondiff(self) -> str:
+        return py_tuple(str(len(self.args) + n) for n in range(len(self.statics)))
+
+    @property
+    def backward_statics(self) -> list[str]:
+        return self.statics + (["wanted"] if self.wanted else [])
+
+
+def einsum_glue(kernel: Kernel, conv: Convention, names, backward, refused, pass_outputs: dict[str, str],
+                bargs=(), prelude=()) -> Glue:
+    """The glue of an einsum module, on every target: the residuals are the inputs; one
+    backward pass per partial gradient (`pass_outputs`, as `gradient_tables` takes them), run
+    where wanted; `prelude`: `_run_backward`'s lines before them."""
+    info = gradient_tables(kernel, conv, backward, refused, pass_outputs)
+    cotangents = [a for _, a in backward.cotangents] if backward else [names.local(f"g_{o.name}") for o in kernel.outputs]
+    return Glue(
+        args=list(conv.impl_args),
+        statics=["sizes", "interpret"],
+        tables=info["tables"],
+        n_outputs=info["n_outputs"],
+        cotangents=cotangents,
+        residuals_about=["The gradient of an einsum needs the inputs, never the outputs: they are the residuals,",
+                         "with which of them are differentiated."],
+        derived=bool(pass_outputs),
+        bargs=list(bargs),
+        partials=info["partials"],
+        returns=info["returns"],
+        prelude=list(prelude),
+    )
+
 
 def gradient_tables(kernel: Kernel, conv: Convention, backward, refused, pass_outputs: dict[str, str]) -> dict:
     """What `_run_backward` needs, the same for every target: per backward pass (in order,
@@ -419,8 +519,7 @@ def gradient_tables(kernel: Kernel, conv: Convention, backward, refused, pass_ou
             returns.append("None")
     tables = vjp_tables(["# The backward's passes, in order: (the argument whose gradient each computes, the output",
                          "# whose cotangent it reads), by position."], table, refused, arg_of, outputs)
-    return {"partials": list(pass_outputs.values()), "tables": tables, "returns": returns, "nothing": py_tuple(["None"] * len(args)),
-            "n_outputs": len(outputs)}
+    return {"partials": list(pass_outputs.values()), "tables": tables, "returns": returns, "n_outputs": len(outputs)}
 
 
 def vjp_tables(partials_comment: list[str], partials: list[str], refused, arg_of, outputs: list[str]) -> str:

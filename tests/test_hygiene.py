@@ -64,15 +64,17 @@ def test_mask_input_with_coo_output(pattern, interpret):
 
 def _template_builtins() -> frozenset[str]:
     """Builtins the templates may call (a superset: any builtin named in their text)."""
-    text = read_resource("templates", "helpers.py.j2") + read_resource("templates", "tpu/module.py.j2")
+    text = "".join(read_resource("templates", t) for t in ("helpers.py.j2", "module.py.j2", "tpu/module.py.j2"))
     words = set(re.findall(r"\b[A-Za-z_]\w*\b", text))
     return frozenset(w for w in words if w in dir(builtins) and not keyword.iskeyword(w) and not w.startswith("__"))
 
 
 def _template_locals() -> frozenset[str]:
-    """Names the module template binds literally (not through a NameTable): module constants,
-    locals such as `grid_spec = ...`, and parameters such as `sizes` and `interpret`."""
-    text = re.sub(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", " ", read_resource("templates", "tpu/module.py.j2"), flags=re.S)
+    """Names the module template (and the skeleton it extends) binds literally (not through a
+    NameTable): module constants, locals such as `grid_spec = ...`, and parameters such as
+    `sizes` and `interpret`."""
+    text = "".join(read_resource("templates", t) for t in ("module.py.j2", "tpu/module.py.j2"))
+    text = re.sub(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", " ", text, flags=re.S)
     bound = set(re.findall(r"^\s*([A-Za-z_]\w*) = ", text, re.M))
     for params in re.findall(r"def\s+\w*\s*\((.*?)\)\s*:", text, re.S):
         bound |= set(re.findall(r"\b[A-Za-z_]\w*\b", re.sub(r"=[^,)]*", "", params)))  # not a default (`=None`)
@@ -209,7 +211,7 @@ def test_names_the_template_binds_are_reserved():
     """Every name the module template binds literally is in the tables that generated names
     avoid (a local missing there could take a spec's name and clobber it)."""
     missing = TEMPLATE_LOCALS - (sg_names.FIXED_LOCALS | sg_names.MODULE_NAMES)
-    assert not missing, f"bound by templates/tpu/module.py.j2 but not reserved in sparsegen/names.py: {sorted(missing)}"
+    assert not missing, f"bound by templates/(tpu/)module.py.j2 but not reserved in sparsegen/names.py: {sorted(missing)}"
 
 
 def test_hostile_names_cover_every_table_in_every_role():
@@ -396,7 +398,8 @@ def _template_bound_names(template: str) -> frozenset[str]:
     return frozenset(bound)
 
 
-# Helpers' own locals and parameters live in the helpers' scopes: only their names count.
+# Helpers' own locals and parameters live in the helpers' scopes: only their names count. The
+# skeleton's (templates/module.py.j2) names an attention module binds are in the generated code.
 WALK_NAMES = sorted(
     (_generated_fixed_names() | _template_bound_names("tpu/attention.py.j2") | sg_names.HELPERS) - set(keyword.kwlist)
 )

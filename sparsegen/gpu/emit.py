@@ -9,8 +9,7 @@ from __future__ import annotations
 from ..expr import Const, render
 from ..formatting import format_module
 from ..pytext import needed as _needed, parameters, py_tuple, words
-from ..templating import environment as _environment, with_helpers
-from ..wrapper import Wrapper, gradient_tables
+from ..wrapper import Glue, Wrapper, einsum_glue
 from .describe import describe
 from .plan import ElementwisePass, GpuModule, GpuPass
 
@@ -220,22 +219,16 @@ class _Emitter:
         return (f"{p.statement.text}: one CTA per {t.tm}x{t.tn} tile of each output block; it walks {walk}, "
                 f"one WGMMA per {p.a.col} tile of {t.tk}.")
 
-    def gradient(self) -> dict:
-        """The custom_vjp glue: residuals (the inputs), the backward passes, a cotangent per argument."""
+    def gradient(self) -> tuple[Glue, list[dict]]:
+        """The custom_vjp glue (residuals: the inputs), and the backward's passes."""
         m = self.m
         bm = m.backward_module
-        passes = {p.output: dict(bm.outputs)[p.output] for p in bm.passes} if bm is not None else {}
-        info = gradient_tables(self.k, m.conv, m.backward, m.refused, passes)
-        info["cotangents"] = [a for _, a in m.backward.cotangents] if m.backward else [m.names.local(f"g_{o.name}") for o in self.k.outputs]
-        info["passes"] = [self.pass_dict(p, bm) for p in bm.passes] if bm is not None else []
-        info["bargs"] = list(bm.conv.impl_args) if bm is not None else []
-        return info
+        pass_outputs = {p.output: dict(bm.outputs)[p.output] for p in bm.passes} if bm is not None else {}
+        glue = einsum_glue(self.k, m.conv, m.names, m.backward, m.refused, pass_outputs, bm.conv.impl_args if bm is not None else ())
+        return glue, [self.pass_dict(p, bm) for p in bm.passes] if bm is not None else []
 
     def module(self, source_name: str) -> str:
-        m, k, conv = self.m, self.k, self.m.conv
-        env = _environment()
-        kernel_sig, reference_sig = self.wrapper.signature()
-        size_vars = [s.internal for s in conv.sizes]
+        m, k = self.m, self.k
         doc, call_doc = self.wrapper.docstrings(
             "a Pallas Mosaic GPU kernel (Hopper: TMA, WGMMA)",
             ["    interpret: False compiles for the GPU; True runs the Mosaic GPU interpreter",
@@ -244,29 +237,17 @@ class _Emitter:
             "naming the argument and dimension; under jax.jit, traced coordinates are clamped.",
             describe(m), m.target.name,
         )
-        main = env.get_template("gpu/module.py.j2").render(
-            k=k,
-            source=source_name.encode("unicode_escape").decode("ascii"),
-            digest=k.digest,
-            target=m.target.name,
-            doc=doc,
-            call_doc=call_doc,
-            helpers="{helpers}",
+        passes = [self.pass_dict(p) for p in m.passes]
+        prepare_lines = self.wrapper.prepare_lines([])
+        reference_lines = self.wrapper.reference_lines(self.outputs)
+        glue, backward_passes = self.gradient()
+        return self.wrapper.module(
+            "gpu/module.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare_lines, reference_lines,
             kinds=any(p.classifies for p in (*m.passes, *(m.backward_module.passes if m.backward_module else ()))),
-            passes=[self.pass_dict(p) for p in m.passes],
-            public_params=[p.internal for p in conv.params] + size_vars,
-            prepare_lines=self.wrapper.prepare_lines([]),
-            impl_args=list(conv.impl_args),
-            size_vars=size_vars,
-            reference_lines=self.wrapper.reference_lines(self.outputs),
-            kernel_signature=kernel_sig,
-            reference_signature=reference_sig,
-            forward=[p.public for p in conv.params] + [s.symbol for s in conv.sizes],
+            passes=passes,
+            backward_passes=backward_passes,
             results=[self.outputs[o.name] for o in k.outputs],
-            n_args=len(conv.impl_args),
-            gradient=self.gradient(),
         )
-        return with_helpers(main)
 
 
 def emit_gpu(m: GpuModule, source_name: str) -> str:

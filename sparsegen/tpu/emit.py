@@ -12,8 +12,7 @@ import math
 from ..expr import Call, Const, Var, names as expr_names, render, substitute
 from ..formatting import format_module
 from ..pytext import needed, parameters, py_tuple
-from ..templating import environment as _environment, with_helpers  # noqa: F401 (with_helpers: re-exported)
-from ..wrapper import Wrapper, gradient_tables
+from ..wrapper import Glue, Wrapper, einsum_glue
 from .body import BodyWriter
 from .describe import describe_einsum
 from .lower import TpuModule, TpuPass
@@ -213,18 +212,14 @@ class _Emitter:
         return [{"kernel": self.kernel_text(tp, mod), "maps": self.maps(tp), "prefetch": self.prefetch(tp, mod), "call": self.call(tp, mod),
                  "output": outputs[tp.p.output], "functions": tp.p.functions} for tp in mod.passes]
 
-    def gradient(self) -> dict:
-        """The custom_vjp glue: residuals, the backward passes, and a cotangent per argument."""
+    def gradient(self) -> tuple[Glue, list[dict]]:
+        """The custom_vjp glue, and the backward's passes."""
         m = self.m
-        info = gradient_tables(self.k, m.conv, m.backward, m.refused, {} if m.backward_module is None else
-                               {tp.p.output: dict(m.backward_module.schedule.outputs)[tp.p.output] for tp in m.backward_module.passes})
-        info["cotangents"] = [a for _, a in m.backward.cotangents] if m.backward else [m.names.local(f"g_{o.name}") for o in self.k.outputs]
-        info["passes"], info["prelude"] = [], []
         bm = m.backward_module
+        pass_outputs = {} if bm is None else {tp.p.output: dict(bm.schedule.outputs)[tp.p.output] for tp in bm.passes}
         if bm is None:
-            return info
-        info["passes"] = self.pass_dicts(bm)
-        info["bargs"] = list(bm.conv.impl_args)
+            return einsum_glue(self.k, m.conv, m.names, m.backward, m.refused, pass_outputs), []
+        passes = self.pass_dicts(bm)
         # Coo inputs a backward pass reads densely (they meet another coo operand there).
         prelude = []
         for var, (operand, tiles) in m.backward.prelude:
@@ -233,8 +228,7 @@ class _Emitter:
             shape = py_tuple(render(m.conv.size(d), "host") for d in op.dims)
             blocks = m.conv.param(operand, "blocks").internal
             prelude.append(f"{var} = _densify({blocks}, {coords}, {m.conv.pad(operand)}, {shape}, {py_tuple(map(str, tiles))}, {op.dtype.jnp})")
-        info["prelude"] = prelude
-        return info
+        return einsum_glue(self.k, m.conv, m.names, m.backward, m.refused, pass_outputs, bm.conv.impl_args, prelude), passes
 
     # ------------------------------------------------------------ module
     def smem_checks(self) -> list[str]:
@@ -266,43 +260,26 @@ class _Emitter:
         )
 
     def module(self, source_name: str) -> str:
-        m, k, conv = self.m, self.k, self.m.conv
-        env = _environment()
+        m, k = self.m, self.k
         doc, call_doc = self.docstring()
-        kernel_sig, reference_sig = self.wrapper.signature()
-        size_vars = [s.internal for s in conv.sizes]
         passes = self.pass_dicts(m)
-        gradient = self.gradient()
+        glue, backward_passes = self.gradient()
         kinds = []
         for tp in (*m.passes, *(m.backward_module.passes if m.backward_module else ())):
             for name in tp.p.kinds:
                 if name not in kinds:
                     kinds.append(name)
-        main = env.get_template("tpu/module.py.j2").render(
-            k=k,
-            source=source_name.encode("unicode_escape").decode("ascii"),
-            digest=k.digest,
-            doc=doc,
-            call_doc=call_doc,
-            helpers="{helpers}",
-            smem=m.target.smem_bytes if any(tp.p.tables for tp in m.passes) or any(ps["prefetch"]["tables"] for ps in gradient["passes"]) else None,
-            target=m.target.name,
+        return self.wrapper.module(
+            "tpu/module.py.j2", source_name, m.target.name, doc, call_doc, glue,
+            prepare_lines=self.wrapper.prepare_lines(self.smem_checks()),
+            reference_lines=self.wrapper.reference_lines(self.outputs),
+            smem=m.target.smem_bytes if any(tp.p.tables for tp in m.passes) or any(ps["prefetch"]["tables"] for ps in backward_passes) else None,
             kinds=kinds,
             passes=passes,
+            backward_passes=backward_passes,
             single=len(passes) == 1,
-            public_params=[p.internal for p in conv.params] + size_vars,
-            prepare_lines=self.wrapper.prepare_lines(self.smem_checks()),
-            impl_args=list(conv.impl_args),
-            size_vars=size_vars,
-            reference_lines=self.wrapper.reference_lines(self.outputs),
-            kernel_signature=kernel_sig,
-            reference_signature=reference_sig,
-            forward=[p.public for p in conv.params] + [s.symbol for s in conv.sizes],
             results=[self.outputs[o.name] for o in k.outputs],
-            gradient=gradient,
-            n_args=len(conv.impl_args),
         )
-        return with_helpers(main)
 
 
 def emit_einsum(m: TpuModule, source_name: str, formatted: bool = True) -> str:

@@ -11,7 +11,7 @@ from ...expr import Var, flat, render
 from ...ir import Read
 from ...pytext import live_lines, parameters, py_tuple, words
 from ...schedule.classify import Classifier
-from ...wrapper import Wrapper, vjp_tables
+from ...wrapper import Glue, Wrapper, vjp_tables
 from .describe import describe_attention
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
 from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, layout_block
@@ -167,10 +167,8 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
     # ------------------------------------------------------------------ module
     def module(self, source_name: str, formatted: bool = True) -> str:
         from ...formatting import format_module
-        from ...templating import environment as _environment, with_helpers
 
         m, k, p, conv = self.m, self.k, self.p, self.m.conv
-        env = _environment()
         classify_fn, classify_reads, classify_lines = self.classify()
         self.classify_fn, self.classify_reads = classify_fn, classify_reads  # `reference` visits as the walk does
         data = p.data_dependent
@@ -206,47 +204,51 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         else:
             calls_b = []
         doc, call_doc = self.docstring()
-        main = env.get_template("tpu/attention.py.j2").render(
-            k=k,
-            source=source_name.encode("unicode_escape").decode("ascii"),
-            digest=k.digest,
-            doc=doc,
-            call_doc=call_doc,
-            helpers="{helpers}",
+        forward_dict = self.call_dict(forward, kinds_var)
+        stored_dict = self.call_dict(stored, kinds_var, walk="_dense_tables") if stored else None
+        maps = self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if derived else []))
+        prepare_lines = self.prepare_lines()
+        reference_lines = self.reference_lines()
+        outputs = [self.out_var[c.output] for c in p.consumers]
+        declared = [self.out_var[o.name] for o in k.outputs]
+        glue = Glue(
+            args=list(conv.impl_args),
+            statics=["sizes", "bound", "interpret"],
+            tables=self.gradient_tables(backward, derived),
+            n_outputs=len(k.outputs),
+            cotangents=backward.get("cotangents", []),
+            residuals_about=["The residuals: the arguments, the outputs and each row's logsumexp, with which",
+                             "arguments are differentiated."],
+            residuals=list(conv.impl_args) + outputs + self.row_lses,
+            derived=bool(backward),
+            bargs=backward.get("args", []),
+            partials=backward.get("results", []),
+            returns=backward.get("returns", []),
+            prelude=backward.get("lines", []),
+            wanted=False,
+            kept=outputs + self.row_lses,
+            declared=declared,
+            zeros=True,
+        )
+        text = self.wrapper.module(
+            "tpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare_lines, reference_lines,
             smem=m.target.smem_bytes,
-            target=m.target.name,
             classify_fn=classify_fn,
             classify_params=classify_reads,
             classify_lines=classify_lines,
-            size_vars=self.sizes,
-            forward=self.call_dict(forward, kinds_var),
-            stored=self.call_dict(stored, kinds_var, walk="_dense_tables") if stored else None,
+            forward=forward_dict,
+            stored=stored_dict,
             stored_lines=stored_lines,
             backward_calls=calls_b,
-            maps=self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if derived else [])),
-            public_params=[p_.internal for p_ in conv.params] + self.sizes,
-            prepare_lines=self.prepare_lines(),
-            impl_args=list(conv.impl_args),
+            maps=maps,
             kinds_lines=kinds_lines,
             xp=xp,
             tables=self.tables,
             steps=self.steps,
             vmem_limit=self.m.vmem_limit(),
-            reference_lines=self.reference_lines(),
-            kernel_signature=self.wrapper.signature()[0],
-            reference_signature=self.wrapper.signature()[1],
-            public_args=[p_.public for p_ in conv.params] + [s.symbol for s in conv.sizes],
-            n_args=len(conv.impl_args),
-            outputs=[self.out_var[c.output] for c in p.consumers],
-            row_lse=", ".join(self.row_lses),
-            declared=[self.out_var[o.name] for o in k.outputs],
-            backward=backward,
-            gradient_tables=self.gradient_tables(backward, derived),
-            nothing=py_tuple(["None"] * len(conv.impl_args)),
             class_axes=list(p.class_axes),
             data=data,
         )
-        text = with_helpers(main)
         return format_module(text, names=(m.name,)) if formatted else text
 
     def gradient_tables(self, backward: dict, derived: list[str]) -> str:
