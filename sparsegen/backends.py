@@ -133,15 +133,17 @@ def _gpu_describe(m):
 def _tpu_analyse(m, sizes, pattern, targets=("v5e",), seed=0, **kw):
     from .tpu.simulate import analyse_einsum
 
+    kw.pop("strict", None)  # an einsum's walk models every layout
+
     return analyse_einsum(m, sizes, pattern, targets, seed, **kw)
 
 
 def _row_analyse(m, sizes, pattern, targets=("v5e",), seed=0, **kw):
     from .tpu.attention.simulate import analyse_attention
 
-    kw.pop("module", None)
-    kw.pop("trace", None)
-    return analyse_attention(m, sizes, pattern, targets, seed)
+    if kw.get("trace"):
+        raise ValueError(f"--png draws the einsum walks; '{m.name}' is attention-like (its walk is not drawn yet: leave out --png)")
+    return analyse_attention(m, sizes, pattern, targets, seed, strict=kw.get("strict", False))
 
 
 TABLE: dict[tuple[str, str], Entry] = {

@@ -272,10 +272,6 @@ def cmd_plan(args) -> int:
         return 2
     reports = []
     for p in found:
-        if not p.passes and args.png:
-            print(f"sparsegen plan: --png draws the einsum walks; '{p.name}' is attention-like (its walk is not drawn yet: "
-                  "leave out --png)", file=sys.stderr)
-            return 2
         sizes = {**default_shapes(p.kernel), **shapes}
         missing = [s for s, lit in p.kernel.symbols if lit is None and s not in sizes]
         if missing:

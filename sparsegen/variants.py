@@ -111,31 +111,17 @@ def build(variant: Variant, target: str) -> None:
 
 
 def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[str], seed: int) -> None:
-    from .callconv import operand_indices
-    from .tpu.attention.simulate import LayoutRefused, analyse_attention
-    from .tpu.simulate import analyse_einsum as analyse
+    from .backends import analyse_module
+    from .tpu.attention.simulate import LayoutRefused
 
     k = variant.plan.kernel
-    if not variant.plan.passes:  # the row walk: a block sums all of `d` and holds all of a value's index
-        for i in variant.plan.plan.inner:
-            index = k.index(i)
-            symbol = index.size.symbol
-            if symbol is not None and sizes.get(symbol, index.tile) != index.tile:
-                variant.rejected = (f"tile {i} = {index.tile} must span {symbol}, which is {sizes[symbol]}: an attention block "
-                                    f"sums (or holds) all of '{i}' (set sizes with --shape)")
-                return
-    for operand, d, tile in variant.plan.spans:
-        dim = k.operand(operand).dims[d]
-        if dim.symbol is not None and sizes.get(dim.symbol, tile) != tile:
-            index = operand_indices(k, k.operand(operand))[d]
-            variant.rejected = (f"tile {index} = {tile} breaks the TPU layout rule for '{operand}' unless it spans "
-                                f"{dim.symbol}, which is {sizes[dim.symbol]} (set sizes with --shape)")
+    for index, tile, why in variant.plan.must_span():
+        symbol = k.index(index).size.symbol
+        if symbol is not None and sizes.get(symbol, tile) != tile:
+            variant.rejected = f"tile {index} = {tile} must span {symbol}, which is {sizes[symbol]}: {why} (set sizes with --shape)"
             return
     try:
-        if variant.plan.passes:
-            variant.report = analyse(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed)
-        else:
-            variant.report = analyse_attention(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed, strict=True)
+        variant.report = analyse_module(variant.plan, sizes, pattern, targets=tuple(targets), seed=seed, strict=True)
     except LayoutRefused as exc:
         variant.rejected = str(exc)
     except (ValueError, KeyError) as exc:

@@ -29,7 +29,7 @@ def test_variants_rank_drop_and_write(tmp_path, capsys):
             "--pattern", "tril", "--shape", "M=1024,N=1024,K=1024", "--no-compile", "-o", str(out), "--json", str(report)]
     assert main(argv) == 0
     captured = capsys.readouterr()
-    assert "dropped masked_matmul_m100_n512_k256: tile m = 100 breaks the TPU layout rule" in captured.err
+    assert "dropped masked_matmul_m100_n512_k256: tile m = 100 must span M, which is 1024: 'mask' breaks the TPU layout rule otherwise" in captured.err
     data = json.loads(report.read_text())
     alive = sorted((v for v in data["variants"] if v["rank"]), key=lambda v: v["rank"])
     assert len(alive) == 4 and len(data["variants"]) == 6

@@ -82,19 +82,30 @@ class RowWalk:
         group = flat([Var(i) for i, _ in self.group_sizes], [n for _, n in self.group_sizes])
         return group * Var(self.step.static) + Var(STEP)
 
-    def coord(self, index: str, divisor: int = 1, table: str | None = None) -> Expr:
+    def coord(self, index: str, divisor: int = 1) -> Expr:
         """The block coordinate along `index` at a step: a lead index's value (read through
-        `// divisor`), the query or key block from the tables (`table`: another role, e.g. the
-        row written), the whole extent (0) for any other index."""
+        `// divisor`), the query or key block from the tables, the whole extent (0) for any
+        other index."""
         if index in self.plan.lead:
             return Var(index).div(divisor)
-        if table is not None:
-            return Load(table, Var(SLOT))
         if index == self.plan.query:
             return Load(QUERY, Var(SLOT))
         if index == self.plan.key:
             return Load(KEY, Var(SLOT))
         return Const(0)
+
+    def lead_coords(self) -> list[Expr]:
+        return [Var(i) for i in self.plan.lead]
+
+    @staticmethod
+    def row() -> Expr:
+        """The row block the step accumulates into (its outputs' block)."""
+        return Load(ROW, Var(SLOT))
+
+    @staticmethod
+    def step_coord() -> Expr:
+        """The step itself (an array with a block per step)."""
+        return Var(STEP)
 
     def resolve(self, e: Expr, direction: Direction, names: dict[str, str]) -> Expr:
         """A coordinate for a kernel or an index map: the roles' tables of `direction`, and

@@ -122,6 +122,29 @@ class TpuModule:
     def vmem(self) -> tuple[VmemItem, ...]:
         return max(self.passes, key=lambda p: p.vmem_bytes).vmem
 
+    def must_span(self) -> list[tuple[str, int, str]]:
+        """(index, tile, why) for each tile that must equal its symbolic size (`spans`)."""
+        from ..callconv import operand_indices
+
+        out = []
+        for operand, d, tile in self.spans:
+            dim = self.kernel.operand(operand).dims[d]
+            if dim.symbol is not None:
+                out.append((operand_indices(self.kernel, self.kernel.operand(operand))[d], tile, f"'{operand}' breaks the TPU layout rule otherwise"))
+        return out
+
+    def block_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(operand, the block shape its kernel sees) of every pass's blocks."""
+        return [(s.block.operand, tuple(s.view.ref_shape)) for tp in self.passes for s in tp.specs]
+
+    def smem_entries(self, values: dict, stored_blocks: int) -> int:
+        """Int32 entries of the largest pass's scalar-prefetch tables (`values`: the sizes by
+        variable; every coo operand holding `stored_blocks` blocks)."""
+        from ..expr import evaluate
+
+        values = {**values, **{var: stored_blocks for tp in self.passes for var, _ in tp.p.counts}}
+        return max((sum(evaluate(t.length, values) or 0 for t in tp.p.tables) for tp in self.passes), default=0)
+
     @property
     def spans(self) -> tuple[tuple[str, int, int], ...]:
         """(operand, dim, tile): tiles that must span a symbolic dimension, checked at call time."""

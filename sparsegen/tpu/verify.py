@@ -15,7 +15,6 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from ..expr import evaluate
 from ..source import Diagnostic, SourceFile
 from ..shapes import _load, concrete, differentiated
 from .lower import TpuModule
@@ -183,13 +182,11 @@ def explain(plan: TpuModule, target: str, message: str) -> Diagnostic:
     if "libtpu multi-process lockfile" in message:
         return Diagnostic(None, "another process holds libtpu; wait for it, or set ALLOW_MULTIPLE_LIBTPU_LOAD=1 (safe for ahead-of-time compiles)")
     first = next((line.strip() for line in message.splitlines() if line.strip()), "compilation failed")
-    for tp in plan.passes:
-        for spec in tp.specs:
-            shape = spec.view.ref_shape
-            patterns = ("x".join(map(str, shape)), str(shape).replace(" ", ""), str(shape))
-            if shape and any(p in message for p in patterns):
-                op = k.operand(spec.block.operand)
-                return Diagnostic(op.span, f"'{op.name}' block {shape} ({op.dtype.name}) does not compile for {target} (Mosaic): {first}")
+    for operand, shape in plan.block_shapes():
+        patterns = ("x".join(map(str, shape)), str(shape).replace(" ", ""), str(shape))
+        if shape and any(p in message for p in patterns):
+            op = k.operand(operand)
+            return Diagnostic(op.span, f"'{op.name}' block {shape} ({op.dtype.name}) does not compile for {target} (Mosaic): {first}")
     return Diagnostic(k.name_span, f"kernel '{k.name}' does not compile for {target}: {first}")
 
 
@@ -201,10 +198,7 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
     env, nb, args, keywords = concrete(k, shapes, nnz)
     chip = TARGETS[target]
     values = {s.internal: env[s.symbol] for s in plan.conv.sizes}
-    for tp in plan.passes:
-        for var, _ in tp.p.counts:
-            values[var] = nb
-    smem = max((sum(evaluate(t.length, values) or 0 for t in tp.p.tables) for tp in plan.passes), default=0) * 4
+    smem = plan.smem_entries(values, nb) * 4
     result = Result(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, plan.vmem_bytes, vmem_limit=chip.vmem_bytes, smem_used=smem, smem_limit=chip.smem_bytes)
     start = time.perf_counter()
     try:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 
 def describe_attention(m) -> list[str]:
-    p, k = m.plan, m.kernel
+    p, k, w = m.plan, m.kernel, m.walk
     tile = {i.name: i.tile for i in k.indices}
     lines = []
     lead = ", ".join(p.lead) or "nothing"
+    grid = ", ".join(a.index or "steps" for a in w.axes)
+    parallel = ", ".join(a.index or "steps" for a in w.axes if a.parallel)
     lines.append(f"walk: rows of '{p.score}' (one {p.query} block of {tile[p.query]} at a time, per {lead}),")
-    lines.append(f"  reducing over {p.key} in blocks of {tile[p.key]}: grid ({', '.join(p.lead + ('steps',))}),")
-    lines.append(f"  {', '.join(p.lead)}{' parallel, ' if p.lead else ''}steps arbitrary")
+    lines.append(f"  reducing over {p.key} in blocks of {tile[p.key]}: grid ({grid}),")
+    lines.append(f"  {parallel}{' parallel, ' if parallel else ''}steps arbitrary")
     if not p.conditions:
         lines.append("blocks: every block is full (no condition)")
     else:

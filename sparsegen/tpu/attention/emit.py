@@ -7,7 +7,8 @@ import dataclasses
 import math
 
 from ...dtypes import DTYPES
-from ...expr import Var, flat, render
+from ...expr import Const, Var, render
+from ...schedule.row import SLOT, STEP
 from ...ir import Read
 from ...pytext import live_lines, parameters, py_tuple, words
 from ...schedule.classify import Classifier
@@ -29,8 +30,9 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         self.sizes = [s.internal for s in m.conv.sizes]
         self.acc = self.k.accumulate
         # Module-level names shared by the calls.
-        self.tables = [self.n.local(x) for x in ("rows", "cols", "read_rows", "kinds", "flags")]
-        self.steps = self.n.local("steps")
+        self.w = m.walk
+        self.tables = [t.var for t in self.w.tables]
+        self.steps = self.w.step.static
         maps = self.n.scope()  # the index maps' parameters
         self.grid_vars = [maps.local(i) for i in self.p.lead]
         self.t = maps.local("t")
@@ -85,39 +87,32 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         return Arr(o.ref, o.block, o.coords, o.fn, self.array(o), f"{o.read.text}: {self.about(o)}", itemsize=itemsize)
 
     def out_arr(self, ref, indices, dtype, var, about, vector: bool) -> OutArr:
-        p = self.p
+        p, w = self.p, self.w
         block, coords = [], []
         for i in indices:
             if i in p.lead:
                 block.append(None)
-                coords.append(i)
+                coords.append(w.coord(i))
             elif i in (p.query, p.key) and i == indices[len(p.lead)]:
                 if vector:
                     block.append(1)
-                    coords.append("0")
+                    coords.append(Const(0))
                 block.append(self.tile[i])
-                coords.append("ROW")
+                coords.append(w.row())
             else:
                 block.append(self.tile[i])
-                coords.append("0")
+                coords.append(Const(0))
         shape = tuple(self.size_of(i) for i in indices)
         view = shape[:-1] + ("1",) + shape[-1:] if vector else shape
         return OutArr(ref, tuple(block), tuple(coords), self.fn(f"_{ref.removesuffix('_ref')}_map", key=("output", ref)), "", about, shape, view, dtype, var)
 
+    def map_names(self, lead_vars: dict[str, str], t: str) -> dict[str, str]:
+        """The walk's variables (lead indices, the step) as a kernel or index map names them."""
+        return {**lead_vars, STEP: t}
+
     def map_dict(self, a: Arr, call: CallSpec) -> dict:
-        slot = self.slot(dict(zip(self.p.lead, self.grid_vars)), self.t)
-        coords = []
-        for c in a.coords:
-            if c in ("QROW", "COL", "ROW"):
-                coords.append(f"{call.tables[c]}[{slot}]")
-            elif c == "STEP":
-                coords.append(self.t)
-            elif c == "0":
-                coords.append("0")
-            else:
-                name, _, div = c.partition(" // ")
-                v = self.grid_vars[self.p.lead.index(name)]
-                coords.append(f"lax.div({v}, {div})" if div else v)
+        names = self.map_names(dict(zip(self.p.lead, self.grid_vars)), self.t)
+        coords = [render(self.w.resolve(c, call.tables, names), "py") for c in a.coords]
         # Pallas passes every coordinate and table; the map names only those it reads.
         used = set().union(*(words(c) for c in coords))
         statics = [v for v in [self.steps] + self.sizes if v in used]  # the group's slot reads the lead sizes
@@ -127,7 +122,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
                 "spec_map": f"functools.partial({a.fn + call.suffix}, {partial})" if statics else a.fn + call.suffix}
 
     def call_dict(self, call: CallSpec, walk_kinds: str, walk: str = "_walk_tables") -> dict:
-        grid = [self.size_of(i) if self.tile[i] == 1 else f"-(-{self.size_of(i)} // {self.tile[i]})" for i in self.p.lead] + [self.steps]
+        grid = [render(a.extent, "host") for a in self.w.lead] + [self.steps]  # the walk's axes: lead values, then steps
         # The kernel's head binds every coordinate, slot and kind; those nothing reads are
         # dropped, and the kernel `del`s the tables it does not read.
         lines = live_lines(call.kernel_lines)
@@ -145,7 +140,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             "arrays": [a.host for a in call.ins],
             "scratch": call.scratch,
             "grid": py_tuple(grid),
-            "semantics": py_tuple(['"parallel"'] * len(self.p.lead) + ['"arbitrary"']),
+            "semantics": py_tuple(['"parallel"' if a.parallel else '"arbitrary"' for a in self.w.axes]),
             "flops": f"{self.tables[3]}.size * {call.flops}",
             "bytes": self.bytes_accessed(call),
             "transcendentals": f"{self.tables[3]}.size * {call.transcendentals}",
@@ -421,17 +416,12 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         if o.role != "extra" or o.layout not in ("rows", "cols"):
             return o
         layout = "cols" if o.layout == "rows" else "rows"
-        block, coords = layout_block(o.read, layout, self.p, self.tile)
+        block, coords = layout_block(o.read, layout, self.w, self.tile)
         return dataclasses.replace(o, layout=layout, block=block, coords=coords, fn=self.fn(f"{o.fn}_t"))
 
     def slot(self, lead_vars, t: str) -> str:
-        """A step's entry in the walk's tables: the tables hold `steps` entries per group, a
-        group per value of the lead axes the condition reads (flat, row-major)."""
-        axes = self.p.class_axes[:-2]
-        if not axes:
-            return t
-        group = flat([Var(lead_vars[a]) for a in axes], [self.m.conv.size(self.k.index(a).size) for a in axes])
-        return render(group * Var(self.steps) + Var(t), "py")
+        """A step's entry in the walk's tables (`RowWalk.slot`), in a kernel's variables."""
+        return render(self.w.resolve(Var(SLOT), self.w.rows, self.map_names(lead_vars, t)), "py")
 
     # ------------------------------------------------------------- docstring
     def docstring(self) -> tuple[str, str]:

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 from ...ir import Read, Term
 from ...pytext import py_tuple
+from ...expr import Const
 from ...schedule.attention import read_key
+from ...schedule.row import Direction
 from ...terms import render_term
 from .lower import LANES, SUBLANES, Operand
 
@@ -22,7 +24,7 @@ class Arr:
 
     ref: str
     block: tuple  # None: squeezed
-    coords: tuple[str, ...]  # tokens: a lead index (maybe "h // 4"), "QROW", "COL", "ROW", "0"
+    coords: tuple  # per dimension, the block coordinate: an expr over the walk (`RowWalk.coord`)
     fn: str
     host: str
     about: str
@@ -47,7 +49,7 @@ class CallSpec:
     ins: list[Arr]
     outs: list[OutArr]
     statics: list[str]
-    tables: dict[str, str]  # token -> table for QROW, COL, ROW
+    tables: Direction  # the walk's direction: which table holds each step's row, query and key block
     flops: str
     transcendentals: str
     about: str
@@ -61,7 +63,7 @@ class KernelWriter:
     """The kernels' lines (a mixin of AttentionEmitter)."""
 
     # -------------------------------------------------------- kernel pieces
-    def head(self, n, tables: dict[str, str]) -> tuple[list[str], dict, str, str, str]:
+    def head(self, n, tables: Direction) -> tuple[list[str], dict, str, str, str]:
         """Grid coordinates, the step's table slot, its kind and flags."""
         p = self.p
         lines = []
@@ -110,8 +112,8 @@ class KernelWriter:
         qpos, kpos = n.local(f"{p.query}_pos"), n.local(f"{p.key}_pos")
         qshape, kshape = ((1, ti), (tj, 1)) if transposed else ((ti, 1), (1, tj))
         pos_lines = [
-            f"    {qpos} = {tables['QROW']}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {qshape}, {int(transposed)})",
-            f"    {kpos} = {tables['COL']}[{at}] * {tj} + lax.broadcasted_iota(jnp.int32, {kshape}, {int(not transposed)})",
+            f"    {qpos} = {tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {qshape}, {int(transposed)})",
+            f"    {kpos} = {tables.key}[{at}] * {tj} + lax.broadcasted_iota(jnp.int32, {kshape}, {int(not transposed)})",
         ]
         chain_pos = self.chain_uses_positions()
         if chain_pos:
@@ -199,7 +201,7 @@ class KernelWriter:
                 continue
             t, axis = self.tile[index], axes[index]
             shape = f"({t}, 1)" if axis == 0 else f"(1, {t})"
-            table = tables["QROW" if index == self.p.query else "COL"]
+            table = tables.query if index == self.p.query else tables.key
             inside = n.local("inside")
             lines += [f"    if {masked}:", f"        # Past the end of {index} memory holds anything: zero it.",
                       f"        {inside} = {table}[{at}] * {t} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(index)}",
@@ -332,7 +334,7 @@ class KernelWriter:
         for pt in sorted({c.point for c in stored if c.kind == "softmax_out"}):
             lse_refs[pt] = n.local("row_lse_ref")
             block = tuple([None] * len(p.lead) + [self.tile[p.query], LANES])
-            coords = tuple(list(p.lead) + ["QROW", "0"])
+            coords = tuple(self.w.lead_coords() + [self.w.coord(p.query), Const(0)])
             ins.append(Arr(lse_refs[pt], block, coords, self.fn("_row_lse_rows_map"), self.stored_lse_hosts[pt],
                            "the forward's logsumexp per row, broadcast along lanes"))
         lines += ["", f"@pl.when({kind} == _EMPTY)", "def _empty():", "    # Nothing present in this block: zeros."]
@@ -354,7 +356,7 @@ class KernelWriter:
         for c in stored:
             st = k.statement_of(c.output)
             block = tuple(None if i in p.lead else self.tile[i] for i in st.target.indices)
-            coords = tuple(i if i in p.lead else "QROW" if i == p.query else "COL" for i in st.target.indices)
+            coords = tuple(self.w.coord(i) for i in st.target.indices)
             shape = tuple(self.size_of(i) for i in st.target.indices)
             outs.append(OutArr(out_refs[c.output], block, coords, self.fn(f"_{c.output}_map", key=("stored", c.output)), "", f"{st.target.text}: the step's block",
                                shape, shape, k.operand(c.output).dtype.jnp, self.n.local(c.output)))
@@ -385,7 +387,7 @@ class KernelWriter:
                 st = k.statement_of(c.output)
                 ref = n.local(f"d{c.output}_ref")
                 block = tuple(None if i in p.lead else self.tile[i] for i in st.target.indices)
-                coords = tuple(i if i in p.lead else "QROW" if i == p.query else "0" for i in st.target.indices)
+                coords = tuple(self.w.coord(i) for i in st.target.indices)  # the rows and a value's own index (whole)
                 ins.append(Arr(ref, block, coords, self.fn(f"_d{c.output}_map", key=("cotangent", c.output)), self.cot(c.output), f"the cotangent of {c.output}",
                                itemsize=k.operand(c.output).dtype.itemsize))
                 extra[c.output] = ref
@@ -395,11 +397,11 @@ class KernelWriter:
             ref = n.local(f"{key}_ref")
             if transposed:  # the key-side walk wants each row's statistic along lanes: a row vector
                 block = tuple([None] * len(p.lead) + [SUBLANES, self.tile[p.query]])
-                coords = tuple(list(p.lead) + ["0", "QROW"])
+                coords = tuple(self.w.lead_coords() + [Const(0), self.w.coord(p.query)])
                 fn, how = self.fn(f"_{key}_cols_map"), ", broadcast along sublanes"
             else:
                 block = tuple([None] * len(p.lead) + [self.tile[p.query], LANES])
-                coords = tuple(list(p.lead) + ["QROW", "0"])
+                coords = tuple(self.w.lead_coords() + [self.w.coord(p.query), Const(0)])
                 fn, how = self.fn(f"_{key}_rows_map"), ", broadcast along lanes"
             ins.append(Arr(ref, block, coords, fn, host, about[key] + how))
             extra[key] = ref
@@ -431,7 +433,7 @@ class KernelWriter:
             shape, axis = (f"(1, {ti})", 1) if transposed else (f"({ti}, 1)", 0)
             inside = n.local("rows_inside")
             lines += [f"    if {masked}:",
-                      f"        {inside} = {tables['QROW']}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(p.query)}",
+                      f"        {inside} = {tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(p.query)}",
                       f"        {nm['lse']} = jnp.where({inside}, {nm['lse']}, 0.0)",
                       f"        {delta} = jnp.where({inside}, {delta}, 0.0)"]
         lines += [f"    {nm['lse']} = jnp.where(jnp.isneginf({nm['lse']}), 0.0, {nm['lse']})  # a row with nothing present",
@@ -447,7 +449,7 @@ class KernelWriter:
                 if self.ragged(p.query):
                     ti = self.tile[p.query]
                     lines += [f"    if {masked}:", f"        # Past the end of {p.query} memory holds anything: zero it.",
-                              f"        {do} = jnp.where({tables['QROW']}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0) < {self.size_of(p.query)}, {do}, 0)"]
+                              f"        {do} = jnp.where({tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0) < {self.size_of(p.query)}, {do}, 0)"]
                 dov, vv, prec = self.mxu(do, vo.var, self.dtype_of(vo))
                 if transposed:
                     term = f"lax.dot_general({vv}, {dov}, ((({ve},), (1,)), ((), ())), preferred_element_type={acc.jnp}{prec})"
@@ -510,7 +512,7 @@ class KernelWriter:
                 # One block per step, placed by the wrapper: each non-empty block once.
                 step.append(f"    {ref}[...] = {d}")
                 block = tuple([None] * len(p.lead) + [None, ti, tj])
-                coords = tuple(list(p.lead) + ["STEP", "0", "0"])
+                coords = tuple(self.w.lead_coords() + [self.w.step_coord(), Const(0), Const(0)])
                 shape = tuple(lead_shape + [self.steps, str(ti), str(tj)])
                 outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_steps_map", key=("steps", r)), "", f"the gradient of {r.text}, one block per step",
                                    shape, shape, "jnp.float32", var))
@@ -524,7 +526,7 @@ class KernelWriter:
                 init.append(f"    {a}[...] = jnp.zeros_like({a})")
                 flush.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
                 block = tuple([None] * len(p.lead) + [ti, LANES])
-                coords = tuple(list(p.lead) + ["ROW", "0"])
+                coords = tuple(self.w.lead_coords() + [self.w.row(), Const(0)])
                 shape = tuple(lead_shape + [self.size_of(p.query), str(LANES)])
                 outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_rows_map", key=("rows", r)), "", f"the gradient of {r.text}, per row",
                                    shape, shape, "jnp.float32", var))
@@ -535,7 +537,7 @@ class KernelWriter:
                 step.append(f"    {a}[...] += {d}")
                 finish.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
                 block = tuple([None] * len(p.lead) + [SUBLANES, LANES])
-                coords = tuple(list(p.lead) + ["0", "0"])
+                coords = tuple(self.w.lead_coords() + [Const(0), Const(0)])
                 shape = tuple(lead_shape + [str(SUBLANES), str(LANES)])
                 outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_scalar_map", key=("scalar", r)), "", f"the gradient of {r.text}, summed over the walk",
                                    shape, shape, "jnp.float32", var))
@@ -617,7 +619,7 @@ class KernelWriter:
             step.append(f"    {a}[...] += {d}")
             key_flush.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
             shape = tuple(lead_shape + [self.size_of(p.key), str(LANES)])
-            outs.append(OutArr(ref, tuple([None] * len(p.lead) + [self.tile[p.key], LANES]), tuple(list(p.lead) + ["ROW", "0"]),
+            outs.append(OutArr(ref, tuple([None] * len(p.lead) + [self.tile[p.key], LANES]), tuple(self.w.lead_coords() + [self.w.row(), Const(0)]),
                                self.fn(f"_d{r.operand}_keys_map", key=("keys", r)), "", f"the gradient of {r.text}, per key", shape, shape, "jnp.float32", var))
             scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, 1), {acc.jnp})")
             self.post_dkv.append(f"{var} = {var}[..., 0]")
@@ -643,14 +645,13 @@ class KernelWriter:
         return not p.stored_score or any(c.kind == "softmax_product" for c in p.consumers) or any(
             self.operand_of(r).layout == "cols" for r in p.float_reads())
 
-    def row_tables(self) -> dict[str, str]:
-        """The tables of a row walk: the row block read (QROW), the key block read (COL) and
-        the row block written (ROW)."""
-        return {"QROW": self.tables[2], "COL": self.tables[1], "ROW": self.tables[0]}
+    def row_tables(self) -> Direction:
+        """The row-major walk's tables (the forward, stored outputs, dq)."""
+        return self.w.rows
 
-    def key_tables(self) -> dict[str, str]:
+    def key_tables(self) -> Direction:
         """The key-side walk: its rows are key blocks, its columns row blocks."""
-        return {"QROW": self.tables[1], "COL": self.tables[2], "ROW": self.tables[0]}
+        return self.w.keys
 
     def block_elements(self) -> int:
         return self.tile[self.p.query] * self.tile[self.p.key]

@@ -14,7 +14,9 @@ from ...autodiff import Refusal, refusals
 from ...callconv import Convention, convention
 from ...ir import Kernel, Read
 from ...names import ModuleNames
+from ...expr import Const
 from ...schedule.attention import RowPlan, read_key
+from ...schedule.row import RowWalk, row_walk
 from ..targets import Target
 from ..vmem import MOSAIC_SCRATCH, VmemItem, attention_vmem, vmem_limit
 
@@ -33,7 +35,7 @@ class Operand:
     fn: str  # index map
     layout: str  # "natural" | "rows" (lane-broadcast column) | "cols" (sublane-broadcast row) | "scalar"
     block: tuple  # block shape (None: squeezed)
-    coords: tuple[str, ...]  # index map's coordinates
+    coords: tuple  # per array dimension, the block coordinate (an expr: `RowWalk.coord`)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class AttentionModule:
     conv: Convention
     names: ModuleNames
     plan: RowPlan
+    walk: RowWalk
     operands: tuple[Operand, ...]
     vmem: tuple[VmemItem, ...]
     backward_error: str | None = None  # why jax.grad cannot go through this kernel at all
@@ -76,15 +79,28 @@ class AttentionModule:
         """The module compiled with `vmem_limit_bytes=limit` in every call (verify's probe)."""
         return dataclasses.replace(self, vmem_limit_override=limit)
 
-    passes = ()
-    backward_module = None
-    spans = ()
+    def must_span(self) -> list[tuple[str, int, str]]:
+        """(index, tile, why) for each tile that must equal its symbolic size: a score block
+        sums all of the summed index, a value block holds all of its own index."""
+        return [(i, self.kernel.index(i).tile, f"an attention block sums (or holds) all of '{i}'")
+                for i in self.plan.inner if self.kernel.index(i).size.literal is None]
+
+    def block_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(operand, the block shape its kernel sees) of each array read, for naming it in a
+        compiler's error."""
+        return [(o.read.operand, tuple(b for b in o.block if b is not None)) for o in self.operands]
+
+    def smem_entries(self, values: dict, stored_blocks: int) -> int:
+        """Int32 entries of the scalar-prefetch tables: sized by the walk at call time (the
+        dense count when the condition reads operands), so not counted here."""
+        return 0
 
 
 def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionModule:
     names = ModuleNames(kernel)
     conv = convention(kernel, names)
     p = plan
+    walk = row_walk(kernel, plan, conv, names)
     ops: list[Operand] = []
     tile = {i.name: i.tile for i in kernel.indices}
 
@@ -93,7 +109,7 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
             return
         has_q, has_k = p.query in read.indices, p.key in read.indices
         layout = "natural" if role != "extra" or (has_q and has_k) else ("rows" if has_q else "cols" if has_k else "scalar")
-        block, coords = layout_block(read, layout, p, tile)
+        block, coords = layout_block(read, layout, walk, tile)
         ops.append(Operand(read, role, names.local(f"{read.operand}_ref"), names.local(f"{read.operand}_blk"),
                            names.function(f"_{read.operand}_map" if role != "extra" else f"_{read.operand}_{''.join(read.indices)}_map"),
                            layout, block, coords))
@@ -108,31 +124,23 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
         add(r, "extra")
     vmem = attention_vmem(kernel, p, ops)
     error = gradient_error(kernel, plan)
-    return AttentionModule(kernel, target, conv, names, plan, tuple(ops), vmem, error,
+    return AttentionModule(kernel, target, conv, names, plan, walk, tuple(ops), vmem, error,
                            refused=refusals(kernel, None, error) + gradient_refusals(kernel, plan))  # the kernel-wide reason first
 
 
-def layout_block(read: Read, layout: str, p: RowPlan, tile: dict) -> tuple[tuple, tuple]:
-    """A read's block and index-map coordinates for a layout: "natural" (the array as it
+def layout_block(read: Read, layout: str, walk: RowWalk, tile: dict) -> tuple[tuple, tuple]:
+    """A read's block and coordinates (the walk's) for a layout: "natural" (the array as it
     is), "rows" (a lane-broadcast copy: the kernel sees a column), "cols" (a sublane-broadcast
     copy: a row), "scalar" (a tile-broadcast copy: one value)."""
-    block, coords = [], []
-    for s in read.subs:
-        if s.index in p.lead:
-            block.append(None)
-            coords.append(s.index if s.divisor == 1 else f"{s.index} // {s.divisor}")
-        elif s.index in (p.query, p.key):
-            block.append(tile[s.index])
-            coords.append("QROW" if s.index == p.query else "COL")
-        else:
-            block.append(tile[s.index])
-            coords.append("0")
+    block = [None if s.index in walk.plan.lead else tile[s.index] for s in read.subs]
+    coords = [walk.coord(s.index, s.divisor) for s in read.subs]
+    zero = Const(0)
     if layout == "rows":
-        block, coords = block + [LANES], coords + ["0"]
+        block, coords = block + [LANES], coords + [zero]
     elif layout == "cols":
-        block, coords = block[:-1] + [SUBLANES, block[-1]], coords[:-1] + ["0", coords[-1]]
+        block, coords = block[:-1] + [SUBLANES, block[-1]], coords[:-1] + [zero, coords[-1]]
     elif layout == "scalar":
-        block, coords = block + [SUBLANES, LANES], coords + ["0", "0"]
+        block, coords = block + [SUBLANES, LANES], coords + [zero, zero]
     return tuple(block), tuple(coords)
 
 
