@@ -509,3 +509,32 @@ def test_walk_names_as_lead_indices(n):
         assert_gradients_match(kernel_gradients(*args), gradients(mod.reference, args, 3), bf16=False)
     else:
         jax.jit(kernel_gradients).lower(*args)
+
+
+def test_an_operand_named_like_a_key_side_map():
+    """The key-side walk's index maps are the row walk's names plus a suffix; a spec name
+    equal to one (`_delta_cols_map_by_key`) shadowed the map inside the backward (a crash
+    under jax.grad): the suffixed names are drawn like every function's."""
+    import jax
+    import jax.numpy as jnp
+    from conftest import build
+
+    text = """kernel clash {
+    in  q: f32[S, D]
+    in  k: f32[S, D]
+    in  _delta_cols_map_by_key: f32[S, D]
+    out o: f32[S, D]
+
+    s[i, j] = q[i, d] * k[j, d] where i >= j
+    o[i, e] = softmax(s[i, j], j) * _delta_cols_map_by_key[j, e]
+
+    tile i = 128, j = 128, d = 128, e = 128
+}
+"""
+    _, mod = build(text, formatted=False)
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.standard_normal((256, 128)).astype(np.float32)) for _ in range(3)]
+    got = jax.grad(lambda *a: mod.clash(*a, interpret=True).sum(), argnums=(0, 1, 2))(*args)
+    want = jax.grad(lambda *a: mod.reference(*a).sum(), argnums=(0, 1, 2))(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)

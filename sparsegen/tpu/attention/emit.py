@@ -118,8 +118,11 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         statics = [v for v in [self.steps] + self.sizes if v in used]  # the group's slot reads the lead sizes
         signature, deleted = parameters(self.grid_vars + [self.t] + self.tables, used, statics)
         partial = ", ".join(f"{v}={v}" for v in statics)
-        return {"fn": a.fn + call.suffix, "coords": coords, "about": a.about, "signature": signature, "deleted": deleted,
-                "spec_map": f"functools.partial({a.fn + call.suffix}, {partial})" if statics else a.fn + call.suffix}
+        # The key-side walk's maps read the tables the other way: a name of their own, drawn
+        # like every function's (a spec name may be the map's name plus the suffix).
+        fn = self.fn(a.fn + call.suffix, key=("suffixed", a.fn, call.suffix)) if call.suffix else a.fn
+        return {"fn": fn, "coords": coords, "about": a.about, "signature": signature, "deleted": deleted,
+                "spec_map": f"functools.partial({fn}, {partial})" if statics else fn}
 
     def call_dict(self, call: CallSpec, walk_kinds: str, walk: str = "_walk_tables") -> dict:
         grid = [render(a.extent, "host") for a in self.w.lead] + [self.steps]  # the walk's axes: lead values, then steps
