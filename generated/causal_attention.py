@@ -350,7 +350,7 @@ def _classify_blocks(xp, sizes):
     j_hi = xp.minimum(j_lo + 512, S) - 1
     can = xp.broadcast_to(i_hi - j_lo >= 0, (-(-S // 512), -(-S // 512)))
     must = xp.broadcast_to(
-        (i_lo - j_hi >= 0) & ~((i_lo + 512 > S) | (j_lo + 512 > S)),
+        (i_lo - j_hi >= 0) & xp.logical_not((i_lo + 512 > S) | (j_lo + 512 > S)),
         (-(-S // 512), -(-S // 512)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)

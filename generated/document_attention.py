@@ -376,7 +376,7 @@ def _classify_blocks(xp, seg, sizes):
         (seg_min_bi - seg_max_bj >= 0)
         & (seg_max_bi - seg_min_bj <= 0)
         & (i_lo - j_hi >= 0)
-        & ~((i_lo + 256 > S) | (j_lo + 256 > S)),
+        & xp.logical_not((i_lo + 256 > S) | (j_lo + 256 > S)),
         (B, -(-S // 256), -(-S // 256)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)

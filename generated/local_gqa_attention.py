@@ -365,7 +365,7 @@ def _classify_blocks(xp, sizes):
     must = xp.broadcast_to(
         (i_lo - j_hi >= 0)
         & (i_hi - j_lo <= 1023)
-        & ~((i_lo + 256 > S) | (j_lo + 512 > S)),
+        & xp.logical_not((i_lo + 256 > S) | (j_lo + 512 > S)),
         (-(-S // 256), -(-S // 512)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)

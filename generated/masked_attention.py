@@ -360,7 +360,8 @@ def _classify_blocks(xp, keep, sizes):
     j_lo = j_block * 128
     can = xp.broadcast_to(keep_any, (-(-S // 128), -(-T // 128)))
     must = xp.broadcast_to(
-        keep_all & ~((i_lo + 128 > S) | (j_lo + 128 > T)), (-(-S // 128), -(-T // 128))
+        keep_all & xp.logical_not((i_lo + 128 > S) | (j_lo + 128 > T)),
+        (-(-S // 128), -(-T // 128)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 

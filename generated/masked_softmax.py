@@ -287,7 +287,7 @@ def _classify_blocks(xp, sizes):
     j_hi = xp.minimum(j_lo + 128, T) - 1
     can = xp.broadcast_to(True, (-(-S // 128), -(-T // 128)))
     must = xp.broadcast_to(
-        (i_lo - j_hi >= 0) & ~((i_lo + 128 > S) | (j_lo + 128 > T)),
+        (i_lo - j_hi >= 0) & xp.logical_not((i_lo + 128 > S) | (j_lo + 128 > T)),
         (-(-S // 128), -(-T // 128)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)

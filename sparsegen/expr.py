@@ -200,6 +200,9 @@ def _render(e: Expr, style: str) -> tuple[str, int]:
     if isinstance(e, Tup):
         items = [render(x, style) for x in e.items]
         return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")", 9
+    if isinstance(e, Not) and style == "xp":
+        # Not `~`: a truth value over sizes only is a Python bool, and ~True is -2 (truthy).
+        return f"xp.logical_not({render(e.a, style)})", 9
     if isinstance(e, (Not, Neg)):
         a, pa = _render(e.a, style)
         return ("~" if isinstance(e, Not) else "-") + (a if pa >= _UNARY else f"({a})"), _UNARY
@@ -251,17 +254,29 @@ def render(e: Expr, style: str = "py") -> str:
 def substitute(e: Expr, values: dict[str, Expr], arrays: dict[str, str] | None = None) -> Expr:
     """`e` with the variables in `values` replaced (folding constants again), and the arrays
     it loads from renamed by `arrays`."""
+
+    def sub(x: Expr) -> Expr:
+        return substitute(x, values, arrays)
+
     if isinstance(e, Var):
         return values.get(e.name, e)
+    if isinstance(e, (Const, Lit)):
+        return e
     if isinstance(e, Bin):
-        return _bin(e.op, substitute(e.a, values, arrays), substitute(e.b, values, arrays))
-    if isinstance(e, Max):
-        return Max(substitute(e.a, values, arrays), substitute(e.b, values, arrays))
-    if isinstance(e, Min):
-        return Min(substitute(e.a, values, arrays), substitute(e.b, values, arrays))
+        return _bin(e.op, sub(e.a), sub(e.b))
+    if isinstance(e, (Max, Min)):
+        return type(e)(sub(e.a), sub(e.b))
     if isinstance(e, Load):
-        return Load((arrays or {}).get(e.array, e.array), substitute(e.index, values, arrays))
-    return e
+        return Load((arrays or {}).get(e.array, e.array), sub(e.index))
+    if isinstance(e, Where):
+        return Where(sub(e.cond), sub(e.a), sub(e.b))
+    if isinstance(e, Call):
+        return Call(e.fn, tuple(sub(a) for a in e.args))
+    if isinstance(e, (Not, Neg)):
+        return type(e)(sub(e.a))
+    if isinstance(e, Tup):
+        return Tup(tuple(sub(x) for x in e.items))
+    raise TypeError(e)
 
 
 def names(e: Expr) -> set[str]:

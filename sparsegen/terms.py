@@ -44,7 +44,8 @@ def _render_term(t: Term, leaf) -> tuple[str, int]:
     if t.op == "neg":
         return f"-{wrap(args[0], _UNARY)}", _UNARY
     if t.op == "not":
-        return f"~{wrap(args[0], _UNARY)}", _UNARY
+        # Not `~`: over sizes only a truth value is a Python bool, and ~True is -2 (truthy).
+        return f"jnp.logical_not({args[0][0]})", _ATOM
     if t.op == "cmp":
         # A chain compares neighbours (`a < b <= c`); `&` binds tighter than a comparison.
         pairs = [f"{wrap(args[n], _OR)} {op} {wrap(args[n + 1], _OR)}" for n, op in enumerate(t.ops)]

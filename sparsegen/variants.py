@@ -114,10 +114,8 @@ def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[s
     from .backends import analyse_module
     from .tpu.attention.simulate import LayoutRefused
 
-    k = variant.plan.kernel
-    for index, tile, why in variant.plan.must_span():
-        symbol = k.index(index).size.symbol
-        if symbol is not None and sizes.get(symbol, tile) != tile:
+    for index, tile, symbol, why in variant.plan.must_span():
+        if sizes.get(symbol, tile) != tile:
             variant.rejected = f"tile {index} = {tile} must span {symbol}, which is {sizes[symbol]}: {why} (set sizes with --shape)"
             return
     try:

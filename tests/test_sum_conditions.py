@@ -235,19 +235,31 @@ def test_random_affine_conditions_on_the_sum(lo, width, outside):
     assert_matches(kernel, mod.reference(x, y), want)
 
 
-@pytest.mark.parametrize("cond", ["not (m % N < 3)", "not (k % N < 5 and m >= 3)"])
-def test_a_negated_condition_the_classifier_cannot_bound_is_partial_not_full(interpret, cond):
-    """`m % N` (a size divisor) has no block range: its comparison is "maybe" (can, not
-    must); its negation must stay "maybe". The classification used to write `~(True)` (-2 in
-    Python, truthy), so every block was full and the condition silently dropped."""
+NEGATED = {  # condition: its truth over (m, k), numpy (n = N = 128)
+    "not (m % N < 3)": lambda m, k, n: ~(m % n < 3),
+    "not (k % N < 5 and m >= 3)": lambda m, k, n: ~((k % n < 5) & (m >= 3)),
+    "not (m < m + 3)": lambda m, k, n: ~(m < m + 3) & (k >= 0),  # no index left after the difference: never present
+    "not (N < 300)": lambda m, k, n: np.zeros_like(m + k, bool) if n < 300 else np.ones_like(m + k, bool),  # sizes only
+}
+
+
+@pytest.mark.parametrize("cond", sorted(NEGATED))
+def test_a_negated_condition_is_never_full_where_terms_are_absent(interpret, cond):
+    """A negation of what the classifier cannot bound (`m % N`) must stay "maybe", and of
+    a comparison decided without an index (`m < m + 3`, `N < 300`) must stay decided. The
+    classification wrote `~(...)`, which on a Python bool is -2 or -1 (truthy): every block
+    full, the condition silently dropped."""
     kernel, mod = build(AFFINE.format(cond=cond))
     rng = np.random.default_rng(5)
     m, kk, n = 256, 128, 128
     x, y = rng.standard_normal((m, kk), dtype=np.float32), rng.standard_normal((kk, n), dtype=np.float32)
-    mi, ki = np.arange(m)[:, None], np.arange(kk)[None, :]
-    present = ~(mi % n < 3) if cond.startswith("not (m") else ~((ki % n < 5) & (mi >= 3))
-    want = np.einsum("mk,mk,kn->mn", np.broadcast_to(present, (m, kk)).astype(np.float64), x, y)
-    assert 2 not in np.asarray(mod._classify(np, (m, kk, n)))
+    present = np.broadcast_to(NEGATED[cond](np.arange(m)[:, None], np.arange(kk)[None, :], n), (m, kk))
+    want = np.einsum("mk,mk,kn->mn", present.astype(np.float64), x, y)
+    kinds = np.asarray(mod._classify(np, (m, kk, n)))
+    # Full blocks hold every term: over the condition's indices (m, then k; none: one block).
+    blocks = present.reshape(m // 128, 128, kk // 128, 128).all(axis=(1, 3))
+    every = {0: blocks.all(), 1: blocks.all(axis=1), 2: blocks}[kinds.ndim]
+    assert not ((kinds == 2) & ~every).any()
     assert_matches(kernel, mod.banded(x, y, interpret=interpret), want)
     assert_matches(kernel, mod.reference(x, y), want)
 
@@ -378,3 +390,10 @@ def test_offsets_and_lengths_compile_ahead_of_time(topology):
     _, lengths = build(LENGTHS)
     x, y, lens = np.zeros((2, 256, 512), np.float32), np.zeros((2, 512, 256), np.float32), np.zeros((2,), np.int32)
     compile_for(lambda x, y, lens: lengths.ragged_sum(x, y, lens), (x, y, lens), topology)
+
+
+def test_a_negated_condition_compiles_ahead_of_time():
+    """`not` is written jnp.logical_not in kernels too (Mosaic lowers it as it lowers `~`)."""
+    kernel, mod = build(AFFINE.format(cond="not (k >= m + 64 and k < m + 200)"))
+    x, y = np.zeros((256, 384), np.float32), np.zeros((384, 256), np.float32)
+    compile_for(lambda a, b: mod.banded(a, b), [x, y])

@@ -245,7 +245,12 @@ class ProductLowering:
         def order(s: Source) -> int:
             return (0 if groups[s.group] is self.ga else 1) if s.place == "sum" else place[s.place]
 
-        return sorted((s for s in self.choice.sources if not (s.place == "sum" and s.sparsity == "mask" and not s.covered)), key=order)
+        kept = [s for s in self.choice.sources if not (s.place == "sum" and s.sparsity == "mask" and not s.covered)]
+        # Several masks multiplied into one group: any one of them skips soundly (each is
+        # multiplied in anyway); the walk follows the last, as it always has.
+        last = {s.group: s for s in kept if s.place == "sum" and s.sparsity == "mask"}
+        kept = [s for s in kept if not (s.place == "sum" and s.sparsity == "mask") or last[s.group] is s]
+        return sorted(kept, key=order)
 
     def walk_of(self) -> tuple[str, str | None]:
         """The schedule's walk in GPU terms, and the operand whose blocks decide it."""

@@ -329,6 +329,10 @@ class Classifier:
             return TRUE, FALSE
         lo, hi = r
         op = t.ops[0]
+        if isinstance(lo, Const) and isinstance(hi, Const):  # no index in it: decided here
+            truth = {">=": lo.value >= 0, ">": lo.value > 0, "<=": lo.value <= 0, "<": lo.value < 0, "==": lo.value == 0,
+                     "!=": lo.value != 0}[op]
+            return (TRUE, TRUE) if truth else (FALSE, FALSE)
         return {
             ">=": (hi.ge(0), lo.ge(0)),
             ">": (hi.gt(0), lo.gt(0)),
@@ -370,6 +374,8 @@ def _sum(terms: list[tuple[int, Expr]]) -> Expr:
     c, x = terms[0]
     out = x if c == 1 else Neg(x) if c == -1 else Const(c) * x
     for c, x in terms[1:]:
+        if isinstance(x, Const) and x.value < 0:  # `N - 300` rather than `N + -300`
+            c, x = -c, Const(-x.value)
         out = out + (x if c == 1 else Const(c) * x) if c > 0 else out - (x if c == -1 else Const(-c) * x)
     return out
 
@@ -377,6 +383,8 @@ def _sum(terms: list[tuple[int, Expr]]) -> Expr:
 def _add(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return a + b
+    if isinstance(b, int) and b < 0:
+        return lift(a) - (-b)
     return lift(a) + lift(b)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..expr import Const, Expr, Load, Var, flat, substitute
+from ..expr import Const, Expr, Load, Var, flat, render, substitute
 from ..ir import Kernel
 from .attention import RowPlan
 from .core import Axis, Table
@@ -120,8 +120,12 @@ def row_walk(kernel: Kernel, plan: RowPlan, conv, names) -> RowWalk:
     """The walk's grid and tables (named in the module's `names`)."""
     tables = [names.local(x) for x in ("rows", "cols", "read_rows", "kinds", "flags")]
     steps = names.local("steps")
-    lead = tuple(Axis(i, "blocks", i, conv.size(kernel.index(i).size), i, True, f"the values of {i}, one a step") for i in plan.lead)
-    length = Var(steps)
+    size = {i: conv.size(kernel.index(i).size) for i in plan.lead}
+    lead = tuple(Axis(i, "blocks", i, size[i], render(size[i], "host"), True, f"the values of {i}, one a step") for i in plan.lead)
+    groups = Const(1)
+    for i in plan.class_axes[:-2]:
+        groups = groups * size[i]
+    length = groups * Var(steps)  # `steps` entries per group
     about = ("the row block each step accumulates into", "the key block each step reads", "the row block each step reads",
              "each step's kind: EMPTY, PARTIAL or FULL", "each step's FIRST and LAST of its row")
     return RowWalk(

@@ -122,15 +122,17 @@ class TpuModule:
     def vmem(self) -> tuple[VmemItem, ...]:
         return max(self.passes, key=lambda p: p.vmem_bytes).vmem
 
-    def must_span(self) -> list[tuple[str, int, str]]:
-        """(index, tile, why) for each tile that must equal its symbolic size (`spans`)."""
+    def must_span(self) -> list[tuple[str, int, str, str]]:
+        """(index, tile, size symbol, why) for each tile that must span a symbolic dimension
+        (`spans`: the dimension's own symbol, which a read through `// n` makes another)."""
         from ..callconv import operand_indices
 
         out = []
         for operand, d, tile in self.spans:
             dim = self.kernel.operand(operand).dims[d]
             if dim.symbol is not None:
-                out.append((operand_indices(self.kernel, self.kernel.operand(operand))[d], tile, f"'{operand}' breaks the TPU layout rule otherwise"))
+                index = operand_indices(self.kernel, self.kernel.operand(operand))[d]
+                out.append((index, tile, dim.symbol, f"'{operand}' breaks the TPU layout rule otherwise"))
         return out
 
     def block_shapes(self) -> list[tuple[str, tuple[int, ...]]]:

@@ -144,9 +144,9 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             "scratch": call.scratch,
             "grid": py_tuple(grid),
             "semantics": py_tuple(['"parallel"' if a.parallel else '"arbitrary"' for a in self.w.axes]),
-            "flops": f"{self.tables[3]}.size * {call.flops}",
+            "flops": f"{self.w.kinds}.size * {call.flops}",
             "bytes": self.bytes_accessed(call),
-            "transcendentals": f"{self.tables[3]}.size * {call.transcendentals}",
+            "transcendentals": f"{self.w.kinds}.size * {call.transcendentals}",
             "statics_kw": ", ".join(f"{v}={v}" for v in call.statics),
             "walk_kinds": walk_kinds,
             "walk_fn": walk,
@@ -160,7 +160,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         itemsize = {d.jnp: d.itemsize for d in DTYPES.values()}
         per_step = sum(math.prod(b for b in a.block if b is not None) * a.itemsize for a in call.ins)
         outs = [" * ".join([*o.shape, str(itemsize[o.dtype])]) for o in call.outs]
-        return " + ".join([f"{self.tables[3]}.size * {per_step}"] + outs)
+        return " + ".join([f"{self.w.kinds}.size * {per_step}"] + outs)
 
     # ------------------------------------------------------------------ module
     def module(self, source_name: str, formatted: bool = True) -> str:

@@ -74,8 +74,8 @@ class KernelWriter:
         lines.append(f"{t} = pl.program_id({len(p.lead)})")
         lines.append(f"{at} = {self.slot(lead_vars, t)}")
         kind, flag = n.local("kind"), n.local("flag")
-        lines.append(f"{kind} = {self.tables[3]}[{at}]")
-        lines.append(f"{flag} = {self.tables[4]}[{at}]")
+        lines.append(f"{kind} = {self.w.kinds}[{at}]")
+        lines.append(f"{flag} = {self.w.flags}[{at}]")
         return lines, lead_vars, at, kind, flag
 
     def scores(self, n, lead_vars, at, tables, with_raw: bool, transposed: bool = False) -> list[str]:
@@ -517,7 +517,7 @@ class KernelWriter:
                 outs.append(OutArr(ref, block, coords, self.fn(f"_d{r.operand}_steps_map", key=("steps", r)), "", f"the gradient of {r.text}, one block per step",
                                    shape, shape, "jnp.float32", var))
                 groups = f"_lead_groups({py_tuple(lead_shape)}, {py_tuple(str(i in p.class_axes) for i in p.lead)})"
-                post.append(f"{var} = _scatter_blocks({var}, {self.tables[0]}, {self.tables[1]}, {self.tables[3]}, {groups}, "
+                post.append(f"{var} = _scatter_blocks({var}, {self.tables[0]}, {self.tables[1]}, {self.w.kinds}, {groups}, "
                             f"({self.size_of(p.query)}, {self.size_of(p.key)}))")
                 self.float_grads.append((r, var, p.lead + (p.query, p.key)))
             elif o.layout == "rows":

@@ -79,10 +79,10 @@ class AttentionModule:
         """The module compiled with `vmem_limit_bytes=limit` in every call (verify's probe)."""
         return dataclasses.replace(self, vmem_limit_override=limit)
 
-    def must_span(self) -> list[tuple[str, int, str]]:
-        """(index, tile, why) for each tile that must equal its symbolic size: a score block
-        sums all of the summed index, a value block holds all of its own index."""
-        return [(i, self.kernel.index(i).tile, f"an attention block sums (or holds) all of '{i}'")
+    def must_span(self) -> list[tuple[str, int, str, str]]:
+        """(index, tile, size symbol, why) for each tile that must equal its symbolic size: a
+        score block sums all of the summed index, a value block holds all of its own index."""
+        return [(i, self.kernel.index(i).tile, self.kernel.index(i).size.symbol, f"an attention block sums (or holds) all of '{i}'")
                 for i in self.plan.inner if self.kernel.index(i).size.literal is None]
 
     def block_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
