@@ -73,7 +73,7 @@ def main() -> int:
     import jax
     from jax.experimental.pallas import tpu as pltpu
 
-    from sparsegen.tpu import verify
+    from sparsegen import verify
 
     table = Table(title="generated kernels vs reference in the TPU simulator; ahead-of-time compiles per TPU target")
     for column in ("kernel", "walk", "shapes", "pattern", "max |err|", "tolerance", "sim time", "result", *TARGETS):
@@ -88,7 +88,7 @@ def main() -> int:
     for spec in sorted((ROOT / "specs").glob("*.spk")):
         for plan in plans(spec):
             kernel = plan.kernel
-            walk = " + ".join(dict.fromkeys(tp.p.walk for tp in plan.passes)) or "row walk"
+            walk = " + ".join(plan.walks)
             module = load_generated(kernel.name)
             sizes = sizes_for(kernel)
             env = resolve_sizes(kernel, sizes)

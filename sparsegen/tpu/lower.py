@@ -122,6 +122,11 @@ class TpuModule:
     def vmem(self) -> tuple[VmemItem, ...]:
         return max(self.passes, key=lambda p: p.vmem_bytes).vmem
 
+    @property
+    def walks(self) -> tuple[str, ...]:
+        """The walk of each pass, once each (`plan` and `make run` name them)."""
+        return tuple(dict.fromkeys(tp.p.walk for tp in self.passes))
+
     def must_span(self) -> list[tuple[str, int, str, str]]:
         """(index, tile, size symbol, why) for each tile that must span a symbolic dimension
         (`spans`: the dimension's own symbol, which a read through `// n` makes another)."""

@@ -344,6 +344,7 @@ class Report:
     estimates: dict[str, dict]
     blocks: np.ndarray | None = None  # the sparse operand's block pattern (kinds or counts), for pictures
     notes: tuple[str, ...] = ()  # what the figures assume (a row walk: how the pattern was used)
+    products: str = "block products"  # what `sim.block_products` counts, in words
 
     def to_json(self) -> dict:
         sim = self.sim
@@ -425,10 +426,7 @@ def describe_report(report: Report) -> list[str]:
 
     sim, dense = report.sim, report.dense
     lines = [f"  pattern {report.pattern} at " + ", ".join(f"{k}={v}" for k, v in report.sizes.items())]
-    if report.plan.passes:
-        lines.append(f"    grid {sim.grid}: {sim.steps} steps; block products {sim.block_products} of {dense.block_products} dense")
-    else:
-        lines.append(f"    grid {sim.grid}: {sim.steps} steps; blocks visited (computing steps) {sim.block_products} of {dense.block_products} dense")
+    lines.append(f"    grid {sim.grid}: {sim.steps} steps; {report.products} {sim.block_products} of {dense.block_products} dense")
     lines += [f"    note: {n}" for n in report.notes]
     for t in sim.traffic.values():
         lines.append(f"    {t.operand}: {t.copies} copies of {format_bytes(t.block_bytes)} (ideal {t.ideal}, wasted {t.wasted})")

@@ -79,6 +79,8 @@ class AttentionModule:
         """The module compiled with `vmem_limit_bytes=limit` in every call (verify's probe)."""
         return dataclasses.replace(self, vmem_limit_override=limit)
 
+    walks = ("row walk",)
+
     def must_span(self) -> list[tuple[str, int, str, str]]:
         """(index, tile, size symbol, why) for each tile that must equal its symbolic size: a
         score block sums all of the summed index, a value block holds all of its own index."""

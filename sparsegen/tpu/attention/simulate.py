@@ -66,7 +66,7 @@ def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",
         ours, base = roofline(sim, k, TARGETS[name], parallel), roofline(dense, k, TARGETS[name], parallel)
         estimates[name] = {"seconds": ours["seconds"], "dense_seconds": base["seconds"],
                            "speedup": base["seconds"] / ours["seconds"] if ours["seconds"] else float("inf"), "bound": ours["bound"]}
-    return Report(plan, env, pattern, sim, dense, estimates, None, tuple(notes))
+    return Report(plan, env, pattern, sim, dense, estimates, None, tuple(notes), products="blocks visited (computing steps)")
 
 
 def _layout_problem(plan, calls) -> str | None:
