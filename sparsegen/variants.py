@@ -127,7 +127,7 @@ def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[s
 
 
 def compile_check(variant: Variant, sizes: dict[str, int], targets: list[str], nnz: float) -> None:
-    from .tpu.verify import verify_plan
+    from .verify import verify_plan
 
     for target in targets:
         plan = variant.plan if target == variant.plan.target.name else compile_source(variant.source, target)[0].plan

@@ -8,11 +8,13 @@ GPU targets go the same way: `cli` lowers the kernels and `gpu/verify.py` takes 
 
 from __future__ import annotations
 
+from .backends import emit_module
 from .compiler import check_source, lower_for_tpu
 from .shapes import default_shapes
 from .source import SourceFile
 from .tpu.targets import TARGETS
-from .tpu.verify import Result, verify_plan
+from .tpu import verify as tpu_verify
+from .tpu.verify import Result
 
 
 def verify_file(path, targets, shapes=None, nnz: float = 0.1, probe: bool = True) -> tuple[SourceFile, list[Result]]:
@@ -35,3 +37,8 @@ def verify_file_source(source: SourceFile, targets, shapes=None, nnz: float = 0.
                 continue
             results.append(verify_plan(plan, source, target, shapes, nnz, probe))
     return source, results
+
+
+def verify_plan(plan, source: SourceFile, target: str, shapes=None, nnz: float = 0.1, probe: bool = True) -> Result:
+    """One lowered module's ahead-of-time compile (`tpu/verify.py`), emitted by its backend."""
+    return tpu_verify.verify_plan(plan, source, target, shapes, nnz, probe, emit=emit_module)

@@ -198,6 +198,7 @@ def test_vmem_estimate_bounds_a_factor_widened_by_a_broadcast():
     from sparsegen.compiler import compile_source
     from sparsegen.source import SourceFile
     from sparsegen.tpu import verify
+    from sparsegen.verify import verify_plan
 
     text = """
 kernel widened {
@@ -210,6 +211,6 @@ kernel widened {
 }"""
     source = SourceFile("widened.spk", text)
     (module,) = compile_source(source, "v5e")
-    result = verify.verify_plan(module.plan, source, "v5e", dict(A=256, B=256, C=256))
+    result = verify_plan(module.plan, source, "v5e", dict(A=256, B=256, C=256))
     assert result.compiled and result.vmem_used is not None
     assert result.vmem_used <= result.vmem_estimate <= verify.ESTIMATE_SLACK * result.vmem_used + verify.ESTIMATE_FLOOR

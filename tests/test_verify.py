@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, SPECS, spec_text, with_tiles
 
-from sparsegen.verify import verify_file, verify_file_source
+from sparsegen.verify import verify_file, verify_file_source, verify_plan
+from sparsegen.backends import emit_module
 from sparsegen.tpu import verify
 from sparsegen.cli import main
 from sparsegen.compiler import compile_source, load
@@ -63,7 +64,7 @@ def test_static_vmem_estimate_bounds_the_compiled_figure(name, tiles):
     text = spec_text(name) if tiles is None else with_tiles(spec_text(name), **tiles)
     source = SourceFile(f"{name}.spk", text)
     for module in compile_source(source, "v5e"):
-        result = verify.verify_plan(module.plan, source, "v5e")
+        result = verify_plan(module.plan, source, "v5e")
         assert result.compiled and result.vmem_used is not None
         estimate, used = result.vmem_estimate, result.vmem_used
         assert used <= estimate, f"the compiler needs {used} bytes, more than the static estimate {estimate}"
@@ -102,7 +103,7 @@ def test_a_compiler_failure_is_explained_at_the_spec():
     (module,) = compile_source(source, "v5e")
     plan = module.plan
     plan = dataclasses.replace(plan, passes=tuple(dataclasses.replace(tp, vmem_limit_override=64 * 1024) for tp in plan.passes))
-    result = verify.verify_plan(plan, source, "v5e", probe=False)
+    result = verify_plan(plan, source, "v5e", probe=False)
     assert not result.compiled and "vmem" in result.raw_error.lower()
     rendered = result.error.render(source)
     assert rendered.startswith("dsd.spk:10:5: error: tiles m=512, n=512, k=512 need") and "of VMEM on v5e" in rendered
@@ -142,7 +143,7 @@ def test_attention_backward_kernels_are_compiled(capsys):
     source = SourceFile.read(SPECS / "masked_attention.spk")
     (module,) = compile_source(source, "v5e")
     _, _, args, keywords = verify.concrete(module.plan.kernel, None, 0.1)
-    compiled = verify._compile(module.plan, source, "v5e", args, keywords, backward=True)
+    compiled = verify._compile(module.plan, source, "v5e", args, keywords, emit_module, backward=True)
     assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
 
 

@@ -96,12 +96,6 @@ class TpuModule:
         """Are there backward passes (a float input with a derived gradient)?"""
         return self.backward_module is not None
 
-    def source(self, origin: str, formatted: bool = True) -> str:
-        """The generated module's source (`origin`: how its header names the spec)."""
-        from .emit import emit_einsum
-
-        return emit_einsum(self, origin, formatted)
-
     def with_vmem_limit(self, limit: int) -> "TpuModule":
         """The module compiled with `vmem_limit_bytes=limit` in every pass (verify's probe)."""
         return dataclasses.replace(self, passes=tuple(dataclasses.replace(tp, vmem_limit_override=limit) for tp in self.passes))

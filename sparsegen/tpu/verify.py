@@ -87,14 +87,14 @@ class Result:
 # ----------------------------------------------------------------- compile
 
 
-def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, vmem_limit=None, backward: bool = False):
+def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, emit, vmem_limit=None, backward: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
     if vmem_limit is not None:
         plan = plan.with_vmem_limit(vmem_limit)
-    module = _load(plan.source(source.name), f"verify_{plan.name}")
+    module = _load(emit(plan, source.name), f"verify_{plan.name}")
     fn = getattr(module, plan.name)
     device = _device(TARGETS[target_name].topology)
     sharding = SingleDeviceSharding(device)
@@ -134,7 +134,7 @@ def _size(number: str, unit: str) -> int:
     return int(float(number) * _UNITS[unit[0].upper()])
 
 
-def probe_vmem(plan: TpuModule, source: SourceFile, target: str, args, keywords, start: int = 4096) -> int | None:
+def probe_vmem(plan: TpuModule, source: SourceFile, target: str, args, keywords, emit, start: int = 4096) -> int | None:
     """The smallest vmem_limit_bytes the kernel compiles with (to about a KiB), or None.
 
     Each failed compile says by how much the limit fell short; the limit grows by that
@@ -144,7 +144,7 @@ def probe_vmem(plan: TpuModule, source: SourceFile, target: str, args, keywords,
     limit, first = start, True
     for _ in range(24):
         try:
-            _compile(plan, source, target, args, keywords, vmem_limit=limit)
+            _compile(plan, source, target, args, keywords, emit, vmem_limit=limit)
         except Exception as exc:  # the compiler says how much is missing
             m = re.search(r"exceeded scoped vmem limit by ([\d.]+)\s*([KMGB])", str(exc))
             if not m:
@@ -193,7 +193,11 @@ def explain(plan: TpuModule, target: str, message: str) -> Diagnostic:
 # -------------------------------------------------------------------- verify
 
 
-def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[str, int] | None = None, nnz: float = 0.1, probe: bool = True) -> Result:
+def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[str, int] | None = None, nnz: float = 0.1, probe: bool = True,
+                *, emit) -> Result:
+    """Compile a lowered module ahead of time for `target` (and its gradients), then probe
+    the VMEM it needs. `emit(module, origin)` writes a module's source (the pipeline's
+    `backends.emit_module`: this module takes lowered modules only, whatever their family)."""
     k = plan.kernel
     env, nb, args, keywords = concrete(k, shapes, nnz)
     chip = TARGETS[target]
@@ -202,7 +206,7 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
     result = Result(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, plan.vmem_bytes, vmem_limit=chip.vmem_bytes, smem_used=smem, smem_limit=chip.smem_bytes)
     start = time.perf_counter()
     try:
-        compiled = _compile(plan, source, target, args, keywords)
+        compiled = _compile(plan, source, target, args, keywords, emit)
     except Exception as exc:
         result.compile_seconds = time.perf_counter() - start
         result.raw_error = str(exc)
@@ -214,7 +218,7 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
         result.backward = f"not derived: {plan.backward_error}"
     elif plan.has_backward:
         try:
-            _compile(plan, source, target, args, keywords, backward=True)
+            _compile(plan, source, target, args, keywords, emit, backward=True)
             result.backward = "compiles"
         except _NothingDerived as exc:
             result.backward = f"not derived: {exc}"
@@ -226,5 +230,5 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
     result.flops = cost.get("flops")
     result.bytes_accessed = cost.get("bytes accessed")
     if probe:
-        result.vmem_used = probe_vmem(plan, source, target, args, keywords, start=max(4096, plan.vmem_bytes // 2 // 4096 * 4096))
+        result.vmem_used = probe_vmem(plan, source, target, args, keywords, emit, start=max(4096, plan.vmem_bytes // 2 // 4096 * 4096))
     return result

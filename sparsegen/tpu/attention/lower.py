@@ -69,12 +69,6 @@ class AttentionModule:
         """The dq and dk/dv kernels, unless no gradient can be derived at all."""
         return self.backward_error is None
 
-    def source(self, origin: str, formatted: bool = True) -> str:
-        """The generated module's source (`origin`: how its header names the spec)."""
-        from .emit import emit_attention
-
-        return emit_attention(self, origin, formatted)
-
     def with_vmem_limit(self, limit: int) -> "AttentionModule":
         """The module compiled with `vmem_limit_bytes=limit` in every call (verify's probe)."""
         return dataclasses.replace(self, vmem_limit_override=limit)
