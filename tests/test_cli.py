@@ -7,13 +7,12 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 from conftest import ROOT, SPECS
 
 EXAMPLES = sorted(str(p.relative_to(ROOT)) for p in SPECS.glob("*.spk"))
-# A full build or check compiles all fifteen modules (about 10 s of CPU each): the tests that
-# need every example share one build (`project_build`), and those whose point is not the set
-# of examples (spellings, stale and orphan reports) use these three, one with two kernels.
+# A full build or check compiles all fifteen modules (about 10 s of CPU): the tests whose
+# point is not the set of examples (spellings, stale and orphan reports, no jax) use these
+# three specs, one with two kernels; test_generated_is_current checks every example.
 FEW = ["specs/dsd_matmul.spk", "specs/masked_backward.spk", "specs/sdd_matmul.spk"]
 FEW_MODULES = ["dsd_matmul.py", "masked_matmul_dx.py", "masked_matmul_dy.py", "sdd_matmul.py"]
 
@@ -29,30 +28,14 @@ def test_generated_is_current():
     assert "15 modules up to date" in result.stdout
 
 
-@pytest.fixture(scope="module")
-def project_build(tmp_path_factory):
-    """A copy of the project (its specs) built once from its root into a/: every example's module."""
-    project = tmp_path_factory.mktemp("project")
-    (project / "pyproject.toml").write_text("")
-    shutil.copytree(SPECS, project / "specs")
-    result = sparsegen("build", *EXAMPLES, "-o", "a", cwd=project)
-    assert result.returncode == 0, result.stderr
-    return project
-
-
-def copy_of_build(project_build, out, names=FEW_MODULES):
-    """Some modules of the shared build, copied into `out` (a folder of the test's own)."""
-    out.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        shutil.copy(project_build / "a" / name, out / name)
-    return out
-
-
-def test_two_builds_are_byte_identical(project_build, tmp_path):
+def test_two_builds_are_byte_identical(tmp_path):
     """Two builds of a copy of the project, one from its root and one from elsewhere with
     absolute paths, match each other and generated/ byte for byte."""
-    a, b = project_build / "a", tmp_path / "b"
-    assert sparsegen("build", *(project_build / e for e in EXAMPLES), "-o", b, cwd=ROOT / "tests").returncode == 0
+    (tmp_path / "pyproject.toml").write_text("")
+    shutil.copytree(SPECS, tmp_path / "specs")
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert sparsegen("build", *EXAMPLES, "-o", "a", cwd=tmp_path).returncode == 0
+    assert sparsegen("build", *(tmp_path / e for e in EXAMPLES), "-o", b, cwd=ROOT / "tests").returncode == 0
     names = sorted(p.name for p in a.iterdir())
     assert names == ["batched_dsd.py", "block_slice.py", "causal_attention.py", "dds_matmul.py", "document_attention.py", "dsd_matmul.py",
                      "grouped_matmul.py", "local_gqa_attention.py", "masked_attention.py", "masked_matmul.py", "masked_matmul_dx.py",
@@ -106,8 +89,8 @@ def test_diagnostics_name_the_spec_as_typed():
     assert result.returncode == 1 and result.stderr.startswith("./tests/bad/tile_zero.spk:"), result.stderr
 
 
-def test_check_reports_stale_and_missing(project_build, tmp_path):
-    copy_of_build(project_build, tmp_path)
+def test_check_reports_stale_and_missing(tmp_path):
+    sparsegen("build", *FEW, "-o", tmp_path)
     (tmp_path / "dsd_matmul.py").write_text("# edited\n")
     (tmp_path / "sdd_matmul.py").unlink()
     result = sparsegen("check", *FEW, "-o", tmp_path)
@@ -139,8 +122,8 @@ def test_check_compares_with_the_target_a_module_records(tmp_path):
                                               f" && sparsegen build specs/sdd_matmul.spk -o {tmp_path}")
 
 
-def test_check_reports_orphans_and_leaves_other_files_alone(project_build, tmp_path):
-    copy_of_build(project_build, tmp_path)
+def test_check_reports_orphans_and_leaves_other_files_alone(tmp_path):
+    sparsegen("build", *FEW, "-o", tmp_path)
     (tmp_path / "old_kernel.py").write_text((tmp_path / "dsd_matmul.py").read_text())  # a spec since removed
     others = {
         "__init__.py": "",
