@@ -41,8 +41,11 @@ check: venv
 run: build
 	$(BIN)/python scripts/run_examples.py
 
+# worksteal: each worker takes half the suite in order, and takes from the other's queue when
+# its own runs out; a file's tests mostly stay on one worker, so the per-process build cache
+# (tests/conftest.py) and module fixtures are shared rather than built on both.
 test: venv gpu-venv
-	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist worksteal $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .hypothesis

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from aot import compile_for, tpu_present
+from aot import across_targets, compile_for, tpu_present
 from conftest import SPECS, assert_matches
 
 from sparsegen.compiler import compile_file, load
@@ -60,8 +60,12 @@ def test_every_spec_kernel_is_listed():
     )
 
 
-@pytest.mark.parametrize("target", sorted(TOPOLOGIES))
-@pytest.mark.parametrize("spec,name", KERNELS, ids=[f"{s}-{n}" for s, n in KERNELS])
+# Each kernel on one target by default, the three in turn (all under SPARSEGEN_SWEEP=1):
+# tests/test_verify.py compiles every example for v5e, v6e and v4, forward and backward.
+FRESH = [(s, n, t) for (s, n), t in across_targets(KERNELS, sorted(TOPOLOGIES))]
+
+
+@pytest.mark.parametrize("spec,name,target", FRESH, ids=[f"{s}-{n}-{t}" for s, n, t in FRESH])
 def test_fresh_kernel_compiles_for_tpu(spec, name, target, tmp_path_factory):
     kernel, mod = fresh_modules(spec, target, tmp_path_factory)[name]
     assert mod.__file__.startswith(str(tmp_path_factory.getbasetemp()))  # not generated/

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
+from aot import across_targets
 from attention_oracle import brute_kinds, run
 from conftest import SPECS, build, spec_text
 
@@ -372,8 +373,9 @@ def test_variant_forward_and_gradients(which, interpret):
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v4": "v4:2x2x1"}
 
 
-@pytest.mark.parametrize("target", sorted(TOPOLOGIES))
-@pytest.mark.parametrize("name", EXAMPLES)
+# Each example on one target by default, the three in turn (all under SPARSEGEN_SWEEP=1):
+# tests/test_verify.py compiles every example's forward and backward for each target.
+@pytest.mark.parametrize("name,target", across_targets(EXAMPLES, sorted(TOPOLOGIES)))
 def test_example_backward_compiles_for_tpu(name, target):
     """Forward and backward (three pallas_calls) through libtpu, at H = 8, S = 2048."""
     from aot import compile_for

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from aot import compile_for
+from aot import across_targets, compile_for
 from conftest import SPECS, assert_matches, build, spec_text  # noqa: F401
 from test_einsum import SPECS as FEATURES
 
@@ -160,8 +160,13 @@ def test_backward_of_a_causal_masked_matmul_does_the_forward_block_products():
     assert forward.block_products == 144  # of the 256 steps of the grid (8, 8, 4)
 
 
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2", "v4:2x2x1"])
-@pytest.mark.parametrize("name", sorted(TEXTS))
+# Every v1 feature on each target; each example on one target, the three in turn (every pair
+# under SPARSEGEN_SWEEP=1): tests/test_verify.py compiles every example's backward for all three.
+TOPOLOGIES = ["v5e:2x2", "v6e:2x2", "v4:2x2x1"]
+BACKWARD_AOT = across_targets(sorted(EXAMPLES), TOPOLOGIES) + [(n, t) for n in sorted(set(TEXTS) - set(EXAMPLES)) for t in TOPOLOGIES]
+
+
+@pytest.mark.parametrize("name,topology", BACKWARD_AOT, ids=[f"{n}-{t}" for n, t in BACKWARD_AOT])
 def test_backward_kernels_compile_ahead_of_time(name, topology):
     """Every example's and v1 feature's backward kernels, built for the topology's target."""
     target = topology.split(":")[0]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from aot import compile_for
+from aot import across_targets, compile_for
 from conftest import SPECS, assert_matches, build, spec_text, with_tiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -274,17 +274,22 @@ def test_a_condition_no_factor_can_select_is_refused():
 # ------------------------------------------------------------------ ahead of time
 
 
-@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2", "v4:2x2x1"])
-def test_examples_compile_ahead_of_time_forward_and_backward(topology):
+# Each example on one target by default, the targets in turn (all under SPARSEGEN_SWEEP=1):
+# tests/test_verify.py compiles both examples, forward and backward, for v5e, v6e and v4.
+@pytest.mark.parametrize("name,topology", across_targets(["tril_matmul", "grouped_matmul"], ["v5e:2x2", "v6e:2x2", "v4:2x2x1"]))
+def test_examples_compile_ahead_of_time_forward_and_backward(name, topology):
     """The examples at their own 512 tiles."""
-    _, tril = build(spec_text("tril_matmul"))
-    _, grouped = build(spec_text("grouped_matmul"))
-    x, y = np.zeros((2048, 2048), jnp.bfloat16), np.zeros((2048, 1024), jnp.bfloat16)
-    compile_for(lambda x, y: tril.tril_matmul(x, y), (x, y), topology)
-    compile_for(jax.grad(lambda x, y: tril.tril_matmul(x, y).astype(jnp.float32).sum(), argnums=(0, 1)), (x, y), topology)
-    w, gid = np.zeros((8, 2048, 1024), jnp.bfloat16), np.zeros((2048,), np.int32)
-    compile_for(lambda x, w, g: grouped.grouped_matmul(x, w, g), (x, w, gid), topology)
-    compile_for(jax.grad(lambda x, w, g: grouped.grouped_matmul(x, w, g).astype(jnp.float32).sum(), argnums=(0, 1)), (x, w, gid), topology)
+    x = np.zeros((2048, 2048), jnp.bfloat16)
+    if name == "tril_matmul":
+        _, tril = build(spec_text("tril_matmul"))
+        y = np.zeros((2048, 1024), jnp.bfloat16)
+        assert "tpu_custom_call" in compile_for(lambda x, y: tril.tril_matmul(x, y), (x, y), topology).as_text()
+        compile_for(jax.grad(lambda x, y: tril.tril_matmul(x, y).astype(jnp.float32).sum(), argnums=(0, 1)), (x, y), topology)
+    else:
+        _, grouped = build(spec_text("grouped_matmul"))
+        w, gid = np.zeros((8, 2048, 1024), jnp.bfloat16), np.zeros((2048,), np.int32)
+        assert "tpu_custom_call" in compile_for(lambda x, w, g: grouped.grouped_matmul(x, w, g), (x, w, gid), topology).as_text()
+        compile_for(jax.grad(lambda x, w, g: grouped.grouped_matmul(x, w, g).astype(jnp.float32).sum(), argnums=(0, 1)), (x, w, gid), topology)
 
 
 def test_plan_pattern_counts_the_condition_walk():
