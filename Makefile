@@ -43,9 +43,10 @@ run: build
 
 # worksteal: each worker takes half the suite in order, and takes from the other's queue when
 # its own runs out; a file's tests mostly stay on one worker, so the per-process build cache
-# (tests/conftest.py) and module fixtures are shared rather than built on both.
+# (tests/conftest.py) and module fixtures are shared rather than built on both. The 30
+# slowest tests are listed at the end: where the time goes, for the next cut.
 test: venv gpu-venv
-	$(BIN)/python -m pytest -n 2 --dist worksteal $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=30 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .hypothesis
