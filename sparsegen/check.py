@@ -239,9 +239,9 @@ class _KernelChecker:
             if op.direction != "in":
                 continue
             if op.dtype.text == "index":
-                if op.name.text not in offsets_used | tables | used:
+                if op.name.text not in offsets_used | self.offset_operands | tables | used:
                     self.error(op.name.span, f"index operand '{op.name.text}' is never used; read it in a subscript, as in `x[{op.name.text}[0] + i]`")
-            elif op.name.text not in used:
+            elif op.name.text not in used | tables:  # a non-index table is refused where it is read
                 self.error(op.name.span, f"input '{op.name.text}' is not used in any statement")
         self.stop_if_errors()
         self.check_local_names()
@@ -304,7 +304,7 @@ class _KernelChecker:
             return  # flow.py checks where a v1 statement's indices come from
         factor_indices = {n.text for acc in factors for s in acc.subscripts for n in s.indices}
         for sub in target.subscripts:
-            if sub.index.text not in factor_indices:
+            if sub.plain and sub.index.text not in factor_indices:  # else check_subscripts refused it
                 self.error(sub.index.span, f"index '{sub.index.text}' of the output appears in no factor")
 
     def check_subscripts(self, acc: ast.Access, op: ast.Operand, is_target: bool) -> None:

@@ -420,7 +420,7 @@ class Index:
         """The number of blocks along this index, as text."""
         if self.size.literal is not None:
             return str(self.size.literal // self.tile)
-        return f"ceil({self.size.symbol} / {self.tile})"
+        return f"ceil({self.size.text} / {self.tile})"
 
 
 @dataclass(frozen=True)
