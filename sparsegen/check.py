@@ -316,9 +316,6 @@ class _KernelChecker:
                 if in_condition:
                     continue  # flow.py says a condition reads plain indices
                 self.check_table(acc, op, sub, is_target)
-                for inner in sub.table.subscripts:
-                    if inner.table is None and inner.literal is None:
-                        uses.setdefault(inner.index.text, []).append((inner.index, _form(inner)))
                 continue
             uses.setdefault(sub.index.text, []).append((sub.index, _form(sub)))
             self.check_identifier(sub.index, "index name")
@@ -351,11 +348,16 @@ class _KernelChecker:
             if isinstance(length, int) and not 0 <= off.position < length:
                 entries = "1 entry" if length == 1 else f"{length} entries"
                 self.error(off.position_span, f"'{ref.name.text}' has {entries}; position {off.position} is out of range")
-        # An index is used once per access (`x[i, i]` is a diagonal), except that `j // c` and
-        # `j % c` may both appear (language v2, section 2: `kc[pages[b, j // T], j % T]`).
+        self.check_diagonal(uses)
+
+    def check_diagonal(self, uses: dict[str, list[tuple[ast.Name, str]]]) -> None:
+        """An index is used once per access (`x[i, i]` is a diagonal), except that `j // c` and
+        `j % c` may both appear (language v2, section 2: `x[i // 4, i % 4]`). A table is an
+        access of its own: `kc[pages[b, j // T], j % T, d]` uses j once in each."""
         for name, found in uses.items():
             forms = [form for _, form in found]
-            if len(found) > 1 and ("plain" in forms or len(set(forms)) < len(forms)):
+            pair = all(f != "plain" for f in forms) and any(f.startswith("%") for f in forms) and len(set(forms)) == len(forms)
+            if len(found) > 1 and not pair:
                 self.error(found[1][0].span, f"index '{name}' is used twice in one access (a diagonal), which is not supported")
 
     def check_arithmetic(self, op: ast.Operand, sub: ast.Subscript, is_target: bool, table: bool = False) -> None:
@@ -406,7 +408,10 @@ class _KernelChecker:
         if len(t.subscripts) != len(ref.dims):
             self.error(t.span, f"'{ref.name.text}' has {_plural(len(ref.dims), 'dimension')} but is accessed with {_plural(len(t.subscripts), 'subscript')}")
             return
+        uses: dict[str, list[tuple[ast.Name, str]]] = {}
         for inner, dim in zip(t.subscripts, ref.dims):
+            if inner.table is None and inner.literal is None:
+                uses.setdefault(inner.index.text, []).append((inner.index, _form(inner)))
             if inner.table is not None:
                 self.error(inner.table.span, f"a table inside a table (`{inner.text}` in `{sub.text}`) is not allowed; a table's subscripts are indices, integer literals, `i // c` and `i % c`")
                 continue
@@ -422,6 +427,7 @@ class _KernelChecker:
                 self.error(inner.index.span, f"'{inner.index.text}' names an operand; index, operand and local names share one namespace")
             if not inner.plain or inner.divisor is not None:
                 self.check_arithmetic(ref, inner, False, table=True)
+        self.check_diagonal(uses)
 
     # ------------------------------------------------------------- einsums
     def build_einsums(self) -> None:
