@@ -552,8 +552,9 @@ class _KernelChecker:
         for name in indices:
             if name not in bindings:
                 span = next(n.span for st, fs, _ in self.parsed for a in (st.target, *fs) for s in a.subscripts for n in s.indices if n.text == name)
-                self.error(span, f"index '{name}' has no size: every use of it is offset or divided; use it plainly once",
-                           "or read it as `j // c` and `j % c` (language v2: j then ranges over the divided dimension's size times c)")
+                divided_only = any(sub.index.text == name for sub, _, _ in divided)
+                notes = [f"or read it as `{name} // c` and `{name} % c` too: {name} then ranges over the divided dimension's size times c (language v2)"] if divided_only else []
+                self.error(span, f"index '{name}' has no size: every use of it is offset or divided; use it plainly once", *notes)
         self.stop_if_errors()
         # j % c: the dimension's size is c.
         for sub, dim, what in moduli:
