@@ -276,11 +276,14 @@ def test_the_shared_paged_decode_spec_is_refused_at_line_12():
 }
 """, "5:33: error: not supported yet: an index operand read in a condition ('lens[b]')"),
 ])
-def test_every_unlowered_form_is_refused_once(spec, first):
+@pytest.mark.parametrize("target", ["v5e", "h200"])
+def test_every_unlowered_form_is_refused_once(spec, first, target):
     with pytest.raises(SpecError) as info:
-        compile_source(SourceFile("t.spk", spec))
+        compile_source(SourceFile("t.spk", spec), target)
     lines = [line for line in info.value.render().splitlines() if ": error: " in line]
+    backend = "GPU" if target == "h200" else "TPU"
     assert len(lines) == 1 and lines[0].startswith("t.spk:" + first), lines
+    assert lines[0].endswith(f"is checked but not lowered for {backend} targets (issue 19)"), lines
 
 
 def test_kernels_without_v2_forms_are_not_refused():
@@ -288,3 +291,16 @@ def test_kernels_without_v2_forms_are_not_refused():
         for k in check_source(SourceFile.read(spec)):
             assert not_lowered(k, "v5e") is None, spec
             assert all(r.lowered for st in k.statements for r in (st.target, *st.factors)), spec
+
+
+@pytest.mark.parametrize("command", ["build", "check"])
+def test_the_cli_stops_at_the_refusal(tmp_path, capsys, command):
+    from sparsegen.cli import main
+
+    spec = tmp_path / "paged_decode.spk"
+    spec.write_text(PAGED_TEXT)
+    assert main([command, str(spec), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{spec}:10:42: " + REFUSAL.format("TPU")), err
+    assert err.count(": error: ") == 1
+    assert not (tmp_path / "out" / "paged_decode.py").exists()
