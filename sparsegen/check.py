@@ -310,7 +310,7 @@ class _KernelChecker:
     def check_subscripts(self, acc: ast.Access, op: ast.Operand, is_target: bool) -> None:
         """Every subscript of one operand access (a table read inside one too)."""
         in_condition = id(acc) in self.cond_accesses
-        uses: dict[str, list[tuple[ast.Name, str]]] = {}  # index -> (token, form) of each use, tables' included
+        uses: dict[str, list[tuple[ast.Name, str]]] = {}  # index -> (token, form) of each use (a table's are its own)
         for sub in acc.subscripts:
             if sub.table is not None:
                 if in_condition:
