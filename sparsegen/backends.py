@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .ir import Kernel
+from .ir import Kernel, Read, Term
 from .source import Diagnostic
 
 
@@ -158,6 +158,57 @@ UNSUPPORTED = {
 }
 
 
+# Language v2 forms the front end parses and checks but no schedule or target handles yet:
+# every lowering refuses them here, before any stage reads a `Sub` it does not know.
+NOT_LOWERED = "not supported yet: {what} ('{text}') {verb} checked but not lowered for {backend} targets (issue 19)"
+
+
+def _reads_of(st) -> list[Read]:
+    """Every read of a statement: its target, operands, locals, and its terms' reads."""
+    reads: list[Read] = [st.target]
+    for name in ("factors", "arg", "scores", "value"):
+        part = getattr(st, name, None)
+        if isinstance(part, Read):
+            reads.append(part)
+        elif isinstance(part, tuple):
+            reads += [r for r in part if isinstance(r, Read)]
+    for name in ("value", "condition"):
+        term = getattr(st, name, None)
+        if isinstance(term, Term):
+            reads += [t.read for t in term.walk() if t.read is not None]
+    return reads
+
+
+def not_lowered(kernel: Kernel, target: str) -> Diagnostic | None:
+    """The first language-v2 form (in the spec's order) that the front end checks and no
+    target lowers yet: a read through a table, `%` or a size as divisor in a subscript, an
+    index operand read in a condition. One diagnostic at it; None for a kernel without one."""
+    found = []
+    index_operands = {o.name for o in kernel.operands if o.sparsity == "index"}
+
+    def visit(read: Read, in_condition: bool) -> None:
+        if in_condition and read.operand in index_operands:
+            found.append((read.span, "an index operand read in a condition", read.text, "is"))
+        for sub in read.subs:
+            if sub.table is not None:
+                found.append((sub.span or read.span, "reads through tables", sub.table.text, "are"))
+                visit(sub.table, False)
+            elif sub.modulus is not None:
+                found.append((sub.span or read.span, "'%' in a subscript", sub.text, "is"))
+            elif isinstance(sub.divisor, str):
+                found.append((sub.span or read.span, "a size as a subscript's divisor", sub.text, "is"))
+
+    for st in kernel.statements:
+        condition = getattr(st, "condition", None)
+        in_condition = {id(t.read) for t in condition.walk() if t.read is not None} if condition is not None else set()
+        for read in _reads_of(st):
+            visit(read, id(read) in in_condition)
+    if not found:
+        return None
+    span, what, text, verb = min(found, key=lambda f: (f[0].line, f[0].col))
+    return Diagnostic(span, NOT_LOWERED.format(what=what, text=text, verb=verb, backend=backend_of(target).upper()))
+
+
 def entry(target: str, kernel: Kernel) -> Entry | None:
     return TABLE.get((backend_of(target), family_of(kernel)))
 
@@ -166,6 +217,9 @@ def lower_kernel(kernel: Kernel, target: str, chip=None) -> tuple[object | None,
     """One kernel through its target's lowering and rules: the module (None where it could
     not be lowered) and every problem found. `chip`: the target's chip as given (a probe may
     pass a variant of it), default the named one."""
+    refused = not_lowered(kernel, target)
+    if refused is not None:
+        return None, [refused]
     e = entry(target, kernel)
     if e is None:
         key = (backend_of(target), family_of(kernel))

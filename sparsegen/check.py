@@ -102,6 +102,13 @@ class _KernelChecker:
     # --------------------------------------------------------------- operands
     def check_operands(self) -> None:
         outs = [op for op in self.k.operands if op.direction == "out"]
+        self.offset_operands: set[str] = set()
+        self.read_operands: set[str] = set()
+        for st in self.k.statements:
+            for e in (st.target, st.value, st.condition):
+                for acc in _accesses_in(e):
+                    self.read_operands.add(acc.operand.text)
+                    self.offset_operands.update(sub.offset.operand.text for sub in acc.subscripts if sub.offset is not None)
         if not outs:
             self.error(self.k.name.span, f"kernel '{self.k.name.text}' declares no output; add a line `out NAME: DTYPE[...]`")
         for op in self.k.operands:
@@ -119,7 +126,9 @@ class _KernelChecker:
                     self.error(op.sparsity.span, f"an index operand cannot be {s}: it is a small array of scalars")
                 elif op.direction == "out" and s == "mask":
                     self.error(op.sparsity.span, "an output cannot be 'mask' sparse; a sparse output is 'coo' (only given blocks are computed)")
-            if dtype == "index":
+            if dtype == "index" and (op.name.text in self.offset_operands or op.name.text not in self.read_operands):
+                # An index operand that offsets subscripts (`s[0] + i`) is a vector of offsets;
+                # one read as a table or in a condition (language v2) may have any shape.
                 if len(op.dims) != 1:
                     self.error(op.span, f"index operand '{op.name.text}' must have one dimension (a vector of offsets)")
                 elif not isinstance(op.dims[0].value, int):
@@ -224,16 +233,20 @@ class _KernelChecker:
             if op.name.text not in assigned and not self.errors:  # else a misspelt target is the cause
                 self.error(op.name.span, f"output '{op.name.text}' is never assigned; add a statement `{op.name.text}[...] = ...`")
         self.stop_if_errors()
+        # Tables (language v2, section 2) and condition reads of index operands are uses too.
+        tables = {t.operand.text for st, accesses, _ in self.parsed for a in (st.target, *accesses) for t in _nested(a)[1:]}
         for op in self.k.operands:
             if op.direction != "in":
                 continue
             if op.dtype.text == "index":
-                if op.name.text not in offsets_used:
+                if op.name.text not in offsets_used | self.offset_operands | tables | used:
                     self.error(op.name.span, f"index operand '{op.name.text}' is never used; read it in a subscript, as in `x[{op.name.text}[0] + i]`")
-            elif op.name.text not in used:
+            elif op.name.text not in used | tables:  # a non-index table is refused where it is read
                 self.error(op.name.span, f"input '{op.name.text}' is not used in any statement")
         self.stop_if_errors()
         self.check_local_names()
+        self.size_symbols = {d.value for op in self.k.operands for d in op.dims if isinstance(d.value, str)}
+        self.index_names = set(self.all_indices())
         for st, factors, _ in self.parsed:
             self.check_accesses(st, factors)
         self.stop_if_errors()
@@ -286,52 +299,135 @@ class _KernelChecker:
                     f"'{op.name.text}' has {_plural(len(op.dims), 'dimension')} but is accessed with {_plural(len(acc.subscripts), 'subscript')}",
                 )
                 continue
-            seen: dict[str, ast.Subscript] = {}
-            for sub in acc.subscripts:
-                self.check_identifier(sub.index, "index name")
-                if sub.index.text in self.operands:
-                    self.error(sub.index.span, f"'{sub.index.text}' names an operand; index, operand and local names share one namespace")
-                if sub.index.text in seen:
-                    self.error(sub.index.span, f"index '{sub.index.text}' is used twice in one access (a diagonal), which is not supported")
-                seen[sub.index.text] = sub
-                if sub.shift is not None:
-                    if id(acc) not in self.cond_accesses:
-                        self.error(sub.span, f"`{sub.index.text} {'+' if sub.shift > 0 else '-'} {abs(sub.shift)}` reads an integer operand in a condition only (`lo[g + 1]`)")
-                    elif sub.shift < 0:
-                        self.error(sub.span, "not supported yet: a read at an index minus an integer; shift the operand instead (`lo[g + 1]`)")
-                if sub.divisor is not None:
-                    if acc is target:
-                        self.error(sub.span, "a divided subscript (`h // 4`) reads an input; the left side uses plain indices")
-                    elif op.sparsity is not None:
-                        self.error(sub.span, f"'{op.name.text}' is {op.sparsity.text}; a divided subscript reads a dense operand")
-                    elif sub.divisor < 1:
-                        self.error(sub.span, f"a subscript is divided by a positive integer, not {sub.divisor}")
-                if sub.offset is None:
-                    continue
-                off = sub.offset
-                if op.sparsity is not None:
-                    what = "output" if acc is target else "operand"
-                    self.error(off.span, f"'{op.name.text}' is {op.sparsity.text}; offsets apply to a dense {what} only")
-                    continue
-                ref = self.operands.get(off.operand.text)
-                if ref is None:
-                    self.error(off.operand.span, f"'{off.operand.text}' is not declared")
-                    continue
-                if ref.dtype.text != "index":
-                    self.error(off.operand.span, f"an offset is read from an 'index' operand; '{ref.name.text}' has dtype {ref.dtype.text}")
-                    continue
-                if ref.direction != "in":
-                    continue
-                length = ref.dims[0].value
-                if isinstance(length, int) and not 0 <= off.position < length:
-                    entries = "1 entry" if length == 1 else f"{length} entries"
-                    self.error(off.position_span, f"'{ref.name.text}' has {entries}; position {off.position} is out of range")
+            self.check_subscripts(acc, op, acc is target)
         if id(st) in self.flow:
             return  # flow.py checks where a v1 statement's indices come from
-        factor_indices = {s.index.text for acc in factors for s in acc.subscripts}
+        factor_indices = {n.text for acc in factors for s in acc.subscripts for n in s.indices}
         for sub in target.subscripts:
-            if sub.index.text not in factor_indices:
+            if sub.plain and sub.index.text not in factor_indices:  # else check_subscripts refused it
                 self.error(sub.index.span, f"index '{sub.index.text}' of the output appears in no factor")
+
+    def check_subscripts(self, acc: ast.Access, op: ast.Operand, is_target: bool) -> None:
+        """Every subscript of one operand access (a table read inside one too)."""
+        in_condition = id(acc) in self.cond_accesses
+        uses: dict[str, list[tuple[ast.Name, str]]] = {}  # index -> (token, form) of each use (a table's are its own)
+        for sub in acc.subscripts:
+            if sub.table is not None:
+                if in_condition:
+                    continue  # flow.py says a condition reads plain indices
+                self.check_table(acc, op, sub, is_target)
+                continue
+            uses.setdefault(sub.index.text, []).append((sub.index, _form(sub)))
+            self.check_identifier(sub.index, "index name")
+            if sub.index.text in self.operands:
+                self.error(sub.index.span, f"'{sub.index.text}' names an operand; index, operand and local names share one namespace")
+            if sub.shift is not None:
+                if not in_condition:
+                    self.error(sub.span, f"`{sub.index.text} {'+' if sub.shift > 0 else '-'} {abs(sub.shift)}` reads an integer operand in a condition only (`lo[g + 1]`)")
+                elif sub.shift < 0:
+                    self.error(sub.span, "not supported yet: a read at an index minus an integer; shift the operand instead (`lo[g + 1]`)")
+            if (sub.divisor is not None or sub.divisor_size is not None or sub.modulus is not None) and not (in_condition and not sub.plain):
+                self.check_arithmetic(op, sub, is_target)
+            if sub.offset is None:
+                continue
+            off = sub.offset
+            if op.sparsity is not None:
+                what = "output" if is_target else "operand"
+                self.error(off.span, f"'{op.name.text}' is {op.sparsity.text}; offsets apply to a dense {what} only")
+                continue
+            ref = self.operands.get(off.operand.text)
+            if ref is None:
+                self.error(off.operand.span, f"'{off.operand.text}' is not declared")
+                continue
+            if ref.dtype.text != "index":
+                self.error(off.operand.span, f"an offset is read from an 'index' operand; '{ref.name.text}' has dtype {ref.dtype.text}")
+                continue
+            if ref.direction != "in":
+                continue
+            length = ref.dims[0].value
+            if isinstance(length, int) and not 0 <= off.position < length:
+                entries = "1 entry" if length == 1 else f"{length} entries"
+                self.error(off.position_span, f"'{ref.name.text}' has {entries}; position {off.position} is out of range")
+        self.check_diagonal(uses)
+
+    def check_diagonal(self, uses: dict[str, list[tuple[ast.Name, str]]]) -> None:
+        """An index is used once per access (`x[i, i]` is a diagonal), except that `j // c` and
+        `j % c` may both appear (language v2, section 2: `x[i // 4, i % 4]`). A table is an
+        access of its own: `kc[pages[b, j // T], j % T, d]` uses j once in each."""
+        for name, found in uses.items():
+            forms = [form for _, form in found]
+            pair = all(f != "plain" for f in forms) and any(f.startswith("%") for f in forms) and len(set(forms)) == len(forms)
+            if len(found) > 1 and not pair:
+                self.error(found[1][0].span, f"index '{name}' is used twice in one access (a diagonal), which is not supported")
+
+    def check_arithmetic(self, op: ast.Operand, sub: ast.Subscript, is_target: bool, table: bool = False) -> None:
+        """`h // 4`, `j // T`, `j % T`: what divides is a positive literal or a size."""
+        modulus = sub.modulus is not None
+        sign = "%" if modulus else "//"
+        if is_target:
+            if modulus:
+                self.error(sub.span, "a subscript `j % c` reads an input; the left side uses plain indices")
+            else:
+                self.error(sub.span, "a divided subscript (`h // 4`) reads an input; the left side uses plain indices")
+            return
+        if op.sparsity is not None and not table:
+            if modulus:
+                self.error(sub.span, f"'{op.name.text}' is {op.sparsity.text}; a subscript `j % c` reads a dense operand")
+            else:
+                self.error(sub.span, f"'{op.name.text}' is {op.sparsity.text}; a divided subscript reads a dense operand")
+            return
+        by = sub.modulus if modulus else (sub.divisor_size if sub.divisor_size is not None else sub.divisor)
+        if isinstance(by, ast.Name):
+            if by.text not in self.size_symbols:
+                what = "an index" if by.text in self.index_names else ("an operand" if by.text in self.operands else "not a size")
+                self.error(by.span, f"'{by.text}' is {what}; `{sub.index.text} {sign} ...` takes a positive integer or a size (a symbol of a declared dimension)")
+        elif by < 1:
+            if modulus:
+                what = "by zero" if by == 0 else f"by {by}"
+                self.error(sub.by_span, f"`{sub.index.text} % {by}`: a subscript is taken modulo a positive integer or a size, not {what}")
+            else:
+                self.error(sub.span, f"a subscript is divided by a positive integer, not {by}")
+
+    def check_table(self, acc: ast.Access, op: ast.Operand, sub: ast.Subscript, is_target: bool) -> None:
+        """A read through a table (language v2, section 2): `kc[h // 8, pages[b, j // T], j % T, d]`."""
+        t = sub.table
+        if is_target:
+            self.error(t.span, f"a read through a table (`{sub.text}`) is on the right side only; the left side uses plain indices")
+            return
+        if op.sparsity is not None:
+            self.error(t.span, f"'{op.name.text}' is {op.sparsity.text}; a read through a table reads a dense operand")
+            return
+        ref = self.operands.get(t.operand.text)
+        if ref is None:
+            what = "a local tensor" if t.operand.text in self.locals else "not declared"
+            self.error(t.operand.span, f"'{t.operand.text}' is {what}; a table is an 'index' operand (`in pages: index[B, NP]`)")
+            return
+        if ref.dtype.text != "index":
+            self.error(t.operand.span, f"a table is an 'index' operand; '{ref.name.text}' has dtype {ref.dtype.text}", "declare it `in " + f"{ref.name.text}: index[...]`: its entries are coordinates, read from scalar memory")
+            return
+        if len(t.subscripts) != len(ref.dims):
+            self.error(t.span, f"'{ref.name.text}' has {_plural(len(ref.dims), 'dimension')} but is accessed with {_plural(len(t.subscripts), 'subscript')}")
+            return
+        uses: dict[str, list[tuple[ast.Name, str]]] = {}
+        for inner, dim in zip(t.subscripts, ref.dims):
+            if inner.table is None and inner.literal is None:
+                uses.setdefault(inner.index.text, []).append((inner.index, _form(inner)))
+            if inner.table is not None:
+                self.error(inner.table.span, f"a table inside a table (`{inner.text}` in `{sub.text}`) is not allowed; a table's subscripts are indices, integer literals, `i // c` and `i % c`")
+                continue
+            if inner.offset is not None or inner.shift is not None:
+                self.error(inner.span, f"`{inner.text}` in a table: a table's subscripts are indices, integer literals, `i // c` and `i % c`")
+                continue
+            if inner.literal is not None:
+                if isinstance(dim.value, int) and inner.literal >= dim.value:
+                    self.error(inner.span, f"'{ref.name.text}' has {dim.value} entries along this dimension; position {inner.literal} is out of range")
+                continue
+            self.check_identifier(inner.index, "index name")
+            if inner.index.text in self.operands:
+                self.error(inner.index.span, f"'{inner.index.text}' names an operand; index, operand and local names share one namespace")
+            if not inner.plain or inner.divisor is not None:
+                self.check_arithmetic(ref, inner, False, table=True)
+        self.check_diagonal(uses)
 
     # ------------------------------------------------------------- einsums
     def build_einsums(self) -> None:
@@ -355,11 +451,20 @@ class _KernelChecker:
         self.stop_if_errors()
 
     def read(self, acc: ast.Access) -> Read:
-        subs = tuple(
-            Sub(s.index.text, OffsetRef(s.offset.operand.text, s.offset.position) if s.offset else None, s.divisor or 1, s.shift or 0)
-            for s in acc.subscripts
-        )
-        return Read(acc.operand.text, subs, acc.span)
+        return Read(acc.operand.text, tuple(self.sub(s) for s in acc.subscripts), acc.span)
+
+    def sub(self, s: ast.Subscript) -> Sub:
+        if s.table is not None:
+            return Sub("", table=self.read(s.table), span=s.table.span)
+        if s.literal is not None:
+            return Sub("", literal=s.literal, span=s.span)
+        if s.modulus is not None:
+            modulus = s.modulus.text if isinstance(s.modulus, ast.Name) else s.modulus
+            return Sub(s.index.text, modulus=modulus, span=s.span)
+        if s.divisor_size is not None:
+            return Sub(s.index.text, divisor=s.divisor_size.text, span=s.span)
+        offset = OffsetRef(s.offset.operand.text, s.offset.position) if s.offset else None
+        return Sub(s.index.text, offset, s.divisor or 1, s.shift or 0, span=s.span)
 
     def group(self, reads, summed: set[str], accesses) -> tuple[tuple[Group, ...], tuple[Group, ...]] | None:
         """Factors with a summed index whose indices another such factor covers are multiplied
@@ -379,10 +484,14 @@ class _KernelChecker:
 
     # ----------------------------------------------------------------- sizes
     def check_sizes(self) -> None:
-        """Bind every index to one size; fix symbols bound to literals; collect `h // n` relations."""
+        """Bind every index to one size; fix symbols bound to literals; collect `h // n` relations.
+
+        Language v2, section 2: `j % c` on a dimension makes its size c; an index used only
+        as `j // c` on a dimension of size D and as `j % c` ranges over D * c."""
         bindings: dict[str, tuple[Size, Span]] = {}
         fixed: dict[str, tuple[int, Span]] = {}
         divided: list[tuple[ast.Subscript, ast.Dim, str]] = []
+        moduli: list[tuple[ast.Subscript, ast.Dim, str]] = []
 
         def size_of(dim: ast.Dim) -> Size:
             return Size(dim.value, None) if isinstance(dim.value, str) else Size(None, dim.value)
@@ -392,14 +501,19 @@ class _KernelChecker:
         shifted = {(acc.operand.text, d) for st, factors, _ in self.parsed for acc in factors
                    for d, sub in enumerate(acc.subscripts) if sub.shift is not None}
         for st, factors, _ in self.parsed:
-            for acc in (st.target, *factors):
+            for acc in (a for top in (st.target, *factors) for a in _nested(top)):
                 op = self.operands.get(acc.operand.text)
                 if op is None:
                     continue
                 for d, (sub, dim) in enumerate(zip(acc.subscripts, op.dims)):
                     if (acc.operand.text, d) in shifted:
                         continue
-                    if sub.divisor is not None:
+                    if sub.table is not None or sub.literal is not None:
+                        continue  # a coordinate read from a table binds nothing (checked at call time)
+                    if sub.modulus is not None:
+                        moduli.append((sub, dim, f"{op.name.text} dim {d}"))
+                        continue
+                    if sub.divisor is not None or sub.divisor_size is not None:
                         divided.append((sub, dim, f"{op.name.text} dim {d}"))
                         continue
                     if sub.offset is not None:
@@ -425,29 +539,69 @@ class _KernelChecker:
                         lit = prev.literal if prev.literal is not None else size.literal
                         self.fix(fixed, sym, lit, sub.index.span)
                         bindings[name] = (Size(None, lit), prev_span)
+        # `j // c` with `j % c` beside it: j ranges over the divided dimension's size times c.
+        products: dict[str, ast.Subscript] = {}
+        for sub, dim, what in divided:
+            name, by = sub.index.text, _by(sub)
+            if name in bindings or not any(m.index.text == name and _by(m) == by for m, _, _ in moduli):
+                continue
+            lit = dim.value if isinstance(dim.value, int) and isinstance(by, int) else None
+            bindings[name] = (Size(None, dim.value * by) if lit is not None else Size(None, None, (dim.value, by)), sub.index.span)
+            products[name] = sub
         indices = self.all_indices()
         for name in indices:
             if name not in bindings:
-                span = next(s.index.span for st, fs, _ in self.parsed for a in (st.target, *fs) for s in a.subscripts if s.index.text == name)
-                self.error(span, f"index '{name}' has no size: every use of it is offset or divided; use it plainly once")
+                span = next(n.span for st, fs, _ in self.parsed for a in (st.target, *fs) for s in a.subscripts for n in s.indices if n.text == name)
+                divided_only = any(sub.index.text == name for sub, _, _ in divided)
+                notes = [f"or read it as `{name} // c` and `{name} % c` too: {name} then ranges over the divided dimension's size times c (language v2)"] if divided_only else []
+                self.error(span, f"index '{name}' has no size: every use of it is offset or divided; use it plainly once", *notes)
         self.stop_if_errors()
+        # j % c: the dimension's size is c.
+        for sub, dim, what in moduli:
+            by = _by(sub)
+            if dim.value == by:
+                continue
+            if isinstance(by, int) and isinstance(dim.value, int):
+                self.error(sub.span, f"{what} has size {dim.value}, but {sub.index.text} % {by} ranges over {by}")
+            elif isinstance(by, int) or isinstance(dim.value, int):
+                sym, lit = (dim.value, by) if isinstance(by, int) else (by, dim.value)
+                self.fix(fixed, sym, lit, sub.span)
+            else:
+                self.error(sub.span, f"{what} has size {dim.value}, but {sub.index.text} % {by} ranges over {by}",
+                           f"declare that dimension with the size {by}")
         # h // n: the dimension's size is size(h) / n. Literals on either side fix the other.
         relations = []
         for sub, dim, what in divided:
-            n = sub.divisor
-            index_size = bindings[sub.index.text][0]
+            n = _by(sub)
+            name = sub.index.text
+            if name in products:
+                first = products[name]
+                if sub is first:
+                    continue
+                first_dim = next(d for s, d, _ in divided if s is first)
+                if _by(first) == n and first_dim.value == dim.value:
+                    continue
+                self.error(sub.span, f"index '{name}' ranges over {bindings[name][0].text} (from `{first.text}` at {first.span}); "
+                           f"`{sub.text}` on a dimension of size {dim.value} would need another size")
+                continue
+            if isinstance(n, str):
+                if n not in fixed:
+                    relations.append((sub, dim, what))  # a size divides: checked at call time
+                    continue
+                n = fixed[n][0]
+            index_size = bindings[name][0]
             lit_index = index_size.literal if index_size.literal is not None else fixed.get(index_size.symbol, (None,))[0]
             lit_dim = dim.value if isinstance(dim.value, int) else fixed.get(dim.value, (None,))[0]
             if lit_index is not None and lit_index % n:
-                self.error(sub.span, f"index '{sub.index.text}' has size {lit_index}, which {n} does not divide")
+                self.error(sub.span, f"index '{name}' has size {lit_index}, which {n} does not divide")
                 continue
             if lit_index is not None and lit_dim is not None:
                 if lit_dim * n != lit_index:
-                    self.error(sub.span, f"{what} has size {lit_dim}, but {sub.index.text} // {n} ranges over {lit_index // n}")
+                    self.error(sub.span, f"{what} has size {lit_dim}, but {name} // {n} ranges over {lit_index // n}")
                 continue
             if lit_index is not None:
                 self.fix(fixed, dim.value, lit_index // n, sub.span)
-            elif lit_dim is not None:
+            elif lit_dim is not None and index_size.symbol is not None:
                 self.fix(fixed, index_size.symbol, lit_dim * n, sub.span)
             relations.append((sub, dim, what))
         self.stop_if_errors()
@@ -456,11 +610,16 @@ class _KernelChecker:
         for name, (size, _) in bindings.items():
             if size.symbol is not None and size.symbol in self.fixed:
                 size = Size(size.symbol, self.fixed[size.symbol])
+            if size.product:
+                known = [f if isinstance(f, int) else self.fixed.get(f) for f in size.product]
+                if all(k is not None for k in known):
+                    size = Size(None, math.prod(known), size.product)
             self.bindings[name] = size
         self.relations = tuple(
-            Relation(self.resolve(dim), sub.index.text, sub.divisor, what)
+            Relation(self.resolve(dim), sub.index.text, _by(sub), what)
             for sub, dim, what in relations
             if self.resolve(dim).literal is None or self.bindings[sub.index.text].literal is None
+            or (isinstance(_by(sub), str) and _by(sub) not in self.fixed)
         )
 
     def fix(self, fixed, symbol: str, value: int, span: Span) -> None:
@@ -473,8 +632,9 @@ class _KernelChecker:
         for st, factors, _ in self.parsed:
             for acc in (st.target, *factors):
                 for s in acc.subscripts:
-                    if s.index.text not in out:
-                        out.append(s.index.text)
+                    for n in s.indices:
+                        if n.text not in out:
+                            out.append(n.text)
         return out
 
     def resolve(self, dim: ast.Dim) -> Size:
@@ -602,6 +762,55 @@ class _KernelChecker:
         except _Stop:
             return None
         return self.build()
+
+
+def _nested(acc: ast.Access) -> list[ast.Access]:
+    """An access, then every table read inside its subscripts (language v2, section 2)."""
+    out = [acc]
+    for sub in acc.subscripts:
+        if sub.table is not None:
+            out += _nested(sub.table)
+    return out
+
+
+def _accesses_in(e) -> list[ast.Access]:
+    """Every access in an expression (tables inside subscripts included)."""
+    out: list[ast.Access] = []
+    stack = [e]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        if isinstance(node, ast.Access):
+            out += _nested(node)
+        elif isinstance(node, ast.Call):
+            stack += node.args
+        elif isinstance(node, ast.Binary):
+            stack += [node.a, node.b]
+        elif isinstance(node, (ast.Neg, ast.Not)):
+            stack.append(node.a)
+        elif isinstance(node, ast.Compare):
+            stack += [node.first, *(x for _, x in node.rest)]
+        elif isinstance(node, ast.Logic):
+            stack += node.values
+    return out
+
+
+def _by(sub: ast.Subscript) -> int | str:
+    """What divides a subscript or takes it modulo: an integer or a size symbol."""
+    by = sub.modulus if sub.modulus is not None else (sub.divisor_size if sub.divisor_size is not None else sub.divisor)
+    return by.text if isinstance(by, ast.Name) else by
+
+
+def _form(sub: ast.Subscript) -> str:
+    """How a subscript uses its index, for the diagonal rule: "plain", "//c" or "%c"."""
+    if sub.modulus is not None:
+        return "%" + (sub.modulus.text if isinstance(sub.modulus, ast.Name) else str(sub.modulus))
+    if sub.divisor_size is not None:
+        return "//" + sub.divisor_size.text
+    if sub.divisor is not None:
+        return "//" + str(sub.divisor)
+    return "plain"
 
 
 def _describe(e: ast.Expr) -> str:

@@ -82,7 +82,7 @@ class _Flow:
     def run(self) -> Form | None:
         st = self.st
         for sub in st.target.subscripts:
-            if sub.offset is not None or sub.divisor is not None:
+            if sub.offset is not None or sub.divisor is not None or not sub.plain:
                 self.error(sub.span, "the left side of a statement with a condition, a local tensor or an expression uses plain indices")
                 return None
         value = st.value
@@ -105,7 +105,8 @@ class _Flow:
                     self.error(sub.index.span, f"index '{sub.index.text}' of the left side appears nowhere on the right")
         if st.condition is not None:
             if self.form.kind == "einsum":
-                self.cond_indices += [s.index.text for p in self.form.factors for s in p.subscripts if s.index.text not in self.cond_indices]
+                on_right = dict.fromkeys(n.text for p in self.form.factors for s in p.subscripts for n in s.indices)
+                self.cond_indices += [i for i in on_right if i not in self.cond_indices]
             self.in_condition = True
             self.form.condition = self.condition(st.condition, top=True)
             self.in_condition = False
@@ -120,7 +121,7 @@ class _Flow:
                 self.form.factors.append(p)
             else:
                 self.number(ast.literal(p))
-        on_right = {s.index.text for p in self.form.factors for s in p.subscripts}
+        on_right = {n.text for p in self.form.factors for s in p.subscripts for n in s.indices}
         for sub in self.st.target.subscripts:
             if sub.index.text not in on_right:
                 self.error(sub.index.span, f"index '{sub.index.text}' of the left side appears in no factor on the right")
@@ -143,7 +144,7 @@ class _Flow:
             return
         self.tensor_read(arg)
         j = index.name.text
-        arg_indices = [s.index.text for s in arg.subscripts]
+        arg_indices = list(dict.fromkeys(n.text for s in arg.subscripts for n in s.indices))
         if j not in arg_indices:
             self.error(index.span, f"{fn} reduces over '{j}', which '{arg.operand.text}' is not read with")
             return
@@ -173,7 +174,7 @@ class _Flow:
             return
         (v,) = accesses
         self.operand_read(v)
-        if j not in [s.index.text for s in v.subscripts]:
+        if j not in [n.text for s in v.subscripts for n in s.indices]:
             self.error(v.span, f"'{v.operand.text}' is not read with '{j}': the softmax product sums over it")
         if j in self.left:
             self.error(self.st.target.span, f"the softmax product sums over '{j}'; the left side cannot keep it")
@@ -193,11 +194,13 @@ class _Flow:
         assigned = self.c.locals[name]
         want = [s.index.text for s in assigned.subscripts]
         got = [s.index.text for s in acc.subscripts]
-        if got != want or any(s.offset is not None or s.divisor is not None for s in acc.subscripts):
+        if got != want or any(s.offset is not None or s.divisor is not None or not s.plain for s in acc.subscripts):
             self.error(acc.span, f"local tensor '{name}' is read as {name}[{', '.join(want)}], as it was assigned")
         self.form.reads_locals.add(name)
 
-    def operand_read(self, acc: ast.Access):
+    def operand_read(self, acc: ast.Access, integer: bool = False):
+        """An operand read; `integer`: a condition's integer read, which may be an index operand
+        (language v2, section 1: `j < lens[b]`)."""
         name = acc.operand.text
         op = self.c.operands.get(name)
         if op is None:
@@ -211,8 +214,8 @@ class _Flow:
         if op.direction == "out":
             self.error(acc.operand.span, f"'{name}' is an output; reading an output in a later statement of this kind is not supported yet")
             return
-        if op.dtype.text == "index":
-            self.error(acc.operand.span, f"'{name}' is an index operand: it can only offset a subscript")
+        if op.dtype.text == "index" and not integer:
+            self.error(acc.operand.span, f"'{name}' is an index operand: it can only offset a subscript, be read as a table inside one (`x[{name}[...]]`) or be compared in a condition")
             return
         if op.sparsity is not None and op.sparsity.text == "coo":
             self.error(acc.operand.span, f"'{name}' is coo; with conditions, expressions and reductions a sparse operand is a mask in a `where`")
@@ -240,9 +243,9 @@ class _Flow:
             op = self.c.operands.get(name)
             if op is not None and op.sparsity is not None and op.sparsity.text == "mask":
                 self.error(e.span, f"'{name}' is a mask: it is read in a `where` condition (`where {name}[...]`), not as a value here")
-            for s in e.subscripts:
-                if s.index.text not in self.left:
-                    self.error(s.index.span, f"index '{s.index.text}' is not on the left side; an elementwise expression sums nothing (use a product or a reduction)")
+            for n in (n for s in e.subscripts for n in s.indices):
+                if n.text not in self.left:
+                    self.error(n.span, f"index '{n.text}' is not on the left side; an elementwise expression sums nothing (use a product or a reduction)")
             return Term("read", read=self.c.read(e))
         if isinstance(e, ast.Call):
             fn = e.fn.text
@@ -298,12 +301,17 @@ class _Flow:
         self.error(e.span, "a condition is a comparison (`i >= j`), `and`/`or`/`not` of conditions, or a mask read (`keep[i, j]`)")
         return Term("cmp", (Term("num", value=0), Term("num", value=0)), ops=("==",))
 
-    def cond_read(self, e: ast.Access):
+    def cond_read(self, e: ast.Access, integer: bool = False):
         self.c.cond_accesses.add(id(e))
-        self.operand_read(e)
+        self.operand_read(e, integer)
         for s in e.subscripts:
-            if s.divisor is not None:
+            if s.table is not None:
+                self.error(s.table.span, f"a read through a table (`{s.text}`) is not allowed in a condition: a condition reads an operand at plain indices (read a table itself: `j < lens[b]`)")
+                continue
+            if s.divisor is not None or not s.plain:
                 self.error(s.span, "an operand in a condition is read with plain indices")
+                if not s.plain:
+                    continue
             if s.index.text not in self.cond_indices:
                 if self.form.kind == "einsum":
                     self.error(s.index.span, f"index '{s.index.text}' is not an index of the statement; a condition uses the statement's indices")
@@ -319,11 +327,11 @@ class _Flow:
             return self.value(e)
         if isinstance(e, ast.Access):
             op = self.c.operands.get(e.operand.text)
-            if op is None or op.dtype.text not in ("i8", "i16", "i32", "u8", "u16", "u32", "bool"):
+            if op is None or op.dtype.text not in ("i8", "i16", "i32", "u8", "u16", "u32", "bool", "index"):
                 what = "not declared" if op is None and e.operand.text not in self.c.locals else "not an integer operand"
                 self.error(e.span, f"'{e.operand.text}' is {what}; a condition reads integer operands (segment ids) or a mask")
                 return Term("num", value=0)
-            self.cond_read(e)
+            self.cond_read(e, integer=True)
             return Term("read", read=self.c.read(e))
         if isinstance(e, ast.Binary):
             if e.op not in _INT_OPS:

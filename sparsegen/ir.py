@@ -10,7 +10,7 @@ Spans are kept so that later stages can still point back at the spec.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .dtypes import DType
 from .source import Span
@@ -18,18 +18,25 @@ from .source import Span
 
 @dataclass(frozen=True)
 class Size:
-    """A dimension size: a literal, or a symbol bound at call time (or fixed by a literal)."""
+    """A dimension size: a literal, or a symbol bound at call time (or fixed by a literal).
+
+    Language v2, section 2: an index read as `j // T` on a dimension of size NP and `j % T`
+    ranges over the product `NP * T`: `product` holds its factors (symbols or literals),
+    `symbol` is then None and `literal` the product where every factor is known."""
 
     symbol: str | None
     literal: int | None
+    product: tuple[str | int, ...] = ()
 
     @property
     def text(self) -> str:
+        if self.product:
+            return " * ".join(str(f) for f in self.product)
         return self.symbol if self.symbol is not None else str(self.literal)
 
     def describe(self) -> str:
-        if self.symbol is not None and self.literal is not None:
-            return f"{self.symbol} = {self.literal}"
+        if (self.symbol is not None or self.product) and self.literal is not None:
+            return f"{self.text} = {self.literal}"
         return self.text
 
 
@@ -43,15 +50,46 @@ class OffsetRef:
 
 @dataclass(frozen=True)
 class Sub:
-    """One subscript of an access: an index, maybe shifted by an offset or divided (`h // 4`)."""
+    """One subscript of an access: an index, maybe shifted by an offset or divided (`h // 4`).
+
+    Language v2, section 2 adds forms that only the front end handles so far (`lowered`
+    is False for them, and `backends.lower_kernel` refuses a kernel using one):
+    a size as divisor (`j // T`: `divisor` is the symbol), a modulus (`j % T`, `j % 8`),
+    a read through a table (`pages[b, j // T]`: `table` is that read of an `index`
+    operand and `index` is ""), and inside a table only an integer literal
+    (`pages[b, 0]`: `literal`, `index` ""). `indices` lists the indices a subscript uses.
+    """
 
     index: str
     offset: OffsetRef | None = None
-    divisor: int = 1
+    divisor: int | str = 1
     shift: int = 0  # `g + 1` (a condition's read only)
+    modulus: int | str | None = None  # `j % T` (language v2, section 2)
+    table: "Read | None" = None  # `pages[b, j // T]` (language v2, section 2)
+    literal: int | None = None  # `0` in `pages[b, 0]` (inside a table only)
+    span: Span | None = field(default=None, compare=False, repr=False)  # where it is written (v2 forms)
+
+    @property
+    def lowered(self) -> bool:
+        """Is it a form the schedules and targets handle (language v1 and `g + 1`)?"""
+        return self.table is None and self.literal is None and self.modulus is None and isinstance(self.divisor, int)
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        if self.table is not None:
+            return self.table.indices
+        if self.literal is not None:
+            return ()
+        return (self.index,)
 
     @property
     def text(self) -> str:
+        if self.table is not None:
+            return self.table.text
+        if self.literal is not None:
+            return str(self.literal)
+        if self.modulus is not None:
+            return f"{self.index} % {self.modulus}"
         if self.offset is not None:
             return f"{self.offset.operand}[{self.offset.position}] + {self.index}"
         if self.shift:
@@ -89,7 +127,15 @@ class Read:
 
     @property
     def indices(self) -> tuple[str, ...]:
-        return tuple(s.index for s in self.subs)
+        """The indices it uses, each once, in order (one per subscript in language v1, where
+        an access uses an index once; v2's `kc[h // 8, pages[b, j // T], j % T, d]` uses
+        h, b, j, d)."""
+        return tuple(dict.fromkeys(i for s in self.subs for i in s.indices))
+
+    @property
+    def lowered(self) -> bool:
+        """Does every subscript have a form the schedules and targets handle?"""
+        return all(s.lowered for s in self.subs)
 
     @property
     def text(self) -> str:
@@ -374,7 +420,7 @@ class Index:
         """The number of blocks along this index, as text."""
         if self.size.literal is not None:
             return str(self.size.literal // self.tile)
-        return f"ceil({self.size.symbol} / {self.tile})"
+        return f"ceil({self.size.text} / {self.tile})"
 
 
 @dataclass(frozen=True)
@@ -383,7 +429,7 @@ class Relation:
 
     dim: Size
     index: str
-    divisor: int
+    divisor: int | str  # a size symbol in language v2 (`j // T`)
     what: str  # "k dim 1", for messages
 
 

@@ -56,11 +56,56 @@ class Offset:
 
 @dataclass(frozen=True)
 class Subscript:
+    """One subscript. Language v1: `i`, `s[0] + i`, `h // 4`; v2: `g + 1` (conditions),
+    `j // T` (a size divides), `j % T` / `j % 8`, a read through a table (`pages[b, j // T]`)
+    and, inside a table only, an integer literal (`pages[b, 0]`).
+
+    For a table read `index` is the table's name token and `table` the read; for a literal
+    `index` is the literal's token: `indices` lists the indices a subscript uses.
+    """
+
     index: Name
     offset: Offset | None
     divisor: int | None  # `h // 4`
     span: Span
     shift: int | None = None  # `g + 1`: a condition's read at an index plus an integer (language v2, section 1)
+    divisor_size: Name | None = None  # `j // T`: a size symbol divides (language v2, section 2)
+    modulus: int | Name | None = None  # `j % 8`, `j % T` (language v2, section 2)
+    by_span: Span | None = None  # the divisor's or modulus's token
+    table: "Access | None" = None  # `pages[b, j // T]` (language v2, section 2)
+    literal: int | None = None  # `0` in `pages[b, 0]` (inside a table only)
+
+    @property
+    def indices(self) -> tuple[Name, ...]:
+        """The index tokens this subscript uses (a table's, in order; none for a literal)."""
+        if self.table is not None:
+            return tuple(n for s in self.table.subscripts for n in s.indices)
+        if self.literal is not None:
+            return ()
+        return (self.index,)
+
+    @property
+    def plain(self) -> bool:
+        """An index alone, or offset, shifted or divided by an integer (the forms of v1)."""
+        return self.table is None and self.literal is None and self.modulus is None and self.divisor_size is None
+
+    @property
+    def text(self) -> str:
+        if self.table is not None:
+            return f"{self.table.operand.text}[{', '.join(s.text for s in self.table.subscripts)}]"
+        if self.literal is not None:
+            return str(self.literal)
+        if self.modulus is not None:
+            return f"{self.index.text} % {self.modulus.text if isinstance(self.modulus, Name) else self.modulus}"
+        if self.divisor_size is not None:
+            return f"{self.index.text} // {self.divisor_size.text}"
+        if self.divisor is not None:
+            return f"{self.index.text} // {self.divisor}"
+        if self.offset is not None:
+            return f"{self.offset.operand.text}[{self.offset.position}] + {self.index.text}"
+        if self.shift is not None:
+            return f"{self.index.text} {'+' if self.shift > 0 else '-'} {abs(self.shift)}"
+        return self.index.text
 
 
 # Expressions. Every node has a span; the checker decides which ones a statement may use.
@@ -253,6 +298,9 @@ def _too_deep(tree: Tree) -> list[Diagnostic]:
 
 
 class _Builder:
+    def __init__(self, source: SourceFile):
+        self.source = source
+
     def spec(self, source: SourceFile, tree: Tree) -> Spec:
         return Spec(source, tuple(self.kernel(k) for k in tree.children))
 
@@ -302,9 +350,23 @@ class _Builder:
         if tree.data == "plain":
             (tok,) = tree.children
             return Subscript(_name(tok), None, None, _span(tree))
-        if tree.data == "divided":
-            tok, divisor = tree.children
-            return Subscript(_name(tok), None, int(divisor), _span(tree))
+        if tree.data == "literal":
+            (tok,) = tree.children
+            return Subscript(_name(tok), None, None, _span(tree), literal=int(tok))
+        if tree.data == "through":
+            (table,) = tree.children
+            name, *entries = table.children
+            read = Access(_name(name), tuple(self.subscript(e) for e in entries), _span(table))
+            return Subscript(_name(name), None, None, _span(tree), table=read)
+        if tree.data in ("divided", "modulo"):
+            tok, by = tree.children
+            (amount,) = by.children
+            value = -int(amount) if by.data == "negative" else (int(amount) if amount.type == "INT" else _name(amount))
+            if tree.data == "modulo":
+                return Subscript(_name(tok), None, None, _span(tree), modulus=value, by_span=_span(by))
+            if isinstance(value, Name):
+                return Subscript(_name(tok), None, None, _span(tree), divisor_size=value, by_span=_span(by))
+            return Subscript(_name(tok), None, value, _span(tree), by_span=_span(by))
         if tree.data in ("shifted", "shifted_back"):
             tok, amount = tree.children
             return Subscript(_name(tok), None, None, _span(tree), int(amount) * (1 if tree.data == "shifted" else -1))
@@ -312,7 +374,12 @@ class _Builder:
             off, tok = tree.children
         else:
             tok, off = tree.children
-        op, pos = off.children
+        op, *entries = off.children
+        if len(entries) != 1 or entries[0].data != "literal":
+            # `s[i] + j`: an offset is one literal entry of an index operand.
+            bad = entries[0] if len(entries) == 1 else entries[1]
+            raise SpecError([Diagnostic(_span(bad), f"an offset reads one entry of an index operand at a literal position (`{op}[0] + {tok}`); a read through a table is a whole subscript (`x[{op}[...]]`)")], self.source)
+        (pos,) = entries[0].children
         offset = Offset(_name(op), int(pos), _span(pos), _span(off))
         return Subscript(_name(tok), offset, None, _span(tree))
 
@@ -446,4 +513,4 @@ def parse(source: SourceFile) -> Spec:
     too_deep = _too_deep(tree)
     if too_deep:
         raise SpecError(too_deep, source)
-    return _Builder().spec(source, tree)
+    return _Builder(source).spec(source, tree)
