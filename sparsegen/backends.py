@@ -181,28 +181,23 @@ def _reads_of(st) -> list[Read]:
 
 def not_lowered(kernel: Kernel, target: str) -> Diagnostic | None:
     """The first language-v2 form (in the spec's order) that the front end checks and no
-    target lowers yet: a read through a table, `%` or a size as divisor in a subscript, an
-    index operand read in a condition. One diagnostic at it; None for a kernel without one."""
+    target lowers yet: a read through a table, `%` or a size as divisor in a subscript.
+    One diagnostic at it; None for a kernel without one."""
     found = []
-    index_operands = {o.name for o in kernel.operands if o.sparsity == "index"}
 
-    def visit(read: Read, in_condition: bool) -> None:
-        if in_condition and read.operand in index_operands:
-            found.append((read.span, "an index operand read in a condition", read.text, "is"))
+    def visit(read: Read) -> None:
         for sub in read.subs:
             if sub.table is not None:
                 found.append((sub.span or read.span, "reads through tables", sub.table.text, "are"))
-                visit(sub.table, False)
+                visit(sub.table)
             elif sub.modulus is not None:
                 found.append((sub.span or read.span, "'%' in a subscript", sub.text, "is"))
             elif isinstance(sub.divisor, str):
                 found.append((sub.span or read.span, "a size as a subscript's divisor", sub.text, "is"))
 
     for st in kernel.statements:
-        condition = getattr(st, "condition", None)
-        in_condition = {id(t.read) for t in condition.walk() if t.read is not None} if condition is not None else set()
         for read in _reads_of(st):
-            visit(read, id(read) in in_condition)
+            visit(read)
     if not found:
         return None
     span, what, text, verb = min(found, key=lambda f: (f[0].line, f[0].col))

@@ -402,3 +402,37 @@ def test_a_negated_condition_compiles_ahead_of_time():
     kernel, mod = build(AFFINE.format(cond="not (k >= m + 64 and k < m + 200)"))
     x, y = np.zeros((256, 384), np.float32), np.zeros((384, 256), np.float32)
     compile_for(lambda a, b: mod.banded(a, b), [x, y])
+
+
+LENGTHS = """kernel lens_matmul {
+    in  x: f32[B, M, K]
+    in  y: f32[B, K, N]
+    in  lens: index[B]
+    out o: f32[B, M, N]
+
+    o[b, m, n] = x[b, m, k] * y[b, k, n] where k < lens[b]
+
+    tile b = 1, m = 128, k = 128, n = 128
+}
+"""
+
+
+def test_an_index_operand_in_a_condition(interpret):
+    """`lens: index[B]` read by a condition (issue 18: index operands in conditions): an
+    int32 array the classification and the kernel read, as an i32 operand is; under jit the
+    grid runs the steps the lengths need; gradients keep the condition."""
+    import jax
+
+    kernel, mod = build(LENGTHS)
+    rng = np.random.default_rng(2)
+    b, m, kk, n = 3, 256, 384, 128
+    x, y = rng.standard_normal((b, m, kk), dtype=np.float32), rng.standard_normal((b, kk, n), dtype=np.float32)
+    lens = np.array([0, 200, 384], np.int32)
+    present = (np.arange(kk)[None, :] < lens[:, None]).astype(np.float64)
+    want = np.einsum("bmk,bk,bkn->bmn", x, present, y)
+    assert_matches(kernel, mod.lens_matmul(x, y, lens, interpret=interpret), want)
+    assert_matches(kernel, mod.reference(x, y, lens), want)
+    if interpret is True:
+        assert_matches(kernel, jax.jit(lambda *a: mod.lens_matmul(*a, interpret=True))(x, y, lens), want)
+        got = jax.grad(lambda a: mod.lens_matmul(a, y, lens, interpret=True).sum())(x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(jax.grad(lambda a: mod.reference(a, y, lens).sum())(x)), rtol=1e-4, atol=1e-4)

@@ -267,14 +267,6 @@ def test_the_shared_paged_decode_spec_is_refused_at_line_12():
     tile i = 128
 }
 """, "5:14: error: not supported yet: a size as a subscript's divisor ('i // T')"),
-    ("""kernel k {
-    in  x: f32[B, N]
-    in  lens: index[B]
-    out o: f32[B, N]
-    o[b, j] = x[b, j] where j < lens[b]
-    tile b = 8, j = 128
-}
-""", "5:33: error: not supported yet: an index operand read in a condition ('lens[b]')"),
 ])
 @pytest.mark.parametrize("target", ["v5e", "h200"])
 def test_every_unlowered_form_is_refused_once(spec, first, target):
