@@ -20,18 +20,20 @@ half the rows, the other E - 1 share the rest, so their boundaries fall inside r
    (bench/splash_side.py's kernel_vmem). sparsegen's program holds two kernels per pass (the
    bounded walk and the dense fallback of its lax.cond); megablox's grid is dynamic.
 3. libtpu's static cycle estimate (v5e) of each pass, compiled with the real walk's grid
-   (`--xla_jf_dump_static_llo_profile_to`, in a subprocess: libtpu reads the flag when it
-   loads). The estimator reads scalar-prefetch tables as zeros; sparsegen/tpu/cycles.py's
-   weighting (raw + walk - zero, the `pl.when` conditions looked up from constants) gives
+   as numbers on both sides (`--xla_jf_dump_static_llo_profile_to`, in a subprocess: libtpu
+   reads the flag when it loads). The estimator reads scalar-prefetch tables as zeros;
+   sparsegen/tpu/cycles.py's weighting (raw + walk - zero, the `pl.when` conditions looked
+   up from constants by shifts and masks of the step, which the estimator evaluates) gives
    the real path for sparsegen's kernels and for tgmm (sparsegen's partial steps counted at
    a full step's cost: libtpu's profiler aborts walking the partial region, see
-   `weighted`; every word of the lookup chain emitted in both the walk and the zero-table
-   compile, so that its cost cancels, as `sparsegen.tpu.cycles._lookup` does); gmm's conditions depend only on
-   program_id, so its raw estimate is its real one. For sparsegen this is the branch sorted
-   ids take. Index maps still read the
+   `weighted`); gmm's conditions depend only on program_id, so its raw estimate is its real
+   one. For sparsegen this is the branch sorted ids take. Index maps still read the
    tables as zeros there (the estimator sees fewer copies than the walk makes), so HBM
    cycles of the real copies are printed beside it: where they exceed the estimate the pass
    is memory-bound and the estimate optimistic.
+   Before the weighting's fixes (see sparsegen.tpu.cycles._lookup and _static_grid) the
+   sparsegen figures were about 1.6x megablox's: the estimator ran step 0's regions at
+   every step and walked a grid of its own size for the traced extent.
 
 No timed assertion anywhere: this prints tables and writes bench/results/grouped_matmul.json.
 """
@@ -133,7 +135,9 @@ def ours_walk(M: int, E: int, gid: np.ndarray, side: str) -> dict:
     else:
         tables = prefetch(None, None, jnp.asarray(gid), None, sizes, n_steps)
     tables = [np.asarray(t) for t in tables]
-    classify = {"fwd": GEN._classify, "dx": GEN._d_x_classify, "dw": GEN._d_w_classify}[side]
+    # A pass whose condition is the forward's over the same axes calls the forward's classify
+    # (one function per distinct body in a module): dx has none of its own.
+    classify = getattr(GEN, {"fwd": "_classify", "dx": "_d_x_classify", "dw": "_d_w_classify"}[side], GEN._classify)
     kinds = np.asarray(classify(jnp, jnp.asarray(gid), sizes))
     needed = int(GEN._row_walk(np, kinds.reshape((1,) + kinds.shape))[1])
     run = min(needed, n_steps)  # the grid's traced extent: the steps the data needs
@@ -359,8 +363,9 @@ def weighted(call, device, fold_partial: bool) -> dict:
         walk = zero = None
         total = raw
     else:
-        walk = cycles.estimate(call, device, bits)[0]
-        zero = cycles.estimate(call, device, [z for _, z in assumed])[0]
+        axes = [cycles.varying_axes(call.grid, c, z) for c, (_, z) in zip(bits, assumed)]
+        walk = cycles.estimate(call, device, bits, axes)[0]
+        zero = cycles.estimate(call, device, [z for _, z in assumed], axes)[0]
         total = walk + raw - zero
     return {"cycles": total, "raw": raw, "walk": walk, "zero": zero, "grid": list(call.grid), "partial_folded_into_full": folded,
             "regions": {n: int(c.sum()) for n, c in real}}

@@ -65,10 +65,36 @@ def test_regions_are_weighted_by_the_real_tables():
     assert counts == {"_init": (16, 56), "_compute": (40, 0), "_flush": (16, 56)}
     assert p.computing_steps == 40
     assert p.mxu_cycles == 40 * 2 * 512**3 / 131072
-    # The real walk computes 40 times where the estimator saw no compute at all.
-    assert p.walk > p.zero + 40 * 2048
+    # The real walk computes 40 times where the estimator saw no compute at all, and starts and
+    # flushes 16 output blocks where it saw 56: walk - zero is 40 products less 40 of each.
+    assert p.walk > p.zero + 40 * 2048 * 3 // 4
     assert p.cycles == p.walk + p.raw - p.zero
-    assert p.cycles > p.raw + 40 * 2048
+    assert p.mxu_cycles < p.cycles < p.raw + 2 * p.mxu_cycles
+
+
+def test_a_full_walk_is_weighted_as_the_dense_product():
+    """grouped_matmul with one group (every block full) takes the dense product's path: init at
+    the first k, the product at every step, the flush at the last k. Its weighted estimate is
+    near the dense kernel's at the same tiles and shape: 8% over it (the same kernel with its
+    conditions rewritten so that the estimator's zero tables take this path says as much: the
+    gid block and the table reads of each step, on a small grid). Before two fixes it was
+    11.8x: the lookup's `// 31` and `% 31` (the profiler takes them as 0: every step ran step
+    0's regions) and the traced grid extent (the estimator walked a grid of its own size)."""
+    spec_dense = DENSE.replace("256", "512")
+    shapes = {"M": 2048, "K": 2048, "N": 2048}
+    try:
+        dense, grouped = measure([
+            {"seed": 0, "backward": False, "spec": "mm.spk", "text": spec_dense, "kernel": "mm", "target": "v5e",
+             "shapes": shapes, "pattern": "density=1"},
+            {"seed": 0, "backward": False, "spec": str(SPECS / "grouped_matmul.spk"), "kernel": "grouped_matmul",
+             "target": "v5e", "shapes": {**shapes, "E": 1}, "pattern": "density=1"}])
+    except cycles.NoProfile as exc:
+        pytest.skip(f"this libtpu lacks {cycles.FLAG} (no static profile): {exc}")
+    assert dense.error is None and grouped.error is None, (dense.error, grouped.error)
+    (d,), (g,) = dense.forward, grouped.forward
+    assert d.steps == g.steps == 64
+    assert {r.name: r.count for r in g.regions} == {"_init": 16, "_compute_partial": 0, "_compute_full": 64, "_flush": 16}
+    assert g.walk is not None and 1 <= g.cycles / d.cycles < 1.15, (g.cycles, d.cycles, g.raw, g.walk, g.zero)
 
 
 def test_lookup_reproduces_every_steps_bit():
@@ -79,6 +105,23 @@ def test_lookup_reproduces_every_steps_bit():
     for bits in (rng.random(host.steps) < 0.5, np.zeros(host.steps, bool), np.ones(host.steps, bool)):
         got = cycles._lookup(bits, grid, host, _NumpyInt32())
         assert np.array_equal(np.broadcast_to(got, bits.shape), bits)
+
+
+def test_lookup_reproduces_bits_past_32_words():
+    host = cycles._HostPl((9, 130))  # 1170 steps: 37 words
+    bits = np.random.default_rng(1).random(host.steps) < 0.3
+    got = cycles._lookup(bits, host.grid, host, _NumpyInt32())
+    assert np.array_equal(np.broadcast_to(got, bits.shape), bits)
+
+
+def test_a_traced_grid_extent_is_compiled_as_its_number():
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+
+    spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(2, jnp.asarray(3), 4))
+    call = cycles.Call(None, {"grid_spec": spec}, (np.zeros(3, np.int32),))
+    grid = cycles._static_grid(call).grid
+    assert grid == (2, 3, 4) and all(type(g) is int for g in grid)
 
 
 class _NumpyInt32:

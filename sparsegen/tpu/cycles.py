@@ -23,8 +23,11 @@ block index change (and copies start) only where `program_id` alone moves it. Th
 model is optimistic anyway: the HBM traffic of the real walk (index maps evaluated on the
 host) is given as `hbm_cycles`, and a pass whose `hbm_cycles` exceed its estimate is
 marked memory-bound: the estimate is a lower bound there. The bits cost a chain of scalar
-selects per step (one per 31 steps of the grid); `walk` and `zero` both pay it, so it
-cancels, but grids over MAX_STEPS steps are not weighted (the raw figure is given, marked).
+selects per step (one per 32 steps of the grid axes the conditions vary along); `walk` and
+`zero` both pay it, so it mostly cancels, but lookups over MAX_STEPS steps are not weighted
+(the raw figure is given, marked).
+A grid extent the generated code traces (the steps a walk needs) is compiled as the number
+it had for these tables: left a traced value, the estimator walked a grid of its own size.
 
 Like libtpu's flags, the profile must be set before libtpu loads, so the compiles run in a
 separate process (`python -m sparsegen.cycles REQUEST.json`), one for all kernels. That
@@ -36,6 +39,7 @@ code (`estimate_job`), and holds what the estimate is made of.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -47,7 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 FLAG = "--xla_jf_dump_static_llo_profile_to"
-MAX_STEPS = 31 * 256  # bits of the longest lookup chain
+MAX_STEPS = 32 * 256  # bits of the longest lookup chain
 # MXU multiply-adds per cycle and TensorCore, as FLOPs (bf16): 4 MXUs of 128x128 (v4, v5e,
 # v5p), 4 of 256x256 (v6e). Each target's peak per core over these gives its clock.
 MXU_FLOPS_PER_CYCLE = {"v4": 131072, "v5e": 131072, "v5p": 131072, "v6e": 524288}
@@ -349,29 +353,60 @@ def hbm_bytes(call: Call) -> int:
     return sum(size if keys is None else int(_runs(keys).sum()) * size for _, _, _, size, keys in block_walks(call))
 
 
-def _lookup(bits: np.ndarray, grid: tuple[int, ...], pl, jnp):
-    """A condition equal to `bits[step]` from `program_id` and constants only (31 bits a word)."""
+def _salt(word_of):
+    """A word's salt, XOR-ed into its constant: every word of a lookup then differs (an all-zero
+    table's chain cannot fold to a constant), and the same value comes out of int32 (device,
+    products wrapping) and int64 (host) arithmetic: only the low 31 bits are kept."""
+    return (word_of * 40503 + 12345) & 0x7FFFFFFF
+
+
+def varying_axes(grid: tuple[int, ...], *bit_sets) -> tuple[int, ...]:
+    """The grid axes along which some of these bits (each over every step, row-major) vary."""
+    found = set()
+    for bits in bit_sets:
+        b = np.asarray(bits, bool).reshape(grid)
+        found |= {d for d in range(len(grid)) if not (b == b.take([0], axis=d)).all()}
+    return tuple(sorted(found))
+
+
+def _lookup(bits: np.ndarray, grid: tuple[int, ...], pl, jnp, axes=None):
+    """A condition equal to `bits[step]` from `program_id` and constants only, 32 bits a word.
+
+    Only shifts, masks, XOR, products and compares: libtpu's static profiler evaluates those
+    on its walk, but not an integer division or remainder by a constant that is not a power of
+    two (`step // 31` came out 0 and `step % 31` 0 at every step: each step took step 0's
+    bit, every region on the walk ran as at the first step). The words are salted (`_salt`)
+    so that the walk's compile and the zero-table compile emit the same chain, whose cost
+    cancels in walk - zero (an all-zero table's chain folded away otherwise).
+
+    The step is counted over `axes` only (default: those the bits vary along), axes the bits
+    do not vary along (a walk's parallel output axis) left out: the chain, whose cost grows
+    with its length and does not quite cancel (paid on the critical path of a step that
+    computes, hidden in one that does not), is shorter. The walk's and the zero-table
+    compile must use the same axes (`varying_axes` of both), or one chain folds away."""
+    bits = np.asarray(bits, bool).reshape(grid)
+    axes = varying_axes(grid, bits) if axes is None else tuple(axes)
+    bits = bits[tuple(slice(None) if d in axes else 0 for d in range(len(grid)))].reshape(-1)
     step = jnp.int32(0)
-    for d, n in enumerate(grid):
-        step = step * n + pl.program_id(d)
-    word_of = step // 31
+    for d in axes:
+        step = step * grid[d] + pl.program_id(d)
+    word_of = step >> 5
     word = jnp.int32(0)
-    for k in range(0, len(bits), 31):
-        # Every word is emitted, all-zero ones too (bit 31, never read, is set in each): the
-        # walk's compile and the zero-table compile then pay the same chain, which cancels in
-        # walk - zero (skipping zero words left the zero-table compile without a chain).
-        value = sum(1 << j for j, b in enumerate(bits[k : k + 31]) if b) - (1 << 31)
-        word = jnp.where(word_of == k // 31, jnp.int32(value), word)
-    return ((word >> (step % 31)) & 1) == 1
+    for k in range(0, len(bits), 32):
+        value = sum(1 << j for j, b in enumerate(bits[k : k + 32]) if b) ^ _salt(k // 32)
+        value = value - (1 << 32) if value >= 1 << 31 else value  # as int32
+        word = jnp.where(word_of == k // 32, jnp.int32(value), word)
+    word = word ^ _salt(word_of)
+    return ((word >> (step & 31)) & 1) == 1
 
 
 class _CompilePl(types.ModuleType):
     """`pl` for tracing a kernel to compile: each `pl.when` as given, or replaced by a lookup of
     its bits; records each region's MXU work."""
 
-    def __init__(self, real, grid, bits=None):
+    def __init__(self, real, grid, bits=None, axes=None):
         super().__init__("pl (compile)")
-        self._real, self._grid, self._bits = real, grid, bits
+        self._real, self._grid, self._bits, self._axes = real, grid, bits, axes
         self.flops: list[int] = []
         self.body_flops = 0  # dots outside every region: run at every step
         self._region = None
@@ -385,7 +420,7 @@ class _CompilePl(types.ModuleType):
         n = len(self.flops)
         self.flops.append(0)
         if self._bits is not None:
-            condition = _lookup(self._bits[n], self._grid, self._real, jnp)
+            condition = _lookup(self._bits[n], self._grid, self._real, jnp, None if self._axes is None else self._axes[n])
         inner = self._real.when(condition)
 
         def region(body):
@@ -430,16 +465,18 @@ def _counting_lax(real_lax, real_jnp, pl: _CompilePl):
     return lax, jnp
 
 
-def estimate(call: Call, device, bits=None) -> tuple[int, list[int], int]:
+def estimate(call: Call, device, bits=None, axes=None) -> tuple[int, list[int], int]:
     """libtpu's estimated cycles for the call alone (its tables passed as arguments: constants
-    abort the profile), each region's MXU FLOPs per run, and those of every step."""
+    abort the profile), each region's MXU FLOPs per run, and those of every step. `bits`: per
+    region, its condition at every step, looked up instead of the kernel's (`_lookup`, over
+    `axes[region]`: give the walk and the zero-table compile the same)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
     from jax.experimental import pallas as real_pl
     from jax.sharding import SingleDeviceSharding
 
-    pl = _CompilePl(real_pl, call.grid, bits)
+    pl = _CompilePl(real_pl, call.grid, bits, axes)
     counting_lax, counting_jnp = _counting_lax(lax, jnp, pl)
     kernel = call.kernel
 
@@ -448,9 +485,24 @@ def estimate(call: Call, device, bits=None) -> tuple[int, list[int], int]:
 
     sharding = SingleDeviceSharding(device)
     structs = [jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding) for a in call.args]
+    kwargs = {**call.kwargs, "grid_spec": _static_grid(call)}
     with _globals(kernel, pl=pl, lax=counting_lax, jnp=counting_jnp), jax.default_device(device):
-        compiled = jax.jit(lambda *a: real_pl.pallas_call(fresh, **call.kwargs)(*a)).trace(*structs).lower().compile()
+        compiled = jax.jit(lambda *a: real_pl.pallas_call(fresh, **kwargs)(*a)).trace(*structs).lower().compile()
     return parse_cycles(compiled.as_text()), pl.flops, pl.body_flops
+
+
+def _static_grid(call: Call):
+    """The call's grid spec with its grid as Python ints. A grid extent the generated code
+    computes under jit (a walk's needed steps) was captured as a concrete array; passed on as
+    it is, it stays a dynamic grid dimension in the compile, and libtpu's estimator walks a
+    grid of its own choosing (sparsegen's grouped matmul: the same raw figure for 512 and
+    2048 steps), not the call's."""
+    gs = call.grid_spec
+    if all(isinstance(g, int) for g in gs.grid):
+        return gs
+    static = copy.copy(gs)  # not dataclasses.replace: the spec's fields differ from its __init__'s
+    object.__setattr__(static, "grid", call.grid)
+    return static
 
 
 def parse_cycles(text: str) -> int:
@@ -471,12 +523,14 @@ def pass_cycles(call: Call, target, device) -> PassCycles:
     regions = [Region(name, int(c.sum()), int(z.sum()), f) for (name, c), (_, z), f in zip(real, assumed, flops)]
     result = PassCycles(_name(call), grid, steps, raw, raw, regions, every_step_flops=every_step)
     if any(not np.array_equal(c, z) for (_, c), (_, z) in zip(real, assumed)):
-        if steps > MAX_STEPS:
+        axes = [varying_axes(grid, c, z) for (_, c), (_, z) in zip(real, assumed)]
+        longest = max(math.prod(grid[d] for d in a) for a in axes)
+        if longest > MAX_STEPS:
             result.cycles = None
-            result.note = f"not weighted: {steps} grid steps (at most {MAX_STEPS}); use a smaller --shape"
+            result.note = f"not weighted: {longest} grid steps to look up (at most {MAX_STEPS}); use a smaller --shape"
         else:
-            result.walk = estimate(call, device, [c for _, c in real])[0]
-            result.zero = estimate(call, device, [z for _, z in assumed])[0]
+            result.walk = estimate(call, device, [c for _, c in real], axes)[0]
+            result.zero = estimate(call, device, [z for _, z in assumed], axes)[0]
             result.cycles = result.walk + raw - result.zero
     rate = MXU_FLOPS_PER_CYCLE[target.name] * _mxu_speed(call)
     work = steps * every_step + sum(r.count * r.flops for r in regions)
