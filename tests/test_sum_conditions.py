@@ -404,7 +404,7 @@ def test_a_negated_condition_compiles_ahead_of_time():
     compile_for(lambda a, b: mod.banded(a, b), [x, y])
 
 
-LENGTHS = """kernel lens_matmul {
+INDEX_LENGTHS = """kernel lens_matmul {
     in  x: f32[B, M, K]
     in  y: f32[B, K, N]
     in  lens: index[B]
@@ -423,7 +423,7 @@ def test_an_index_operand_in_a_condition(interpret):
     grid runs the steps the lengths need; gradients keep the condition."""
     import jax
 
-    kernel, mod = build(LENGTHS)
+    kernel, mod = build(INDEX_LENGTHS)
     rng = np.random.default_rng(2)
     b, m, kk, n = 3, 256, 384, 128
     x, y = rng.standard_normal((b, m, kk), dtype=np.float32), rng.standard_normal((b, kk, n), dtype=np.float32)
