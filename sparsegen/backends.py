@@ -198,6 +198,10 @@ def not_lowered(kernel: Kernel, target: str) -> Diagnostic | None:
     for st in kernel.statements:
         for read in _reads_of(st):
             visit(read)
+        condition = getattr(st, "condition", None)
+        for read in condition.reads if condition is not None else ():
+            if kernel.operand(read.operand).sparsity == "index":  # also offsets or a table (check.py)
+                found.append((read.span, "an index operand read both in a condition and as offsets or a table", read.text, "is"))
     if not found:
         return None
     span, what, text, verb = min(found, key=lambda f: (f[0].line, f[0].col))

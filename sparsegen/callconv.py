@@ -93,11 +93,6 @@ class Convention:
         return tuple(args + ([self.offsets] if self.offsets else []))
 
 
-def condition_reads(kernel: Kernel) -> set[str]:
-    """The operands some statement's condition reads."""
-    return {r.operand for st in kernel.statements if getattr(st, "condition", None) is not None for r in st.condition.reads}
-
-
 def stored_tiles(kernel: Kernel, op: Operand) -> tuple[int, ...]:
     """The tile shape of a coo operand's stored blocks, tile-1 dimensions dropped."""
     reads = [r for st in kernel.statements for r in (st.target, *st.reads) if r.operand == op.name]
@@ -149,9 +144,6 @@ def convention(kernel: Kernel, names: ModuleNames) -> Convention:
             for d, idx in enumerate(indices):
                 add(f"{op.name}_idx_{d}", op.name, "coords", d, ("nb",), "int32",
                     f"block coordinate of each stored block along {op.name} dim {d} (0 <= . < {_blocks(op, d, tile[idx])})")
-        elif op.sparsity == "index" and op.name in condition_reads(kernel):
-            # Read by a condition (`lens[b]`): an int32 array the kernel and the classification read.
-            add(op.name, op.name, "dense", None, dims, "int32", "int32 entries, read by a condition")
         elif op.sparsity == "index":
             add(op.name, op.name, "index", None, dims, "int32", "block-aligned offsets")
         else:

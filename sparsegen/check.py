@@ -235,6 +235,7 @@ class _KernelChecker:
         self.stop_if_errors()
         # Tables (language v2, section 2) and condition reads of index operands are uses too.
         tables = {t.operand.text for st, accesses, _ in self.parsed for a in (st.target, *accesses) for t in _nested(a)[1:]}
+        self.addressing = offsets_used | self.offset_operands | tables  # index operands read as offsets or tables
         for op in self.k.operands:
             if op.direction != "in":
                 continue
@@ -723,7 +724,10 @@ class _KernelChecker:
         operands = []
         for op in k.operands:
             dtype = DTYPES[op.dtype.text]
-            sparsity = "index" if dtype.kind == "index" else (op.sparsity.text if op.sparsity else "dense")
+            # An index operand only a condition reads (`j < lens[b]`) is an integer array, as an
+            # i32 one is; read as offsets or a table it addresses other operands ("index").
+            index = dtype.kind == "index" and (op.name.text in self.addressing or op.direction != "in")
+            sparsity = "index" if index else (op.sparsity.text if op.sparsity else "dense")
             operands.append(Operand(op.name.text, op.direction, dtype, tuple(self.resolve(d) for d in op.dims), sparsity, op.span, op.dtype.span))
         indices = tuple(Index(n, self.bindings[n], self.tiles[n].size, self.tiles[n].size_span) for n in self.all_indices())
         symbols: dict[str, int | None] = {}

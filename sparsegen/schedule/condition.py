@@ -65,7 +65,7 @@ class ConditionWalk(PassBuilder):
         n_steps = self.local("n_steps")
         what = " x ".join(f"{i} blocks" for i in out_c + sum_c)
         # Traced operands in the condition: the grid runs exactly the steps the data needs.
-        self.n_run = self.local("n_run") if any(self.k.operand(r.operand).sparsity in ("dense", "index") for r in cond.reads) else None
+        self.n_run = self.local("n_run") if any(self.k.operand(r.operand).sparsity == "dense" for r in cond.reads) else None
         step_axis = self.axis("steps", None, Var(self.n_run or n_steps), False,
                               f"the non-empty ({what}) of the condition, each output block's in a run", var=self.local("step"))
         step = Var(step_axis.var)
