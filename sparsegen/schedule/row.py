@@ -122,9 +122,10 @@ def row_walk(kernel: Kernel, plan: RowPlan, conv, names) -> RowWalk:
     steps = names.local("steps")
     size = {i: conv.size(kernel.index(i).size) for i in plan.lead}
     lead = tuple(Axis(i, "blocks", i, size[i], render(size[i], "host"), True, f"the values of {i}, one a step") for i in plan.lead)
+    group_sizes = tuple((i, size[i]) for i in plan.class_axes[:-2])  # the lead indices the condition reads
     groups = Const(1)
-    for i in plan.class_axes[:-2]:
-        groups = groups * size[i]
+    for _, n in group_sizes:
+        groups = groups * n
     length = groups * Var(steps)  # `steps` entries per group
     about = ("the row block each step accumulates into", "the key block each step reads", "the row block each step reads",
              "each step's kind: EMPTY, PARTIAL or FULL", "each step's FIRST and LAST of its row")
@@ -135,5 +136,5 @@ def row_walk(kernel: Kernel, plan: RowPlan, conv, names) -> RowWalk:
         tuple(Table(var, length, what) for var, what in zip(tables, about)),
         Direction("rows", row=tables[0], query=tables[2], key=tables[1]),
         Direction("keys", row=tables[0], query=tables[1], key=tables[2]),  # its rows are key blocks, its columns row blocks
-        tuple((i, conv.size(kernel.index(i).size)) for i in plan.class_axes[:-2]),
+        group_sizes,
     )
