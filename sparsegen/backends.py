@@ -29,8 +29,13 @@ class Entry:
 
 
 def family_of(kernel: Kernel) -> str:
-    """`einsum` (products of operands, conditions included) or `row` (attention-like)."""
-    return "einsum" if kernel.einsums_only else "row"
+    """`einsum` (products of operands, conditions included), `row` (attention-like) or
+    `paged` (attention-like, its keys and values read through a table)."""
+    from .schedule.paged import reads_through_tables
+
+    if kernel.einsums_only:
+        return "einsum"
+    return "paged" if reads_through_tables(kernel) else "row"
 
 
 def backend_of(target: str) -> str:
@@ -82,6 +87,36 @@ def _tpu_row(kernel, chip):
     except ScheduleError as exc:
         return None, [exc.diagnostic]
     return m, check_attention(m, lambda: suggest_attention_tiles(m.kernel, m.target))
+
+
+def _tpu_paged(kernel, chip):
+    from .schedule.attention import row_plan
+    from .schedule.build import ScheduleError
+    from .schedule.paged import paged_plan
+    from .tpu.paged import lower_paged
+    from .tpu.rules import check_attention, check_kernel
+
+    problems = check_kernel(kernel, chip)
+    if problems:
+        return None, problems
+    try:
+        plan = row_plan(kernel)
+        m = lower_paged(kernel, plan, paged_plan(kernel, plan), chip)
+    except ScheduleError as exc:
+        return None, [exc.diagnostic]
+    return m, check_attention(m)
+
+
+def _paged_emit(m, origin, formatted=True):
+    from .tpu.paged import emit_paged
+
+    return emit_paged(m, origin, formatted)
+
+
+def _paged_describe(m):
+    from .tpu.paged.describe import describe_paged
+
+    return [f"kernel {m.kernel.name}"] + ["  " + line for line in describe_paged(m)]
 
 
 def _gpu_einsum(kernel, chip):
@@ -149,12 +184,14 @@ def _row_analyse(m, sizes, pattern, targets=("v5e",), seed=0, **kw):
 TABLE: dict[tuple[str, str], Entry] = {
     ("tpu", "einsum"): Entry(_tpu_einsum, _tpu_emit, _tpu_describe, _tpu_analyse),
     ("tpu", "row"): Entry(_tpu_row, _row_emit, _row_describe, _row_analyse),
+    ("tpu", "paged"): Entry(_tpu_paged, _paged_emit, _paged_describe),
     ("gpu", "einsum"): Entry(_gpu_einsum, _gpu_emit, _gpu_describe),
 }
 
 # Why a pair is missing, and what to do instead.
 UNSUPPORTED = {
     ("gpu", "row"): "attention-like kernels (local tensors, softmax, reductions) are not lowered for GPUs yet; build '{name}' for a TPU target",
+    ("gpu", "paged"): "attention-like kernels are not lowered for GPUs yet; build '{name}' for a TPU target",
 }
 
 
@@ -216,7 +253,9 @@ def lower_kernel(kernel: Kernel, target: str, chip=None) -> tuple[object | None,
     """One kernel through its target's lowering and rules: the module (None where it could
     not be lowered) and every problem found. `chip`: the target's chip as given (a probe may
     pass a variant of it), default the named one."""
-    refused = not_lowered(kernel, target)
+    # The paged walk lowers reads through tables, `%` and size divisors where it walks them
+    # (on TPU); it refuses them anywhere else itself.
+    refused = None if (backend_of(target), family_of(kernel)) == ("tpu", "paged") else not_lowered(kernel, target)
     if refused is not None:
         return None, [refused]
     e = entry(target, kernel)

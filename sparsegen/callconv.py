@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .expr import Const, Expr, Var
-from .ir import Kernel, Operand, Size
+from .ir import Kernel, Operand, Read, Size
 from .names import ModuleNames
 
 
@@ -72,7 +72,15 @@ class Convention:
 
     def size(self, size: Size) -> Expr:
         """A size as an expression over the wrapper's size variables."""
-        return Const(size.literal) if size.literal is not None else Var(self.size_var(size.symbol))
+        if size.literal is not None:
+            return Const(size.literal)
+        if size.product:  # `j // T` and `j % T`: j ranges over NP * T (language v2, section 2)
+            out = None
+            for f in size.product:
+                x = Const(f) if isinstance(f, int) else Var(self.size_var(f))
+                out = x if out is None else out * x
+            return out
+        return Var(self.size_var(size.symbol))
 
     def offset_slot(self, statement: str, operand: str, dim: int) -> int:
         return next(u.slot for u in self.offset_uses if (u.statement, u.operand, u.dim) == (statement, operand, dim))
@@ -88,7 +96,7 @@ class Convention:
         """What `_prepare` hands the kernel: the arrays, the padding flags, the offsets."""
         if self.args is not None:
             return self.args
-        args = [p.internal for p in self.params if p.kind != "index"]
+        args = [p.internal for p in self.params if p.kind != "index"]  # tables are passed as they are
         args += [var for _, var in self.pads]
         return tuple(args + ([self.offsets] if self.offsets else []))
 
@@ -106,11 +114,31 @@ def operand_indices(kernel: Kernel, op: Operand) -> tuple[str, ...]:
     return reads[0].indices
 
 
+def table_operands(kernel: Kernel) -> set[str]:
+    """The index operands read as tables in subscripts (`pages[b, j // T]`, language v2)."""
+    found = set()
+
+    def visit(read) -> None:
+        for sub in read.subs:
+            if sub.table is not None:
+                found.add(sub.table.operand)
+                visit(sub.table)
+
+    for st in kernel.statements:
+        for read in (st.target, *st.reads):
+            visit(read)
+        for c in (getattr(st, "value", None),):
+            if isinstance(c, Read):
+                visit(c)
+    return found
+
+
 def carried_symbols(kernel: Kernel) -> dict[str, list[str]]:
     """Per symbol, the dense arguments whose shapes carry it (directly or through `h // n`)."""
     carried: dict[str, list[str]] = {s: [] for s, _ in kernel.symbols}
+    tables = table_operands(kernel)
     for op in kernel.inputs:
-        if op.sparsity in ("dense", "mask"):
+        if op.sparsity in ("dense", "mask") or op.name in tables:
             for d in op.dims:
                 if d.symbol is not None and op.name not in carried[d.symbol]:
                     carried[d.symbol].append(op.name)
@@ -144,6 +172,8 @@ def convention(kernel: Kernel, names: ModuleNames) -> Convention:
             for d, idx in enumerate(indices):
                 add(f"{op.name}_idx_{d}", op.name, "coords", d, ("nb",), "int32",
                     f"block coordinate of each stored block along {op.name} dim {d} (0 <= . < {_blocks(op, d, tile[idx])})")
+        elif op.sparsity == "index" and op.name in table_operands(kernel):
+            add(op.name, op.name, "table", None, dims, "int32", "a table of coordinates, read in subscripts")
         elif op.sparsity == "index":
             add(op.name, op.name, "index", None, dims, "int32", "block-aligned offsets")
         else:

@@ -33,6 +33,7 @@ def default_shapes(kernel: Kernel) -> dict[str, int]:
     from .schedule.attention import whole_sizes
 
     shapes.update(whole_sizes(kernel))
+    shapes.update(page_sizes(kernel))
     # A `h // n` relation: the smaller size follows from the larger one.
     for rel in kernel.relations:
         big = kernel.index(rel.index).size.symbol
@@ -40,6 +41,31 @@ def default_shapes(kernel: Kernel) -> dict[str, int]:
             shapes[big] = math.lcm(shapes[big], rel.divisor)
             shapes[rel.dim.symbol] = shapes[big] // rel.divisor
     return shapes
+
+
+def page_sizes(kernel: Kernel) -> dict[str, int]:
+    """A size read as a divisor (`j // T`, a page size): 16 tokens, a common serving page,
+    where it divides the tile of its index (else the tile); the table's length then gives
+    eight blocks of that index."""
+    out = {}
+
+    def visit(read) -> None:
+        for sub in read.subs:
+            if sub.table is not None:
+                visit(sub.table)
+                op = kernel.operand(sub.table.operand)
+                last = sub.table.subs[-1]
+                if isinstance(last.divisor, str):
+                    tile = kernel.index(last.index).tile
+                    page = 16 if tile % 16 == 0 else tile
+                    out[last.divisor] = page
+                    if op.dims[-1].symbol is not None:
+                        out[op.dims[-1].symbol] = 8 * max(1, tile // page)
+
+    for st in kernel.statements:
+        for r in (st.target, *st.reads, *((st.value,) if hasattr(st, "value") and hasattr(st.value, "subs") else ())):
+            visit(r)
+    return out
 
 
 def parse_shapes(text: str | None) -> dict[str, int]:
@@ -65,6 +91,8 @@ def arg_structs(kernel: Kernel, env: dict[str, int], nb: int):
         op = kernel.operand(p.operand)
         if p.kind == "blocks":
             args.append(((nb, *stored_tiles(kernel, op)), op.dtype.np_dtype))
+        elif p.kind == "table":
+            args.append((dims(op), np.dtype(np.int32)))
         elif p.kind in ("coords", "out_coords", "index"):
             args.append(((nb,) if p.kind != "index" else dims(op), np.dtype(np.int32)))
         else:

@@ -45,7 +45,7 @@ _OPTIONAL = {
     "present": "_present", "expand": "_expand", "split_blocks": "_split_blocks", "join_blocks": "_join_blocks",
     "row_walk": "_row_walk", "block_min_max": "_block_min_max", "block_any_all": "_block_any_all", "extremes": "_max_of", "extremes_min": "_min_of",
     "floordiv": "_floordiv", "mod": "_mod", "whole": "_check_whole", "to_operand": "_to_operand", "scatter_blocks": "_scatter_blocks", "row_vector": "_row_vector", "softmax_rows": "_softmax_rows",
-    "visited_product": "_visited_product",
+    "visited_product": "_visited_product", "page_bounds": "_page_bounds", "page_size": "_check_page_size",
     "matrix": "_matrix", "unmatrix": "_unmatrix", "walk": "_walk", "gpu_interpret": "_gpu_interpret",
 }  # fmt: skip
 

@@ -86,6 +86,14 @@ class Wrapper:
                 else:
                     first = next(q for q in conv.params if q.operand == p.operand and q.kind in ("blocks", "out_coords"))
                     lines.append(f'_check_dim({name}.shape[0], {nb[op.name]}, "{p.public} length (one per block of {first.public})")')
+            elif p.kind == "table":
+                lines.append(f'{name} = _as_array("{p.public}", {name}, {op.rank}, None)')
+                for d, dim in enumerate(op.dims):
+                    what = f"{p.public} dim {d}"
+                    if dim.symbol is not None:
+                        lines.append(f'_bind({size}, "{dim.symbol}", {name}.shape[{d}], "{what}")')
+                    else:
+                        lines.append(f'_check_dim({name}.shape[{d}], {dim.literal}, "{what}")')
             elif p.kind == "index":
                 length = op.dims[0].literal
                 lines.append(f'{name} = _as_array("{p.public}", {name}, 1, None)')

@@ -176,7 +176,8 @@ def row_plan(kernel: Kernel) -> RowPlan:
         fail_at(st.span, message)
 
     score_st = next((s for s in sts if isinstance(s, Einsum) and s.target.operand in locals_ and s.summed), None)
-    if score_st is not None and (len(score_st.summed) != 1 or len(score_st.factors) != 2 or len(score_st.summed_groups) != 2):
+    if score_st is not None and (len(score_st.summed) != 1 or len(score_st.factors) != 2
+                                 or not all(score_st.summed[0] in f.indices for f in score_st.factors)):
         fail(score_st, "not supported yet: the score is a product of two operands (and numbers) summed over one index")
     chain: list[tuple[str, Term]] = []
     parents: dict[str, tuple[str, ...]] = {}  # local -> the locals it reads
@@ -280,9 +281,11 @@ def row_plan(kernel: Kernel) -> RowPlan:
     q = k = summed = None
     inner = set()
     if score_st is not None:
-        g0, g1 = (score_st.factors[g.main] for g in score_st.summed_groups)
-        q, k = (g0, g1) if query in g0.indices else (g1, g0)
-        if query not in q.indices or key not in k.indices or key in q.indices or query in k.indices:
+        # Both factors hold the summed index (a key read through a table holds the lead
+        # indices too, so one may cover the other: the product is still q . k).
+        g0, g1 = score_st.factors
+        q, k = (g1, g0) if key in g0.indices else (g0, g1)
+        if query not in q.indices or key not in k.indices or key in q.indices or query in _plain_indices(k):
             fail(score_st, "not supported yet: the score multiplies a factor with the row index by one with the key index")
         summed = score_st.summed[0]
         inner.add(summed)
@@ -304,7 +307,7 @@ def row_plan(kernel: Kernel) -> RowPlan:
     for st in sts:
         for r in (st.reads if not isinstance(st, Einsum) else st.factors):
             for sub in r.subs:
-                if sub.divisor != 1 and sub.index not in lead:
+                if sub.divisor != 1 and sub.index not in lead and not (sub.index == query and r in (k,) + tuple(c.value for c in consumers)):
                     raise ScheduleError(Diagnostic(r.span, f"not supported yet: '{r.operand}' read through {sub.text}; "
                                                            "in an attention-like kernel only a batch or head index may be divided"))
     for i in lead:
@@ -316,6 +319,12 @@ def row_plan(kernel: Kernel) -> RowPlan:
             fail_at(idx.tile_span, f"tile {i} = {idx.tile} must span its size {idx.size.literal}: a score block sums (or a value block holds) all of '{i}'")
     return RowPlan(kernel, tuple(lead), query, key, summed, q, k, score_st.scale if score_st is not None else None, tuple(chain), score,
                    tuple(points), tuple(consumers), tuple(sorted(inner)))
+
+
+def _plain_indices(r: Read) -> set[str]:
+    """The indices a read subscripts with directly, not through `// n` (a key-side read of
+    grouped-query heads holds the row index that way)."""
+    return {s.index for s in r.subs if s.index and s.divisor == 1 and s.table is None}
 
 
 def whole_sizes(kernel: Kernel) -> dict[str, int]:

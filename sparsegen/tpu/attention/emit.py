@@ -57,6 +57,8 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
 
     def size_of(self, index: str) -> str:
         size = self.k.index(index).size
+        if size.product and size.literal is None:  # `j // T`, `j % T`: NP * T
+            return f"({render(self.m.conv.size(size), 'host')})"
         return str(size.literal) if size.literal is not None else self.m.conv.size_var(size.symbol)
 
     def ragged(self, index: str) -> bool:

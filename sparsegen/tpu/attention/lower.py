@@ -14,6 +14,8 @@ from ...autodiff import Refusal, refusals
 from ...callconv import Convention, convention
 from ...ir import Kernel, Read
 from ...names import ModuleNames
+from ...schedule.build import ScheduleError
+from ...source import Diagnostic
 from ...expr import Const
 from ...schedule.attention import RowPlan, read_key
 from ...schedule.row import RowWalk, row_walk
@@ -93,6 +95,11 @@ class AttentionModule:
 
 
 def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionModule:
+    for r in [plan.k] + [c.value for c in plan.consumers if c.value is not None]:
+        for sub in r.subs if r is not None else ():
+            if sub.index == plan.query and sub.divisor != 1:  # the paged walk's rows of several heads read so
+                raise ScheduleError(Diagnostic(r.span, f"not supported yet: '{r.operand}' read through {sub.text}; "
+                                                       "in an attention-like kernel only a batch or head index may be divided"))
     names = ModuleNames(kernel)
     conv = convention(kernel, names)
     p = plan

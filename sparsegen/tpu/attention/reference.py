@@ -12,6 +12,18 @@ class ReferenceWriter:
     """`_reference`'s lines (a mixin of AttentionEmitter)."""
 
     # ------------------------------------------------------------- reference
+    def reference_view(self, r: Read) -> str:
+        """An operand as a read sees it, over `r.indices` (`h // n` repeats each head n times)."""
+        v = self.m.conv.param(r.operand).internal
+        for d, s in enumerate(r.subs):
+            if s.divisor != 1:
+                v = f"jnp.repeat({v}, {s.divisor}, axis={d})"
+        return v
+
+    def visit_tiles(self) -> tuple[str, str]:
+        """The (row, key) block the classification and `_visited_product` work in."""
+        return str(self.tile[self.p.query]), str(self.tile[self.p.key])
+
     def reference_lines(self) -> list[str]:
         """The kernel in plain jax.numpy over whole arrays (O(rows x keys) memory: for tests)."""
         p, k, conv = self.p, self.k, self.m.conv
@@ -21,12 +33,7 @@ class ReferenceWriter:
         letters = {i: chr(97 + n) for n, i in enumerate([*rows, *sorted(set(x.name for x in k.indices) - set(rows))])}
         lines = []
 
-        def view(r: Read) -> str:
-            v = conv.param(r.operand).internal
-            for d, s in enumerate(r.subs):
-                if s.divisor != 1:
-                    v = f"jnp.repeat({v}, {s.divisor}, axis={d})"
-            return v
+        view = self.reference_view
 
         def spec(r: Read) -> str:
             return "".join(letters[i] for i in r.indices)
@@ -90,11 +97,21 @@ class ReferenceWriter:
             var = scope.local(c.output)
             final = finals[c.point]
             probs, lse = stats.get(c.point, (None, None))
-            if c.kind == "softmax_product":
+            if c.kind == "softmax_product" and p.query in c.value.indices:
+                # Values per row (grouped-query heads packed in rows, read through `// n`):
+                # an absent element's value takes no part, whatever it holds.
+                keyed = "".join(letters[i] for i in p.lead + (p.query, p.key, self.e_of(c)))
+                vals = f'_expand({widen(c.value)}, "{spec(c.value)}", "{keyed}")'
+                e = letters[self.e_of(c)]
+                lines.append(f"{var} = jnp.einsum(\"{dst},{keyed}->{dst[:-1]}{e}\", {probs}, "
+                             f"jnp.where(jnp.isneginf({final})[..., None], 0.0, {vals}){prec})")
+                if c.scale is not None:
+                    lines.append(f"{var} = {var} * {c.scale!r}")
+            elif c.kind == "softmax_product":
                 # Summed over the blocks the walk visits only, as the kernel sums it.
                 keyed = "".join(letters[i] for i in p.lead + (p.key, self.e_of(c)))
                 vals = widen(c.value) if spec(c.value) == keyed else f'_expand({widen(c.value)}, "{spec(c.value)}", "{keyed}")'
-                tiles = py_tuple(str(self.tile[i]) for i in (p.query, p.key))
+                tiles = py_tuple(self.visit_tiles())
                 lines.append(f"{var} = _visited_product({probs}, {vals}, {visited}, {tiles})")
                 if c.scale is not None:
                     lines.append(f"{var} = {var} * {c.scale!r}")

@@ -1,0 +1,342 @@
+"""Emission of the paged walk's module (templates/tpu/paged.py.j2): the condition classified
+per page, each row block's page bounds, the kernel (page copies double-buffered, the
+flash softmax over key blocks in a loop), the table checks and `reference` through the table.
+
+The row walk's emitter supplies what is the same: the argument checks, docstrings, the
+reference of the scores, the chain and softmax products."""
+
+from __future__ import annotations
+
+from ...expr import Const, Var, flat, render
+from ...ir import Read, Term
+from ...pytext import py_tuple, words
+from ...schedule.classify import Classifier
+from ...terms import render_term
+from ...wrapper import Glue
+from ..attention.emit import AttentionEmitter
+from .describe import describe_paged
+from .lower import PagedModule
+
+
+class PagedEmitter(AttentionEmitter):
+    def __init__(self, m: PagedModule):
+        super().__init__(m)
+        self.pg = m.paged
+        page = self.pg.page
+        self.page = str(page) if isinstance(page, int) else m.conv.size_var(page)
+        self.page_expr = Const(page) if isinstance(page, int) else Var(self.page)
+        self.tj = self.pg.key_tile
+        self.ti = self.tile[self.p.query]
+        self.gathered = {g.read.operand for g in self.pg.gathers}
+
+    def ragged(self, index: str) -> bool:
+        # The key index ranges over whole pages (NP * T): classified per page, never ragged.
+        return False if index == self.p.key else super().ragged(index)
+
+    def visit_tiles(self) -> tuple[str, str]:
+        return str(self.ti), self.page
+
+    def size_expr(self, index: str):
+        return self.m.conv.size(self.k.index(index).size)
+
+    # -------------------------------------------------------- classification
+    def classify(self):
+        """The condition's kinds per (group, row block, page): a page is the key block here."""
+        p = self.p
+        scope = self.n.scope()
+        tile_of = lambda i: self.page_expr if i == p.key else self.tile[i]  # noqa: E731
+        cl = Classifier(p, self.m.conv, scope.local, tile_of, self.size_expr)
+        lines = cl.kinds([i for i in (p.query,) if self.ragged(i)])
+        reads = []
+        for r in (r for cond in p.conditions for r in cond.reads):
+            param = self.m.conv.param(r.operand).internal
+            if param not in reads:
+                reads.append(param)
+        return self.n.function("_classify_pages"), reads, lines
+
+    # ------------------------------------------------------------- reference
+    def reference_view(self, r: Read) -> str:
+        """A read through the table as a dense array over `r.indices`: the pages gathered
+        (entries clamped: a page past a length is never visited), pages and offsets merged."""
+        g = next((g for g in self.pg.gathers if g.read == r), None)
+        if g is None:
+            return super().reference_view(r)
+        conv = self.m.conv
+        v = conv.param(r.operand).internal
+        table = conv.param(g.table.operand).internal
+        d = g.page_dim
+        n_table = len(g.table.subs)
+        size = self.dim_size(r, d)
+        v = f"jnp.take({v}, jnp.clip({table}, 0, {size} - 1), axis={d})"
+        # The table's last axis (pages) and the page's offsets become the key index.
+        shape = ([self.dim_size(r, a) for a in range(d)] + [self.dim_size(g.table, a) for a in range(n_table - 1)] + ["-1"]
+                 + [self.dim_size(r, a) for a in range(d + 2, len(r.subs))])
+        v = f"{v}.reshape({py_tuple(shape)})"
+        for a, s in enumerate(g.heads):
+            if s.divisor != 1:
+                v = f"jnp.repeat({v}, {s.divisor}, axis={a})"
+        return v
+
+    # ------------------------------------------------------------- the kernel
+    def scalar_ref(self, r: Read) -> str:
+        return self.n.local(f"{r.operand}_smem")
+
+    def flat_read(self, r: Read, lead_vars: dict[str, str]) -> str:
+        """A read over lead indices as a position in its flattened array."""
+        op = self.k.operand(r.operand)
+        return render(flat([Var(lead_vars[s.index]) for s in r.subs], [self.m.conv.size(dim) for dim in op.dims]), "py")
+
+    def kernel_lines(self, n, refs: dict) -> list[str]:
+        p, pg, acc = self.p, self.pg, self.acc
+        ti, tj, page = self.ti, self.tj, self.page
+        lines = []
+        lead_vars = {i: n.local(i) for i in p.lead}
+        for d, i in enumerate(p.lead):
+            lines.append(f"{lead_vars[i]} = pl.program_id({d})")
+        row = n.local("row")
+        lines.append(f"{row} = pl.program_id({len(p.lead)})  # the row block")
+        groups = [i for i in p.class_axes[:-2]]
+        n_rows = self.size_expr(p.query).cdiv(ti)
+        at_expr = flat([Var(lead_vars[i]) for i in groups] + [Var(row)], [self.size_expr(i) for i in groups] + [n_rows])
+        at, lo, hi = n.local("at"), n.local("lo"), n.local("hi")
+        lines.append(f"{at} = {render(at_expr, 'py')}")
+        lines.append(f"{lo}, {hi} = {refs['first']}[{at}], {refs['end']}[{at}]  # the pages the condition may reach")
+        ppb = n.local("per_block")
+        lines.append(f"{ppb} = {tj} // {page}  # pages a key block gathers")
+        first, last = n.local("first"), n.local("last")
+        lines.append(f"{first}, {last} = {lo} // {ppb}, ({hi} + {ppb} - 1) // {ppb}  # the key blocks holding them")
+        # Each page inside the bounds: one copy per cached operand, started or waited for.
+        kb, slot, start, pi, entry = n.local("block"), n.local("slot"), n.local("start"), n.local("p"), n.local("entry")
+        table = pg.gathers[0].table
+        table_op = self.k.operand(table.operand)
+        tpos = flat([Var(lead_vars[s.index]) for s in table.subs[:-1]] + [Var("@page")],
+                    [self.m.conv.size(dim) for dim in table_op.dims])
+        page_var = n.local("page")
+        tpos_text = render(tpos, "py").replace("@page", page_var)
+        lines += ["", f"def _pages({kb}, {slot}, {start}):",
+                  f"    for {pi} in range({ppb}):",
+                  f"        {page_var} = {kb} * {ppb} + {pi}",
+                  "",
+                  f"        @pl.when(({page_var} >= {lo}) & ({page_var} < {hi}))",
+                  "        def _copy():",
+                  f"            {entry} = {refs['table']}[{tpos_text}]"]
+        for g in pg.gathers:
+            heads = []
+            for s in g.heads:
+                v = lead_vars[s.index] if s.index in p.lead else f"{row} * {ti}"
+                heads.append(f"{v} // {s.divisor}" if s.divisor != 1 else v)
+            src = ", ".join(heads + [entry])
+            buf, sem = refs["bufs"][g.read.operand], refs["sems"][g.read.operand]
+            copy = f"pltpu.make_async_copy({refs['hbm'][g.read.operand]}.at[{src}], {buf}.at[{slot}, {pi}], {sem}.at[{slot}])"
+            lines.append(f"            copy = {copy}")
+            lines.append(f"            copy.start() if {start} else copy.wait()")
+        lines += ["", "", f"@pl.when({first} < {last})", "def _prefetch_first():", f"    _pages({first}, 0, True)", ""]
+        qv = n.local(f"{p.q.operand}_blk")
+        lines.append(f"{qv} = {refs['q']}[...]")
+        # The loop body.
+        carry_m, carry_l = n.local("m_prev"), n.local("l_prev")
+        values = [c for c in p.consumers if c.kind == "softmax_product"]
+        accs = [n.local(f"{c.output}_prev") for c in values]
+        body = [f"def _block({kb}, carry):",
+                f"    {', '.join([carry_m, carry_l] + accs)} = carry",
+                f"    {slot} = lax.rem({kb} - {first}, 2)",
+                "",
+                f"    @pl.when({kb} + 1 < {last})",
+                "    def _prefetch_next():",
+                "        # The next block's pages are copied while this one is computed.",
+                f"        _pages({kb} + 1, 1 - {slot}, True)",
+                "",
+                f"    _pages({kb}, {slot}, False)  # this block's pages have arrived"]
+        kg = pg.gathers[0]
+        kv = n.local(f"{kg.read.operand}_blk")
+        inner_k = self.tile[kg.inner.index]
+        body.append(f"    {kv} = {refs['bufs'][kg.read.operand]}[{slot}].reshape({tj}, {inner_k})")
+        raw = n.local("raw_scores")
+        (qa, ka), prec = self.score_factors(self.m.operands[0], self.m.operands[1])
+        qa, ka = qa.replace(self.m.operands[0].var, qv), ka.replace(self.m.operands[1].var, kv)
+        qd = [s.index for s in p.q.subs if s.index not in p.lead].index(p.summed)
+        body.append(f"    {raw} = lax.dot_general({qa}, {ka}, ((({qd},), (1,)), ((), ())), preferred_element_type={acc.jnp}{prec})")
+        if p.scale is not None:
+            body.append(f"    {raw} = {raw} * {p.scale!r}")
+        qpos, kpos = n.local(f"{p.query}_pos"), n.local(f"{p.key}_pos")
+        body.append(f"    {qpos} = {row} * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0)")
+        body.append(f"    {kpos} = {kb} * {tj} + lax.broadcasted_iota(jnp.int32, (1, {tj}), 1)")
+        vals = {p.score: raw}
+
+        def leaf(term: Term, float_ctx: bool) -> str:
+            if term.op == "index":
+                v = qpos if term.name == p.query else kpos if term.name == p.key else lead_vars[term.name]
+            elif term.op == "size":
+                v = self.m.conv.size_var(term.name)
+                return f"float({v})" if float_ctx else v
+            elif term.op == "local":
+                return vals[term.read.operand]
+            else:
+                v = f"{refs['scalars'][term.read.operand]}[{self.flat_read(term.read, lead_vars)}]"
+                if term.op == "truth":
+                    return f"({v} != 0)"
+            return f"{v}.astype({acc.jnp})" if float_ctx else v
+
+        for name, term in p.chain:
+            var = n.local(name)
+            body.append(f"    {var} = {render_term(term, lambda x: leaf(x, True))}")
+            vals[name] = var
+        s = vals[p.points[0].local]
+        # Pages outside the bounds were not copied: their buffer rows hold anything.
+        inside = n.local("copied")
+        body.append(f"    {inside} = ({kpos} >= {lo} * {page}) & ({kpos} < {hi} * {page})")
+        conds = [inside]
+        if p.points[0].condition is not None:
+            conds.append(f"({render_term(p.points[0].condition, lambda x: leaf(x, False))})")
+        if self.ragged(p.query):
+            conds.append(f"({qpos} < {self.size_of(p.query)})")
+        scores = n.local("scores")
+        body.append(f"    {scores} = jnp.where({' & '.join(conds)}, {s}, -jnp.inf)")
+        m_new, m_safe, alpha, probs, l_new = (n.local(x) for x in ("m_new", "m_safe", "alpha", "probs", "l_new"))
+        body += [f"    {m_new} = jnp.maximum({carry_m}, jnp.max({scores}, axis=1, keepdims=True))",
+                 "    # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
+                 f"    {m_safe} = jnp.where(jnp.isneginf({m_new}), 0.0, {m_new})",
+                 f"    {alpha} = jnp.exp({carry_m} - {m_safe})",
+                 f"    {probs} = jnp.exp({scores} - {m_safe})",
+                 f"    {l_new} = {alpha} * {carry_l} + jnp.sum({probs}, axis=1, keepdims=True)"]
+        rows_in = n.local("copied_rows")
+        body.append(f"    {rows_in} = ({kb} * {tj} + lax.broadcasted_iota(jnp.int32, ({tj}, 1), 0) >= {lo} * {page}) & "
+                    f"({kb} * {tj} + lax.broadcasted_iota(jnp.int32, ({tj}, 1), 0) < {hi} * {page})")
+        news = []
+        for c, a in zip(values, accs):
+            g = next(g for g in pg.gathers if g.read == c.value)
+            vv = n.local(f"{c.value.operand}_blk")
+            e = self.tile[g.inner.index]
+            body.append(f"    {vv} = {refs['bufs'][c.value.operand]}[{slot}].reshape({tj}, {e})")
+            body.append(f"    {vv} = jnp.where({rows_in}, {vv}, jnp.zeros_like({vv}))  # 0 x NaN is NaN")
+            computed, block, vprec = self.mxu(probs, vv, self.k.operand(c.value.operand).dtype)
+            new = n.local(f"{c.output}_new")
+            body.append(f"    {new} = {alpha} * {a} + lax.dot_general({computed}, {block}, (((1,), (0,)), ((), ())), "
+                        f"preferred_element_type={acc.jnp}{vprec})")
+            news.append(new)
+        body.append(f"    return {', '.join([m_new, l_new] + news)}")
+        lines += body
+        lines.append("")
+        m, l_ = n.local("m"), n.local("l")
+        outs = [n.local(f"{c.output}_sum") for c in values]
+        init = [f"jnp.full(({ti}, 1), -jnp.inf, {acc.jnp})", f"jnp.zeros(({ti}, 1), {acc.jnp})"]
+        for c in values:
+            g = next(g for g in pg.gathers if g.read == c.value)
+            init.append(f"jnp.zeros(({ti}, {self.tile[g.inner.index]}), {acc.jnp})")
+        lines.append(f"{', '.join([m, l_] + outs)} = lax.fori_loop({first}, {last}, _block, ({', '.join(init)}))")
+        total, nothing = n.local("total"), n.local("nothing")
+        lines.append(f"{nothing} = {l_} == 0.0  # no element present: the output is 0")
+        lines.append(f"{total} = jnp.where({nothing}, 1.0, {l_})")
+        for c, o in zip(values, outs):
+            ref = refs["outs"][c.output]
+            scale = f" * {c.scale!r}" if c.scale is not None else ""
+            lines.append(f"{ref}[...] = ({o} * jnp.where({nothing}, 0.0, 1.0 / {total}){scale}).astype({ref}.dtype)")
+        del m
+        return lines
+
+    # ------------------------------------------------------------------ module
+    def module(self, source_name: str, formatted: bool = True) -> str:
+        from ...formatting import format_module
+
+        m, k, p, pg, conv = self.m, self.k, self.p, self.pg, self.m.conv
+        classify_fn, classify_reads, classify_lines = self.classify()
+        self.classify_fn, self.classify_reads = classify_fn, classify_reads
+        n = self.n.scope()
+        refs = {
+            "first": n.local("first_page"), "end": n.local("end_page"), "table": n.local(f"{pg.table}_smem"),
+            "scalars": {r.operand: self.scalar_ref(r) for r in pg.scalars},
+            "q": n.local(f"{p.q.operand}_ref"),
+            "hbm": {g.read.operand: n.local(f"{g.read.operand}_hbm") for g in pg.gathers},
+            "outs": {c.output: n.local(f"{c.output}_ref") for c in p.consumers},
+            "bufs": {g.read.operand: n.local(f"{g.read.operand}_pages") for g in pg.gathers},
+            "sems": {g.read.operand: n.local(f"{g.read.operand}_copies") for g in pg.gathers},
+        }
+        body = self.kernel_lines(n, refs)
+        used = set().union(*(words(line) for line in body))
+        statics = [v for v in self.sizes if v in used]
+        prefetch = [refs["first"], refs["end"], refs["table"]] + list(refs["scalars"].values())
+        signature = prefetch + [refs["q"]] + list(refs["hbm"].values()) + list(refs["outs"].values()) + \
+            list(refs["bufs"].values()) + list(refs["sems"].values())
+        lead = list(p.lead)
+        grid = [render(self.size_expr(i), "host") for i in lead] + [render(self.size_expr(p.query).cdiv(self.ti), "host")]
+        maps = n.scope()
+        grid_vars = [maps.local(i) for i in lead] + [maps.local("row")]
+        q_coords = [grid_vars[lead.index(s.index)] if s.index in lead else grid_vars[-1] if s.index == p.query else "0" for s in p.q.subs]
+        q_block = py_tuple("None" if s.index in lead else str(self.tile[s.index]) for s in p.q.subs)
+        outs = []
+        for c in p.consumers:
+            target = k.statement_of(c.output).target
+            op = k.operand(c.output)
+            coords = [grid_vars[lead.index(i)] if i in lead else grid_vars[-1] if i == p.query else "0" for i in target.indices]
+            block = py_tuple("None" if i in lead else str(self.tile[i]) for i in target.indices)
+            shape = py_tuple(self.size_of(i) for i in target.indices)
+            outs.append({"var": self.n.local(c.output), "block": block, "coords": coords, "shape": shape, "dtype": op.dtype.jnp})
+        scratch = []
+        for g in pg.gathers:
+            op = k.operand(g.read.operand)
+            inner = self.tile[g.inner.index]
+            scratch.append(f"pltpu.VMEM((2, {self.tj} // {self.page}, {self.page}, {inner}), {op.dtype.jnp})")
+        scratch += ["pltpu.SemaphoreType.DMA((2,))" for _ in pg.gathers]
+        table_param = conv.param(pg.table).internal
+        sizes_of_page = [self.dim_size(g.read, g.page_dim) for g in pg.gathers]
+        clamp = sizes_of_page[0] if len(set(sizes_of_page)) == 1 else f"min({', '.join(sizes_of_page)})"
+        prefetch_args = [f"{table_param}.reshape(-1)"] + [f"{conv.param(r.operand).internal}.reshape(-1).astype(jnp.int32)" for r in pg.scalars]
+        groups = list(p.class_axes[:-2])
+        letters = {i: chr(97 + x) for x, i in enumerate(lead)}
+        table_read = pg.gathers[0].table
+        check = {
+            "groups": "".join(letters[i] for i in groups) + "z",
+            "table": "".join(letters[s.index] for s in table_read.subs[:-1]) + "z",
+            "lead": "".join(letters[i] for i in lead) + "z",
+            "param": table_param,
+            "name": conv.param(pg.table).public,
+            "size": clamp,
+            "text": table_read.text,
+        }
+        page_checks = []
+        for g in pg.gathers:
+            dim = k.operand(g.read.operand).dims[g.page_dim + 1]
+            line = f'_check_page_size({self.page}, {self.tj}, "{g.read.operand} dim {g.page_dim + 1} ({dim.text})")'
+            if line not in page_checks and not isinstance(pg.page, int):
+                page_checks.append(line)
+        doc, call_doc = self.docstring()
+        glue = Glue(
+            args=list(conv.impl_args), statics=["sizes", "interpret"], tables=self.gradient_tables({}, []),
+            n_outputs=len(k.outputs), cotangents=[], residuals_about=["The residuals: the arguments, with which are differentiated."],
+            residuals=list(conv.impl_args), derived=False, bargs=[], partials=[], returns=[], prelude=[], wanted=False,
+            kept=[], declared=[], zeros=False,
+        )
+        prepare = self.prepare_lines()
+        prepare = prepare[:-1] + page_checks + prepare[-1:]
+        text = self.wrapper.module(
+            "tpu/paged.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare, self.reference_lines(),
+            smem=m.target.smem_bytes,
+            classify_fn=classify_fn, classify_params=classify_reads, classify_lines=classify_lines,
+            kernel_fn=self.n.function(f"_{k.name}_kernel" if not k.name.startswith("_") else "_paged_kernel"),
+            kernel_signature_refs=", ".join(signature), kernel_statics=statics, kernel_lines=body,
+            grid=py_tuple(grid), grid_vars=grid_vars, q_block=q_block, q_coords=q_coords, q_map=self.n.function(f"_{p.q.operand}_map"),
+            out_map=self.n.function("_row_block_map"), outs=outs, scratch=scratch, q_param=conv.param(p.q.operand).internal,
+            hbm_params=[conv.param(g.read.operand).internal for g in pg.gathers], prefetch_args=prefetch_args,
+            n_prefetch=len(prefetch), table_param=table_param, clamp=clamp, check=check,
+            vmem_limit=m.vmem_limit(), class_axes=list(p.class_axes), data=p.data_dependent,
+            flops=self.flops_per_row(), key=p.key,
+        )
+        return format_module(text, names=(m.name,)) if formatted else text
+
+    def flops_per_row(self) -> str:
+        """The MXU work of a row block and one key position: the score and each product."""
+        inner = [self.tile[g.inner.index] for g in self.pg.gathers]
+        return str(2 * self.ti * sum(inner))
+
+    def docstring(self):
+        signature = self.wrapper.signature()[0]
+        args = ["    interpret: False compiles for the TPU; True runs the CPU interpreter;",
+                "        pltpu.InterpretParams() runs the TPU simulator."]
+        return self.wrapper.docstrings("a Pallas TPU kernel", args,
+                                       "Bad shapes and dtypes raise a ValueError naming the argument and dimension; a table entry "
+                                       "a present element reaches outside its dimension too (clamped under jax.jit).",
+                                       describe_paged(self.m), self.m.target.name, signature)
+
+
+def emit_paged(m: PagedModule, source_name: str, formatted: bool = True) -> str:
+    return PagedEmitter(m).module(source_name, formatted)

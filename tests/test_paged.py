@@ -1,0 +1,181 @@
+"""Paged, grouped-query decoding (language v2, sections 2-3; issue 19): `specs/paged_decode.spk`
+and its serving relatives, built for TPU, against a numpy oracle in the CPU interpreter and
+the TPU simulator (NaN-filled memory: a page copied that should not be, or one missing,
+shows), through `jit` with traced tables, and refused where they should be."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from sparsegen.compiler import compile_file, compile_source
+from sparsegen.source import SourceFile, SpecError
+
+SPECS = Path(__file__).parents[1] / "specs"
+
+
+def _load(spec: str, tmp_path):
+    (m,) = compile_file(SPECS / spec)
+    path = tmp_path / f"{m.kernel}.py"
+    path.write_text(m.code)
+    loader = importlib.util.spec_from_file_location(m.kernel, path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module, m
+
+
+def _oracle(q, kc, vc, pages, lens, heads_per_kv=8, scale=0.08838834764831845, cap=None, window=None, new=None):
+    """Attention of each sequence's query heads over its first lens[b] cached tokens, read
+    through the page table, in float64 numpy. `new`: several new tokens (q[b, h, i, d]),
+    token i at global position lens[b] - S + i."""
+    q = np.asarray(q, np.float64)
+    kc, vc = np.asarray(kc, np.float64), np.asarray(vc, np.float64)
+    G, P, T, D = kc.shape
+    out = np.zeros(q.shape)
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        toks = np.arange(n)
+        k = kc[:, pages[b, toks // T], toks % T]  # (G, n, D)
+        v = vc[:, pages[b, toks // T], toks % T]
+        for h in range(q.shape[1]):
+            g = h // heads_per_kv
+            rows = q[b, h][None] if new is None else q[b, h]
+            for r, qv in enumerate(rows):
+                s = k[g] @ qv * scale
+                if cap is not None:
+                    s = cap * np.tanh(s / cap)
+                keep = np.ones(n, bool)
+                pos = n - 1 if new is None else n - new + r
+                if new is not None:
+                    keep &= toks <= pos
+                if window is not None:
+                    keep &= toks > pos - window
+                if not keep.any():
+                    continue
+                w = np.exp(s[keep] - s[keep].max())
+                val = (w / w.sum()) @ v[g][keep]
+                if new is None:
+                    out[b, h] = val
+                else:
+                    out[b, h, r] = val
+    return out
+
+
+def _cache(rng, B, H, G, D, T, NP, P, lens, shared=True):
+    q = jnp.asarray(rng.normal(size=(B, H, D)), jnp.bfloat16)
+    kc = jnp.asarray(rng.normal(size=(G, P, T, D)), jnp.bfloat16)
+    vc = jnp.asarray(rng.normal(size=(G, P, T, D)), jnp.bfloat16)
+    pages = rng.permutation(P)[: B * NP].reshape(B, NP) if B * NP <= P else rng.integers(0, P, (B, NP))
+    pages = np.asarray(pages, np.int32)
+    if shared and B > 1:
+        pages[1, 0] = pages[0, 0]  # a page shared between sequences (a common prefix)
+    for b, n in enumerate(lens):
+        pages[b, -(-n // T):] = -1  # entries past a length are never read: any value will do
+    return q, kc, vc, pages, np.asarray(lens, np.int32)
+
+
+MODES = {"interpreter": lambda: True, "simulator": lambda: pltpu.InterpretParams()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_paged_decode_against_the_oracle(tmp_path, mode):
+    mod, _ = _load("paged_decode.spk", tmp_path)
+    rng = np.random.default_rng(0)
+    T, NP = 16, 40
+    # lengths: none, one token, a page boundary, a key-block boundary plus one, the maximum
+    lens = [0, 1, 32, 513, NP * T]
+    q, kc, vc, pages, lens = _cache(rng, 5, 16, 2, 128, T, NP, 230, lens)
+    got = mod.paged_decode(q, kc, vc, pages, lens, interpret=MODES[mode]())
+    if mode == "simulator":
+        pltpu.reset_tpu_interpret_mode_state()
+    want = _oracle(q, kc, vc, pages, lens)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2, rtol=2e-2)
+    assert not np.asarray(got[0]).any()  # a sequence of length 0 attends to nothing: zeros
+    ref = mod.reference(q, kc, vc, pages, lens)
+    np.testing.assert_allclose(np.asarray(ref, np.float64), want, atol=2e-2, rtol=2e-2)
+
+
+def test_under_jit_tables_and_lengths_are_traced_without_recompiling(tmp_path):
+    mod, _ = _load("paged_decode.spk", tmp_path)
+    rng = np.random.default_rng(1)
+    T, NP = 16, 40
+    traces = []
+
+    def step(q, kc, vc, pages, lens):
+        traces.append(1)
+        return mod.paged_decode(q, kc, vc, pages, lens, interpret=True)
+
+    run = jax.jit(step)
+    for lens in ([3, 600], [640, 17]):
+        q, kc, vc, pages, lens = _cache(rng, 2, 8, 1, 128, T, NP, 100, lens)
+        got = run(q, kc, vc, pages, lens)
+        np.testing.assert_allclose(np.asarray(got, np.float64), _oracle(q, kc, vc, pages, lens), atol=2e-2, rtol=2e-2)
+    assert len(traces) == 1
+
+
+def test_a_table_entry_out_of_range_is_a_value_error_where_reached(tmp_path):
+    mod, _ = _load("paged_decode.spk", tmp_path)
+    rng = np.random.default_rng(2)
+    q, kc, vc, pages, lens = _cache(rng, 2, 8, 1, 128, 16, 8, 30, [20, 5])
+    pages[0, 1] = 30  # reached: token 16..19 live on page entry 1
+    with pytest.raises(ValueError, match=r"pages entry \(0, 1\) is 30, outside the 30 pages"):
+        mod.paged_decode(q, kc, vc, pages, lens, interpret=True)
+    pages[0, 1], pages[1, 3] = 2, 999  # not reached: sequence 1 has one page
+    mod.paged_decode(q, kc, vc, pages, lens, interpret=True)
+
+
+def test_a_page_size_that_does_not_divide_the_key_block_is_refused(tmp_path):
+    mod, _ = _load("paged_decode.spk", tmp_path)
+    rng = np.random.default_rng(3)
+    q, kc, vc, pages, lens = _cache(rng, 1, 8, 1, 128, 24, 4, 8, [30])
+    with pytest.raises(ValueError, match=r"kc dim 2 \(T\) is 24: pages must divide the key block of 512"):
+        mod.paged_decode(q, kc, vc, pages, lens, interpret=True)
+
+
+def test_gradients_through_the_table_are_refused_saying_so(tmp_path):
+    mod, _ = _load("paged_decode.spk", tmp_path)
+    rng = np.random.default_rng(4)
+    q, kc, vc, pages, lens = _cache(rng, 1, 8, 1, 128, 16, 4, 8, [30])
+    loss = lambda kc: mod.paged_decode(q, kc, vc, pages, lens, interpret=True).astype(jnp.float32).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match=r"read through a table .* not derived yet on TPU"):
+        jax.eval_shape(jax.grad(loss), kc)  # raised while tracing: nothing runs
+
+
+def test_the_plan_says_how_pages_are_copied():
+    (m,) = compile_file(SPECS / "paged_decode.spk")
+    assert "a block gathers its 512 / T pages, one copy per page and operand" in m.code
+    assert "pages outside the bounds are never copied" in m.code
+
+
+def test_on_gpus_table_reads_are_refused_at_the_spec():
+    with pytest.raises(SpecError, match="not lowered for GPU targets"):
+        compile_file(SPECS / "paged_decode.spk", "h200")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("s[b, h, j] = q[b, h, d] * kc[h // 8, pages[b, j // T], j % T, d] where j < lens[b]\n"
+     "    o[b, h, e] = softmax(s[b, h, j], j) * vc[h // 8, pages[b, j // T], j % T, e]\n    tile b = 1, h = 16, j = 512, d = 128, e = 128",
+     "a row block of 16 'h' must read one 'kc' head"),
+    ("s[b, h, j] = q[b, h, d] * kc[h // 8, pages[b, j // T], j % T, d] where j < lens[b]\n"
+     "    o[b, h] = logsumexp(s[b, h, j], j)\n    tile b = 1, h = 8, j = 512, d = 128",
+     "a paged walk feeds softmax products only"),
+])
+def test_paged_forms_it_does_not_walk_are_refused(text, message):
+    src = f"""kernel k {{
+    in  q: bf16[B, H, D]
+    in  kc: bf16[G, P, T, D]
+    {'' if 'logsumexp' in text else 'in  vc: bf16[G, P, T, D]'}
+    in  pages: index[B, NP]
+    in  lens: index[B]
+    out o: {'f32[B, H]' if 'logsumexp' in text else 'bf16[B, H, D]'}
+    {text}
+}}
+"""
+    with pytest.raises(SpecError, match=message):
+        compile_source(SourceFile("k.spk", src))
