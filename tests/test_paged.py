@@ -179,3 +179,38 @@ def test_paged_forms_it_does_not_walk_are_refused(text, message):
 """
     with pytest.raises(SpecError, match=message):
         compile_source(SourceFile("k.spk", src))
+
+
+def _mqa_oracle(q, kc, vc, pages, lens):
+    return _oracle(q, np.asarray(kc)[None], np.asarray(vc)[None], pages, lens, heads_per_kv=q.shape[1])
+
+
+@pytest.mark.parametrize("spec, oracle, speculative", [
+    ("paged_mqa_decode.spk", _mqa_oracle, False),
+    ("paged_softcap_decode.spk", lambda *a: _oracle(*a, cap=50.0), False),
+    ("paged_window_decode.spk", lambda *a: _oracle(*a, window=1024), False),
+    ("paged_speculative_decode.spk", lambda *a: _oracle(*a, new=8), True),
+])
+def test_serving_examples_against_the_oracle(tmp_path, spec, oracle, speculative):
+    mod, m = _load(spec, tmp_path)
+    rng = np.random.default_rng(5)
+    # Small (the interpreter copies page by page): the window's case needs more than its 1024 tokens.
+    T, NP = 16, 72 if "window" in spec else 40
+    lens = [1100, NP * T] if "window" in spec else [8, 530, NP * T]
+    mqa = "mqa" in spec
+    q, kc, vc, pages, lens = _cache(rng, len(lens), 8, 1, 128, T, NP, 300, lens)
+    if mqa:
+        kc, vc = kc[0], vc[0]
+    if speculative:
+        q = jnp.asarray(rng.normal(size=(len(lens), 8, 8, 128)), jnp.bfloat16)
+    got = getattr(mod, m.kernel)(q, kc, vc, pages, lens, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float64), oracle(q, kc, vc, pages, lens), atol=2e-2, rtol=2e-2)
+
+
+def test_a_sliding_window_never_copies_pages_before_it(tmp_path):
+    """The bounds of the window's row blocks start past the pages before the window."""
+    mod, _ = _load("paged_window_decode.spk", tmp_path)
+    sizes = (1, 8, 128, 1, 64, 16, 200)  # B, H, D, G, P, T, NP
+    kinds = mod._classify_pages(np, np.asarray([3000], np.int32), sizes)
+    first, end = (np.asarray(x) for x in mod._page_bounds(kinds))
+    assert (first[0, 0], end[0, 0]) == ((3000 - 1024) // 16, -(-3000 // 16))

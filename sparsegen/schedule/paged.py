@@ -128,6 +128,6 @@ def paged_plan(kernel: Kernel, row: RowPlan) -> PagedPlan:
                 fail(r.span, f"not supported yet: a paged walk's condition reads operands at batch or head indices only ('{r.text}')")
             if op.dtype.is_float:
                 fail(r.span, f"not supported yet: a paged walk's condition reads integer operands ('{r.operand}' is {op.dtype.name})")
-            if r not in scalars:
+            if r.operand not in {x.operand for x in scalars}:  # one array in scalar memory per operand
                 scalars.append(r)
     return PagedPlan(p, tuple(gathers), tables.pop(), pages.pop(), tuple(scalars))
