@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from .callconv import convention, operand_indices, stored_tiles
+from .callconv import convention, operand_indices, stored_tiles, table_operands
 from .dtypes import DTYPES
 from .ir import Kernel, Operand
 from .names import ModuleNames
@@ -41,6 +41,11 @@ def resolve_sizes(kernel: Kernel, sizes: dict[str, int]) -> dict[str, int]:
                 out[small] = out[big] // rel.divisor
             if out.get(big) is None and out.get(small) is not None:
                 out[big] = out[small] * rel.divisor
+    if any(v is None for v in out.values()):  # a page size, the table's length, the pages of a cache
+        from .shapes import default_shapes
+
+        defaults = default_shapes(kernel)
+        out = {s: defaults.get(s) if v is None else v for s, v in out.items()}
     missing = [s for s, v in out.items() if v is None]
     if missing:
         raise KeyError(f"no size given for {', '.join(missing)}")
@@ -130,6 +135,9 @@ def example_args(kernel: Kernel, sizes: dict[str, int], pattern: str, rng: np.ra
         if p.kind == "index":
             args.append(offsets[op.name])
             continue
+        if p.kind == "table":  # entries address the dimension the table is read at
+            args.append(rng.integers(0, _addressed(kernel, op.name, env), dims(op, env)).astype(np.int32))
+            continue
         shape = dims(op, env)
         tiles = tuple(tile[i] for i in operand_indices(kernel, op))
         grid = tuple(-(-s // t) for s, t in zip(shape, tiles))
@@ -150,6 +158,17 @@ def example_args(kernel: Kernel, sizes: dict[str, int], pattern: str, rng: np.ra
     return args, keywords
 
 
+def _addressed(kernel: Kernel, table: str, env) -> int:
+    """The smallest extent among the dimensions a table's entries address."""
+    sizes = []
+    for st in kernel.statements:
+        for r in (st.target, *st.reads, *((st.value,) if hasattr(getattr(st, "value", None), "subs") else ())):
+            for d, sub in enumerate(r.subs):
+                if sub.table is not None and sub.table.operand == table:
+                    sizes.append(dims(kernel.operand(r.operand), env)[d])
+    return min(sizes)
+
+
 def _offsets(kernel: Kernel, env, rng) -> dict[str, np.ndarray]:
     """Aligned, in-range offsets for every index operand: one offset may be read by operands
     of different extents and tiles, so it is valid for all of them."""
@@ -167,7 +186,7 @@ def _offsets(kernel: Kernel, env, rng) -> dict[str, np.ndarray]:
                 limits.setdefault((s.offset.operand, s.offset.position), []).append((dims(op, env)[d] - extent, index.tile))
     out = {}
     for op in kernel.inputs:
-        if op.sparsity != "index":
+        if op.sparsity != "index" or op.name in table_operands(kernel):
             continue
         values = np.zeros(op.dims[0].literal, np.int32)
         for (name, position), uses in limits.items():
