@@ -67,17 +67,22 @@ def _oracle(q, kc, vc, pages, lens, heads_per_kv=8, scale=0.08838834764831845, c
     return out
 
 
-def _cache(rng, B, H, G, D, T, NP, P, lens, shared=True):
+def _cache(rng, B, H, G, D, T, NP, P, lens, shared=True, poison=False):
+    """Random queries, caches and page tables; entries past each length are -1 (never read),
+    or with `poison` (from the second sequence on) the last page, which holds NaN: copied
+    and used, it would show."""
     q = jnp.asarray(rng.normal(size=(B, H, D)), jnp.bfloat16)
-    kc = jnp.asarray(rng.normal(size=(G, P, T, D)), jnp.bfloat16)
-    vc = jnp.asarray(rng.normal(size=(G, P, T, D)), jnp.bfloat16)
-    pages = rng.permutation(P)[: B * NP].reshape(B, NP) if B * NP <= P else rng.integers(0, P, (B, NP))
+    kc = rng.normal(size=(G, P, T, D)).astype(np.float32)
+    vc = rng.normal(size=(G, P, T, D)).astype(np.float32)
+    if poison:
+        kc[:, P - 1] = vc[:, P - 1] = np.nan
+    pages = rng.permutation(P - 1)[: B * NP].reshape(B, NP) if B * NP < P else rng.integers(0, P - 1, (B, NP))
     pages = np.asarray(pages, np.int32)
     if shared and B > 1:
         pages[1, 0] = pages[0, 0]  # a page shared between sequences (a common prefix)
     for b, n in enumerate(lens):
-        pages[b, -(-n // T):] = -1  # entries past a length are never read: any value will do
-    return q, kc, vc, pages, np.asarray(lens, np.int32)
+        pages[b, -(-n // T):] = P - 1 if poison and b else -1  # entries past a length are never read
+    return q, jnp.asarray(kc, jnp.bfloat16), jnp.asarray(vc, jnp.bfloat16), pages, np.asarray(lens, np.int32)
 
 
 MODES = {"interpreter": lambda: True, "simulator": lambda: pltpu.InterpretParams()}
@@ -90,11 +95,14 @@ def test_paged_decode_against_the_oracle(tmp_path, mode):
     T, NP = 16, 40
     # lengths: none, one token, a page boundary, a key-block boundary plus one, the maximum
     lens = [0, 1, 32, 513, NP * T]
-    q, kc, vc, pages, lens = _cache(rng, 5, 16, 2, 128, T, NP, 230, lens)
+    # Entries past the lengths point at a page of NaN: no page past a length is copied (the
+    # simulator fills what is not copied with NaN too: every page used was copied).
+    q, kc, vc, pages, lens = _cache(rng, 5, 16, 2, 128, T, NP, 230, lens, poison=True)
     got = mod.paged_decode(q, kc, vc, pages, lens, interpret=MODES[mode]())
     if mode == "simulator":
         pltpu.reset_tpu_interpret_mode_state()
     want = _oracle(q, kc, vc, pages, lens)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2, rtol=2e-2)
     assert not np.asarray(got[0]).any()  # a sequence of length 0 attends to nothing: zeros
     ref = mod.reference(q, kc, vc, pages, lens)
