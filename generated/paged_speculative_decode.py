@@ -81,6 +81,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 _NAME = "paged_speculative_decode"
 _SMEM_BYTES = 1040384  # scalar memory of a v5e TensorCore
+# A table larger than this stays in HBM and is read a row per step (scalar memory keeps a
+# quarter for the compiler).
+_TABLE_SMEM_BYTES = _SMEM_BYTES * 3 // 4
 
 # Kinds of page for a row block (the row walk's numbering).
 _EMPTY = 0  # every element absent: the page is not copied
@@ -333,25 +336,40 @@ def _classify_pages(xp, lens, sizes):
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 
-def _paged_speculative_decode_kernel(
-    first_page,
-    end_page,
-    pages_smem,
-    lens_smem,
-    q_ref,
-    kc_hbm,
-    vc_hbm,
-    o_ref,
-    kc_pages,
-    vc_pages,
-    kc_copies,
-    vc_copies,
-    *,
-    S,
-    T,
-    NP,
-):
+def _paged_speculative_decode_kernel(*refs, pieces, S, T, NP):
     # One row block: its key blocks in a loop, each gathering its pages from HBM.
+    if pieces:
+        # The table is too large for scalar memory: it stays in HBM, and each step copies its row.
+        (
+            first_page,
+            end_page,
+            lens_smem,
+            q_ref,
+            pages_hbm,
+            kc_hbm,
+            vc_hbm,
+            o_ref,
+            kc_pages,
+            vc_pages,
+            kc_copies,
+            vc_copies,
+            pages_smem,
+        ) = refs
+    else:
+        (
+            first_page,
+            end_page,
+            pages_smem,
+            lens_smem,
+            q_ref,
+            kc_hbm,
+            vc_hbm,
+            o_ref,
+            kc_pages,
+            vc_pages,
+            kc_copies,
+            vc_copies,
+        ) = refs
     b = pl.program_id(0)
     h = pl.program_id(1)
     row = pl.program_id(2)  # the row block
@@ -362,6 +380,11 @@ def _paged_speculative_decode_kernel(
         lo // per_block,
         (hi + per_block - 1) // per_block,
     )  # the key blocks holding them
+    if pieces:
+        pltpu.sync_copy(pages_hbm.at[b], pages_smem)
+        base = 0
+    else:
+        base = b * NP  # the row's first entry
 
     def _pages(block, slot, start):
         for p in range(per_block):
@@ -369,7 +392,7 @@ def _paged_speculative_decode_kernel(
 
             @pl.when((page >= lo) & (page < hi))
             def _copy():
-                entry = pages_smem[b * NP + page]
+                entry = pages_smem[base + page]
                 copy = pltpu.make_async_copy(
                     kc_hbm.at[h // 8, entry], kc_pages.at[slot, p], kc_copies.at[slot]
                 )
@@ -516,12 +539,22 @@ def _impl(q, kc, vc, pages, lens, sizes, interpret):
     first, end = _page_bounds(kinds.reshape((-1,) + kinds.shape[-2:]))
     # Under jit a table entry cannot be checked: it is clamped to an existing page.
     pages = jnp.clip(pages, 0, P - 1).astype(jnp.int32)
-    _check_smem(2 * first.size + pages.size, "the page bounds and the table")
+    # Scalar memory holds the page bounds, the scalars the condition reads and the table,
+    # unless the table is too large: then it stays in HBM and each step copies its row.
+    scalars = (lens.reshape(-1).astype(jnp.int32),)
+    pieces = (
+        2 * first.size + sum(x.size for x in scalars) + pages.size
+    ) * 4 > _TABLE_SMEM_BYTES
+    _check_smem(
+        2 * first.size + sum(x.size for x in scalars) + (NP if pieces else pages.size),
+        "the page bounds and the table",
+    )
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=2 + len(scalars) + (0 if pieces else 1),
         grid=(B, H, pl.cdiv(S, 8)),
         in_specs=[
             pl.BlockSpec((None, None, 8, 128), _q_map),
+            *([pl.BlockSpec(memory_space=pl.ANY)] if pieces else []),  # pages, in HBM
             pl.BlockSpec(memory_space=pl.ANY),  # kc: pages copied by the kernel
             pl.BlockSpec(memory_space=pl.ANY),  # vc: pages copied by the kernel
         ],
@@ -533,11 +566,13 @@ def _impl(q, kc, vc, pages, lens, sizes, interpret):
             pltpu.VMEM((2, 512 // T, T, 128), jnp.bfloat16),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA((2,)),
+            *([pltpu.SMEM((NP,), jnp.int32)] if pieces else []),
         ],
     )
     (o,) = pl.pallas_call(
         functools.partial(
             _paged_speculative_decode_kernel,
+            pieces=pieces,
             S=S,
             T=T,
             NP=NP,
@@ -557,9 +592,10 @@ def _impl(q, kc, vc, pages, lens, sizes, interpret):
     )(
         first.reshape(-1),
         end.reshape(-1),
-        pages.reshape(-1),
-        lens.reshape(-1).astype(jnp.int32),
+        *(() if pieces else (pages.reshape(-1),)),
+        *scalars,
         q,
+        *((pages,) if pieces else ()),
         kc,
         vc,
     )

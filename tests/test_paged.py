@@ -222,3 +222,39 @@ def test_a_sliding_window_never_copies_pages_before_it(tmp_path):
     kinds = mod._classify_pages(np, np.asarray([3000], np.int32), sizes)
     first, end = (np.asarray(x) for x in mod._page_bounds(kinds))
     assert (first[0, 0], end[0, 0]) == ((3000 - 1024) // 16, -(-3000 // 16))
+
+
+def _aot(mod, target: str, B=64, H=32, G=4, D=128, T=16, NP=2048, P=8192):
+    """Compile paged_decode ahead of time for a TPU with no TPU: the issue's serving shapes."""
+    from aot import topology_device
+    from jax.sharding import SingleDeviceSharding
+
+    device = topology_device({"v5e": "v5e:2x2", "v6e": "v6e:2x2"}[target])
+    at = SingleDeviceSharding(device)
+    structs = [jax.ShapeDtypeStruct(s, d, sharding=at) for s, d in (
+        ((B, H, D), jnp.bfloat16), ((G, P, T, D), jnp.bfloat16), ((G, P, T, D), jnp.bfloat16), ((B, NP), jnp.int32), ((B,), jnp.int32))]
+    with jax.default_device(device):
+        return jax.jit(lambda *a: mod.paged_decode(*a)).trace(*structs).lower().compile()
+
+
+@pytest.mark.parametrize("target, page", [("v5e", 16), ("v6e", 64)])
+def test_paged_decode_compiles_at_serving_shapes(tmp_path, target, page):
+    """B = 64, H = 32 (G = 4: the spec reads h // 8), D = 128, 2048 pages a sequence: the
+    table (512 KiB) fits scalar memory beside the bounds."""
+    mod, _ = _load("paged_decode.spk", tmp_path)
+    compiled = _aot(mod, target, T=page)
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_table_too_large_for_scalar_memory_is_read_a_row_per_step(tmp_path, mode):
+    mod, _ = _load("paged_decode.spk", tmp_path)
+    mod._TABLE_SMEM_BYTES = 0  # as if the table were larger than scalar memory
+    rng = np.random.default_rng(6)
+    q, kc, vc, pages, lens = _cache(rng, 2, 8, 1, 128, 16, 40, 100, [300, 640], poison=True)
+    got = mod.paged_decode(q, kc, vc, pages, lens, interpret=MODES[mode]())
+    if mode == "simulator":
+        pltpu.reset_tpu_interpret_mode_state()
+    np.testing.assert_allclose(np.asarray(got, np.float64), _oracle(q, kc, vc, pages, lens), atol=2e-2, rtol=2e-2)
+    if mode == "interpreter":
+        assert "tpu_custom_call" in _aot(mod, "v5e", B=8, NP=512, P=4096).as_text()

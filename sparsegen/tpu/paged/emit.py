@@ -89,7 +89,11 @@ class PagedEmitter(AttentionEmitter):
     def kernel_lines(self, n, refs: dict) -> list[str]:
         p, pg, acc = self.p, self.pg, self.acc
         ti, tj, page = self.ti, self.tj, self.page
-        lines = []
+        lines = ["if pieces:",
+                 "    # The table is too large for scalar memory: it stays in HBM, and each step copies its row.",
+                 f"    {', '.join(refs['pieces_signature'])}, = refs",
+                 "else:",
+                 f"    {', '.join(refs['signature'])}, = refs"]
         lead_vars = {i: n.local(i) for i in p.lead}
         for d, i in enumerate(p.lead):
             lines.append(f"{lead_vars[i]} = pl.program_id({d})")
@@ -109,10 +113,17 @@ class PagedEmitter(AttentionEmitter):
         kb, slot, start, pi, entry = n.local("block"), n.local("slot"), n.local("start"), n.local("p"), n.local("entry")
         table = pg.gathers[0].table
         table_op = self.k.operand(table.operand)
-        tpos = flat([Var(lead_vars[s.index]) for s in table.subs[:-1]] + [Var("@page")],
-                    [self.m.conv.size(dim) for dim in table_op.dims])
+        row_coords = [lead_vars[s.index] for s in table.subs[:-1]]
+        base = n.local("base")
+        row_ref = f"{refs['table_hbm']}.at[{', '.join(row_coords)}]" if row_coords else refs["table_hbm"]
+        flat_row = render(flat([Var(c) for c in row_coords], [self.m.conv.size(dim) for dim in table_op.dims[:-1]]), "py") if row_coords else "0"
+        lines += ["if pieces:",
+                  f"    pltpu.sync_copy({row_ref}, {refs['table']})",
+                  f"    {base} = 0",
+                  "else:",
+                  f"    {base} = {flat_row} * {render(self.m.conv.size(table_op.dims[-1]), 'py')}  # the row's first entry"]
         page_var = n.local("page")
-        tpos_text = render(tpos, "py").replace("@page", page_var)
+        tpos_text = f"{base} + {page_var}"
         lines += ["", f"def _pages({kb}, {slot}, {start}):",
                   f"    for {pi} in range({ppb}):",
                   f"        {page_var} = {kb} * {ppb} + {pi}",
@@ -244,6 +255,7 @@ class PagedEmitter(AttentionEmitter):
         n = self.n.scope()
         refs = {
             "first": n.local("first_page"), "end": n.local("end_page"), "table": n.local(f"{pg.table}_smem"),
+            "table_hbm": n.local(f"{pg.table}_hbm"),
             "scalars": {r.operand: self.scalar_ref(r) for r in pg.scalars},
             "q": n.local(f"{p.q.operand}_ref"),
             "hbm": {g.read.operand: n.local(f"{g.read.operand}_hbm") for g in pg.gathers},
@@ -251,12 +263,11 @@ class PagedEmitter(AttentionEmitter):
             "bufs": {g.read.operand: n.local(f"{g.read.operand}_pages") for g in pg.gathers},
             "sems": {g.read.operand: n.local(f"{g.read.operand}_copies") for g in pg.gathers},
         }
+        self.refs_signatures(refs)
         body = self.kernel_lines(n, refs)
         used = set().union(*(words(line) for line in body))
         statics = [v for v in self.sizes if v in used]
         prefetch = [refs["first"], refs["end"], refs["table"]] + list(refs["scalars"].values())
-        signature = prefetch + [refs["q"]] + list(refs["hbm"].values()) + list(refs["outs"].values()) + \
-            list(refs["bufs"].values()) + list(refs["sems"].values())
         lead = list(p.lead)
         grid = [render(self.size_expr(i), "host") for i in lead] + [render(self.size_expr(p.query).cdiv(self.ti), "host")]
         maps = n.scope()
@@ -280,7 +291,7 @@ class PagedEmitter(AttentionEmitter):
         table_param = conv.param(pg.table).internal
         sizes_of_page = [self.dim_size(g.read, g.page_dim) for g in pg.gathers]
         clamp = sizes_of_page[0] if len(set(sizes_of_page)) == 1 else f"min({', '.join(sizes_of_page)})"
-        prefetch_args = [f"{table_param}.reshape(-1)"] + [f"{conv.param(r.operand).internal}.reshape(-1).astype(jnp.int32)" for r in pg.scalars]
+        scalar_args = [f"{conv.param(r.operand).internal}.reshape(-1).astype(jnp.int32)" for r in pg.scalars]
         groups = list(p.class_axes[:-2])
         letters = {i: chr(97 + x) for x, i in enumerate(lead)}
         table_read = pg.gathers[0].table
@@ -313,15 +324,23 @@ class PagedEmitter(AttentionEmitter):
             smem=m.target.smem_bytes,
             classify_fn=classify_fn, classify_params=classify_reads, classify_lines=classify_lines,
             kernel_fn=self.n.function(f"_{k.name}_kernel" if not k.name.startswith("_") else "_paged_kernel"),
-            kernel_signature_refs=", ".join(signature), kernel_statics=statics, kernel_lines=body,
+            kernel_statics=statics, kernel_lines=body,
             grid=py_tuple(grid), grid_vars=grid_vars, q_block=q_block, q_coords=q_coords, q_map=self.n.function(f"_{p.q.operand}_map"),
             out_map=self.n.function("_row_block_map"), outs=outs, scratch=scratch, q_param=conv.param(p.q.operand).internal,
-            hbm_params=[conv.param(g.read.operand).internal for g in pg.gathers], prefetch_args=prefetch_args,
-            n_prefetch=len(prefetch), table_param=table_param, clamp=clamp, check=check,
+            hbm_params=[conv.param(g.read.operand).internal for g in pg.gathers], scalar_args=scalar_args,
+            table_param=table_param, table_length=render(self.m.conv.size(k.operand(pg.table).dims[-1]), "host"), clamp=clamp, check=check,
             vmem_limit=m.vmem_limit(), class_axes=list(p.class_axes), data=p.data_dependent,
             flops=self.flops_per_row(), key=p.key,
         )
         return format_module(text, names=(m.name,)) if formatted else text
+
+    def refs_signatures(self, refs: dict) -> None:
+        """The kernel's refs in order: the table in scalar memory (prefetched), or in HBM with
+        a row of it copied into scalar memory per step (`pieces`)."""
+        rest = list(refs["hbm"].values()) + list(refs["outs"].values()) + list(refs["bufs"].values()) + list(refs["sems"].values())
+        scalars = list(refs["scalars"].values())
+        refs["signature"] = [refs["first"], refs["end"], refs["table"]] + scalars + [refs["q"]] + rest
+        refs["pieces_signature"] = [refs["first"], refs["end"]] + scalars + [refs["q"], refs["table_hbm"]] + rest + [refs["table"]]
 
     def flops_per_row(self) -> str:
         """The MXU work of a row block and one key position: the score and each product."""
