@@ -258,3 +258,21 @@ def test_a_table_too_large_for_scalar_memory_is_read_a_row_per_step(tmp_path, mo
     np.testing.assert_allclose(np.asarray(got, np.float64), _oracle(q, kc, vc, pages, lens), atol=2e-2, rtol=2e-2)
     if mode == "interpreter":
         assert "tpu_custom_call" in _aot(mod, "v5e", B=8, NP=512, P=4096).as_text()
+
+
+def test_paged_decode_equals_jax_paged_attention(tmp_path):
+    """The same inputs through JAX's hand-written kernel (its interpreter), whose layout the
+    spec's is: q[B, H, D], caches [G, P, T, D], page_indices[B, NP], lengths[B]."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    mod, _ = _load("paged_decode.spk", tmp_path)
+    rng = np.random.default_rng(7)
+    T, NP = 16, 64
+    q, kc, vc, pages, lens = _cache(rng, 3, 16, 2, 128, T, NP, 200, [1, 512, 700])
+    pages = np.where(pages < 0, 0, pages)  # JAX's kernel copies whole compute blocks: every entry must address a page
+    got = mod.paged_decode(q, kc, vc, pages, lens, interpret=True)
+    # paged_attention multiplies by no scale: the spec's 1/sqrt(128) goes into q.
+    scaled = (q.astype(jnp.float32) * 0.08838834764831845).astype(jnp.bfloat16)
+    with pltpu.force_tpu_interpret_mode():
+        want = paged_attention(scaled, kc, vc, jnp.asarray(lens), jnp.asarray(pages), pages_per_compute_block=512 // T)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
