@@ -685,8 +685,10 @@ def _check_table(lens, table, sizes):
     if any(_is_traced(x) for x in (lens, table)):
         return
     B, H, D, P, T, NP = sizes
-    kinds = _classify_pages(np, np.asarray(lens), sizes)
-    first, end = (np.asarray(x)[..., None] for x in _page_bounds(kinds))
+    # Concrete values inside a trace (closed over under jit) are evaluated here, not staged.
+    with jax.ensure_compile_time_eval():
+        kinds = _classify_pages(np, np.asarray(lens), sizes)
+        first, end = (np.asarray(x)[..., None] for x in _page_bounds(kinds))
     # A page is reached if some row block of its lead values reaches it.
     page = np.arange(np.asarray(table).shape[-1])
     reached = _expand(((page >= first) & (page < end)).any(axis=-2), "az", "az")
