@@ -117,6 +117,25 @@ def tokamax_fn(kind: str, H: int, S: int, D: int, block: int, variant: str | Non
     return lambda q, k, v, seg_q, seg_kv: kernel(q, k, v, segment_ids=base.SegmentIds(q=seg_q, kv=seg_kv))
 
 
+def module_fn(path: str, kind: str):
+    """A generated module's function, loaded from `path` (a scratch copy with a change to measure)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"scratch_{kind}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return getattr(mod, f"{kind}_bench")
+
+
+def generated_arguments(kind: str, H: int, S: int, D: int):
+    """The generated kernels' arguments: q, k, v of [B=1, H, S, D] (and seg [1, S])."""
+    import jax.numpy as jnp
+    import splash_side
+
+    q = jnp.zeros((1, H, S, D), jnp.bfloat16)
+    return [q, q, q] + ([jnp.asarray(splash_side.document_ids(S)[None])] if kind == "document" else [])
+
+
 def arguments(kind: str, H: int, S: int, D: int):
     import jax.numpy as jnp
     import splash_side
@@ -280,9 +299,13 @@ def run_job(job: dict) -> dict:
 
     target = TARGETS[job["chip"]]
     device = _device(target.topology)
-    make = {"splash": splash_fn, "tokamax": tokamax_fn}[job["impl"]]
-    fn = make(job["kind"], job["H"], job["S"], job["D"], job["block"], job.get("variant"))
-    forward, backward = record(fn, arguments(job["kind"], job["H"], job["S"], job["D"]), job["backward"])
+    if job["impl"] == "module":  # a generated module (a scratch copy): `path`
+        fn, args = module_fn(job["path"], job["kind"]), generated_arguments(job["kind"], job["H"], job["S"], job["D"])
+    else:
+        make = {"splash": splash_fn, "tokamax": tokamax_fn}[job["impl"]]
+        fn = make(job["kind"], job["H"], job["S"], job["D"], job["block"], job.get("variant"))
+        args = arguments(job["kind"], job["H"], job["S"], job["D"])
+    forward, backward = record(fn, args, job["backward"])
     out = {"forward": [], "backward": []}
     for side, calls in (("forward", forward), ("backward", backward)):
         for call in calls:

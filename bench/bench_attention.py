@@ -296,6 +296,33 @@ def static_cycles(kinds, S: int, chips, backward: bool, tokamax_variant: str, H:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
+def bundles(kinds, S: int, chip: str, tokamax_variant: str, H: int = 8, D: int = 128) -> list[dict]:
+    """Each side's forward kernel as final bundles, per `pl.when` region (bench/attention_bundles.py):
+    bundle count and slot uses (MXU, XLU, VALU, EUP, spill stores and fills) of one run of the region."""
+    import attention_bundles as ab
+    import attention_cycles as ac
+
+    base = {"H": H, "S": S, "D": D, "block": BLOCK, "chip": chip}
+    jobs = [{"impl": i, "kind": k, **base} for k in kinds for i in ("sparsegen", "splash")]
+    found = ab.run(jobs)
+    python, _ = ac.tokamax_python()
+    if python is not None:
+        tk_jobs = [{"impl": "tokamax", "kind": k, "variant": tokamax_variant, **base} for k in kinds]
+        jobs, found = jobs + tk_jobs, found + ab.run(tk_jobs, python=python)
+    return [{**j, **r} for j, r in zip(jobs, found)]
+
+
+def print_bundles(rows: list[dict]) -> None:
+    print("6. Final bundles of the forward kernels, per region (one run): bundles, XLU / VALU / MXU slot uses, spill stores / fills")
+    for r in rows:
+        if r.get("error"):
+            print(f"   {r['impl']:9s} {r['kind']:9s} {r['error']}")
+            continue
+        regs = "  ".join(f"{g['name']} {g['bundles']} ({g['XLU']}/{g['VALU']}/{g['MXU']}, {g['VSTORE:SPILL']}/{g['VLOAD:FILL']})"
+                         for g in r["kernel_regions"])
+        print(f"   {r['impl']:9s} {r['kind']:9s} {r['chip']} total {r['bundles']:5d}: {regs}")
+
+
 def print_cycles(c: dict) -> None:
     print(f"5. libtpu's static cycle estimate, H = {c['cases'][0]['H']}, S = {c['cases'][0]['S']}, blocks {BLOCK} "
           f"(regions weighted by the real tables; tokamax: {c['tokamax_variant'] or 'defaults'})")
@@ -345,6 +372,7 @@ def main() -> int:
     parser.add_argument("--cycles-masks", default=",".join(CYCLE_KINDS))
     parser.add_argument("--cycles-S", type=int, default=4096)
     parser.add_argument("--backward", action="store_true", help="section 5: forward and backward passes")
+    parser.add_argument("--no-bundles", action="store_true", help="section 5 without section 6 (the forward kernels' bundles)")
     parser.add_argument("--tokamax-variant", default="prescaled",
                         help="tokamax config changes ('+'-joined; bench/attention_cycles.py TOKAMAX_VARIANTS; '' for none)")
     parser.add_argument("--cycles-json", metavar="FILE", default=str(ROOT / "bench" / "results" / "attention_cycles.json"))
@@ -352,6 +380,9 @@ def main() -> int:
     if a.cycles:
         c = static_cycles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(","), a.backward, a.tokamax_variant)
         print_cycles(c)
+        if not a.no_bundles:
+            c["bundles"] = bundles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(",")[0], a.tokamax_variant)
+            print_bundles(c["bundles"])
         c["jax"] = jax.__version__
         Path(a.cycles_json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.cycles_json).write_text(json.dumps(c, indent=1, default=str) + "\n")
