@@ -96,7 +96,7 @@ def compile_forward(job: dict, dump: Path) -> dict:
     else:
         fn = {"splash": ac.splash_fn, "tokamax": ac.tokamax_fn}[job["impl"]](kind, H, S, D, job["block"], job.get("variant"))
         args = ac.arguments(kind, H, S, D)
-    forward, _ = ac.record(fn, args, False)
+    forward, _, _ = ac.record(fn, args, False)
     call = ac.flat_call(forward[0])
     sharding = SingleDeviceSharding(device)
     structs = [jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding) for a in call.args]

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import os
 import sys
 import time
@@ -61,7 +60,7 @@ def tokamax_available() -> str | None:
     """None if tokamax imports here, else why not."""
     try:
         import tokamax  # noqa: F401
-        from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel  # noqa: F401
+        from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel  # noqa: F401,F811
     except Exception as exc:  # ImportError, or tokamax failing to import against this jax
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -97,7 +96,6 @@ def tokamax_fn(kind: str, H: int, S: int, D: int, block: int, variant: str | Non
     """tokamax's Splash kernel (tokamax/_src/ops/experimental/tpu/splash_attention), the same
     masks as JAX's: lazy causal / local / chunked masks; documents as a causal mask plus
     segment ids (tokamax then drops the blocks between documents from its grid)."""
-    import splash_side
     from tokamax._src.ops.experimental.tpu.splash_attention import base
     from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as tk
     from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_mask as tm
@@ -152,8 +150,9 @@ def arguments(kind: str, H: int, S: int, D: int):
 
 
 def record(fn, args, backward: bool):
-    """The pallas_calls of fn(*args), and of its gradient (of sum(o)), run eagerly on the host;
-    each call gives zeros back and nothing runs."""
+    """The pallas_calls of fn(*args), of its gradient (of sum(o)) whole, and of the gradient's
+    backward kernels alone (its own forward calls left out), run eagerly on the host; each call
+    gives zeros back and nothing runs."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -179,7 +178,9 @@ def record(fn, args, backward: bool):
                 jax.grad(lambda q, k, v, *rest: jnp.sum(fn(q, k, v, *rest).astype(jnp.float32)), argnums=(0, 1, 2))(*args)
     finally:
         pl.pallas_call = real
-    return calls[:n], calls[n:]
+    # The gradient runs the forward again (with residuals: Splash's is another kernel) before
+    # the backward kernels; sparsegen/tpu/cycles.py's capture leaves those out the same way.
+    return calls[:n], calls[n:], calls[n + n :] if backward else []
 
 
 class _Flat:
@@ -277,11 +278,13 @@ def flat_call(call):
         num_scalar_prefetch=sum(t_present), grid=grid,
         in_specs=[remap(s) for s, p in zip(in_specs, i_present) if p],
         out_specs=[remap(s) for s, p in zip(out_specs, o_present) if p],
-        scratch_shapes=gs.scratch_shapes)
+        scratch_shapes=[x for x in gs.scratch_shapes if x is not None])
+    scratch = list(gs.scratch_shapes)
+    s_present = [x is not None for x in scratch]
     shapes = ([None] * sum(t_present) + [_block_shape(s, a) for s, a in zip(in_specs, operands) if a is not None]
               + [_block_shape(s, a) for s, a in zip(out_specs, out_shape) if a is not None]
-              + [tuple(s.shape) for s in gs.scratch_shapes])
-    kernel = _Flat(call.kernel, t_present + i_present + o_present, len(gs.scratch_shapes), shapes=shapes)
+              + [tuple(x.shape) for x in scratch if x is not None])
+    kernel = _Flat(call.kernel, t_present + i_present + o_present + s_present, 0, shapes=shapes)
     aliases = call.kwargs.get("input_output_aliases") or {}
     assert not aliases, f"aliased operands are not flattened: {aliases}"
     kwargs = {**call.kwargs, "grid_spec": spec, "out_shape": [s for s in out_shape if s is not None]}
@@ -292,54 +295,116 @@ def flat_call(call):
 # ------------------------------------------------------------------ the helper process
 
 
-def run_job(job: dict) -> dict:
-    from sparsegen.tpu import cycles
-    from sparsegen.tpu.targets import TARGETS
-    from sparsegen.tpu.verify import _device
+def job_calls(job: dict) -> dict:
+    """The job's passes: {"forward": [...], "forward_residuals": [...], "backward": [...]} of flat Calls."""
+    if job["impl"] in ("module", "sparsegen"):  # a generated module: the bench's, or a scratch copy at `path`
+        if job["impl"] == "module":
+            fn = module_fn(job["path"], job["kind"])
+        else:
+            import bench_attention
 
-    target = TARGETS[job["chip"]]
-    device = _device(target.topology)
-    if job["impl"] == "module":  # a generated module (a scratch copy): `path`
-        fn, args = module_fn(job["path"], job["kind"]), generated_arguments(job["kind"], job["H"], job["S"], job["D"])
+            fn = getattr(bench_attention.module(job["kind"]), f"{job['kind']}_bench")
+        args = generated_arguments(job["kind"], job["H"], job["S"], job["D"])
     else:
         make = {"splash": splash_fn, "tokamax": tokamax_fn}[job["impl"]]
         fn = make(job["kind"], job["H"], job["S"], job["D"], job["block"], job.get("variant"))
         args = arguments(job["kind"], job["H"], job["S"], job["D"])
-    forward, backward = record(fn, args, job["backward"])
-    out = {"forward": [], "backward": []}
-    for side, calls in (("forward", forward), ("backward", backward)):
-        for call in calls:
-            flat = flat_call(call)
-            start = time.perf_counter()
-            p = cycles.pass_cycles(flat, target, device)
-            j = p.to_json()
-            j["kernel"] = call.kwargs.get("name") or j["kernel"]
-            j["seconds"] = round(time.perf_counter() - start, 1)
-            out[side].append(j)
-    for side in ("forward", "backward"):
-        passes = out[side]
-        out[f"{side}_cycles"] = None if not passes or any(p["estimated_cycles"] is None for p in passes) else sum(p["estimated_cycles"] for p in passes)
-    return out
+    forward, grad, backward = record(fn, args, job["backward"])
+    # The forward a training step runs (with residuals), where it is another kernel (Splash's).
+    names = {f.kwargs.get("name") for f in forward}
+    residuals = [c for c in grad[: len(grad) - len(backward)] if c.kwargs.get("name") not in names]
+    return {side: [flat_call(c) for c in calls] for side, calls in
+            (("forward", forward), ("forward_residuals", residuals), ("backward", backward))}
+
+
+def fold_pair(names: list[str], impl: str) -> tuple[int, int] | None:
+    """(partial, full): the regions of a partial block step and of a full block step, or None.
+    sparsegen names them; tokamax's are both `_`, full first (should_not_mask), partial second."""
+    if "_partial" in names and "_full" in names:
+        return names.index("_partial"), names.index("_full")
+    if impl == "tokamax" and names.count("_") == 2:
+        first = names.index("_")
+        return names.index("_", first + 1), first
+    return None
+
+
+def pass_json(call, target, device, impl: str, fold: bool) -> dict:
+    """sparsegen/tpu/cycles.py's pass_cycles; `fold`: partial block steps walked as full ones
+    (libtpu's profiler aborted walking this pass's regions as they are), their count kept."""
+    from sparsegen.tpu import cycles
+
+    real_conditions = cycles.region_conditions
+    folded = 0
+    if fold:
+        names = [n for n, _ in real_conditions(call)]
+        pair = fold_pair(names, impl)
+        if pair is None:
+            raise RuntimeError("libtpu's profiler aborted and there is no partial region to fold")
+
+        def folding(c, zero=False):
+            nonlocal folded
+            found = real_conditions(c, zero)
+            if zero:
+                return found
+            (pn, pb), (fn_, fb) = found[pair[0]], found[pair[1]]
+            folded = int(pb.sum())
+            found[pair[1]] = (fn_, fb | pb)
+            found[pair[0]] = (pn, pb & False)
+            return found
+
+        cycles.region_conditions = folding
+    try:
+        start = time.perf_counter()
+        j = cycles.pass_cycles(call, target, device).to_json()
+    finally:
+        cycles.region_conditions = real_conditions
+    j["kernel"] = call.kwargs.get("name") or j["kernel"]
+    j["seconds"] = round(time.perf_counter() - start, 1)
+    if fold:
+        j["partial_folded_into_full"] = folded
+        j["note"] = (f"{folded} partial block steps counted at a full step's cost: libtpu's static profiler "
+                     "aborts walking this pass's partial/full regions (an LLO type check)")
+    return j
 
 
 def worker(request: str) -> None:
+    """One JSON line before each pass ("starting", so that the parent knows which one libtpu
+    aborted on) and one with its result."""
     from sparsegen.tpu import cycles
+    from sparsegen.tpu.targets import TARGETS
+    from sparsegen.tpu.verify import _device
 
-    jobs = json.loads(Path(request).read_text())
-    for job in jobs:
-        print(json.dumps({"starting": job}), flush=True)
-        start = time.perf_counter()
+    req = json.loads(Path(request).read_text())
+    skip = {tuple(k) for k in req["skip"]}
+    fold = {tuple(k) for k in req["fold"]}
+
+    def emit(msg):
+        print(json.dumps(msg), flush=True)
+
+    for n, job in enumerate(req["jobs"]):
         try:
-            out = run_job(job)
-        except cycles.NoProfile as exc:
-            print(json.dumps({"job": job, "no_profile": str(exc)}), flush=True)
-            return
-        except Exception as exc:  # this job only
+            target = TARGETS[job["chip"]]
+            device = _device(target.topology)
+            sides = job_calls(job)
+        except Exception as exc:
             text = str(exc).strip()
-            out = {"error": f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"}
-        out["seconds"] = round(time.perf_counter() - start, 1)
-        print(json.dumps({"job": job, "result": out}), flush=True)
-
+            emit({"key": [n, "forward", -1], "error": f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"})
+            continue
+        for side, calls in sides.items():
+            for i, call in enumerate(calls):
+                key = (n, side, i)
+                if key in skip:
+                    continue
+                emit({"starting": list(key)})
+                try:
+                    out = pass_json(call, target, device, job["impl"], key in fold)
+                except cycles.NoProfile as exc:
+                    emit({"no_profile": str(exc)})
+                    return
+                except Exception as exc:  # this pass only
+                    text = str(exc).strip()
+                    out = {"estimated_cycles": None, "note": f"not estimated: {type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"}
+                emit({"key": list(key), "pass": out})
 
 
 # ------------------------------------------------------------------ the parent side
@@ -373,19 +438,22 @@ def _limit_memory():
 
 
 def run_jobs(jobs: list[dict], python: str = sys.executable, timeout: float = 3600, log=print) -> list[dict]:
-    """The helper process over `jobs` (restarted past a job libtpu aborts on); a result per job."""
+    """The helper process over `jobs`, restarted past a pass libtpu's profiler aborts on: the
+    pass is tried again with its partial block steps folded into full ones (`pass_json`), and
+    reported as not estimated if that aborts too. A result per job: its passes per side, and
+    each side's total (None if a pass has none)."""
     import subprocess
     import tempfile
 
     from sparsegen.tpu.cycles import FLAG
 
-    results: dict[int, dict] = {}
-    todo = list(range(len(jobs)))
+    results = [{"forward": {}, "forward_residuals": {}, "backward": {}} for _ in jobs]
+    done, fold, errors, aborts = set(), set(), {}, {}
     deadline = time.monotonic() + timeout
-    while todo:
+    for _ in range(64):
         with tempfile.TemporaryDirectory(prefix="attention-cycles-") as tmp:
             req = Path(tmp) / "jobs.json"
-            req.write_text(json.dumps([jobs[i] for i in todo]))
+            req.write_text(json.dumps({"jobs": jobs, "skip": sorted(done), "fold": sorted(fold)}))
             env = {**os.environ, "LIBTPU_INIT_ARGS": f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {FLAG}={tmp}/profile".strip()}
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
             try:
@@ -400,36 +468,52 @@ def run_jobs(jobs: list[dict], python: str = sys.executable, timeout: float = 36
             if not line.startswith("{"):
                 continue
             msg = json.loads(line)
-            if "starting" in msg:
-                started = todo[0]
-                continue
-            i = todo.pop(0)
-            started = None
             if "no_profile" in msg:
-                for j in [i, *todo]:
-                    results[j] = {"error": f"no static profile: {msg['no_profile']}"}
-                todo = []
-                break
-            results[i] = msg["result"]
-            job = jobs[i]
-            log(f"   cycles {job['impl']:8s} {job['kind']:9s} {job['chip']} {'fwd+bwd' if job['backward'] else 'fwd'}"
-                f"{' ' + job['variant'] if job.get('variant') else ''}: "
-                f"{results[i].get('forward_cycles') or results[i].get('error')} / {results[i].get('backward_cycles')} "
-                f"({results[i].get('seconds')} s)")
-        if rc == 0 or not todo:
+                return [{"error": f"no static profile: {msg['no_profile']}"} for _ in jobs]
+            if "starting" in msg:
+                started = tuple(msg["starting"])
+                continue
+            key = tuple(msg["key"])
+            started = None
+            done.add(key)
+            if "error" in msg:
+                errors[key[0]] = msg["error"]
+                continue
+            results[key[0]][key[1]][key[2]] = msg["pass"]
+            p, job = msg["pass"], jobs[key[0]]
+            log(f"   cycles {job['impl']:9s} {job['kind']:9s} {job['chip']} {key[1]:17s} {p.get('kernel', '?')}: "
+                f"{p.get('estimated_cycles')} ({p.get('seconds')} s){' [' + p['note'][:60] + ']' if p.get('note') else ''}")
+        if rc == 0:
             break
         if rc == "timeout":
-            for j in todo:
-                results[j] = {"error": "not estimated: out of time"}
             break
         if started is None:
             tail = " | ".join(stderr.strip().splitlines()[-3:])
-            for j in todo:
-                results[j] = {"error": f"helper process stopped (exit {rc}): {tail[:300]}"}
+            for n in range(len(jobs)):
+                errors.setdefault(n, f"helper process stopped (exit {rc}): {tail[:300]}")
             break
         why = next((ln.split("] ", 1)[-1] for ln in stderr.splitlines() if ln.startswith("F") and "] " in ln), f"exit {rc}")
-        results[todo.pop(0)] = {"error": f"not estimated: libtpu's static profiler aborted: {why[:300]}"}
-    return [results.get(i, {"error": "not run"}) for i in range(len(jobs))]
+        aborts.setdefault(started, why)
+        if started not in fold:
+            fold.add(started)  # try again with partial steps folded into full ones
+            log(f"   cycles {jobs[started[0]]['impl']} {jobs[started[0]]['kind']} {started[1]} {started[2]}: profiler aborted "
+                f"({why[:120]}); again with partial steps folded into full ones")
+        else:
+            done.add(started)
+            results[started[0]][started[1]][started[2]] = {"estimated_cycles": None, "note": f"not estimated: libtpu's static profiler aborted: {why[:300]}"}
+    for key, why in aborts.items():  # a fold that could not help: say why the pass was not estimated
+        p = results[key[0]][key[1]].get(key[2])
+        if p is not None and p.get("estimated_cycles") is None and "no partial region" in (p.get("note") or ""):
+            p["note"] = f"not estimated: libtpu's static profiler aborted: {why[:300]}"
+    out = []
+    for n, r in enumerate(results):
+        job = {"error": errors.get(n)}
+        for side, passes in r.items():
+            job[side] = [passes[i] for i in sorted(passes)]
+            job[f"{side}_cycles"] = (None if not job[side] or any(p.get("estimated_cycles") is None for p in job[side])
+                                     else sum(p["estimated_cycles"] for p in job[side]))
+        out.append(job)
+    return out
 
 
 if __name__ == "__main__":

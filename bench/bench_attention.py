@@ -226,7 +226,7 @@ def aot(chips, quick: bool) -> list[dict]:
 CYCLE_KINDS = ("causal", "local", "document")
 
 
-def generated_cycles(kinds, S: int, chips, backward: bool, H: int = 8, D: int = 128) -> dict:
+def generated_cycles_via_verify(kinds, S: int, chips, backward: bool, H: int = 8, D: int = 128) -> dict:
     """`sparsegen verify --cycles` on the bench's specs (sparsegen/cycles.py: one helper process,
     every pass's `pl.when` regions weighted by the walk's real tables). The document kernel's
     pattern is Splash's segment ids (splash_side.document_ids), saved as a .npy file."""
@@ -257,18 +257,23 @@ def generated_cycles(kinds, S: int, chips, backward: bool, H: int = 8, D: int = 
 
 def _steps(passes: list[dict]) -> dict:
     """Grid steps and steps that run a block product, summed over passes."""
-    return {"steps": sum(p["steps"] for p in passes), "computing": sum(p["computing_steps"] for p in passes)}
+    return {"steps": sum(p.get("steps") or 0 for p in passes), "computing": sum(p.get("computing_steps") or 0 for p in passes)}
 
 
 def static_cycles(kinds, S: int, chips, backward: bool, tokamax_variant: str, H: int = 8, D: int = 128) -> dict:
-    """libtpu's static estimate of the three sides, weighted alike (bench/attention_cycles.py)."""
+    """libtpu's static estimate of the three sides, weighted alike (bench/attention_cycles.py:
+    sparsegen/tpu/cycles.py's pass_cycles on each recorded pallas_call; for the generated kernels
+    the same figures as `sparsegen verify --cycles`, whose job this is, with Splash's document ids
+    as the pattern). A pass libtpu's profiler aborts on is tried again with its partial block
+    steps counted as full ones (marked), else reported as not estimated."""
     import attention_cycles as ac
 
     start = time.perf_counter()
-    ours = generated_cycles(kinds, S, chips, backward, H, D)
     base = {"H": H, "S": S, "D": D, "block": BLOCK, "backward": backward}
-    splash_jobs = [{"impl": "splash", "kind": k, "chip": c, **base} for k in kinds for c in chips]
-    theirs = ac.run_jobs(splash_jobs, log=lambda m: print(m, flush=True))
+    here = [{"impl": i, "kind": k, "chip": c, **base} for i in ("sparsegen", "splash") for k in kinds for c in chips]
+    found = ac.run_jobs(here, log=lambda m: print(m, flush=True))
+    n = len(kinds) * len(chips)
+    ours, theirs = found[:n], found[n:]
     python, why = ac.tokamax_python()
     tk_jobs = [{"impl": "tokamax", "kind": k, "chip": c, "variant": tokamax_variant, **base} for k in kinds for c in chips]
     if python is None:
@@ -276,19 +281,22 @@ def static_cycles(kinds, S: int, chips, backward: bool, tokamax_variant: str, H:
         tk = [{"unavailable": why}] * len(tk_jobs)
     else:
         tk = ac.run_jobs(tk_jobs, python=python, log=lambda m: print(m, flush=True))
+    ours = {(k, c): r for (k, c), r in zip(((k, c) for k in kinds for c in chips), ours)}
     cases = []
     for n, (kind, chip) in enumerate((k, c) for k in kinds for c in chips):
         row = {"mask": kind, "chip": chip, **base, "sparsegen": ours[(kind, chip)], "splash": theirs[n], "tokamax": tk[n]}
-        # The MXU minimum of the block products every side computes alike (the causal grid's blocks;
-        # tokamax and sparsegen skip the blocks between documents, Splash does not).
         for side in ("sparsegen", "splash", "tokamax"):
             r = row[side]
             if r.get("forward"):
                 r["forward_steps"] = _steps(r["forward"])
             if r.get("backward"):
                 r["backward_steps"] = _steps(r["backward"])
+        for side in ("sparsegen", "splash", "tokamax"):
+            r = row[side]
+            fwd = r.get("forward_residuals_cycles") or r.get("forward_cycles")
+            r["training_cycles"] = fwd + r["backward_cycles"] if fwd and r.get("backward_cycles") else None
         for against in ("splash", "tokamax"):
-            for d in ("forward", "backward"):
+            for d in ("forward", "backward", "training"):
                 a, b = row["sparsegen"].get(f"{d}_cycles"), row[against].get(f"{d}_cycles")
                 row[f"{d}_ratio_{against}"] = round(a / b, 3) if a and b else None
         cases.append(row)
@@ -334,7 +342,7 @@ def print_cycles(c: dict) -> None:
         return f"{v:>10,}" if v else f"{'-':>10}"
 
     for r in c["cases"]:
-        for d in ("forward", "backward") if r["backward"] else ("forward",):
+        for d in ("forward", "backward", "training") if r["backward"] else ("forward",):
             ratios = "  ".join(f"/{a} {r[f'{d}_ratio_{a}']:.2f}" for a in ("splash", "tokamax") if r.get(f"{d}_ratio_{a}"))
             errs = "; ".join(f"{s}: {r[s].get('error') or r[s].get('unavailable')}" for s in ("sparsegen", "splash", "tokamax")
                              if r[s].get("error") or (r[s].get("unavailable") and d == "forward"))
