@@ -110,6 +110,16 @@ def tokamax_fn(kind: str, H: int, S: int, D: int, block: int, variant: str | Non
     else:
         raise ValueError(kind)
     kernel = tk.make_splash_mha_single_device(mask, config=tokamax_config(block, variant))
+    if not getattr(tk._not, "host_walk", False):
+        # tokamax's `_not` takes `not x` of anything that is not a jax.Array: on the host walk
+        # (sparsegen/tpu/cycles.py's region_conditions) its conditions are numpy arrays.
+        real_not = tk._not
+
+        def _not(x):
+            return np.logical_not(x) if isinstance(x, np.ndarray) else real_not(x)
+
+        _not.host_walk = True
+        tk._not = _not
     if kind != "document":
         return lambda q, k, v: kernel(q, k, v)
     return lambda q, k, v, seg_q, seg_kv: kernel(q, k, v, segment_ids=base.SegmentIds(q=seg_q, kv=seg_kv))
@@ -286,8 +296,8 @@ def flat_call(call):
               + [tuple(x.shape) for x in scratch if x is not None])
     kernel = _Flat(call.kernel, t_present + i_present + o_present + s_present, 0, shapes=shapes)
     aliases = call.kwargs.get("input_output_aliases") or {}
-    assert not aliases, f"aliased operands are not flattened: {aliases}"
-    kwargs = {**call.kwargs, "grid_spec": spec, "out_shape": [s for s in out_shape if s is not None]}
+    # Alias indices count the flattened operands and outputs, where a None is no leaf: unchanged.
+    kwargs = {**call.kwargs, "grid_spec": spec, "out_shape": [s for s in out_shape if s is not None], "input_output_aliases": aliases}
     args = [np.asarray(t) for t in tables if t is not None] + [a for a in operands if a is not None]
     return Call(kernel, kwargs, tuple(args))
 
