@@ -332,7 +332,7 @@ def fold_pair(names: list[str], impl: str) -> tuple[int, int] | None:
     sparsegen names them; tokamax's are both `_`, full first (should_not_mask), partial second."""
     if "_partial" in names and "_full" in names:
         return names.index("_partial"), names.index("_full")
-    if impl == "tokamax" and names.count("_") == 2:
+    if impl == "tokamax" and names.count("_") >= 2:  # the fused dkv kernel has a third (the write)
         first = names.index("_")
         return names.index("_", first + 1), first
     return None
