@@ -14,6 +14,21 @@
    (from the compiled HLO), against Splash at the same block sizes.
 4. On a TPU (none here): wall time of both, forward and forward+backward.
 
+    .venv/bin/python bench/bench_attention.py --cycles [--backward] [--cycles-chips v5e,v6e] [--no-bundles]
+
+5. (`--cycles` runs this alone) libtpu's static cycle estimate of the generated kernels, JAX's
+   Splash and tokamax's Splash at H = 8, S = 4096, D = 128, blocks 512, causal, local and
+   document masks, forward (and with --backward the backward passes, and the forward with
+   residuals a training step runs): bench/attention_cycles.py records each side's
+   pallas_calls and weights them with sparsegen/tpu/cycles.py's pass_cycles, the
+   `verify --cycles` machinery (every `pl.when` region walked as the real tables take it).
+   tokamax runs from an interpreter that imports it: this one, else the benchmark-only venv
+   `.bench-venv` (`python -m venv .bench-venv && .bench-venv/bin/pip install -e '.[tpu]'
+   tokamax`); without either it is printed as unavailable, saying why.
+6. The forward kernels' final bundles per `pl.when` region (bench/attention_bundles.py, from
+   libtpu's `--xla_jf_dump_to` LLO dumps): bundles, MXU / XLU / VALU slot uses, spill stores
+   and fills of one run of each region. Sections 5 and 6 go to bench/results/attention_cycles.json.
+
 Splash's side is bench/splash_side.py. No timed assertion anywhere: this prints a table.
 """
 
