@@ -14,6 +14,21 @@
    (from the compiled HLO), against Splash at the same block sizes.
 4. On a TPU (none here): wall time of both, forward and forward+backward.
 
+    .venv/bin/python bench/bench_attention.py --cycles [--backward] [--cycles-chips v5e,v6e] [--no-bundles]
+
+5. (`--cycles` runs this alone) libtpu's static cycle estimate of the generated kernels, JAX's
+   Splash and tokamax's Splash at H = 8, S = 4096, D = 128, blocks 512, causal, local and
+   document masks, forward (and with --backward the backward passes, and the forward with
+   residuals a training step runs): bench/attention_cycles.py records each side's
+   pallas_calls and weights them with sparsegen/tpu/cycles.py's pass_cycles, the
+   `verify --cycles` machinery (every `pl.when` region walked as the real tables take it).
+   tokamax runs from an interpreter that imports it: this one, else the benchmark-only venv
+   `.bench-venv` (`python -m venv .bench-venv && .bench-venv/bin/pip install -e '.[tpu]'
+   tokamax`); without either it is printed as unavailable, saying why.
+6. The forward kernels' final bundles per `pl.when` region (bench/attention_bundles.py, from
+   libtpu's `--xla_jf_dump_to` LLO dumps): bundles, MXU / XLU / VALU slot uses, spill stores
+   and fills of one run of each region. Sections 5 and 6 go to bench/results/attention_cycles.json.
+
 Splash's side is bench/splash_side.py. No timed assertion anywhere: this prints a table.
 """
 
@@ -221,6 +236,135 @@ def aot(chips, quick: bool) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------ 5. static cycle estimates
+
+CYCLE_KINDS = ("causal", "local", "document")
+
+
+def generated_cycles_via_verify(kinds, S: int, chips, backward: bool, H: int = 8, D: int = 128) -> dict:
+    """`sparsegen verify --cycles` on the bench's specs (sparsegen/cycles.py: one helper process,
+    every pass's `pl.when` regions weighted by the walk's real tables). The document kernel's
+    pattern is Splash's segment ids (splash_side.document_ids), saved as a .npy file."""
+    from sparsegen import cycles
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-attention-"))
+    ids = tmp / "document_ids.npy"
+    np.save(ids, splash.document_ids(S).astype(np.int32))
+    jobs, keys = [], []
+    for kind in kinds:
+        for chip in chips:
+            jobs.append({"spec": f"{kind}.spk", "text": spec(kind), "kernel": f"{kind}_bench", "target": chip,
+                         "shapes": {"B": 1, "H": H, "S": S, "D": D}, "pattern": str(ids) if kind == "document" else "tril",
+                         "seed": 0, "backward": backward})
+            keys.append((kind, chip))
+    start = time.perf_counter()
+    out = {}
+    for key, k in zip(keys, cycles.measure(jobs)):
+        j = k.to_json()
+        out[key] = {"forward_cycles": j["forward"]["estimated_cycles"],
+                    "backward_cycles": (j["backward"] or {}).get("estimated_cycles") if backward else None,
+                    "forward": j["forward"]["passes"], "backward": (j["backward"] or {}).get("passes", []), "error": j["error"]}
+        print(f"   cycles {'sparsegen':8s} {key[0]:9s} {key[1]} {'fwd+bwd' if backward else 'fwd'}: "
+              f"{out[key]['forward_cycles'] or out[key]['error']} / {out[key]['backward_cycles']}", flush=True)
+    out["seconds"] = round(time.perf_counter() - start, 1)
+    return out
+
+
+def _steps(passes: list[dict]) -> dict:
+    """Grid steps and steps that run a block product, summed over passes."""
+    return {"steps": sum(p.get("steps") or 0 for p in passes), "computing": sum(p.get("computing_steps") or 0 for p in passes)}
+
+
+def static_cycles(kinds, S: int, chips, backward: bool, tokamax_variant: str, H: int = 8, D: int = 128) -> dict:
+    """libtpu's static estimate of the three sides, weighted alike (bench/attention_cycles.py:
+    sparsegen/tpu/cycles.py's pass_cycles on each recorded pallas_call; for the generated kernels
+    the same figures as `sparsegen verify --cycles`, whose job this is, with Splash's document ids
+    as the pattern). A pass libtpu's profiler aborts on is tried again with its partial block
+    steps counted as full ones (marked), else reported as not estimated."""
+    import attention_cycles as ac
+
+    start = time.perf_counter()
+    base = {"H": H, "S": S, "D": D, "block": BLOCK, "backward": backward}
+    here = [{"impl": i, "kind": k, "chip": c, **base} for i in ("sparsegen", "splash") for k in kinds for c in chips]
+    found = ac.run_jobs(here, log=lambda m: print(m, flush=True))
+    n = len(kinds) * len(chips)
+    ours, theirs = found[:n], found[n:]
+    python, why = ac.tokamax_python()
+    tk_jobs = [{"impl": "tokamax", "kind": k, "chip": c, "variant": tokamax_variant, **base} for k in kinds for c in chips]
+    if python is None:
+        print(f"   tokamax: unavailable: {why}", flush=True)
+        tk = [{"unavailable": why}] * len(tk_jobs)
+    else:
+        tk = ac.run_jobs(tk_jobs, python=python, log=lambda m: print(m, flush=True))
+    ours = {(k, c): r for (k, c), r in zip(((k, c) for k in kinds for c in chips), ours)}
+    cases = []
+    for n, (kind, chip) in enumerate((k, c) for k in kinds for c in chips):
+        row = {"mask": kind, "chip": chip, **base, "sparsegen": ours[(kind, chip)], "splash": theirs[n], "tokamax": tk[n]}
+        for side in ("sparsegen", "splash", "tokamax"):
+            r = row[side]
+            if r.get("forward"):
+                r["forward_steps"] = _steps(r["forward"])
+            if r.get("backward"):
+                r["backward_steps"] = _steps(r["backward"])
+        for side in ("sparsegen", "splash", "tokamax"):
+            r = row[side]
+            fwd = r.get("forward_residuals_cycles") or r.get("forward_cycles")
+            r["training_cycles"] = fwd + r["backward_cycles"] if fwd and r.get("backward_cycles") else None
+        for against in ("splash", "tokamax"):
+            for d in ("forward", "backward", "training"):
+                a, b = row["sparsegen"].get(f"{d}_cycles"), row[against].get(f"{d}_cycles")
+                row[f"{d}_ratio_{against}"] = round(a / b, 3) if a and b else None
+        cases.append(row)
+    return {"cases": cases, "tokamax_variant": tokamax_variant, "tokamax_python": python, "tokamax_unavailable": why,
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def bundles(kinds, S: int, chip: str, tokamax_variant: str, H: int = 8, D: int = 128) -> list[dict]:
+    """Each side's forward kernel as final bundles, per `pl.when` region (bench/attention_bundles.py):
+    bundle count and slot uses (MXU, XLU, VALU, EUP, spill stores and fills) of one run of the region."""
+    import attention_bundles as ab
+    import attention_cycles as ac
+
+    base = {"H": H, "S": S, "D": D, "block": BLOCK, "chip": chip}
+    jobs = [{"impl": i, "kind": k, **base} for k in kinds for i in ("sparsegen", "splash")]
+    found = ab.run(jobs)
+    python, _ = ac.tokamax_python()
+    if python is not None:
+        tk_jobs = [{"impl": "tokamax", "kind": k, "variant": tokamax_variant, **base} for k in kinds]
+        jobs, found = jobs + tk_jobs, found + ab.run(tk_jobs, python=python)
+    return [{**j, **r} for j, r in zip(jobs, found)]
+
+
+def print_bundles(rows: list[dict]) -> None:
+    print("6. Final bundles of the forward kernels, per region (one run): bundles, XLU / VALU / MXU slot uses, spill stores / fills")
+    for r in rows:
+        if r.get("error"):
+            print(f"   {r['impl']:9s} {r['kind']:9s} {r['error']}")
+            continue
+        regs = "  ".join(f"{g['name']} {g['bundles']} ({g['XLU']}/{g['VALU']}/{g['MXU']}, {g['VSTORE:SPILL']}/{g['VLOAD:FILL']})"
+                         for g in r["kernel_regions"])
+        print(f"   {r['impl']:9s} {r['kind']:9s} {r['chip']} total {r['bundles']:5d}: {regs}")
+
+
+def print_cycles(c: dict) -> None:
+    print(f"5. libtpu's static cycle estimate, H = {c['cases'][0]['H']}, S = {c['cases'][0]['S']}, blocks {BLOCK} "
+          f"(regions weighted by the real tables; tokamax: {c['tokamax_variant'] or 'defaults'})")
+    if c["tokamax_unavailable"]:
+        print(f"   tokamax unavailable: {c['tokamax_unavailable']}")
+
+    def fmt(r, d):
+        v = r.get(f"{d}_cycles")
+        return f"{v:>10,}" if v else f"{'-':>10}"
+
+    for r in c["cases"]:
+        for d in ("forward", "backward", "training") if r["backward"] else ("forward",):
+            ratios = "  ".join(f"/{a} {r[f'{d}_ratio_{a}']:.2f}" for a in ("splash", "tokamax") if r.get(f"{d}_ratio_{a}"))
+            errs = "; ".join(f"{s}: {r[s].get('error') or r[s].get('unavailable')}" for s in ("sparsegen", "splash", "tokamax")
+                             if r[s].get("error") or (r[s].get("unavailable") and d == "forward"))
+            print(f"   {r['mask']:9s} {r['chip']} {d[:3]}  sparsegen {fmt(r['sparsegen'], d)}  Splash {fmt(r['splash'], d)}"
+                  f"  tokamax {fmt(r['tokamax'], d)}  {ratios}{'  (' + errs + ')' if errs else ''}")
+
+
 # ------------------------------------------------------------------ 4. on a TPU
 
 
@@ -246,7 +390,27 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="S = 8192 for classification, fewer compiles")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--cycles", action="store_true", help="only section 5: static cycle estimates (slow: profiled compiles)")
+    parser.add_argument("--cycles-chips", default="v5e", help="chips for section 5 (comma-separated: v5e,v6e)")
+    parser.add_argument("--cycles-masks", default=",".join(CYCLE_KINDS))
+    parser.add_argument("--cycles-S", type=int, default=4096)
+    parser.add_argument("--backward", action="store_true", help="section 5: forward and backward passes")
+    parser.add_argument("--no-bundles", action="store_true", help="section 5 without section 6 (the forward kernels' bundles)")
+    parser.add_argument("--tokamax-variant", default="prescaled",
+                        help="tokamax config changes ('+'-joined; bench/attention_cycles.py TOKAMAX_VARIANTS; '' for none)")
+    parser.add_argument("--cycles-json", metavar="FILE", default=str(ROOT / "bench" / "results" / "attention_cycles.json"))
     a = parser.parse_args()
+    if a.cycles:
+        c = static_cycles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(","), a.backward, a.tokamax_variant)
+        print_cycles(c)
+        if not a.no_bundles:
+            c["bundles"] = bundles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(",")[0], a.tokamax_variant)
+            print_bundles(c["bundles"])
+        c["jax"] = jax.__version__
+        Path(a.cycles_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.cycles_json).write_text(json.dumps(c, indent=1, default=str) + "\n")
+        print(f"written {a.cycles_json} ({c['seconds']} s)")
+        return 0
     S = 8192 if a.quick else 32768
     result = {"classification": classification(S, 2 if a.quick else 3), "walk": walks(S),
               "aot": aot(["v5e"] if a.quick else ["v5e", "v6e"], a.quick), "tpu": timings()}
