@@ -1,7 +1,8 @@
 """sparsegen's paged decode (specs/paged_decode.spk) side by side with JAX's `paged_attention`
 (jax.experimental.pallas.ops.tpu.paged_attention), in one run, with no TPU:
 
-    python -m bench.bench_paged_decode [--quick] [--no-aot] [--no-cycles] [--chips v5e,v6e] [--json FILE]
+    python -m bench.bench_paged_decode [--quick] [--no-aot] [--no-probe] [--no-cycles] [--chips v5e,v6e]
+                                       [--variants] [--json FILE]
 
 Shapes (issue 19): B = 64 sequences, H = 32 query heads, G = 4 key/value heads (the spec
 reads kc[h // 8, ...]: 8 query heads per kv head, so G = H / 8; the issue's text says G = 8,
@@ -65,6 +66,11 @@ grid axis, steps past the length skipped by pl.when).
    own around its kernel at these shapes (q is bf16 and 8 heads a group: no reshape, no
    cast); its whole program is not profiled (the same abort, at any B: its unused m and l
    outputs are then placed in VMEM).
+
+--variants adds, to 3., two scratch variants of the generated kernel (not sparsegen's output;
+see _variant_text): its page copies without their per-page pl.when, and with one wait per
+block and operand; they say where ours' per-key-block cycles go at T = 16
+(bench/results/paged_decode_variants.json; run with --no-aot --chips v5e).
 
 No timed assertion anywhere: this prints tables and writes bench/results/paged_decode.json.
 """
@@ -298,6 +304,25 @@ def _constant_blocks_text(text: str, n: int) -> str:
     return re.sub(loop, f"first, last = 0, {n}", text)
 
 
+VARIANTS = ("sparsegen+noguard", "sparsegen+onewait")
+
+
+def _variant_text(text: str, variant: str) -> str:
+    """Scratch variants of the generated kernel (--variants; a diagnosis, not sparsegen's
+    output): "noguard", each page's copy and wait without its pl.when (what a key block
+    wholly inside the page bounds could do); "onewait", noguard and one wait per operand for
+    the whole slot (a descriptor over kc_pages.at[slot]), as paged_attention waits."""
+    guard = "            @pl.when((page >= lo) & (page < hi))\n            def _copy():\n"
+    wait = "        _pages(block, slot, False)  # this block's pages have arrived\n"
+    if guard not in text or wait not in text:
+        raise RuntimeError("the generated kernel's page copies are not where this benchmark looks for them")
+    text = text.replace(guard, "            if True:  # bench variant: no guard\n")
+    if variant.endswith("onewait"):
+        text = text.replace(wait, "        pltpu.make_async_copy(kc_pages.at[slot], kc_pages.at[slot], kc_copies.at[slot]).wait()\n"
+                                  "        pltpu.make_async_copy(vc_pages.at[slot], vc_pages.at[slot], vc_copies.at[slot]).wait()\n")
+    return text
+
+
 def _capture(fn, args, device):
     """The pallas_call `fn` makes when traced: (kernel, keywords, argument structs)."""
     calls = []
@@ -378,8 +403,11 @@ def cycle_job(job: dict) -> dict:
         return {"kernel_as_compiled": kernel, "outside_kernel": total - kernel}
     n, batch = job["N"], job["B"]
     args = structs(T, device, batch)
-    if impl == "sparsegen":
-        mod = _load(_constant_blocks_text(generated_text(chip)[2], n), f"paged_decode_n{n}")
+    if impl.startswith("sparsegen"):
+        text = _constant_blocks_text(generated_text(chip)[2], n)
+        if impl != "sparsegen":
+            text = _variant_text(text, impl)
+        mod = _load(text, f"paged_decode_n{n}")
         call = _capture(lambda q, kc, vc, pages, lens: mod.paged_decode(q, kc, vc, pages, lens), args, device)
         subs = {}
     else:
@@ -467,11 +495,11 @@ def run_jobs(jobs: list[dict], timeout: float) -> list[dict]:
     return [results.get(k, {"error": "not run"}) for k in range(len(jobs))]
 
 
-def cycle_jobs(chips, page_sizes, ns) -> list[dict]:
+def cycle_jobs(chips, page_sizes, ns, variants: bool = False) -> list[dict]:
     jobs = []
     for chip in chips:
         for T in page_sizes:
-            for impl in IMPLS:
+            for impl in IMPLS + (VARIANTS if variants else ()):
                 jobs += [{"kind": "blocks", "chip": chip, "T": T, "impl": impl, "N": n, "B": CYCLE_B} for n in ns]
                 jobs.append({"kind": "blocks", "chip": chip, "T": T, "impl": impl, "N": LINE_FROM, "B": 2 * CYCLE_B})
                 if impl == "sparsegen":
@@ -616,6 +644,8 @@ def main() -> int:
     parser.add_argument("--no-probe", action="store_true", help="skip the VMEM probes (compile once each)")
     parser.add_argument("--no-cycles", action="store_true")
     parser.add_argument("--chips", default="v5e,v6e")
+    parser.add_argument("--variants", action="store_true",
+                        help="also estimate scratch variants of the generated kernel (see _variant_text): a diagnosis")
     parser.add_argument("--cycles-timeout", type=float, default=900)
     parser.add_argument("--json", metavar="FILE", default=None, help="default bench/results/paged_decode.json (not with --quick)")
     parser.add_argument("--worker", metavar="REQUEST", help=argparse.SUPPRESS)
@@ -645,14 +675,14 @@ def main() -> int:
     if not a.no_cycles:
         print("3. Static cycle estimates (helper process)", flush=True)
         t0 = time.perf_counter()
-        jobs = cycle_jobs(chips, page_sizes, ns)
+        jobs = cycle_jobs(chips, page_sizes, ns, a.variants)
         res = run_jobs(jobs, a.cycles_timeout)
         result["cycle_jobs"] = [{**j, **r} for j, r in zip(jobs, res)]
         result["cycles"] = []
         for chip in chips:
             for b in result["bytes"]:
-                for impl in IMPLS:
-                    nbytes = b["sparsegen" if impl == "sparsegen" else "paged_attention"]["bytes"]
+                for impl in IMPLS + (VARIANTS if a.variants else ()):
+                    nbytes = b["sparsegen" if impl.startswith("sparsegen") else "paged_attention"]["bytes"]
                     model = cycle_model(jobs, res, chip, b["T"], impl, np.asarray(b["key_blocks_per_row"]), nbytes)
                     result["cycles"].append({"chip": chip, "T": b["T"], "impl": impl, "model": model})
         result["cycles_s"] = round(time.perf_counter() - t0, 1)
@@ -662,7 +692,8 @@ def main() -> int:
     for line in result["summary"]:
         print("  " + line)
     print(f"total {result['total_s']} s (AOT {result.get('aot_s', '-')} s, cycles {result.get('cycles_s', '-')} s)")
-    path = a.json or (None if a.quick else str(ROOT / "bench" / "results" / "paged_decode.json"))
+    default = "paged_decode_variants.json" if a.variants else "paged_decode.json"
+    path = a.json or (None if a.quick else str(ROOT / "bench" / "results" / default))
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(result, indent=1, default=str))
