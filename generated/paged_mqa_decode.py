@@ -319,7 +319,7 @@ def _classify_pages(xp, lens, sizes):
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 
-def _paged_mqa_decode_kernel(*refs, pieces, H, T, NP):
+def _paged_mqa_decode_kernel(*refs, pieces, chained, B, H, T, NP):
     # One row block: its key blocks in a loop, each gathering its pages from HBM.
     if pieces:
         # The table is too large for scalar memory: it stays in HBM, and each step copies its row.
@@ -336,6 +336,7 @@ def _paged_mqa_decode_kernel(*refs, pieces, H, T, NP):
             vc_pages,
             kc_copies,
             vc_copies,
+            state,
             pages_smem,
         ) = refs
     else:
@@ -352,54 +353,120 @@ def _paged_mqa_decode_kernel(*refs, pieces, H, T, NP):
             vc_pages,
             kc_copies,
             vc_copies,
+            state,
         ) = refs
+    per_block = 512 // T  # pages a key block gathers
+
+    def _bounds(b, row):
+        # A step's pages [lo, hi) (those the condition may reach) and the key blocks holding them.
+        at = b * pl.cdiv(H, 8) + row
+        lo, hi = first_page[at], end_page[at]
+        return lo, hi, lo // per_block, (hi + per_block - 1) // per_block
+
+    def _pages(b, row, lo, hi, block, slot, start):
+        # The copies of a key block's pages (start: begun; else: waited for).
+        base = 0 if pieces else b * NP  # the step's row of the table
+        whole = (block * per_block >= lo) & (block * per_block + per_block <= hi)
+
+        @pl.when(whole)
+        def _whole_block():
+            # Every page inside the bounds: no guard per page, one wait per operand.
+            if start:
+                for p in range(per_block):
+                    entry = pages_smem[base + block * per_block + p]
+                    pltpu.make_async_copy(
+                        kc_hbm.at[entry], kc_pages.at[slot, p], kc_copies.at[slot]
+                    ).start()
+                    pltpu.make_async_copy(
+                        vc_hbm.at[entry], vc_pages.at[slot, p], vc_copies.at[slot]
+                    ).start()
+            else:
+                pltpu.make_async_copy(
+                    kc_pages.at[slot], kc_pages.at[slot], kc_copies.at[slot]
+                ).wait()
+                pltpu.make_async_copy(
+                    vc_pages.at[slot], vc_pages.at[slot], vc_copies.at[slot]
+                ).wait()
+
+        @pl.when(jnp.logical_not(whole))
+        def _edge_block():
+            # The first or last block: only its pages inside the bounds, each waited for.
+            for p in range(per_block):
+                page = block * per_block + p
+
+                @pl.when((page >= lo) & (page < hi))
+                def _copy():
+                    entry = pages_smem[base + page]
+                    copy = pltpu.make_async_copy(
+                        kc_hbm.at[entry], kc_pages.at[slot, p], kc_copies.at[slot]
+                    )
+                    copy.start() if start else copy.wait()
+                    copy = pltpu.make_async_copy(
+                        vc_hbm.at[entry], vc_pages.at[slot, p], vc_copies.at[slot]
+                    )
+                    copy.start() if start else copy.wait()
+
     b = pl.program_id(0)
     row = pl.program_id(1)  # the row block
-    at = b * pl.cdiv(H, 8) + row
-    lo, hi = first_page[at], end_page[at]  # the pages the condition may reach
-    per_block = 512 // T  # pages a key block gathers
-    first, last = (
-        lo // per_block,
-        (hi + per_block - 1) // per_block,
-    )  # the key blocks holding them
     if pieces:
         pltpu.sync_copy(pages_hbm.at[b], pages_smem)
-        base = 0
+    lo, hi, first, last = _bounds(b, row)
+    if chained:
+        # One core walks the steps in order: the last block of a step starts the copies
+        # of the next step's first block, and `state` tells that step (its slot, started).
+
+        @pl.when((b == 0) & (row == 0))
+        def _start():
+            state[0] = 0
+            state[1] = 0
+
+        slot0, started = state[0], state[1]
+        state[1] = 0
     else:
-        base = b * NP  # the row's first entry
+        slot0, started = 0, 0
 
-    def _pages(block, slot, start):
-        for p in range(per_block):
-            page = block * per_block + p
-
-            @pl.when((page >= lo) & (page < hi))
-            def _copy():
-                entry = pages_smem[base + page]
-                copy = pltpu.make_async_copy(
-                    kc_hbm.at[entry], kc_pages.at[slot, p], kc_copies.at[slot]
-                )
-                copy.start() if start else copy.wait()
-                copy = pltpu.make_async_copy(
-                    vc_hbm.at[entry], vc_pages.at[slot, p], vc_copies.at[slot]
-                )
-                copy.start() if start else copy.wait()
-
-    @pl.when(first < last)
+    @pl.when((first < last) & (started == 0))
     def _prefetch_first():
-        _pages(first, 0, True)
+        _pages(b, row, lo, hi, first, slot0, True)
 
     q_blk = q_ref[...]
 
     def _block(block, carry):
         m_prev, l_prev, o_prev = carry
-        slot = lax.rem(block - first, 2)
+        slot = lax.rem(slot0 + block - first, 2)
 
         @pl.when(block + 1 < last)
         def _prefetch_next():
             # The next block's pages are copied while this one is computed.
-            _pages(block + 1, 1 - slot, True)
+            _pages(b, row, lo, hi, block + 1, 1 - slot, True)
 
-        _pages(block, slot, False)  # this block's pages have arrived
+        if chained:
+
+            @pl.when(block + 1 == last)
+            def _prefetch_next_step():
+                step = b * pl.cdiv(H, 8) + row + 1
+
+                @pl.when(step < B * pl.cdiv(H, 8))
+                def _next_step():
+                    next_b = lax.rem(lax.div(step, pl.cdiv(H, 8)), B)
+                    next_row = lax.rem(step, pl.cdiv(H, 8))
+                    next_lo, next_hi, next_first, next_last = _bounds(next_b, next_row)
+
+                    @pl.when(next_first < next_last)
+                    def _copy_next():
+                        _pages(
+                            next_b,
+                            next_row,
+                            next_lo,
+                            next_hi,
+                            next_first,
+                            1 - slot,
+                            True,
+                        )
+                        state[0] = 1 - slot
+                        state[1] = 1
+
+        _pages(b, row, lo, hi, block, slot, False)  # this block's pages have arrived
         kc_blk = kc_pages[slot].reshape(512, 128)
         raw_scores = lax.dot_general(
             q_blk, kc_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -535,6 +602,7 @@ def _impl(q, kc, vc, pages, lens, sizes, interpret):
             pltpu.VMEM((2, 512 // T, T, 128), jnp.bfloat16),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SMEM((2,), jnp.int32),
             *([pltpu.SMEM((NP,), jnp.int32)] if pieces else []),
         ],
     )
@@ -542,6 +610,8 @@ def _impl(q, kc, vc, pages, lens, sizes, interpret):
         functools.partial(
             _paged_mqa_decode_kernel,
             pieces=pieces,
+            chained=not pieces,
+            B=B,
             H=H,
             T=T,
             NP=NP,
@@ -551,9 +621,10 @@ def _impl(q, kc, vc, pages, lens, sizes, interpret):
             jax.ShapeDtypeStruct((B, H, D), jnp.bfloat16),
         ],
         compiler_params=pltpu.CompilerParams(
+            # One TensorCore walks the steps in order: each step prefetches the next's first block.
             dimension_semantics=(
-                "parallel",
-                "parallel",
+                "arbitrary",
+                "arbitrary",
             ),
         ),
         interpret=interpret,

@@ -95,20 +95,19 @@ class PagedEmitter(AttentionEmitter):
                  "else:",
                  f"    {', '.join(refs['signature'])}, = refs"]
         lead_vars = {i: n.local(i) for i in p.lead}
-        for d, i in enumerate(p.lead):
-            lines.append(f"{lead_vars[i]} = pl.program_id({d})")
         row = n.local("row")
-        lines.append(f"{row} = pl.program_id({len(p.lead)})  # the row block")
+        ppb = n.local("per_block")
+        lines.append(f"{ppb} = {tj} // {page}  # pages a key block gathers")
         groups = [i for i in p.class_axes[:-2]]
         n_rows = self.size_expr(p.query).cdiv(ti)
         at_expr = flat([Var(lead_vars[i]) for i in groups] + [Var(row)], [self.size_expr(i) for i in groups] + [n_rows])
-        at, lo, hi = n.local("at"), n.local("lo"), n.local("hi")
-        lines.append(f"{at} = {render(at_expr, 'py')}")
-        lines.append(f"{lo}, {hi} = {refs['first']}[{at}], {refs['end']}[{at}]  # the pages the condition may reach")
-        ppb = n.local("per_block")
-        lines.append(f"{ppb} = {tj} // {page}  # pages a key block gathers")
-        first, last = n.local("first"), n.local("last")
-        lines.append(f"{first}, {last} = {lo} // {ppb}, ({hi} + {ppb} - 1) // {ppb}  # the key blocks holding them")
+        at, lo, hi, first, last = (n.local(x) for x in ("at", "lo", "hi", "first", "last"))
+        step_params = ", ".join(list(lead_vars.values()) + [row])
+        lines += ["", f"def _bounds({step_params}):",
+                  "    # A step's pages [lo, hi) (those the condition may reach) and the key blocks holding them.",
+                  f"    {at} = {render(at_expr, 'py')}",
+                  f"    {lo}, {hi} = {refs['first']}[{at}], {refs['end']}[{at}]",
+                  f"    return {lo}, {hi}, {lo} // {ppb}, ({hi} + {ppb} - 1) // {ppb}"]
         # Each page inside the bounds: one copy per cached operand, started or waited for.
         kb, slot, start, pi, entry = n.local("block"), n.local("slot"), n.local("start"), n.local("p"), n.local("entry")
         table = pg.gathers[0].table
@@ -117,31 +116,111 @@ class PagedEmitter(AttentionEmitter):
         base = n.local("base")
         row_ref = f"{refs['table_hbm']}.at[{', '.join(row_coords)}]" if row_coords else refs["table_hbm"]
         flat_row = render(flat([Var(c) for c in row_coords], [self.m.conv.size(dim) for dim in table_op.dims[:-1]]), "py") if row_coords else "0"
-        lines += ["if pieces:",
-                  f"    pltpu.sync_copy({row_ref}, {refs['table']})",
-                  f"    {base} = 0",
-                  "else:",
-                  f"    {base} = {flat_row} * {render(self.m.conv.size(table_op.dims[-1]), 'py')}  # the row's first entry"]
         page_var = n.local("page")
-        tpos_text = f"{base} + {page_var}"
-        lines += ["", f"def _pages({kb}, {slot}, {start}):",
-                  f"    for {pi} in range({ppb}):",
-                  f"        {page_var} = {kb} * {ppb} + {pi}",
+        def copies(indent: str, entry_at: str, action: str) -> list[str]:
+            out = [f"{indent}{entry} = {refs['table']}[{entry_at}]"]
+            for g in pg.gathers:
+                heads = []
+                for s_ in g.heads:
+                    if s_.index in p.lead:
+                        heads.append(f"{lead_vars[s_.index]} // {s_.divisor}" if s_.divisor != 1 else lead_vars[s_.index])
+                    else:  # the row block's heads share one (the tile divides the divisor)
+                        heads.append(row if s_.divisor == ti else f"{row} * {ti} // {s_.divisor}")
+                src = ", ".join(heads + [entry])
+                buf, sem = refs["bufs"][g.read.operand], refs["sems"][g.read.operand]
+                copy = f"pltpu.make_async_copy({refs['hbm'][g.read.operand]}.at[{src}], {buf}.at[{slot}, {pi}], {sem}.at[{slot}])"
+                out += [f"{indent}{copy}.start()"] if action == "start" else [f"{indent}copy = {copy}", f"{indent}copy.start() if {start} else copy.wait()"]
+            return out
+
+        whole = n.local("whole")
+        lines += ["", "", f"def _pages({step_params}, {lo}, {hi}, {kb}, {slot}, {start}):",
+                  "    # The copies of a key block's pages (start: begun; else: waited for).",
+                  f"    {base} = 0 if pieces else {flat_row} * {render(self.m.conv.size(table_op.dims[-1]), 'py')}  # the step's row of the table",
+                  f"    {whole} = ({kb} * {ppb} >= {lo}) & ({kb} * {ppb} + {ppb} <= {hi})",
                   "",
-                  f"        @pl.when(({page_var} >= {lo}) & ({page_var} < {hi}))",
-                  "        def _copy():",
-                  f"            {entry} = {refs['table']}[{tpos_text}]"]
+                  f"    @pl.when({whole})",
+                  "    def _whole_block():",
+                  "        # Every page inside the bounds: no guard per page, one wait per operand.",
+                  f"        if {start}:",
+                  f"            for {pi} in range({ppb}):"]
+        lines += copies("                ", f"{base} + {kb} * {ppb} + {pi}", "start")
+        lines.append("        else:")
         for g in pg.gathers:
-            heads = []
-            for s in g.heads:
-                v = lead_vars[s.index] if s.index in p.lead else f"{row} * {ti}"
-                heads.append(f"{v} // {s.divisor}" if s.divisor != 1 else v)
-            src = ", ".join(heads + [entry])
             buf, sem = refs["bufs"][g.read.operand], refs["sems"][g.read.operand]
-            copy = f"pltpu.make_async_copy({refs['hbm'][g.read.operand]}.at[{src}], {buf}.at[{slot}, {pi}], {sem}.at[{slot}])"
-            lines.append(f"            copy = {copy}")
-            lines.append(f"            copy.start() if {start} else copy.wait()")
-        lines += ["", "", f"@pl.when({first} < {last})", "def _prefetch_first():", f"    _pages({first}, 0, True)", ""]
+            lines.append(f"            pltpu.make_async_copy({buf}.at[{slot}], {buf}.at[{slot}], {sem}.at[{slot}]).wait()")
+        lines += ["",
+                  f"    @pl.when(jnp.logical_not({whole}))",
+                  "    def _edge_block():",
+                  "        # The first or last block: only its pages inside the bounds, each waited for.",
+                  f"        for {pi} in range({ppb}):",
+                  f"            {page_var} = {kb} * {ppb} + {pi}",
+                  "",
+                  f"            @pl.when(({page_var} >= {lo}) & ({page_var} < {hi}))",
+                  "            def _copy():"]
+        lines += copies("                ", f"{base} + {page_var}", "either")
+        lines.append("")
+        lines.append("")
+        for d, i in enumerate(p.lead):
+            lines.append(f"{lead_vars[i]} = pl.program_id({d})")
+        lines.append(f"{row} = pl.program_id({len(p.lead)})  # the row block")
+        lines += ["if pieces:", f"    pltpu.sync_copy({row_ref}, {refs['table']})"]
+        lines.append(f"{lo}, {hi}, {first}, {last} = _bounds({step_params})")
+        # Chained (one core walks the steps in order): a step's last block starts the copies
+        # of the next step's first block; `state` passes its slot on.
+        state, slot0, started = refs["state"], n.local("slot0"), n.local("started")
+        grid_extents = [self.size_expr(i) for i in p.lead] + [n_rows]
+        step_flat = render(flat([Var(v) for v in lead_vars.values()] + [Var(row)], grid_extents), "py")
+        n_steps = grid_extents[0]
+        for e in grid_extents[1:]:
+            n_steps = n_steps * e
+        first_step = " & ".join(f"({v} == 0)" for v in list(lead_vars.values()) + [row])
+        lines += ["if chained:",
+                  "    # One core walks the steps in order: the last block of a step starts the copies",
+                  "    # of the next step's first block, and `state` tells that step (its slot, started).",
+                  "",
+                  f"    @pl.when({first_step})",
+                  "    def _start():",
+                  f"        {state}[0] = 0",
+                  f"        {state}[1] = 0",
+                  "",
+                  f"    {slot0}, {started} = {state}[0], {state}[1]",
+                  f"    {state}[1] = 0",
+                  "else:",
+                  f"    {slot0}, {started} = 0, 0",
+                  "",
+                  "",
+                  f"@pl.when(({first} < {last}) & ({started} == 0))",
+                  "def _prefetch_first():",
+                  f"    _pages({step_params}, {lo}, {hi}, {first}, {slot0}, True)",
+                  ""]
+        # The next step's coordinates, row-major over the grid.
+        nxt = n.local("step")
+        next_vars = [n.local(f"next_{v}") for v in list(lead_vars.values()) + [row]]
+        decompose = []
+        rest = Var(nxt)
+        for v, e in reversed(list(zip(next_vars, grid_extents))):
+            decompose.append(f"{v} = lax.rem({render(rest, 'py')}, {render(e, 'py')})")
+            rest = rest.div(e)
+        decompose.reverse()
+        nlo, nhi, nfirst, nlast = (n.local(f"next_{x}") for x in ("lo", "hi", "first", "last"))
+        chained_lines = ["",
+                         "    if chained:",
+                         "",
+                         f"        @pl.when({kb} + 1 == {last})",
+                         "        def _prefetch_next_step():",
+                         f"            {nxt} = {step_flat} + 1",
+                         "",
+                         f"            @pl.when({nxt} < {render(n_steps, 'py')})",
+                         "            def _next_step():"]
+        chained_lines += [f"                {line}" for line in decompose]
+        chained_lines += [f"                {nlo}, {nhi}, {nfirst}, {nlast} = _bounds({', '.join(next_vars)})",
+                          "",
+                          f"                @pl.when({nfirst} < {nlast})",
+                          "                def _copy_next():",
+                          f"                    _pages({', '.join(next_vars)}, {nlo}, {nhi}, {nfirst}, 1 - {slot}, True)",
+                          f"                    {state}[0] = 1 - {slot}",
+                          f"                    {state}[1] = 1"]
+        self._chained_lines = chained_lines
         qv = n.local(f"{p.q.operand}_blk")
         lines.append(f"{qv} = {refs['q']}[...]")
         # The loop body.
@@ -150,14 +229,15 @@ class PagedEmitter(AttentionEmitter):
         accs = [n.local(f"{c.output}_prev") for c in values]
         body = [f"def _block({kb}, carry):",
                 f"    {', '.join([carry_m, carry_l] + accs)} = carry",
-                f"    {slot} = lax.rem({kb} - {first}, 2)",
+                f"    {slot} = lax.rem({slot0} + {kb} - {first}, 2)",
                 "",
                 f"    @pl.when({kb} + 1 < {last})",
                 "    def _prefetch_next():",
                 "        # The next block's pages are copied while this one is computed.",
-                f"        _pages({kb} + 1, 1 - {slot}, True)",
+                f"        _pages({step_params}, {lo}, {hi}, {kb} + 1, 1 - {slot}, True)",
+                *self._chained_lines,
                 "",
-                f"    _pages({kb}, {slot}, False)  # this block's pages have arrived"]
+                f"    _pages({step_params}, {lo}, {hi}, {kb}, {slot}, False)  # this block's pages have arrived"]
         kg = pg.gathers[0]
         kv = n.local(f"{kg.read.operand}_blk")
         inner_k = self.tile[kg.inner.index]
@@ -262,6 +342,7 @@ class PagedEmitter(AttentionEmitter):
             "outs": {c.output: n.local(f"{c.output}_ref") for c in p.consumers},
             "bufs": {g.read.operand: n.local(f"{g.read.operand}_pages") for g in pg.gathers},
             "sems": {g.read.operand: n.local(f"{g.read.operand}_copies") for g in pg.gathers},
+            "state": n.local("state"),
         }
         self.refs_signatures(refs)
         body = self.kernel_lines(n, refs)
@@ -288,6 +369,7 @@ class PagedEmitter(AttentionEmitter):
             inner = self.tile[g.inner.index]
             scratch.append(f"pltpu.VMEM((2, {self.tj} // {self.page}, {self.page}, {inner}), {op.dtype.jnp})")
         scratch += ["pltpu.SemaphoreType.DMA((2,))" for _ in pg.gathers]
+        scratch.append("pltpu.SMEM((2,), jnp.int32)")  # chained steps: the next step's first slot, and whether started
         table_param = conv.param(pg.table).internal
         sizes_of_page = [self.dim_size(g.read, g.page_dim) for g in pg.gathers]
         clamp = sizes_of_page[0] if len(set(sizes_of_page)) == 1 else f"min({', '.join(sizes_of_page)})"
@@ -330,14 +412,14 @@ class PagedEmitter(AttentionEmitter):
             hbm_params=[conv.param(g.read.operand).internal for g in pg.gathers], scalar_args=scalar_args,
             table_param=table_param, table_length=render(self.m.conv.size(k.operand(pg.table).dims[-1]), "host"), clamp=clamp, check=check,
             vmem_limit=m.vmem_limit(), class_axes=list(p.class_axes), data=p.data_dependent,
-            flops=self.flops_per_row(), key=p.key,
+            flops=self.flops_per_row(), key=p.key, single_core=m.target.cores == 1,
         )
         return format_module(text, names=(m.name,)) if formatted else text
 
     def refs_signatures(self, refs: dict) -> None:
         """The kernel's refs in order: the table in scalar memory (prefetched), or in HBM with
         a row of it copied into scalar memory per step (`pieces`)."""
-        rest = list(refs["hbm"].values()) + list(refs["outs"].values()) + list(refs["bufs"].values()) + list(refs["sems"].values())
+        rest = list(refs["hbm"].values()) + list(refs["outs"].values()) + list(refs["bufs"].values()) + list(refs["sems"].values()) + [refs["state"]]
         scalars = list(refs["scalars"].values())
         refs["signature"] = [refs["first"], refs["end"], refs["table"]] + scalars + [refs["q"]] + rest
         refs["pieces_signature"] = [refs["first"], refs["end"]] + scalars + [refs["q"], refs["table_hbm"]] + rest + [refs["table"]]
