@@ -443,7 +443,7 @@ def _attention_kernel(
         # A row with nothing present yet keeps minus infinity; exp then gives zeros.
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         alpha = jnp.exp(m_prev - m_safe)
-        probs = jnp.exp(scores - m_safe)
+        probs = jnp.exp(scores - jnp.tile(m_safe, (1, 2)))
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
@@ -451,7 +451,7 @@ def _attention_kernel(
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
-        o_acc[...] = alpha * o_acc[...] + lax.dot_general(
+        o_acc[...] = (alpha)[:, :64] * o_acc[...] + lax.dot_general(
             probs.astype(v_blk.dtype),
             v_blk,
             (((1,), (0,)), ((), ())),
@@ -474,9 +474,9 @@ def _attention_kernel(
         total = l_scratch[...]
         nothing = total == 0.0
         safe = jnp.where(nothing, 1.0, total)
-        o_ref[...] = (o_acc[...] * jnp.where(nothing, 0.0, 1.0 / safe)).astype(
-            o_ref.dtype
-        )
+        o_ref[...] = (
+            o_acc[...] * (jnp.where(nothing, 0.0, 1.0 / safe))[:, :64]
+        ).astype(o_ref.dtype)
         row_lse_ref[...] = _row_vector(
             jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(safe))
         )  # kept for the gradients
@@ -1025,8 +1025,8 @@ def _impl(q, k, v, seg, sizes, bound, interpret):
             ),
         ],
         scratch_shapes=[
-            pltpu.VMEM((256, 1), jnp.float32),
-            pltpu.VMEM((256, 1), jnp.float32),
+            pltpu.VMEM((256, 128), jnp.float32),
+            pltpu.VMEM((256, 128), jnp.float32),
             pltpu.VMEM((256, 64), jnp.float32),
         ],
     )

@@ -432,7 +432,7 @@ def _attention_kernel(
         # A row with nothing present yet keeps minus infinity; exp then gives zeros.
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         alpha = jnp.exp(m_prev - m_safe)
-        probs = jnp.exp(scores - m_safe)
+        probs = jnp.exp(scores - jnp.tile(m_safe, (1, 4)))
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
@@ -973,8 +973,8 @@ def _impl(q, k, v, sizes, bound, interpret):
             pl.BlockSpec((None, None, 1, 256), _row_lse_map),
         ],
         scratch_shapes=[
-            pltpu.VMEM((256, 1), jnp.float32),
-            pltpu.VMEM((256, 1), jnp.float32),
+            pltpu.VMEM((256, 128), jnp.float32),
+            pltpu.VMEM((256, 128), jnp.float32),
             pltpu.VMEM((256, 128), jnp.float32),
         ],
     )

@@ -961,8 +961,8 @@ def _impl(q, k, v, keep, sizes, bound, interpret):
             pl.BlockSpec((None, 1, 128), _row_lse_map),
         ],
         scratch_shapes=[
-            pltpu.VMEM((128, 1), jnp.float32),
-            pltpu.VMEM((128, 1), jnp.float32),
+            pltpu.VMEM((128, 128), jnp.float32),
+            pltpu.VMEM((128, 128), jnp.float32),
             pltpu.VMEM((128, 128), jnp.float32),
         ],
     )

@@ -544,10 +544,10 @@ def _impl(x, sizes, bound, interpret):
             pl.BlockSpec((1, 128), _row_lse_ref__map),
         ],
         scratch_shapes=[
-            pltpu.VMEM((128, 1), jnp.float32),
-            pltpu.VMEM((128, 1), jnp.float32),
-            pltpu.VMEM((128, 1), jnp.float32),
-            pltpu.VMEM((128, 1), jnp.float32),
+            pltpu.VMEM((128, 128), jnp.float32),
+            pltpu.VMEM((128, 128), jnp.float32),
+            pltpu.VMEM((128, 128), jnp.float32),
+            pltpu.VMEM((128, 128), jnp.float32),
         ],
     )
     (

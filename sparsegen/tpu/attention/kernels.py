@@ -59,6 +59,18 @@ class CallSpec:
 
 
 
+def lanes(x: str, width: int) -> str:
+    """A (rows, 128) value whose lanes all hold the row's value, as a (rows, width) block:
+    tiled, sliced, or (another width) one lane broadcast."""
+    if width == LANES:
+        return x
+    if width % LANES == 0:
+        return f"jnp.tile({x}, (1, {width // LANES}))"
+    if width < LANES:
+        return f"({x})[:, :{width}]"
+    return f"({x})[:, 0:1]"
+
+
 class KernelWriter:
     """The kernels' lines (a mixin of AttentionEmitter)."""
 
@@ -253,6 +265,7 @@ class KernelWriter:
         lines += self.scores(n, lead_vars, at, tables, with_raw=False)
         nms = [{x: n.local(x) for x in ["m_prev", "m_new", "m_safe", "alpha", "probs", "total", "nothing", "safe", "scores"]} for _ in pts]
         lines += ["", "def _step(masked):", f"    {', '.join(nm['scores'] for nm in nms)} = _scores(masked)"]
+        tj = self.tile[p.key]
         for nm, (m_scr, l_scr) in zip(nms, stat_names):
             sv = nm["scores"]
             lines += [f"    {nm['m_prev']} = {m_scr}[...]",
@@ -260,7 +273,7 @@ class KernelWriter:
                       "    # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
                       f"    {nm['m_safe']} = jnp.where(jnp.isneginf({nm['m_new']}), 0.0, {nm['m_new']})",
                       f"    {nm['alpha']} = jnp.exp({nm['m_prev']} - {nm['m_safe']})",
-                      f"    {nm['probs']} = jnp.exp({sv} - {nm['m_safe']})",
+                      f"    {nm['probs']} = jnp.exp({sv} - {lanes(nm['m_safe'], tj)})",
                       f"    {l_scr}[...] = {nm['alpha']} * {l_scr}[...] + jnp.sum({nm['probs']}, axis=1, keepdims=True)",
                       f"    {m_scr}[...] = {nm['m_new']}"]
         for c in consumers:
@@ -271,7 +284,7 @@ class KernelWriter:
                 lines += self.load_block(n, vo, at, tables, "masked", (p.key,))
                 a = accs[c.output]
                 pv, vv, prec = self.mxu(nm["probs"], vo.var, self.dtype_of(vo))
-                lines.append(f"    {a}[...] = {nm['alpha']} * {a}[...] + lax.dot_general({pv}, {vv}, "
+                lines.append(f"    {a}[...] = {lanes(nm['alpha'], self.tile[self.e_of(c)])} * {a}[...] + lax.dot_general({pv}, {vv}, "
                              f"(((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{prec})")
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
@@ -285,7 +298,8 @@ class KernelWriter:
             ref, nm, lse, m_scr = out_refs[c.output], nms[c.point], lses[c.point], stat_names[c.point][0]
             if c.kind == "softmax_product":
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
-                lines.append(f"    {ref}[...] = ({accs[c.output]}[...] * jnp.where({nm['nothing']}, 0.0, 1.0 / {nm['safe']}){scale}).astype({ref}.dtype)")
+                norm = lanes(f"jnp.where({nm['nothing']}, 0.0, 1.0 / {nm['safe']})", self.tile[self.e_of(c)])
+                lines.append(f"    {ref}[...] = ({accs[c.output]}[...] * {norm}{scale}).astype({ref}.dtype)")
             elif c.kind == "logsumexp":
                 lines.append(f"    {ref}[...] = _row_vector({lse}).astype({ref}.dtype)")
             elif c.kind == "max":
@@ -303,7 +317,9 @@ class KernelWriter:
         for stats_ref, pt in zip(stats_refs, p.points):
             about = "each row's logsumexp (for the gradients)" if len(p.points) == 1 else f"each row's logsumexp of {pt.name}"
             outs.append(self.out_arr(stats_ref, p.lead + (p.query,), "jnp.float32", self.n.local("row_lse"), about, vector=True))
-        scratch = [f"pltpu.VMEM(({ti}, 1), {acc.jnp})" for _ in range(2 * len(p.points))]
+        # The running max and sum hold each row's value in every lane (as Splash keeps them):
+        # their uses against score and accumulator blocks need no lane broadcast.
+        scratch = [f"pltpu.VMEM(({ti}, {LANES}), {acc.jnp})" for _ in range(2 * len(p.points))]
         for c in consumers:
             if c.kind == "softmax_product":
                 scratch.append(f"pltpu.VMEM(({ti}, {self.tile[self.e_of(c)]}), {acc.jnp})")
