@@ -237,7 +237,7 @@ def _aot(mod, target: str, B=64, H=32, G=4, D=128, T=16, NP=2048, P=8192):
         return jax.jit(lambda *a: mod.paged_decode(*a)).trace(*structs).lower().compile()
 
 
-@pytest.mark.parametrize("target, page", [("v5e", 16), ("v6e", 64)])
+@pytest.mark.parametrize("target, page", [("v5e", 16), ("v5e", 64), ("v6e", 16), ("v6e", 64)])
 def test_paged_decode_compiles_at_serving_shapes(tmp_path, target, page):
     """B = 64, H = 32 (G = 4: the spec reads h // 8), D = 128, 2048 pages a sequence: the
     table (512 KiB) fits scalar memory beside the bounds."""
