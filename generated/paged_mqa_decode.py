@@ -406,6 +406,15 @@ def _paged_mqa_decode_kernel(*refs, pieces, chained, B, H, T, NP):
                     )
                     copy.start() if start else copy.wait()
 
+                if not start:
+
+                    @pl.when((page < lo) | (page >= hi))
+                    def _zero():
+                        # A page not copied holds anything: its values are zeroed (0 x NaN is NaN).
+                        vc_pages[slot, p] = jnp.zeros(
+                            vc_pages.shape[2:], vc_pages.dtype
+                        )
+
     b = pl.program_id(0)
     row = pl.program_id(1)  # the row block
     if pieces:
@@ -484,13 +493,7 @@ def _paged_mqa_decode_kernel(*refs, pieces, chained, B, H, T, NP):
         alpha = jnp.exp(m_prev - m_safe)
         probs = jnp.exp(scores - m_safe)
         l_new = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)
-        copied_rows = (
-            block * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) >= lo * T
-        ) & (block * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < hi * T)
         vc_blk = vc_pages[slot].reshape(512, 128)
-        vc_blk = jnp.where(
-            copied_rows, vc_blk, jnp.zeros_like(vc_blk)
-        )  # 0 x NaN is NaN
         o_new = alpha * o_prev + lax.dot_general(
             probs.astype(vc_blk.dtype),
             vc_blk,

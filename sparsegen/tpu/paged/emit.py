@@ -158,6 +158,14 @@ class PagedEmitter(AttentionEmitter):
                   f"            @pl.when(({page_var} >= {lo}) & ({page_var} < {hi}))",
                   "            def _copy():"]
         lines += copies("                ", f"{base} + {page_var}", "either")
+        value_bufs = [refs["bufs"][c.value.operand] for c in p.consumers if c.kind == "softmax_product"]
+        lines += ["",
+                  f"            if not {start}:",
+                  "",
+                  f"                @pl.when(({page_var} < {lo}) | ({page_var} >= {hi}))",
+                  "                def _zero():",
+                  "                    # A page not copied holds anything: its values are zeroed (0 x NaN is NaN)."]
+        lines += [f"                    {buf}[{slot}, {pi}] = jnp.zeros({buf}.shape[2:], {buf}.dtype)" for buf in value_bufs]
         lines.append("")
         lines.append("")
         for d, i in enumerate(p.lead):
@@ -290,16 +298,12 @@ class PagedEmitter(AttentionEmitter):
                  f"    {alpha} = jnp.exp({carry_m} - {m_safe})",
                  f"    {probs} = jnp.exp({scores} - {m_safe})",
                  f"    {l_new} = {alpha} * {carry_l} + jnp.sum({probs}, axis=1, keepdims=True)"]
-        rows_in = n.local("copied_rows")
-        body.append(f"    {rows_in} = ({kb} * {tj} + lax.broadcasted_iota(jnp.int32, ({tj}, 1), 0) >= {lo} * {page}) & "
-                    f"({kb} * {tj} + lax.broadcasted_iota(jnp.int32, ({tj}, 1), 0) < {hi} * {page})")
         news = []
         for c, a in zip(values, accs):
             g = next(g for g in pg.gathers if g.read == c.value)
             vv = n.local(f"{c.value.operand}_blk")
             e = self.tile[g.inner.index]
             body.append(f"    {vv} = {refs['bufs'][c.value.operand]}[{slot}].reshape({tj}, {e})")
-            body.append(f"    {vv} = jnp.where({rows_in}, {vv}, jnp.zeros_like({vv}))  # 0 x NaN is NaN")
             computed, block, vprec = self.mxu(probs, vv, self.k.operand(c.value.operand).dtype)
             new = n.local(f"{c.output}_new")
             body.append(f"    {new} = {alpha} * {a} + lax.dot_general({computed}, {block}, (((1,), (0,)), ((), ())), "
