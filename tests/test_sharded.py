@@ -113,30 +113,29 @@ def test_dense_einsum_split_summed_jit_explicit_and_resharded(tmp_path):
 
 
 def test_causal_attention_split_over_batch_and_heads(tmp_path):
-    cases = [{**MESH, "axes": {"b": "data", "h": "model"}}, {"mesh": [8], "names": ["x"], "axes": {"h": "x"}, "grad": False}]
-    kernel, env, res = run_on_mesh(tmp_path, spec_text("causal_attention"), dict(B=2, H=8, S=256, D=128), cases)
+    cases = [{**MESH, "axes": {"b": "data", "h": "model"}}]
+    kernel, env, res = run_on_mesh(tmp_path, spec_text("causal_attention"), dict(B=2, H=4, S=256, D=128), cases)
     assert assert_case(kernel, env, res, 0, ["P('data', 'model')", "P('data', 'model')"]) == 3
-    assert_case(kernel, env, res, 1)
 
 
 def test_masked_attention_split_over_heads_and_rows(tmp_path):
     # The mask is cut with the rows: each device classifies its own blocks.
     cases = [{**MESH, "axes": {"h": "data", "i": "model"}}]
-    kernel, env, res = run_on_mesh(tmp_path, spec_text("masked_attention"), dict(H=2, S=512, T=256, D=128), cases)
+    kernel, env, res = run_on_mesh(tmp_path, spec_text("masked_attention"), dict(H=2, S=256, T=128, D=128), cases)
     assert assert_case(kernel, env, res, 0, ["P('data', 'model')"]) == 3
 
 
 def test_grouped_heads_split_with_their_groups(tmp_path):
     # k and v are read as h // 4: their group dimension is split with h.
     cases = [{"mesh": [2], "names": ["model"], "axes": {"h": "model", "b": None}}]
-    kernel, env, res = run_on_mesh(tmp_path, spec_text("local_gqa_attention"), dict(B=1, H=8, S=256, D=128), cases)
+    kernel, env, res = run_on_mesh(tmp_path, spec_text("local_gqa_attention"), dict(B=1, H=8, S=128, D=128), cases)
     assert assert_case(kernel, env, res, 0, ["P(None, 'model')"]) == 3
 
 
 def test_coo_kernel_split_over_an_index_its_coo_input_lacks(tmp_path):
     # x stays whole on every device; its gradient is the sum of every device's.
     text = with_tiles(spec_text("dsd_matmul"), m=128, n=128, k=128)
-    kernel, env, res = run_on_mesh(tmp_path, text, dict(M=256, K=256, N=512), [{**MESH, "axes": {"n": "model"}}], pattern="duplicates")
+    kernel, env, res = run_on_mesh(tmp_path, text, dict(M=256, K=256, N=256), [{**MESH, "axes": {"n": "model"}}], pattern="duplicates")
     assert assert_case(kernel, env, res, 0, ["P(None, 'model')"]) == 2
 
 
@@ -252,3 +251,22 @@ def test_gpu_modules_have_the_same_rule():
     for name in ("_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES"):
         assert getattr(gpu, name) == getattr(tpu, name)
     assert callable(gpu.sharded(one_device_mesh(), k="model"))
+
+
+HOSTILE = """
+kernel _on_mesh_ {
+    in  _placement: f32[mesh, axes]
+    in  _local_sizes: f32[axes, sharded]
+    in  _on_mesh: f32[mesh, sharded]
+    out _MESH_RULES: f32[mesh, sharded]
+    _MESH_RULES[mesh, sharded] = _placement[mesh, axes] * _local_sizes[axes, sharded] * _on_mesh[mesh, sharded]
+    tile mesh = 128, sharded = 128, axes = 128
+}"""
+
+
+def test_spec_names_that_sharded_uses_are_safe():
+    """Operands, indices and sizes named after what `sharded` and its inner function read."""
+    kernel, mod = build(HOSTILE, formatted=False)
+    args, keywords = example_args(kernel, dict(mesh=128, axes=256, sharded=128), "random", np.random.default_rng(0))
+    fn = mod.sharded(one_device_mesh(), mesh="data", axes="model")  # an index named `mesh`, one named `axes`
+    np.testing.assert_allclose(fn(*args, **keywords, interpret=True), mod.reference(*args, **keywords), rtol=1e-5, atol=1e-4)
