@@ -1324,7 +1324,7 @@ _MESH_RULES = {
     ),
     "e": (
         None,
-        "its size D is also the size of index d, which a split of e would leave whole (each shard's kernel would see two sizes of D)",
+        "its blocks span D whole (a tile of 128), so a slice would be smaller than its tile",
     ),
 }
 # The index along each dimension of the positional arguments and of the outputs (() where
@@ -1356,8 +1356,8 @@ def sharded(mesh, /, **axes):
         d: cannot be split: it is summed into the local s (`s[h, i, j] = q[h, i, d] *
             k[h, j, d] where keep[i, j]`), which a nonlinear step reads (softmax, an
             elementwise function): partial sums cannot be added after it
-        e: cannot be split: its size D is also the size of index d, which a split of e
-            would leave whole (each shard's kernel would see two sizes of D)
+        e: cannot be split: its blocks span D whole (a tile of 128), so a slice would be
+            smaller than its tile
 
     Mapping an index the spec lacks, to an axis the mesh lacks, or two indices to one
     axis, raises a ValueError.

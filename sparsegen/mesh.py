@@ -78,9 +78,18 @@ def _statement(st) -> str:
     return f"`{st.text}`"
 
 
-def mesh_plan(kernel: Kernel, conv: Convention) -> MeshPlan:
-    """The split rule of every index, and where each index sits in the arguments and outputs."""
+def mesh_plan(kernel: Kernel, conv: Convention, spans=()) -> MeshPlan:
+    """The split rule of every index, and where each index sits in the arguments and outputs.
+    `spans`: the target's (operand, dim, tile) whose tile must span a symbolic dimension (a
+    block breaking the TPU's layout rule), which a slice would make smaller than its tile."""
+    from .schedule.attention import whole_sizes
+
     k = kernel
+    whole = dict(whole_sizes(k))  # a row kernel's blocks that span their dimension
+    for operand, d, tile in spans:
+        dim = k.operand(operand).dims[d]
+        if dim.symbol is not None:
+            whole.setdefault(dim.symbol, tile)
     local_names = {loc.name for loc in k.locals}
     operands = {op.name: op for op in k.operands}
     read_later: dict[str, str] = {}  # output -> the first later statement reading it
@@ -101,7 +110,7 @@ def mesh_plan(kernel: Kernel, conv: Convention) -> MeshPlan:
 
     rules = []
     for index in k.indices:
-        rules.append(_rule(k, index, local_names, operands, read_later, dim_reads))
+        rules.append(_rule(k, index, local_names, operands, read_later, dim_reads, whole))
 
     def dims(op_name: str) -> tuple[str | None, ...]:
         op = operands[op_name]
@@ -133,7 +142,7 @@ def _reads_of(st):
     return out
 
 
-def _rule(k: Kernel, index, local_names, operands, read_later, dim_reads) -> Rule:
+def _rule(k: Kernel, index, local_names, operands, read_later, dim_reads, whole) -> Rule:
     name = index.name
 
     def refuse(why: str) -> Rule:
@@ -182,6 +191,9 @@ def _rule(k: Kernel, index, local_names, operands, read_later, dim_reads) -> Rul
                 return refuse(f"{rel.what}, read as {name} // {rel.divisor}, has a size fixed by the spec ({rel.dim.describe()})")
             if rel.dim.symbol not in divided:
                 divided.append(rel.dim.symbol)
+    for symbol in divided:
+        if symbol in whole:
+            return refuse(f"its blocks span {symbol} whole (a tile of {whole[symbol]}), so a slice would be smaller than its tile")
     for other in k.indices:
         if other.name != name and other.size.symbol in divided:
             return refuse(f"its size {other.size.symbol} is also the size of index {other.name}, "

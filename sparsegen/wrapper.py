@@ -437,7 +437,7 @@ class Wrapper:
         """What `templates/module.py.j2` writes `sharded` and its tables from: the plan of
         `sparsegen/mesh.py`, as Python literals."""
         k, conv = self.k, self.conv
-        plan = mesh_plan(k, conv)
+        plan = mesh_plan(k, conv, self.spans)
         rules = []
         for r in plan.rules:
             value = f'("{r.how}", {py_tuple(f"{chr(34)}{s}{chr(34)}" for s in r.sizes)})' if r.how else f"(None, {r.why!r})"

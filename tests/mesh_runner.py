@@ -7,7 +7,7 @@ mapping of indices to its axes); per case it runs the sharded function, the kern
 and `reference`, values and `jax.grad`, in the CPU interpreter, and saves them (an .npz)
 for the test to compare; a case expecting a ValueError saves its message instead.
 
-    python tests/mesh_runner.py JOB.json
+    python tests/mesh_runner.py JOB.json...
 """
 
 from __future__ import annotations
@@ -116,4 +116,5 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    for job_path in sys.argv[1:]:
+        main(job_path)
