@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .callconv import Convention, operand_indices
-from .ir import Einsum, Elementwise, Kernel, Reduction, SoftmaxProduct, Term
+from .callconv import Convention
+from .ir import Einsum, Elementwise, Kernel, Reduction, SoftmaxProduct
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,7 @@ def _reads(kernel: Kernel):
     """Every access of an operand or local: targets, factors, conditions' and expressions' reads."""
     for st in kernel.statements:
         yield st.target
-        yield from st.reads
-        if isinstance(st, Elementwise):
-            yield from st.value.locals
-        if isinstance(st, (Reduction, SoftmaxProduct)):
-            yield st.scores if isinstance(st, SoftmaxProduct) else st.arg
-        if isinstance(st, SoftmaxProduct):
-            yield st.value
+        yield from _reads_of(st)
 
 
 def _statement(st) -> str:

@@ -50,7 +50,6 @@ def loss_of(fn, keywords, weights, argnums, args):
 
 
 def run_case(mod, job, case, args, weights, saved: dict, tag: str):
-    kernel = getattr(mod, job["kernel"])
     keywords = dict(job["keywords"])
     kind = jax.sharding.AxisType.Explicit if case.get("explicit") else jax.sharding.AxisType.Auto
     mesh = jax.make_mesh(tuple(case["mesh"]), tuple(case["names"]), axis_types=(kind,) * len(case["mesh"]))
