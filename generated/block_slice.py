@@ -242,8 +242,9 @@ def _local_sizes(placement, sizes):
 @functools.partial(jax.jit, static_argnames=("placement", "keywords", "interpret"))
 def _on_mesh(args, placement, keywords, interpret):
     """The kernel under jax.shard_map: each device runs it on its slices of the arguments
-    (`keywords`: the sizes it sees); an output whose statement sums a split index is added
-    across that index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
+    (`keywords`: the sizes it sees, integers compared with a split index's position less
+    its slice's start); an output whose statement sums a split index is added across that
+    index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
     kernel, mesh, split = placement
     axis = dict(split)
     in_specs = tuple(
@@ -262,6 +263,15 @@ def _on_mesh(args, placement, keywords, interpret):
         )
 
     def one_device(*shards):
+        shards = list(shards)
+        for n, index in _MESH_SHIFTS:
+            if index in axis:
+                # Positions stay global: compared with its slice's, less the slice's start.
+                start = (
+                    lax.axis_index(axis[index])
+                    * dict(keywords)[_MESH_RULES[index][1][0]]
+                )
+                shards[n] = shards[n] - start.astype(shards[n].dtype)
         outs = kernel(*shards, **dict(keywords), interpret=interpret)
         outs = outs if len(_MESH_OUTPUTS) > 1 else (outs,)
         return tuple(lax.psum(o, s) if s else o for o, s in zip(outs, sums))
@@ -450,11 +460,14 @@ _MESH_RULES = {
 }
 # The index along each dimension of the positional arguments and of the outputs (() where
 # one is whole on every device: a coo operand, offsets); the indices each output's
-# statement sums; the sizes `_prepare` returns, in order.
+# statement sums; the sizes `_prepare` returns, in order; (argument, index): integers a
+# condition compares with the index's position, given to a device less the global position
+# of its slice's first element (where that index is split).
 _MESH_ARGS = (("i", "j"), ())
 _MESH_OUTPUTS = (("i", "j"),)
 _MESH_SUMS = ((),)
 _MESH_SIZES = ()
+_MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):

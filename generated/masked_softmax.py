@@ -247,8 +247,9 @@ def _local_sizes(placement, sizes):
 @functools.partial(jax.jit, static_argnames=("placement", "keywords", "interpret"))
 def _on_mesh(args, placement, keywords, interpret):
     """The kernel under jax.shard_map: each device runs it on its slices of the arguments
-    (`keywords`: the sizes it sees); an output whose statement sums a split index is added
-    across that index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
+    (`keywords`: the sizes it sees, integers compared with a split index's position less
+    its slice's start); an output whose statement sums a split index is added across that
+    index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
     kernel, mesh, split = placement
     axis = dict(split)
     in_specs = tuple(
@@ -267,6 +268,15 @@ def _on_mesh(args, placement, keywords, interpret):
         )
 
     def one_device(*shards):
+        shards = list(shards)
+        for n, index in _MESH_SHIFTS:
+            if index in axis:
+                # Positions stay global: compared with its slice's, less the slice's start.
+                start = (
+                    lax.axis_index(axis[index])
+                    * dict(keywords)[_MESH_RULES[index][1][0]]
+                )
+                shards[n] = shards[n] - start.astype(shards[n].dtype)
         outs = kernel(*shards, **dict(keywords), interpret=interpret)
         outs = outs if len(_MESH_OUTPUTS) > 1 else (outs,)
         return tuple(lax.psum(o, s) if s else o for o, s in zip(outs, sums))
@@ -781,7 +791,7 @@ def reference(x, *, S=None, T=None):
 _MESH_RULES = {
     "i": (
         None,
-        "`lower[i, j] = x[i, j] where i >= j` reads its position, which must stay global: adding each shard's offset to it is not supported yet",
+        "`lower[i, j] = x[i, j] where i >= j` reads its position other than compared with an integer input's values, and adding each shard's offset to a position is not supported yet",
     ),
     "j": (
         None,
@@ -790,11 +800,14 @@ _MESH_RULES = {
 }
 # The index along each dimension of the positional arguments and of the outputs (() where
 # one is whole on every device: a coo operand, offsets); the indices each output's
-# statement sums; the sizes `_prepare` returns, in order.
+# statement sums; the sizes `_prepare` returns, in order; (argument, index): integers a
+# condition compares with the index's position, given to a device less the global position
+# of its slice's first element (where that index is split).
 _MESH_ARGS = (("i", "j"),)
 _MESH_OUTPUTS = (("i", "j"), ("i",))
 _MESH_SUMS = ((), ())
 _MESH_SIZES = ("S", "T")
+_MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
@@ -809,9 +822,9 @@ def sharded(mesh, /, **axes):
     flow through it as through the kernel. A split index's size must be divisible by its
     mesh axis's size. Per index of the spec:
 
-        i: cannot be split: `lower[i, j] = x[i, j] where i >= j` reads its position,
-            which must stay global: adding each shard's offset to it is not supported
-            yet
+        i: cannot be split: `lower[i, j] = x[i, j] where i >= j` reads its position
+            other than compared with an integer input's values, and adding each shard's
+            offset to a position is not supported yet
         j: cannot be split: it is the key index of an attention-like kernel (softmax
             over it in `p[i, j] = softmax(lower[i, j], j)`): splitting it (context
             parallelism, a ring) is not supported yet

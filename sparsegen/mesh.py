@@ -40,6 +40,7 @@ class Rule:
     how: str | None
     why: str  # a refusal's reason (ends without a full stop); what it does otherwise
     sizes: tuple[str, ...] = ()  # the size symbols a split divides (its own, `h // n` dimensions')
+    shifted: tuple[str, ...] = ()  # integer operands compared with its position: given less each shard's offset
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class MeshPlan:
     args: tuple[tuple[str | None, ...], ...]  # per positional argument: the index of each dimension (None: never split)
     outputs: tuple[tuple[str | None, ...], ...]  # per output: the index of each dimension (() for a coo output: whole)
     sums: tuple[tuple[str, ...], ...]  # per output: the indices its statement sums (psum where split)
+    shifts: tuple[tuple[int, str], ...] = ()  # (positional argument, index): less the index's offset on each shard
 
     def rule(self, index: str) -> Rule:
         return next(r for r in self.rules if r.index == index)
@@ -121,7 +123,9 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=()) -> MeshPlan:
         outputs.append(dims(out.name) if out.sparsity != "coo" else ())
         st = k.statement_of(out.name)
         sums.append(tuple(st.summed) if isinstance(st, Einsum) else ())
-    return MeshPlan(tuple(rules), tuple(args), tuple(outputs), tuple(sums))
+    shifts = tuple((n, r.index) for r in rules for operand in r.shifted
+                   for n, p in enumerate(conv.params) if p.operand == operand and p.kind == "dense")
+    return MeshPlan(tuple(rules), tuple(args), tuple(outputs), tuple(sums), shifts)
 
 
 def _reads_of(st):
@@ -198,11 +202,67 @@ def _rule(k: Kernel, index, local_names, operands, read_later, dim_reads, whole)
     # Positions and sizes a condition or an expression reads stay global.
     for st, term in _terms(k):
         for t in term.walk():
-            if t.op == "index" and t.name == name:
-                return refuse(f"{_statement(st)} reads its position, which must stay global: "
-                              "adding each shard's offset to it is not supported yet")
             if t.op == "size" and t.name in divided:
                 return refuse(f"{_statement(st)} reads its size {t.name}, which a split would change")
+    shifted = _shifted(k, name, operands)
+    if isinstance(shifted, str):
+        return refuse(shifted)
     if summed_by:
-        return Rule(name, "sum", f"split; the partial sums of {', '.join(summed_by)} are added (psum)", tuple(divided))
-    return Rule(name, "split", "split: each device runs the kernel on its slice", tuple(divided))
+        return Rule(name, "sum", f"split; the partial sums of {', '.join(summed_by)} are added (psum)", tuple(divided), shifted)
+    return Rule(name, "split", "split: each device runs the kernel on its slice", tuple(divided), shifted)
+
+
+def _shifted(k: Kernel, name: str, operands) -> tuple[str, ...] | str:
+    """The integer operands to give each shard less its offset, so that the conditions that
+    read the position of `name` compare global positions: every read of its position is
+    compared with a read of a signed integer input (`gid[m] == g`, `lo[g] <= m < hi[g]`),
+    which is read nowhere but beside that position (so subtracting the offset from its
+    values is the same as adding it to the position). Otherwise why not (a message)."""
+    shifted: list[str] = []
+    seen = False
+    for st, term in _terms(k):
+        positions = [t for t in term.walk() if t.op == "index" and t.name == name]
+        if not positions:
+            continue
+        seen = True
+        beside = []
+        for t in term.walk():
+            if t.op != "cmp":
+                continue
+            for n, a in enumerate(t.args):
+                if a.op == "index" and a.name == name:
+                    beside += [t.args[m] for m in (n - 1, n + 1) if 0 <= m < len(t.args)]
+        counted = sum(1 for t in term.walk() if t.op == "cmp" for a in t.args if a.op == "index" and a.name == name)
+        if counted != len(positions) or not all(b.op == "read" and _signed_input(operands.get(b.read.operand)) for b in beside):
+            return (f"{_statement(st)} reads its position other than compared with an integer input's values, and "
+                    "adding each shard's offset to a position is not supported yet")
+        for b in beside:
+            if b.read.operand not in shifted:
+                shifted.append(b.read.operand)
+    if not seen:
+        return ()
+    for operand in shifted:
+        # Every read of it is one of those comparisons: counted among all its reads.
+        total = beside_only = 0
+        for st in k.statements:
+            if isinstance(st, Einsum):
+                total += sum(r.operand == operand for r in st.factors)
+            if isinstance(st, (Reduction, SoftmaxProduct)):
+                total += sum(r.operand == operand for r in ((st.arg,) if isinstance(st, Reduction) else (st.scores, st.value)))
+        for st, term in _terms(k):
+            total += sum(t.read is not None and t.read.operand == operand for t in term.walk())
+            for t in term.walk():
+                if t.op != "cmp":
+                    continue
+                for n, a in enumerate(t.args):
+                    if a.op == "read" and a.read.operand == operand:
+                        beside = [t.args[m] for m in (n - 1, n + 1) if 0 <= m < len(t.args)]
+                        beside_only += all(b.op == "index" and b.name == name for b in beside)
+        if beside_only != total:
+            return (f"{operand} is compared with the position of {name} and also read otherwise, so a shard cannot be "
+                    "given it less its offset; adding each shard's offset to a position is not supported yet")
+    return tuple(shifted)
+
+
+def _signed_input(op) -> bool:
+    return op is not None and op.direction == "in" and op.sparsity == "dense" and op.dtype.kind in ("int", "index")

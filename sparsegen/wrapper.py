@@ -455,6 +455,7 @@ class Wrapper:
             "outputs": dims(plan.outputs),
             "sums": dims(plan.sums),
             "sizes": py_tuple(f'"{s.symbol}"' for s in conv.sizes),
+            "shifts": py_tuple(f'({n}, "{i}")' for n, i in plan.shifts),
             "signature": signature,
             "positional": [p.public for p in conv.params],
             "keywords": list(keywords),
@@ -483,6 +484,9 @@ class Wrapper:
             text = {"split": "split: each device runs the kernel on its slice, with no communication",
                     "sum": "split: each device sums its slice, and the partial results are added across the axis (psum)"
                     }.get(r.how, f"cannot be split: {r.why}")
+            if r.how and r.shifted:
+                text += (f"; {' and '.join(r.shifted)}, compared with its position, {'is' if len(r.shifted) == 1 else 'are'} "
+                         "given to each device less its slice's start, so positions stay global")
             lines += textwrap.wrap(f"{r.index}: {text}", 84, initial_indent="    ", subsequent_indent="        ",
                                    break_long_words=False, break_on_hyphens=False)
         lines += ["", "Mapping an index the spec lacks, to an axis the mesh lacks, or two indices to one", "axis, raises a ValueError."]

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, build, spec_text, with_tiles
@@ -45,11 +46,12 @@ def differentiable(kernel) -> list[int]:
 
 
 def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random", seed=0):
-    """Build `text`, draw its arguments, write a job for mesh_runner.py in `folder`."""
+    """Build `text`, draw its arguments (`pattern`: example_args's, or the arguments), write
+    a job for mesh_runner.py in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     kernel, mod = build(text, formatted=False)
     rng = np.random.default_rng(seed)
-    args, keywords = example_args(kernel, sizes, pattern, rng)
+    args, keywords = example_args(kernel, sizes, pattern, rng) if isinstance(pattern, str) else (pattern, {})
     ref = mod.reference(*args, **keywords)
     outs = ref if isinstance(ref, tuple) else (ref,)
     weights = [rng.standard_normal(o.shape).astype(np.float32) for o in outs]
@@ -157,6 +159,40 @@ def test_coo_kernels_split_over_indices_their_coo_operands_lack(tmp_path):
     assert assert_case(k2, env2, res2, 0, ["P()"], parts=4) == 2
 
 
+GROUPED = with_tiles(spec_text("grouped_matmul"), m=128, k=128, n=128, g=1)
+
+LENGTHS = """kernel ragged_sum {
+    in  x: f32[B, M, K]
+    in  y: f32[B, K, N]
+    in  lens: i32[B]
+    out o: f32[B, M, N]
+    o[b, m, n] = x[b, m, k] * y[b, k, n] where k < lens[b]
+    tile b = 1, m = 128, k = 128, n = 128
+}"""
+
+
+def test_conditions_compare_global_positions(tmp_path):
+    """A condition comparing a split index's position with an integer input (`gid[m] == g`,
+    `k < lens[b]`) sees global positions: each device is given that input less its slice's
+    start. grouped_matmul split over its experts g (expert parallelism: the experts' partial
+    products added with psum), with its rows or its k; a ragged sum split over k."""
+    rng = np.random.default_rng(3)
+    group_sizes = [100, 0, 120, 36]
+    gid = np.repeat(np.arange(4, dtype=np.int32), group_sizes)
+    x, w = (rng.standard_normal(s).astype(np.float32).astype(jnp.bfloat16) for s in ((256, 256), (4, 256, 128)))
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, 128, 512), (2, 512, 128)))
+    lens = np.array([300, 77], np.int32)
+    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(
+        tmp_path,
+        (GROUPED, dict(M=256, K=256, N=128, E=4), [{**MESH, "axes": {"m": "data", "g": "model"}},
+                                                  {**MESH, "axes": {"k": "data", "g": "model"}, "grad": False}], [x, w, gid]),
+        (LENGTHS, dict(B=2, M=128, K=512, N=128), [{**MESH, "axes": {"k": "model", "b": "data"}}], [a, b, lens]),
+    )
+    assert assert_case(k1, env1, res1, 0, ["P('data',)"], parts=4) == 2
+    assert_case(k1, env1, res1, 1, ["P()"], parts=8)
+    assert assert_case(k2, env2, res2, 0, ["P('data',)"], parts=4) == 2
+
+
 # --------------------------------------------------------- the rule, and refusals
 
 
@@ -175,7 +211,7 @@ def plan_of(name: str):
     ("masked_backward", {"masked_matmul_dx": dict(m="split", k="split", n="sum"), "masked_matmul_dy": dict(k="split", n="split", m="sum")}),
     ("dsd_matmul", {"dsd_matmul": dict(m=None, n="split", k=None)}),
     ("sdd_matmul", {"sdd_matmul": dict(m=None, n=None, k="sum")}),
-    ("grouped_matmul", {"grouped_matmul": dict(m="split", n="split", k="sum", g=None)}),
+    ("grouped_matmul", {"grouped_matmul": dict(m="split", n="split", k="sum", g="sum")}),
     ("block_slice", {"block_slice": dict(i=None, j=None)}),
     ("tril_matmul", {"tril_matmul": dict(m=None, n="split", k=None)}),
 ])
@@ -236,6 +272,16 @@ kernel narrow {
     tile m = 128, k = 64
 }"""
 
+CHECKED_IDS = """
+kernel gmm_checked {
+    in  x: bf16[M, K]
+    in  w: bf16[E, K, N]
+    in  gid: i32[M]
+    out o: bf16[M, N]
+    o[m, n] = x[m, k] * w[g, k, n] where gid[m] == g and gid[m] >= 0
+    tile m = 128, k = 128, n = 128, g = 1
+}"""
+
 REFUSALS = [
     (BATCHED, {"q": "data"}, "the spec has no index 'q' (its indices: b, m, n, k)"),
     (BATCHED, {"b": "rows"}, "index b is mapped to 'rows', which is not an axis of the mesh (its axes: data, model)"),
@@ -254,10 +300,12 @@ REFUSALS = [
      "splitting a coo operand's stored blocks is not supported yet"),
     ("block_slice", {"i": "data"}, "index i cannot be split: x[start[0] + i, start[1] + j] reads it at an offset or through a "
      "table, which a slice would move"),
-    ("grouped_matmul", {"g": "data"}, "index g cannot be split: `o[m, n] = x[m, k] * w[g, k, n] where gid[m] == g` reads its "
-     "position, which must stay global: adding each shard's offset to it is not supported yet"),
     (WINDOW, {"i": "data"}, "index i cannot be split: `s[i, j] = x[i, j] where ((i - j) < 64) and (j <= i)` reads its "
-     "position, which must stay global: adding each shard's offset to it is not supported yet"),
+     "position other than compared with an integer input's values, and adding each shard's offset to a position is not "
+     "supported yet"),
+    # gid less each shard's offset would also change `gid[m] >= 0`.
+    (CHECKED_IDS, {"g": "data"}, "index g cannot be split: gid is compared with the position of g and also read otherwise, "
+     "so a shard cannot be given it less its offset; adding each shard's offset to a position is not supported yet"),
     (CHAINED, {"k": "data"}, "index k cannot be split: it is summed into t (`t[m, n] = x[m, k] * y[k, n]`), which "
      "`u[m, p] = t[m, n] * z[n, p]` reads: its partial sums would meet the next statement before they are added"),
     (WIDE_VALUES, {"e": "data"}, "index e cannot be split: its blocks span E whole (a tile of 128), so a slice would be "
