@@ -37,16 +37,29 @@ def outputs(out) -> tuple:
     return out if isinstance(out, tuple) else (out,)
 
 
-def loss_of(fn, keywords, weights, argnums, args):
-    """The weighted sum of the outputs, as a function of the arguments `argnums`."""
+def values_and_grads(fn, args, keywords, argnums, weights, grad: bool):
+    """fn's outputs and, with `grad`, the gradients of `sum(output * weight)` with respect to
+    the arguments `argnums`: one forward (jax.vjp) serves both."""
+    if not (grad and argnums):
+        return outputs(fn(*args, **keywords)), ()
 
-    def loss(*diff):
+    def of(*diff):
         full = list(args)
         for n, a in zip(argnums, diff):
             full[n] = a
-        return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outputs(fn(*full, **keywords)), weights))
+        return outputs(fn(*full, **keywords))
 
-    return loss
+    outs, pullback = jax.vjp(of, *(args[n] for n in argnums))
+    # Each cotangent laid out as its output (on an explicit mesh, its type says how).
+    return outs, pullback(tuple(jax.device_put(jnp.asarray(w, o.dtype), o.sharding) for o, w in zip(outs, weights)))
+
+
+def save(saved: dict, tag: str, outs, grads, argnums):
+    for n, o in enumerate(outs):
+        saved[f"{tag}out{n}"] = np.asarray(o.astype(jnp.float32) if o.dtype == jnp.bfloat16 else o)
+        saved[f"{tag}spec{n}"] = np.array(str(o.sharding.spec) if hasattr(o.sharding, "spec") else "")
+    for n, g in zip(argnums, grads):
+        saved[f"{tag}grad{n}"] = np.asarray(g.astype(jnp.float32))
 
 
 def run_case(mod, job, case, args, weights, saved: dict, tag: str):
@@ -61,24 +74,14 @@ def run_case(mod, job, case, args, weights, saved: dict, tag: str):
             first, size = case["names"][0], case["mesh"][0]
             args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(first)))
                     if a.ndim and a.shape[0] % size == 0 else a for a in args]
-        call = fn
-        if case.get("jit"):
-            call = jax.jit(fn, static_argnames=("interpret", *keywords))
-        got = outputs(call(*args, **keywords, interpret=True))
+        call = jax.jit(fn, static_argnames=("interpret", *keywords)) if case.get("jit") else fn
+        with jax.set_mesh(mesh) if case.get("explicit") else _nothing():
+            outs, grads = values_and_grads(lambda *a, **k: call(*a, **k, interpret=True), args, keywords, job["diff"],
+                                           weights, case.get("grad", True))
     except ValueError as e:
         saved[f"{tag}error"] = np.array(str(e))
         return
-    for n, o in enumerate(got):
-        saved[f"{tag}out{n}"] = np.asarray(o.astype(jnp.float32) if o.dtype == jnp.bfloat16 else o)
-        saved[f"{tag}spec{n}"] = np.array(str(o.sharding.spec) if hasattr(o.sharding, "spec") else "")
-    argnums = job["diff"]
-    if argnums and case.get("grad", True):
-        diff = [args[n] for n in argnums]
-        with jax.set_mesh(mesh) if case.get("explicit") else _nothing():
-            grads = jax.grad(loss_of(lambda *a, **k: call(*a, **k, interpret=True), keywords, weights, argnums, args),
-                             argnums=tuple(range(len(diff))))(*diff)
-        for n, g in zip(argnums, grads):
-            saved[f"{tag}grad{n}"] = np.asarray(g.astype(jnp.float32))
+    save(saved, tag, outs, grads, job["diff"])
 
 
 class _nothing:
@@ -102,13 +105,7 @@ def main(path: str) -> None:
     saved: dict[str, np.ndarray] = {}
     # The kernel unsplit and `reference`, values and gradients.
     for tag, fn in (("kernel_", lambda *a, **k: kernel(*a, **k, interpret=True)), ("reference_", mod.reference)):
-        for n, o in enumerate(outputs(fn(*args, **keywords))):
-            saved[f"{tag}out{n}"] = np.asarray(o.astype(jnp.float32) if o.dtype == jnp.bfloat16 else o)
-        if job["diff"]:
-            grads = jax.grad(loss_of(fn, keywords, weights, job["diff"], args),
-                             argnums=tuple(range(len(job["diff"]))))(*[args[n] for n in job["diff"]])
-            for n, g in zip(job["diff"], grads):
-                saved[f"{tag}grad{n}"] = np.asarray(g.astype(jnp.float32))
+        save(saved, tag, *values_and_grads(fn, args, keywords, job["diff"], weights, True), job["diff"])
     for c, case in enumerate(job["cases"]):
         run_case(mod, job, case, args, weights, saved, f"case{c}_")
     np.savez(job["result"], **saved)

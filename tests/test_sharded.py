@@ -360,3 +360,16 @@ def test_spec_names_that_sharded_uses_are_safe():
     args, keywords = example_args(kernel, dict(mesh=128, axes=256, sharded=128), "random", np.random.default_rng(0))
     fn = mod.sharded(one_device_mesh(), mesh="data", axes="model")  # an index named `mesh`, one named `axes`
     np.testing.assert_allclose(fn(*args, **keywords, interpret=True), mod.reference(*args, **keywords), rtol=1e-5, atol=1e-4)
+
+
+def test_keywords_besides_sizes_pass_through():
+    """document_attention's `max_steps` reaches each device's call (here a one-device mesh)."""
+    kernel, mod = build(spec_text("document_attention"), formatted=False)
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 1, 256, 64)), jnp.bfloat16) for _ in range(3))
+    seg = np.repeat(np.array([[0, 1], [0, 0]], np.int32), 128, axis=1)
+    fn = mod.sharded(one_device_mesh(), b="data", h="model")
+    want = mod.document_attention(q, k, v, seg, max_steps=1, interpret=True)
+    np.testing.assert_array_equal(np.asarray(fn(q, k, v, seg, max_steps=1, interpret=True), np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="max_steps must be a positive int"):
+        fn(q, k, v, seg, max_steps=0, interpret=True)
