@@ -1069,7 +1069,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`batched_dsd` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`batched_dsd` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -1106,7 +1106,7 @@ def sharded(mesh, /, **axes):
         N=None,
         interpret=False,
     ):
-        """`batched_dsd` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (x_blocks, x_idx_0, x_idx_1, x_idx_2, y),
             _placement,

@@ -471,7 +471,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`block_slice` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`block_slice` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -493,7 +493,7 @@ def sharded(mesh, /, **axes):
     _placement = _mesh_placement(block_slice, mesh, axes)
 
     def block_slice_on_mesh(x, start, *, interpret=False):
-        """`block_slice` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (x, start),
             _placement,

@@ -1314,7 +1314,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`causal_attention` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`causal_attention` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -1347,7 +1347,7 @@ def sharded(mesh, /, **axes):
     def causal_attention_on_mesh(
         q, k, v, *, B=None, H=None, S=None, D=None, interpret=False
     ):
-        """`causal_attention` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (q, k, v),
             _placement,

@@ -982,7 +982,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`dds_matmul` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`dds_matmul` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -1007,7 +1007,7 @@ def sharded(mesh, /, **axes):
     def dds_matmul_on_mesh(
         x, y_blocks, y_idx_0, y_idx_1, *, M=None, K=None, N=None, interpret=False
     ):
-        """`dds_matmul` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (x, y_blocks, y_idx_0, y_idx_1),
             _placement,

@@ -1503,7 +1503,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`document_attention` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`document_attention` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -1535,7 +1535,7 @@ def sharded(mesh, /, **axes):
     def document_attention_on_mesh(
         q, k, v, seg, *, B=None, H=None, S=None, D=None, max_steps=None, interpret=False
     ):
-        """`document_attention` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (q, k, v, seg),
             _placement,

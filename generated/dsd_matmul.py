@@ -982,7 +982,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`dsd_matmul` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`dsd_matmul` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -1007,7 +1007,7 @@ def sharded(mesh, /, **axes):
     def dsd_matmul_on_mesh(
         x_blocks, x_idx_0, x_idx_1, y, *, M=None, K=None, N=None, interpret=False
     ):
-        """`dsd_matmul` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (x_blocks, x_idx_0, x_idx_1, y),
             _placement,

@@ -1089,7 +1089,7 @@ _MESH_SHIFTS = ((2, "g"),)
 
 
 def sharded(mesh, /, **axes):
-    """`grouped_matmul` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`grouped_matmul` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -1116,7 +1116,7 @@ def sharded(mesh, /, **axes):
     def grouped_matmul_on_mesh(
         x, w, gid, *, M=None, K=None, E=None, N=None, interpret=False
     ):
-        """`grouped_matmul` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (x, w, gid),
             _placement,

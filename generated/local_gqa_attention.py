@@ -1338,7 +1338,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`local_gqa_attention` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`local_gqa_attention` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -1371,7 +1371,7 @@ def sharded(mesh, /, **axes):
     def local_gqa_attention_on_mesh(
         q, k, v, *, B=None, H=None, S=None, D=None, G=None, interpret=False
     ):
-        """`local_gqa_attention` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (q, k, v),
             _placement,

@@ -1350,7 +1350,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`masked_attention` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`masked_attention` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -1390,7 +1390,7 @@ def sharded(mesh, /, **axes):
         max_steps=None,
         interpret=False,
     ):
-        """`masked_attention` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (q, k, v, keep),
             _placement,

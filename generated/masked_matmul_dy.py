@@ -961,7 +961,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`masked_matmul_dy` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`masked_matmul_dy` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -985,7 +985,7 @@ def sharded(mesh, /, **axes):
     def masked_matmul_dy_on_mesh(
         x, g, keep, *, M=None, K=None, N=None, interpret=False
     ):
-        """`masked_matmul_dy` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (x, g, keep),
             _placement,

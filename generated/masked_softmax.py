@@ -811,7 +811,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`masked_softmax` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`masked_softmax` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -835,7 +835,7 @@ def sharded(mesh, /, **axes):
     _placement = _mesh_placement(masked_softmax, mesh, axes)
 
     def masked_softmax_on_mesh(x, *, S=None, T=None, interpret=False):
-        """`masked_softmax` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (x,),
             _placement,

@@ -903,7 +903,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`sdd_matmul` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`sdd_matmul` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -929,7 +929,7 @@ def sharded(mesh, /, **axes):
     def sdd_matmul_on_mesh(
         x, y, o_idx_0, o_idx_1, *, M=None, K=None, N=None, interpret=False
     ):
-        """`sdd_matmul` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (x, y, o_idx_0, o_idx_1),
             _placement,

@@ -962,7 +962,7 @@ _MESH_SHIFTS = ()
 
 
 def sharded(mesh, /, **axes):
-    """`tril_matmul` on a device mesh: the kernel under jax.shard_map, indices split over axes.
+    """`tril_matmul` on a device mesh, under jax.shard_map.
 
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
@@ -985,7 +985,7 @@ def sharded(mesh, /, **axes):
     _placement = _mesh_placement(tril_matmul, mesh, axes)
 
     def tril_matmul_on_mesh(x, y, *, M=None, N=None, interpret=False):
-        """`tril_matmul` on the mesh `sharded` was given: the same arguments and results."""
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
         return _on_mesh(
             (x, y),
             _placement,

@@ -468,7 +468,7 @@ class Wrapper:
         split = [r.index for r in plan.rules if r.how]
         example = ", ".join(f'{i}="{axis}"' for i, axis in zip(split, ("data", "model"))) or 'INDEX="AXIS"'
         lines = [
-            f"`{k.name}` on a device mesh: the kernel under jax.shard_map, indices split over axes.",
+            f"`{k.name}` on a device mesh, under jax.shard_map.",
             "",
             "Returns a function with the kernel's arguments and results; each index given as an",
             "axis of `mesh` is split over it:",
