@@ -3,9 +3,11 @@
 On 8 host CPU devices, in a subprocess (`tests/mesh_runner.py`: the device count is set
 before jax is imported there), in the CPU interpreter: example kernels split over each
 index they allow equal the kernel unsplit and `reference`, values and `jax.grad`; a summed
-index split into partial sums added with psum; arguments arriving sharded otherwise, an
-explicit mesh, jit. Here, in the test process (one device): the split rule of every
-example's indices (`sparsegen/mesh.py`), and every refusal's message.
+index split into partial sums added with psum (a coo output's too); coo kernels split over
+the indices their coo operand lacks; conditions comparing a split index's position with an
+integer input (grouped_matmul over its experts); arguments arriving sharded otherwise, an
+explicit mesh, jit. Here, in the test process (one device): the split rule of the
+examples' indices (`sparsegen/mesh.py`), every refusal's message, hostile names.
 """
 
 from __future__ import annotations
