@@ -279,6 +279,99 @@ def _add(*partials):
     return sum(partials[1:], partials[0]) if partials else None
 
 
+def _mesh_placement(kernel, mesh, axes):
+    """`sharded`'s mapping checked against the spec (`_MESH_RULES`) and the mesh: what
+    `_on_mesh` takes, static and hashable: (kernel, mesh, ((index, mesh axis), ...))."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        _fail(f"sharded: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    taken = {}
+    for index, axis in axes.items():
+        if index not in _MESH_RULES:
+            known = ", ".join(_MESH_RULES)
+            _fail(f"sharded: the spec has no index {index!r} (its indices: {known})")
+        if axis is None:
+            continue
+        how, why = _MESH_RULES[index]
+        if how is None:
+            _fail(f"sharded: index {index} cannot be split: {why}")
+        if not isinstance(axis, str) or axis not in mesh.axis_names:
+            known = ", ".join(mesh.axis_names)
+            _fail(
+                f"sharded: index {index} is mapped to {axis!r}, which is not an axis of the mesh (its axes: {known})"
+            )
+        if axis in taken:
+            _fail(
+                f"sharded: mesh axis {axis!r} is given to both {taken[axis]} and {index}; an axis splits one index"
+            )
+        taken[axis] = index
+    return (
+        kernel,
+        mesh,
+        tuple(
+            (index, axes[index]) for index in _MESH_RULES if axes.get(index) is not None
+        ),
+    )
+
+
+def _local_sizes(placement, sizes):
+    """The sizes as one device's call sees them, as keywords: those a split index divides,
+    divided by its mesh axis's size (which must divide them)."""
+    _, mesh, split = placement
+    local = dict(zip(_MESH_SIZES, sizes))
+    for index, axis in split:
+        n = mesh.shape[axis]
+        for symbol in _MESH_RULES[index][1]:
+            if local[symbol] % n:
+                _fail(
+                    f"sharded: index {index} cannot be split over mesh axis {axis!r} of {n} devices: {symbol} = {local[symbol]} is not divisible by {n}"
+                )
+            local[symbol] //= n
+    return tuple(local.items())
+
+
+@functools.partial(jax.jit, static_argnames=("placement", "keywords", "interpret"))
+def _on_mesh(args, placement, keywords, interpret):
+    """The kernel under jax.shard_map: each device runs it on its slices of the arguments
+    (`keywords`: the sizes it sees, integers compared with a split index's position less
+    its slice's start); an output whose statement sums a split index is added across that
+    index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
+    kernel, mesh, split = placement
+    axis = dict(split)
+    in_specs = tuple(
+        jax.sharding.PartitionSpec(*(axis.get(i) for i in dims)) for dims in _MESH_ARGS
+    )
+    out_specs = tuple(
+        jax.sharding.PartitionSpec(*(axis.get(i) for i in dims))
+        for dims in _MESH_OUTPUTS
+    )
+    sums = tuple(tuple(axis[i] for i in summed if i in axis) for summed in _MESH_SUMS)
+    if jax.sharding.AxisType.Explicit in mesh.axis_types:
+        # An explicit mesh's arrays are laid out before shard_map takes them.
+        args = tuple(
+            jax.reshard(a, jax.sharding.NamedSharding(mesh, s))
+            for a, s in zip(args, in_specs)
+        )
+
+    def one_device(*shards):
+        shards = list(shards)
+        for n, index in _MESH_SHIFTS:
+            if index in axis:
+                # Positions stay global: compared with its slice's, less the slice's start.
+                start = (
+                    lax.axis_index(axis[index])
+                    * dict(keywords)[_MESH_RULES[index][1][0]]
+                )
+                shards[n] = shards[n] - start.astype(shards[n].dtype)
+        outs = kernel(*shards, **dict(keywords), interpret=interpret)
+        outs = outs if len(_MESH_OUTPUTS) > 1 else (outs,)
+        return tuple(lax.psum(o, s) if s else o for o, s in zip(outs, sums))
+
+    outs = jax.shard_map(
+        one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )(*args)
+    return outs if len(outs) > 1 else outs[0]
+
+
 def _check_smem(entries, what):
     if entries * 4 > _SMEM_BYTES:
         _fail(
@@ -848,3 +941,56 @@ def masked_matmul_dx(g, keep, y, *, M=None, N=None, K=None, interpret=False):
 def reference(g, keep, y, *, M=None, N=None, K=None):
     """The same computation in plain jax.numpy, for tests: same arguments as `masked_matmul_dx`."""
     return _reference(*_prepare(g, keep, y, M, N, K))
+
+
+# How `sharded` may split each index of the spec over a mesh axis (sparsegen/mesh.py):
+# ("split", sizes): each device runs the kernel on its slice, these sizes divided by the
+# axis's size; ("sum", sizes): the same, and the outputs whose statement sums the index
+# are added across the axis (psum); (None, why): it cannot be split.
+_MESH_RULES = {"m": ("split", ("M",)), "k": ("split", ("K",)), "n": ("sum", ("N",))}
+# The index along each dimension of the positional arguments and of the outputs (() where
+# one is whole on every device: a coo operand, offsets); the indices each output's
+# statement sums; the sizes `_prepare` returns, in order; (argument, index): integers a
+# condition compares with the index's position, given to a device less the global position
+# of its slice's first element (where that index is split).
+_MESH_ARGS = (("m", "n"), ("m", "n"), ("k", "n"))
+_MESH_OUTPUTS = (("m", "k"),)
+_MESH_SUMS = (("n",),)
+_MESH_SIZES = ("M", "N", "K")
+_MESH_SHIFTS = ()
+
+
+def sharded(mesh, /, **axes):
+    """`masked_matmul_dx` on a device mesh, under jax.shard_map.
+
+    Returns a function with the kernel's arguments and results; each index given as an
+    axis of `mesh` is split over it:
+
+        masked_matmul_dx_on_mesh = sharded(mesh, m="data", k="model")
+
+    Arrays may arrive sharded or not (each is laid out as the mapping says); gradients
+    flow through it as through the kernel. A split index's size must be divisible by its
+    mesh axis's size. Per index of the spec:
+
+        m: split: each device runs the kernel on its slice, with no communication
+        k: split: each device runs the kernel on its slice, with no communication
+        n: split: each device sums its slice, and the partial results are added across
+            the axis (psum)
+
+    Mapping an index the spec lacks, to an axis the mesh lacks, or two indices to one
+    axis, raises a ValueError.
+    """
+    _placement = _mesh_placement(masked_matmul_dx, mesh, axes)
+
+    def masked_matmul_dx_on_mesh(
+        g, keep, y, *, M=None, N=None, K=None, interpret=False
+    ):
+        """Run the kernel on the mesh: the same arguments and results as the kernel."""
+        return _on_mesh(
+            (g, keep, y),
+            _placement,
+            _local_sizes(_placement, _prepare(g, keep, y, M, N, K)[-1]),
+            _check_interpret(interpret),
+        )
+
+    return masked_matmul_dx_on_mesh

@@ -22,11 +22,12 @@ HELPERS = frozenset(
     for name in re.findall(r"^def (_\w+)\(", read_resource("templates", template), re.M)
 ) | {
     "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES", "_PARTIALS", "_REFUSED",
+    "_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES", "_MESH_SHIFTS", "_placement",
     "_kernel", "_impl", "_reference", "_prepare", "_prefetch", "_init", "_compute", "_flush",
 }  # fmt: skip
-MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds"}
+MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds", "sharded"}
 # Fixed parameter and local names of the generated functions.
-FIXED_LOCALS = frozenset({"_", "sizes", "interpret", "grid_spec", "residuals", "cotangent", "perturbed", "wanted"}) | {
+FIXED_LOCALS = frozenset({"_", "sizes", "interpret", "grid_spec", "residuals", "cotangent", "perturbed", "wanted", "mesh", "axes"}) | {
     # the row walk's (attention) fixed names: its kernels' nested functions and parameters,
     # the walk's wrapper locals, the classification's locals
     "masked", "bound", "overflow", "max_steps", "xp", "can", "must",
@@ -55,7 +56,9 @@ class ModuleNames:
     def __init__(self, kernel):
         symbols = [s for s, _ in kernel.symbols]
         # The public functions' bodies use only these names besides their parameters.
-        self.public = NameTable({"_prepare", "_impl", "_run", "_reference", "_check_interpret", "_check_bound", "interpret", "max_steps"} | set(symbols))
+        # (`sharded`'s inner function also reads `_placement`, `_on_mesh` and `_local_sizes`.)
+        self.public = NameTable({"_prepare", "_impl", "_run", "_reference", "_check_interpret", "_check_bound", "interpret", "max_steps",
+                                 "_placement", "_on_mesh", "_local_sizes"} | set(symbols))
         self.internal = NameTable(MODULE_NAMES | PYTHON_NAMES | FIXED_LOCALS | {kernel.name})
         self.functions = NameTable(MODULE_NAMES | {kernel.name})
         self.host_functions: dict[tuple, str] = {}  # a host function's (parameters, body) -> its name

@@ -9,11 +9,13 @@ the IR or the module's name tables, the spec is re-printed from the IR.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 
 from .callconv import Convention
 from .expr import render
 from .ir import Einsum, Kernel
+from .mesh import MeshPlan, mesh_plan
 from .pytext import py_tuple
 from .templating import environment, with_helpers
 
@@ -406,13 +408,16 @@ class Wrapper:
 
     # ------------------------------------------------------------------ module
     def module(self, template: str, source_name: str, target: str, doc: str, call_doc: str, glue: "Glue",
-               prepare_lines: list[str], reference_lines: list[str], **context) -> str:
+               prepare_lines: list[str], reference_lines: list[str], keywords: tuple[str, ...] = (), **context) -> str:
         """The module's text (before black): `template`, which extends `templates/module.py.j2`,
         rendered with the skeleton's context (header, `_prepare`, `_reference`, the public
-        functions, `glue`) and the target's own `context`; the helpers it calls in place."""
+        functions, `sharded`, `glue`) and the target's own `context`; the helpers it calls in
+        place. `keywords`: the kernel function's keywords besides the sizes and `interpret`
+        (`max_steps`), which `sharded` passes on."""
         k, conv = self.k, self.conv
         size_vars = [s.internal for s in conv.sizes]
         kernel_signature, reference_signature = self.signature()
+        on_mesh = self.mesh_context(kernel_signature, keywords)
         main = environment().get_template(template).render(
             k=k,
             source=source_name.encode("unicode_escape").decode("ascii"),
@@ -430,9 +435,70 @@ class Wrapper:
             kernel_signature=kernel_signature,
             reference_signature=reference_signature,
             glue=glue,
+            on_mesh=on_mesh,
             **context,
         )
         return with_helpers(main)
+
+    # ------------------------------------------------------------------ sharded
+    def mesh_context(self, kernel_signature: str, keywords: tuple[str, ...]) -> dict:
+        """What `templates/module.py.j2` writes `sharded` and its tables from: the plan of
+        `sparsegen/mesh.py`, as Python literals."""
+        k, conv = self.k, self.conv
+        plan = mesh_plan(k, conv, self.spans)
+        rules = []
+        for r in plan.rules:
+            value = f'("{r.how}", {py_tuple(f"{chr(34)}{s}{chr(34)}" for s in r.sizes)})' if r.how else f"(None, {r.why!r})"
+            rules.append(f'"{r.index}": {value}')
+
+        def dims(table):
+            return py_tuple(py_tuple("None" if i is None else f'"{i}"' for i in row) for row in table)
+
+        signature = kernel_signature
+        if keywords:
+            signature = signature.replace("interpret=False", ", ".join(f"{w}=None" for w in keywords) + ", interpret=False")
+        return {
+            "rules": "{" + ", ".join(rules) + "}",
+            "args": dims(plan.args),
+            "outputs": dims(plan.outputs),
+            "sums": dims(plan.sums),
+            "sizes": py_tuple(f'"{s.symbol}"' for s in conv.sizes),
+            "shifts": py_tuple(f'({n}, "{i}")' for n, i in plan.shifts),
+            "signature": signature,
+            "positional": [p.public for p in conv.params],
+            "keywords": list(keywords),
+            "doc": self.mesh_doc(plan),
+        }
+
+    def mesh_doc(self, plan: MeshPlan) -> str:
+        """`sharded`'s docstring: the call, then what each index does."""
+        k = self.k
+        split = [r.index for r in plan.rules if r.how]
+        example = ", ".join(f'{i}="{axis}"' for i, axis in zip(split, ("data", "model"))) or 'INDEX="AXIS"'
+        lines = [
+            f"`{k.name}` on a device mesh, under jax.shard_map.",
+            "",
+            "Returns a function with the kernel's arguments and results; each index given as an",
+            "axis of `mesh` is split over it:",
+            "",
+            f"    {k.name}_on_mesh = sharded(mesh, {example})",
+            "",
+            "Arrays may arrive sharded or not (each is laid out as the mapping says); gradients",
+            "flow through it as through the kernel. A split index's size must be divisible by its",
+            "mesh axis's size. Per index of the spec:",
+            "",
+        ]
+        for r in plan.rules:
+            text = {"split": "split: each device runs the kernel on its slice, with no communication",
+                    "sum": "split: each device sums its slice, and the partial results are added across the axis (psum)"
+                    }.get(r.how, f"cannot be split: {r.why}")
+            if r.how and r.shifted:
+                text += (f"; {' and '.join(r.shifted)}, compared with its position, {'is' if len(r.shifted) == 1 else 'are'} "
+                         "given to each device less its slice's start, so positions stay global")
+            lines += textwrap.wrap(f"{r.index}: {text}", 84, initial_indent="    ", subsequent_indent="        ",
+                                   break_long_words=False, break_on_hyphens=False)
+        lines += ["", "Mapping an index the spec lacks, to an axis the mesh lacks, or two indices to one", "axis, raises a ValueError."]
+        return "\n".join(("    " + line) if line and n else line for n, line in enumerate(lines)) + "\n    "
 
 
 

@@ -232,6 +232,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         )
         text = self.wrapper.module(
             "tpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare_lines, reference_lines,
+            keywords=("max_steps",) if data else (),
             smem=m.target.smem_bytes,
             classify_fn=classify_fn,
             classify_params=classify_reads,

@@ -1,0 +1,268 @@
+"""How a kernel runs on a device mesh (language v2, section 4): which of its indices may be
+split over a mesh axis, and how, decided once from the IR for every target.
+
+`sharded(mesh, b="data", h="model")` in a generated module runs the kernel under
+`jax.shard_map`. Per index of the spec, one rule:
+
+- "split": no statement sums it (batch, heads, rows, an einsum's output columns). Every
+  operand dimension it reads is cut into the mesh axis's slices, each device runs the
+  kernel on its own, with no communication.
+- "sum": a product sums it (an einsum's `k`). Each device sums its slice; the outputs of
+  the statements that sum it are added across the axis with `psum`.
+- refused, with the reason (`MeshPlan.rules[index].why`): summed under a nonlinear step,
+  the key index of an attention-like kernel (context parallelism: a later layer), read by
+  a `coo` operand (splitting stored blocks: a later layer), read at an offset or through a
+  table, a size fixed by the spec or shared with an index that is not split with it, a
+  position or size a condition reads (each shard's offset is not passed to the kernels
+  yet), a summed result a later statement reads.
+
+What the plan cannot know before the call (the mesh's axes and their sizes, the array
+sizes) the module checks when it is called: an unknown index or mesh axis, one mesh axis
+for two indices, a size not divisible by its axis's size.
+
+The plan is backend-neutral: `wrapper.Wrapper.module` renders it into every module
+(`templates/module.py.j2`, the `sharded` function and its tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .callconv import Convention
+from .ir import Einsum, Elementwise, Kernel, Reduction, SoftmaxProduct
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What `sharded` does with one index: `how` is "split", "sum" or None (refused, `why`)."""
+
+    index: str
+    how: str | None
+    why: str  # a refusal's reason (ends without a full stop); what it does otherwise
+    sizes: tuple[str, ...] = ()  # the size symbols a split divides (its own, `h // n` dimensions')
+    shifted: tuple[str, ...] = ()  # integer operands compared with its position: given less each shard's offset
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    rules: tuple[Rule, ...]  # one per index, in the kernel's order
+    args: tuple[tuple[str | None, ...], ...]  # per positional argument: the index of each dimension (None: never split)
+    outputs: tuple[tuple[str | None, ...], ...]  # per output: the index of each dimension (() for a coo output: whole)
+    sums: tuple[tuple[str, ...], ...]  # per output: the indices its statement sums (psum where split)
+    shifts: tuple[tuple[int, str], ...] = ()  # (positional argument, index): less the index's offset on each shard
+
+    def rule(self, index: str) -> Rule:
+        return next(r for r in self.rules if r.index == index)
+
+
+def _terms(kernel: Kernel):
+    """(statement, term) for every condition and expression of the kernel."""
+    for st in kernel.statements:
+        for t in (getattr(st, "condition", None), st.value if isinstance(st, Elementwise) else None):
+            if t is not None:
+                yield st, t
+
+
+def _reads(kernel: Kernel):
+    """Every access of an operand or local: targets, factors, conditions' and expressions' reads."""
+    for st in kernel.statements:
+        yield st.target
+        yield from _reads_of(st)
+
+
+def _statement(st) -> str:
+    return f"`{st.text}`"
+
+
+def mesh_plan(kernel: Kernel, conv: Convention, spans=()) -> MeshPlan:
+    """The split rule of every index, and where each index sits in the arguments and outputs.
+    `spans`: the target's (operand, dim, tile) whose tile must span a symbolic dimension (a
+    block breaking the TPU's layout rule), which a slice would make smaller than its tile."""
+    from .schedule.attention import whole_sizes
+
+    k = kernel
+    whole = dict(whole_sizes(k))  # a row kernel's blocks that span their dimension
+    for operand, d, tile in spans:
+        dim = k.operand(operand).dims[d]
+        if dim.symbol is not None:
+            whole.setdefault(dim.symbol, tile)
+    local_names = {loc.name for loc in k.locals}
+    operands = {op.name: op for op in k.operands}
+    read_later: dict[str, str] = {}  # output -> the first later statement reading it
+    for n, st in enumerate(k.statements):
+        for later in k.statements[n + 1:]:
+            names = {r.operand for r in _reads_of(later)}
+            if st.target.operand in names and st.target.operand not in read_later:
+                read_later[st.target.operand] = _statement(later)
+
+    # Each operand dimension: the indices that read it (one, where the spec is splittable).
+    dim_reads: dict[tuple[str, int], list[str]] = {}
+    for r in _reads(k):
+        if r.operand in operands:
+            for d, sub in enumerate(r.subs):
+                for i in sub.indices:
+                    if i not in dim_reads.setdefault((r.operand, d), []):
+                        dim_reads[(r.operand, d)].append(i)
+
+    rules = []
+    for index in k.indices:
+        rules.append(_rule(k, index, local_names, operands, read_later, dim_reads, whole))
+
+    def dims(op_name: str) -> tuple[str | None, ...]:
+        op = operands[op_name]
+        return tuple(dim_reads.get((op.name, d), [None])[0] for d in range(op.rank))
+
+    args = []
+    for p in conv.params:
+        if p.kind in ("dense", "mask"):
+            args.append(dims(p.operand))
+        else:  # a coo operand's blocks and coordinates, offsets: whole on every device
+            args.append(())
+    outputs, sums = [], []
+    for out in k.outputs:
+        outputs.append(dims(out.name) if out.sparsity != "coo" else ())
+        st = k.statement_of(out.name)
+        sums.append(tuple(st.summed) if isinstance(st, Einsum) else ())
+    shifts = tuple((n, r.index) for r in rules for operand in r.shifted
+                   for n, p in enumerate(conv.params) if p.operand == operand and p.kind == "dense")
+    return MeshPlan(tuple(rules), tuple(args), tuple(outputs), tuple(sums), shifts)
+
+
+def _reads_of(st):
+    """What a statement reads (operands and locals)."""
+    out = list(st.reads)
+    if isinstance(st, Elementwise):
+        out += st.value.locals
+    if isinstance(st, Reduction):
+        out.append(st.arg)
+    if isinstance(st, SoftmaxProduct):
+        out += [st.scores, st.value]
+    return out
+
+
+def _rule(k: Kernel, index, local_names, operands, read_later, dim_reads, whole) -> Rule:
+    name = index.name
+
+    def refuse(why: str) -> Rule:
+        return Rule(name, None, why)
+
+    # Sums.
+    summed_by = []
+    for st in k.statements:
+        if isinstance(st, SoftmaxProduct) and st.index == name or isinstance(st, Reduction) and st.index == name:
+            fn = "softmax" if isinstance(st, SoftmaxProduct) else st.fn
+            return refuse(f"it is the key index of an attention-like kernel ({fn} over it in {_statement(st)}): "
+                          "splitting it (context parallelism, a ring) is not supported yet")
+        if isinstance(st, Einsum) and name in st.summed:
+            target = st.target.operand
+            if target in local_names:
+                return refuse(f"it is summed into the local {target} ({_statement(st)}), which a nonlinear step reads "
+                              "(softmax, an elementwise function): partial sums cannot be added after it")
+            if target in read_later:
+                return refuse(f"it is summed into {target} ({_statement(st)}), which {read_later[target]} reads: "
+                              "its partial sums would meet the next statement before they are added")
+            summed_by.append(target)
+    # Every read of it: plain, or `name // n`; coo operands refused.
+    for r in _reads(k):
+        for d, sub in enumerate(r.subs):
+            if name not in sub.indices:
+                continue
+            op = operands.get(r.operand)
+            if op is not None and op.sparsity == "coo":
+                role = "input" if op.direction == "in" else "output"
+                return refuse(f"the sparse coo {role} {op.name} is indexed by it ({r.text}): "
+                              "splitting a coo operand's stored blocks is not supported yet")
+            if sub.offset is not None or sub.shift or sub.modulus is not None or sub.table is not None:
+                return refuse(f"{r.text} reads it at an offset or through a table, which a slice would move")
+            if op is not None:
+                others = [i for i in dim_reads.get((op.name, d), []) if i != name]
+                if others:
+                    return refuse(f"{op.name} dim {d} is read both as {name} and as {others[0]}")
+    size = index.size
+    if size.product or size.symbol is None or size.literal is not None:
+        return refuse(f"its size is fixed by the spec ({size.describe()}), so a shard's slice cannot have it")
+    # Every dimension a split divides: its size's, and those read as `name // n`.
+    divided = [size.symbol]
+    for rel in k.relations:
+        if rel.index == name:
+            if rel.dim.symbol is None or rel.dim.literal is not None:
+                return refuse(f"{rel.what}, read as {name} // {rel.divisor}, has a size fixed by the spec ({rel.dim.describe()})")
+            if rel.dim.symbol not in divided:
+                divided.append(rel.dim.symbol)
+    for symbol in divided:
+        if symbol in whole:
+            return refuse(f"its blocks span {symbol} whole (a tile of {whole[symbol]}), so a slice would be smaller than its tile")
+    for other in k.indices:
+        if other.name != name and other.size.symbol in divided:
+            return refuse(f"its size {other.size.symbol} is also the size of index {other.name}, "
+                          f"which a split of {name} would leave whole (each shard's kernel would see two sizes of {other.size.symbol})")
+    for rel in k.relations:
+        if rel.index != name and rel.dim.symbol in divided:
+            return refuse(f"its size {rel.dim.symbol} is also that of {rel.what}, read as {rel.index} // {rel.divisor}")
+    # Positions and sizes a condition or an expression reads stay global.
+    for st, term in _terms(k):
+        for t in term.walk():
+            if t.op == "size" and t.name in divided:
+                return refuse(f"{_statement(st)} reads its size {t.name}, which a split would change")
+    shifted = _shifted(k, name, operands)
+    if isinstance(shifted, str):
+        return refuse(shifted)
+    if summed_by:
+        return Rule(name, "sum", f"split; the partial sums of {', '.join(summed_by)} are added (psum)", tuple(divided), shifted)
+    return Rule(name, "split", "split: each device runs the kernel on its slice", tuple(divided), shifted)
+
+
+def _shifted(k: Kernel, name: str, operands) -> tuple[str, ...] | str:
+    """The integer operands to give each shard less its offset, so that the conditions that
+    read the position of `name` compare global positions: every read of its position is
+    compared with a read of a signed integer input (`gid[m] == g`, `lo[g] <= m < hi[g]`),
+    which is read nowhere but beside that position (so subtracting the offset from its
+    values is the same as adding it to the position). Otherwise why not (a message)."""
+    shifted: list[str] = []
+    seen = False
+    for st, term in _terms(k):
+        positions = [t for t in term.walk() if t.op == "index" and t.name == name]
+        if not positions:
+            continue
+        seen = True
+        beside = []
+        for t in term.walk():
+            if t.op != "cmp":
+                continue
+            for n, a in enumerate(t.args):
+                if a.op == "index" and a.name == name:
+                    beside += [t.args[m] for m in (n - 1, n + 1) if 0 <= m < len(t.args)]
+        counted = sum(1 for t in term.walk() if t.op == "cmp" for a in t.args if a.op == "index" and a.name == name)
+        if counted != len(positions) or not all(b.op == "read" and _signed_input(operands.get(b.read.operand)) for b in beside):
+            return (f"{_statement(st)} reads its position other than compared with an integer input's values, and "
+                    "adding each shard's offset to a position is not supported yet")
+        for b in beside:
+            if b.read.operand not in shifted:
+                shifted.append(b.read.operand)
+    if not seen:
+        return ()
+    for operand in shifted:
+        # Every read of it is one of those comparisons: counted among all its reads.
+        total = beside_only = 0
+        for st in k.statements:
+            if isinstance(st, Einsum):
+                total += sum(r.operand == operand for r in st.factors)
+            if isinstance(st, (Reduction, SoftmaxProduct)):
+                total += sum(r.operand == operand for r in ((st.arg,) if isinstance(st, Reduction) else (st.scores, st.value)))
+        for st, term in _terms(k):
+            total += sum(t.read is not None and t.read.operand == operand for t in term.walk())
+            for t in term.walk():
+                if t.op != "cmp":
+                    continue
+                for n, a in enumerate(t.args):
+                    if a.op == "read" and a.read.operand == operand:
+                        beside = [t.args[m] for m in (n - 1, n + 1) if 0 <= m < len(t.args)]
+                        beside_only += all(b.op == "index" and b.name == name for b in beside)
+        if beside_only != total:
+            return (f"{operand} is compared with the position of {name} and also read otherwise, so a shard cannot be "
+                    "given it less its offset; adding each shard's offset to a position is not supported yet")
+    return tuple(shifted)
+
+
+def _signed_input(op) -> bool:
+    return op is not None and op.direction == "in" and op.sparsity == "dense" and op.dtype.kind in ("int", "index")

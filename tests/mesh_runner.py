@@ -1,0 +1,116 @@
+"""Runs generated kernels' `sharded` on 8 host CPU devices for tests/test_sharded.py.
+
+A script, run in a subprocess: the device count (`--xla_force_host_platform_device_count`)
+must be set before jax is imported, and the test process has imported it already. It takes
+a job (JSON): a generated module's path, its arguments (an .npz), and cases (a mesh, the
+mapping of indices to its axes); per case it runs the sharded function, the kernel unsplit
+and `reference`, values and `jax.grad`, in the CPU interpreter, and saves them (an .npz)
+for the test to compare; a case expecting a ValueError saves its message instead.
+
+    python tests/mesh_runner.py JOB.json...
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def load(path: str):
+    spec = importlib.util.spec_from_file_location(f"sharded_{abs(hash(path))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def outputs(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def values_and_grads(fn, args, keywords, argnums, weights, grad: bool):
+    """fn's outputs and, with `grad`, the gradients of `sum(output * weight)` with respect to
+    the arguments `argnums`: one forward (jax.vjp) serves both."""
+    if not (grad and argnums):
+        return outputs(fn(*args, **keywords)), ()
+
+    def of(*diff):
+        full = list(args)
+        for n, a in zip(argnums, diff):
+            full[n] = a
+        return outputs(fn(*full, **keywords))
+
+    outs, pullback = jax.vjp(of, *(args[n] for n in argnums))
+    # Each cotangent laid out as its output (on an explicit mesh, its type says how).
+    return outs, pullback(tuple(jax.device_put(jnp.asarray(w, o.dtype), o.sharding) for o, w in zip(outs, weights)))
+
+
+def save(saved: dict, tag: str, outs, grads, argnums):
+    for n, o in enumerate(outs):
+        saved[f"{tag}out{n}"] = np.asarray(o.astype(jnp.float32) if o.dtype == jnp.bfloat16 else o)
+        saved[f"{tag}spec{n}"] = np.array(str(o.sharding.spec) if hasattr(o.sharding, "spec") else "")
+    for n, g in zip(argnums, grads):
+        saved[f"{tag}grad{n}"] = np.asarray(g.astype(jnp.float32))
+
+
+def run_case(mod, job, case, args, weights, saved: dict, tag: str):
+    keywords = dict(job["keywords"])
+    kind = jax.sharding.AxisType.Explicit if case.get("explicit") else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh(tuple(case["mesh"]), tuple(case["names"]), axis_types=(kind,) * len(case["mesh"]))
+    try:
+        fn = mod.sharded(mesh, **case["axes"])
+        if case.get("presharded"):
+            # Arrays arriving laid out otherwise: every dense argument split along its first
+            # dimension over the first mesh axis, where it divides.
+            first, size = case["names"][0], case["mesh"][0]
+            args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(first)))
+                    if a.ndim and a.shape[0] % size == 0 else a for a in args]
+        call = jax.jit(fn, static_argnames=("interpret", *keywords)) if case.get("jit") else fn
+        with jax.set_mesh(mesh) if case.get("explicit") else _nothing():
+            outs, grads = values_and_grads(lambda *a, **k: call(*a, **k, interpret=True), args, keywords, job["diff"],
+                                           weights, case.get("grad", True))
+    except ValueError as e:
+        saved[f"{tag}error"] = np.array(str(e))
+        return
+    save(saved, tag, outs, grads, job["diff"])
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(path: str) -> None:
+    with open(path) as f:
+        job = json.load(f)
+    mod = load(job["module"])
+    kernel = getattr(mod, job["kernel"])
+    data = np.load(job["args"])
+    # bf16 arrays travel as f32 (an .npz keeps no bfloat16).
+    args = [jnp.asarray(data[f"arg{n}"], dtype) if dtype == "bfloat16" else data[f"arg{n}"] for n, dtype in enumerate(job["dtypes"])]
+    weights = [data[f"weight{n}"] for n in range(job["n_outputs"])]
+    keywords = dict(job["keywords"])
+    saved: dict[str, np.ndarray] = {}
+    # The kernel unsplit and `reference`, values and gradients.
+    for tag, fn in (("kernel_", lambda *a, **k: kernel(*a, **k, interpret=True)), ("reference_", mod.reference)):
+        save(saved, tag, *values_and_grads(fn, args, keywords, job["diff"], weights, True), job["diff"])
+    for c, case in enumerate(job["cases"]):
+        run_case(mod, job, case, args, weights, saved, f"case{c}_")
+    np.savez(job["result"], **saved)
+
+
+if __name__ == "__main__":
+    for job_path in sys.argv[1:]:
+        main(job_path)

@@ -1,0 +1,377 @@
+"""Every kernel on a device mesh (language v2, section 4): `sharded(mesh, b="data", ...)`.
+
+On 8 host CPU devices, in a subprocess (`tests/mesh_runner.py`: the device count is set
+before jax is imported there), in the CPU interpreter: example kernels split over each
+index they allow equal the kernel unsplit and `reference`, values and `jax.grad`; a summed
+index split into partial sums added with psum (a coo output's too); coo kernels split over
+the indices their coo operand lacks; conditions comparing a split index's position with an
+integer input (grouped_matmul over its experts); arguments arriving sharded otherwise, an
+explicit mesh, jit. Here, in the test process (one device): the split rule of the
+examples' indices (`sparsegen/mesh.py`), every refusal's message, hostile names.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, build, spec_text, with_tiles
+
+from sparsegen.callconv import convention
+from sparsegen.compiler import lower_source
+from sparsegen.mesh import mesh_plan
+from sparsegen.names import ModuleNames
+from sparsegen.source import SourceFile
+from sparsegen.testing import example_args, resolve_sizes, tolerance
+
+BATCHED = """
+kernel batched {
+    in  x: f32[B, M, K]
+    in  y: f32[B, K, N]
+    out o: f32[B, M, N]
+    o[b, m, n] = x[b, m, k] * y[b, k, n]
+    tile b = 1, m = 128, n = 128, k = 128
+}"""
+
+MESH = dict(mesh=[2, 4], names=["data", "model"])
+
+
+def differentiable(kernel) -> list[int]:
+    conv = convention(kernel, ModuleNames(kernel))
+    return [n for n, p in enumerate(conv.params) if p.kind in ("dense", "blocks")
+            and kernel.operand(p.operand).dtype.is_float and kernel.operand(p.operand).sparsity != "mask"]
+
+
+def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random", seed=0):
+    """Build `text`, draw its arguments (`pattern`: example_args's, or the arguments), write
+    a job for mesh_runner.py in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    kernel, mod = build(text, formatted=False)
+    rng = np.random.default_rng(seed)
+    args, keywords = example_args(kernel, sizes, pattern, rng) if isinstance(pattern, str) else (pattern, {})
+    ref = mod.reference(*args, **keywords)
+    outs = ref if isinstance(ref, tuple) else (ref,)
+    weights = [rng.standard_normal(o.shape).astype(np.float32) for o in outs]
+    dtypes = [str(np.asarray(a).dtype) for a in args]
+    saved = {f"arg{n}": np.asarray(a, np.float32) if d == "bfloat16" else np.asarray(a) for n, (a, d) in enumerate(zip(args, dtypes))}
+    saved.update({f"weight{n}": w for n, w in enumerate(weights)})
+    np.savez(folder / "args.npz", **saved)
+    job = {"module": mod.__file__, "kernel": kernel.name, "args": str(folder / "args.npz"), "n_args": len(args),
+           "dtypes": dtypes, "n_outputs": len(outs), "keywords": keywords, "diff": differentiable(kernel), "cases": cases,
+           "result": str(folder / "result.npz")}
+    (folder / "job.json").write_text(json.dumps(job))
+    return kernel, resolve_sizes(kernel, sizes), folder
+
+
+def run_on_mesh(tmp_path, *jobs):
+    """Run jobs (`prepare`'s arguments after the folder) in one mesh_runner.py process: per
+    job (kernel, env, results)."""
+    prepared = [prepare(tmp_path / f"job{n}", *job) for n, job in enumerate(jobs)]
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_runner.py"), *(str(f / "job.json") for _, _, f in prepared)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = [(kernel, env, dict(np.load(f / "result.npz"))) for kernel, env, f in prepared]
+    return out[0] if len(out) == 1 else out
+
+
+def assert_case(kernel, env, res, c: int, specs=None, parts=1):
+    """Case `c`'s outputs and gradients equal the kernel's unsplit (to rounding) and
+    `reference`'s (within the kernel's tolerance). `parts`: the partial sums psum adds, each
+    rounded to the output's dtype first (up to half a unit in the last place of a partial
+    sum, which can be larger than the total)."""
+    tag = f"case{c}_"
+    assert f"{tag}error" not in res, str(res[f"{tag}error"])
+    bf16 = any(op.dtype.name == "bf16" for op in kernel.operands)
+    close = (2.0**-8 if bf16 else 1e-6) * (1 if parts == 1 else 4 * parts)
+    for n, op in enumerate(kernel.outputs):
+        got, unsplit, ref = (res[f"{t}out{n}"].astype(np.float64) for t in (tag, "kernel_", "reference_"))
+        scale = max(1.0, float(np.sqrt(np.mean(ref**2))))
+        np.testing.assert_allclose(got, unsplit, rtol=close, atol=close * scale, err_msg=f"case {c}: {op.name} against the kernel")
+        rtol, atol = tolerance(kernel, op.name, env)
+        np.testing.assert_allclose(got, ref, rtol=rtol, atol=(atol + close) * scale, err_msg=f"case {c}: {op.name} against reference")
+        if specs is not None:
+            assert str(res[f"{tag}spec{n}"]) == specs[n], (op.name, str(res[f"{tag}spec{n}"]))
+    grads = [k for k in res if k.startswith(f"{tag}grad")]
+    for key in grads:
+        n = key[len(f"{tag}grad"):]
+        got, unsplit, ref = (res[f"{t}grad{n}"].astype(np.float64) for t in (tag, "kernel_", "reference_"))
+        scale = max(1.0, float(np.sqrt(np.mean(ref**2))))
+        np.testing.assert_allclose(got, unsplit, rtol=4 * close, atol=4 * close * scale, err_msg=f"case {c}: gradient {n} against the kernel")
+        tol = max(tolerance(kernel, op.name, env)[1] for op in kernel.outputs) + (4 * 2.0**-8 if bf16 else 1e-5)
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * scale, err_msg=f"case {c}: gradient {n} against reference")
+    return len(grads)
+
+
+# ------------------------------------------------------------------- on 8 devices
+
+
+def test_dense_einsum_split_summed_jit_explicit_and_resharded(tmp_path):
+    cases = [
+        {**MESH, "axes": {"b": "data", "m": "model"}},
+        {**MESH, "axes": {"k": "model", "n": "data"}},  # k: partial sums added with psum
+        {**MESH, "axes": {"b": "data", "k": "model"}, "jit": True, "explicit": True},
+        {**MESH, "axes": {"m": "data", "n": "model"}, "presharded": True, "grad": False},
+        {**MESH, "axes": {"b": "model"}},  # B = 2 on 4 devices
+    ]
+    kernel, env, res = run_on_mesh(tmp_path, (BATCHED, dict(B=2, M=128, K=256, N=256), cases))
+    assert assert_case(kernel, env, res, 0, ["P('data', 'model')"]) == 2
+    assert assert_case(kernel, env, res, 1, ["P(None, None, 'data')"], parts=4) == 2
+    assert assert_case(kernel, env, res, 2, parts=4) == 2
+    assert_case(kernel, env, res, 3, ["P(None, 'data', 'model')"])
+    assert str(res["case4_error"]) == ("batched: sharded: index b cannot be split over mesh axis 'model' of 4 devices: "
+                                        "B = 2 is not divisible by 4")
+
+
+def test_causal_attention_split_over_batch_and_heads(tmp_path):
+    cases = [{**MESH, "axes": {"b": "data", "h": "model"}}]
+    kernel, env, res = run_on_mesh(tmp_path, (spec_text("causal_attention"), dict(B=2, H=4, S=256, D=128), cases))
+    assert assert_case(kernel, env, res, 0, ["P('data', 'model')", "P('data', 'model')"]) == 3
+
+
+def test_masked_attention_split_over_heads_and_rows(tmp_path):
+    # The mask is cut with the rows: each device classifies its own blocks.
+    cases = [{**MESH, "axes": {"h": "data", "i": "model"}}]
+    kernel, env, res = run_on_mesh(tmp_path, (spec_text("masked_attention"), dict(H=2, S=256, T=128, D=128), cases))
+    assert assert_case(kernel, env, res, 0, ["P('data', 'model')"]) == 3
+
+
+def test_grouped_heads_split_with_their_groups(tmp_path):
+    # k and v are read as h // 4: their group dimension is split with h.
+    cases = [{"mesh": [2], "names": ["model"], "axes": {"h": "model", "b": None}}]
+    kernel, env, res = run_on_mesh(tmp_path, (spec_text("local_gqa_attention"), dict(B=1, H=8, S=128, D=128), cases))
+    assert assert_case(kernel, env, res, 0, ["P(None, 'model')"]) == 3
+
+
+def test_coo_kernels_split_over_indices_their_coo_operands_lack(tmp_path):
+    # dsd: x stays whole on every device, its gradient the sum of every device's. sdd: the
+    # stored output blocks are partial sums over k, added with psum.
+    dsd = with_tiles(spec_text("dsd_matmul"), m=128, n=128, k=128)
+    sdd = with_tiles(spec_text("sdd_matmul"), m=128, n=128, k=128)
+    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(
+        tmp_path,
+        (dsd, dict(M=256, K=256, N=256), [{**MESH, "axes": {"n": "model"}}], "duplicates"),
+        (sdd, dict(M=256, K=512, N=256), [{**MESH, "axes": {"k": "model"}}], "padded"),
+    )
+    assert assert_case(k1, env1, res1, 0, ["P(None, 'model')"]) == 2
+    assert assert_case(k2, env2, res2, 0, ["P()"], parts=4) == 2
+
+
+GROUPED = with_tiles(spec_text("grouped_matmul"), m=128, k=128, n=128, g=1)
+
+LENGTHS = """kernel ragged_sum {
+    in  x: f32[B, M, K]
+    in  y: f32[B, K, N]
+    in  lens: i32[B]
+    out o: f32[B, M, N]
+    o[b, m, n] = x[b, m, k] * y[b, k, n] where k < lens[b]
+    tile b = 1, m = 128, k = 128, n = 128
+}"""
+
+
+def test_conditions_compare_global_positions(tmp_path):
+    """A condition comparing a split index's position with an integer input (`gid[m] == g`,
+    `k < lens[b]`) sees global positions: each device is given that input less its slice's
+    start. grouped_matmul split over its experts g (expert parallelism: the experts' partial
+    products added with psum), with its rows or its k; a ragged sum split over k."""
+    rng = np.random.default_rng(3)
+    group_sizes = [100, 0, 120, 36]
+    gid = np.repeat(np.arange(4, dtype=np.int32), group_sizes)
+    x, w = (rng.standard_normal(s).astype(np.float32).astype(jnp.bfloat16) for s in ((256, 256), (4, 256, 128)))
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, 128, 512), (2, 512, 128)))
+    lens = np.array([300, 77], np.int32)
+    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(
+        tmp_path,
+        (GROUPED, dict(M=256, K=256, N=128, E=4), [{**MESH, "axes": {"m": "data", "g": "model"}},
+                                                  {**MESH, "axes": {"k": "data", "g": "model"}, "grad": False}], [x, w, gid]),
+        (LENGTHS, dict(B=2, M=128, K=512, N=128), [{**MESH, "axes": {"k": "model", "b": "data"}}], [a, b, lens]),
+    )
+    assert assert_case(k1, env1, res1, 0, ["P('data',)"], parts=4) == 2
+    assert_case(k1, env1, res1, 1, ["P()"], parts=8)
+    assert assert_case(k2, env2, res2, 0, ["P('data',)"], parts=4) == 2
+
+
+# --------------------------------------------------------- the rule, and refusals
+
+
+def plan_of(name: str):
+    rules = {}
+    for plan in lower_source(SourceFile(f"{name}.spk", spec_text(name)), "v5e"):
+        p = mesh_plan(plan.kernel, convention(plan.kernel, ModuleNames(plan.kernel)))
+        rules[plan.kernel.name] = {r.index: r.how for r in p.rules}
+    return rules
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("causal_attention", {"causal_attention": dict(b="split", h="split", i=None, j=None, d=None, e=None)}),
+    ("masked_attention", {"masked_attention": dict(h="split", i="split", j=None, d=None, e=None)}),
+    ("masked_matmul", {"masked_matmul": dict(m="split", n="split", k="sum")}),
+    ("masked_backward", {"masked_matmul_dx": dict(m="split", k="split", n="sum"), "masked_matmul_dy": dict(k="split", n="split", m="sum")}),
+    ("dsd_matmul", {"dsd_matmul": dict(m=None, n="split", k=None)}),
+    ("sdd_matmul", {"sdd_matmul": dict(m=None, n=None, k="sum")}),
+    ("grouped_matmul", {"grouped_matmul": dict(m="split", n="split", k="sum", g="sum")}),
+    ("block_slice", {"block_slice": dict(i=None, j=None)}),
+    ("tril_matmul", {"tril_matmul": dict(m=None, n="split", k=None)}),
+])
+def test_split_rule_of_examples(name, expected):
+    assert plan_of(name) == expected
+
+
+def one_device_mesh():
+    return jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])
+
+
+CHAINED = """
+kernel chained {
+    in  x: f32[M, K]
+    in  y: f32[K, N]
+    in  z: f32[N, P]
+    out t: f32[M, N]
+    out u: f32[M, P]
+    t[m, n] = x[m, k] * y[k, n]
+    u[m, p] = t[m, n] * z[n, p]
+    tile m = 128, n = 128, k = 128, p = 128
+}"""
+
+FIXED = """
+kernel fixed {
+    in  x: f32[256, K]
+    in  y: f32[K, N]
+    out o: f32[256, N]
+    o[m, n] = x[m, k] * y[k, n]
+    tile m = 128, n = 128, k = 128
+}"""
+
+WINDOW = """
+kernel window {
+    in  x: f32[M, T]
+    out p: f32[M, T]
+    s[i, j] = x[i, j] where i - j < 64 and j <= i
+    p[i, j] = softmax(s[i, j], j)
+    tile i = 128, j = 128
+}"""
+
+WIDE_VALUES = """
+kernel wide_values {
+    in  q: f32[S, D]
+    in  k: f32[T, D]
+    in  v: f32[T, E]
+    out o: f32[S, E]
+    s[i, j] = q[i, d] * k[j, d]
+    o[i, e] = softmax(s[i, j], j) * v[j, e]
+    tile i = 128, j = 128, d = 128, e = 128
+}"""
+
+NARROW = """
+kernel narrow {
+    in  x: f32[M, K]
+    out o: f32[M]
+    o[m] = x[m, k]
+    tile m = 128, k = 64
+}"""
+
+CHECKED_IDS = """
+kernel gmm_checked {
+    in  x: bf16[M, K]
+    in  w: bf16[E, K, N]
+    in  gid: i32[M]
+    out o: bf16[M, N]
+    o[m, n] = x[m, k] * w[g, k, n] where gid[m] == g and gid[m] >= 0
+    tile m = 128, k = 128, n = 128, g = 1
+}"""
+
+REFUSALS = [
+    (BATCHED, {"q": "data"}, "the spec has no index 'q' (its indices: b, m, n, k)"),
+    (BATCHED, {"b": "rows"}, "index b is mapped to 'rows', which is not an axis of the mesh (its axes: data, model)"),
+    (BATCHED, {"b": "data", "k": "data"}, "mesh axis 'data' is given to both b and k; an axis splits one index"),
+    ("causal_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel (softmax over it in "
+     "`o[b, h, i, e] = softmax(s[b, h, i, j], j) * v[b, h, j, e]`): splitting it (context parallelism, a ring) is not supported yet"),
+    ("causal_attention", {"d": "data"}, "index d cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i, d] * "
+     "k[b, h, j, d] * 0.08838834764831845 where i >= j`), which a nonlinear step reads (softmax, an elementwise function): "
+     "partial sums cannot be added after it"),
+    ("causal_attention", {"i": "data"}, "index i cannot be split: its size S is also the size of index j, which a split of i "
+     "would leave whole (each shard's kernel would see two sizes of S)"),
+    ("document_attention", {"i": "data"}, "index i cannot be split: seg dim 1 is read both as i and as j"),
+    ("dsd_matmul", {"m": "data"}, "index m cannot be split: the sparse coo input x is indexed by it (x[m, k]): "
+     "splitting a coo operand's stored blocks is not supported yet"),
+    ("sdd_matmul", {"n": "data"}, "index n cannot be split: the sparse coo output o is indexed by it (o[m, n]): "
+     "splitting a coo operand's stored blocks is not supported yet"),
+    ("block_slice", {"i": "data"}, "index i cannot be split: x[start[0] + i, start[1] + j] reads it at an offset or through a "
+     "table, which a slice would move"),
+    (WINDOW, {"i": "data"}, "index i cannot be split: `s[i, j] = x[i, j] where ((i - j) < 64) and (j <= i)` reads its "
+     "position other than compared with an integer input's values, and adding each shard's offset to a position is not "
+     "supported yet"),
+    # gid less each shard's offset would also change `gid[m] >= 0`.
+    (CHECKED_IDS, {"g": "data"}, "index g cannot be split: gid is compared with the position of g and also read otherwise, "
+     "so a shard cannot be given it less its offset; adding each shard's offset to a position is not supported yet"),
+    (CHAINED, {"k": "data"}, "index k cannot be split: it is summed into t (`t[m, n] = x[m, k] * y[k, n]`), which "
+     "`u[m, p] = t[m, n] * z[n, p]` reads: its partial sums would meet the next statement before they are added"),
+    (WIDE_VALUES, {"e": "data"}, "index e cannot be split: its blocks span E whole (a tile of 128), so a slice would be "
+     "smaller than its tile"),
+    # A TPU block that breaks the (8, 128) layout rule must span its dimension.
+    (NARROW, {"k": "data"}, "index k cannot be split: its blocks span K whole (a tile of 64), so a slice would be smaller "
+     "than its tile"),
+    (FIXED, {"m": "data"}, "index m cannot be split: its size is fixed by the spec (256), so a shard's slice cannot have it"),
+]
+
+
+@pytest.mark.parametrize("spec,axes,message", REFUSALS, ids=[f"{n}-{','.join(a)}" for n, (_, a, _) in enumerate(REFUSALS)])
+def test_refusals_name_the_index_and_why(spec, axes, message):
+    kernel, mod = build(spec_text(spec) if "\n" not in spec else spec, formatted=False)
+    with pytest.raises(ValueError) as info:
+        mod.sharded(one_device_mesh(), **axes)
+    assert str(info.value) == f"{kernel.name}: sharded: {message}"
+
+
+def test_what_is_split_in_a_chain_and_the_mesh_argument():
+    kernel, mod = build(CHAINED, formatted=False)
+    assert mod._MESH_RULES["m"] == ("split", ("M",)) and mod._MESH_RULES["p"] == ("split", ("P",))
+    assert mod._MESH_RULES["n"] == ("sum", ("N",))  # summed by u, free in t: t is split, u added
+    assert mod._MESH_SUMS == (("k",), ("n",))
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh, got str"):
+        mod.sharded("data", m="data")
+    mod.sharded(one_device_mesh(), m="data", n=None)  # None: not split
+
+
+def test_gpu_modules_have_the_same_rule():
+    _, tpu = build(with_tiles(spec_text("masked_matmul"), m=128, n=128, k=128), formatted=False)
+    _, gpu = build(with_tiles(spec_text("masked_matmul"), m=128, n=128, k=128), target="h200")
+    for name in ("_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES"):
+        assert getattr(gpu, name) == getattr(tpu, name)
+    assert callable(gpu.sharded(one_device_mesh(), k="model"))
+
+
+HOSTILE = """
+kernel _on_mesh_ {
+    in  _placement: f32[mesh, axes]
+    in  _local_sizes: f32[axes, sharded]
+    in  _on_mesh: f32[mesh, sharded]
+    out _MESH_RULES: f32[mesh, sharded]
+    _MESH_RULES[mesh, sharded] = _placement[mesh, axes] * _local_sizes[axes, sharded] * _on_mesh[mesh, sharded]
+    tile mesh = 128, sharded = 128, axes = 128
+}"""
+
+
+def test_spec_names_that_sharded_uses_are_safe():
+    """Operands, indices and sizes named after what `sharded` and its inner function read."""
+    kernel, mod = build(HOSTILE, formatted=False)
+    args, keywords = example_args(kernel, dict(mesh=128, axes=256, sharded=128), "random", np.random.default_rng(0))
+    fn = mod.sharded(one_device_mesh(), mesh="data", axes="model")  # an index named `mesh`, one named `axes`
+    np.testing.assert_allclose(fn(*args, **keywords, interpret=True), mod.reference(*args, **keywords), rtol=1e-5, atol=1e-4)
+
+
+def test_keywords_besides_sizes_pass_through():
+    """document_attention's `max_steps` reaches each device's call (here a one-device mesh)."""
+    kernel, mod = build(spec_text("document_attention"), formatted=False)
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 1, 256, 64)), jnp.bfloat16) for _ in range(3))
+    seg = np.repeat(np.array([[0, 1], [0, 0]], np.int32), 128, axis=1)
+    fn = mod.sharded(one_device_mesh(), b="data", h="model")
+    want = mod.document_attention(q, k, v, seg, max_steps=1, interpret=True)
+    np.testing.assert_array_equal(np.asarray(fn(q, k, v, seg, max_steps=1, interpret=True), np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="max_steps must be a positive int"):
+        fn(q, k, v, seg, max_steps=0, interpret=True)
