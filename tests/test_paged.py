@@ -202,16 +202,40 @@ def _mqa_oracle(q, kc, vc, pages, lens):
 def test_serving_examples_against_the_oracle(tmp_path, spec, oracle, speculative):
     mod, m = _load(spec, tmp_path)
     rng = np.random.default_rng(5)
-    # Small (the interpreter copies page by page): the window's case needs more than its 1024 tokens.
-    T, NP = 16, 72 if "window" in spec else 40
+    # Pages of 64 (the interpreter copies page by page; paged_decode's tests take pages of
+    # 16): the window's case needs more than its 1024 tokens.
+    T, NP = 64, 20
     lens = [1100, NP * T] if "window" in spec else [8, 530, NP * T]
     mqa = "mqa" in spec
-    q, kc, vc, pages, lens = _cache(rng, len(lens), 8, 1, 128, T, NP, 300, lens)
+    q, kc, vc, pages, lens = _cache(rng, len(lens), 8, 1, 128, T, NP, 70, lens)
     if mqa:
         kc, vc = kc[0], vc[0]
     if speculative:
         q = jnp.asarray(rng.normal(size=(len(lens), 8, 8, 128)), jnp.bfloat16)
     got = getattr(mod, m.kernel)(q, kc, vc, pages, lens, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float64), oracle(q, kc, vc, pages, lens), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("spec, oracle, new", [
+    ("paged_mqa_decode.spk", _mqa_oracle, None),
+    ("paged_softcap_decode.spk", lambda *a: _oracle(*a, cap=50.0), None),
+    ("paged_window_decode.spk", lambda *a: _oracle(*a, window=1024), None),
+    ("paged_speculative_decode.spk", lambda *a: _oracle(*a, new=8), 8),
+])
+def test_serving_examples_in_the_simulator(tmp_path, spec, oracle, new):
+    """Pages of 64 (few copies, the simulator is slow), NaN past the lengths."""
+    mod, m = _load(spec, tmp_path)
+    rng = np.random.default_rng(8)
+    T, NP = 64, 20
+    lens = [1100, 70] if "window" in spec else [70, 9]
+    q, kc, vc, pages, lens = _cache(rng, 2, 8, 1, 128, T, NP, 60, lens, poison=True)
+    if "mqa" in spec:
+        kc, vc = kc[0], vc[0]
+    if new:
+        q = jnp.asarray(rng.normal(size=(2, 8, new, 128)), jnp.bfloat16)
+    got = getattr(mod, m.kernel)(q, kc, vc, pages, lens, interpret=pltpu.InterpretParams())
+    pltpu.reset_tpu_interpret_mode_state()
+    assert np.isfinite(np.asarray(got, np.float32)).all()
     np.testing.assert_allclose(np.asarray(got, np.float64), oracle(q, kc, vc, pages, lens), atol=2e-2, rtol=2e-2)
 
 
