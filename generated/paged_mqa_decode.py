@@ -45,7 +45,7 @@ Bad shapes and dtypes raise a ValueError naming the argument and dimension; a ta
 
 Plan (target v5e):
 
-    walk: rows of 's' (8 'h' at a time, per b): grid (b, h blocks), every axis parallel
+    walk: rows of 's' (8 'h' at a time, per b): grid (b, h blocks), in order (one core: each step prefetches the next's first block)
       keys: 'j' read through the table 'pages' (pages[b, j // T]), pages of T;
       a loop over the key blocks of 512 between the first and the last page the condition
       reaches in the row block; a block gathers its 512 / T pages, one copy per page and operand

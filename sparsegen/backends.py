@@ -100,7 +100,7 @@ def _tpu_paged(kernel, chip):
     if problems:
         return None, problems
     try:
-        plan = row_plan(kernel)
+        plan = row_plan(kernel, packed_rows=True)
         m = lower_paged(kernel, plan, paged_plan(kernel, plan), chip)
     except ScheduleError as exc:
         return None, [exc.diagnostic]

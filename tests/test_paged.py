@@ -239,6 +239,20 @@ def test_serving_examples_in_the_simulator(tmp_path, spec, oracle, new):
     np.testing.assert_allclose(np.asarray(got, np.float64), oracle(q, kc, vc, pages, lens), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_heads_and_new_tokens_packed_into_the_rows(tmp_path, mode):
+    """paged_gqa_speculative_decode: 8 heads x 4 new tokens in one block of 32 rows (v2 section 3)."""
+    mod, m = _load("paged_gqa_speculative_decode.spk", tmp_path)
+    assert "rows of 's' (8 'h' x 4 'i' at a time, per b)" in m.code
+    rng = np.random.default_rng(9)
+    q, kc, vc, pages, lens = _cache(rng, 2, 16, 2, 128, 16, 40, 100, [530, 9], poison=True)
+    q = jnp.asarray(rng.normal(size=(2, 16, 4, 128)), jnp.bfloat16)
+    got = mod.paged_gqa_speculative_decode(q, kc, vc, pages, lens, interpret=MODES[mode]())
+    if mode == "simulator":
+        pltpu.reset_tpu_interpret_mode_state()
+    np.testing.assert_allclose(np.asarray(got, np.float64), _oracle(q, kc, vc, pages, lens, new=4), atol=2e-2, rtol=2e-2)
+
+
 def test_a_sliding_window_never_copies_pages_before_it(tmp_path):
     """The bounds of the window's row blocks start past the pages before the window."""
     mod, _ = _load("paged_window_decode.spk", tmp_path)

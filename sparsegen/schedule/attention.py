@@ -159,7 +159,7 @@ def _and(conds: list[Term]) -> Term | None:
     return conds[0] if len(conds) == 1 else Term("and", tuple(conds))
 
 
-def row_plan(kernel: Kernel) -> RowPlan:
+def row_plan(kernel: Kernel, packed_rows: bool = False) -> RowPlan:
     """Recognise the family; a ScheduleError at the statement it cannot walk.
 
     The scores are either a product (a local `s[..., i, j] = q[..., i, d] * k[..., j, d]`)
@@ -311,7 +311,7 @@ def row_plan(kernel: Kernel) -> RowPlan:
                     raise ScheduleError(Diagnostic(r.span, f"not supported yet: '{r.operand}' read through {sub.text}; "
                                                            "in an attention-like kernel only a batch or head index may be divided"))
     for i in lead:
-        if kernel.index(i).tile != 1:
+        if kernel.index(i).tile != 1 and not packed_rows:  # the paged walk packs them into its rows
             raise ScheduleError(Diagnostic(kernel.index(i).tile_span, f"an attention kernel walks '{i}' one at a time: tile {i} = 1"))
     for i in inner:
         idx = kernel.index(i)

@@ -48,6 +48,13 @@ class PagedPlan:
     scalars: tuple[Read, ...]  # reads of the condition and chain over lead indices only (`lens[b]`): scalar memory
 
     @property
+    def packed(self) -> tuple[str, ...]:
+        """Lead indices with a tile above 1: packed into the rows with the row index (language
+        v2, section 3: `tile h = 8` and new tokens `i` in one block of rows), outermost first."""
+        k = self.row.kernel
+        return tuple(i for i in self.row.lead if k.index(i).tile != 1)
+
+    @property
     def key_tile(self) -> int:
         return self.row.kernel.index(self.row.key).tile
 
@@ -97,7 +104,7 @@ def paged_plan(kernel: Kernel, row: RowPlan) -> PagedPlan:
         if offset.index != p.key or offset.modulus != last.divisor or offset.divisor != 1:
             fail(r.span, f"not supported yet: the dimension after the page is the offset in it: '{p.key} % {last.divisor}'")
         for s in table.subs[:-1]:
-            if s.index not in p.lead or s.divisor != 1 or s.modulus is not None:
+            if s.index not in p.lead or s.divisor != 1 or s.modulus is not None or kernel.index(s.index).tile != 1:
                 fail(table.span, f"not supported yet: a table's other subscripts are batch or head indices walked one at a time ({', '.join(p.lead)})")
         for s in r.subs[:d]:
             if s.index == p.query:
@@ -105,6 +112,10 @@ def paged_plan(kernel: Kernel, row: RowPlan) -> PagedPlan:
                 if not isinstance(s.divisor, int) or s.divisor % tile:
                     fail(r.span, f"a row block of {tile} '{p.query}' must read one '{r.operand}' head: {s.text} needs "
                                  f"{p.query}'s tile to divide {s.divisor}")
+            elif s.index in p.lead and kernel.index(s.index).tile != 1 and (not isinstance(s.divisor, int) or s.divisor % kernel.index(s.index).tile):
+                tile = kernel.index(s.index).tile
+                fail(r.span, f"a block of {tile} '{s.index}' packed into the rows must read one '{r.operand}' head: {s.text} needs "
+                             f"{s.index}'s tile to divide {s.divisor}")
             elif s.index not in p.lead or not isinstance(s.divisor, int) or s.modulus is not None or s.table is not None:
                 fail(r.span, f"not supported yet: '{r.operand}''s subscripts before the page are batch, head or row indices (maybe // n)")
             if s.index in table.indices:
@@ -120,11 +131,20 @@ def paged_plan(kernel: Kernel, row: RowPlan) -> PagedPlan:
         for t in term.walk():
             if t.read is not None and t.op != "local":
                 fail(t.read.span, "not supported yet: an elementwise step of a paged walk reads no operand (numbers, sizes, indices)")
+    packed = [i for i in p.lead if kernel.index(i).tile != 1]
+    for cond in p.conditions:
+        for t in cond.walk():
+            if t.op == "index" and t.name in packed:
+                fail(kernel.statement_of(p.score).span if False else p.q.span,
+                     f"not supported yet: a paged walk's condition compares '{t.name}', a row index packed into the rows")
+            if t.read is not None and any(i in packed for i in t.read.indices):
+                fail(t.read.span, f"not supported yet: a paged walk's condition reads an operand at a row index packed into "
+                                  f"the rows ({', '.join(packed)}); it may compare their positions")
     scalars = []
     for cond in p.conditions:
         for r in cond.reads:
             op = kernel.operand(r.operand)
-            if any(i not in p.lead for i in r.indices) or not all(s.divisor == 1 and s.modulus is None and s.table is None and not s.shift for s in r.subs):
+            if any(i not in p.lead or i in packed for i in r.indices) or not all(s.divisor == 1 and s.modulus is None and s.table is None and not s.shift for s in r.subs):
                 fail(r.span, f"not supported yet: a paged walk's condition reads operands at batch or head indices only ('{r.text}')")
             if op.dtype.is_float:
                 fail(r.span, f"not supported yet: a paged walk's condition reads integer operands ('{r.operand}' is {op.dtype.name})")

@@ -8,10 +8,13 @@ def describe_paged(m) -> list[str]:
     tile = {i.name: i.tile for i in k.indices}
     page = pg.page
     per_block = f"{pg.key_tile // page}" if isinstance(page, int) else f"{pg.key_tile} / {page}"
-    per = f", per {', '.join(p.lead)}" if p.lead else ""
+    one = [i for i in p.lead if i not in pg.packed]
+    per = f", per {', '.join(one)}" if one else ""
+    rows = " x ".join(f"{tile[i]} '{i}'" for i in (*pg.packed, p.query))
+    axes = [i if i in one else f"{i} blocks" for i in p.lead] + [p.query + " blocks"]
+    order = "parallel" if m.target.cores > 1 else "in order (one core: each step prefetches the next's first block)"
     lines = [
-        f"walk: rows of '{p.score}' ({tile[p.query]} '{p.query}' at a time{per}): grid "
-        f"({', '.join(list(p.lead) + [p.query + ' blocks'])}), every axis parallel",
+        f"walk: rows of '{p.score}' ({rows} at a time{per}): grid ({', '.join(axes)}), {order}",
         f"  keys: '{p.key}' read through the table '{pg.table}' ({pg.gathers[0].table.text}), pages of {page};",
         f"  a loop over the key blocks of {pg.key_tile} between the first and the last page the condition",
         f"  reaches in the row block; a block gathers its {per_block} pages, one copy per page and operand",

@@ -28,6 +28,19 @@ class PagedEmitter(AttentionEmitter):
         self.tj = self.pg.key_tile
         self.ti = self.tile[self.p.query]
         self.gathered = {g.read.operand for g in self.pg.gathers}
+        self.packed = self.pg.packed  # lead indices whose blocks join the rows
+        self.rows = self.ti
+        for i in self.packed:
+            self.rows *= self.tile[i]
+
+    def extent(self, index: str):
+        """The grid's extent along a lead index: its values, or its blocks when packed."""
+        size = self.size_expr(index)
+        return size.cdiv(self.tile[index]) if index in self.packed else size
+
+    def lead_block(self, index: str) -> str:
+        """A lead index's block in a BlockSpec: squeezed, or its tile when packed."""
+        return str(self.tile[index]) if index in self.packed else "None"
 
     def ragged(self, index: str) -> bool:
         # The key index ranges over whole pages (NP * T): classified per page, never ragged.
@@ -122,7 +135,10 @@ class PagedEmitter(AttentionEmitter):
             for g in pg.gathers:
                 heads = []
                 for s_ in g.heads:
-                    if s_.index in p.lead:
+                    if s_.index in self.packed:  # a block of heads packed into the rows shares one
+                        t_ = self.tile[s_.index]
+                        heads.append(lead_vars[s_.index] if s_.divisor == t_ else f"{lead_vars[s_.index]} * {t_} // {s_.divisor}")
+                    elif s_.index in p.lead:
                         heads.append(f"{lead_vars[s_.index]} // {s_.divisor}" if s_.divisor != 1 else lead_vars[s_.index])
                     else:  # the row block's heads share one (the tile divides the divisor)
                         heads.append(row if s_.divisor == ti else f"{row} * {ti} // {s_.divisor}")
@@ -176,7 +192,7 @@ class PagedEmitter(AttentionEmitter):
         # Chained (one core walks the steps in order): a step's last block starts the copies
         # of the next step's first block; `state` passes its slot on.
         state, slot0, started = refs["state"], n.local("slot0"), n.local("started")
-        grid_extents = [self.size_expr(i) for i in p.lead] + [n_rows]
+        grid_extents = [self.extent(i) for i in p.lead] + [n_rows]
         step_flat = render(flat([Var(v) for v in lead_vars.values()] + [Var(row)], grid_extents), "py")
         n_steps = grid_extents[0]
         for e in grid_extents[1:]:
@@ -230,7 +246,13 @@ class PagedEmitter(AttentionEmitter):
                           f"                    {state}[1] = 1"]
         self._chained_lines = chained_lines
         qv = n.local(f"{p.q.operand}_blk")
-        lines.append(f"{qv} = {refs['q']}[...]")
+        rows, summed_tile = self.rows, self.tile[p.summed]
+        if self.packed:
+            # Heads (and tokens) packed into one block of rows: (heads, tokens, d) as (rows, d),
+            # through f32, whose (8, 128) tiles the merge keeps.
+            lines.append(f"{qv} = {refs['q']}[...].astype(jnp.float32).reshape({rows}, {summed_tile}).astype({refs['q']}.dtype)")
+        else:
+            lines.append(f"{qv} = {refs['q']}[...]")
         # The loop body.
         carry_m, carry_l = n.local("m_prev"), n.local("l_prev")
         values = [c for c in p.consumers if c.kind == "softmax_product"]
@@ -258,13 +280,25 @@ class PagedEmitter(AttentionEmitter):
         if p.scale is not None:
             body.append(f"    {raw} = {raw} * {p.scale!r}")
         qpos, kpos = n.local(f"{p.query}_pos"), n.local(f"{p.key}_pos")
-        body.append(f"    {qpos} = {row} * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0)")
+        ppos = {}
+        if self.packed:
+            lane = n.local("r")
+            body.append(f"    {lane} = lax.broadcasted_iota(jnp.int32, ({self.rows}, 1), 0)  # a row of the block")
+            body.append(f"    {qpos} = {row} * {ti} + {lane} % {ti}")
+            stride = ti
+            for i in reversed(self.packed):
+                t_ = self.tile[i]
+                ppos[i] = n.local(f"{i}_pos")
+                body.append(f"    {ppos[i]} = {lead_vars[i]} * {t_} + {lane} // {stride} % {t_}")
+                stride *= t_
+        else:
+            body.append(f"    {qpos} = {row} * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0)")
         body.append(f"    {kpos} = {kb} * {tj} + lax.broadcasted_iota(jnp.int32, (1, {tj}), 1)")
         vals = {p.score: raw}
 
         def leaf(term: Term, float_ctx: bool) -> str:
             if term.op == "index":
-                v = qpos if term.name == p.query else kpos if term.name == p.key else lead_vars[term.name]
+                v = qpos if term.name == p.query else kpos if term.name == p.key else ppos.get(term.name, lead_vars.get(term.name))
             elif term.op == "size":
                 v = self.m.conv.size_var(term.name)
                 return f"float({v})" if float_ctx else v
@@ -289,6 +323,7 @@ class PagedEmitter(AttentionEmitter):
             conds.append(f"({render_term(p.points[0].condition, lambda x: leaf(x, False))})")
         if self.ragged(p.query):
             conds.append(f"({qpos} < {self.size_of(p.query)})")
+        conds += [f"({ppos[i]} < {self.size_of(i)})" for i in self.packed if self.ragged(i)]
         scores = n.local("scores")
         body.append(f"    {scores} = jnp.where({' & '.join(conds)}, {s}, -jnp.inf)")
         m_new, m_safe, alpha, probs, l_new = (n.local(x) for x in ("m_new", "m_safe", "alpha", "probs", "l_new"))
@@ -314,10 +349,10 @@ class PagedEmitter(AttentionEmitter):
         lines.append("")
         m, l_ = n.local("m"), n.local("l")
         outs = [n.local(f"{c.output}_sum") for c in values]
-        init = [f"jnp.full(({ti}, 1), -jnp.inf, {acc.jnp})", f"jnp.zeros(({ti}, 1), {acc.jnp})"]
+        init = [f"jnp.full(({self.rows}, 1), -jnp.inf, {acc.jnp})", f"jnp.zeros(({self.rows}, 1), {acc.jnp})"]
         for c in values:
             g = next(g for g in pg.gathers if g.read == c.value)
-            init.append(f"jnp.zeros(({ti}, {self.tile[g.inner.index]}), {acc.jnp})")
+            init.append(f"jnp.zeros(({self.rows}, {self.tile[g.inner.index]}), {acc.jnp})")
         lines.append(f"{', '.join([m, l_] + outs)} = lax.fori_loop({first}, {last}, _block, ({', '.join(init)}))")
         total, nothing = n.local("total"), n.local("nothing")
         lines.append(f"{nothing} = {l_} == 0.0  # no element present: the output is 0")
@@ -325,7 +360,10 @@ class PagedEmitter(AttentionEmitter):
         for c, o in zip(values, outs):
             ref = refs["outs"][c.output]
             scale = f" * {c.scale!r}" if c.scale is not None else ""
-            lines.append(f"{ref}[...] = ({o} * jnp.where({nothing}, 0.0, 1.0 / {total}){scale}).astype({ref}.dtype)")
+            value = f"{o} * jnp.where({nothing}, 0.0, 1.0 / {total}){scale}"
+            if self.packed:  # the rows back as (heads, tokens, e)
+                value = f"({value}).reshape({ref}.shape)"
+            lines.append(f"{ref}[...] = ({value}).astype({ref}.dtype)")
         del m
         return lines
 
@@ -354,17 +392,17 @@ class PagedEmitter(AttentionEmitter):
         statics = [v for v in self.sizes if v in used]
         prefetch = [refs["first"], refs["end"], refs["table"]] + list(refs["scalars"].values())
         lead = list(p.lead)
-        grid = [render(self.size_expr(i), "host") for i in lead] + [render(self.size_expr(p.query).cdiv(self.ti), "host")]
+        grid = [render(self.extent(i), "host") for i in lead] + [render(self.size_expr(p.query).cdiv(self.ti), "host")]
         maps = n.scope()
         grid_vars = [maps.local(i) for i in lead] + [maps.local("row")]
         q_coords = [grid_vars[lead.index(s.index)] if s.index in lead else grid_vars[-1] if s.index == p.query else "0" for s in p.q.subs]
-        q_block = py_tuple("None" if s.index in lead else str(self.tile[s.index]) for s in p.q.subs)
+        q_block = py_tuple(self.lead_block(s.index) if s.index in lead else str(self.tile[s.index]) for s in p.q.subs)
         outs = []
         for c in p.consumers:
             target = k.statement_of(c.output).target
             op = k.operand(c.output)
             coords = [grid_vars[lead.index(i)] if i in lead else grid_vars[-1] if i == p.query else "0" for i in target.indices]
-            block = py_tuple("None" if i in lead else str(self.tile[i]) for i in target.indices)
+            block = py_tuple(self.lead_block(i) if i in lead else str(self.tile[i]) for i in target.indices)
             shape = py_tuple(self.size_of(i) for i in target.indices)
             outs.append({"var": self.n.local(c.output), "block": block, "coords": coords, "shape": shape, "dtype": op.dtype.jnp})
         scratch = []

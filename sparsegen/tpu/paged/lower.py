@@ -87,6 +87,8 @@ def paged_vmem(kernel: Kernel, p: RowPlan, paged: PagedPlan) -> tuple[VmemItem, 
     tile = {i.name: i.tile for i in kernel.indices}
     acc = kernel.accumulate
     ti, tj = tile[p.query], paged.key_tile
+    for i in paged.packed:  # heads (or tokens) packed into the rows
+        ti *= tile[i]
     vmem = [VmemItem(f"{p.q.operand} block x2", (ti, tile[p.summed]), kernel.operand(p.q.operand).dtype, 2)]
     for g in paged.gathers:
         vmem.append(VmemItem(f"{g.read.operand} gathered pages x2", (tj, tile[g.inner.index]), kernel.operand(g.read.operand).dtype, 2))
