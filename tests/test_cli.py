@@ -26,7 +26,7 @@ def test_generated_is_current():
     """generated/ matches specs/ (what `sparsegen check` tells CI and pre-commit hooks)."""
     result = sparsegen("check", *EXAMPLES, "-o", "generated")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "20 modules up to date" in result.stdout
+    assert f"{len(list((ROOT / 'generated').glob('*.py')))} modules up to date" in result.stdout
 
 
 # One spec per walk family (einsum, attention-like, condition, two kernels in one file):
