@@ -816,7 +816,6 @@ def _reference(q, kc, vc, pages, lens, sizes):
         -jnp.inf,
     )
     probs, lse = _softmax_rows(s)
-    visits = _classify_pages(jnp, lens, sizes)
     o_ = jnp.einsum(
         "abc,abce->abe",
         probs,

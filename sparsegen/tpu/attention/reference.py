@@ -85,7 +85,7 @@ class ReferenceWriter:
             lines.append(f"{probs}, {lse} = _softmax_rows({finals[pt]})")
             stats[pt] = (probs, lse)
         visited = None
-        if any(c.kind == "softmax_product" for c in p.consumers):
+        if any(c.kind == "softmax_product" and p.query not in c.value.indices for c in p.consumers):
             # Which (row block, key block) the walk visits, over the score's axes.
             visits = scope.local("visits")
             classes = "".join(letters[i] for i in p.class_axes)
