@@ -754,6 +754,14 @@ def _impl(q, kc, vc, pages, lens, sizes, interpret):
                 "arbitrary",
             ),
         ),
+        # At most every page of every row block (the bounds are known only on the device).
+        cost_estimate=pl.CostEstimate(
+            flops=first.size * pages.shape[-1] * T * 16384,
+            transcendentals=first.size * pages.shape[-1] * T * 32,
+            bytes_accessed=first.size * pages.shape[-1] * T * 512
+            + q.size * q.dtype.itemsize
+            + int(np.prod((B, H, 4, D))) * jnp.dtype(jnp.bfloat16).itemsize,
+        ),
         interpret=interpret,
     )(
         first.reshape(-1),

@@ -716,6 +716,14 @@ def _impl(q, kc, vc, pages, lens, sizes, interpret):
                 "arbitrary",
             ),
         ),
+        # At most every page of every row block (the bounds are known only on the device).
+        cost_estimate=pl.CostEstimate(
+            flops=first.size * pages.shape[-1] * T * 4096,
+            transcendentals=first.size * pages.shape[-1] * T * 8,
+            bytes_accessed=first.size * pages.shape[-1] * T * 512
+            + q.size * q.dtype.itemsize
+            + int(np.prod((B, H, D))) * jnp.dtype(jnp.bfloat16).itemsize,
+        ),
         interpret=interpret,
     )(
         first.reshape(-1),

@@ -12,8 +12,9 @@ from hygiene_specs import MASKED_SDD, NASTY, NASTY_MASK, TRANSPOSED, XMASK, XMAS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparsegen.backends import emit_module
 from sparsegen.compiler import compile_source
-from sparsegen.tpu.attention import AttentionEmitter, AttentionModule
+from sparsegen.tpu.attention import AttentionModule
 from sparsegen.tpu.emit import _Emitter
 from sparsegen.formatting import BLACK_MODE, format_module
 from sparsegen.source import SourceFile, SpecError
@@ -23,8 +24,8 @@ TEXTS = [spec_text(p.stem) for p in sorted(SPECS.glob("*.spk"))] + [NASTY, NASTY
 
 def raw_and_name(text):
     module, *_ = compile_source(SourceFile("f.spk", text))
-    if isinstance(module.plan, AttentionModule):
-        return AttentionEmitter(module.plan).module("f.spk", formatted=False), module.plan.name
+    if isinstance(module.plan, AttentionModule):  # the row walk's and the paged walk's (its subclass)
+        return emit_module(module.plan, "f.spk", formatted=False), module.plan.name
     return _Emitter(module.plan).module("f.spk"), module.plan.name
 
 

@@ -454,7 +454,8 @@ class PagedEmitter(AttentionEmitter):
             hbm_params=[conv.param(g.read.operand).internal for g in pg.gathers], scalar_args=scalar_args,
             table_param=table_param, table_length=render(self.m.conv.size(k.operand(pg.table).dims[-1]), "host"), clamp=clamp, check=check,
             vmem_limit=m.vmem_limit(), class_axes=list(p.class_axes), data=p.data_dependent,
-            flops=self.flops_per_row(), key=p.key, single_core=m.target.cores == 1,
+            flops=self.flops_per_row(), key_bytes=self.bytes_per_key(), rows=self.rows, page=self.page,
+            out_bytes=" + ".join(f"int(np.prod({o['shape']})) * jnp.dtype({o['dtype']}).itemsize" for o in outs), key=p.key, single_core=m.target.cores == 1,
         )
         return format_module(text, names=(m.name,)) if formatted else text
 
@@ -469,7 +470,11 @@ class PagedEmitter(AttentionEmitter):
     def flops_per_row(self) -> str:
         """The MXU work of a row block and one key position: the score and each product."""
         inner = [self.tile[g.inner.index] for g in self.pg.gathers]
-        return str(2 * self.ti * sum(inner))
+        return str(2 * self.rows * sum(inner))
+
+    def bytes_per_key(self) -> str:
+        """HBM bytes a key position costs: its row of each cached operand."""
+        return str(sum(self.tile[g.inner.index] * self.k.operand(g.read.operand).dtype.itemsize for g in self.pg.gathers))
 
     def docstring(self):
         signature = self.wrapper.signature()[0]
