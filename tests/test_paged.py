@@ -112,7 +112,7 @@ def test_paged_decode_against_the_oracle(tmp_path, mode):
 def test_under_jit_tables_and_lengths_are_traced_without_recompiling(tmp_path):
     mod, _ = _load("paged_decode.spk", tmp_path)
     rng = np.random.default_rng(1)
-    T, NP = 16, 40
+    T, NP = 64, 12  # pages of 64: few copies for the interpreter
     traces = []
 
     def step(q, kc, vc, pages, lens):
@@ -120,7 +120,7 @@ def test_under_jit_tables_and_lengths_are_traced_without_recompiling(tmp_path):
         return mod.paged_decode(q, kc, vc, pages, lens, interpret=True)
 
     run = jax.jit(step)
-    for lens in ([3, 600], [640, 17]):
+    for lens in ([3, 600], [768, 17]):
         q, kc, vc, pages, lens = _cache(rng, 2, 8, 1, 128, T, NP, 100, lens)
         got = run(q, kc, vc, pages, lens)
         np.testing.assert_allclose(np.asarray(got, np.float64), _oracle(q, kc, vc, pages, lens), atol=2e-2, rtol=2e-2)
@@ -130,8 +130,8 @@ def test_under_jit_tables_and_lengths_are_traced_without_recompiling(tmp_path):
 def test_a_table_entry_out_of_range_is_a_value_error_where_reached(tmp_path):
     mod, _ = _load("paged_decode.spk", tmp_path)
     rng = np.random.default_rng(2)
-    q, kc, vc, pages, lens = _cache(rng, 2, 8, 1, 128, 16, 8, 30, [20, 5])
-    pages[0, 1] = 30  # reached: token 16..19 live on page entry 1
+    q, kc, vc, pages, lens = _cache(rng, 2, 8, 1, 128, 64, 8, 30, [100, 5])
+    pages[0, 1] = 30  # reached: tokens 64..99 live on page entry 1
     with pytest.raises(ValueError, match=r"pages entry \(0, 1\) is 30, outside the 30 pages"):
         mod.paged_decode(q, kc, vc, pages, lens, interpret=True)
     pages[0, 1], pages[1, 3] = 2, 999  # not reached: sequence 1 has one page
@@ -245,7 +245,7 @@ def test_heads_and_new_tokens_packed_into_the_rows(tmp_path, mode):
     mod, m = _load("paged_gqa_speculative_decode.spk", tmp_path)
     assert "rows of 's' (8 'h' x 4 'i' at a time, per b)" in m.code
     rng = np.random.default_rng(9)
-    q, kc, vc, pages, lens = _cache(rng, 2, 16, 2, 128, 16, 40, 100, [530, 9], poison=True)
+    q, kc, vc, pages, lens = _cache(rng, 2, 16, 2, 128, 64, 12, 40, [530, 9], poison=True)
     q = jnp.asarray(rng.normal(size=(2, 16, 4, 128)), jnp.bfloat16)
     got = mod.paged_gqa_speculative_decode(q, kc, vc, pages, lens, interpret=MODES[mode]())
     if mode == "simulator":
@@ -289,7 +289,7 @@ def test_a_table_too_large_for_scalar_memory_is_read_a_row_per_step(tmp_path, mo
     mod, _ = _load("paged_decode.spk", tmp_path)
     mod._TABLE_SMEM_BYTES = 0  # as if the table were larger than scalar memory
     rng = np.random.default_rng(6)
-    q, kc, vc, pages, lens = _cache(rng, 2, 8, 1, 128, 16, 40, 100, [300, 640], poison=True)
+    q, kc, vc, pages, lens = _cache(rng, 2, 8, 1, 128, 64, 12, 40, [300, 700], poison=True)
     got = mod.paged_decode(q, kc, vc, pages, lens, interpret=MODES[mode]())
     if mode == "simulator":
         pltpu.reset_tpu_interpret_mode_state()
@@ -305,8 +305,8 @@ def test_paged_decode_equals_jax_paged_attention(tmp_path):
 
     mod, _ = _load("paged_decode.spk", tmp_path)
     rng = np.random.default_rng(7)
-    T, NP = 16, 64
-    q, kc, vc, pages, lens = _cache(rng, 3, 16, 2, 128, T, NP, 200, [1, 512, 700])
+    T, NP = 64, 16  # pages of 64: JAX's kernel then copies blocks of 8 pages
+    q, kc, vc, pages, lens = _cache(rng, 3, 16, 2, 128, T, NP, 60, [1, 512, 700])
     pages = np.where(pages < 0, 0, pages)  # JAX's kernel copies whole compute blocks: every entry must address a page
     got = mod.paged_decode(q, kc, vc, pages, lens, interpret=True)
     # paged_attention multiplies by no scale: the spec's 1/sqrt(128) goes into q.
