@@ -947,7 +947,7 @@ _MESH_RULES = {
     ),
     "e": (
         None,
-        "its size D is also the size of index d, which a split of e would leave whole (each shard's kernel would see two sizes of D)",
+        "its blocks span D whole (a tile of 128), so a slice would be smaller than its tile",
     ),
 }
 # The index along each dimension of the positional arguments and of the outputs (() where
@@ -993,8 +993,8 @@ def sharded(mesh, /, **axes):
             d] * kc[h // 8, pages[b, j // T], j % T, d] * 0.08838834764831845 where j <=
             ((lens[b] - 4) + i)`), which a nonlinear step reads (softmax, an elementwise
             function): partial sums cannot be added after it
-        e: cannot be split: its size D is also the size of index d, which a split of e
-            would leave whole (each shard's kernel would see two sizes of D)
+        e: cannot be split: its blocks span D whole (a tile of 128), so a slice would be
+            smaller than its tile
 
     Mapping an index the spec lacks, to an axis the mesh lacks, or two indices to one
     axis, raises a ValueError.

@@ -332,8 +332,10 @@ def whole_sizes(kernel: Kernel) -> dict[str, int]:
     free index): each must equal its tile. Empty for other kernels."""
     if not is_row_kernel(kernel):
         return {}
+    from .paged import reads_through_tables
+
     try:
-        plan = row_plan(kernel)
+        plan = row_plan(kernel, packed_rows=reads_through_tables(kernel))  # a paged walk packs heads into its rows
     except ScheduleError:
         return {}
     return {kernel.index(i).size.symbol: kernel.index(i).tile for i in plan.inner if kernel.index(i).size.literal is None}
