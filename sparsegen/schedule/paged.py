@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..callconv import table_operands
 from ..ir import Kernel, Read, Sub
 from ..source import Diagnostic
 from .attention import RowPlan
@@ -61,7 +62,7 @@ class PagedPlan:
 
 def reads_through_tables(kernel: Kernel) -> bool:
     """Does some read of the kernel address an operand through a table?"""
-    return any(s.table is not None for st in kernel.statements for r in (st.target, *st.reads, *_values(st)) for s in r.subs)
+    return bool(table_operands(kernel))
 
 
 def _values(st) -> tuple[Read, ...]:
@@ -135,8 +136,7 @@ def paged_plan(kernel: Kernel, row: RowPlan) -> PagedPlan:
     for cond in p.conditions:
         for t in cond.walk():
             if t.op == "index" and t.name in packed:
-                fail(kernel.statement_of(p.score).span if False else p.q.span,
-                     f"not supported yet: a paged walk's condition compares '{t.name}', a row index packed into the rows")
+                fail(p.q.span, f"not supported yet: a paged walk's condition compares '{t.name}', a row index packed into the rows")
             if t.read is not None and any(i in packed for i in t.read.indices):
                 fail(t.read.span, f"not supported yet: a paged walk's condition reads an operand at a row index packed into "
                                   f"the rows ({', '.join(packed)}); it may compare their positions")

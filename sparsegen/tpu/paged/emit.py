@@ -364,7 +364,6 @@ class PagedEmitter(AttentionEmitter):
             if self.packed:  # the rows back as (heads, tokens, e)
                 value = f"({value}).reshape({ref}.shape)"
             lines.append(f"{ref}[...] = ({value}).astype({ref}.dtype)")
-        del m
         return lines
 
     # ------------------------------------------------------------------ module
@@ -390,7 +389,6 @@ class PagedEmitter(AttentionEmitter):
         body = self.kernel_lines(n, refs)
         used = set().union(*(words(line) for line in body))
         statics = [v for v in self.sizes if v in used]
-        prefetch = [refs["first"], refs["end"], refs["table"]] + list(refs["scalars"].values())
         lead = list(p.lead)
         grid = [render(self.extent(i), "host") for i in lead] + [render(self.size_expr(p.query).cdiv(self.ti), "host")]
         maps = n.scope()

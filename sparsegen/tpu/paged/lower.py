@@ -9,7 +9,6 @@ copies started before the current block is computed.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from ...autodiff import Refusal
@@ -103,7 +102,3 @@ def paged_vmem(kernel: Kernel, p: RowPlan, paged: PagedPlan) -> tuple[VmemItem, 
     vmem.append(VmemItem("running max and sum", (ti, 1), acc, 3))
     vmem.append(VmemItem("score block and its softmax (f32 temporaries)", (ti, tj), acc, 3))
     return tuple(vmem)
-
-
-def with_limit(m: PagedModule, limit: int) -> PagedModule:
-    return dataclasses.replace(m, vmem_limit_override=limit)
