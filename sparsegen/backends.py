@@ -128,6 +128,20 @@ def _gpu_einsum(kernel, chip):
         return None, list(exc.diagnostics)
 
 
+def _gpu_row(kernel, chip):
+    from .gpu import GpuError
+    from .gpu.attention import lower_gpu_attention
+    from .schedule.attention import row_plan
+    from .schedule.build import ScheduleError
+
+    try:
+        return lower_gpu_attention(kernel, row_plan(kernel), chip), []
+    except ScheduleError as exc:
+        return None, [exc.diagnostic]
+    except GpuError as exc:
+        return None, list(exc.diagnostics)
+
+
 def _tpu_emit(m, origin, formatted=True):
     from .tpu.emit import emit_einsum
 
@@ -145,6 +159,19 @@ def _gpu_emit(m, origin, formatted=True):
 
     del formatted  # GPU modules are always formatted
     return emit_gpu(m, origin)
+
+
+def _gpu_row_emit(m, origin, formatted=True):
+    from .gpu.attention import emit_gpu_attention
+
+    del formatted  # GPU modules are always formatted
+    return emit_gpu_attention(m, origin)
+
+
+def _gpu_row_describe(m):
+    from .gpu.attention.describe import describe_gpu_attention
+
+    return [f"kernel {m.kernel.name}"] + ["  " + line for line in describe_gpu_attention(m)]
 
 
 def _tpu_describe(m):
@@ -186,12 +213,12 @@ TABLE: dict[tuple[str, str], Entry] = {
     ("tpu", "row"): Entry(_tpu_row, _row_emit, _row_describe, _row_analyse),
     ("tpu", "paged"): Entry(_tpu_paged, _paged_emit, _paged_describe),
     ("gpu", "einsum"): Entry(_gpu_einsum, _gpu_emit, _gpu_describe),
+    ("gpu", "row"): Entry(_gpu_row, _gpu_row_emit, _gpu_row_describe),
 }
 
 # Why a pair is missing, and what to do instead.
 UNSUPPORTED = {
-    ("gpu", "row"): "attention-like kernels (local tensors, softmax, reductions) are not lowered for GPUs yet; build '{name}' for a TPU target",
-    ("gpu", "paged"): "attention-like kernels are not lowered for GPUs yet; build '{name}' for a TPU target",
+    ("gpu", "paged"): "attention-like kernels reading keys and values through a table (the paged walk) are not lowered for GPUs yet; build '{name}' for a TPU target",
 }
 
 

@@ -1,0 +1,37 @@
+"""`sparsegen plan --target h200` for the row walk: what a CTA computes, which blocks it
+visits, and its shared memory, in words."""
+
+from __future__ import annotations
+
+from ...autodiff import gradient_lines
+
+
+def describe_gpu_attention(m) -> list[str]:
+    p, k = m.plan, m.kernel
+    tile = m.tile
+    ti, tj = tile[p.query], tile[p.key]
+    lead = ", ".join(p.lead) or "nothing"
+    lines = [f"target: {m.target.name} (Mosaic GPU: TMA copies, WGMMA, one warpgroup per CTA)",
+             f"walk: rows of '{p.score}': one CTA per {m.tq} rows of an {p.query} block of {ti} (per {lead}),",
+             f"  reducing over {p.key}: the row block's non-empty {p.key} blocks of {tj}, in order, {m.tk} keys a pipeline step",
+             f"  (TMA copies of the key-side tiles, {2} in flight; the query tile copied once)"]
+    if not p.conditions:
+        lines.append("blocks: every block is full (no condition)")
+    else:
+        exact = "traced operands (classified under jit)" if p.data_dependent else "sizes only (classified with numpy at trace time)"
+        lines.append(f"condition: {p.condition.text}")
+        lines.append(f"  per ({', '.join(p.class_axes)}) block: empty (no step), partial (evaluated from iota and operand tiles)")
+        lines.append(f"  or full (not evaluated); depends on {exact}; tables in GMEM: per row block its non-empty key blocks")
+    lines.append(f"step: s = {p.q.text} . {p.k.text} over {p.summed}" + (f" x {p.scale!r}" if p.scale is not None else "")
+                 + " (WGMMA, f32 accumulator in registers)")
+    for name, term in p.chain:
+        lines.append(f"  then {name} = {term.text}")
+    for c in p.consumers:
+        if c.kind == "softmax_product":
+            lines.append(f"{c.output}: softmax rows times {c.value.text}, online (running max and sum in registers; the probabilities")
+            lines.append("  through shared memory into a second WGMMA)")
+        else:
+            lines.append(f"{c.output}: {c.kind} of each row, from the running statistics")
+    lines.append("rows with no present element: outputs 0 (logsumexp and max: -inf)")
+    lines.append(f"shared memory: {m.smem} bytes per CTA (limit {m.target.smem_bytes} on {m.target.name})")
+    return lines + gradient_lines(k, (), m.refused)

@@ -1,0 +1,410 @@
+"""Emission of a GPU attention module: the classification (the TPU's, `schedule/classify.py`),
+the walk's tables, the Mosaic GPU kernel, `reference` and `block_kinds` (the TPU module's
+own: one calling convention on every target); Jinja (templates/gpu/attention.py.j2), black.
+
+The kernel, one CTA per row tile: the query tile (and per-row operands) copied to shared
+memory once; `plgpu.emit_pipeline` over the steps of the row block's non-empty key blocks
+(TMA copies of the key-side tiles, from GMEM tables); per step the score tile as a WGMMA
+into a scoped accumulator, the chain, the condition on a partial block only (`lax.cond` on
+the block's kind), the online softmax in registers, the probabilities through shared
+memory into a second WGMMA per value; then each output's tile through shared memory.
+"""
+
+from __future__ import annotations
+
+from ...expr import render
+from ...formatting import format_module
+from ...ir import Read, Term
+from ...pytext import py_tuple
+from ...schedule.attention import read_key
+from ...schedule.classify import Classifier
+from ...terms import render_term
+from ...wrapper import Glue, Wrapper, vjp_tables
+from ...tpu.attention.reference import ReferenceWriter  # backend-neutral: jax.numpy over whole arrays
+from .describe import describe_gpu_attention
+from .lower import STAGES, GpuAttentionModule, GpuOperand, _free_index
+
+F32 = "jnp.float32"
+
+
+class GpuAttentionEmitter(ReferenceWriter):
+    def __init__(self, m: GpuAttentionModule):
+        self.m = m
+        self.k = m.kernel
+        self.p = m.plan
+        self.n = m.names
+        self.tile = m.tile
+        self.wrapper = Wrapper(m.kernel, m.conv, (), m.names.local("size"), m.names)
+
+    # Names and sizes (as ReferenceWriter reads them).
+    def size_of(self, index: str) -> str:
+        size = self.k.index(index).size
+        return f"({render(self.m.conv.size(size), 'host')})" if size.literal is None and size.product else (
+            str(size.literal) if size.literal is not None else self.m.conv.size_var(size.symbol))
+
+    def ragged(self, index: str) -> bool:
+        idx = self.k.index(index)
+        return idx.size.literal is None or idx.size.literal % idx.tile != 0
+
+    def e_of(self, c) -> str:
+        return _free_index(self.k, self.p, c)
+
+    def blocks(self, index: str) -> str:
+        return f"(-(-{self.size_of(index)} // {self.tile[index]}))"
+
+    # -------------------------------------------------------- classification
+    def classify(self) -> tuple[str, list[str], list[str]]:
+        p = self.p
+        scope = self.n.scope()
+        cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], lambda i: self.m.conv.size(self.k.index(i).size))
+        lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)])
+        reads = []
+        for r in (r for cond in p.conditions for r in cond.reads):
+            param = self.m.conv.param(r.operand).internal
+            if param not in reads:
+                reads.append(param)
+        return self.n.function("_classify_blocks"), reads, lines
+
+    # -------------------------------------------------------------- arrays
+    def host_array(self, o: GpuOperand) -> str:
+        """The array the kernel receives: the argument, its ragged rows and keys padded with
+        zeros to whole blocks (a tile never reads past an array's end), its two tile
+        dimensions swapped where WGMMA or the condition wants them the other way."""
+        x = self.m.conv.param(o.read.operand).internal
+        subs = o.read.subs
+        pads = [f"(0, -{self.size_of(s.index)} % {self.tile[s.index]})" if s.index in (self.p.query, self.p.key) and self.ragged(s.index)
+                else "(0, 0)" for s in subs]
+        if any(pad != "(0, 0)" for pad in pads):
+            x = f"jnp.pad({x}, {py_tuple(pads)})"
+        if o.swapped:
+            a, b = [d for d, s in enumerate(subs) if s.index in o.live]
+            x = f"jnp.swapaxes({x}, {a}, {b})"
+        return x
+
+    def dims(self, o: GpuOperand) -> list[str]:
+        """The operand's indices in the order of the array the kernel receives."""
+        idx = [s.index for s in o.read.subs]
+        if o.swapped:
+            a, b = [d for d, i in enumerate(idx) if i in o.live]
+            idx[a], idx[b] = idx[b], idx[a]
+        return idx
+
+    def divisor(self, o: GpuOperand, index: str) -> int:
+        return next(s.divisor for s in o.read.subs if s.index == index)
+
+    def lead_coord(self, o: GpuOperand, index: str) -> str:
+        d = self.divisor(o, index)
+        return self.lv[index] if d == 1 else f"{self.lv[index]} // {d}"
+
+    # -------------------------------------------------------------- kernel
+    def kernel_lines(self) -> tuple[list[str], list[str], list[str]]:
+        """The kernel's parameters, its lines, and the arrays passed (in order)."""
+        m, p, k = self.m, self.p, self.k
+        n = self.n.scope()
+        tq, tk = m.tq, m.tk
+        ti, tj = self.tile[p.query], self.tile[p.key]
+        rsub, ksub = ti // tq, tj // tk
+        tables = [n.local("cols"), n.local("kinds"), n.local("counts")]
+        ops = m.operands
+        out_refs = {c.output: n.local(f"{c.output}_gmem") for c in p.consumers}
+        params = tables + [o.ref for o in ops] + [out_refs[c.output] for c in p.consumers]
+        lines = []
+        if self.size_vars:
+            lines.append(f"{', '.join(self.size_vars)}{',' if len(self.size_vars) == 1 else ''} = sizes")
+        cell, row_tile = n.local("cell"), n.local("row_tile")
+        n_tiles = f"{self.blocks(p.query)} * {rsub}" if rsub != 1 else self.blocks(p.query)
+        lines.append(f'{cell} = lax.axis_index("cell")')
+        lines.append(f"{row_tile} = {cell} % ({n_tiles})  # the CTA's {tq} rows")
+        self.lv = {i: n.local(i) for i in p.lead}
+        stride = f"{n_tiles}"
+        for d in reversed(range(len(p.lead))):
+            i = p.lead[d]
+            value = f"{cell} // ({stride})" + (f" % {self.size_of(i)}" if d else "")
+            lines.append(f"{self.lv[i]} = {value}")
+            stride = f"{stride} * {self.size_of(i)}"
+        slot, count = n.local("slot"), n.local("count")
+        group = ""
+        gstride = ""
+        for i in reversed(p.class_axes[:-2]):
+            term = self.lv[i] + (f" * {gstride}" if gstride else "")
+            group = term if not group else f"{term} + {group}"
+            gstride = self.size_of(i) if not gstride else f"{gstride} * {self.size_of(i)}"
+        row_block = f"{row_tile} // {rsub}" if rsub != 1 else row_tile
+        lines.append(f"{slot} = " + (f"({group}) * {self.blocks(p.query)} + {row_block}" if group else row_block)
+                     + "  # the row block's entry in the tables")
+        lines.append(f"{count} = {tables[2]}[{slot}]" + (f" * {ksub}  # pipeline steps: {ksub} per non-empty key block" if ksub != 1
+                                                         else "  # pipeline steps: one per non-empty key block"))
+        n_cols = self.blocks(p.key)
+
+        # Scalars (operands read with lead indices only), read once.
+        scalars = {}
+        for o in ops:
+            if o.layout == "scalar":
+                var = n.local(f"{o.read.operand}_value")
+                coords = ", ".join(self.lead_coord(o, s.index) for s in o.read.subs)
+                lines.append(f"{var} = {o.ref}[{coords}]")
+                scalars[read_key(o.read)] = var
+
+        def at(o: GpuOperand, row: str) -> str:
+            parts = []
+            for i in self.dims(o):
+                if i in p.lead:
+                    parts.append(self.lead_coord(o, i))
+                elif i == p.query:
+                    parts.append(f"pl.ds({row} * {tq}, {tq})")
+                else:
+                    parts.append(f"pl.ds(0, {self.tile[i]})")
+            return ", ".join(parts)
+
+        def block(o: GpuOperand) -> str:
+            return py_tuple("None" if i in p.lead else str(tk if i == p.key else tq if i == p.query else self.tile[i]) for i in self.dims(o))
+
+        # The walk's scope: the query tile, the per-row operands, the probabilities' tiles.
+        qo = m.operand("q")
+        row_ops = [o for o in ops if o.layout == "rows"]
+        pipe = [o for o in ops if o.role in ("k", "value") or (o.role == "extra" and o.layout in ("tile", "cols"))]
+        products = [c for c in p.consumers if c.kind == "softmax_product"]
+        value_dtypes = list(dict.fromkeys(k.operand(c.value.operand).dtype.jnp for c in products))
+        probs_smem = {d: n.local("probs_smem") for d in value_dtypes}
+        barrier = n.local("barrier")
+        scoped = [f"{qo.smem}=plgpu.SMEM({py_tuple(str(tq if i == p.query else self.tile[i]) for i in self.dims(qo) if i not in p.lead)}, "
+                  f"{k.operand(qo.read.operand).dtype.jnp})"]
+        scoped += [f"{o.smem}=plgpu.SMEM(({tq},), {k.operand(o.read.operand).dtype.jnp})" for o in row_ops]
+        scoped += [f"{probs_smem[d]}=plgpu.SMEM(({tq}, {tk}), {d})" for d in value_dtypes]
+        arrivals = 1 + len(row_ops)
+        scoped.append(f"{barrier}=plgpu.Barrier(" + (f"num_arrivals={arrivals})" if arrivals > 1 else ")"))
+        walk = n.local("_over_keys")
+        scope_names = [s.split("=")[0] for s in scoped]
+        body = [f"plgpu.copy_gmem_to_smem({o.ref}.at[{at(o, row_tile)}], {o.smem}, {barrier})" for o in [qo] + row_ops]
+        body.append(f"plgpu.barrier_wait({barrier})")
+        rows_val = {}
+        for o in row_ops:
+            var = n.local(f"{o.read.operand}_rows")
+            body.append(f"{var} = {o.smem}[...]  # per row: along the scores' rows")
+            rows_val[read_key(o.read)] = var
+        key_block, key_tile = n.local("key_block"), n.local("key_tile")
+        t = n.local("t")
+        body += ["", f"def {key_block}({t}):", f"    # The key block of step {t} (the row block's non-empty ones, in order)",
+                 f"    return {tables[0]}[{slot} * {n_cols} + {t}" + (f" // {ksub}]" if ksub != 1 else "]"),
+                 "", f"def {key_tile}({t}):", f"    # The {tk} keys step {t} reads",
+                 f"    return {key_block}({t}) * {ksub} + {t} % {ksub}" if ksub != 1 else f"    return {key_block}({t})"]
+        maps = []
+        for o in pipe:
+            fn = n.local(f"_{o.read.operand}_tile")
+            coords = []
+            for i in self.dims(o):
+                coords.append(self.lead_coord(o, i) if i in p.lead else f"{key_tile}({t})" if i == p.key else row_tile if i == p.query else "0")
+            body += ["", f"def {fn}({t}):", f"    return ({', '.join(coords)},)"]
+            maps.append(f"plgpu.BlockSpec({block(o)}, {fn})")
+
+        # The step.
+        sn = n.scope()
+        idx, carry = sn.local("idx"), sn.local("carry")
+        step_fn = n.local("_key_step")
+        m_prev, l_prev = sn.local("m_prev"), sn.local("l_prev")
+        accs = {c.output: sn.local(f"{c.output}_acc") for c in products}
+        sums = {c.output: sn.local(f"{c.output}_sum") for c in p.consumers if c.kind == "sum"}
+        carried = [m_prev, l_prev] + list(accs.values()) + list(sums.values())
+        step = [f"{', '.join(carried)} = {carry}", f"({t},) = {idx}"]
+        if p.conditions or any(self.ragged(i) for i in (p.query, p.key)):
+            kind = sn.local("kind")
+            step.append(f"{kind} = {tables[1]}[{slot} * {n_cols} + {key_block}({t})]")
+        else:
+            kind = None
+        qa = qo.smem if [i for i in self.dims(qo) if i not in p.lead] == [p.query, p.summed] else f"{qo.smem}.T"
+        ko = m.operand("k")
+        klive = [i for i in self.dims(ko) if i not in p.lead]
+        kb = f"{ko.smem}.T" if klive == [p.key, p.summed] else ko.smem
+        score_fn, acc_ref = sn.local("_score"), sn.local("acc_ref")
+        s = sn.local("s")
+        step += ["", f"def {score_fn}({acc_ref}):", f"    plgpu.wgmma({acc_ref}, {qa}, {kb})", f"    return {acc_ref}[...]", "",
+                 f"{s} = pl.run_scoped({score_fn}, plgpu.ACC(({tq}, {tk}), {F32}))"]
+        if p.scale is not None:
+            step.append(f"{s} = {s} * {p.scale!r}")
+        shape = f"({tq}, {tk})"
+        qpos, kpos = sn.local(f"{p.query}_pos"), sn.local(f"{p.key}_pos")
+        pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {row_tile} * {tq}, jnp.int32)",
+                     f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {key_tile}({t}) * {tk}, jnp.int32)"]
+        by_read = {read_key(o.read): o for o in ops}
+        values = {p.score: s}
+
+        def leaf(term: Term, float_ctx: bool) -> str:
+            if term.op == "index":
+                v = qpos if term.name == p.query else kpos if term.name == p.key else f"jnp.full({shape}, {self.lv[term.name]}, jnp.int32)"
+                return f"{v}.astype({F32})" if float_ctx else v
+            if term.op == "size":
+                v = self.m.conv.size_var(term.name)
+                return f"float({v})" if float_ctx else v
+            if term.op == "local":
+                return values[term.read.operand]
+            o = by_read[read_key(term.read)]
+            if o.layout == "tile":
+                v = f"{o.smem}[...]"
+            elif o.layout == "rows":
+                v = f"lax.broadcast_in_dim({rows_val[read_key(o.read)]}, {shape}, [0])"
+            elif o.layout == "cols":
+                v = f"lax.broadcast_in_dim({o.smem}[...], {shape}, [1])"
+            else:
+                v = f"jnp.full({shape}, {scalars[read_key(o.read)]}, {k.operand(o.read.operand).dtype.jnp})"
+            if term.op == "truth":
+                return f"({v} != 0)"
+            return f"{v}.astype({F32})" if float_ctx else v
+
+        uses_pos = any(t_.op == "index" and t_.name in (p.query, p.key) for _, term in p.chain for t_ in term.walk())
+        if uses_pos:
+            step += pos_lines
+        for name, term in p.chain:
+            var = sn.local(name)
+            step.append(f"{var} = {render_term(term, lambda x: leaf(x, True))}")
+            values[name] = var
+        pt = p.points[0]
+        sv = values[pt.local] if pt.local is not None else leaf(Term("read", read=pt.read), True)
+        conds = [render_term(pt.condition, lambda x: leaf(x, False))] if pt.condition is not None else []
+        conds += [f"{pos} < {self.size_of(i)}" for i, pos in ((p.query, qpos), (p.key, kpos)) if self.ragged(i)]
+        if conds:
+            masked, x = sn.local("_masked"), sn.local("x")
+            step += ["", f"def {masked}({x}):", "    # A partial block: the condition (and the ragged ends) evaluated; absent is minus infinity."]
+            if not uses_pos:
+                step += ["    " + line for line in pos_lines]
+            present = sn.local("present")
+            cond = " & ".join(f"({c})" for c in conds) if len(conds) > 1 else conds[0]
+            step += [f"    {present} = {cond}", f"    return jnp.where({present}, {x}, jnp.full({shape}, -jnp.inf, {F32}))", "",
+                     "# A full block: every element present, the condition not evaluated.",
+                     f"{sv} = lax.cond({kind} == _PARTIAL, {masked}, lambda {x}: {x}, {sv})"]
+        row = f"({tq},)"
+        m_new, m_safe, alpha, probs, l_new = (sn.local(x) for x in ("m_new", "m_safe", "alpha", "probs", "l_new"))
+        step += [f"{m_new} = jnp.maximum({m_prev}, {sv}.max(axis=1))",
+                 "# A row with nothing present yet keeps minus infinity; exp then gives zeros.",
+                 f"{m_safe} = jnp.where({m_new} == jnp.full({row}, -jnp.inf, {F32}), jnp.full({row}, 0.0, {F32}), {m_new})",
+                 f"{alpha} = jnp.exp({m_prev} - {m_safe})",
+                 f"{probs} = jnp.exp({sv} - lax.broadcast_in_dim({m_safe}, {shape}, [0]))",
+                 f"{l_new} = {l_prev} * {alpha} + {probs}.sum(axis=1)"]
+        new = {m_prev: m_new, l_prev: l_new}
+        stored_dtype = None
+        for c in products:
+            vo = by_read[read_key(c.value)]
+            vd = k.operand(c.value.operand).dtype.jnp
+            e = self.e_of(c)
+            if stored_dtype != vd:
+                step += [f"{probs_smem[vd]}[...] = {probs}.astype({vd})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
+                stored_dtype = vd
+            vlive = [i for i in self.dims(vo) if i not in p.lead]
+            vb = vo.smem if vlive == [p.key, e] else f"{vo.smem}.T"
+            pv = sn.local(f"_{c.output}_product")
+            a2 = sn.local("acc_ref")
+            step += ["", f"def {pv}({a2}):", f"    plgpu.wgmma({a2}, {probs_smem[vd]}, {vb})", f"    return {a2}[...]", ""]
+            new_acc = sn.local(f"{c.output}_new")
+            step.append(f"{new_acc} = {accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {self.tile[e]}), [0]) + "
+                        f"pl.run_scoped({pv}, plgpu.ACC(({tq}, {self.tile[e]}), {F32}))")
+            new[accs[c.output]] = new_acc
+        for c in p.consumers:
+            if c.kind == "sum":
+                new_sum = sn.local(f"{c.output}_new")
+                step.append(f"{new_sum} = {sums[c.output]} + jnp.where({sv} == jnp.full({shape}, -jnp.inf, {F32}), "
+                            f"jnp.full({shape}, 0.0, {F32}), {sv}).sum(axis=1)")
+                new[sums[c.output]] = new_sum
+        step.append(f"return {', '.join(new[x] for x in carried)}")
+        pipe_smems = [o.smem for o in pipe]
+        body += ["", f"def {step_fn}({', '.join([idx] + pipe_smems + [carry])}):"] + ["    " + line for line in step]
+        init = [f"jnp.full({row}, -jnp.inf, {F32})", f"jnp.zeros({row}, {F32})"]
+        init += [f"jnp.zeros(({tq}, {self.tile[self.e_of(c)]}), {F32})" for c in products]
+        init += [f"jnp.zeros({row}, {F32})" for _ in sums]
+        body += ["", f"return plgpu.emit_pipeline(", f"    {step_fn},", f"    grid=({count},),", "    in_specs=[" + ", ".join(maps) + "],",
+                 f"    max_concurrent_steps={STAGES},", f"    init_carry=({', '.join(init)}),", f")({', '.join(o.ref for o in pipe)})"]
+        results = [sn.local("m"), sn.local("l")] + [sn.local(f"{c.output}_acc") for c in products] + [sn.local(f"{c.output}_sum") for c in sums]
+        lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)})", f"def {walk}({', '.join(scope_names)}):"]
+        lines += ["    " + line for line in body]
+        lines += ["", f"{', '.join(results)} = {walk}"]
+        mm, ll = results[0], results[1]
+        res_acc = dict(zip([c.output for c in products], results[2:2 + len(products)]))
+        res_sum = dict(zip(list(sums), results[2 + len(products):]))
+        safe = n.local("l_safe")
+        empty = f"{ll} == jnp.full({row}, 0.0, {F32})"
+        lines.append(f"{safe} = jnp.where({empty}, jnp.full({row}, 1.0, {F32}), {ll})  # a row with nothing present: outputs 0")
+        finals = {}
+        for c in p.consumers:
+            var = n.local(c.output)
+            if c.kind == "softmax_product":
+                e = self.tile[self.e_of(c)]
+                value = f"{res_acc[c.output]} / lax.broadcast_in_dim({safe}, ({tq}, {e}), [0])"
+                if c.scale is not None:
+                    value += f" * {c.scale!r}"
+            elif c.kind == "logsumexp":
+                value = f"jnp.where({empty}, jnp.full({row}, -jnp.inf, {F32}), {mm} + jnp.log({safe}))"
+            elif c.kind == "max":
+                value = mm
+            else:
+                value = res_sum[c.output]
+            lines.append(f"{var} = {value}")
+            finals[c.output] = var
+        store = n.local("_store")
+        out_scoped, out_names = [], []
+        copies = []
+        for c in p.consumers:
+            out = k.operand(c.output)
+            sm = n.local(f"{c.output}_smem")
+            shp = f"({tq}, {self.tile[self.e_of(c)]})" if c.kind == "softmax_product" else row
+            out_scoped.append(f"{sm}=plgpu.SMEM({shp}, {out.dtype.jnp})")
+            out_names.append(sm)
+            target = self.k.statement_of(c.output).target
+            parts = []
+            for i in target.indices:
+                parts.append(self.lv[i] if i in p.lead else f"pl.ds({row_tile} * {tq}, {tq})" if i == p.query else f"pl.ds(0, {self.tile[i]})")
+            copies.append((sm, f"{finals[c.output]}.astype({out.dtype.jnp})", f"{out_refs[c.output]}.at[{', '.join(parts)}]"))
+        lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(out_scoped)})", f"def {store}({', '.join(out_names)}):"]
+        lines += [f"    {sm}[...] = {value}" for sm, value, _ in copies]
+        lines.append("    plgpu.commit_smem()")
+        lines += [f"    plgpu.copy_smem_to_gmem({sm}, {dst})" for sm, _, dst in copies]
+        lines.append("    plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
+        self.n_tiles = n_tiles
+        return params, lines, [self.host_array(o) for o in ops]
+
+    # ------------------------------------------------------------------ module
+    def module(self, source_name: str) -> str:
+        m, k, p, conv = self.m, self.k, self.p, self.m.conv
+        self.size_vars = [s.internal for s in conv.sizes]
+        classify_fn, classify_reads, classify_lines = self.classify()
+        self.classify_fn, self.classify_reads = classify_fn, classify_reads
+        data = p.data_dependent
+        xp = "jnp" if data else "np"
+        kernel_fn = self.n.function("_attention_kernel")
+        params, lines, arrays = self.kernel_lines()
+        kinds_var = self.n.local("block_kinds")
+        outs = []
+        finish = []
+        for c in p.consumers:
+            out = k.operand(c.output)
+            target = k.statement_of(c.output).target
+            shape = [f"{self.blocks(i)} * {self.tile[i]}" if i == p.query and self.ragged(i) else self.size_of(i) for i in target.indices]
+            var = self.n.local(c.output)
+            outs.append((var, py_tuple(shape), out.dtype.jnp))
+            if self.ragged(p.query):
+                cut = ", ".join(f":{self.size_of(i)}" if i == p.query else ":" for i in target.indices)
+                finish.append(f"{var} = {var}[{cut}]  # the rows past the end (padding) dropped")
+        grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.n_tiles})"])
+        reference_lines = self.reference_lines()
+        doc, call_doc = self.wrapper.docstrings(
+            "a Pallas Mosaic GPU kernel (Hopper: TMA, WGMMA)",
+            ["    interpret: False compiles for the GPU; True runs the Mosaic GPU interpreter",
+             "        on the CPU (or pass plgpu.InterpretGPUParams(...))."],
+            "Bad shapes and dtypes raise a ValueError naming the argument and dimension.",
+            describe_gpu_attention(m), m.target.name)
+        args = list(conv.impl_args)
+        arg_of = {q.operand: args.index(q.internal) for q in conv.params if q.internal in args}
+        tables = vjp_tables(["# The gradients the backward computes: (argument, output whose cotangent carries it)."], [],
+                            m.refused, arg_of.__getitem__, [o.name for o in k.outputs])
+        glue = Glue(args=args, statics=["sizes", "interpret"], tables=tables, n_outputs=len(k.outputs),
+                    cotangents=[self.n.local(f"g_{o.name}") for o in k.outputs],
+                    residuals_about=["No backward is lowered for GPUs yet: the residuals are the arguments."], derived=False)
+        text = self.wrapper.module(
+            "gpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue, self.wrapper.prepare_lines([]), reference_lines,
+            classify_fn=classify_fn, classify_params=classify_reads, classify_lines=classify_lines,
+            kernel_fn=kernel_fn, kernel_params=params, kernel_lines=lines, arrays=arrays, outs=outs, finish=finish, grid=grid,
+            kinds_var=kinds_var, tables_var=self.n.local("tables"), xp=xp, data=data, class_axes=list(p.class_axes),
+            results=[dict((c.output, v) for c, (v, _, _) in zip(p.consumers, outs))[o.name] for o in k.outputs],
+        )
+        return format_module(text, names=(m.name,))
+
+
+def emit_gpu_attention(m: GpuAttentionModule, source_name: str) -> str:
+    return GpuAttentionEmitter(m).module(source_name)

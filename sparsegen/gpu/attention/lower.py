@@ -1,0 +1,234 @@
+"""GPU lowering of the row walk (schedule/attention.py): which arrays a CTA reads, how each
+is laid out for WGMMA and TMA, its tiles, its shared memory, and the GPU's rules on them.
+
+One CTA per (lead values, row tile of `TQ` rows): it holds its query tile in shared memory
+and walks the non-empty key blocks of its row block (the classification's), `TK` keys a
+pipeline step (TMA copies of the key-side tiles), with the online softmax in registers
+(docs/gpu-notes.md, "Attention"). The kernel is written by `emit.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...autodiff import refusals
+from ...callconv import Convention, convention
+from ...dtypes import DType
+from ...ir import Kernel, Read
+from ...names import ModuleNames
+from ...schedule.attention import RowPlan, read_key
+from ...source import Diagnostic
+from ..plan import GpuError
+from ..targets import GpuTarget
+
+TQ = 64  # rows of a CTA: one warpgroup's WGMMA M (a 128-row score tile spills: docs/gpu-notes.md)
+STAGES = 2  # pipeline steps in flight (TMA copies of the key-side tiles)
+CONSUMERS = ("softmax_product", "logsumexp", "max", "sum")  # what the GPU walk computes from the rows
+WGMMA_FLOATS = ("bf16", "f16", "f32")  # f32 as tf32: K-major tiles only
+
+# Why jax.grad cannot go through these kernels yet (every float input, any output).
+BACKWARD_ERROR = ("the backward of an attention-like kernel (dq over the rows walk; dk and dv over the transposed "
+                  "classification) is not lowered for GPUs yet: build it for a TPU target to differentiate it")
+
+
+@dataclass(frozen=True)
+class GpuOperand:
+    """One array a CTA reads: a read of the spec, as the kernel's GMEM ref and its tiles."""
+
+    read: Read
+    role: str  # "q" | "k" | "value" | "extra"
+    layout: str  # "tile" (a 2-D tile), "rows" (a vector along the query), "cols" (along the key), "scalar"
+    ref: str  # the kernel's GMEM ref
+    smem: str  # its shared-memory tile (unused for "scalar")
+    live: tuple[str, ...]  # the indices of its tile, in the array's order (after `swapped`)
+    swapped: bool  # the wrapper swaps its two tile dimensions (tf32 WGMMA reads K-major tiles only; a mask stored key-major)
+
+
+@dataclass(frozen=True)
+class GpuAttentionModule:
+    kernel: Kernel
+    target: GpuTarget
+    conv: Convention
+    names: ModuleNames
+    plan: RowPlan
+    operands: tuple[GpuOperand, ...]
+    tq: int  # CTA rows (a row block holds ti // tq of them)
+    tk: int  # keys a pipeline step (a key block holds tj // tk)
+    smem: int  # shared memory of one CTA (rules' estimate)
+    backward_error: str | None = BACKWARD_ERROR
+    walks = ("row walk",)
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.smem
+
+    @property
+    def refused(self) -> tuple:
+        return refusals(self.kernel, None, self.backward_error)
+
+    @property
+    def tile(self) -> dict[str, int]:
+        return {i.name: i.tile for i in self.kernel.indices}
+
+    def operand(self, role: str) -> GpuOperand:
+        return next(o for o in self.operands if o.role == role)
+
+
+def _fail(span, message: str, notes=()):
+    raise GpuError([Diagnostic(span, message, tuple(notes))])
+
+
+def _k_step(dtype: DType, size: int, span, what: str, target: GpuTarget) -> None:
+    """WGMMA's K (the score's summed index; the keys of a step for P.V) in rows of 32, 64
+    or 128 bytes, or whole 128-byte rows (as the einsum rule, gpu/rules.py)."""
+    swizzle, step = 128 // dtype.itemsize, 32 // dtype.itemsize
+    if size % swizzle and size not in (step, 2 * step):
+        _fail(span, f"{what} = {size}: WGMMA's K steps are multiples of {step} ({dtype.name}) in rows of 32, 64 or 128 bytes; "
+                    f"on {target.name} use {step}, {2 * step} or a multiple of {swizzle}")
+
+
+def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> GpuAttentionModule:
+    """The GPU plan of a row kernel, or a GpuError at every part of the spec it cannot take."""
+    p, k = plan, kernel
+    problems: list[Diagnostic] = []
+
+    def refuse(span, message):
+        problems.append(Diagnostic(span, message))
+
+    for c in p.consumers:
+        if c.kind not in CONSUMERS:
+            refuse(k.statement_of(c.output).span, f"not lowered for GPUs yet: a stored {'softmax' if c.kind == 'softmax_out' else 'score'} "
+                                                   f"('{c.output}'); build '{k.name}' for a TPU target")
+    if len(p.points) > 1:
+        refuse(k.statement_of(p.consumers[-1].output).span, "not lowered for GPUs yet: reductions of different scores in one kernel; "
+                                                            f"build '{k.name}' for a TPU target")
+    if p.stored_score:
+        refuse(k.statements[0].span, f"not lowered for GPUs yet: scores read from stored operands (no product); build '{k.name}' for a TPU target")
+    if problems:
+        raise GpuError(problems)
+    tile = {i.name: i.tile for i in k.indices}
+    span = {i.name: i.tile_span for i in k.indices}
+    qd, kd = k.operand(p.q.operand).dtype, k.operand(p.k.operand).dtype
+    for r, d in ((p.q, qd), (p.k, kd)):
+        if d.name not in WGMMA_FLOATS:
+            refuse(k.operand(r.operand).dtype_span, f"WGMMA multiplies bf16, f16 or f32 (tf32) tiles; '{r.operand}' is {d.name} "
+                                                    f"(on {target.name}, declare it bf16, f16 or f32)")
+    if qd != kd and qd.name in WGMMA_FLOATS and kd.name in WGMMA_FLOATS:
+        refuse(k.operand(p.k.operand).dtype_span, f"the score's factors have one dtype on {target.name} (WGMMA): "
+                                                  f"'{p.q.operand}' is {qd.name}, '{p.k.operand}' {kd.name}")
+    for c in p.consumers:
+        if c.value is not None and k.operand(c.value.operand).dtype.name not in WGMMA_FLOATS:
+            refuse(k.operand(c.value.operand).dtype_span, f"WGMMA multiplies bf16, f16 or f32 (tf32) tiles; '{c.value.operand}' is "
+                                                          f"{k.operand(c.value.operand).dtype.name}")
+    if k.accumulate.name != "f32":
+        refuse(k.accumulate_span or k.name_span, f"a GPU attention kernel accumulates in f32 (WGMMA's accumulator), not {k.accumulate.name}")
+    if problems:
+        raise GpuError(problems)
+    ti, tj = tile[p.query], tile[p.key]
+    if ti % TQ:
+        refuse(span[p.query], f"tile {p.query} = {ti}: a CTA takes {TQ} rows (one warpgroup's WGMMA); on {target.name} "
+                              f"the row block is a multiple of {TQ}")
+    tk = 128 if tj % 128 == 0 else 64 if tj % 64 == 0 else None
+    if tk is None:
+        refuse(span[p.key], f"tile {p.key} = {tj}: a pipeline step reads 64 or 128 keys (WGMMA's N, then P.V's K); "
+                            f"on {target.name} the key block is a multiple of 64")
+    try:
+        _k_step(qd, tile[p.summed], span[p.summed], f"tile {p.summed}", target)
+    except GpuError as exc:
+        problems += exc.diagnostics
+    for c in p.consumers:
+        if c.kind == "softmax_product":
+            e = _free_index(k, p, c)
+            if tile[e] % 16 or tile[e] > 256:
+                refuse(span[e], f"tile {e} = {tile[e]}: WGMMA's N (the values' columns) is a multiple of 16 up to 256 on {target.name}")
+    if problems:
+        raise GpuError(problems)
+
+    names = ModuleNames(k)
+    conv = convention(k, names)
+    ops: list[GpuOperand] = []
+
+    def live_of(read: Read) -> tuple[str, ...]:
+        return tuple(s.index for s in read.subs if s.index not in p.lead)
+
+    def add(read: Read, role: str, want: tuple[str, ...] | None):
+        if any(read_key(o.read) == read_key(read) for o in ops):
+            return
+        live = live_of(read)
+        has_q, has_k = p.query in read.indices, p.key in read.indices
+        layout = "tile" if role != "extra" or (has_q and has_k) else "rows" if has_q else "cols" if has_k else "scalar"
+        if role == "extra":
+            extra = [i for i in live if i not in (p.query, p.key)]
+            if extra:
+                _fail(read.span, f"not lowered for GPUs yet: '{read.operand}' read with '{extra[0]}', which the walk does not block "
+                                 f"(a condition or expression reads the rows, the keys and the batch or head indices); build '{k.name}' for a TPU target")
+        swapped = want is not None and live != want
+        if want is not None and sorted(live) != sorted(want):
+            _fail(read.span, f"not lowered for GPUs yet: '{read.operand}' read as {read.text}")
+        ops.append(GpuOperand(read, role, layout, names.local(f"{read.operand}_gmem"), names.local(f"{read.operand}_smem"),
+                              want if swapped else live, swapped))
+
+    # WGMMA's tiles: A (m, k) in either order for 16-bit types (a transposed shared-memory
+    # tile), B read K-major as (n, k); tf32 takes only A (m, k) and B (n, k): the wrapper
+    # swaps an operand stored otherwise.
+    def order(read, first, second, dtype):
+        return None if dtype.itemsize == 2 else (first, second)
+
+    add(p.q, "q", order(p.q, p.query, p.summed, qd))
+    add(p.k, "k", order(p.k, p.key, p.summed, kd))
+    for c in p.consumers:
+        if c.value is not None:
+            vd = k.operand(c.value.operand).dtype
+            e = _free_index(k, p, c)
+            add(c.value, "value", order(c.value, e, p.key, vd))
+    for r in p.reads:
+        add(r, "extra", (p.query, p.key) if p.query in r.indices and p.key in r.indices else None)
+    smem = smem_bytes(k, p, ops, TQ, tk)
+    if smem > target.smem_bytes:
+        _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
+                           f"use smaller tiles of {p.summed} or the values' columns")
+    return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, smem)
+
+
+def _free_index(k: Kernel, p: RowPlan, c) -> str:
+    return next(i for i in k.statement_of(c.output).target.indices if i not in p.lead and i != p.query)
+
+
+def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int) -> int:
+    """Shared memory of one CTA: the walk's scope (the query tile, the per-row vectors, the
+    probabilities' tile, the pipeline's key-side tiles in flight, their barriers) or the
+    epilogue's (each output's tile): scoped allocations are reused, not summed (measured,
+    docs/gpu-notes.md). Barriers take 8 bytes."""
+    tile = {i.name: i.tile for i in k.indices}
+    walk = 0
+    step = 0
+    barriers = 1
+    for o in ops:
+        isz = k.operand(o.read.operand).dtype.itemsize
+        if o.role == "q":
+            walk += tq * tile[p.summed] * isz
+        elif o.layout == "rows":
+            walk += tq * isz
+        elif o.layout == "cols":
+            step += tk * isz
+        elif o.layout == "tile" and o.role == "extra":
+            step += tq * tk * isz
+        elif o.role in ("k", "value"):
+            other = [i for i in o.live if i != p.key][0]
+            step += tk * tile[other] * isz
+    values = [o for o in ops if o.role == "value"]
+    walk += tq * tk * max([k.operand(o.read.operand).dtype.itemsize for o in values] or [0])  # the probabilities, as the values' dtype
+    n_pipe = sum(1 for o in ops if o.layout in ("tile", "cols") and o.role != "q")
+    walk += STAGES * step + 8 * (barriers + STAGES * n_pipe)
+    epilogue = 0
+    for c in p.consumers:
+        out = k.operand(c.output)
+        if c.kind == "softmax_product":
+            epilogue += tq * tile[_free_index(k, p, c)] * out.dtype.itemsize
+        else:
+            epilogue += tq * out.dtype.itemsize
+    return max(walk, epilogue)
