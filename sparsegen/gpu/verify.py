@@ -28,7 +28,7 @@ import numpy as np
 
 from ..shapes import _load, concrete, differentiated
 from ..source import Diagnostic, SourceFile
-from .emit import emit_gpu
+from ..backends import emit_module
 from .plan import GpuModule
 from .targets import GPU_TARGETS, target_config
 
@@ -111,14 +111,14 @@ def explain(m: GpuModule, target: str, message: str) -> Diagnostic:
 
 def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: float = 0.1) -> tuple[GpuResult, dict | None]:
     """Lower the kernel (and its backward) under an abstract device; measure its shared
-    memory. Returns the result and, if it lowered, the stage-3 job that compiles it."""
+    memory. `m`: an einsum's GpuModule or the row walk's GpuAttentionModule. Returns the result and, if it lowered, the stage-3 job that compiles it."""
     import jax
 
     k = m.kernel
     env, nb, args, keywords = concrete(k, shapes, nnz)
     chip = GPU_TARGETS[target]
     result = GpuResult(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, m.smem_bytes, chip.smem_bytes)
-    code = emit_gpu(m, source.name)
+    code = emit_module(m, source.name)  # an einsum's passes or the row walk's kernel
     fn = getattr(_load(code, f"verify_{k.name}"), k.name)
     structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in args]
     start = time.perf_counter()
@@ -132,7 +132,7 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
     result.lower_seconds = time.perf_counter() - start
     result.lowered = True
     result.smem_used = measure_smem(fn, structs, keywords, target)
-    if m.backward_error or m.backward_module is None:
+    if m.backward_error or getattr(m, "backward_module", None) is None:
         result.backward = f"not derived: {m.backward_error or 'no input has a gradient'}"
     else:
         try:

@@ -23,6 +23,7 @@ from ..targets import GpuTarget
 
 TQ = 64  # rows of a CTA: one warpgroup's WGMMA M (a 128-row score tile spills: docs/gpu-notes.md)
 STAGES = 2  # pipeline steps in flight (TMA copies of the key-side tiles)
+ALIGN = 1024  # shared-memory tiles start at 1024-byte boundaries (the 128-byte swizzle's period)
 CONSUMERS = ("softmax_product", "logsumexp", "max", "sum")  # what the GPU walk computes from the rows
 WGMMA_FLOATS = ("bf16", "f16", "f32")  # f32 as tf32: K-major tiles only
 
@@ -198,15 +199,20 @@ def _free_index(k: Kernel, p: RowPlan, c) -> str:
     return next(i for i in k.statement_of(c.output).target.indices if i not in p.lead and i != p.query)
 
 
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int) -> int:
-    """Shared memory of one CTA: the walk's scope (the query tile, the per-row vectors, the
-    probabilities' tile, the pipeline's key-side tiles in flight, their barriers) or the
-    epilogue's (each output's tile): scoped allocations are reused, not summed (measured,
-    docs/gpu-notes.md). Barriers take 8 bytes."""
+    """Shared memory of one CTA, as Mosaic GPU lays it out (measured under an abstract H200,
+    tests/test_gpu_attention.py): the walk's scope (the query tile, the per-row vectors, the
+    probabilities' tile and a barrier, 1024-byte aligned), then the pipeline's buffers (each
+    tile of a key-side operand, per step in flight, 1024-byte aligned) and its barriers
+    (1024 + 8 per step in flight and one); or the epilogue's scope (each output's tile), which
+    reuses the same memory (scoped allocations are not summed, docs/gpu-notes.md)."""
     tile = {i.name: i.tile for i in k.indices}
-    walk = 0
-    step = 0
-    barriers = 1
+    walk = 8  # the copy barrier
+    buffers = 0
     for o in ops:
         isz = k.operand(o.read.operand).dtype.itemsize
         if o.role == "q":
@@ -214,21 +220,16 @@ def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int) -> int:
         elif o.layout == "rows":
             walk += tq * isz
         elif o.layout == "cols":
-            step += tk * isz
+            buffers += STAGES * _aligned(tk * isz)
         elif o.layout == "tile" and o.role == "extra":
-            step += tq * tk * isz
+            buffers += STAGES * _aligned(tq * tk * isz)
         elif o.role in ("k", "value"):
             other = [i for i in o.live if i != p.key][0]
-            step += tk * tile[other] * isz
-    values = [o for o in ops if o.role == "value"]
-    walk += tq * tk * max([k.operand(o.read.operand).dtype.itemsize for o in values] or [0])  # the probabilities, as the values' dtype
-    n_pipe = sum(1 for o in ops if o.layout in ("tile", "cols") and o.role != "q")
-    walk += STAGES * step + 8 * (barriers + STAGES * n_pipe)
+            buffers += STAGES * _aligned(tk * tile[other] * isz)
+    dtypes = {k.operand(c.value.operand).dtype.itemsize for c in p.consumers if c.kind == "softmax_product"}
+    walk += sum(tq * tk * isz for isz in dtypes)  # the probabilities, as each values' dtype
     epilogue = 0
     for c in p.consumers:
         out = k.operand(c.output)
-        if c.kind == "softmax_product":
-            epilogue += tq * tile[_free_index(k, p, c)] * out.dtype.itemsize
-        else:
-            epilogue += tq * out.dtype.itemsize
-    return max(walk, epilogue)
+        epilogue += _aligned(tq * (tile[_free_index(k, p, c)] if c.kind == "softmax_product" else 1) * out.dtype.itemsize)
+    return max(_aligned(walk) + buffers + ALIGN + 8 * (STAGES + 1), epilogue)
