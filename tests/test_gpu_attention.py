@@ -118,6 +118,38 @@ kernel padded {
     np.testing.assert_allclose(top[:, seen], ref_top[:, seen], rtol=1e-5, atol=1e-5)
 
 
+BIASED = """
+kernel biased {
+    in  q: bf16[H, S, D]
+    in  k: bf16[H, S, D]
+    in  v: bf16[H, S, D]
+    in  bias: bf16[H, S, S]
+    in  slope: f32[H]
+    in  kb: f32[S]
+    out o: bf16[H, S, D]
+    raw[h, i, j] = q[h, i, d] * k[h, j, d] * 0.125
+    s[h, i, j] = raw[h, i, j] + bias[h, i, j] - slope[h] * (i - j) + kb[j] where i >= j
+    o[h, i, e] = softmax(s[h, i, j], j) * v[h, j, e]
+    tile h = 1, i = 64, j = 64, d = 64, e = 64
+}
+"""
+
+
+def test_biases_slopes_and_per_key_terms_in_the_chain():
+    """Float operands the chain reads: a bias tile per step, a slope per head (a scalar read
+    from GMEM), a per-key term (a vector per step); interpreted, and lowered for H200."""
+    from sparsegen.gpu.verify import verify_modules
+
+    kernel, mod = build(BIASED, "h200")
+    rng = np.random.default_rng(5)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in [(2, 128, 64)] * 3 + [(2, 128, 128)]]
+    args += [jnp.asarray(rng.random(2), jnp.float32), jnp.asarray(rng.standard_normal(128), jnp.float32)]
+    assert_matches(kernel, mod.biased(*args, interpret=True), mod.reference(*args), {"H": 2, "S": 128, "D": 64})
+    (m,) = lower_source(SourceFile("biased.spk", BIASED), "h200")
+    (r,) = verify_modules([(m, SourceFile("biased.spk", BIASED), "h200")], stage3=False)
+    assert r.lowered and r.smem_used == r.smem_estimate, (r.raw_error, r.smem_used, r.smem_estimate)
+
+
 # ------------------------------------------------------------------ gradients
 
 def test_gradients_are_refused_with_a_reason_not_a_traceback_from_inside():

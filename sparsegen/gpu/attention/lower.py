@@ -205,29 +205,30 @@ def _aligned(n: int) -> int:
 
 def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int) -> int:
     """Shared memory of one CTA, as Mosaic GPU lays it out (measured under an abstract H200,
-    tests/test_gpu_attention.py): the walk's scope (the query tile, the per-row vectors, the
-    probabilities' tile and a barrier, 1024-byte aligned), then the pipeline's buffers (each
-    tile of a key-side operand, per step in flight, 1024-byte aligned) and its barriers
-    (1024 + 8 per step in flight and one); or the epilogue's scope (each output's tile), which
-    reuses the same memory (scoped allocations are not summed, docs/gpu-notes.md)."""
+    tests/test_gpu_attention.py): the walk's scope (the query tile, the per-row vectors and
+    the probabilities' tile, each from a 1024-byte boundary, then a barrier), then the
+    pipeline's buffers (per key-side operand its tiles for every step in flight, from a
+    1024-byte boundary) and its barriers (1024 + 8 per step in flight and one); or the
+    epilogue's scope (each output's tile), which reuses the same memory (scoped allocations
+    are not summed, docs/gpu-notes.md)."""
     tile = {i.name: i.tile for i in k.indices}
-    walk = 8  # the copy barrier
+    walk = 0
     buffers = 0
     for o in ops:
         isz = k.operand(o.read.operand).dtype.itemsize
         if o.role == "q":
-            walk += tq * tile[p.summed] * isz
+            walk += _aligned(tq * tile[p.summed] * isz)
         elif o.layout == "rows":
-            walk += tq * isz
+            walk += _aligned(tq * isz)
         elif o.layout == "cols":
-            buffers += STAGES * _aligned(tk * isz)
+            buffers += _aligned(STAGES * tk * isz)
         elif o.layout == "tile" and o.role == "extra":
-            buffers += STAGES * _aligned(tq * tk * isz)
+            buffers += _aligned(STAGES * tq * tk * isz)
         elif o.role in ("k", "value"):
             other = [i for i in o.live if i != p.key][0]
-            buffers += STAGES * _aligned(tk * tile[other] * isz)
+            buffers += _aligned(STAGES * tk * tile[other] * isz)
     dtypes = {k.operand(c.value.operand).dtype.itemsize for c in p.consumers if c.kind == "softmax_product"}
-    walk += sum(tq * tk * isz for isz in dtypes)  # the probabilities, as each values' dtype
+    walk += sum(_aligned(tq * tk * isz) for isz in dtypes) + 8  # the probabilities, as each values' dtype; the barrier
     epilogue = 0
     for c in p.consumers:
         out = k.operand(c.output)
