@@ -231,3 +231,29 @@ def test_what_the_gpu_walk_does_not_take_yet_is_refused_at_the_statement():
     assert "not lowered for GPUs yet: scores read from stored operands" in rendered and "for a TPU target" in rendered
     integers = example("causal_attention").replace("in  k: bf16", "in  k: i8")
     assert "WGMMA multiplies bf16, f16 or f32" in refused(integers)
+
+
+def test_spec_names_that_are_the_kernels_own_stay_apart():
+    """Operands and sizes named like the GPU module's locals and tables (`cell`, `count`,
+    `t`, `barrier`, `row_tile`, `kinds`, `sizes`, a kernel named `tables`)."""
+    text = """
+kernel tables {
+    in  cell: bf16[sizes, slot, D]
+    in  count: bf16[sizes, slot, D]
+    in  t: bf16[sizes, slot, D]
+    in  barrier: i32[slot]
+    out row_tile: bf16[sizes, slot, D]
+    out kinds: f32[sizes, slot]
+    s[h, i, j] = cell[h, i, d] * count[h, j, d] where barrier[i] == barrier[j]
+    row_tile[h, i, e] = softmax(s[h, i, j], j) * t[h, j, e]
+    kinds[h, i] = logsumexp(s[h, i, j], j)
+    tile h = 1, i = 64, j = 64, d = 64, e = 64
+}
+"""
+    kernel, mod = build(text, "h200")
+    rng = np.random.default_rng(6)
+    args = [jnp.asarray(rng.standard_normal((2, 128, 64)), jnp.bfloat16) for _ in range(3)]
+    args.append(np.sort(rng.integers(0, 3, 128)).astype(np.int32))
+    out, ref = mod.tables(*args, interpret=True), mod.reference(*args)
+    np.testing.assert_allclose(np.asarray(out[0], np.float32), np.asarray(ref[0], np.float32), atol=0.02)
+    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(ref[1]), rtol=1e-5, atol=1e-5)

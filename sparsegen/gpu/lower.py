@@ -4,8 +4,8 @@ A statement with a sum becomes a block-sparse matrix product (`product.py`), one
 elementwise tile copy (`elementwise.py`); either runs the walk the schedule chooses for it
 (`schedule.choose_walk`: the TPU's decision too), said in GPU terms, and refuses at the
 statement the walks it has no strategy for (a `where` condition's). The plan's vocabulary is
-`plan.py`, the rules on tiles and shared memory `rules.py`. Attention-like kernels have no
-GPU lowering yet.
+`plan.py`, the rules on tiles and shared memory `rules.py`. Attention-like kernels are
+lowered by `attention/` (the row walk).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ...expr import render
 from ...formatting import format_module
-from ...ir import Read, Term
+from ...ir import Term
 from ...pytext import py_tuple
 from ...schedule.attention import read_key
 from ...schedule.classify import Classifier
@@ -309,7 +309,7 @@ class GpuAttentionEmitter(ReferenceWriter):
         init = [f"jnp.full({row}, -jnp.inf, {F32})", f"jnp.zeros({row}, {F32})"]
         init += [f"jnp.zeros(({tq}, {self.tile[self.e_of(c)]}), {F32})" for c in products]
         init += [f"jnp.zeros({row}, {F32})" for _ in sums]
-        body += ["", f"return plgpu.emit_pipeline(", f"    {step_fn},", f"    grid=({count},),", "    in_specs=[" + ", ".join(maps) + "],",
+        body += ["", "return plgpu.emit_pipeline(", f"    {step_fn},", f"    grid=({count},),", "    in_specs=[" + ", ".join(maps) + "],",
                  f"    max_concurrent_steps={STAGES},", f"    init_carry=({', '.join(init)}),", f")({', '.join(o.ref for o in pipe)})"]
         results = [sn.local("m"), sn.local("l")] + [sn.local(f"{c.output}_acc") for c in products] + [sn.local(f"{c.output}_sum") for c in sums]
         lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)})", f"def {walk}({', '.join(scope_names)}):"]
