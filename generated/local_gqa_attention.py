@@ -338,13 +338,17 @@ def _on_mesh(args, placement, keywords, interpret):
         one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )(*args)
     if ring is not None and placement[3]:
+        # Back in natural order, laid out as the mapping says.
         outs = tuple(
             (
                 o
                 if _RING_QUERY not in dims
-                else _zigzag(o, dims.index(_RING_QUERY), mesh.shape[ring], undo=True)
+                else jax.lax.with_sharding_constraint(
+                    _zigzag(o, dims.index(_RING_QUERY), mesh.shape[ring], undo=True),
+                    jax.sharding.NamedSharding(mesh, spec),
+                )
             )
-            for o, dims in zip(outs, _MESH_OUTPUTS)
+            for o, dims, spec in zip(outs, _MESH_OUTPUTS, out_specs)
         )
     return outs if len(outs) > 1 else outs[0]
 
