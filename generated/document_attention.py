@@ -212,7 +212,7 @@ def _mesh_placement(kernel, mesh, axes):
     `_on_mesh` takes, static and hashable: (kernel, mesh, ((index, mesh axis), ...))."""
     if not isinstance(mesh, jax.sharding.Mesh):
         _fail(f"sharded: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    taken = {}
+    taken, placed = {}, {}
     for index, axis in axes.items():
         if index not in _MESH_RULES:
             known = ", ".join(_MESH_RULES)
@@ -232,26 +232,25 @@ def _mesh_placement(kernel, mesh, axes):
                 f"sharded: mesh axis {axis!r} is given to both {taken[axis]} and {index}; an axis splits one index"
             )
         taken[axis] = index
+        placed[index] = axis
     return (
         kernel,
         mesh,
-        tuple(
-            (index, axes[index]) for index in _MESH_RULES if axes.get(index) is not None
-        ),
+        tuple((index, placed[index]) for index in _MESH_RULES if index in placed),
     )
 
 
 def _local_sizes(placement, sizes):
     """The sizes as one device's call sees them, as keywords: those a split index divides,
     divided by its mesh axis's size (which must divide them)."""
-    _, mesh, split = placement
+    _, mesh, split = placement[:3]
     local = dict(zip(_MESH_SIZES, sizes))
     for index, axis in split:
-        n = mesh.shape[axis]
+        n = need = mesh.shape[axis]
         for symbol in _MESH_RULES[index][1]:
-            if local[symbol] % n:
+            if local[symbol] % need:
                 _fail(
-                    f"sharded: index {index} cannot be split over mesh axis {axis!r} of {n} devices: {symbol} = {local[symbol]} is not divisible by {n}"
+                    f"sharded: index {index} cannot be split over mesh axis {axis!r} of {n} devices: {symbol} = {local[symbol]} is not divisible by {need}"
                 )
             local[symbol] //= n
     return tuple(local.items())
@@ -263,7 +262,7 @@ def _on_mesh(args, placement, keywords, interpret):
     (`keywords`: the sizes it sees, integers compared with a split index's position less
     its slice's start); an output whose statement sums a split index is added across that
     index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
-    kernel, mesh, split = placement
+    kernel, mesh, split = placement[:3]
     axis = dict(split)
     in_specs = tuple(
         jax.sharding.PartitionSpec(*(axis.get(i) for i in dims)) for dims in _MESH_ARGS
@@ -444,10 +443,11 @@ def _to_operand(grad, src, dst, divided):
     return jnp.einsum(f"{src}->{dst}", grad)
 
 
-def _classify_blocks(xp, seg, sizes):
+def _classify_blocks(xp, seg, sizes, origin=None):
     """Per block: empty, partial or full. Work in the number of blocks (operands: one pass
     over their elements); xp is numpy when only sizes matter, jax.numpy under jit."""
     B, H, S, D = sizes
+    i_origin, j_origin = (0, 0) if origin is None else (origin[0], origin[1])
     seg_min, seg_max = _block_min_max(seg, (1, 256))
     seg_min_bi = _expand(seg_min, "ab", "abz")
     seg_max_bi = _expand(seg_max, "ab", "abz")
@@ -462,13 +462,13 @@ def _classify_blocks(xp, seg, sizes):
     can = xp.broadcast_to(
         (seg_max_bi - seg_min_bj >= 0)
         & (seg_min_bi - seg_max_bj <= 0)
-        & (i_hi - j_lo >= 0),
+        & (i_hi + i_origin - (j_lo + j_origin) >= 0),
         (B, -(-S // 256), -(-S // 256)),
     )
     must = xp.broadcast_to(
         (seg_min_bi - seg_max_bj >= 0)
         & (seg_max_bi - seg_min_bj <= 0)
-        & (i_lo - j_hi >= 0)
+        & (i_lo + i_origin - (j_hi + j_origin) >= 0)
         & xp.logical_not((i_lo + 256 > S) | (j_lo + 256 > S)),
         (B, -(-S // 256), -(-S // 256)),
     )
@@ -481,6 +481,7 @@ def _attention_kernel(
     read_rows,
     kinds,
     flags,
+    origins,
     q_ref,
     k_ref,
     v_ref,
@@ -523,8 +524,10 @@ def _attention_kernel(
         if masked:
             i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
+            i_at = i_pos + origins[0]
+            j_at = j_pos + origins[1]
             present = (
-                ((seg_blk == seg_blk_) & (i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
+                ((seg_blk == seg_blk_) & (i_at >= j_at)) & (i_pos < S) & (j_pos < S)
             )
             s = jnp.where(present, s, -jnp.inf)
         return s
@@ -581,6 +584,7 @@ def _attention_dq_kernel(
     read_rows,
     kinds,
     flags,
+    origins,
     q_ref,
     k_ref,
     v_ref,
@@ -630,8 +634,10 @@ def _attention_dq_kernel(
         if masked:
             i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
             j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
+            i_at = i_pos + origins[0]
+            j_at = j_pos + origins[1]
             present = (
-                ((seg_blk == seg_blk_) & (i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
+                ((seg_blk == seg_blk_) & (i_at >= j_at)) & (i_pos < S) & (j_pos < S)
             )
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
@@ -705,6 +711,7 @@ def _attention_dkv_kernel(
     read_rows,
     kinds,
     flags,
+    origins,
     q_ref,
     k_ref,
     v_ref,
@@ -760,8 +767,10 @@ def _attention_dkv_kernel(
         if masked:
             i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
             j_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
+            i_at = i_pos + origins[0]
+            j_at = j_pos + origins[1]
             present = (
-                ((seg_blk == seg_blk_) & (i_pos >= j_pos)) & (i_pos < S) & (j_pos < S)
+                ((seg_blk == seg_blk_) & (i_at >= j_at)) & (i_pos < S) & (j_pos < S)
             )
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
@@ -1095,14 +1104,15 @@ def _walk_tables(kinds, bound):
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
-def _impl(q, k, v, seg, sizes, bound, interpret):
+def _impl(q, k, v, seg, sizes, bound, interpret, origin=None):
     B, H, S, D = sizes
-    block_kinds_ = _classify_blocks(jnp, seg, sizes)
+    block_kinds_ = _classify_blocks(jnp, seg, sizes, origin)
+    origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
     (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=6,
         grid=(B, H, steps),
         in_specs=[
             pl.BlockSpec((None, None, 256, 64), functools.partial(_q_map, steps=steps)),
@@ -1148,6 +1158,7 @@ def _impl(q, k, v, seg, sizes, bound, interpret):
         read_rows,
         kinds,
         flags,
+        origins,
         q,
         k,
         v,
@@ -1176,16 +1187,18 @@ def _backward(
     sizes,
     bound,
     interpret,
+    origin=None,
 ):
     """The gradients: a walk over rows (the row factor's), and one over key blocks, visiting
     each key block's non-empty row blocks (the key factor's and the values')."""
     B, H, S, D = sizes
-    block_kinds_ = _classify_blocks(jnp, seg, sizes)
+    block_kinds_ = _classify_blocks(jnp, seg, sizes, origin)
+    origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
     (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=6,
         grid=(B, H, steps),
         in_specs=[
             pl.BlockSpec((None, None, 256, 64), functools.partial(_q_map, steps=steps)),
@@ -1232,6 +1245,7 @@ def _backward(
         read_rows,
         kinds,
         flags,
+        origins,
         q,
         k,
         v,
@@ -1248,7 +1262,7 @@ def _backward(
     )
     steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=6,
         grid=(B, H, steps),
         in_specs=[
             pl.BlockSpec(
@@ -1316,6 +1330,7 @@ def _backward(
         read_rows,
         kinds,
         flags,
+        origins,
         q,
         k,
         v,
@@ -1352,7 +1367,7 @@ _PARTIALS = ((0, 0), (1, 0), (2, 0))
 _REFUSED = ()
 
 
-def _run_backward(sizes, bound, interpret, residuals, cotangent):
+def _run_backward(sizes, bound, interpret, residuals, cotangent, origin=None):
     q, k, v, seg, o, row_lse, perturbed = residuals
     cotangent = _cotangents(cotangent, 1)
     if not any(_gradients_wanted(_NAME, perturbed, cotangent, _PARTIALS, _REFUSED)):
@@ -1378,6 +1393,7 @@ def _run_backward(sizes, bound, interpret, residuals, cotangent):
         sizes,
         bound,
         interpret,
+        origin=origin,
     )
     return (
         (_to_operand(dq_full, "abce", "abce", ())).astype(jnp.bfloat16),
@@ -1474,7 +1490,7 @@ _MESH_RULES = {
     "i": (None, "seg dim 1 is read both as i and as j"),
     "j": (
         None,
-        "it is the key index of an attention-like kernel (softmax over it in `o[b, h, i, e] = softmax(s[b, h, i, j], j) * v[b, h, j, e]`): splitting it (context parallelism, a ring) is not supported yet",
+        "it is the key index of an attention-like kernel: splitting it (a ring, with i) is not supported yet: seg dim 1 is read as i and as j, and only arguments read along one of them travel or stay",
     ),
     "d": (
         None,
@@ -1517,9 +1533,9 @@ def sharded(mesh, /, **axes):
         b: split: each device runs the kernel on its slice, with no communication
         h: split: each device runs the kernel on its slice, with no communication
         i: cannot be split: seg dim 1 is read both as i and as j
-        j: cannot be split: it is the key index of an attention-like kernel (softmax
-            over it in `o[b, h, i, e] = softmax(s[b, h, i, j], j) * v[b, h, j, e]`):
-            splitting it (context parallelism, a ring) is not supported yet
+        j: cannot be split: it is the key index of an attention-like kernel: splitting
+            it (a ring, with i) is not supported yet: seg dim 1 is read as i and as j,
+            and only arguments read along one of them travel or stay
         d: cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i,
             d] * k[b, h, j, d] * 0.125 where (seg[b, i] == seg[b, j]) and (i >= j)`),
             which a nonlinear step reads (softmax, an elementwise function): partial

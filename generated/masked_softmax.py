@@ -199,7 +199,7 @@ def _mesh_placement(kernel, mesh, axes):
     `_on_mesh` takes, static and hashable: (kernel, mesh, ((index, mesh axis), ...))."""
     if not isinstance(mesh, jax.sharding.Mesh):
         _fail(f"sharded: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    taken = {}
+    taken, placed = {}, {}
     for index, axis in axes.items():
         if index not in _MESH_RULES:
             known = ", ".join(_MESH_RULES)
@@ -219,26 +219,25 @@ def _mesh_placement(kernel, mesh, axes):
                 f"sharded: mesh axis {axis!r} is given to both {taken[axis]} and {index}; an axis splits one index"
             )
         taken[axis] = index
+        placed[index] = axis
     return (
         kernel,
         mesh,
-        tuple(
-            (index, axes[index]) for index in _MESH_RULES if axes.get(index) is not None
-        ),
+        tuple((index, placed[index]) for index in _MESH_RULES if index in placed),
     )
 
 
 def _local_sizes(placement, sizes):
     """The sizes as one device's call sees them, as keywords: those a split index divides,
     divided by its mesh axis's size (which must divide them)."""
-    _, mesh, split = placement
+    _, mesh, split = placement[:3]
     local = dict(zip(_MESH_SIZES, sizes))
     for index, axis in split:
-        n = mesh.shape[axis]
+        n = need = mesh.shape[axis]
         for symbol in _MESH_RULES[index][1]:
-            if local[symbol] % n:
+            if local[symbol] % need:
                 _fail(
-                    f"sharded: index {index} cannot be split over mesh axis {axis!r} of {n} devices: {symbol} = {local[symbol]} is not divisible by {n}"
+                    f"sharded: index {index} cannot be split over mesh axis {axis!r} of {n} devices: {symbol} = {local[symbol]} is not divisible by {need}"
                 )
             local[symbol] //= n
     return tuple(local.items())
@@ -250,7 +249,7 @@ def _on_mesh(args, placement, keywords, interpret):
     (`keywords`: the sizes it sees, integers compared with a split index's position less
     its slice's start); an output whose statement sums a split index is added across that
     index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
-    kernel, mesh, split = placement
+    kernel, mesh, split = placement[:3]
     axis = dict(split)
     in_specs = tuple(
         jax.sharding.PartitionSpec(*(axis.get(i) for i in dims)) for dims in _MESH_ARGS
@@ -369,10 +368,11 @@ def _softmax_rows(s):
     return p / jnp.where(l == 0, 1.0, l), lse[..., 0]
 
 
-def _classify_blocks(xp, sizes):
+def _classify_blocks(xp, sizes, origin=None):
     """Per block: empty, partial or full. Work in the number of blocks (operands: one pass
     over their elements); xp is numpy when only sizes matter, jax.numpy under jit."""
     S, T = sizes
+    i_origin, j_origin = (0, 0) if origin is None else (origin[0], origin[1])
     i_block = xp.reshape(xp.arange(-(-S // 128)), (-1, 1))
     i_lo = i_block * 128
     j_block = xp.reshape(xp.arange(-(-T // 128)), (1, -1))
@@ -380,7 +380,8 @@ def _classify_blocks(xp, sizes):
     j_hi = xp.minimum(j_lo + 128, T) - 1
     can = xp.broadcast_to(True, (-(-S // 128), -(-T // 128)))
     must = xp.broadcast_to(
-        (i_lo - j_hi >= 0) & xp.logical_not((i_lo + 128 > S) | (j_lo + 128 > T)),
+        (i_lo + i_origin - (j_hi + j_origin) >= 0)
+        & xp.logical_not((i_lo + 128 > S) | (j_lo + 128 > T)),
         (-(-S // 128), -(-T // 128)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
@@ -392,6 +393,7 @@ def _attention_kernel(
     read_rows,
     kinds,
     flags,
+    origins,
     x_ref,
     r_ref,
     row_lse_ref,
@@ -431,7 +433,9 @@ def _attention_kernel(
         if masked:
             i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
             j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = (i_pos >= j_pos) & (i_pos < S) & (j_pos < T)
+            i_at = i_pos + origins[0]
+            j_at = j_pos + origins[1]
+            present = (i_at >= j_at) & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
             present_ = (i_pos < S) & (j_pos < T)
             s_ = jnp.where(present_, s_, -jnp.inf)
@@ -487,7 +491,19 @@ def _attention_kernel(
 
 
 def _attention_stored_kernel(
-    rows, cols, read_rows, kinds, flags, x_ref, row_lse_ref, p_ref, *, steps, S, T
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    origins,
+    x_ref,
+    row_lse_ref,
+    p_ref,
+    *,
+    steps,
+    S,
+    T,
 ):
     # Computes the stored softmax and score outputs.
     del rows, flags  # unused
@@ -511,7 +527,9 @@ def _attention_stored_kernel(
         if masked:
             i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
             j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = (i_pos >= j_pos) & (i_pos < S) & (j_pos < T)
+            i_at = i_pos + origins[0]
+            j_at = j_pos + origins[1]
+            present = (i_at >= j_at) & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
             present_ = (i_pos < S) & (j_pos < T)
             s_ = jnp.where(present_, s_, -jnp.inf)
@@ -600,7 +618,10 @@ def _prepare(x, S, T):
 def _walk_tables(kinds, bound):
     """The walk's scalar-prefetch tables for block kinds (numpy: known at trace time),
     and whether some group needed more steps than `bound`."""
-    tables, total, needed = _row_walk(np, kinds, bound)
+    # Known at trace time unless classified from a shard's traced first positions.
+    tables, total, needed = _row_walk(
+        np if isinstance(kinds, np.ndarray) else jnp, kinds, bound
+    )
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
     return tuple(jnp.asarray(t) for t in tables), False
 
@@ -619,14 +640,15 @@ def _dense_tables(kinds, bound):
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
-def _impl(x, sizes, bound, interpret):
+def _impl(x, sizes, bound, interpret, origin=None):
     S, T = sizes
-    block_kinds_ = _classify_blocks(np, sizes)
+    block_kinds_ = _classify_blocks(np if origin is None else jnp, sizes, origin)
+    origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
     (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=6,
         grid=(steps,),
         in_specs=[
             pl.BlockSpec((128, 128), _x_ij_map),
@@ -664,7 +686,7 @@ def _impl(x, sizes, bound, interpret):
             bytes_accessed=kinds.size * 65536 + S * 4 + S * 4 + S * 4,
         ),
         interpret=interpret,
-    )(rows, cols, read_rows, kinds, flags, x)
+    )(rows, cols, read_rows, kinds, flags, origins, x)
     r = r.reshape((S,))  # the row vector's unit dimension dropped
     row_lse = row_lse.reshape((S,))  # the row vector's unit dimension dropped
     row_lse_ = row_lse_.reshape((S,))  # the row vector's unit dimension dropped
@@ -674,7 +696,7 @@ def _impl(x, sizes, bound, interpret):
     (rows, cols, read_rows, kinds, flags), overflow = _dense_tables(block_kinds_, bound)
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=6,
         grid=(steps,),
         in_specs=[
             pl.BlockSpec((128, 128), _x_ij_map),
@@ -700,7 +722,7 @@ def _impl(x, sizes, bound, interpret):
             bytes_accessed=kinds.size * 131072 + S * T * 4,
         ),
         interpret=interpret,
-    )(rows, cols, read_rows, kinds, flags, x, row_lse_rows)
+    )(rows, cols, read_rows, kinds, flags, origins, x, row_lse_rows)
     return p, r, row_lse, row_lse_
 
 
@@ -741,7 +763,7 @@ _REFUSED = (
 )
 
 
-def _run_backward(sizes, bound, interpret, residuals, cotangent):
+def _run_backward(sizes, bound, interpret, residuals, cotangent, origin=None):
     x, p, r, row_lse, row_lse_, perturbed = residuals
     cotangent = _cotangents(cotangent, 2)
     # No gradient is derived: this raises where one is needed.
@@ -795,7 +817,7 @@ _MESH_RULES = {
     ),
     "j": (
         None,
-        "it is the key index of an attention-like kernel (softmax over it in `p[i, j] = softmax(lower[i, j], j)`): splitting it (context parallelism, a ring) is not supported yet",
+        "it is the key index of an attention-like kernel: splitting it (a ring, with i) merges softmax products and logsumexps only, and p is neither",
     ),
 }
 # The index along each dimension of the positional arguments and of the outputs (() where
@@ -825,9 +847,9 @@ def sharded(mesh, /, **axes):
         i: cannot be split: `lower[i, j] = x[i, j] where i >= j` reads its position
             other than compared with an integer input's values, and adding each shard's
             offset to a position is not supported yet
-        j: cannot be split: it is the key index of an attention-like kernel (softmax
-            over it in `p[i, j] = softmax(lower[i, j], j)`): splitting it (context
-            parallelism, a ring) is not supported yet
+        j: cannot be split: it is the key index of an attention-like kernel: splitting
+            it (a ring, with i) merges softmax products and logsumexps only, and p is
+            neither
 
     Mapping an index the spec lacks, to an axis the mesh lacks, or two indices to one
     axis, raises a ValueError.

@@ -44,12 +44,25 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class Ring:
+    """The key index split with the query index over one mesh axis (context parallelism):
+    each device keeps its rows and the key-side arguments travel round the axis."""
+
+    query: str
+    key: str
+    roles: tuple[str | None, ...]  # per positional argument: "q" (read with the rows), "k" (travels), None (neither)
+    dims: tuple[int | None, ...]  # per positional argument: its dimension along the ring's index
+    merges: tuple[str, ...]  # per output: "softmax" (weighted by the rows' logsumexp) or "logsumexp"
+
+
+@dataclass(frozen=True)
 class MeshPlan:
     rules: tuple[Rule, ...]  # one per index, in the kernel's order
     args: tuple[tuple[str | None, ...], ...]  # per positional argument: the index of each dimension (None: never split)
     outputs: tuple[tuple[str | None, ...], ...]  # per output: the index of each dimension (() for a coo output: whole)
     sums: tuple[tuple[str, ...], ...]  # per output: the indices its statement sums (psum where split)
     shifts: tuple[tuple[int, str], ...] = ()  # (positional argument, index): less the index's offset on each shard
+    ring: Ring | None = None  # where the key index may be split with the query index
 
     def rule(self, index: str) -> Rule:
         return next(r for r in self.rules if r.index == index)
@@ -74,10 +87,12 @@ def _statement(st) -> str:
     return f"`{st.text}`"
 
 
-def mesh_plan(kernel: Kernel, conv: Convention, spans=()) -> MeshPlan:
+def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool = False) -> MeshPlan:
     """The split rule of every index, and where each index sits in the arguments and outputs.
     `spans`: the target's (operand, dim, tile) whose tile must span a symbolic dimension (a
-    block breaking the TPU's layout rule), which a slice would make smaller than its tile."""
+    block breaking the TPU's layout rule), which a slice would make smaller than its tile.
+    `ring`: the target's kernels take the first positions of the arrays they are given
+    (`_impl(..., origin=)`), so an attention-like kernel's key index may travel as a ring."""
     from .schedule.attention import whole_sizes
 
     k = kernel
@@ -107,6 +122,20 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=()) -> MeshPlan:
     rules = []
     for index in k.indices:
         rules.append(_rule(k, index, local_names, operands, read_later, dim_reads, whole))
+    the_ring = None
+    if ring:
+        found = _ring(k, conv, dim_reads, whole)
+        if isinstance(found, Ring):
+            the_ring = found
+            why = (f"split with {found.query} over one mesh axis, as a ring: each device keeps its rows, the key-side "
+                   "arguments travel round the axis (ppermute) and the partial results merge by their logsumexp")
+            sizes = tuple(dict.fromkeys(k.index(i).size.symbol for i in (found.query, found.key)))
+            for n, r in enumerate(rules):
+                if r.index == found.key or (r.index == found.query and r.how is None):
+                    rules[n] = Rule(r.index, "ring", why if r.index == found.key else
+                                    f"split with {found.key} over one mesh axis, as a ring (alone: {r.why})", sizes)
+        else:
+            rules = [Rule(r.index, None, found) if r.why.startswith("it is the key index") else r for r in rules]
 
     def dims(op_name: str) -> tuple[str | None, ...]:
         op = operands[op_name]
@@ -125,7 +154,60 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=()) -> MeshPlan:
         sums.append(tuple(st.summed) if isinstance(st, Einsum) else ())
     shifts = tuple((n, r.index) for r in rules for operand in r.shifted
                    for n, p in enumerate(conv.params) if p.operand == operand and p.kind == "dense")
-    return MeshPlan(tuple(rules), tuple(args), tuple(outputs), tuple(sums), shifts)
+    return MeshPlan(tuple(rules), tuple(args), tuple(outputs), tuple(sums), shifts, the_ring)
+
+
+def _ring(k: Kernel, conv: Convention, dim_reads, whole) -> Ring | str:
+    """The ring of an attention-like kernel, or why its key index cannot travel as one."""
+    from .schedule.attention import row_plan
+    from .schedule.build import ScheduleError
+
+    try:
+        plan = row_plan(k)
+    except ScheduleError:
+        return "it is the key index of a kernel the row walk does not take: it cannot be split"
+    i, j = plan.query, plan.key
+    lead = f"it is the key index of an attention-like kernel: splitting it (a ring, with {i})"
+    merges = []
+    for out in k.outputs:
+        c = next((c for c in plan.consumers if c.output == out.name), None)
+        if c is None or c.kind not in ("softmax_product", "logsumexp"):
+            return f"{lead} merges softmax products and logsumexps only, and {out.name} is neither"
+        merges.append("softmax" if c.kind == "softmax_product" else "logsumexp")
+        indices = k.statement_of(out.name).target.indices
+        if indices[:len(plan.lead) + 1] != (*plan.lead, i):
+            return f"{lead} needs each output laid out as its rows ({', '.join((*plan.lead, i))}, ...), and {out.name} is not"
+    if len(plan.points) != 1:
+        return f"{lead} merges the results of one score, and this kernel has {len(plan.points)}"
+    for index in (i, j):
+        size = k.index(index).size
+        if size.product or size.symbol is None or size.literal is not None:
+            return f"{lead} needs sizes a shard can have, and {index}'s is fixed by the spec ({size.describe()})"
+        if size.symbol in whole:
+            return f"{lead} is not possible: its blocks span {size.symbol} whole (a tile of {whole[size.symbol]})"
+        for st, term in _terms(k):
+            if any(t.op == "size" and t.name == size.symbol for t in term.walk()):
+                return f"{lead} is not possible: {_statement(st)} reads the size {size.symbol}, which a shard's would change"
+    for (operand, d), indices in dim_reads.items():
+        if {i, j} & set(indices) and len(indices) > 1:
+            return (f"{lead} is not supported yet: {operand} dim {d} is read as {' and as '.join(indices)}, "
+                    "and only arguments read along one of them travel or stay")
+    for r in _reads(k):
+        for sub in r.subs:
+            if {i, j} & set(sub.indices) and (sub.offset is not None or sub.shift or sub.modulus is not None or sub.table is not None):
+                return f"{lead} is not possible: {r.text} reads it at an offset or through a table"
+    roles, dims = [], []
+    for p in conv.params:
+        if p.kind not in ("dense", "mask"):
+            return f"{lead} is not supported yet for the {p.kind} argument {p.public}"
+        op = k.operand(p.operand)
+        found = [(d, dim_reads.get((op.name, d), [None])[0]) for d in range(op.rank)]
+        at = [(d, x) for d, x in found if x in (i, j)]
+        if len({x for _, x in at}) > 1:
+            return f"{lead} is not supported yet: {op.name} is read along both {i} and {j}, so it can neither travel nor stay"
+        roles.append(None if not at else "q" if at[0][1] == i else "k")
+        dims.append(at[0][0] if at else None)
+    return Ring(i, j, tuple(roles), tuple(dims), tuple(merges))
 
 
 def _reads_of(st):

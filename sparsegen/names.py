@@ -24,13 +24,15 @@ HELPERS = frozenset(
     "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES", "_PARTIALS", "_REFUSED",
     "_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES", "_MESH_SHIFTS", "_placement",
     "_kernel", "_impl", "_reference", "_prepare", "_prefetch", "_init", "_compute", "_flush",
+    "_RING_QUERY", "_RING_KEY", "_RING_ROLES", "_RING_DIMS", "_RING_MERGES", "_RING_ROWS", "_RING_DECLARED", "_RING_LSE",
+    "_RING_LENGTHS",
 }  # fmt: skip
 MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds", "sharded"}
 # Fixed parameter and local names of the generated functions.
 FIXED_LOCALS = frozenset({"_", "sizes", "interpret", "grid_spec", "residuals", "cotangent", "perturbed", "wanted", "mesh", "axes"}) | {
     # the row walk's (attention) fixed names: its kernels' nested functions and parameters,
     # the walk's wrapper locals, the classification's locals
-    "masked", "bound", "overflow", "max_steps", "xp", "can", "must",
+    "masked", "bound", "overflow", "max_steps", "xp", "can", "must", "origin",
     "_scores", "_chain", "_step", "_partial", "_full", "_write", "_empty", "_start", "_finish", "_init", "_flush",
 }  # fmt: skip
 PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | frozenset(keyword.softkwlist)

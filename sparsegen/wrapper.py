@@ -408,7 +408,8 @@ class Wrapper:
 
     # ------------------------------------------------------------------ module
     def module(self, template: str, source_name: str, target: str, doc: str, call_doc: str, glue: "Glue",
-               prepare_lines: list[str], reference_lines: list[str], keywords: tuple[str, ...] = (), **context) -> str:
+               prepare_lines: list[str], reference_lines: list[str], keywords: tuple[str, ...] = (), ring: bool = False,
+               **context) -> str:
         """The module's text (before black): `template`, which extends `templates/module.py.j2`,
         rendered with the skeleton's context (header, `_prepare`, `_reference`, the public
         functions, `sharded`, `glue`) and the target's own `context`; the helpers it calls in
@@ -417,7 +418,7 @@ class Wrapper:
         k, conv = self.k, self.conv
         size_vars = [s.internal for s in conv.sizes]
         kernel_signature, reference_signature = self.signature()
-        on_mesh = self.mesh_context(kernel_signature, keywords)
+        on_mesh = self.mesh_context(kernel_signature, keywords, ring)
         main = environment().get_template(template).render(
             k=k,
             source=source_name.encode("unicode_escape").decode("ascii"),
@@ -441,11 +442,11 @@ class Wrapper:
         return with_helpers(main)
 
     # ------------------------------------------------------------------ sharded
-    def mesh_context(self, kernel_signature: str, keywords: tuple[str, ...]) -> dict:
+    def mesh_context(self, kernel_signature: str, keywords: tuple[str, ...], ring: bool = False) -> dict:
         """What `templates/module.py.j2` writes `sharded` and its tables from: the plan of
-        `sparsegen/mesh.py`, as Python literals."""
+        `sparsegen/mesh.py`, as Python literals. `ring`: the module can run a ring."""
         k, conv = self.k, self.conv
-        plan = mesh_plan(k, conv, self.spans)
+        plan = mesh_plan(k, conv, self.spans, ring)
         rules = []
         for r in plan.rules:
             value = f'("{r.how}", {py_tuple(f"{chr(34)}{s}{chr(34)}" for s in r.sizes)})' if r.how else f"(None, {r.why!r})"
@@ -468,6 +469,7 @@ class Wrapper:
             "positional": [p.public for p in conv.params],
             "keywords": list(keywords),
             "doc": self.mesh_doc(plan),
+            "ring": plan.ring,
         }
 
     def mesh_doc(self, plan: MeshPlan) -> str:
@@ -489,7 +491,8 @@ class Wrapper:
             "",
         ]
         for r in plan.rules:
-            text = {"split": "split: each device runs the kernel on its slice, with no communication",
+            text = {"ring": r.why,
+                    "split": "split: each device runs the kernel on its slice, with no communication",
                     "sum": "split: each device sums its slice, and the partial results are added across the axis (psum)"
                     }.get(r.how, f"cannot be split: {r.why}")
             if r.how and r.shifted:
@@ -525,6 +528,7 @@ class Glue:
     kept: list[str] = field(default_factory=list)  # `_impl`'s results, where it returns more than the outputs
     declared: list[str] = field(default_factory=list)  # the outputs among `kept`
     zeros: bool = False  # the backward reads every cotangent: symbolic zeros made zeros
+    origin: bool = False  # `_backward` and `_run_backward` take the arrays' first positions (`origin=`)
 
     def __post_init__(self):
         self.residuals = self.residuals or list(self.args)

@@ -67,7 +67,9 @@ def run_case(mod, job, case, args, weights, saved: dict, tag: str):
     kind = jax.sharding.AxisType.Explicit if case.get("explicit") else jax.sharding.AxisType.Auto
     mesh = jax.make_mesh(tuple(case["mesh"]), tuple(case["names"]), axis_types=(kind,) * len(case["mesh"]))
     try:
-        fn = mod.sharded(mesh, **case["axes"])
+        # JSON has no tuples: ["seq", "zigzag"] is ("seq", "zigzag").
+        axes = {i: tuple(a) if isinstance(a, list) else a for i, a in case["axes"].items()}
+        fn = mod.sharded(mesh, **axes)
         if case.get("presharded"):
             # Arrays arriving laid out otherwise: every dense argument split along its first
             # dimension over the first mesh axis, where it divides.

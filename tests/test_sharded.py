@@ -195,19 +195,94 @@ def test_conditions_compare_global_positions(tmp_path):
     assert assert_case(k2, env2, res2, 0, ["P('data',)"], parts=4) == 2
 
 
+RING_TILES = dict(b=1, h=1, i=128, j=128, d=128, e=128)
+# local_gqa_attention with a window that bites at these sizes (200 positions: a row block
+# sees its own key block and the two before).
+WINDOWED = with_tiles(spec_text("local_gqa_attention"), **RING_TILES).replace("i - j < 1024", "i - j < 200")
+
+
+def test_ring_attention_causal_local_and_zigzag(tmp_path):
+    """The key index split with the rows over one mesh axis (a ring), values and gradients:
+    causal in order and in zigzag order, beside a batch or head split; a sliding window
+    with grouped heads and soft caps. Each device's keys are sent only where some row sees
+    them; partial results merge by their logsumexp."""
+    causal = with_tiles(spec_text("causal_attention"), **RING_TILES)
+    ring = {"mesh": [2, 4], "names": ["data", "seq"]}
+    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(
+        tmp_path,
+        (causal, dict(B=2, H=2, S=512, D=128), [{**ring, "axes": {"b": "data", "i": "seq", "j": "seq"}},
+                                                 {**ring, "axes": {"h": "data", "i": ["seq", "zigzag"], "j": "seq"}}]),
+        (WINDOWED, dict(B=1, H=8, S=512, D=128), [{**ring, "axes": {"h": "data", "i": "seq", "j": "seq"}}]),
+    )
+    specs = ["P('data', None, 'seq')", "P('data', None, 'seq')"]
+    assert assert_case(k1, env1, res1, 0, specs, parts=4) == 3
+    assert assert_case(k1, env1, res1, 1, ["P(None, 'data', 'seq')"] * 2, parts=8) == 3
+    assert assert_case(k2, env2, res2, 0, ["P(None, 'data', 'seq')"], parts=4) == 3
+
+
+def test_ring_pairs_that_see_nothing_exchange_and_compute_nothing():
+    """Causal over 8 shards in order: 36 of the 64 (rows, keys) shard pairs see something,
+    and the keys travel only to those (step t: the 8 - t devices whose keys are t behind).
+    In zigzag order every device pair has work, and each device's share is the same."""
+    kernel, mod = build(with_tiles(spec_text("causal_attention"), **RING_TILES), formatted=False)
+    sizes = (1, 1, 1024 // 8, 128)  # one device's
+    live, chunk, lengths = mod._ring_plan(sizes, 8, 1)
+    assert live.shape == (8, 8) and int(live.sum()) == 36 and lengths == (128, 128)
+    assert np.array_equal(live, np.tril(np.ones((8, 8), bool)))
+    assert [len(mod._ring_senders(live, t, 8, 1)) for t in range(8)] == [8, 7, 6, 5, 4, 3, 2, 1]
+    live, chunk, lengths = mod._ring_plan(sizes, 8, 2)
+    assert live.shape == (16, 16) and lengths == (64, 64) and int(live.sum()) == 136
+    assert [len(mod._ring_senders(live, t, 8, 2)) for t in range(8)] == [8] * 8
+    share = [sum(live[mod._ring_chunk(d, a, 8, 2), :].sum() for a in range(2)) for d in range(8)]
+    assert share == [17] * 8
+
+
+@pytest.mark.parametrize("interpret", ["cpu", "simulator"])
+def test_kernels_compare_global_positions(interpret):
+    """A row kernel given the first positions of its rows and keys (`origin`: a shard's, as
+    the ring passes them) evaluates its condition on global positions, in both interpreters
+    (the simulator fills memory no step writes with NaN), values and gradients."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    kernel, mod = build(WINDOWED, formatted=False)
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((1, 4, 256, 128)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, 1, 256, 128)), jnp.bfloat16) for _ in range(2))
+    q, k, v, sizes = mod._prepare(q, k, v, *(None for _ in mod._MESH_SIZES))
+    mode = True if interpret == "cpu" else pltpu.InterpretParams()
+    for origin in ((300, 0), (256, 128), (0, 256)):
+        o, row_lse = mod._impl(q, k, v, sizes, None, mode, origin=jnp.asarray(origin, jnp.int32))
+        qf, kf, vf = (np.asarray(x, np.float64) for x in (q, k, v))
+        s = np.einsum("bhid,bjd->bhij", qf, kf[:, 0]) * 0.08838834764831845
+        s = 50.0 * np.tanh(s / 50.0)
+        i = np.arange(256)[:, None] + origin[0]
+        j = np.arange(256)[None, :] + origin[1]
+        s = np.where((i >= j) & (i - j < 200), s, -np.inf)
+        m = np.max(s, axis=-1, keepdims=True)
+        p = np.exp(s - np.where(np.isneginf(m), 0, m))
+        total = p.sum(-1, keepdims=True)
+        want = np.einsum("bhij,bje->bhie", p / np.where(total == 0, 1, total), vf[:, 0])
+        np.testing.assert_allclose(np.asarray(o, np.float64), want, atol=2e-2, err_msg=str(origin))
+        lse = np.where(total[..., 0] == 0, -np.inf, m[..., 0] + np.log(np.where(total[..., 0] == 0, 1, total[..., 0])))
+        np.testing.assert_allclose(np.asarray(row_lse), lse, atol=2e-2, err_msg=str(origin))
+    if interpret == "simulator":
+        pltpu.reset_tpu_interpret_mode_state()
+
+
 # --------------------------------------------------------- the rule, and refusals
 
 
 def plan_of(name: str):
     rules = {}
     for plan in lower_source(SourceFile(f"{name}.spk", spec_text(name)), "v5e"):
-        p = mesh_plan(plan.kernel, convention(plan.kernel, ModuleNames(plan.kernel)))
+        p = mesh_plan(plan.kernel, convention(plan.kernel, ModuleNames(plan.kernel)), ring=True)
         rules[plan.kernel.name] = {r.index: r.how for r in p.rules}
     return rules
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("causal_attention", {"causal_attention": dict(b="split", h="split", i=None, j=None, d=None, e=None)}),
+    ("causal_attention", {"causal_attention": dict(b="split", h="split", i="ring", j="ring", d=None, e=None)}),
+    ("document_attention", {"document_attention": dict(b="split", h="split", i=None, j=None, d=None, e=None)}),
     ("masked_attention", {"masked_attention": dict(h="split", i="split", j=None, d=None, e=None)}),
     ("masked_matmul", {"masked_matmul": dict(m="split", n="split", k="sum")}),
     ("masked_backward", {"masked_matmul_dx": dict(m="split", k="split", n="sum"), "masked_matmul_dy": dict(k="split", n="split", m="sum")}),
@@ -288,13 +363,22 @@ REFUSALS = [
     (BATCHED, {"q": "data"}, "the spec has no index 'q' (its indices: b, m, n, k)"),
     (BATCHED, {"b": "rows"}, "index b is mapped to 'rows', which is not an axis of the mesh (its axes: data, model)"),
     (BATCHED, {"b": "data", "k": "data"}, "mesh axis 'data' is given to both b and k; an axis splits one index"),
-    ("causal_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel (softmax over it in "
-     "`o[b, h, i, e] = softmax(s[b, h, i, j], j) * v[b, h, j, e]`): splitting it (context parallelism, a ring) is not supported yet"),
+    ("causal_attention", {"j": "data"}, "the key index j is split with the query index i, as a ring: map both to one mesh axis "
+     "(sharded(mesh, i=AXIS, j=AXIS)); the key index alone is not supported yet"),
+    ("causal_attention", {"i": "data", "j": "model"}, "the key index j is split with the query index i, as a ring: map both to "
+     "one mesh axis (sharded(mesh, i=AXIS, j=AXIS)); the key index alone is not supported yet"),
+    ("causal_attention", {"b": ("data", "zigzag")}, "index b is mapped to ('data', 'zigzag'), which is not an axis of the mesh "
+     "(its axes: data, model)"),
+    ("document_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting "
+     "it (a ring, with i) is not supported yet: seg dim 1 is read as i and as j, and only arguments read along one of them "
+     "travel or stay"),
+    ("masked_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting "
+     "it (a ring, with i) is not supported yet: keep is read along both i and j, so it can neither travel nor stay"),
     ("causal_attention", {"d": "data"}, "index d cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i, d] * "
      "k[b, h, j, d] * 0.08838834764831845 where i >= j`), which a nonlinear step reads (softmax, an elementwise function): "
      "partial sums cannot be added after it"),
-    ("causal_attention", {"i": "data"}, "index i cannot be split: its size S is also the size of index j, which a split of i "
-     "would leave whole (each shard's kernel would see two sizes of S)"),
+    ("causal_attention", {"i": "data"}, "the key index j is split with the query index i, as a ring: map both to one mesh axis "
+     "(sharded(mesh, i=AXIS, j=AXIS)); the key index alone is not supported yet"),
     ("document_attention", {"i": "data"}, "index i cannot be split: seg dim 1 is read both as i and as j"),
     ("dsd_matmul", {"m": "data"}, "index m cannot be split: the sparse coo input x is indexed by it (x[m, k]): "
      "splitting a coo operand's stored blocks is not supported yet"),

@@ -100,8 +100,11 @@ def _extreme(fn: str, values: list[Expr]) -> Expr:
 class Classifier:
     """The block kinds of a row plan's condition (or any `Conditions`) as a `Classification`."""
 
-    def __init__(self, plan: Conditions, conv, local, tile_of, size_of):
+    def __init__(self, plan: Conditions, conv, local, tile_of, size_of, origins=None):
         self.p = plan
+        # index -> the global position of its first element (an Expr): a condition compares
+        # positions, while a ragged tail is local to the arrays given (a shard on a mesh).
+        self.origins = origins or {}
         self.conv = conv
         self.local = local  # a fresh local name
         self.tile_of = tile_of
@@ -193,7 +196,9 @@ class Classifier:
 
     def atom_range(self, atom) -> tuple[Expr, Expr] | None:
         if isinstance(atom, str):
-            return self.index_range(atom)
+            lo, hi = self.index_range(atom)
+            origin = self.origins.get(atom)
+            return (lo, hi) if origin is None else (lo + origin, hi + origin)
         t: Term = atom
         if t.op == "read":
             return self.read_range(t.read)

@@ -20,6 +20,8 @@ from .reference import ReferenceWriter
 
 
 class AttentionEmitter(KernelWriter, ReferenceWriter):
+    origin_supported = True  # `_impl` takes the arrays' first positions (not the paged walk's)
+
     def __init__(self, m: AttentionModule):
         self.m = m
         self.k = m.kernel
@@ -32,6 +34,14 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         # Module-level names shared by the calls.
         self.w = m.walk
         self.tables = [t.var for t in self.w.tables]
+        self.walk_tables = list(self.tables)
+        # A condition (or the chain) comparing query or key positions compares global ones:
+        # `_impl(..., origin=...)` gives the first position of the arrays passed (a shard on a
+        # mesh, `sharded`'s ring), in scalar memory after the walk's tables.
+        self.positions = self.origin_supported and self.uses_positions()
+        self.origins = self.n.local("origins")
+        if self.positions:
+            self.tables.append(self.origins)
         self.steps = self.w.step.static
         maps = self.n.scope()  # the index maps' parameters
         self.grid_vars = [maps.local(i) for i in self.p.lead]
@@ -73,8 +83,14 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         """The block-kind function: its name, parameters and lines."""
         p = self.p
         scope = self.n.scope()
-        cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], lambda i: self.m.conv.size(self.k.index(i).size))
+        origins = {}
+        if self.positions:
+            origins = {i: Var(scope.local(f"{i}_origin")) for i in (p.query, p.key)}
+        cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], lambda i: self.m.conv.size(self.k.index(i).size), origins)
         lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)])
+        if origins:
+            first = ", ".join(v.name for v in origins.values())
+            lines = [f"{first} = (0, 0) if origin is None else (origin[0], origin[1])"] + lines
         reads = []
         for r in (r for cond in p.conditions for r in cond.reads):
             param = self.m.conv.param(r.operand).internal
@@ -175,8 +191,14 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         xp = "jnp" if data else "np"
         kinds_var = self.n.local("block_kinds")
         n_class = len(p.class_axes)
-        kinds_lines = [f"{kinds_var} = {classify_fn}({xp}, {', '.join(classify_reads + ['sizes'])})",
-                       f"{kinds_var} = {kinds_var}.reshape((-1,) + {kinds_var}.shape[{n_class - 2}:])"]
+        if self.positions:
+            # Traced first positions (a shard's, on a mesh) classify under jit.
+            kinds_lines = [f"{kinds_var} = {classify_fn}({xp if data else 'np if origin is None else jnp'}, "
+                           f"{', '.join(classify_reads + ['sizes', 'origin'])})",
+                           f"{self.origins} = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)"]
+        else:
+            kinds_lines = [f"{kinds_var} = {classify_fn}({xp}, {', '.join(classify_reads + ['sizes'])})"]
+        kinds_lines.append(f"{kinds_var} = {kinds_var}.reshape((-1,) + {kinds_var}.shape[{n_class - 2}:])")
         forward = self.forward_call()
         row_consumers = [c for c in p.consumers if not c.stored]
         self.out_var = {c.output: forward.outs[n].var for n, c in enumerate(row_consumers)}
@@ -229,10 +251,13 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             kept=outputs + self.row_lses,
             declared=declared,
             zeros=True,
+            origin=self.positions,
         )
         text = self.wrapper.module(
             "tpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare_lines, reference_lines,
             keywords=("max_steps",) if data else (),
+            ring=len(conv.impl_args) == len(conv.params),
+            ring_tables=self.ring_tables(glue),
             smem=m.target.smem_bytes,
             classify_fn=classify_fn,
             classify_params=classify_reads,
@@ -244,13 +269,36 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             maps=maps,
             kinds_lines=kinds_lines,
             xp=xp,
-            tables=self.tables,
+            tables=self.walk_tables,
+            prefetch=self.tables,
+            positions=self.positions,
             steps=self.steps,
             vmem_limit=self.m.vmem_limit(),
             class_axes=list(p.class_axes),
             data=data,
         )
         return format_module(text, names=(m.name,)) if formatted else text
+
+    def ring_tables(self, glue: Glue) -> dict:
+        """`sharded`'s ring (where mesh.py allows one): how each of `_impl`'s results merges,
+        its rows' dimension, which are the outputs and which the rows' logsumexp."""
+        from ...mesh import mesh_plan
+
+        ring = mesh_plan(self.k, self.m.conv, (), True).ring
+        if ring is None:
+            return {}
+        p = self.p
+        rows = [self.k.statement_of(c.output).target.indices.index(p.query) for c in p.consumers] + [len(p.lead)]
+        quoted = lambda xs: py_tuple("None" if x is None else repr(x) for x in xs)  # noqa: E731
+        return {
+            "roles": quoted(ring.roles),
+            "dims": quoted(ring.dims),
+            "merges": quoted(["softmax" if c.kind == "softmax_product" else "logsumexp" for c in p.consumers] + ["logsumexp"]),
+            "rows": py_tuple(str(r) for r in rows),
+            "declared": py_tuple(str(glue.kept.index(d)) for d in glue.declared),
+            "lse": str(len(glue.kept) - 1),
+            "lengths": quoted([self.k.index(i).size.symbol for i in (p.query, p.key)]),
+        }
 
     def gradient_tables(self, backward: dict, derived: list[str]) -> str:
         """`_PARTIALS` (every gradient the backward computes: argument, output) and `_REFUSED`
@@ -372,6 +420,11 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
     def dim_size(self, read: Read, d: int) -> str:
         dim = self.k.operand(read.operand).dims[d]
         return str(dim.literal) if dim.literal is not None else self.m.conv.size_var(dim.symbol)
+
+    def uses_positions(self) -> bool:
+        """Does a condition or the chain read the query or key position?"""
+        terms = [term for _, term in self.p.chain] + [pt.condition for pt in self.p.points if pt.condition is not None]
+        return any(t.op == "index" and t.name in (self.p.query, self.p.key) for term in terms for t in term.walk())
 
     def chain_uses_positions(self) -> bool:
         return any(t.op == "index" and t.name in (self.p.query, self.p.key) for _, term in self.p.chain for t in term.walk())

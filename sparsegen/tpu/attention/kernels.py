@@ -127,6 +127,12 @@ class KernelWriter:
             f"    {qpos} = {tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {qshape}, {int(transposed)})",
             f"    {kpos} = {tables.key}[{at}] * {tj} + lax.broadcasted_iota(jnp.int32, {kshape}, {int(not transposed)})",
         ]
+        gpos = {p.query: qpos, p.key: kpos}  # the positions a condition or the chain compares
+        if self.positions:
+            # Positions are global: a shard's first element sits at `origins` (a ring on a mesh).
+            for d, (index, pos) in enumerate(((p.query, qpos), (p.key, kpos))):
+                gpos[index] = n.local(f"{index}_at")
+                pos_lines.append(f"    {gpos[index]} = {pos} + {self.origins}[{d}]")
         chain_pos = self.chain_uses_positions()
         if chain_pos:
             out += pos_lines
@@ -135,7 +141,7 @@ class KernelWriter:
 
         def leaf(term: Term, float_ctx: bool) -> str:
             if term.op == "index":
-                v = qpos if term.name == p.query else kpos if term.name == p.key else lead_vars[term.name]
+                v = gpos[term.name] if term.name in gpos else lead_vars[term.name]
                 return f"{v}.astype({acc.jnp})" if float_ctx else v
             if term.op == "size":
                 v = self.m.conv.size_var(term.name)

@@ -19,6 +19,8 @@ from .lower import PagedModule
 
 
 class PagedEmitter(AttentionEmitter):
+    origin_supported = False  # `sharded` does not split its key index
+
     def __init__(self, m: PagedModule):
         super().__init__(m)
         self.pg = m.paged
