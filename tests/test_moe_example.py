@@ -36,7 +36,7 @@ def run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     result = subprocess.run(
         [sys.executable, "-m", "examples.moe_transformer.train", "--steps", str(STEPS), "--layers", "1",
-         "--batch", str(BATCH), "--seq", str(SEQ), "--d-model", str(D_MODEL), "--d-ff", str(D_FF), "--lr", "1e-2",
+         "--batch", str(BATCH), "--seq", str(SEQ), "--d-model", str(D_MODEL), "--d-ff", str(D_FF),
          "--quiet", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

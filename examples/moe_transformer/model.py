@@ -185,8 +185,7 @@ def forward(params, tokens, ops, cfg: Config):
     return rmsnorm(x) @ params["out"]
 
 
-def loss_fn(params, tokens, ops, cfg: Config):
-    """Mean cross-entropy of each next token: tokens [B, S + 1], the model reads the first S."""
-    logits = forward(params, tokens[:, :-1], ops, cfg)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+def loss_fn(params, inputs, targets, ops, cfg: Config):
+    """Mean cross-entropy of the next tokens `targets` [B, S] after `inputs` [B, S]."""
+    logp = jax.nn.log_softmax(forward(params, inputs, ops, cfg), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

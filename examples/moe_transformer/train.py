@@ -50,7 +50,7 @@ TOLERANCE = 0.02
 
 
 def markov_batches(cfg: Config, steps: int, branch: int = 4):
-    """`steps` batches of tokens [batch, seq + 1] (the model reads seq, predicts the next):
+    """`steps` batches (inputs, targets), each [batch, seq], targets the inputs' next tokens:
     each row a segment of length seq / 2 of a fixed random Markov chain, repeated."""
     rng = np.random.default_rng(cfg.seed)
     successors = np.stack([rng.choice(cfg.vocab, branch, replace=False) for _ in range(cfg.vocab)])
@@ -60,12 +60,13 @@ def markov_batches(cfg: Config, steps: int, branch: int = 4):
         seg[:, 0] = rng.integers(cfg.vocab, size=cfg.batch)
         for t in range(1, half):
             seg[:, t] = successors[seg[:, t - 1], rng.integers(branch, size=cfg.batch)]
-        yield np.concatenate([seg, seg, seg[:, :1]], axis=1)
+        tokens = np.concatenate([seg, seg, seg[:, :1]], axis=1)
+        yield tokens[:, :-1], tokens[:, 1:]
 
 
 def make_step(ops, cfg: Config, optimizer, mesh):
-    def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, ops, cfg)
+    def step(params, opt_state, inputs, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, ops, cfg)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, grads
 
@@ -189,10 +190,12 @@ def main(argv=None) -> int:
     replicated = NamedSharding(mesh, P())
     state = {ops.name: jax.device_put((params, optimizer.init(params)), replicated) for ops in (kernels, control)}
     steps = {ops.name: make_step(ops, cfg, optimizer, mesh) for ops in (kernels, control)}
-    batches = [jax.device_put(t, NamedSharding(mesh, P("data"))) for t in markov_batches(cfg, args.steps)]
+    # Each batch's rows split over "data" (the attention and experts lay them out as their
+    # mappings say: under jit the rest of the model follows).
+    batches = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in markov_batches(cfg, args.steps)]
 
     began = time.perf_counter()
-    calls = {name: kernel_calls(jax.make_jaxpr(step)(*state[name], batches[0])) for name, step in steps.items()}
+    calls = {name: kernel_calls(jax.make_jaxpr(step)(*state[name], *batches[0])) for name, step in steps.items()}
     timings = {"trace": time.perf_counter() - began}
     losses = {"kernels": [], "control": [], "tolerance": args.tolerance}
     progress = None
@@ -204,9 +207,9 @@ def main(argv=None) -> int:
         progress.start()
         task = progress.add_task("train", total=args.steps, losses="compiling")
     start, grads = time.perf_counter(), {}
-    for n, tokens in enumerate(batches):
+    for n, batch in enumerate(batches):
         for name, step in steps.items():
-            params, opt_state, loss, grads[name] = step(*state[name], tokens)
+            params, opt_state, loss, grads[name] = step(*state[name], *batch)
             state[name] = (params, opt_state)
             losses[name].append(float(loss))
         if n == 0:
@@ -215,11 +218,11 @@ def main(argv=None) -> int:
             timings["first step (compiles)"] = time.perf_counter() - start
             first_grads = gradient_differences(grads["kernels"], grads["control"])
         lk, lc = losses["kernels"][-1], losses["control"][-1]
-        line = f"step {n + 1:3d}  kernels {lk:.4f}  control {lc:.4f}  diff {abs(lk - lc) / lc:.1e}"
+        line = f"kernels {lk:.4f}  control {lc:.4f}  diff {abs(lk - lc) / lc:.1e}"
         if progress is not None:
-            progress.update(task, advance=1, losses=f"kernels {lk:.4f}  control {lc:.4f}  diff {abs(lk - lc) / lc:.1e}")
+            progress.update(task, advance=1, losses=line)
         else:
-            print(line, flush=True)
+            print(f"step {n + 1:3d}  {line}", flush=True)
     if progress is not None:
         progress.stop()
     seconds = time.perf_counter() - start
