@@ -303,7 +303,7 @@ def _mesh_placement(kernel, mesh, axes):
     `_on_mesh` takes, static and hashable: (kernel, mesh, ((index, mesh axis), ...))."""
     if not isinstance(mesh, jax.sharding.Mesh):
         _fail(f"sharded: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    taken = {}
+    taken, placed = {}, {}
     for index, axis in axes.items():
         if index not in _MESH_RULES:
             known = ", ".join(_MESH_RULES)
@@ -323,26 +323,25 @@ def _mesh_placement(kernel, mesh, axes):
                 f"sharded: mesh axis {axis!r} is given to both {taken[axis]} and {index}; an axis splits one index"
             )
         taken[axis] = index
+        placed[index] = axis
     return (
         kernel,
         mesh,
-        tuple(
-            (index, axes[index]) for index in _MESH_RULES if axes.get(index) is not None
-        ),
+        tuple((index, placed[index]) for index in _MESH_RULES if index in placed),
     )
 
 
 def _local_sizes(placement, sizes):
     """The sizes as one device's call sees them, as keywords: those a split index divides,
     divided by its mesh axis's size (which must divide them)."""
-    _, mesh, split = placement
+    _, mesh, split = placement[:3]
     local = dict(zip(_MESH_SIZES, sizes))
     for index, axis in split:
-        n = mesh.shape[axis]
+        n = need = mesh.shape[axis]
         for symbol in _MESH_RULES[index][1]:
-            if local[symbol] % n:
+            if local[symbol] % need:
                 _fail(
-                    f"sharded: index {index} cannot be split over mesh axis {axis!r} of {n} devices: {symbol} = {local[symbol]} is not divisible by {n}"
+                    f"sharded: index {index} cannot be split over mesh axis {axis!r} of {n} devices: {symbol} = {local[symbol]} is not divisible by {need}"
                 )
             local[symbol] //= n
     return tuple(local.items())
@@ -354,7 +353,7 @@ def _on_mesh(args, placement, keywords, interpret):
     (`keywords`: the sizes it sees, integers compared with a split index's position less
     its slice's start); an output whose statement sums a split index is added across that
     index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
-    kernel, mesh, split = placement
+    kernel, mesh, split = placement[:3]
     axis = dict(split)
     in_specs = tuple(
         jax.sharding.PartitionSpec(*(axis.get(i) for i in dims)) for dims in _MESH_ARGS
