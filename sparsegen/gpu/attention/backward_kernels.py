@@ -247,9 +247,8 @@ class BackwardWriter:
                 step.append(f"    {var} = {render_term(term, lambda x: leaf(x, True))}")
                 inner[name] = var
             step += [f"    return {inner[pt.local] if pt.local is not None else leaf(Term('read', read=pt.read), True)}", ""]
-            s = sn.local("s")
-            step.append(f"{s}, {sn.local('pull')} = jax.vjp({chain}, {raw})")
-            pull = sn.local("pull")
+            s, pull = sn.local("s"), sn.local("pull")
+            step.append(f"{s}, {pull} = jax.vjp({chain}, {raw})")
         else:
             s = raw
         conds = [render_term(pt.condition, lambda x: leaf(x, False))] if pt.condition is not None else []
