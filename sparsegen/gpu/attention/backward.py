@@ -86,12 +86,14 @@ def _tile_bytes(a: BArray, tile: dict[str, int], p: RowPlan) -> int:
 
 
 def kernel_smem(arrays, scratch, outs, tile: dict[str, int], p: RowPlan) -> int:
-    """Shared memory of a backward CTA, laid out as the forward's (lower.smem_bytes, measured):
-    the walk's scope (each copied-once array and each scratch tile from a 1024-byte boundary,
-    then a barrier), the pipeline's buffers (a tile per step in flight per operand, from a
-    1024-byte boundary) and barriers; or the epilogue's scope, which reuses the memory."""
+    """Shared memory of a backward CTA as Mosaic GPU's resource estimate counts it (measured
+    under an abstract H200, tests/test_gpu_attention.py): every allocation from a 1024-byte
+    boundary (the walk's copied-once arrays and scratch tiles, then the pipeline's tiles for
+    every step in flight), then 8 bytes per barrier (the walk's and one per step in flight);
+    or the epilogue's scope, which reuses the memory. No reduction runs in a step, so no
+    reduction scratch (the forward's running max and sum take some)."""
     walk = sum(_aligned(_tile_bytes(a, tile, p)) for a in arrays if a.scoped and a.layout != "scalar")
-    walk += sum(_aligned(TB * TB * isz) for _, isz in scratch) + 8
+    walk += sum(_aligned(TB * TB * isz) for _, isz in scratch)
     buffers = sum(_aligned(STAGES * _tile_bytes(a, tile, p)) for a in arrays if not a.scoped and a.layout != "scalar")
     epilogue = 0
     for _, over, dtype in outs:
@@ -99,7 +101,7 @@ def kernel_smem(arrays, scratch, outs, tile: dict[str, int], p: RowPlan) -> int:
         for i in over:
             elems *= TB if i in (p.query, p.key) else tile[i]
         epilogue += _aligned(elems * (2 if dtype in ("jnp.bfloat16", "jnp.float16") else 4))
-    return max(_aligned(walk) + buffers + ALIGN + 8 * (STAGES + 1), epilogue)
+    return max(walk + buffers + 8 * (1 + STAGES), epilogue)
 
 
 def _free(k: Kernel, p: RowPlan, c) -> str:
