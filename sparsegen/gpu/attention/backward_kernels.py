@@ -274,6 +274,9 @@ class BackwardWriter:
         step += [f"{lse} = jnp.where({lse_value} == jnp.full({row_vec}, -jnp.inf, {F32}), jnp.full({row_vec}, 0.0, {F32}), {lse_value})"
                  "  # a row with nothing present",
                  f"{probs} = jnp.exp({s} - lax.broadcast_in_dim({lse}, {shape}, [{qaxis}]))  # absent elements: exp(-inf) = 0"]
+        if not dq:  # p^T stored at once (for dv), as each values' dtype
+            for vd in dict.fromkeys(k.operand(c.value.operand).dtype.jnp for c in products):
+                step.append(f"{scratch[vd]}[...] = {probs}.astype({vd})")
         terms = []
         for c in products:
             da, va = bk.array(f"do:{c.output}"), bk.array(f"v:{c.value.operand}")
@@ -306,12 +309,9 @@ class BackwardWriter:
             new["dq"] = sn.local("dq_new")
             step += extra + [f"{new['dq']} = {out_acc['dq']} + {call}"]
         else:
-            stored = set()
-            for c in products:
-                vd = k.operand(c.value.operand).dtype.jnp
-                if vd not in stored:
-                    step += [f"{scratch[vd]}[...] = {probs}.astype({vd})", "plgpu.commit_smem()  # p^T, as WGMMA's A"]
-                    stored.add(vd)
+            # ds^T to shared memory before the products: then only the accumulators are live
+            # while they run (at d = e = 128 the carried dk and dv take 128 registers a thread).
+            step += [f"{scratch['ds']}[...] = {ds}.astype({q_dtype})", "plgpu.commit_smem()  # p^T and ds^T, as WGMMA's A"]
             for value in dict.fromkeys(c.value.operand for c in products):
                 vd = k.operand(value).dtype.jnp
                 parts = []
@@ -326,7 +326,6 @@ class BackwardWriter:
                 step.append(f"{var} = {out_acc[f'dv:{value}']} + " + " + ".join(parts))
                 new[f"dv:{value}"] = var
             qt = self.b_array(bk, "q_t", "q")
-            step += [f"{scratch['ds']}[...] = {ds}.astype({q_dtype})", "plgpu.commit_smem()  # ds^T, as WGMMA's A"]
             extra, call = product(scratch["ds"], mma_b(qt, p.query, p.summed), self.tile[p.summed], "dk_product")
             new["dk"] = sn.local("dk_new")
             step += extra + [f"{new['dk']} = {out_acc['dk']} + {call}"]
