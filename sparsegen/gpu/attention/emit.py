@@ -315,7 +315,7 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
         init += [f"jnp.zeros({row}, {F32})" for _ in sums]
         body += ["", "return plgpu.emit_pipeline(", f"    {step_fn},", f"    grid=({count},),", "    in_specs=[" + ", ".join(maps) + "],",
                  f"    max_concurrent_steps={STAGES},", f"    init_carry=({', '.join(init)}),", f")({', '.join(o.ref for o in pipe)})"]
-        results = [sn.local("m"), sn.local("l")] + [sn.local(f"{c.output}_acc") for c in products] + [sn.local(f"{c.output}_sum") for c in sums]
+        results = [sn.local("m"), sn.local("l")] + [sn.local(f"{c.output}_acc") for c in products] + [sn.local(f"{c}_sum") for c in sums]
         lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)})", f"def {walk}({', '.join(scope_names)}):"]
         lines += ["    " + line for line in body]
         lines += ["", f"{', '.join(results)} = {walk}"]
