@@ -406,3 +406,31 @@ def test_gradients_through_lse_and_sum_with_empty_rows_and_max_refused():
         np.testing.assert_allclose(g, w, atol=0.015 * np.abs(w).max())
     with pytest.raises(NotImplementedError, match=r"padded_sum: the gradient of 'q' through 'top' \(a max reduction\) is not derived yet"):
         jax.grad(weighted_sum(lambda *a: mod.padded_sum(*a, ok, interpret=True), {}))(q, k, v)
+
+
+def test_spec_names_that_are_the_backwards_own_stay_apart():
+    """Operands and outputs named like the backward's locals and arrays (`delta`, `row_lse`,
+    `do`, `ds_smem`, `lse`, `dq_full`, `g_dq_full`): jax.grad still equals reference's."""
+    text = """
+kernel delta {
+    in  row_lse: bf16[sizes, slot, D]
+    in  do: bf16[sizes, slot, D]
+    in  ds_smem: bf16[sizes, slot, D]
+    in  lse: i32[slot]
+    out dq_full: bf16[sizes, slot, D]
+    out g_dq_full: f32[sizes, slot]
+    s[h, i, j] = row_lse[h, i, d] * do[h, j, d] where lse[i] == lse[j]
+    dq_full[h, i, e] = softmax(s[h, i, j], j) * ds_smem[h, j, e]
+    g_dq_full[h, i] = logsumexp(s[h, i, j], j)
+    tile h = 1, i = 64, j = 64, d = 64, e = 64
+}
+"""
+    kernel, mod = build(text, "h200")
+    rng = np.random.default_rng(6)
+    args = [jnp.asarray(rng.standard_normal((2, 128, 64)), jnp.bfloat16) for _ in range(3)]
+    seg = np.sort(rng.integers(0, 3, 128)).astype(np.int32)
+    got = jax.grad(weighted_sum(lambda *a: mod.delta(*a, seg, interpret=True), {}), argnums=(0, 1, 2))(*args)
+    want = jax.grad(weighted_sum(lambda *a: mod.reference(*a, seg), {}), argnums=(0, 1, 2))(*args)
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, atol=0.015 * np.abs(w).max())
