@@ -452,8 +452,13 @@ def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
     for spec, r in report:
         smem = f"{r.smem_used if r.smem_used is not None else '?'} / {r.smem_estimate} / {r.smem_limit}"
         compiled = "yes" if r.compiled else "NO" if r.compiled is False else f"not run ({r.stage3})" if r.lowered else "-"
-        table.add_row(r.kernel, r.target, "yes" if r.lowered else "NO", r.backward or "-", smem, compiled,
-                      "unknown" if r.registers is None else ", ".join(map(str, r.registers)),
+        backward = r.backward or "-"
+        if r.backward_smem_used:  # an attention-like kernel's dq and dk/dv
+            backward += " (shared memory " + ", ".join(f"{u} / {e}" for u, e in zip(r.backward_smem_used, r.backward_smem_estimate)) + ")"
+        registers = "unknown" if r.registers is None else ", ".join(map(str, r.registers))
+        if r.kernels and all("name" in kk for kk in r.kernels):
+            registers = ", ".join(f"{kk['name'].removesuffix('_mosaic_gpu_kernel')} {kk['registers']}" for kk in r.kernels)
+        table.add_row(r.kernel, r.target, "yes" if r.lowered else "NO", backward, smem, compiled, registers,
                       "unknown" if r.spill_bytes is None else f"{r.spill_bytes} B",
                       f"{r.lower_seconds + r.compile_seconds:.1f} s")
     Console(width=160).print(table)

@@ -4,7 +4,8 @@ jax-cuda13 plugin (`make gpu-venv`); it imports only jax, numpy and the generate
     python stage3.py REQUEST.json
 
 REQUEST: a list of jobs, each {"module": path, "function": name, "args": [[shape, dtype], ...],
-"keywords": {...}, "target_config": GpuTargetConfigProto text}. Compiles each kernel through
+"keywords": {...}, "target_config": GpuTargetConfigProto text, optionally "argnums": [...] (the
+gradient of the outputs' sum for those arguments: the forward and the backward kernels)}. Compiles each kernel through
 XLA:GPU for a compile-only device (Mosaic GPU -> PTX -> ptxas, sm_90a) and prints one JSON
 line per job, in order: compiled, seconds, registers and spill bytes per kernel (from
 ptxas -v), or the error. One process for many jobs: jax and the plugin load once.
@@ -52,7 +53,12 @@ def compile_job(request: dict) -> dict:
         sharding = NamedSharding(Mesh(np.array(topology.devices), ("x",)), PartitionSpec())
         structs = [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype) if dtype != "bfloat16" else jax.numpy.bfloat16, sharding=sharding)
                    for shape, dtype in request["args"]]
-        jax.jit(lambda *a: fn(*a, **keywords)).lower(*structs).compile()
+        call = lambda *a: fn(*a, **keywords)  # noqa: E731
+        if request.get("argnums"):
+            outputs = call
+            call = jax.grad(lambda *a: sum(jax.numpy.sum(o.astype(jax.numpy.float32)) for o in jax.tree.leaves(outputs(*a))),
+                            argnums=tuple(request["argnums"]))
+        jax.jit(call).lower(*structs).compile()
     except Exception as exc:  # reported to the caller
         error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -62,7 +68,11 @@ def compile_job(request: dict) -> dict:
     log.seek(0)
     text = log.read().decode(errors="replace")
     kernels = [{"registers": int(r)} for r in re.findall(r"Used (\d+) registers", text)]
-    spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)]
+    names = re.findall(r"Compiling entry function '([^']*)'", text)
+    for k, name in zip(kernels, names if len(names) == len(kernels) else []):
+        k["name"] = name
+    # Per function ("N bytes stack frame, ..."), not ptxas's warning, which repeats a spilling one's.
+    spills = [int(a) + int(b) for a, b in re.findall(r"bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)]
     for k, s in zip(kernels, spills):
         k["spill_bytes"] = s
     return {"compiled": error is None, "seconds": seconds, "kernels": kernels, "error": error,

@@ -52,6 +52,9 @@ class GpuResult:
     compile_seconds: float = 0.0
     stage3: str = ""  # why stage 3 did not run, or its error
     backward: str | None = None  # "lowers", "fails: ...", or why jax.grad cannot go through the kernel
+    backward_smem_estimate: list[int] | None = None  # per backward kernel of an attention-like kernel (dq, dk/dv)
+    backward_smem_used: list[int] | None = None  # the same, measured (None: not lowered)
+    kernels: list[dict] | None = None  # stage 3, per kernel compiled: name, registers, spill_bytes (an attention-like kernel's backward too)
     error: Diagnostic | None = None
     raw_error: str | None = None
 
@@ -63,7 +66,9 @@ class GpuResult:
         return {"kernel": self.kernel, "target": self.target, "lowered": self.lowered, "compiled": self.compiled, "shapes": self.shapes,
                 "nb": self.nb, "smem_estimate_bytes": self.smem_estimate, "smem_used_bytes": self.smem_used, "smem_limit_bytes": self.smem_limit,
                 "registers": self.registers, "spill_bytes": self.spill_bytes, "lower_seconds": self.lower_seconds,
-                "compile_seconds": self.compile_seconds, "stage3": self.stage3, "backward": self.backward, "error": self.error.message if self.error else None}
+                "compile_seconds": self.compile_seconds, "stage3": self.stage3, "backward": self.backward,
+                "backward_smem_estimate_bytes": self.backward_smem_estimate, "backward_smem_used_bytes": self.backward_smem_used,
+                "kernels": self.kernels, "error": self.error.message if self.error else None}
 
 
 # How to provide stage 3's environment: said by every message that finds none (and by --help).
@@ -132,16 +137,26 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
     result.lower_seconds = time.perf_counter() - start
     result.lowered = True
     result.smem_used = measure_smem(fn, structs, keywords, target)
-    if m.backward_error or getattr(m, "backward_module", None) is None:
+    own = getattr(m, "has_backward", None)  # the row walk's backward kernels are its own (an einsum's: a backward module)
+    argnums = None
+    if m.backward_error or not (own if own is not None else getattr(m, "backward_module", None) is not None):
         result.backward = f"not derived: {m.backward_error or 'no input has a gradient'}"
     else:
+        argnums = differentiated(m.conv, [s.dtype for s in structs], m.refused)
         try:
-            _lower(fn, structs, keywords, target, argnums=differentiated(m.conv, [s.dtype for s in structs], m.refused))
+            launched = launch_smem(lambda: _lower(fn, structs, keywords, target, argnums=argnums))
             result.backward = "lowers"
+            if own:
+                # Kernels launch in order: the forward, then the backward's (dq, then dk/dv).
+                result.backward_smem_estimate = list(m.backward_smem)
+                result.backward_smem_used = launched[-len(m.backward_smem):]
         except Exception as exc:  # reported, not raised: the forward kernel stands on its own
             result.backward = "fails: " + next((line.strip() for line in str(exc).splitlines() if line.strip()), "lowering failed")
+            argnums = None
     job = {"code": code, "function": k.name, "keywords": keywords, "target_config": target_config(chip),
            "args": [[list(shape), np.dtype(dtype).name] for shape, dtype in args]}
+    if own and argnums:
+        job["argnums"] = list(argnums)  # stage 3 compiles the gradient: the forward and backward kernels
     return result, job
 
 
@@ -172,6 +187,7 @@ def verify_modules(items, shapes=None, nnz: float = 0.1, stage3: bool = True, py
         if outcome.get("compiled"):
             result.compiled = True
             kernels = outcome["kernels"]  # what ptxas -v said; nothing said is unknown, not zero
+            result.kernels = kernels or None
             result.registers = [kk["registers"] for kk in kernels] or None
             if kernels and all("spill_bytes" in kk for kk in kernels):
                 result.spill_bytes = sum(kk["spill_bytes"] for kk in kernels)
@@ -199,6 +215,27 @@ def measure_smem(fn, structs, keywords, target) -> int | None:
             found = re.search(r"smem_bytes=(\d+)", str(exc))
             return int(found.group(1)) if found else None
     return 0
+
+
+def launch_smem(lower) -> list[int]:
+    """Run `lower()` and return the shared memory of every kernel it launches, in order, as
+    Mosaic GPU allocates it (each launch's buffers, read where it sizes them: the limit
+    check sees one kernel at a time and stops at the first that exceeds it)."""
+    from jax.experimental.mosaic.gpu import core
+
+    seen: list[int] = []
+    launch = core._launch
+
+    def spy(token, grid, cluster, block, smem_buffers, *args, **kwargs):
+        seen.append(core._smem_tree_size(smem_buffers))
+        return launch(token, grid, cluster, block, smem_buffers, *args, **kwargs)
+
+    core._launch = spy
+    try:
+        lower()
+    finally:
+        core._launch = launch
+    return seen
 
 
 def compile_stage3(python: str, jobs: list[dict]) -> list[dict]:

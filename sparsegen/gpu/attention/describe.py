@@ -3,7 +3,8 @@ visits, and its shared memory, in words."""
 
 from __future__ import annotations
 
-from ...autodiff import gradient_lines
+from ...autodiff import Partial, gradient_lines
+from .backward import TB
 
 
 def describe_gpu_attention(m) -> list[str]:
@@ -34,4 +35,13 @@ def describe_gpu_attention(m) -> list[str]:
             lines.append(f"{c.output}: {c.kind} of each row, from the running statistics")
     lines.append("rows with no present element: outputs 0 (logsumexp and max: -inf)")
     lines.append(f"shared memory: {m.smem} bytes per CTA (limit {m.target.smem_bytes} on {m.target.name})")
-    return lines + gradient_lines(k, (), m.refused)
+    b = m.backward
+    if b is not None:
+        lines.append("backward (jax.grad), FlashAttention-2 style: per row the forward's logsumexp and delta = rowsum(dO * O)")
+        lines.append(f"  dq: one CTA per {TB} rows over the forward's tables, {TB} keys a step: the scores again, p = exp(s - lse),")
+        lines.append("    dp = dO . V^T, ds = p * (dp - delta) through the chain's derivative, dq += ds . K "
+                     f"({b.dq.smem} bytes of shared memory)")
+        lines.append(f"  dk, dv: one CTA per {TB} keys over the transposed classification (each key block's non-empty row")
+        lines.append(f"    blocks), {TB} rows a step: dv += p^T . dO, dk += ds^T . Q ({b.dkv.smem} bytes of shared memory)")
+    partials = [Partial(op, "", o) for op in (b.grads if b else ()) for o in (b.outputs if b else ())]
+    return lines + gradient_lines(k, partials, m.refused)

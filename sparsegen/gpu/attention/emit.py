@@ -21,13 +21,14 @@ from ...schedule.classify import Classifier
 from ...terms import render_term
 from ...wrapper import Glue, Wrapper, vjp_tables
 from ...tpu.attention.reference import ReferenceWriter  # backend-neutral: jax.numpy over whole arrays
+from .backward_kernels import BackwardWriter
 from .describe import describe_gpu_attention
 from .lower import STAGES, GpuAttentionModule, GpuOperand, _free_index
 
 F32 = "jnp.float32"
 
 
-class GpuAttentionEmitter(ReferenceWriter):
+class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
     def __init__(self, m: GpuAttentionModule):
         self.m = m
         self.k = m.kernel
@@ -108,6 +109,9 @@ class GpuAttentionEmitter(ReferenceWriter):
         ops = m.operands
         out_refs = {c.output: n.local(f"{c.output}_gmem") for c in p.consumers}
         params = tables + [o.ref for o in ops] + [out_refs[c.output] for c in p.consumers]
+        lse_ref = n.local("row_lse_gmem") if m.backward is not None else None
+        if lse_ref:
+            params.append(lse_ref)
         lines = []
         if self.size_vars:
             lines.append(f"{', '.join(self.size_vars)}{',' if len(self.size_vars) == 1 else ''} = sizes")
@@ -311,7 +315,7 @@ class GpuAttentionEmitter(ReferenceWriter):
         init += [f"jnp.zeros({row}, {F32})" for _ in sums]
         body += ["", "return plgpu.emit_pipeline(", f"    {step_fn},", f"    grid=({count},),", "    in_specs=[" + ", ".join(maps) + "],",
                  f"    max_concurrent_steps={STAGES},", f"    init_carry=({', '.join(init)}),", f")({', '.join(o.ref for o in pipe)})"]
-        results = [sn.local("m"), sn.local("l")] + [sn.local(f"{c.output}_acc") for c in products] + [sn.local(f"{c.output}_sum") for c in sums]
+        results = [sn.local("m"), sn.local("l")] + [sn.local(f"{c.output}_acc") for c in products] + [sn.local(f"{c}_sum") for c in sums]
         lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)})", f"def {walk}({', '.join(scope_names)}):"]
         lines += ["    " + line for line in body]
         lines += ["", f"{', '.join(results)} = {walk}"]
@@ -351,6 +355,13 @@ class GpuAttentionEmitter(ReferenceWriter):
             for i in target.indices:
                 parts.append(self.lv[i] if i in p.lead else f"pl.ds({row_tile} * {tq}, {tq})" if i == p.query else f"pl.ds(0, {self.tile[i]})")
             copies.append((sm, f"{finals[c.output]}.astype({out.dtype.jnp})", f"{out_refs[c.output]}.at[{', '.join(parts)}]"))
+        if lse_ref:
+            var, sm = n.local("row_lse"), n.local("row_lse_smem")
+            lines.append(f"{var} = jnp.where({empty}, jnp.full({row}, -jnp.inf, {F32}), {mm} + jnp.log({safe}))  # kept for the gradients")
+            out_scoped.append(f"{sm}=plgpu.SMEM({row}, {F32})")
+            out_names.append(sm)
+            parts = [self.lv[i] for i in p.lead] + [f"pl.ds({row_tile} * {tq}, {tq})"]
+            copies.append((sm, var, f"{lse_ref}.at[{', '.join(parts)}]"))
         lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(out_scoped)})", f"def {store}({', '.join(out_names)}):"]
         lines += [f"    {sm}[...] = {value}" for sm, value, _ in copies]
         lines.append("    plgpu.commit_smem()")
@@ -358,6 +369,62 @@ class GpuAttentionEmitter(ReferenceWriter):
         lines.append("    plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
         self.n_tiles = n_tiles
         return params, lines, [self.host_array(o) for o in ops]
+
+    # ------------------------------------------------------------------ backward
+    def backward_glue(self, declared: list[str], row_lse: str, cot: dict[str, str]) -> dict:
+        """`_run_backward`'s lines (per row: delta = rowsum(dO * O) minus the logsumexp's
+        cotangent), `_backward`'s arguments, and each argument's gradient from the kernels'
+        (`h // n` reads sum their group, a lead index the operand lacks sums away)."""
+        p, k, conv = self.p, self.k, self.m.conv
+        out_var = dict(zip([o.name for o in k.outputs], declared))
+        delta = self.n.local("delta")
+        parts = [f"jnp.sum({cot[c.output]}.astype({F32}) * {out_var[c.output]}.astype({F32}), axis=-1)"
+                 for c in p.consumers if c.kind == "softmax_product"]
+        parts += [f"-{cot[c.output]}.astype({F32})" for c in p.consumers if c.kind == "logsumexp"]
+        lines = [f"{delta} = " + (" + ".join(parts) if parts else f"jnp.zeros({row_lse}.shape[:-1] + ({self.size_of(p.query)},), {F32})")]
+        products = [c for c in p.consumers if c.kind == "softmax_product"]
+        sums = [c for c in p.consumers if c.kind == "sum"]
+        args = list(conv.impl_args) + [cot[c.output] for c in products] + [row_lse, delta] + [cot[c.output] for c in sums]
+        vectors = {"lse": row_lse, "delta": delta}
+        vectors.update({f"dsum:{c.output}": f"{cot[c.output]}.astype({F32})" for c in sums})
+        return {"lines": lines, "args": args, "vectors": vectors, "cot": cot, "grads": {}, "returns": []}
+
+    def backward_call(self, bk, fn: str, glue: dict) -> dict:
+        """One backward kernel's call in `_backward`: its tables, arrays, outputs and the gradients it adds."""
+        p, k = self.p, self.k
+        self.b_tiles = getattr(self, "b_tiles", {})
+        params, lines = self.backward_kernel(bk)
+        along = p.query if bk.which == "dq" else p.key
+        arrays = [self.b_host(a, glue["cot"], glue["vectors"]) for a in bk.arrays]
+        outs, finish, results = [], [], []
+        letters = {i.name: chr(97 + n) for n, i in enumerate(k.indices)}
+        reads = {"dq": p.q, "dk": p.k}
+        reads.update({f"dv:{c.value.operand}": c.value for c in p.consumers if c.kind == "softmax_product"})
+        for name, over, dtype in bk.outs:
+            var = self.n.local(f"{name.replace(':', '_')}_full")
+            shape = [self.size_of(i) for i in p.lead] + [f"{self.blocks(along)} * {self.tile[along]}", self.size_of(over[1])]
+            outs.append((var, py_tuple(shape), dtype))
+            if self.ragged(along):
+                finish.append(f"{var} = {var}[..., :{self.size_of(along)}, :]  # the {'rows' if along == p.query else 'keys'} past the end dropped")
+            results.append(var)
+            read = reads[name]
+            src = "".join(letters[i] for i in p.lead + over)
+            dst = "".join(letters[s.index] for s in read.subs)
+            divided = py_tuple(f'("{letters[s.index]}", {s.divisor})' for s in read.subs if s.divisor != 1)
+            glue["grads"].setdefault(read.operand, []).append(f'_to_operand({var}, "{src}", "{dst}", {divided})')
+        glue["returns"] = []
+        for a in self.m.conv.impl_args:
+            param = next((q for q in self.m.conv.params if q.internal == a), None)
+            op = k.operand(param.operand) if param is not None else None
+            if op is not None and op.name in glue["grads"]:
+                glue["returns"].append(f"({' + '.join(glue['grads'][op.name])}).astype({op.dtype.jnp})")
+            else:
+                glue["returns"].append("None")
+        grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.b_tiles[bk.which]})"])
+        about = ("dq over the rows walk: a CTA per 64 rows, its row block's non-empty key blocks" if bk.which == "dq" else
+                 "dk and dv over the transposed classification: a CTA per 64 keys, its key block's non-empty row blocks")
+        return {"kernel_fn": fn, "params": params, "lines": lines, "arrays": arrays, "outs": outs, "finish": finish,
+                "results": results, "grid": grid, "transposed": bk.which == "dkv", "about": about}
 
     # ------------------------------------------------------------------ module
     def module(self, source_name: str) -> str:
@@ -368,6 +435,7 @@ class GpuAttentionEmitter(ReferenceWriter):
         data = p.data_dependent
         xp = "jnp" if data else "np"
         kernel_fn = self.n.function("_attention_kernel")
+        bfns = {"dq": self.n.function("_attention_dq_kernel"), "dkv": self.n.function("_attention_dkv_kernel")} if m.backward else {}
         params, lines, arrays = self.kernel_lines()
         kinds_var = self.n.local("block_kinds")
         outs = []
@@ -381,6 +449,10 @@ class GpuAttentionEmitter(ReferenceWriter):
             if self.ragged(p.query):
                 cut = ", ".join(f":{self.size_of(i)}" if i == p.query else ":" for i in target.indices)
                 finish.append(f"{var} = {var}[{cut}]  # the rows past the end (padding) dropped")
+        declared = [dict((c.output, v) for c, (v, _, _) in zip(p.consumers, outs))[o.name] for o in k.outputs]
+        if m.backward:
+            row_lse = self.n.local("row_lse")  # padded rows kept: the backward reads whole blocks
+            outs.append((row_lse, py_tuple([self.size_of(i) for i in p.lead] + [f"{self.blocks(p.query)} * {self.tile[p.query]}"]), F32))
         grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.n_tiles})"])
         reference_lines = self.reference_lines()
         doc, call_doc = self.wrapper.docstrings(
@@ -391,17 +463,31 @@ class GpuAttentionEmitter(ReferenceWriter):
             describe_gpu_attention(m), m.target.name)
         args = list(conv.impl_args)
         arg_of = {q.operand: args.index(q.internal) for q in conv.params if q.internal in args}
-        tables = vjp_tables(["# The gradients the backward computes: (argument, output whose cotangent carries it)."], [],
-                            m.refused, arg_of.__getitem__, [o.name for o in k.outputs])
-        glue = Glue(args=args, statics=["sizes", "interpret"], tables=tables, n_outputs=len(k.outputs),
-                    cotangents=[self.n.local(f"g_{o.name}") for o in k.outputs],
-                    residuals_about=["No backward is lowered for GPUs yet: the residuals are the arguments."], derived=False)
+        outputs = [o.name for o in k.outputs]
+        cotangents = [self.n.local(f"g_{o.name}") for o in k.outputs]
+        partials = [f"({arg_of[op]}, {outputs.index(o)})" for op in m.backward.grads for o in m.backward.outputs] if m.backward else []
+        tables = vjp_tables(["# The gradients the backward computes: (argument, output whose cotangent carries it)."], partials,
+                            m.refused, arg_of.__getitem__, outputs)
+        calls_b = []
+        if m.backward:
+            backward = self.backward_glue(declared, row_lse, dict(zip(outputs, cotangents)))
+            for bk in (m.backward.dq, m.backward.dkv):
+                calls_b.append(self.backward_call(bk, bfns[bk.which], backward))
+            glue = Glue(args=args, statics=["sizes", "interpret"], tables=tables, n_outputs=len(k.outputs), cotangents=cotangents,
+                        residuals_about=["The residuals: the arguments, the outputs and each row's logsumexp, with which",
+                                         "arguments are differentiated."],
+                        residuals=args + declared + [row_lse], derived=True, bargs=backward["args"],
+                        partials=[v for c in calls_b for v in c["results"]], returns=backward["returns"], prelude=backward["lines"],
+                        wanted=False, kept=declared + [row_lse], declared=declared, zeros=True)
+        else:
+            glue = Glue(args=args, statics=["sizes", "interpret"], tables=tables, n_outputs=len(k.outputs), cotangents=cotangents,
+                        residuals_about=["No backward is lowered: the residuals are the arguments."], derived=False)
         text = self.wrapper.module(
             "gpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue, self.wrapper.prepare_lines([]), reference_lines,
             classify_fn=classify_fn, classify_params=classify_reads, classify_lines=classify_lines,
             kernel_fn=kernel_fn, kernel_params=params, kernel_lines=lines, arrays=arrays, outs=outs, finish=finish, grid=grid,
             kinds_var=kinds_var, tables_var=self.n.local("tables"), xp=xp, data=data, class_axes=list(p.class_axes),
-            results=[dict((c.output, v) for c, (v, _, _) in zip(p.consumers, outs))[o.name] for o in k.outputs],
+            results=glue.kept if glue.derived else declared, backward_calls=calls_b,
         )
         return format_module(text, names=(m.name,))
 

@@ -20,6 +20,7 @@ from ...schedule.attention import RowPlan, read_key
 from ...source import Diagnostic
 from ..plan import GpuError
 from ..targets import GpuTarget
+from .backward import GpuBackward, plan_backward
 
 TQ = 64  # rows of a CTA: one warpgroup's WGMMA M (a 128-row score tile spills: docs/gpu-notes.md)
 STAGES = 2  # pipeline steps in flight (TMA copies of the key-side tiles)
@@ -27,9 +28,6 @@ ALIGN = 1024  # shared-memory tiles start at 1024-byte boundaries (the 128-byte 
 CONSUMERS = ("softmax_product", "logsumexp", "max", "sum")  # what the GPU walk computes from the rows
 WGMMA_FLOATS = ("bf16", "f16", "f32")  # f32 as tf32: K-major tiles only
 
-# Why jax.grad cannot go through these kernels yet (every float input, any output).
-BACKWARD_ERROR = ("the backward of an attention-like kernel (dq over the rows walk; dk and dv over the transposed "
-                  "classification) is not lowered for GPUs yet: build it for a TPU target to differentiate it")
 
 
 @dataclass(frozen=True)
@@ -56,8 +54,18 @@ class GpuAttentionModule:
     tq: int  # CTA rows (a row block holds ti // tq of them)
     tk: int  # keys a pipeline step (a key block holds tj // tk)
     smem: int  # shared memory of one CTA (rules' estimate)
-    backward_error: str | None = BACKWARD_ERROR
+    backward: GpuBackward | None = None  # the dq and dk/dv kernels
+    backward_error: str | None = None  # why jax.grad cannot go through the kernel at all
     walks = ("row walk",)
+
+    @property
+    def has_backward(self) -> bool:
+        return self.backward is not None
+
+    @property
+    def backward_smem(self) -> list[int]:
+        """Shared memory of a dq CTA and of a dk/dv CTA (rules' estimate)."""
+        return [self.backward.dq.smem, self.backward.dkv.smem] if self.backward is not None else []
 
     @property
     def name(self) -> str:
@@ -69,7 +77,7 @@ class GpuAttentionModule:
 
     @property
     def refused(self) -> tuple:
-        return refusals(self.kernel, None, self.backward_error)
+        return refusals(self.kernel, None, self.backward_error) + (self.backward.refused if self.backward is not None else ())
 
     @property
     def tile(self) -> dict[str, int]:
@@ -192,7 +200,16 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
     if smem > target.smem_bytes:
         _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
                            f"use smaller tiles of {p.summed} or the values' columns")
-    return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, smem)
+    backward, error = plan_backward(k, p, ops), None
+    for bk, what in ((backward.dq, "dq"), (backward.dkv, "dk/dv")):
+        if bk.smem > target.smem_bytes and error is None:
+            error = (f"the backward's {what} kernel needs {bk.smem} bytes of shared memory per CTA on {target.name} (limit "
+                     f"{target.smem_bytes}): use smaller tiles of {p.summed} or the values' columns to differentiate '{k.name}'")
+    if error is not None:
+        return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, smem, None, error)
+    # The forward also writes each row's logsumexp (a residual of the backward).
+    smem = smem_bytes(k, p, ops, TQ, tk, row_lse=True)
+    return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, smem, backward)
 
 
 def _free_index(k: Kernel, p: RowPlan, c) -> str:
@@ -203,7 +220,7 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int) -> int:
+def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, row_lse: bool = False) -> int:
     """Shared memory of one CTA, as Mosaic GPU lays it out (measured under an abstract H200,
     tests/test_gpu_attention.py): the walk's scope (the query tile, the per-row vectors and
     the probabilities' tile, each from a 1024-byte boundary, then a barrier), then the
@@ -233,4 +250,6 @@ def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int) -> int:
     for c in p.consumers:
         out = k.operand(c.output)
         epilogue += _aligned(tq * (tile[_free_index(k, p, c)] if c.kind == "softmax_product" else 1) * out.dtype.itemsize)
+    if row_lse:
+        epilogue += _aligned(tq * 4)  # each row's logsumexp, kept for the gradients
     return max(_aligned(walk) + buffers + ALIGN + 8 * (STAGES + 1), epilogue)
