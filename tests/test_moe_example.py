@@ -122,7 +122,8 @@ def test_kernels_ran_sharded_on_the_mesh(run):
     n, heads = mesh[ring], report["config"]["heads"]
     rows, positions = BATCH // mesh["data"], SEQ // n
     want = [[rows, h, positions, 64] for h in (heads, heads // 2, heads // 2)]  # q, k, v
-    (att_backward,) = shard_maps_running(kernels, {"gqa_attention._attention_dq_kernel", "gqa_attention._attention_dkv_kernel"})
+    backward = {"gqa_attention._attention_dq_kernel", "gqa_attention._attention_dkv_kernel"}
+    (att_backward,) = shard_maps_running(kernels, backward)
     assert att_forward["collectives"] == {"ppermute": 2 * (n - 1)}
     assert att_backward["collectives"] == {"ppermute": 4 * (n - 1)}
     for sm in (att_forward, att_backward):
