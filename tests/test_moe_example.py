@@ -97,18 +97,44 @@ def test_kernels_ran_sharded_on_the_mesh(run):
         assert len(found) == count, kernel
         return found
 
-    # Laid out as the mappings say (`model.ATTENTION_AXES`, `EXPERT_AXES`): attention's q and o
-    # over its batch and heads (or, with ring attention, sequence); the experts' x and w rows
-    # over data, experts over seq, o whole over seq (the experts' partial products psum-added).
+    # Laid out as the mappings say (`model.ATTENTION_AXES`, `EXPERT_AXES`): attention's q, k, v
+    # and o over its batch and sequence; the experts' x and w rows over data, experts over
+    # seq, o whole over seq (the experts' partial products psum-added).
     att, exp = report["axes"]["attention"], report["axes"]["experts"]
     assert set(att.values()) == set(exp.values()) == set(mesh)
-    for sm in forward("gqa_attention._attention_kernel", 1):  # one layer
-        assert sm["in_specs"][0] == sm["out_specs"][0] == [att.get(i) for i in "bhid"]
-        assert sm["local_out_shapes"][0] != sm["out_shapes"][0]
+    (att_forward,) = forward("gqa_attention._attention_kernel", 1)  # one layer
+    qkv = [spec for spec, shape in zip(att_forward["in_specs"], att_forward["in_shapes"]) if len(shape) == 4]
+    assert qkv == [[att.get(i) for i in "bhid"], [att.get(i) for i in "bhjd"], [att.get(i) for i in "bhjd"]]
+    assert att_forward["out_specs"][0] == [att.get(i) for i in "bhid"]
     assert exp == {"m": "data", "g": "seq"}
     for sm in forward("expert_matmul._kernel", 2):  # the up and down projections
         assert sm["in_specs"][:3] == [["data", None], ["seq", None, None], ["data"]]
         assert sm["out_specs"][0] == ["data", None]
+        assert sm["collectives"] == {"psum": 1}  # the rows' partial products over the experts
+
+    # The attention ran as a ring over the query and key positions: each device's kernels
+    # see its S/n rows against S/n keys at a time (every call's q, k and v), and the keys and
+    # values travel by ppermute at each of the n - 1 steps after the first (causal in order:
+    # every step has a device whose rows see another's keys); the backward sends them again
+    # and returns their gradients (4 per step). No psum: partial results merge locally.
+    ring = att["i"]
+    assert att["j"] == ring and att["b"] == "data"
+    n, heads = mesh[ring], report["config"]["heads"]
+    rows, positions = BATCH // mesh["data"], SEQ // n
+    want = [[rows, h, positions, 64] for h in (heads, heads // 2, heads // 2)]  # q, k, v
+    backward = {"gqa_attention._attention_dq_kernel", "gqa_attention._attention_dkv_kernel"}
+    (att_backward,) = shard_maps_running(kernels, backward)
+    assert att_forward["collectives"] == {"ppermute": 2 * (n - 1)}
+    assert att_backward["collectives"] == {"ppermute": 4 * (n - 1)}
+    for sm in (att_forward, att_backward):
+        for kernel, calls in sm["kernel_shapes"].items():
+            for call in calls:
+                assert call[:3] == want, (kernel, call)
+
+
+def shard_maps_running(calls: dict, kernels: set) -> list:
+    """The shard_maps that run exactly `kernels`."""
+    return [sm for sm in calls["shard_maps"] if set(sm["kernels"]) == kernels]
 
 
 def devices(mesh: dict, axis) -> int:

@@ -31,10 +31,9 @@ import numpy as np
 from .kernels import expert_matmul, gqa_attention
 
 # Which mesh axis splits each kernel index (`sharded(mesh, **axes)`). Attention splits its
-# batch over "data" and its heads over "seq" for now: the sequence split (ring attention,
-# context parallelism) is not supported yet (`gqa_attention.sharded` refuses `i` and `j`).
-# When it is, this line becomes dict(b="data", i="seq", j="seq").
-ATTENTION_AXES = dict(b="data", h="seq")
+# batch over "data" and its sequence over "seq": a ring (context parallelism), each device
+# keeps its query rows while the key and value shards travel round the axis.
+ATTENTION_AXES = dict(b="data", i="seq", j="seq")
 # The experts' grouped matmuls: rows over "data" (each data shard's tokens), experts over
 # "seq" (expert parallelism: each device multiplies by its experts, psum adds the rows).
 EXPERT_AXES = dict(m="data", g="seq")

@@ -5,8 +5,9 @@ the same model in plain jax.numpy, from the same initial parameters and the same
     python -m examples.moe_transformer.train              # from the repository root
     python examples/moe_transformer/train.py --steps 60   # or as a script
 
-The mesh is (data=2, seq=4): attention splits its batch over "data" and its heads over
-"seq" (`model.ATTENTION_AXES`), the experts' grouped matmuls their rows over "data" and the
+The mesh is (data=2, seq=4): attention splits its batch over "data" and its sequence over
+"seq", as a ring (`model.ATTENTION_AXES`: each device keeps its query rows, the keys and
+values travel round the axis), the experts' grouped matmuls their rows over "data" and the
 experts over "seq" (expert parallelism). Each step prints both losses; at the end the run
 checks that they agree step by step within bf16 tolerance and that the loss fell, and
 writes `losses.json` and `loss.png` (with matplotlib, the `viz` extra) to `--out`.
@@ -101,29 +102,43 @@ def gradient_differences(got, want) -> dict:
     return out
 
 
+# The collectives a shard_map's body may hold (`psum` adds partial sums over an axis,
+# `ppermute` passes shards round it: the ring's keys and values, and their gradients back).
+COLLECTIVES = ("ppermute", "psum", "psum_invariant", "all_gather", "all_to_all", "reduce_scatter", "pmax", "pmin")
+
+
 def kernel_calls(jaxpr) -> dict:
     """What a step's jaxpr runs: every shard_map (its mesh, the layout of its arguments and
     results, their shapes whole and on one device, the Pallas kernels it runs, named
-    `module.function`), and the count of Pallas kernels (`pallas_call`) inside shard_maps
-    and outside any."""
+    `module.function`, with the shapes of each call's array operands, and the collectives in
+    its body, counted by primitive), and the count of Pallas kernels (`pallas_call`) inside
+    shard_maps and outside any."""
     found = {"shard_maps": [], "pallas_calls_in_shard_map": 0, "pallas_calls_outside": 0}
 
-    def walk(jaxpr, kernels: set | None):
+    def walk(jaxpr, inside: dict | None):
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             if name == "pallas_call":
-                found["pallas_calls_in_shard_map" if kernels is not None else "pallas_calls_outside"] += 1
-                if kernels is not None:  # "_kernel at .../gqa_attention.py:123"
+                found["pallas_calls_in_shard_map" if inside is not None else "pallas_calls_outside"] += 1
+                if inside is not None:  # "_kernel at .../gqa_attention.py:123"
                     function, _, where = eqn.params["jaxpr"].debug_info.func_src_info.partition(" at ")
-                    kernels.add(f"{Path(where.rpartition(':')[0]).stem}.{function}")
-            inner = set() if name == "shard_map" else kernels
+                    kernel = f"{Path(where.rpartition(':')[0]).stem}.{function}"
+                    shapes = inside["kernel_shapes"].setdefault(kernel, [])
+                    call = [list(v.aval.shape) for v in eqn.invars if v.aval.ndim > 1]
+                    if call not in shapes:
+                        shapes.append(call)
+            elif inside is not None and name in COLLECTIVES:
+                inside["collectives"][name] = inside["collectives"].get(name, 0) + 1
+            inner = {"kernel_shapes": {}, "collectives": {}} if name == "shard_map" else inside
             for sub in _jaxprs(eqn.params.values()):
                 walk(sub, inner)
             if name == "shard_map":
                 body = eqn.params["jaxpr"]
                 body = body.jaxpr if isinstance(body, jax.extend.core.ClosedJaxpr) else body
                 found["shard_maps"].append({
-                    "kernels": sorted(inner),
+                    "kernels": sorted(inner["kernel_shapes"]),
+                    "kernel_shapes": inner["kernel_shapes"],
+                    "collectives": inner["collectives"],
                     "mesh": dict(eqn.params["mesh"].shape),
                     "in_specs": [_spec(s, v.aval.ndim) for s, v in zip(eqn.params["in_specs"], eqn.invars)],
                     "out_specs": [_spec(s, v.aval.ndim) for s, v in zip(eqn.params["out_specs"], eqn.outvars)],
@@ -190,9 +205,9 @@ def main(argv=None) -> int:
     replicated = NamedSharding(mesh, P())
     state = {ops.name: jax.device_put((params, optimizer.init(params)), replicated) for ops in (kernels, control)}
     steps = {ops.name: make_step(ops, cfg, optimizer, mesh) for ops in (kernels, control)}
-    # Each batch's rows split over "data" (the attention and experts lay them out as their
-    # mappings say: under jit the rest of the model follows).
-    batches = [jax.device_put(b, NamedSharding(mesh, P("data"))) for b in markov_batches(cfg, args.steps)]
+    # Each batch's rows split over "data" and its positions over "seq", as the attention lays
+    # out its rows (the experts regroup the tokens by data shard: under jit the rest follows).
+    batches = [jax.device_put(b, NamedSharding(mesh, P("data", "seq"))) for b in markov_batches(cfg, args.steps)]
 
     began = time.perf_counter()
     calls = {name: kernel_calls(jax.make_jaxpr(step)(*state[name], *batches[0])) for name, step in steps.items()}
