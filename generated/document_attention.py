@@ -213,6 +213,7 @@ def _mesh_placement(kernel, mesh, axes):
     if not isinstance(mesh, jax.sharding.Mesh):
         _fail(f"sharded: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     taken, placed = {}, {}
+    zigzag = False
     for index, axis in axes.items():
         if index not in _MESH_RULES:
             known = ", ".join(_MESH_RULES)
@@ -222,21 +223,42 @@ def _mesh_placement(kernel, mesh, axes):
         how, why = _MESH_RULES[index]
         if how is None:
             _fail(f"sharded: index {index} cannot be split: {why}")
+        if (
+            index == _RING_QUERY
+            and isinstance(axis, tuple)
+            and len(axis) == 2
+            and axis[1] == "zigzag"
+        ):
+            axis = axis[0]  # chunks r and 2n-1-r on device r: causal work even
+            zigzag = True
         if not isinstance(axis, str) or axis not in mesh.axis_names:
             known = ", ".join(mesh.axis_names)
             _fail(
                 f"sharded: index {index} is mapped to {axis!r}, which is not an axis of the mesh (its axes: {known})"
             )
-        if axis in taken:
+        if axis in taken and {taken[axis], index} != {_RING_QUERY, _RING_KEY}:
             _fail(
                 f"sharded: mesh axis {axis!r} is given to both {taken[axis]} and {index}; an axis splits one index"
             )
         taken[axis] = index
         placed[index] = axis
+    ring = [
+        placed.get(i) for i in (_RING_QUERY, _RING_KEY) if _MESH_RULES[i][0] == "ring"
+    ]
+    if any(ring) and (len(ring) < 2 or ring[0] != ring[1]):
+        _fail(
+            f"sharded: the key index {_RING_KEY} is split with the query index {_RING_QUERY}, as a ring: map both to "
+            f"one mesh axis (sharded(mesh, {_RING_QUERY}=AXIS, {_RING_KEY}=AXIS)); the key index alone is not supported yet"
+        )
+    if zigzag and not ring:
+        _fail(
+            f"sharded: only a ring's query index {_RING_QUERY} may be split in zigzag order"
+        )
     return (
         kernel,
         mesh,
         tuple((index, placed[index]) for index in _MESH_RULES if index in placed),
+        zigzag,
     )
 
 
@@ -245,9 +267,15 @@ def _local_sizes(placement, sizes):
     divided by its mesh axis's size (which must divide them)."""
     _, mesh, split = placement[:3]
     local = dict(zip(_MESH_SIZES, sizes))
+    divided = set()  # a ring's query and key indices may share their size: divided once
     for index, axis in split:
         n = need = mesh.shape[axis]
+        if placement[3] and index in (_RING_QUERY, _RING_KEY):
+            need = 2 * n  # zigzag: two chunks a device
         for symbol in _MESH_RULES[index][1]:
+            if symbol in divided:
+                continue
+            divided.add(symbol)
             if local[symbol] % need:
                 _fail(
                     f"sharded: index {index} cannot be split over mesh axis {axis!r} of {n} devices: {symbol} = {local[symbol]} is not divisible by {need}"
@@ -264,6 +292,13 @@ def _on_mesh(args, placement, keywords, interpret):
     index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
     kernel, mesh, split = placement[:3]
     axis = dict(split)
+    ring = axis.get(_RING_KEY)
+    if ring is not None and placement[3]:
+        # Zigzag: device r holds chunks r and 2n-1-r of the rows and of the keys.
+        args = tuple(
+            a if d is None else _zigzag(a, d, mesh.shape[ring])
+            for a, d in zip(args, _RING_DIMS)
+        )
     in_specs = tuple(
         jax.sharding.PartitionSpec(*(axis.get(i) for i in dims)) for dims in _MESH_ARGS
     )
@@ -289,14 +324,48 @@ def _on_mesh(args, placement, keywords, interpret):
                     * dict(keywords)[_MESH_RULES[index][1][0]]
                 )
                 shards[n] = shards[n] - start.astype(shards[n].dtype)
-        outs = kernel(*shards, **dict(keywords), interpret=interpret)
+        if ring is not None:
+            # The key index travels: this device's rows against every device's keys.
+            outs = _ring_device(
+                shards,
+                keywords,
+                interpret,
+                (ring, mesh.shape[ring], 2 if placement[3] else 1),
+            )
+        else:
+            outs = kernel(*shards, **dict(keywords), interpret=interpret)
         outs = outs if len(_MESH_OUTPUTS) > 1 else (outs,)
         return tuple(lax.psum(o, s) if s else o for o, s in zip(outs, sums))
 
     outs = jax.shard_map(
         one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )(*args)
+    if ring is not None and placement[3]:
+        # Back in natural order, laid out as the mapping says.
+        outs = tuple(
+            (
+                o
+                if _RING_QUERY not in dims
+                else jax.lax.with_sharding_constraint(
+                    _zigzag(o, dims.index(_RING_QUERY), mesh.shape[ring], undo=True),
+                    jax.sharding.NamedSharding(mesh, spec),
+                )
+            )
+            for o, dims, spec in zip(outs, _MESH_OUTPUTS, out_specs)
+        )
     return outs if len(outs) > 1 else outs[0]
+
+
+def _zigzag(x, dim, n, undo=False):
+    """x's dimension `dim` cut into 2n chunks, reordered 0, 2n-1, 1, 2n-2, ...: device r of
+    n holds chunks r and 2n-1-r (`undo`: back to natural order)."""
+    order = np.array([c for r in range(n) for c in (r, 2 * n - 1 - r)])
+    if undo:
+        order = np.argsort(order)
+    chunks = x.reshape(
+        x.shape[:dim] + (2 * n, x.shape[dim] // (2 * n)) + x.shape[dim + 1 :]
+    )
+    return jnp.take(chunks, order, axis=dim).reshape(x.shape)
 
 
 def _check_smem(entries, what):
@@ -443,16 +512,18 @@ def _to_operand(grad, src, dst, divided):
     return jnp.einsum(f"{src}->{dst}", grad)
 
 
-def _classify_blocks(xp, seg, sizes, origin=None):
+def _classify_blocks(xp, seg, sizes, origin=None, keys=None):
     """Per block: empty, partial or full. Work in the number of blocks (operands: one pass
     over their elements); xp is numpy when only sizes matter, jax.numpy under jit."""
     B, H, S, D = sizes
+    seg_keys = seg if keys is None else keys[0]
     i_origin, j_origin = (0, 0) if origin is None else (origin[0], origin[1])
     seg_min, seg_max = _block_min_max(seg, (1, 256))
     seg_min_bi = _expand(seg_min, "ab", "abz")
     seg_max_bi = _expand(seg_max, "ab", "abz")
-    seg_min_bj = _expand(seg_min, "ab", "azb")
-    seg_max_bj = _expand(seg_max, "ab", "azb")
+    seg_keys_min, seg_keys_max = _block_min_max(seg_keys, (1, 256))
+    seg_keys_min_bj = _expand(seg_keys_min, "ab", "azb")
+    seg_keys_max_bj = _expand(seg_keys_max, "ab", "azb")
     i_block = xp.reshape(xp.arange(-(-S // 256)), (1, -1, 1))
     i_lo = i_block * 256
     i_hi = xp.minimum(i_lo + 256, S) - 1
@@ -460,14 +531,14 @@ def _classify_blocks(xp, seg, sizes, origin=None):
     j_lo = j_block * 256
     j_hi = xp.minimum(j_lo + 256, S) - 1
     can = xp.broadcast_to(
-        (seg_max_bi - seg_min_bj >= 0)
-        & (seg_min_bi - seg_max_bj <= 0)
+        (seg_max_bi - seg_keys_min_bj >= 0)
+        & (seg_min_bi - seg_keys_max_bj <= 0)
         & (i_hi + i_origin - (j_lo + j_origin) >= 0),
         (B, -(-S // 256), -(-S // 256)),
     )
     must = xp.broadcast_to(
-        (seg_min_bi - seg_max_bj >= 0)
-        & (seg_max_bi - seg_min_bj <= 0)
+        (seg_min_bi - seg_keys_max_bj >= 0)
+        & (seg_max_bi - seg_keys_min_bj <= 0)
         & (i_lo + i_origin - (j_hi + j_origin) >= 0)
         & xp.logical_not((i_lo + 256 > S) | (j_lo + 256 > S)),
         (B, -(-S // 256), -(-S // 256)),
@@ -1104,9 +1175,10 @@ def _walk_tables(kinds, bound):
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
-def _impl(q, k, v, seg, sizes, bound, interpret, origin=None):
+def _impl(q, k, v, seg, sizes, bound, interpret, origin=None, keys=None):
     B, H, S, D = sizes
-    block_kinds_ = _classify_blocks(jnp, seg, sizes, origin)
+    seg_keys = seg if keys is None else keys[0]
+    block_kinds_ = _classify_blocks(jnp, seg, sizes, origin, keys)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
     (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
@@ -1163,7 +1235,7 @@ def _impl(q, k, v, seg, sizes, bound, interpret, origin=None):
         k,
         v,
         jnp.broadcast_to(seg.astype(jnp.int32)[..., None], (B, S, 128)),
-        jnp.broadcast_to(seg.astype(jnp.int32)[..., None, :], (B, 8, S)),
+        jnp.broadcast_to(seg_keys.astype(jnp.int32)[..., None, :], (B, 8, S)),
     )
     row_lse = row_lse.reshape((B, H, S))  # the row vector's unit dimension dropped
     # A walk cut short by max_steps (traced segment ids): NaN, never a silent wrong answer.
@@ -1188,11 +1260,13 @@ def _backward(
     bound,
     interpret,
     origin=None,
+    keys=None,
 ):
     """The gradients: a walk over rows (the row factor's), and one over key blocks, visiting
     each key block's non-empty row blocks (the key factor's and the values')."""
     B, H, S, D = sizes
-    block_kinds_ = _classify_blocks(jnp, seg, sizes, origin)
+    seg_keys = seg if keys is None else keys[0]
+    block_kinds_ = _classify_blocks(jnp, seg, sizes, origin, keys)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
     (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
@@ -1250,7 +1324,7 @@ def _backward(
         k,
         v,
         jnp.broadcast_to(seg.astype(jnp.int32)[..., None], (B, S, 128)),
-        jnp.broadcast_to(seg.astype(jnp.int32)[..., None, :], (B, 8, S)),
+        jnp.broadcast_to(seg_keys.astype(jnp.int32)[..., None, :], (B, 8, S)),
         g_o,
         row_lse_rows,
         delta_rows,
@@ -1335,7 +1409,7 @@ def _backward(
         k,
         v,
         jnp.broadcast_to(seg.astype(jnp.int32)[..., None, :], (B, 8, S)),
-        jnp.broadcast_to(seg.astype(jnp.int32)[..., None], (B, S, 128)),
+        jnp.broadcast_to(seg_keys.astype(jnp.int32)[..., None], (B, S, 128)),
         g_o,
         row_lse_cols,
         delta_cols,
@@ -1367,7 +1441,9 @@ _PARTIALS = ((0, 0), (1, 0), (2, 0))
 _REFUSED = ()
 
 
-def _run_backward(sizes, bound, interpret, residuals, cotangent, origin=None):
+def _run_backward(
+    sizes, bound, interpret, residuals, cotangent, origin=None, keys=None
+):
     q, k, v, seg, o, row_lse, perturbed = residuals
     cotangent = _cotangents(cotangent, 1)
     if not any(_gradients_wanted(_NAME, perturbed, cotangent, _PARTIALS, _REFUSED)):
@@ -1394,6 +1470,7 @@ def _run_backward(sizes, bound, interpret, residuals, cotangent, origin=None):
         bound,
         interpret,
         origin=origin,
+        keys=keys,
     )
     return (
         (_to_operand(dq_full, "abce", "abce", ())).astype(jnp.bfloat16),
@@ -1487,11 +1564,8 @@ def reference(q, k, v, seg, *, B=None, H=None, S=None, D=None):
 _MESH_RULES = {
     "b": ("split", ("B",)),
     "h": ("split", ("H",)),
-    "i": (None, "seg dim 1 is read both as i and as j"),
-    "j": (
-        None,
-        "it is the key index of an attention-like kernel: splitting it (a ring, with i) is not supported yet: seg dim 1 is read as i and as j, and only arguments read along one of them travel or stay",
-    ),
+    "i": ("ring", ("S",)),
+    "j": ("ring", ("S",)),
     "d": (
         None,
         "it is summed into the local s (`s[b, h, i, j] = q[b, h, i, d] * k[b, h, j, d] * 0.125 where (seg[b, i] == seg[b, j]) and (i >= j)`), which a nonlinear step reads (softmax, an elementwise function): partial sums cannot be added after it",
@@ -1532,10 +1606,11 @@ def sharded(mesh, /, **axes):
 
         b: split: each device runs the kernel on its slice, with no communication
         h: split: each device runs the kernel on its slice, with no communication
-        i: cannot be split: seg dim 1 is read both as i and as j
-        j: cannot be split: it is the key index of an attention-like kernel: splitting
-            it (a ring, with i) is not supported yet: seg dim 1 is read as i and as j,
-            and only arguments read along one of them travel or stay
+        i: split with j over one mesh axis, as a ring (alone: seg dim 1 is read both as
+            i and as j)
+        j: split with i over one mesh axis, as a ring: each device keeps its rows, the
+            key-side arguments travel round the axis (ppermute) and the partial results
+            merge by their logsumexp
         d: cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i,
             d] * k[b, h, j, d] * 0.125 where (seg[b, i] == seg[b, j]) and (i >= j)`),
             which a nonlinear step reads (softmax, an elementwise function): partial
@@ -1569,3 +1644,262 @@ def block_kinds(q, k, v, seg, *, B=None, H=None, S=None, D=None):
     """
     q, k, v, seg, sizes = _prepare(q, k, v, seg, B, H, S, D)
     return _classify_blocks(jnp, seg, sizes)
+
+
+# `sharded` with the query index i and the key index j on one mesh
+# axis (a ring): per positional argument, whether it is read with the rows ("q": it
+# stays), with the keys ("k": it travels) or with neither, and its dimension along them;
+# per result of `_impl`, how partial results merge ("softmax": weighted by the rows'
+# logsumexp, "logsumexp") and its rows' dimension; the sizes of the two indices.
+_RING_QUERY, _RING_KEY = "i", "j"
+_RING_ROLES = ("q", "k", "k", "both")
+_RING_DIMS = (2, 2, 2, 1)
+_RING_MERGES = ("softmax", "logsumexp")
+_RING_ROWS = (2, 2)
+_RING_DECLARED = (0,)  # the outputs among `_impl`'s results
+_RING_LSE = 1  # the rows' logsumexp among them
+_RING_LENGTHS = ("S", "S")
+
+
+def _ring_device(shards, keywords, interpret, ring):
+    """One device's part of a ring, under shard_map: its rows against every device's keys.
+    `ring`: (mesh axis, its size n, chunks a device holds: 1, or 2 in zigzag order)."""
+    local = dict(keywords)
+    *arrays, sizes = _prepare(*shards, *(local[s] for s in _MESH_SIZES))
+    return _ring(tuple(arrays), sizes, interpret, ring)
+
+
+def _ring_chunk(device, c, n, m):
+    """The sequence chunk a device's c-th chunk is: in order, or zigzag (r and 2n-1-r)."""
+    return device if c == 0 else 2 * n - 1 - device
+
+
+def _ring_plan(sizes, n, m):
+    """Per (row chunk, key chunk) of the n*m, whether any block is visited (numpy, at trace
+    time); the chunks' sizes and lengths. A condition reading operands visits every pair.
+    """
+    chunk = tuple(
+        v // m if s in _RING_LENGTHS else v for s, v in zip(_MESH_SIZES, sizes)
+    )
+    lengths = tuple(chunk[_MESH_SIZES.index(s)] for s in _RING_LENGTHS)
+    live = np.ones((n * m, n * m), bool)
+    return live, chunk, lengths
+
+
+def _ring_senders(live, t, n, m):
+    """The devices that send their keys t places on (to device s + t): those whose keys the
+    receiver's rows see somewhere. A pair with nothing visible exchanges nothing."""
+    return [
+        s
+        for s in range(n)
+        if any(
+            live[_ring_chunk((s + t) % n, a, n, m), _ring_chunk(s, b, n, m)]
+            for a in range(m)
+            for b in range(m)
+        )
+    ]
+
+
+def _ring_keywords(origin, keys):
+    """What `_impl` and `_run_backward` take of a pair: the first positions of its rows and
+    keys, the key side of arguments read along both."""
+    return {"origin": origin, "keys": keys}
+
+
+def _ring_steps(arrays, sizes, ring):
+    """The ring's schedule on this device: per step t, the senders and the key-side arrays
+    it received (its own at t = 0); per (row chunk, key chunk), the chunks' arguments, the
+    key sides of those read along both, their first positions and whether the pair is
+    visited."""
+    axis, n, m = ring
+    live, chunk, lengths = _ring_plan(sizes, n, m)
+    me = lax.axis_index(axis)
+    cut = [
+        None if d is None else jnp.split(a, m, axis=d)
+        for a, d in zip(arrays, _RING_DIMS)
+    ]
+    for t in range(n):
+        senders = _ring_senders(live, t, n, m)
+        if not senders:
+            continue
+        perm = [(s, (s + t) % n) for s in senders]
+        theirs = (
+            cut
+            if t == 0
+            else [
+                (
+                    c
+                    if role not in ("k", "both")
+                    else [lax.ppermute(x, axis, perm) for x in c]
+                )
+                for c, role in zip(cut, _RING_ROLES)
+            ]
+        )
+        src = (me - t) % n
+        pairs = []
+        for a in range(m):
+            for b in range(m):
+                qc, kc = _ring_chunk(me, a, n, m), _ring_chunk(src, b, n, m)
+                args = tuple(
+                    x if role is None else (c[b] if role == "k" else mine[a])
+                    for x, c, mine, role in zip(arrays, theirs, cut, _RING_ROLES)
+                )
+                keys = tuple(
+                    c[b] for c, role in zip(theirs, _RING_ROLES) if role == "both"
+                )
+                origin = jnp.stack([qc * lengths[0], kc * lengths[1]]).astype(jnp.int32)
+                # The condition reads operands: a pair is visited where its blocks are.
+                kinds = _classify_blocks(
+                    jnp, args[3], chunk, **_ring_keywords(origin, keys)
+                )
+                visited = (kinds != _EMPTY).any()
+                pairs.append((a, b, args, keys, origin, visited))
+        yield t, perm, pairs, chunk
+
+
+def _ring_merge(acc, part):
+    """Two partial results over disjoint keys as one: softmax products weighted by their
+    rows' share of the total (exp of their logsumexp less the merged one's)."""
+    part = [x.astype(jnp.float32) for x in part]
+    if acc is None:
+        return part
+    lse = jnp.logaddexp(acc[_RING_LSE], part[_RING_LSE])
+    safe = jnp.where(
+        jnp.isneginf(lse), 0.0, lse
+    )  # rows with nothing visible yet stay zero
+    merged = []
+    for x, y, how, d in zip(acc, part, _RING_MERGES, _RING_ROWS):
+        if how == "logsumexp":
+            merged.append(lse)
+            continue
+        wx, wy = (
+            jnp.exp(w - safe).reshape(w.shape + (1,) * (x.ndim - d - 1))
+            for w in (acc[_RING_LSE], part[_RING_LSE])
+        )
+        merged.append(x * wx + y * wy)
+    return merged
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _ring(arrays, sizes, interpret, ring):
+    return _ring_forward(arrays, sizes, interpret, ring)[0]
+
+
+def _ring_forward(arrays, sizes, interpret, ring):
+    m = ring[2]
+    shapes = None
+    acc = [None] * m
+    for t, perm, pairs, chunk in _ring_steps(arrays, sizes, ring):
+        for a, b, args, keys, origin, live in pairs:
+            if shapes is None:
+                shapes = jax.eval_shape(
+                    lambda x, y, o: _impl(
+                        *x, chunk, None, interpret, **_ring_keywords(o, y)
+                    ),
+                    args,
+                    keys,
+                    origin,
+                )
+            nothing = [
+                jnp.full(s.shape, -jnp.inf if how == "logsumexp" else 0, s.dtype)
+                for s, how in zip(shapes, _RING_MERGES)
+            ]
+            part = lax.cond(
+                live,
+                lambda x, y, o: list(
+                    _impl(*x, chunk, None, interpret, **_ring_keywords(o, y))
+                ),
+                lambda *_: nothing,
+                args,
+                keys,
+                origin,
+            )
+            acc[a] = _ring_merge(acc[a], part)
+    kept = [
+        (
+            jnp.concatenate([c[r] for c in acc], axis=d).astype(s.dtype)
+            if m > 1
+            else acc[0][r].astype(s.dtype)
+        )
+        for r, (d, s) in enumerate(zip(_RING_ROWS, shapes))
+    ]
+    outs = tuple(kept[r] for r in _RING_DECLARED)
+    return outs if len(outs) > 1 else outs[0], (arrays, tuple(kept))
+
+
+def _ring_backward(sizes, interpret, ring, residuals, cotangent):
+    """Each visited pair's gradients from the merged results (the rows' total logsumexp and
+    outputs), as flash attention's backward computes a block's: the row side's kept here,
+    the key side's sent back to the device that owns those keys."""
+    arrays, kept = residuals
+    axis, m = ring[0], ring[2]
+    cotangent = cotangent if len(_RING_DECLARED) > 1 else (cotangent,)
+    rows = lambda x, d, a: x if m == 1 else jnp.split(x, m, axis=d)[a]  # noqa: E731
+    grads = [
+        (
+            [
+                jnp.zeros(c.shape, jnp.float32)
+                for c in (jnp.split(x, m, axis=d) if d is not None else [x])
+            ]
+            if jnp.issubdtype(x.dtype, jnp.floating)
+            else None
+        )
+        for x, d in zip(arrays, _RING_DIMS)
+    ]
+    perturbed = tuple(() for _ in arrays)
+    for t, perm, pairs, chunk in _ring_steps(arrays, sizes, ring):
+        back = [
+            None if g is None or role != "k" else [jnp.zeros_like(c) for c in g]
+            for g, role in zip(grads, _RING_ROLES)
+        ]
+        for a, b, args, keys, origin, live in pairs:
+            res = (*args, *(rows(x, d, a) for x, d in zip(kept, _RING_ROWS)), perturbed)
+            cot = tuple(
+                rows(c, _RING_ROWS[r], a) for c, r in zip(cotangent, _RING_DECLARED)
+            )
+            zero = tuple(jnp.zeros(x.shape, jnp.float32) for x in args)
+
+            def pair(res, cot, keys, origin):
+                got = _run_backward(
+                    chunk,
+                    None,
+                    interpret,
+                    res,
+                    cot if len(cot) > 1 else cot[0],
+                    **_ring_keywords(origin, keys),
+                )
+                return tuple(
+                    z if g is None else g.astype(jnp.float32) for g, z in zip(got, zero)
+                )
+
+            got = lax.cond(live, pair, lambda *_: zero, res, cot, keys, origin)
+            for x, g in enumerate(got):
+                if grads[x] is None:
+                    continue
+                role = _RING_ROLES[x]
+                if role == "k":
+                    back[x][b] = back[x][b] + g
+                else:
+                    at = 0 if role is None else a
+                    grads[x][at] = grads[x][at] + g
+        for x, role in enumerate(_RING_ROLES):
+            if back[x] is not None:
+                # The keys' gradients go back to the device that sent the keys.
+                home = [(r, s) for s, r in perm]
+                returned = (
+                    back[x]
+                    if t == 0
+                    else [lax.ppermute(c, axis, home) for c in back[x]]
+                )
+                grads[x] = [g + r for g, r in zip(grads[x], returned)]
+    out = []
+    for x, (a, g, d) in enumerate(zip(arrays, grads, _RING_DIMS)):
+        out.append(
+            None
+            if g is None
+            else (jnp.concatenate(g, axis=d) if len(g) > 1 else g[0]).astype(a.dtype)
+        )
+    return (tuple(out),)
+
+
+_ring.defvjp(_ring_forward, _ring_backward)

@@ -50,7 +50,9 @@ class Ring:
 
     query: str
     key: str
-    roles: tuple[str | None, ...]  # per positional argument: "q" (read with the rows), "k" (travels), None (neither)
+    # per positional argument: "q" (read with the rows), "k" (travels), "both" (an integer
+    # read along both: the rows keep theirs, a copy travels as the key side), None (neither)
+    roles: tuple[str | None, ...]
     dims: tuple[int | None, ...]  # per positional argument: its dimension along the ring's index
     merges: tuple[str, ...]  # per output: "softmax" (weighted by the rows' logsumexp) or "logsumexp"
 
@@ -189,9 +191,10 @@ def _ring(k: Kernel, conv: Convention, dim_reads, whole) -> Ring | str:
             if any(t.op == "size" and t.name == size.symbol for t in term.walk()):
                 return f"{lead} is not possible: {_statement(st)} reads the size {size.symbol}, which a shard's would change"
     for (operand, d), indices in dim_reads.items():
-        if {i, j} & set(indices) and len(indices) > 1:
+        integer = not k.operand(operand).dtype.is_float
+        if {i, j} & set(indices) and len(indices) > 1 and not (integer and set(indices) == {i, j}):
             return (f"{lead} is not supported yet: {operand} dim {d} is read as {' and as '.join(indices)}, "
-                    "and only arguments read along one of them travel or stay")
+                    "and only arguments read along one of them (or integers read along both) travel or stay")
     for r in _reads(k):
         for sub in r.subs:
             if {i, j} & set(sub.indices) and (sub.offset is not None or sub.shift or sub.modulus is not None or sub.table is not None):
@@ -203,8 +206,13 @@ def _ring(k: Kernel, conv: Convention, dim_reads, whole) -> Ring | str:
         op = k.operand(p.operand)
         found = [(d, dim_reads.get((op.name, d), [None])[0]) for d in range(op.rank)]
         at = [(d, x) for d, x in found if x in (i, j)]
-        if len({x for _, x in at}) > 1:
+        both = [d for d in range(op.rank) if set(dim_reads.get((op.name, d), ())) == {i, j}]
+        if len({x for _, x in at}) > 1 or (both and len(at) > 1):
             return f"{lead} is not supported yet: {op.name} is read along both {i} and {j}, so it can neither travel nor stay"
+        if both:  # segment ids: the rows keep theirs, the key side's travel with the keys
+            roles.append("both")
+            dims.append(both[0])
+            continue
         roles.append(None if not at else "q" if at[0][1] == i else "k")
         dims.append(at[0][0] if at else None)
     return Ring(i, j, tuple(roles), tuple(dims), tuple(merges))

@@ -528,7 +528,9 @@ class Glue:
     kept: list[str] = field(default_factory=list)  # `_impl`'s results, where it returns more than the outputs
     declared: list[str] = field(default_factory=list)  # the outputs among `kept`
     zeros: bool = False  # the backward reads every cotangent: symbolic zeros made zeros
-    origin: bool = False  # `_backward` and `_run_backward` take the arrays' first positions (`origin=`)
+    # Keywords `_backward` and `_run_backward` pass on (a row kernel's `origin=`, the
+    # arrays' first positions, and `keys=`, key-side arrays of arguments read along both)
+    keywords: tuple[str, ...] = ()
 
     def __post_init__(self):
         self.residuals = self.residuals or list(self.args)

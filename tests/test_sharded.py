@@ -204,20 +204,26 @@ WINDOWED = with_tiles(spec_text("local_gqa_attention"), **RING_TILES).replace("i
 def test_ring_attention_causal_local_and_zigzag(tmp_path):
     """The key index split with the rows over one mesh axis (a ring), values and gradients:
     causal in order and in zigzag order, beside a batch or head split; a sliding window
-    with grouped heads and soft caps. Each device's keys are sent only where some row sees
-    them; partial results merge by their logsumexp."""
+    with grouped heads and soft caps; packed documents (segment ids: the rows keep theirs,
+    the keys' travel with them), in zigzag order too. Each device's keys are sent only
+    where some row sees them; partial results merge by their logsumexp."""
     causal = with_tiles(spec_text("causal_attention"), **RING_TILES)
+    document = with_tiles(spec_text("document_attention"), b=1, h=1, i=128, j=128, d=64, e=64)
     ring = {"mesh": [2, 4], "names": ["data", "seq"]}
-    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(
+    (k1, env1, res1), (k2, env2, res2), (k3, env3, res3) = run_on_mesh(
         tmp_path,
         (causal, dict(B=2, H=2, S=512, D=128), [{**ring, "axes": {"b": "data", "i": "seq", "j": "seq"}},
                                                  {**ring, "axes": {"h": "data", "i": ["seq", "zigzag"], "j": "seq"}}]),
         (WINDOWED, dict(B=1, H=8, S=512, D=128), [{**ring, "axes": {"h": "data", "i": "seq", "j": "seq"}}]),
+        (document, dict(B=2, H=1, S=1024, D=64), [{**ring, "axes": {"b": "data", "i": "seq", "j": "seq"}},
+                                                   {**ring, "axes": {"i": ["seq", "zigzag"], "j": "seq"}, "grad": False}]),
     )
     specs = ["P('data', None, 'seq')", "P('data', None, 'seq')"]
     assert assert_case(k1, env1, res1, 0, specs, parts=4) == 3
     assert assert_case(k1, env1, res1, 1, ["P(None, 'data', 'seq')"] * 2, parts=8) == 3
     assert assert_case(k2, env2, res2, 0, ["P(None, 'data', 'seq')"], parts=4) == 3
+    assert assert_case(k3, env3, res3, 0, ["P('data', None, 'seq')"], parts=4) == 3
+    assert_case(k3, env3, res3, 1, ["P(None, None, 'seq')"], parts=8)
 
 
 def test_ring_pairs_that_see_nothing_exchange_and_compute_nothing():
@@ -282,7 +288,7 @@ def plan_of(name: str):
 
 @pytest.mark.parametrize("name,expected", [
     ("causal_attention", {"causal_attention": dict(b="split", h="split", i="ring", j="ring", d=None, e=None)}),
-    ("document_attention", {"document_attention": dict(b="split", h="split", i=None, j=None, d=None, e=None)}),
+    ("document_attention", {"document_attention": dict(b="split", h="split", i="ring", j="ring", d=None, e=None)}),
     ("masked_attention", {"masked_attention": dict(h="split", i="split", j=None, d=None, e=None)}),
     ("masked_matmul", {"masked_matmul": dict(m="split", n="split", k="sum")}),
     ("masked_backward", {"masked_matmul_dx": dict(m="split", k="split", n="sum"), "masked_matmul_dy": dict(k="split", n="split", m="sum")}),
@@ -359,6 +365,19 @@ kernel gmm_checked {
     tile m = 128, k = 128, n = 128, g = 1
 }"""
 
+WIDE_SEG = """
+kernel float_both {
+    in  q: f32[S, D]
+    in  k: f32[S, D]
+    in  v: f32[S, E]
+    in  bias: f32[S]
+    out o: f32[S, E]
+    raw[i, j] = q[i, d] * k[j, d]
+    s[i, j] = raw[i, j] + bias[i] * bias[j]
+    o[i, e] = softmax(s[i, j], j) * v[j, e]
+    tile i = 128, j = 128, d = 128, e = 128
+}"""
+
 REFUSALS = [
     (BATCHED, {"q": "data"}, "the spec has no index 'q' (its indices: b, m, n, k)"),
     (BATCHED, {"b": "rows"}, "index b is mapped to 'rows', which is not an axis of the mesh (its axes: data, model)"),
@@ -369,9 +388,6 @@ REFUSALS = [
      "one mesh axis (sharded(mesh, i=AXIS, j=AXIS)); the key index alone is not supported yet"),
     ("causal_attention", {"b": ("data", "zigzag")}, "index b is mapped to ('data', 'zigzag'), which is not an axis of the mesh "
      "(its axes: data, model)"),
-    ("document_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting "
-     "it (a ring, with i) is not supported yet: seg dim 1 is read as i and as j, and only arguments read along one of them "
-     "travel or stay"),
     ("masked_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting "
      "it (a ring, with i) is not supported yet: keep is read along both i and j, so it can neither travel nor stay"),
     ("causal_attention", {"d": "data"}, "index d cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i, d] * "
@@ -379,7 +395,11 @@ REFUSALS = [
      "partial sums cannot be added after it"),
     ("causal_attention", {"i": "data"}, "the key index j is split with the query index i, as a ring: map both to one mesh axis "
      "(sharded(mesh, i=AXIS, j=AXIS)); the key index alone is not supported yet"),
-    ("document_attention", {"i": "data"}, "index i cannot be split: seg dim 1 is read both as i and as j"),
+    ("document_attention", {"i": "data"}, "the key index j is split with the query index i, as a ring: map both to one mesh "
+     "axis (sharded(mesh, i=AXIS, j=AXIS)); the key index alone is not supported yet"),
+    (WIDE_SEG, {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting it (a ring, "
+     "with i) is not supported yet: bias dim 0 is read as i and as j, and only arguments read along one of them (or integers "
+     "read along both) travel or stay"),
     ("dsd_matmul", {"m": "data"}, "index m cannot be split: the sparse coo input x is indexed by it (x[m, k]): "
      "splitting a coo operand's stored blocks is not supported yet"),
     ("sdd_matmul", {"n": "data"}, "index n cannot be split: the sparse coo output o is indexed by it (o[m, n]): "

@@ -100,11 +100,12 @@ def _extreme(fn: str, values: list[Expr]) -> Expr:
 class Classifier:
     """The block kinds of a row plan's condition (or any `Conditions`) as a `Classification`."""
 
-    def __init__(self, plan: Conditions, conv, local, tile_of, size_of, origins=None):
+    def __init__(self, plan: Conditions, conv, local, tile_of, size_of, origins=None, array_of=None):
         self.p = plan
         # index -> the global position of its first element (an Expr): a condition compares
         # positions, while a ragged tail is local to the arrays given (a shard on a mesh).
         self.origins = origins or {}
+        self.array_of = array_of or (lambda r: None)  # a read's array where not its operand's (a key side given apart)
         self.conv = conv
         self.local = local  # a fresh local name
         self.tile_of = tile_of
@@ -145,13 +146,14 @@ class Classifier:
     def block_pair(self, r: Read, helper: str, of, what: tuple[str, str]) -> tuple[Expr, Expr]:
         """Two per-block statistics of an operand (`helper` over `of` its array, and its
         tiles; computed once per operand), laid out over the class axes as `r` reads it."""
-        param = self.conv.param(r.operand).internal
+        keyed = self.array_of(r)
+        param = keyed or self.conv.param(r.operand).internal
         dims = [render(self.conv.size(d), "host") for d in self.p.kernel.operand(r.operand).dims]
         param = Lit(as_read(param, r, dims, [render(self.size_of(i), "host") for i in r.indices]))
         tiles = Tup(tuple(Const(self.tile_of(i)) for i in r.indices))
         key = (helper, param.text, tuple(self.tile_of(i) for i in r.indices))
         if key not in self.stats:
-            names = tuple(self.local(f"{r.operand}_{w}") for w in what)
+            names = tuple(self.local(f"{keyed or r.operand}_{w}") for w in what)
             self.lets.append((names, Call(helper, (of(param), tiles))))
             self.stats[key] = names
         order = "".join(chr(97 + n) for n in range(len(r.indices)))

@@ -1518,10 +1518,17 @@ def _ring_senders(live, t, n, m):
     ]
 
 
+def _ring_keywords(origin, keys):
+    """What `_impl` and `_run_backward` take of a pair: the first positions of its rows and
+    keys, the key side of arguments read along both."""
+    return {"origin": origin}
+
+
 def _ring_steps(arrays, sizes, ring):
     """The ring's schedule on this device: per step t, the senders and the key-side arrays
-    it received (its own at t = 0); per (row chunk, key chunk), the chunks' arguments, their
-    first positions and whether the pair is visited."""
+    it received (its own at t = 0); per (row chunk, key chunk), the chunks' arguments, the
+    key sides of those read along both, their first positions and whether the pair is
+    visited."""
     axis, n, m = ring
     live, chunk, lengths = _ring_plan(sizes, n, m)
     me = lax.axis_index(axis)
@@ -1538,7 +1545,11 @@ def _ring_steps(arrays, sizes, ring):
             cut
             if t == 0
             else [
-                c if role != "k" else [lax.ppermute(x, axis, perm) for x in c]
+                (
+                    c
+                    if role not in ("k", "both")
+                    else [lax.ppermute(x, axis, perm) for x in c]
+                )
                 for c, role in zip(cut, _RING_ROLES)
             ]
         )
@@ -1548,11 +1559,15 @@ def _ring_steps(arrays, sizes, ring):
             for b in range(m):
                 qc, kc = _ring_chunk(me, a, n, m), _ring_chunk(src, b, n, m)
                 args = tuple(
-                    x if role is None else (c[a] if role == "q" else c[b])
-                    for x, c, role in zip(arrays, theirs, _RING_ROLES)
+                    x if role is None else (c[b] if role == "k" else mine[a])
+                    for x, c, mine, role in zip(arrays, theirs, cut, _RING_ROLES)
+                )
+                keys = tuple(
+                    c[b] for c, role in zip(theirs, _RING_ROLES) if role == "both"
                 )
                 origin = jnp.stack([qc * lengths[0], kc * lengths[1]]).astype(jnp.int32)
-                pairs.append((a, b, args, origin, jnp.asarray(live)[qc, kc]))
+                visited = jnp.asarray(live)[qc, kc]
+                pairs.append((a, b, args, keys, origin, visited))
         yield t, perm, pairs, chunk
 
 
@@ -1589,10 +1604,15 @@ def _ring_forward(arrays, sizes, interpret, ring):
     shapes = None
     acc = [None] * m
     for t, perm, pairs, chunk in _ring_steps(arrays, sizes, ring):
-        for a, b, args, origin, live in pairs:
+        for a, b, args, keys, origin, live in pairs:
             if shapes is None:
                 shapes = jax.eval_shape(
-                    lambda *x: _impl(*x, chunk, None, interpret, origin=origin), *args
+                    lambda x, y, o: _impl(
+                        *x, chunk, None, interpret, **_ring_keywords(o, y)
+                    ),
+                    args,
+                    keys,
+                    origin,
                 )
             nothing = [
                 jnp.full(s.shape, -jnp.inf if how == "logsumexp" else 0, s.dtype)
@@ -1600,9 +1620,12 @@ def _ring_forward(arrays, sizes, interpret, ring):
             ]
             part = lax.cond(
                 live,
-                lambda x, o: list(_impl(*x, chunk, None, interpret, origin=o)),
-                lambda x, o: nothing,
+                lambda x, y, o: list(
+                    _impl(*x, chunk, None, interpret, **_ring_keywords(o, y))
+                ),
+                lambda *_: nothing,
                 args,
+                keys,
                 origin,
             )
             acc[a] = _ring_merge(acc[a], part)
@@ -1643,27 +1666,27 @@ def _ring_backward(sizes, interpret, ring, residuals, cotangent):
             None if g is None or role != "k" else [jnp.zeros_like(c) for c in g]
             for g, role in zip(grads, _RING_ROLES)
         ]
-        for a, b, args, origin, live in pairs:
+        for a, b, args, keys, origin, live in pairs:
             res = (*args, *(rows(x, d, a) for x, d in zip(kept, _RING_ROWS)), perturbed)
             cot = tuple(
                 rows(c, _RING_ROWS[r], a) for c, r in zip(cotangent, _RING_DECLARED)
             )
             zero = tuple(jnp.zeros(x.shape, jnp.float32) for x in args)
 
-            def pair(res, cot, origin):
+            def pair(res, cot, keys, origin):
                 got = _run_backward(
                     chunk,
                     None,
                     interpret,
                     res,
                     cot if len(cot) > 1 else cot[0],
-                    origin=origin,
+                    **_ring_keywords(origin, keys),
                 )
                 return tuple(
                     z if g is None else g.astype(jnp.float32) for g, z in zip(got, zero)
                 )
 
-            got = lax.cond(live, pair, lambda *_: zero, res, cot, origin)
+            got = lax.cond(live, pair, lambda *_: zero, res, cot, keys, origin)
             for x, g in enumerate(got):
                 if grads[x] is None:
                     continue
@@ -1671,9 +1694,8 @@ def _ring_backward(sizes, interpret, ring, residuals, cotangent):
                 if role == "k":
                     back[x][b] = back[x][b] + g
                 else:
-                    grads[x][a if role == "q" else 0] = (
-                        grads[x][a if role == "q" else 0] + g
-                    )
+                    at = 0 if role is None else a
+                    grads[x][at] = grads[x][at] + g
         for x, role in enumerate(_RING_ROLES):
             if back[x] is not None:
                 # The keys' gradients go back to the device that sent the keys.

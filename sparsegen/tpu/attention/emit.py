@@ -42,6 +42,13 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         self.origins = self.n.local("origins")
         if self.positions:
             self.tables.append(self.origins)
+        # Integer arguments read along both the query and the key index (segment ids): the
+        # key side's values may come from another array (`_impl(..., keys=...)`: the ring's
+        # travelling shard, while the rows keep theirs).
+        self.key_side = {}
+        if self.origin_supported:
+            self.key_side = {name: self.n.local(f"{m.conv.param(name).internal}_keys") for name in self.both_sides()}
+        self.shard_keywords = tuple(w for w, on in (("origin", self.positions), ("keys", bool(self.key_side))) if on)
         self.steps = self.w.step.static
         maps = self.n.scope()  # the index maps' parameters
         self.grid_vars = [maps.local(i) for i in self.p.lead]
@@ -86,11 +93,13 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         origins = {}
         if self.positions:
             origins = {i: Var(scope.local(f"{i}_origin")) for i in (p.query, p.key)}
-        cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], lambda i: self.m.conv.size(self.k.index(i).size), origins)
+        cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], lambda i: self.m.conv.size(self.k.index(i).size), origins,
+                        self.keyed)
         lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)])
         if origins:
             first = ", ".join(v.name for v in origins.values())
             lines = [f"{first} = (0, 0) if origin is None else (origin[0], origin[1])"] + lines
+        lines = self.key_side_lines() + lines
         reads = []
         for r in (r for cond in p.conditions for r in cond.reads):
             param = self.m.conv.param(r.operand).internal
@@ -194,10 +203,11 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         if self.positions:
             # Traced first positions (a shard's, on a mesh) classify under jit.
             kinds_lines = [f"{kinds_var} = {classify_fn}({xp if data else 'np if origin is None else jnp'}, "
-                           f"{', '.join(classify_reads + ['sizes', 'origin'])})",
+                           f"{', '.join(classify_reads + ['sizes', 'origin'] + (['keys'] if self.key_side else []))})",
                            f"{self.origins} = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)"]
         else:
-            kinds_lines = [f"{kinds_var} = {classify_fn}({xp}, {', '.join(classify_reads + ['sizes'])})"]
+            kinds_lines = [f"{kinds_var} = {classify_fn}({xp}, {', '.join(classify_reads + ['sizes'] + (['keys=keys'] if self.key_side else []))})"]
+        kinds_lines = self.key_side_lines() + kinds_lines
         kinds_lines.append(f"{kinds_var} = {kinds_var}.reshape((-1,) + {kinds_var}.shape[{n_class - 2}:])")
         forward = self.forward_call()
         row_consumers = [c for c in p.consumers if not c.stored]
@@ -251,7 +261,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             kept=outputs + self.row_lses,
             declared=declared,
             zeros=True,
-            origin=self.positions,
+            keywords=self.shard_keywords,
         )
         text = self.wrapper.module(
             "tpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare_lines, reference_lines,
@@ -272,6 +282,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             tables=self.walk_tables,
             prefetch=self.tables,
             positions=self.positions,
+            shard_keywords=self.shard_keywords,
             steps=self.steps,
             vmem_limit=self.m.vmem_limit(),
             class_axes=list(p.class_axes),
@@ -298,6 +309,8 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             "declared": py_tuple(str(glue.kept.index(d)) for d in glue.declared),
             "lse": str(len(glue.kept) - 1),
             "lengths": quoted([self.k.index(i).size.symbol for i in (p.query, p.key)]),
+            # the classification's operands among a pair's arguments
+            "classify_args": "".join(f"args[{self.m.conv.impl_args.index(a)}], " for a in self.classify_reads),
         }
 
     def gradient_tables(self, backward: dict, derived: list[str]) -> str:
@@ -404,7 +417,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
 
     def array(self, o: Operand) -> str:
         """The array the call receives for an operand (broadcast layouts for small reads)."""
-        param = self.m.conv.param(o.read.operand).internal
+        param = self.keyed(o.read) or self.m.conv.param(o.read.operand).internal
         if o.layout == "natural":
             return param
         op = self.k.operand(o.read.operand)
@@ -420,6 +433,26 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
     def dim_size(self, read: Read, d: int) -> str:
         dim = self.k.operand(read.operand).dims[d]
         return str(dim.literal) if dim.literal is not None else self.m.conv.size_var(dim.symbol)
+
+    def both_sides(self) -> list[str]:
+        """Integer inputs read along the query index and, elsewhere, along the key index."""
+        p, out = self.p, []
+        for name in dict.fromkeys(r.operand for r in p.reads):
+            op = self.k.operand(name)
+            reads = [r for r in p.reads if r.operand == name]
+            if (not op.dtype.is_float and any(p.query in r.indices and p.key not in r.indices for r in reads)
+                    and any(p.key in r.indices and p.query not in r.indices for r in reads)):
+                out.append(name)
+        return out
+
+    def key_side_lines(self) -> list[str]:
+        """The key-side arrays: given (`keys`), or the arguments' own."""
+        return [f"{var} = {self.m.conv.param(name).internal} if keys is None else keys[{n}]"
+                for n, (name, var) in enumerate(self.key_side.items())]
+
+    def keyed(self, r: Read) -> str | None:
+        """The key-side array variable a read uses instead of its operand's (None: its own)."""
+        return self.key_side.get(r.operand) if self.p.key in r.indices else None
 
     def uses_positions(self) -> bool:
         """Does a condition or the chain read the query or key position?"""
