@@ -1,7 +1,7 @@
 """Every kernel on a device mesh (language v2, section 4): `sharded(mesh, b="data", ...)`.
 
-On 8 host CPU devices, in a subprocess (`tests/mesh_runner.py`: the device count is set
-before jax is imported there), in the CPU interpreter: example kernels split over each
+On 8 host CPU devices, in one subprocess for every test (`tests/mesh_runner.py`: the device
+count is set before jax is imported there), in the CPU interpreter: example kernels split over each
 index they allow equal the kernel unsplit and `reference`, values and `jax.grad`; a summed
 index split into partial sums added with psum (a coo output's too); coo kernels split over
 the indices their coo operand lacks; conditions comparing a split index's position with an
@@ -47,11 +47,13 @@ def differentiable(kernel) -> list[int]:
             and kernel.operand(p.operand).dtype.is_float and kernel.operand(p.operand).sparsity != "mask"]
 
 
-def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random", seed=0):
+def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random", seed=0, write=True):
     """Build `text`, draw its arguments (`pattern`: example_args's, or the arguments), write
-    a job for mesh_runner.py in `folder`."""
-    folder.mkdir(parents=True, exist_ok=True)
+    a job for mesh_runner.py in `folder` (`write`: False where it is written already)."""
     kernel, mod = build(text, formatted=False)
+    if not write:
+        return kernel, resolve_sizes(kernel, sizes), folder
+    folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     args, keywords = example_args(kernel, sizes, pattern, rng) if isinstance(pattern, str) else (pattern, {})
     ref = mod.reference(*args, **keywords)
@@ -68,14 +70,40 @@ def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random",
     return kernel, resolve_sizes(kernel, sizes), folder
 
 
-def run_on_mesh(tmp_path, *jobs):
-    """Run jobs (`prepare`'s arguments after the folder) in one mesh_runner.py process: per
-    job (kernel, env, results)."""
-    prepared = [prepare(tmp_path / f"job{n}", *job) for n, job in enumerate(jobs)]
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_runner.py"), *(str(f / "job.json") for _, _, f in prepared)],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    out = [(kernel, env, dict(np.load(f / "result.npz"))) for kernel, env, f in prepared]
+# Every test's jobs (`prepare`'s arguments after the folder), by test: all run in one
+# mesh_runner.py process (`mesh_results`), which starts jax on 8 devices once.
+MESH_JOBS: dict[str, tuple] = {}
+
+
+def on_mesh(test: str, *jobs):
+    MESH_JOBS[test] = jobs
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory, worker_id):
+    """Per test, per job: (kernel, env, results). Once per session: test workers that both
+    run some of these tests share one run (the first to take the lock makes it; the results
+    lie in the session's shared temporary folder)."""
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    folder = shared / "mesh_jobs"
+    with open(shared / "mesh_jobs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = (folder / "done").exists()
+        prepared = {test: [prepare(folder / f"{test}{n}", *job, write=not done) for n, job in enumerate(jobs)]
+                    for test, jobs in MESH_JOBS.items()}
+        if not done:
+            paths = [str(f / "job.json") for jobs in prepared.values() for _, _, f in jobs]
+            result = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_runner.py"), *paths], capture_output=True, text=True,
+                                    timeout=900)
+            assert result.returncode == 0, result.stderr[-4000:]
+            (folder / "done").write_text("")
+    return {test: [(kernel, env, dict(np.load(f / "result.npz"))) for kernel, env, f in jobs] for test, jobs in prepared.items()}
+
+
+def run_on_mesh(mesh_results, test: str):
+    out = mesh_results[test]
     return out[0] if len(out) == 1 else out
 
 
@@ -110,15 +138,17 @@ def assert_case(kernel, env, res, c: int, specs=None, parts=1):
 # ------------------------------------------------------------------- on 8 devices
 
 
-def test_dense_einsum_split_summed_jit_explicit_and_resharded(tmp_path):
-    cases = [
-        {**MESH, "axes": {"b": "data", "m": "model"}},
-        {**MESH, "axes": {"k": "model", "n": "data"}},  # k: partial sums added with psum
-        {**MESH, "axes": {"b": "data", "k": "model"}, "jit": True, "explicit": True},
-        {**MESH, "axes": {"m": "data", "n": "model"}, "presharded": True, "grad": False},
-        {**MESH, "axes": {"b": "model"}},  # B = 2 on 4 devices
-    ]
-    kernel, env, res = run_on_mesh(tmp_path, (BATCHED, dict(B=2, M=128, K=256, N=256), cases))
+on_mesh("dense", (BATCHED, dict(B=2, M=128, K=256, N=256), [
+    {**MESH, "axes": {"b": "data", "m": "model"}},
+    {**MESH, "axes": {"k": "model", "n": "data"}},  # k: partial sums added with psum
+    {**MESH, "axes": {"b": "data", "k": "model"}, "jit": True, "explicit": True},
+    {**MESH, "axes": {"m": "data", "n": "model"}, "presharded": True, "grad": False},
+    {**MESH, "axes": {"b": "model"}},  # B = 2 on 4 devices
+]))
+
+
+def test_dense_einsum_split_summed_jit_explicit_and_resharded(mesh_results):
+    kernel, env, res = run_on_mesh(mesh_results, "dense")
     assert assert_case(kernel, env, res, 0, ["P('data', 'model')"]) == 2
     assert assert_case(kernel, env, res, 1, ["P(None, None, 'data')"], parts=4) == 2
     assert assert_case(kernel, env, res, 2, parts=4) == 2
@@ -127,36 +157,42 @@ def test_dense_einsum_split_summed_jit_explicit_and_resharded(tmp_path):
                                         "B = 2 is not divisible by 4")
 
 
-def test_causal_attention_split_over_batch_and_heads(tmp_path):
-    cases = [{**MESH, "axes": {"b": "data", "h": "model"}}]
-    kernel, env, res = run_on_mesh(tmp_path, (spec_text("causal_attention"), dict(B=2, H=4, S=256, D=128), cases))
+on_mesh("causal", (spec_text("causal_attention"), dict(B=2, H=4, S=256, D=128), [{**MESH, "axes": {"b": "data", "h": "model"}}]))
+
+
+def test_causal_attention_split_over_batch_and_heads(mesh_results):
+    kernel, env, res = run_on_mesh(mesh_results, "causal")
     assert assert_case(kernel, env, res, 0, ["P('data', 'model')", "P('data', 'model')"]) == 3
 
 
-def test_masked_attention_split_over_heads_and_rows(tmp_path):
-    # The mask is cut with the rows: each device classifies its own blocks.
-    cases = [{**MESH, "axes": {"h": "data", "i": "model"}}]
-    kernel, env, res = run_on_mesh(tmp_path, (spec_text("masked_attention"), dict(H=2, S=256, T=128, D=128), cases))
+# The mask is cut with the rows: each device classifies its own blocks.
+on_mesh("masked", (spec_text("masked_attention"), dict(H=2, S=256, T=128, D=128), [{**MESH, "axes": {"h": "data", "i": "model"}}]))
+
+
+def test_masked_attention_split_over_heads_and_rows(mesh_results):
+    kernel, env, res = run_on_mesh(mesh_results, "masked")
     assert assert_case(kernel, env, res, 0, ["P('data', 'model')"]) == 3
 
 
-def test_grouped_heads_split_with_their_groups(tmp_path):
-    # k and v are read as h // 4: their group dimension is split with h.
-    cases = [{"mesh": [2], "names": ["model"], "axes": {"h": "model", "b": None}}]
-    kernel, env, res = run_on_mesh(tmp_path, (spec_text("local_gqa_attention"), dict(B=1, H=8, S=128, D=128), cases))
+# k and v are read as h // 4: their group dimension is split with h.
+on_mesh("gqa", (spec_text("local_gqa_attention"), dict(B=1, H=8, S=128, D=128),
+                [{"mesh": [2], "names": ["model"], "axes": {"h": "model", "b": None}}]))
+
+
+def test_grouped_heads_split_with_their_groups(mesh_results):
+    kernel, env, res = run_on_mesh(mesh_results, "gqa")
     assert assert_case(kernel, env, res, 0, ["P(None, 'model')"]) == 3
 
 
-def test_coo_kernels_split_over_indices_their_coo_operands_lack(tmp_path):
-    # dsd: x stays whole on every device, its gradient the sum of every device's. sdd: the
-    # stored output blocks are partial sums over k, added with psum.
-    dsd = with_tiles(spec_text("dsd_matmul"), m=128, n=128, k=128)
-    sdd = with_tiles(spec_text("sdd_matmul"), m=128, n=128, k=128)
-    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(
-        tmp_path,
-        (dsd, dict(M=256, K=256, N=256), [{**MESH, "axes": {"n": "model"}}], "duplicates"),
-        (sdd, dict(M=256, K=512, N=256), [{**MESH, "axes": {"k": "model"}}], "padded"),
-    )
+# dsd: x stays whole on every device, its gradient the sum of every device's. sdd: the
+# stored output blocks are partial sums over k, added with psum.
+on_mesh("coo",
+        (with_tiles(spec_text("dsd_matmul"), m=128, n=128, k=128), dict(M=256, K=256, N=256), [{**MESH, "axes": {"n": "model"}}], "duplicates"),
+        (with_tiles(spec_text("sdd_matmul"), m=128, n=128, k=128), dict(M=256, K=512, N=256), [{**MESH, "axes": {"k": "model"}}], "padded"))
+
+
+def test_coo_kernels_split_over_indices_their_coo_operands_lack(mesh_results):
+    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(mesh_results, "coo")
     assert assert_case(k1, env1, res1, 0, ["P(None, 'model')"]) == 2
     assert assert_case(k2, env2, res2, 0, ["P()"], parts=4) == 2
 
@@ -173,23 +209,28 @@ LENGTHS = """kernel ragged_sum {
 }"""
 
 
-def test_conditions_compare_global_positions(tmp_path):
-    """A condition comparing a split index's position with an integer input (`gid[m] == g`,
-    `k < lens[b]`) sees global positions: each device is given that input less its slice's
-    start. grouped_matmul split over its experts g (expert parallelism: the experts' partial
-    products added with psum), with its rows or its k; a ragged sum split over k."""
+def _conditions_jobs():
     rng = np.random.default_rng(3)
     group_sizes = [100, 0, 120, 36]
     gid = np.repeat(np.arange(4, dtype=np.int32), group_sizes)
     x, w = (rng.standard_normal(s).astype(np.float32).astype(jnp.bfloat16) for s in ((256, 256), (4, 256, 128)))
     a, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, 128, 512), (2, 512, 128)))
     lens = np.array([300, 77], np.int32)
-    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(
-        tmp_path,
-        (GROUPED, dict(M=256, K=256, N=128, E=4), [{**MESH, "axes": {"m": "data", "g": "model"}},
-                                                  {**MESH, "axes": {"k": "data", "g": "model"}, "grad": False}], [x, w, gid]),
-        (LENGTHS, dict(B=2, M=128, K=512, N=128), [{**MESH, "axes": {"k": "model", "b": "data"}}], [a, b, lens]),
-    )
+    on_mesh("conditions",
+            (GROUPED, dict(M=256, K=256, N=128, E=4), [{**MESH, "axes": {"m": "data", "g": "model"}},
+                                                      {**MESH, "axes": {"k": "data", "g": "model"}, "grad": False}], [x, w, gid]),
+            (LENGTHS, dict(B=2, M=128, K=512, N=128), [{**MESH, "axes": {"k": "model", "b": "data"}}], [a, b, lens]))
+
+
+_conditions_jobs()
+
+
+def test_conditions_compare_global_positions(mesh_results):
+    """A condition comparing a split index's position with an integer input (`gid[m] == g`,
+    `k < lens[b]`) sees global positions: each device is given that input less its slice's
+    start. grouped_matmul split over its experts g (expert parallelism: the experts' partial
+    products added with psum), with its rows or its k; a ragged sum split over k."""
+    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(mesh_results, "conditions")
     assert assert_case(k1, env1, res1, 0, ["P('data',)"], parts=4) == 2
     assert_case(k1, env1, res1, 1, ["P()"], parts=8)
     assert assert_case(k2, env2, res2, 0, ["P('data',)"], parts=4) == 2
