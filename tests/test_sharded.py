@@ -242,23 +242,24 @@ RING_TILES = dict(b=1, h=1, i=128, j=128, d=128, e=128)
 WINDOWED = with_tiles(spec_text("local_gqa_attention"), **RING_TILES).replace("i - j < 1024", "i - j < 200")
 
 
-def test_ring_attention_causal_local_and_zigzag(tmp_path):
+RING = {"mesh": [2, 4], "names": ["data", "seq"]}
+on_mesh("ring",
+        (with_tiles(spec_text("causal_attention"), **RING_TILES), dict(B=2, H=2, S=512, D=128),
+         [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}},
+          {**RING, "axes": {"h": "data", "i": ["seq", "zigzag"], "j": "seq"}}]),
+        (WINDOWED, dict(B=1, H=8, S=512, D=128), [{**RING, "axes": {"h": "data", "i": "seq", "j": "seq"}}]),
+        (with_tiles(spec_text("document_attention"), b=1, h=1, i=128, j=128, d=64, e=64), dict(B=2, H=1, S=1024, D=64),
+         [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}},
+          {**RING, "axes": {"i": ["seq", "zigzag"], "j": "seq"}, "grad": False}]))
+
+
+def test_ring_attention_causal_local_document_and_zigzag(mesh_results):
     """The key index split with the rows over one mesh axis (a ring), values and gradients:
     causal in order and in zigzag order, beside a batch or head split; a sliding window
     with grouped heads and soft caps; packed documents (segment ids: the rows keep theirs,
     the keys' travel with them), in zigzag order too. Each device's keys are sent only
     where some row sees them; partial results merge by their logsumexp."""
-    causal = with_tiles(spec_text("causal_attention"), **RING_TILES)
-    document = with_tiles(spec_text("document_attention"), b=1, h=1, i=128, j=128, d=64, e=64)
-    ring = {"mesh": [2, 4], "names": ["data", "seq"]}
-    (k1, env1, res1), (k2, env2, res2), (k3, env3, res3) = run_on_mesh(
-        tmp_path,
-        (causal, dict(B=2, H=2, S=512, D=128), [{**ring, "axes": {"b": "data", "i": "seq", "j": "seq"}},
-                                                 {**ring, "axes": {"h": "data", "i": ["seq", "zigzag"], "j": "seq"}}]),
-        (WINDOWED, dict(B=1, H=8, S=512, D=128), [{**ring, "axes": {"h": "data", "i": "seq", "j": "seq"}}]),
-        (document, dict(B=2, H=1, S=1024, D=64), [{**ring, "axes": {"b": "data", "i": "seq", "j": "seq"}},
-                                                   {**ring, "axes": {"i": ["seq", "zigzag"], "j": "seq"}, "grad": False}]),
-    )
+    (k1, env1, res1), (k2, env2, res2), (k3, env3, res3) = run_on_mesh(mesh_results, "ring")
     specs = ["P('data', None, 'seq')", "P('data', None, 'seq')"]
     assert assert_case(k1, env1, res1, 0, specs, parts=4) == 3
     assert assert_case(k1, env1, res1, 1, ["P(None, 'data', 'seq')"] * 2, parts=8) == 3

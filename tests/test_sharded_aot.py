@@ -188,6 +188,7 @@ GROUPED = spec_text("grouped_matmul")
 DSD = spec_text("dsd_matmul")
 TARGETS = sorted(TOPOLOGIES)
 AR = "all-reduce"
+CP = "collective-permute"
 
 # REDUNDANT: the template's shard_map runs with check_vma=False (a pallas_call's out_shape
 # carries no varying-axes type), so its transpose cannot tell a replicated cotangent from a
@@ -221,10 +222,12 @@ CASES = [
     # each device's added over model; the mesh's data axis splits nothing.
     ("dsd-n", DSD, dict(M=512, K=1024, N=2048), dict(n="model"), [], [(AR, "model")],
      dict(today=[(AR, "data"), (AR, "data,model")])),
-    # RING (context parallelism, being built): attention split over its key index j, the
-    # keys and values passed around the ring, never gathered whole. One line, e.g.:
-    # ("causal-ring", CAUSAL, dict(B=2, H=4, S=2048, D=128), dict(b="data", j="model"),
-    #  [("collective-permute", "model")], [("collective-permute", "model"), ...], dict(key="j")),
+    # RING (context parallelism): the sequence split over data (2 devices), i and j
+    # together, heads over model. Causal: only device 0's keys and values travel (to device
+    # 1), one permute each; the backward sends them again and the key side's gradients
+    # home. Never a whole sequence gathered.
+    ("causal-ring", CAUSAL, dict(B=1, H=4, S=2048, D=128), dict(h="model", i="data", j="data"),
+     [(CP, "data")] * 2, [(CP, "data")] * 4, dict(key="j")),
 ]
 IDS = [c[0] for c in CASES]
 
