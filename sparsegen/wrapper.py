@@ -159,6 +159,21 @@ class Wrapper:
         lines.append(f"return {', '.join(list(conv.impl_args) + [sizes])}")
         return lines
 
+    def whole_checks(self, reads, inner, tile: dict[str, int]) -> list[str]:
+        """`_prepare`'s checks that a dimension one block spans whole (a row walk's summed
+        index, a value's free index: `inner`) is its tile, for each symbolic dimension of
+        `reads` indexed by one; a literal one is checked when the spec is built."""
+        checks = []
+        for r in reads:
+            op = self.k.operand(r.operand)
+            for d, s in enumerate(r.subs):
+                dim = op.dims[d]
+                if s.index in inner and dim.symbol is not None:
+                    line = f'_check_whole({self.conv.size_var(dim.symbol)}, {tile[s.index]}, "{op.name} dim {d} ({dim.symbol})")'
+                    if line not in checks:
+                        checks.append(line)
+        return checks
+
     def read_of(self, operand: str):
         return next(r for st in self.k.statements for r in (st.target, *st.reads) if r.operand == operand)
 

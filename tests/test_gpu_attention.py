@@ -333,6 +333,44 @@ def test_shared_memory_beyond_the_chip_is_refused_at_the_tile_line():
     assert "bytes of shared memory per CTA on h200 (limit 232448)" in rendered and re.search(r"bad.spk:\d+:5: error", rendered), rendered
 
 
+WIDTHS = """
+kernel widths {
+    in  q: bf16[H, S, D]
+    in  k: bf16[H, S, D]
+    in  v: bf16[H, S, E]
+    out o: bf16[H, S, E]
+    s[h, i, j] = q[h, i, d] * k[h, j, d] where i >= j
+    o[h, i, e] = softmax(s[h, i, j], j) * v[h, j, e]
+    tile h = 1, i = 64, j = 64, d = 64, e = 32
+}
+"""
+
+
+@pytest.mark.parametrize("d,e,message", [
+    (128, 32, "q dim 2 (D) is 128, but the spec's tile of 64 must span it"),
+    (32, 32, "q dim 2 (D) is 32, but the spec's tile of 64 must span it"),
+    (64, 64, "v dim 2 (E) is 64, but the spec's tile of 32 must span it"),
+])  # fmt: skip
+def test_a_dimension_a_block_spans_must_be_its_tile(d, e, message):
+    """The summed index and the values' columns are spanned by one block (the CTA's query
+    tile, WGMMA's K and N): any other size is refused by name before the kernel runs, not
+    read out of bounds (or in part) inside it."""
+    kernel, mod = build(WIDTHS, "h200")
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.standard_normal((1, 64, d)), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1, 64, e)), jnp.bfloat16)
+    with pytest.raises(ValueError, match=re.escape(f"widths: {message}")):
+        mod.widths(q, k, v, interpret=True)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mod.reference(q, k, v)
+
+
+def test_the_spanned_dimensions_at_their_tiles_run():
+    kernel, mod = build(WIDTHS, "h200")
+    args, keywords = example_args(kernel, {"H": 1, "S": 64, "D": 64, "E": 32}, "random", np.random.default_rng(0))
+    assert_matches(kernel, mod.widths(*args, **keywords, interpret=True), mod.reference(*args, **keywords), {"H": 1, "S": 64, "D": 64, "E": 32})
+
+
 def test_what_the_gpu_walk_does_not_take_yet_is_refused_at_the_statement():
     rendered = refused(spec_text("masked_softmax"))
     assert "not lowered for GPUs yet: scores read from stored operands" in rendered and "for a TPU target" in rendered

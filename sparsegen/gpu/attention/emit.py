@@ -483,7 +483,9 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
             glue = Glue(args=args, statics=["sizes", "interpret"], tables=tables, n_outputs=len(k.outputs), cotangents=cotangents,
                         residuals_about=["No backward is lowered: the residuals are the arguments."], derived=False)
         text = self.wrapper.module(
-            "gpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue, self.wrapper.prepare_lines([]), reference_lines,
+            "gpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue,
+            # A block spans the summed index and the values' columns: the tile is their size.
+            self.wrapper.prepare_lines(self.wrapper.whole_checks([o.read for o in m.operands], p.inner, self.tile)), reference_lines,
             classify_fn=classify_fn, classify_params=classify_reads, classify_lines=classify_lines,
             kernel_fn=kernel_fn, kernel_params=params, kernel_lines=lines, arrays=arrays, outs=outs, finish=finish, grid=grid,
             kinds_var=kinds_var, tables_var=self.n.local("tables"), xp=xp, data=data, class_axes=list(p.class_axes),
