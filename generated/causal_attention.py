@@ -680,8 +680,8 @@ def _attention_dq_kernel(
 
     def _step(masked):
         raw, s = _scores(masked)
-        lse_ = row_lse_ref[:, 0:1]
-        delta = delta_ref[:, 0:1]
+        lse_ = row_lse_ref[...]
+        delta = delta_ref[...]
         if masked:
             rows_inside = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
@@ -689,7 +689,7 @@ def _attention_dq_kernel(
             lse_ = jnp.where(rows_inside, lse_, 0.0)
             delta = jnp.where(rows_inside, delta, 0.0)
         lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)  # a row with nothing present
-        probs = jnp.exp(s - lse_)  # absent elements: exp(-inf) = 0
+        probs = jnp.exp(s - jnp.tile(lse_, (1, 4)))  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
@@ -709,7 +709,7 @@ def _attention_dq_kernel(
             (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
-        ds = probs * (dprobs - delta)
+        ds = probs * (dprobs - jnp.tile(delta, (1, 4)))
         draw = ds
         k_blk = k_ref[...]
         if masked:

@@ -715,8 +715,8 @@ def _attention_dq_kernel(
 
     def _step(masked):
         raw, s = _scores(masked)
-        lse = row_lse_ref[:, 0:1]
-        delta = delta_ref[:, 0:1]
+        lse = row_lse_ref[...]
+        delta = delta_ref[...]
         if masked:
             rows_inside = (
                 read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
@@ -724,7 +724,7 @@ def _attention_dq_kernel(
             lse = jnp.where(rows_inside, lse, 0.0)
             delta = jnp.where(rows_inside, delta, 0.0)
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
-        probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
+        probs = jnp.exp(s - jnp.tile(lse, (1, 2)))  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
@@ -744,7 +744,7 @@ def _attention_dq_kernel(
             (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
-        ds = probs * (dprobs - delta)
+        ds = probs * (dprobs - jnp.tile(delta, (1, 2)))
         draw = ds
         k_blk = k_ref[...]
         if masked:

@@ -620,8 +620,8 @@ def _attention_dq_kernel(
 
     def _step(masked):
         raw, s = _scores(masked)
-        lse = row_lse_ref[:, 0:1]
-        delta = delta_ref[:, 0:1]
+        lse = row_lse_ref[...]
+        delta = delta_ref[...]
         if masked:
             rows_inside = (
                 read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S

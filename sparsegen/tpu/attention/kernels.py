@@ -438,7 +438,11 @@ class KernelWriter:
         p, acc = self.p, self.acc
         nm = {x: n.local(x) for x in ["raw", "s", "probs", "dprobs", "ds", "draw", "lse", "pull"]}
         chain = n.local("chain")
-        row = "[0:1, :]" if transposed else "[:, 0:1]"  # a row's statistics: along lanes or sublanes
+        # A row's statistics: one sublane of the key-side walk's (8, rows) blocks; on the row
+        # walk the (rows, 128) blocks whole, widened to the key tile by copying whole vregs
+        # (a (rows, 1) column would be broadcast across lanes on the XLU at every use).
+        row = "[0:1, :]" if transposed else "[...]"
+        widen = (lambda x: x) if transposed else (lambda x: lanes(x, self.tile[p.key]))
         fes = n.local("float_blocks")
         dfe = [n.local(f"d{r.operand}") for r in p.float_reads()]
         got = ", ".join(([] if p.stored_score else [nm["raw"]]) + [nm["s"]] + ([chain] if self.has_chain() else []))
@@ -459,7 +463,7 @@ class KernelWriter:
                       f"        {nm['lse']} = jnp.where({inside}, {nm['lse']}, 0.0)",
                       f"        {delta} = jnp.where({inside}, {delta}, 0.0)"]
         lines += [f"    {nm['lse']} = jnp.where(jnp.isneginf({nm['lse']}), 0.0, {nm['lse']})  # a row with nothing present",
-                  f"    {nm['probs']} = jnp.exp({nm['s']} - {nm['lse']})  # absent elements: exp(-inf) = 0"]
+                  f"    {nm['probs']} = jnp.exp({nm['s']} - {widen(nm['lse'])})  # absent elements: exp(-inf) = 0"]
         terms, dos = [], {}
         for c in p.consumers:
             if c.kind == "softmax_product":
@@ -480,11 +484,11 @@ class KernelWriter:
                 terms.append(term + (f" * {c.scale!r}" if c.scale is not None else ""))
         if terms:
             lines.append(f"    {nm['dprobs']} = " + " + ".join(terms))
-            lines.append(f"    {nm['ds']} = {nm['probs']} * ({nm['dprobs']} - {delta})")
+            lines.append(f"    {nm['ds']} = {nm['probs']} * ({nm['dprobs']} - {widen(delta)})")
         else:
-            lines.append(f"    {nm['ds']} = -{nm['probs']} * {delta}")
+            lines.append(f"    {nm['ds']} = -{nm['probs']} * {widen(delta)}")
         if "dsum" in extra:
-            lines.append(f"    {nm['ds']} = {nm['ds']} + jnp.where(jnp.isneginf({nm['s']}), 0.0, {extra['dsum']}{row})")
+            lines.append(f"    {nm['ds']} = {nm['ds']} + jnp.where(jnp.isneginf({nm['s']}), 0.0, {widen(extra['dsum'] + row)})")
         if p.stored_score:  # the chain's operands are all there is to differentiate
             lines.append(f"    _, {nm['pull']} = jax.vjp({chain}, *{fes})")
             lines.append(f"    {', '.join(dfe)}{',' if len(dfe) == 1 else ''} = {nm['pull']}({nm['ds']})")
