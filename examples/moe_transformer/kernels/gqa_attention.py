@@ -685,8 +685,8 @@ def _attention_dq_kernel(
 
     def _step(masked):
         raw, s = _scores(masked)
-        lse = row_lse_ref[:, 0:1]
-        delta = delta_ref[:, 0:1]
+        lse = row_lse_ref[...]
+        delta = delta_ref[...]
         if masked:
             rows_inside = (
                 read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
@@ -694,7 +694,7 @@ def _attention_dq_kernel(
             lse = jnp.where(rows_inside, lse, 0.0)
             delta = jnp.where(rows_inside, delta, 0.0)
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
-        probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
+        probs = jnp.exp(s - (lse)[:, :32])  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
@@ -714,7 +714,7 @@ def _attention_dq_kernel(
             (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
-        ds = probs * (dprobs - delta)
+        ds = probs * (dprobs - (delta)[:, :32])
         draw = ds
         k_blk = k_ref[...]
         if masked:
