@@ -9,6 +9,8 @@ BIN := $(VENV)/bin
 GPU_VENV := .venv-gpu
 GPU_PACKAGES := jax==0.12.0.1 jaxlib==0.12.0.1 jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 'nvidia-cuda-nvcc>=13,<14'
 SPECS := $(wildcard specs/*.spk)
+# The mixture-of-experts example's kernels, built into the example (examples/moe_transformer/).
+EXAMPLE_SPECS := $(wildcard examples/moe_transformer/specs/*.spk)
 # libtpu looks for TPU hosts at start-up; these keep it quiet where there is none.
 export TPU_SKIP_MDS_QUERY := 1
 # Parallel test workers each load libtpu (for AOT compiles only); let them share it.
@@ -34,9 +36,11 @@ gpu-venv: $(GPU_VENV)/.installed
 
 build: venv
 	$(BIN)/sparsegen build $(SPECS) -o generated
+	$(BIN)/sparsegen build $(EXAMPLE_SPECS) -o examples/moe_transformer/kernels
 
 check: venv
 	$(BIN)/sparsegen check $(SPECS) -o generated
+	$(BIN)/sparsegen check $(EXAMPLE_SPECS) -o examples/moe_transformer/kernels
 
 run: build
 	$(BIN)/python scripts/run_examples.py
