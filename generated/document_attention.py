@@ -242,15 +242,25 @@ def _mesh_placement(kernel, mesh, axes):
             )
         taken[axis] = index
         placed[index] = axis
-    ring = [
-        placed.get(i) for i in (_RING_QUERY, _RING_KEY) if _MESH_RULES[i][0] == "ring"
-    ]
-    if any(ring) and (len(ring) < 2 or ring[0] != ring[1]):
+    query, key = placed.get(_RING_QUERY), placed.get(_RING_KEY)
+    # The key index alone (each device's keys, merged across the axis) needs the rows whole,
+    # so a size of their own; with the rows, one axis (a ring).
+    alone = key is not None and query is None and _RING_LENGTHS[0] != _RING_LENGTHS[1]
+    if (
+        (key is not None or _MESH_RULES[_RING_QUERY][0] == "ring")
+        and query != key
+        and not alone
+    ):
         _fail(
             f"sharded: the key index {_RING_KEY} is split with the query index {_RING_QUERY}, as a ring: map both to "
-            f"one mesh axis (sharded(mesh, {_RING_QUERY}=AXIS, {_RING_KEY}=AXIS)); the key index alone is not supported yet"
+            f"one mesh axis (sharded(mesh, {_RING_QUERY}=AXIS, {_RING_KEY}=AXIS))"
+            + (
+                ""
+                if key is None or query is not None
+                else f"; alone it would need {_RING_QUERY} to have a size of its own"
+            )
         )
-    if zigzag and not ring:
+    if zigzag and key is None:
         _fail(
             f"sharded: only a ring's query index {_RING_QUERY} may be split in zigzag order"
         )
@@ -330,7 +340,12 @@ def _on_mesh(args, placement, keywords, interpret):
                 shards,
                 keywords,
                 interpret,
-                (ring, mesh.shape[ring], 2 if placement[3] else 1),
+                (
+                    ring,
+                    mesh.shape[ring],
+                    2 if placement[3] else 1,
+                    _RING_QUERY not in axis,
+                ),
             )
         else:
             outs = kernel(*shards, **dict(keywords), interpret=interpret)
@@ -1610,7 +1625,8 @@ def sharded(mesh, /, **axes):
             i and as j)
         j: split with i over one mesh axis, as a ring: each device keeps its rows, the
             key-side arguments travel round the axis (ppermute) and the partial results
-            merge by their logsumexp
+            merge by their logsumexp; alone (where i has a size of its own), each device
+            attends over its keys and the partial results merge across the axis
         d: cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i,
             d] * k[b, h, j, d] * 0.125 where (seg[b, i] == seg[b, j]) and (i >= j)`),
             which a nonlinear step reads (softmax, an elementwise function): partial
@@ -1663,7 +1679,8 @@ _RING_LENGTHS = ("S", "S")
 
 def _ring_device(shards, keywords, interpret, ring):
     """One device's part of a ring, under shard_map: its rows against every device's keys.
-    `ring`: (mesh axis, its size n, chunks a device holds: 1, or 2 in zigzag order)."""
+    `ring`: (mesh axis, its size n, chunks a device holds: 1, or 2 in zigzag order, and
+    whether the key index is split alone: every row here, this device's keys)."""
     local = dict(keywords)
     *arrays, sizes = _prepare(*shards, *(local[s] for s in _MESH_SIZES))
     return _ring(tuple(arrays), sizes, interpret, ring)
@@ -1711,9 +1728,23 @@ def _ring_steps(arrays, sizes, ring):
     it received (its own at t = 0); per (row chunk, key chunk), the chunks' arguments, the
     key sides of those read along both, their first positions and whether the pair is
     visited."""
-    axis, n, m = ring
-    live, chunk, lengths = _ring_plan(sizes, n, m)
+    axis, n, m, alone = ring
     me = lax.axis_index(axis)
+    if alone:
+        # Every row against this device's keys: one pair, skipped where its own (traced)
+        # classification visits nothing; no key travels.
+        chunk = sizes
+        origin = jnp.stack([0, me * chunk[_MESH_SIZES.index(_RING_LENGTHS[1])]]).astype(
+            jnp.int32
+        )
+        keys = tuple(a for a, role in zip(arrays, _RING_ROLES) if role == "both")
+        visited = (
+            _classify_blocks(jnp, arrays[3], chunk, **_ring_keywords(origin, keys))
+            != _EMPTY
+        ).any()
+        yield 0, [], [(0, 0, tuple(arrays), keys, origin, visited)], chunk
+        return
+    live, chunk, lengths = _ring_plan(sizes, n, m)
     cut = [
         None if d is None else jnp.split(a, m, axis=d)
         for a, d in zip(arrays, _RING_DIMS)
@@ -1780,6 +1811,27 @@ def _ring_merge(acc, part):
     return merged
 
 
+def _ring_merge_across(part, axis):
+    """Every device's partial results over its keys as one, on every device of the axis."""
+    top = lax.pmax(part[_RING_LSE], axis)
+    top = jnp.where(jnp.isneginf(top), 0.0, top)
+    total = lax.psum(jnp.exp(part[_RING_LSE] - top), axis)
+    lse = jnp.where(
+        total == 0, -jnp.inf, top + jnp.log(jnp.where(total == 0, 1.0, total))
+    )
+    share = jnp.exp(part[_RING_LSE] - jnp.where(jnp.isneginf(lse), 0.0, lse))
+    return [
+        (
+            lse
+            if how == "logsumexp"
+            else lax.psum(
+                x * share.reshape(share.shape + (1,) * (x.ndim - d - 1)), axis
+            )
+        )
+        for x, how, d in zip(part, _RING_MERGES, _RING_ROWS)
+    ]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _ring(arrays, sizes, interpret, ring):
     return _ring_forward(arrays, sizes, interpret, ring)[0]
@@ -1815,6 +1867,8 @@ def _ring_forward(arrays, sizes, interpret, ring):
                 origin,
             )
             acc[a] = _ring_merge(acc[a], part)
+    if ring[3]:
+        acc[0] = _ring_merge_across(acc[0], ring[0])
     kept = [
         (
             jnp.concatenate([c[r] for c in acc], axis=d).astype(s.dtype)
@@ -1834,6 +1888,10 @@ def _ring_backward(sizes, interpret, ring, residuals, cotangent):
     arrays, kept = residuals
     axis, m = ring[0], ring[2]
     cotangent = cotangent if len(_RING_DECLARED) > 1 else (cotangent,)
+    if ring[3]:
+        # The key index alone: the outputs are whole on every device of the axis, and
+        # shard_map hands each its share of their cotangent (the rows' gradients it sums).
+        cotangent = tuple(lax.psum(c, axis) for c in cotangent)
     rows = lambda x, d, a: x if m == 1 else jnp.split(x, m, axis=d)[a]  # noqa: E731
     grads = [
         (

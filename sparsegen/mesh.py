@@ -130,12 +130,14 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool = False) ->
         if isinstance(found, Ring):
             the_ring = found
             why = (f"split with {found.query} over one mesh axis, as a ring: each device keeps its rows, the key-side "
-                   "arguments travel round the axis (ppermute) and the partial results merge by their logsumexp")
-            sizes = tuple(dict.fromkeys(k.index(i).size.symbol for i in (found.query, found.key)))
+                   "arguments travel round the axis (ppermute) and the partial results merge by their logsumexp; "
+                   f"alone (where {found.query} has a size of its own), each device attends over its keys and the "
+                   "partial results merge across the axis")
             for n, r in enumerate(rules):
                 if r.index == found.key or (r.index == found.query and r.how is None):
                     rules[n] = Rule(r.index, "ring", why if r.index == found.key else
-                                    f"split with {found.key} over one mesh axis, as a ring (alone: {r.why})", sizes)
+                                    f"split with {found.key} over one mesh axis, as a ring (alone: {r.why})",
+                                    (k.index(r.index).size.symbol,))
         else:
             rules = [Rule(r.index, None, found) if r.why.startswith("it is the key index") else r for r in rules]
 

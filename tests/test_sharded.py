@@ -268,6 +268,33 @@ def test_ring_attention_causal_local_document_and_zigzag(mesh_results):
     assert_case(k3, env3, res3, 1, ["P(None, None, 'seq')"], parts=8)
 
 
+# Cross attention: rows and keys of their own sizes, a condition between their positions.
+CROSS = """
+kernel cross {
+    in  q: f32[B, S, D]
+    in  k: f32[B, T, D]
+    in  v: f32[B, T, E]
+    out o: f32[B, S, E]
+    out lse: f32[B, S]
+    s[b, i, j] = q[b, i, d] * k[b, j, d] where j <= i + 200
+    o[b, i, e] = softmax(s[b, i, j], j) * v[b, j, e]
+    lse[b, i] = logsumexp(s[b, i, j], j)
+    tile b = 1, i = 128, j = 128, d = 128, e = 128
+}"""
+on_mesh("alone", (CROSS, dict(B=2, S=256, T=1024, D=128), [{**RING, "axes": {"b": "data", "j": "seq"}},
+                                                           {**RING, "axes": {"i": "seq", "j": "seq"}}]))
+
+
+def test_key_index_alone_merges_across_the_axis(mesh_results):
+    """The key index split alone: every device attends all rows over its keys, the partial
+    results merged across the axis by their logsumexp (values and gradients; the rows'
+    gradient summed over the devices). The same kernel as a ring, rows and keys of two
+    sizes."""
+    kernel, env, res = run_on_mesh(mesh_results, "alone")
+    assert assert_case(kernel, env, res, 0, ["P('data',)", "P('data',)"], parts=4) == 3
+    assert assert_case(kernel, env, res, 1, ["P(None, 'seq')", "P(None, 'seq')"], parts=4) == 3
+
+
 def test_ring_pairs_that_see_nothing_exchange_and_compute_nothing():
     """Causal over 8 shards in order: 36 of the 64 (rows, keys) shard pairs see something,
     and the keys travel only to those (step t: the 8 - t devices whose keys are t behind).
@@ -425,9 +452,9 @@ REFUSALS = [
     (BATCHED, {"b": "rows"}, "index b is mapped to 'rows', which is not an axis of the mesh (its axes: data, model)"),
     (BATCHED, {"b": "data", "k": "data"}, "mesh axis 'data' is given to both b and k; an axis splits one index"),
     ("causal_attention", {"j": "data"}, "the key index j is split with the query index i, as a ring: map both to one mesh axis "
-     "(sharded(mesh, i=AXIS, j=AXIS)); the key index alone is not supported yet"),
+     "(sharded(mesh, i=AXIS, j=AXIS)); alone it would need i to have a size of its own"),
     ("causal_attention", {"i": "data", "j": "model"}, "the key index j is split with the query index i, as a ring: map both to "
-     "one mesh axis (sharded(mesh, i=AXIS, j=AXIS)); the key index alone is not supported yet"),
+     "one mesh axis (sharded(mesh, i=AXIS, j=AXIS))"),
     ("causal_attention", {"b": ("data", "zigzag")}, "index b is mapped to ('data', 'zigzag'), which is not an axis of the mesh "
      "(its axes: data, model)"),
     ("masked_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting "
@@ -436,9 +463,9 @@ REFUSALS = [
      "k[b, h, j, d] * 0.08838834764831845 where i >= j`), which a nonlinear step reads (softmax, an elementwise function): "
      "partial sums cannot be added after it"),
     ("causal_attention", {"i": "data"}, "the key index j is split with the query index i, as a ring: map both to one mesh axis "
-     "(sharded(mesh, i=AXIS, j=AXIS)); the key index alone is not supported yet"),
+     "(sharded(mesh, i=AXIS, j=AXIS))"),
     ("document_attention", {"i": "data"}, "the key index j is split with the query index i, as a ring: map both to one mesh "
-     "axis (sharded(mesh, i=AXIS, j=AXIS)); the key index alone is not supported yet"),
+     "axis (sharded(mesh, i=AXIS, j=AXIS))"),
     (WIDE_SEG, {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting it (a ring, "
      "with i) is not supported yet: bias dim 0 is read as i and as j, and only arguments read along one of them (or integers "
      "read along both) travel or stay"),

@@ -118,8 +118,18 @@ class RowWalk:
 
 def row_walk(kernel: Kernel, plan: RowPlan, conv, names) -> RowWalk:
     """The walk's grid and tables (named in the module's `names`)."""
-    tables = [names.local(x) for x in ("rows", "cols", "read_rows", "kinds", "flags")]
-    steps = names.local("steps")
+    # Not an index's name either: the kernels and index maps rename index variables (a
+    # lead index named `steps` would take the walk's static step count's place).
+    indices = {i.name for i in kernel.indices}
+    tables, steps = [], None
+    for x in ("rows", "cols", "read_rows", "kinds", "flags", "steps"):
+        name = names.local(x)
+        while name in indices:
+            name = names.local(x)
+        if x == "steps":
+            steps = name
+        else:
+            tables.append(name)
     size = {i: conv.size(kernel.index(i).size) for i in plan.lead}
     lead = tuple(Axis(i, "blocks", i, size[i], render(size[i], "host"), True, f"the values of {i}, one a step") for i in plan.lead)
     group_sizes = tuple((i, size[i]) for i in plan.class_axes[:-2])  # the lead indices the condition reads
