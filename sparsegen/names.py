@@ -58,9 +58,9 @@ class ModuleNames:
     def __init__(self, kernel):
         symbols = [s for s, _ in kernel.symbols]
         # The public functions' bodies use only these names besides their parameters.
-        # (`sharded`'s inner function also reads `_placement`, `_on_mesh` and `_local_sizes`.)
+        # (`sharded`'s inner function also reads `_placement`, `_on_mesh` (`_on_mesh_coo`) and `_local_sizes`.)
         self.public = NameTable({"_prepare", "_impl", "_run", "_reference", "_check_interpret", "_check_bound", "interpret", "max_steps",
-                                 "_placement", "_on_mesh", "_local_sizes"} | set(symbols))
+                                 "_placement", "_on_mesh", "_on_mesh_coo", "_local_sizes"} | set(symbols))
         self.internal = NameTable(MODULE_NAMES | PYTHON_NAMES | FIXED_LOCALS | {kernel.name})
         self.functions = NameTable(MODULE_NAMES | {kernel.name})
         self.host_functions: dict[tuple, str] = {}  # a host function's (parameters, body) -> its name
