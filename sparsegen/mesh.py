@@ -166,7 +166,7 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool = False) ->
     for p in conv.params:
         if p.kind in ("dense", "mask"):
             args.append(dims(p.operand))
-        else:  # a coo operand's blocks and coordinates, offsets: whole on every device
+        else:  # a coo operand's blocks and coordinates (a coo input's dealt where `coo` says), offsets: whole
             args.append(())
     outputs, sums = [], []
     for out in k.outputs:

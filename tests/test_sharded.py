@@ -167,12 +167,13 @@ def skewed_dds(rng):
 
 def test_coo_kernels_split(tmp_path):
     """dsd: x's stored blocks dealt by their coordinates along its rows m (alone, with n
-    on the other mesh axis, under jit where the coordinates are traced and each device's
-    bucket is every block), along k (partial sums added with psum), or whole on every device
-    (n alone: its gradient the sum of every device's); repeated blocks add up. dds, skewed:
-    every stored block of y in one device's columns. sdd: the stored output blocks are
-    partial sums over k, added with psum (a coo output's own indices are refused). A slice
-    that is not a whole number of stored blocks is refused at the call."""
+    on the other mesh axis; with k under jit, where the coordinates are traced and each
+    device's bucket is every block; k's partial sums added with psum), or whole on every
+    device (n alone: its gradient the sum of every device's); repeated blocks add up. dds,
+    skewed: every stored block of y in one device's columns (also on an explicit mesh,
+    under jit). sdd: the stored output blocks are partial sums over k, added with psum (a
+    coo output's own indices are refused). A slice that is not a whole number of stored
+    blocks is refused at the call."""
     dsd_cases = [
         {**MESH, "axes": {"n": "model"}},
         {**MESH, "axes": {"m": "data", "n": "model"}},
@@ -180,7 +181,8 @@ def test_coo_kernels_split(tmp_path):
         {**MESH, "axes": {"m": "model", "k": "data"}, "jit": True},
         {**MESH, "axes": {"k": "model"}, "grad": False},  # K = 256: 64 rows a device
     ]
-    dds_cases = [{**MESH, "axes": {"n": "model"}}, {**MESH, "axes": {"m": "data", "n": "model"}, "jit": True}]
+    dds_cases = [{**MESH, "axes": {"n": "model"}},
+                 {**MESH, "axes": {"m": "data", "n": "model"}, "jit": True, "explicit": True}]
     (k1, env1, res1), (k2, env2, res2), (k3, env3, res3) = run_on_mesh(
         tmp_path,
         (DSD, dict(M=512, K=256, N=256), dsd_cases, "duplicates"),
@@ -542,6 +544,12 @@ def test_gpu_modules_have_the_same_rule():
     for name in ("_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES"):
         assert getattr(gpu, name) == getattr(tpu, name)
     assert callable(gpu.sharded(one_device_mesh(), k="model"))
+    _, tpu = build(DSD, formatted=False)
+    _, gpu = build(DSD, target="h200")
+    for name in ("_MESH_RULES", "_MESH_ARGS", "_MESH_COO"):
+        assert getattr(gpu, name) == getattr(tpu, name)
+    assert tpu._MESH_COO == ((0, (1, 2), ("m", "k"), (128, 128)),)
+    assert callable(gpu.sharded(one_device_mesh(), m="data", k="model"))
 
 
 HOSTILE = """
@@ -555,11 +563,26 @@ kernel _on_mesh_ {
 }"""
 
 
+HOSTILE_COO = """
+kernel _coo_deal_ {
+    in  _on_mesh_coo: f32[cut, buckets] coo
+    in  _coo_cut: f32[buckets, tiles]
+    out _MESH_COO: f32[cut, tiles]
+    _MESH_COO[cut, tiles] = _on_mesh_coo[cut, buckets] * _coo_cut[buckets, tiles]
+    tile cut = 128, tiles = 128, buckets = 128
+}"""
+
+
 def test_spec_names_that_sharded_uses_are_safe():
-    """Operands, indices and sizes named after what `sharded` and its inner function read."""
+    """Operands, indices and sizes named after what `sharded` and its inner function read,
+    and after what it deals a coo input with."""
     kernel, mod = build(HOSTILE, formatted=False)
     args, keywords = example_args(kernel, dict(mesh=128, axes=256, sharded=128), "random", np.random.default_rng(0))
     fn = mod.sharded(one_device_mesh(), mesh="data", axes="model")  # an index named `mesh`, one named `axes`
+    np.testing.assert_allclose(fn(*args, **keywords, interpret=True), mod.reference(*args, **keywords), rtol=1e-5, atol=1e-4)
+    kernel, mod = build(HOSTILE_COO, formatted=False)
+    args, keywords = example_args(kernel, dict(cut=256, buckets=256, tiles=128), "padded", np.random.default_rng(0))
+    fn = mod.sharded(one_device_mesh(), cut="data", buckets="model")
     np.testing.assert_allclose(fn(*args, **keywords, interpret=True), mod.reference(*args, **keywords), rtol=1e-5, atol=1e-4)
 
 
