@@ -333,12 +333,16 @@ def _local_sizes(placement, sizes):
     return tuple(local.items())
 
 
-@functools.partial(jax.jit, static_argnames=("placement", "keywords", "interpret"))
-def _on_mesh(args, placement, keywords, interpret):
+@functools.partial(
+    jax.jit, static_argnames=("placement", "keywords", "interpret", "buckets")
+)
+def _on_mesh(args, placement, keywords, interpret, buckets):
     """The kernel under jax.shard_map: each device runs it on its slices of the arguments
     (`keywords`: the sizes it sees, integers compared with a split index's position less
-    its slice's start); an output whose statement sums a split index is added across that
-    index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
+    its slice's start; a coo input's stored blocks dealt by their coordinates, its entry
+    of `buckets` to a device: `_on_mesh_coo`); an output whose statement sums a split index
+    is added across that index's mesh axis. Under jit: custom_vjp's symbolic zeros need it.
+    """
     kernel, mesh, split = placement[:3]
     axis = dict(split)
     in_specs = tuple(
@@ -349,6 +353,20 @@ def _on_mesh(args, placement, keywords, interpret):
         for dims in _MESH_OUTPUTS
     )
     sums = tuple(tuple(axis[i] for i in summed if i in axis) for summed in _MESH_SUMS)
+    args, in_specs = list(args), list(in_specs)
+    for (blocks, coords, indices, tiles), bucket in zip(_MESH_COO, buckets):
+        cut = _coo_cut(mesh, axis, dict(keywords), indices, tiles)
+        if cut:
+            # Its stored blocks dealt by their coordinates: device s's bucket is the s-th
+            # run of `bucket` entries, which an in_spec on their first dimension gives it.
+            args[blocks], dealt, _ = _coo_deal(
+                args[blocks], [args[c] for c in coords], cut, bucket
+            )
+            for c, value in zip(coords, dealt):
+                args[c] = value
+            for n in (blocks, *coords):
+                in_specs[n] = jax.sharding.PartitionSpec(tuple(a for _, a, _, _ in cut))
+    args, in_specs = tuple(args), tuple(in_specs)
     if jax.sharding.AxisType.Explicit in mesh.axis_types:
         # An explicit mesh's arrays are laid out before shard_map takes them.
         args = tuple(
@@ -374,6 +392,89 @@ def _on_mesh(args, placement, keywords, interpret):
         one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )(*args)
     return outs if len(outs) > 1 else outs[0]
+
+
+def _on_mesh_coo(args, placement, keywords, interpret):
+    """`_on_mesh` for a kernel with a coo input a split index reads: its stored blocks are
+    dealt to the devices by their coordinates (`_coo_deal`), each device's padded to one
+    bucket. Where the coordinates are concrete, the bucket is counted here on the host: the
+    most blocks any device gets (a new count compiles anew; `BlockCOO.split` is the same
+    deal, for callers who pad their own). Under jit, where they are traced, it is every
+    stored block: the worst case, one device getting them all."""
+    _, mesh, split = placement[:3]
+    buckets = []
+    for blocks, coords, indices, tiles in _MESH_COO:
+        cut = _coo_cut(mesh, dict(split), dict(keywords), indices, tiles)
+        bucket = np.shape(args[blocks])[0]
+        if cut and not any(_is_traced(args[c]) for c in coords):
+            shard, pad = _coo_shards([np.asarray(args[c]) for c in coords], cut, np)
+            bucket = int(np.bincount(shard[~pad], minlength=1).max())
+        buckets.append(bucket)
+    return _on_mesh(args, placement, keywords, interpret, tuple(buckets))
+
+
+def _coo_cut(mesh, axis, local, indices, tiles):
+    """How a coo input's stored blocks are dealt: (dimension, mesh axis, devices, blocks a
+    device holds along it) for each dimension whose index is split, in order (the first
+    one's mesh axis major, as a PartitionSpec((a, b)) deals a dimension). A device's slice
+    must hold whole blocks (one device's may end in a partial one)."""
+    cut = []
+    for d, (index, tile) in enumerate(zip(indices, tiles)):
+        if index in axis:
+            symbol, n = _MESH_RULES[index][1][0], mesh.shape[axis[index]]
+            if n > 1 and local[symbol] % tile:
+                _fail(
+                    f"sharded: index {index} cannot be split over mesh axis {axis[index]!r} of {n} devices: a device's "
+                    f"slice of {symbol} ({local[symbol]}) is not a whole number of stored blocks ({tile} along {index})"
+                )
+            cut.append((d, axis[index], n, -(-local[symbol] // tile)))
+    return tuple(cut)
+
+
+def _coo_shards(coords, cut, xp):
+    """Each stored block's device (row-major over the cut dimensions) and whether it is
+    padding (every coordinate -1). `xp`: numpy on the host, jax.numpy under jit; a
+    coordinate out of range is clamped, as the kernel clamps it."""
+    pad = functools.reduce(xp.logical_and, [c < 0 for c in coords])
+    shard = 0
+    for d, _, n, per in cut:
+        shard = shard * n + xp.clip(coords[d], 0, n * per - 1) // per
+    return shard, pad
+
+
+def _coo_deal(blocks, coords, cut, bucket):
+    """A coo input's stored blocks dealt to the devices of `cut`: entry s * bucket + p holds
+    device s's p-th block (in the caller's order), its coordinates along the cut dimensions
+    made local; entries past a device's count are padding (zero blocks, coordinates -1).
+    Returns (blocks, coords, source: the caller's block in each entry, -1 for padding). A
+    gather: the blocks' gradient comes back in the caller's order, padding's dropped."""
+    devices = int(np.prod([n for _, _, n, _ in cut]))
+    shard, pad = _coo_shards(coords, cut, jnp)
+    key = jnp.where(pad, devices, shard)  # padding after every device's blocks
+    order = jnp.argsort(key, stable=True)
+    first = jnp.searchsorted(key[order], jnp.arange(devices), side="left")
+    count = jnp.searchsorted(key[order], jnp.arange(devices), side="right") - first
+    entry = jnp.arange(devices * bucket)
+    s, p = entry // max(bucket, 1), entry % max(bucket, 1)
+    kept = p < count[s]
+    source = jnp.where(
+        kept, order[jnp.minimum(first[s] + p, max(blocks.shape[0] - 1, 0))], -1
+    )
+    take = jnp.maximum(source, 0)
+    blocks = jnp.asarray(blocks)
+    dealt = jnp.where(
+        kept.reshape((-1,) + (1,) * (blocks.ndim - 1)),
+        blocks[take],
+        jnp.zeros((), blocks.dtype),
+    )
+    per = {d: (n, per) for d, _, n, per in cut}
+    local = []
+    for d, c in enumerate(coords):
+        c = jnp.asarray(c)[take]
+        if d in per:
+            c = jnp.clip(c, 0, per[d][0] * per[d][1] - 1) % per[d][1]
+        local.append(jnp.where(kept, c, -1).astype(jnp.int32))
+    return dealt, tuple(local), source
 
 
 def _as_blocks(name, value, tiles, dtype):
@@ -1041,19 +1142,10 @@ def reference(
 # axis's size; ("sum", sizes): the same, and the outputs whose statement sums the index
 # are added across the axis (psum); (None, why): it cannot be split.
 _MESH_RULES = {
-    "b": (
-        None,
-        "the sparse coo input x is indexed by it (x[b, m, k]): splitting a coo operand's stored blocks is not supported yet",
-    ),
-    "m": (
-        None,
-        "the sparse coo input x is indexed by it (x[b, m, k]): splitting a coo operand's stored blocks is not supported yet",
-    ),
+    "b": ("split", ("B",)),
+    "m": ("split", ("M",)),
     "n": ("split", ("N",)),
-    "k": (
-        None,
-        "the sparse coo input x is indexed by it (x[b, m, k]): splitting a coo operand's stored blocks is not supported yet",
-    ),
+    "k": ("sum", ("K",)),
 }
 # The index along each dimension of the positional arguments and of the outputs (() where
 # one is whole on every device: a coo operand, offsets); the indices each output's
@@ -1065,6 +1157,11 @@ _MESH_OUTPUTS = (("b", "m", "n"),)
 _MESH_SUMS = (("k",),)
 _MESH_SIZES = ("B", "M", "K", "N")
 _MESH_SHIFTS = ()
+# Per coo input a split index reads: (its blocks' argument, its coordinates' arguments, the
+# index along each dimension (None: never split), the extent of a stored block along it).
+# Where one of those indices is split, its stored blocks are dealt to the devices by their
+# coordinates instead of being whole on every device.
+_MESH_COO = ((0, (1, 2, 3), ("b", "m", "k"), (1, 512, 256)),)
 
 
 def sharded(mesh, /, **axes):
@@ -1073,19 +1170,22 @@ def sharded(mesh, /, **axes):
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
 
-        batched_dsd_on_mesh = sharded(mesh, n="data")
+        batched_dsd_on_mesh = sharded(mesh, b="data", m="model")
 
     Arrays may arrive sharded or not (each is laid out as the mapping says); gradients
     flow through it as through the kernel. A split index's size must be divisible by its
     mesh axis's size. Per index of the spec:
 
-        b: cannot be split: the sparse coo input x is indexed by it (x[b, m, k]):
-            splitting a coo operand's stored blocks is not supported yet
-        m: cannot be split: the sparse coo input x is indexed by it (x[b, m, k]):
-            splitting a coo operand's stored blocks is not supported yet
+        b: split: each device runs the kernel on its slice, with no communication; the
+            stored blocks of x go to the device whose slice holds their coordinate along
+            it (made local), each device's padded to one bucket
+        m: split: each device runs the kernel on its slice, with no communication; the
+            stored blocks of x go to the device whose slice holds their coordinate along
+            it (made local), each device's padded to one bucket
         n: split: each device runs the kernel on its slice, with no communication
-        k: cannot be split: the sparse coo input x is indexed by it (x[b, m, k]):
-            splitting a coo operand's stored blocks is not supported yet
+        k: split: each device sums its slice, and the partial results are added across
+            the axis (psum); the stored blocks of x go to the device whose slice holds
+            their coordinate along it (made local), each device's padded to one bucket
 
     Mapping an index the spec lacks, to an axis the mesh lacks, or two indices to one
     axis, raises a ValueError.
@@ -1106,7 +1206,7 @@ def sharded(mesh, /, **axes):
         interpret=False,
     ):
         """Run the kernel on the mesh: the same arguments and results as the kernel."""
-        return _on_mesh(
+        return _on_mesh_coo(
             (x_blocks, x_idx_0, x_idx_1, x_idx_2, y),
             _placement,
             _local_sizes(

@@ -881,11 +881,11 @@ def reference(x, y, o_idx_0, o_idx_1, *, M=None, K=None, N=None):
 _MESH_RULES = {
     "m": (
         None,
-        "the sparse coo output o is indexed by it (o[m, n]): splitting a coo operand's stored blocks is not supported yet",
+        "the sparse coo output o is indexed by it (o[m, n]): splitting a coo output's requested blocks is not supported yet (a coo input's stored blocks are split by their coordinates)",
     ),
     "n": (
         None,
-        "the sparse coo output o is indexed by it (o[m, n]): splitting a coo operand's stored blocks is not supported yet",
+        "the sparse coo output o is indexed by it (o[m, n]): splitting a coo output's requested blocks is not supported yet (a coo input's stored blocks are split by their coordinates)",
     ),
     "k": ("sum", ("K",)),
 }
@@ -914,9 +914,11 @@ def sharded(mesh, /, **axes):
     mesh axis's size. Per index of the spec:
 
         m: cannot be split: the sparse coo output o is indexed by it (o[m, n]):
-            splitting a coo operand's stored blocks is not supported yet
+            splitting a coo output's requested blocks is not supported yet (a coo
+            input's stored blocks are split by their coordinates)
         n: cannot be split: the sparse coo output o is indexed by it (o[m, n]):
-            splitting a coo operand's stored blocks is not supported yet
+            splitting a coo output's requested blocks is not supported yet (a coo
+            input's stored blocks are split by their coordinates)
         k: split: each device sums its slice, and the partial results are added across
             the axis (psum)
 

@@ -8,7 +8,8 @@ not need the compiler or its templates.
   of a `coo` input. A jax pytree when jax is installed.
 - `sparsify_mask`: the tutorial's function, vectorised, with exact block deduplication.
 - Bucketing: `BlockCOO.pad_to` / `BlockCOO.bucketed` pad the number of stored blocks so
-  that new sparsity patterns reuse a compiled kernel.
+  that new sparsity patterns reuse a compiled kernel; `BlockCOO.split` deals them to the
+  shards of a device mesh by their coordinates, each shard's padded to one bucket.
 - Mixture of experts: `group_ids` / `group_offsets` turn group sizes into the sorted ids
   (`where gid[m] == g`) or offsets (`lo[g] <= m < lo[g + 1]`) a grouped matmul reads, and
   `route` turns per-token expert choices into the sorting permutation, ids and sizes.
@@ -24,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["BlockCOO", "Routing", "bucket_size", "group_ids", "group_offsets", "route", "sparsify_mask"]
+__all__ = ["BlockCOO", "Routing", "Shards", "bucket_size", "group_ids", "group_offsets", "route", "sparsify_mask"]
 
 
 def _check_block_shape(shape: tuple[int, ...], block_shape) -> tuple[int, ...]:
@@ -222,6 +223,74 @@ class BlockCOO:
         """Pad to the bucket size for this many blocks (`bucket_size`): patterns of similar
         density then share one compiled kernel."""
         return self.pad_to(bucket_size(self.nb, buckets))
+
+    def split(self, dim: int | Sequence[int], n: int | Sequence[int], bucket: int | None = None) -> "Shards":
+        """The stored blocks dealt to `n` shards by their coordinate along `dim`, the dense
+        dimension cut into `n` equal slices of whole blocks: shard s gets the blocks whose
+        coordinate falls in its slice, in their order here, that coordinate made local,
+        padded to one bucket with padding entries (zero blocks, every coordinate -1). The
+        bucket is the most blocks any shard gets, or `bucket` (at least that).
+
+        Returns `Shards`: a BlockCOO of one shard's shape holding n * bucket entries, shard
+        s's at [s * bucket, (s + 1) * bucket) (what a shard_map in_spec on dimension 0 gives
+        device s), the bucket, and each entry's source block (-1: padding). `dim` and `n` may
+        be sequences: shards row-major over those dimensions (the first major, as
+        `PartitionSpec(("a", "b"))` deals). A generated module's `sharded` deals a coo input
+        a split index reads the same way (on device, its bucket counted on the host)."""
+        dims = (dim,) if isinstance(dim, (int, np.integer)) else tuple(dim)
+        counts = (n,) if isinstance(n, (int, np.integer)) else tuple(n)
+        if len(dims) != len(counts) or len(set(dims)) != len(dims):
+            raise ValueError(f"split: dims {dims} and shard counts {counts} must pair up, each dim once")
+        if any(_is_traced(c) for c in self.coords):
+            raise ValueError("split: needs concrete coordinates (it counts each shard's blocks on the host)")
+        shape, cut = list(self.shape), []
+        for d, k in zip(dims, counts):
+            if not 0 <= d < len(shape):
+                raise ValueError(f"split: dim {d} is not a dimension of a BlockCOO of shape {self.shape}")
+            k = int(k)
+            if k < 1 or shape[d] % (k * self.block_shape[d]):
+                raise ValueError(f"split: dim {d} of size {shape[d]} cannot be cut into {k} slices of whole blocks "
+                                 f"({self.block_shape[d]} along it)")
+            shape[d] //= k
+            cut.append((d, k, shape[d] // self.block_shape[d]))
+        shards = int(np.prod([k for _, k, _ in cut]))
+        coords = [np.asarray(c) for c in self.coords]
+        pad = _all(np, [c < 0 for c in coords]) if coords else np.zeros(self.nb, bool)
+        shard = np.zeros(self.nb, np.int64)
+        for d, k, per in cut:
+            shard = shard * k + np.clip(coords[d], 0, k * per - 1) // per
+        key = np.where(pad, shards, shard)  # padding after every shard's blocks
+        have = np.bincount(key, minlength=shards + 1)[:shards]
+        most = int(have.max())
+        if bucket is None:
+            bucket = most
+        elif bucket < most:
+            raise ValueError(f"split: a shard gets {most} stored blocks, more than the bucket {bucket}")
+        order = np.argsort(key, kind="stable")
+        first = np.concatenate([[0], np.cumsum(have)[:-1]])
+        s, p = np.divmod(np.arange(shards * bucket), max(bucket, 1))
+        kept = p < have[s]
+        source = np.where(kept, order[np.minimum(first[s] + p, max(self.nb - 1, 0))] if self.nb else 0, -1).astype(np.int64)
+        take = np.maximum(source, 0)
+        xp = _array_module(self.blocks)
+        blocks = xp.where(xp.asarray(kept.reshape((-1,) + (1,) * len(self.block_shape))), self.blocks[take],
+                          xp.zeros((), self.dtype)) if self.nb else xp.zeros((shards * bucket, *self.block_shape), self.dtype)
+        per = {d: p for d, _, p in cut}
+        local = []
+        for d, c in enumerate(coords):
+            c = c[take] if self.nb else np.zeros(len(take), np.int32)
+            local.append(np.where(kept, c % per[d] if d in per else c, -1).astype(np.int32))
+        return Shards(BlockCOO(blocks, tuple(local), shape), bucket, source)
+
+
+class Shards(NamedTuple):
+    """`BlockCOO.split`'s result: `coo` (one shard's shape, n * bucket entries, shard s's at
+    [s * bucket, (s + 1) * bucket)), `bucket`, and `source[e]`, the block of the BlockCOO
+    split that entry e holds (-1: padding)."""
+
+    coo: BlockCOO
+    bucket: int
+    source: np.ndarray
 
 
 def _is_traced(value) -> bool:

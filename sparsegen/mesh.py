@@ -10,11 +10,16 @@ split over a mesh axis, and how, decided once from the IR for every target.
 - "sum": a product sums it (an einsum's `k`). Each device sums its slice; the outputs of
   the statements that sum it are added across the axis with `psum`.
 - refused, with the reason (`MeshPlan.rules[index].why`): summed under a nonlinear step,
-  the key index of an attention-like kernel (context parallelism: a later layer), read by
-  a `coo` operand (splitting stored blocks: a later layer), read at an offset or through a
+  the key index of an attention-like kernel that cannot travel as a ring, read by a `coo`
+  output, or by a `coo` input other than alone and plain, read at an offset or through a
   table, a size fixed by the spec or shared with an index that is not split with it, a
   position or size a condition reads (each shard's offset is not passed to the kernels
   yet), a summed result a later statement reads.
+
+A `coo` input's dimension read by a split (or summed) index alone, plainly (`x[m, k]`), is
+split by its stored blocks' coordinates: each device gets the blocks whose coordinate falls
+in its slice, that coordinate made local, padded to one bucket (`MeshPlan.coo`; the module
+deals them, `templates/helpers.py.j2`'s `_on_mesh_coo`).
 
 What the plan cannot know before the call (the mesh's axes and their sizes, the array
 sizes) the module checks when it is called: an unknown index or mesh axis, one mesh axis
@@ -41,6 +46,7 @@ class Rule:
     why: str  # a refusal's reason (ends without a full stop); what it does otherwise
     sizes: tuple[str, ...] = ()  # the size symbols a split divides (its own, `h // n` dimensions')
     shifted: tuple[str, ...] = ()  # integer operands compared with its position: given less each shard's offset
+    coo: tuple[str, ...] = ()  # coo inputs it reads: their stored blocks dealt by their coordinates along it
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,19 @@ class MeshPlan:
     sums: tuple[tuple[str, ...], ...]  # per output: the indices its statement sums (psum where split)
     shifts: tuple[tuple[int, str], ...] = ()  # (positional argument, index): less the index's offset on each shard
     ring: Ring | None = None  # where the key index may be split with the query index
+    coo: tuple["CooSplit", ...] = ()  # the coo inputs a split may deal by their coordinates
+
+
+@dataclass(frozen=True)
+class CooSplit:
+    """A coo input some split index reads: the positional arguments of its blocks and
+    coordinates, and per dimension the index reading it (None: never split) and its tile
+    (a stored block's extent along it, tile-1 dimensions included)."""
+
+    blocks: int
+    coords: tuple[int, ...]
+    indices: tuple[str | None, ...]
+    tiles: tuple[int, ...]
 
     def rule(self, index: str) -> Rule:
         return next(r for r in self.rules if r.index == index)
@@ -149,7 +168,7 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool = False) ->
     for p in conv.params:
         if p.kind in ("dense", "mask"):
             args.append(dims(p.operand))
-        else:  # a coo operand's blocks and coordinates, offsets: whole on every device
+        else:  # a coo operand's blocks and coordinates (a coo input's dealt where `coo` says), offsets: whole
             args.append(())
     outputs, sums = [], []
     for out in k.outputs:
@@ -158,7 +177,16 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool = False) ->
         sums.append(tuple(st.summed) if isinstance(st, Einsum) else ())
     shifts = tuple((n, r.index) for r in rules for operand in r.shifted
                    for n, p in enumerate(conv.params) if p.operand == operand and p.kind == "dense")
-    return MeshPlan(tuple(rules), tuple(args), tuple(outputs), tuple(sums), shifts, the_ring)
+    coo = []
+    splittable = {r.index for r in rules if r.how in ("split", "sum")}
+    for op in k.inputs:
+        if op.sparsity != "coo" or not splittable & set(dims(op.name)):
+            continue
+        positions = {(p.kind, p.dim): n for n, p in enumerate(conv.params) if p.operand == op.name}
+        indices = tuple(i if i in splittable else None for i in dims(op.name))
+        tiles = tuple(k.index(i).tile if i is not None else 1 for i in dims(op.name))
+        coo.append(CooSplit(positions[("blocks", None)], tuple(positions[("coords", d)] for d in range(op.rank)), indices, tiles))
+    return MeshPlan(tuple(rules), tuple(args), tuple(outputs), tuple(sums), shifts, the_ring, tuple(coo))
 
 
 def _ring(k: Kernel, conv: Convention, dim_reads, whole) -> Ring | str:
@@ -254,16 +282,22 @@ def _rule(k: Kernel, index, local_names, operands, read_later, dim_reads, whole)
                 return refuse(f"it is summed into {target} ({_statement(st)}), which {read_later[target]} reads: "
                               "its partial sums would meet the next statement before they are added")
             summed_by.append(target)
-    # Every read of it: plain, or `name // n`; coo operands refused.
+    # Every read of it: plain, or `name // n`; a coo input's plain only, a coo output's refused.
+    coo: list[str] = []
     for r in _reads(k):
         for d, sub in enumerate(r.subs):
             if name not in sub.indices:
                 continue
             op = operands.get(r.operand)
+            if op is not None and op.sparsity == "coo" and op.direction != "in":
+                return refuse(f"the sparse coo output {op.name} is indexed by it ({r.text}): splitting a coo output's "
+                              "requested blocks is not supported yet (a coo input's stored blocks are split by their coordinates)")
             if op is not None and op.sparsity == "coo":
-                role = "input" if op.direction == "in" else "output"
-                return refuse(f"the sparse coo {role} {op.name} is indexed by it ({r.text}): "
-                              "splitting a coo operand's stored blocks is not supported yet")
+                if sub.divisor != 1:
+                    return refuse(f"the sparse coo input {op.name} reads it divided ({r.text}): its stored blocks are split "
+                                  "by coordinates read plainly only")
+                if op.name not in coo:
+                    coo.append(op.name)
             if sub.offset is not None or sub.shift or sub.modulus is not None or sub.table is not None:
                 return refuse(f"{r.text} reads it at an offset or through a table, which a slice would move")
             if op is not None:
@@ -300,8 +334,9 @@ def _rule(k: Kernel, index, local_names, operands, read_later, dim_reads, whole)
     if isinstance(shifted, str):
         return refuse(shifted)
     if summed_by:
-        return Rule(name, "sum", f"split; the partial sums of {', '.join(summed_by)} are added (psum)", tuple(divided), shifted)
-    return Rule(name, "split", "split: each device runs the kernel on its slice", tuple(divided), shifted)
+        return Rule(name, "sum", f"split; the partial sums of {', '.join(summed_by)} are added (psum)", tuple(divided), shifted,
+                    tuple(coo))
+    return Rule(name, "split", "split: each device runs the kernel on its slice", tuple(divided), shifted, tuple(coo))
 
 
 def _shifted(k: Kernel, name: str, operands) -> tuple[str, ...] | str:

@@ -22,7 +22,7 @@ HELPERS = frozenset(
     for name in re.findall(r"^def (_\w+)\(", read_resource("templates", template), re.M)
 ) | {
     "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES", "_PARTIALS", "_REFUSED",
-    "_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES", "_MESH_SHIFTS", "_placement",
+    "_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES", "_MESH_SHIFTS", "_MESH_COO", "_placement",
     "_kernel", "_impl", "_reference", "_prepare", "_prefetch", "_init", "_compute", "_flush",
     "_RING_QUERY", "_RING_KEY", "_RING_ROLES", "_RING_DIMS", "_RING_MERGES", "_RING_ROWS", "_RING_DECLARED", "_RING_LSE",
     "_RING_LENGTHS",
@@ -58,9 +58,9 @@ class ModuleNames:
     def __init__(self, kernel):
         symbols = [s for s, _ in kernel.symbols]
         # The public functions' bodies use only these names besides their parameters.
-        # (`sharded`'s inner function also reads `_placement`, `_on_mesh` and `_local_sizes`.)
+        # (`sharded`'s inner function also reads `_placement`, `_on_mesh` (`_on_mesh_coo`) and `_local_sizes`.)
         self.public = NameTable({"_prepare", "_impl", "_run", "_reference", "_check_interpret", "_check_bound", "interpret", "max_steps",
-                                 "_placement", "_on_mesh", "_local_sizes"} | set(symbols))
+                                 "_placement", "_on_mesh", "_on_mesh_coo", "_local_sizes"} | set(symbols))
         self.internal = NameTable(MODULE_NAMES | PYTHON_NAMES | FIXED_LOCALS | {kernel.name})
         self.functions = NameTable(MODULE_NAMES | {kernel.name})
         self.host_functions: dict[tuple, str] = {}  # a host function's (parameters, body) -> its name

@@ -485,6 +485,11 @@ class Wrapper:
             "keywords": list(keywords),
             "doc": self.mesh_doc(plan),
             "ring": plan.ring,
+            # Per coo input a split may deal by its coordinates: (blocks, coordinates, the
+            # index of each dimension, its tile), positions among the positional arguments.
+            "coo": py_tuple(f"({c.blocks}, {py_tuple(str(n) for n in c.coords)}, "
+                            f"{py_tuple('None' if i is None else chr(34) + i + chr(34) for i in c.indices)}, "
+                            f"{py_tuple(str(t) for t in c.tiles)})" for c in plan.coo) if plan.coo else "",
         }
 
     def mesh_doc(self, plan: MeshPlan) -> str:
@@ -510,6 +515,9 @@ class Wrapper:
                     "split": "split: each device runs the kernel on its slice, with no communication",
                     "sum": "split: each device sums its slice, and the partial results are added across the axis (psum)"
                     }.get(r.how, f"cannot be split: {r.why}")
+            if r.how and r.coo:
+                text += (f"; the stored blocks of {' and '.join(r.coo)} go to the device whose slice holds their "
+                         "coordinate along it (made local), each device's padded to one bucket")
             if r.how and r.shifted:
                 text += (f"; {' and '.join(r.shifted)}, compared with its position, {'is' if len(r.shifted) == 1 else 'are'} "
                          "given to each device less its slice's start, so positions stay global")

@@ -3,8 +3,8 @@
 On 8 host CPU devices, in one subprocess for every test (`tests/mesh_runner.py`: the device
 count is set before jax is imported there), in the CPU interpreter: example kernels split over each
 index they allow equal the kernel unsplit and `reference`, values and `jax.grad`; a summed
-index split into partial sums added with psum (a coo output's too); coo kernels split over
-the indices their coo operand lacks; conditions comparing a split index's position with an
+index split into partial sums added with psum (a coo output's too); a coo input's stored
+blocks dealt by their coordinates (or whole where its indices are not split); conditions comparing a split index's position with an
 integer input (grouped_matmul over its experts); arguments arriving sharded otherwise, an
 explicit mesh, jit. Here, in the test process (one device): the split rule of the
 examples' indices (`sparsegen/mesh.py`), every refusal's message, hostile names.
@@ -55,7 +55,11 @@ def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random",
         return kernel, resolve_sizes(kernel, sizes), folder
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    args, keywords = example_args(kernel, sizes, pattern, rng) if isinstance(pattern, str) else (pattern, {})
+    if isinstance(pattern, str):
+        args, keywords = example_args(kernel, sizes, pattern, rng)
+    else:  # the arguments: the sizes only they and the outputs carry as keywords
+        env = resolve_sizes(kernel, sizes)
+        args, keywords = pattern, {s.symbol: env[s.symbol] for s in convention(kernel, ModuleNames(kernel)).sizes if s.keyword_only}
     ref = mod.reference(*args, **keywords)
     outs = ref if isinstance(ref, tuple) else (ref,)
     weights = [rng.standard_normal(o.shape).astype(np.float32) for o in outs]
@@ -184,17 +188,110 @@ def test_grouped_heads_split_with_their_groups(mesh_results):
     assert assert_case(kernel, env, res, 0, ["P(None, 'model')"]) == 3
 
 
-# dsd: x stays whole on every device, its gradient the sum of every device's. sdd: the
-# stored output blocks are partial sums over k, added with psum.
+DSD = with_tiles(spec_text("dsd_matmul"), m=128, n=128, k=128)
+DDS = with_tiles(spec_text("dds_matmul"), m=128, n=128, k=128)
+
+
+def skewed_dds(rng):
+    """dds_matmul's arguments (M=256, K=256, N=512) whose stored blocks of y all lie in its
+    first column block, one repeated, with two padding entries: split over n, the first
+    device gets every block and the others only padding."""
+    x = rng.standard_normal((256, 256)).astype(np.float32).astype(jnp.bfloat16)
+    coords = np.array([[1, 0], [-1, -1], [0, 0], [1, 0], [-1, -1]], np.int32)
+    blocks = rng.standard_normal((len(coords), 128, 128)).astype(np.float32).astype(jnp.bfloat16)
+    return [x, blocks, coords[:, 0].copy(), coords[:, 1].copy()]
+
+
 on_mesh("coo",
-        (with_tiles(spec_text("dsd_matmul"), m=128, n=128, k=128), dict(M=256, K=256, N=256), [{**MESH, "axes": {"n": "model"}}], "duplicates"),
-        (with_tiles(spec_text("sdd_matmul"), m=128, n=128, k=128), dict(M=256, K=512, N=256), [{**MESH, "axes": {"k": "model"}}], "padded"))
+        (DSD, dict(M=512, K=256, N=256), [
+            {**MESH, "axes": {"n": "model"}},
+            {**MESH, "axes": {"m": "data", "n": "model"}},
+            {**MESH, "axes": {"m": "model"}},
+            {**MESH, "axes": {"m": "model", "k": "data"}, "jit": True},
+            {**MESH, "axes": {"k": "model"}, "grad": False},  # K = 256: 64 rows a device
+        ], "duplicates"),
+        (DDS, dict(M=256, K=256, N=512), [{**MESH, "axes": {"n": "model"}},
+                                          {**MESH, "axes": {"m": "data", "n": "model"}, "jit": True, "explicit": True}],
+         skewed_dds(np.random.default_rng(4))),
+        (with_tiles(spec_text("sdd_matmul"), m=128, n=128, k=128), dict(M=256, K=512, N=256),
+         [{**MESH, "axes": {"k": "model"}}], "padded"))
 
 
-def test_coo_kernels_split_over_indices_their_coo_operands_lack(mesh_results):
-    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(mesh_results, "coo")
+def test_coo_kernels_split(mesh_results):
+    """dsd: x's stored blocks dealt by their coordinates along its rows m (alone, with n
+    on the other mesh axis; with k under jit, where the coordinates are traced and each
+    device's bucket is every block; k's partial sums added with psum), or whole on every
+    device (n alone: its gradient the sum of every device's); repeated blocks add up. dds,
+    skewed: every stored block of y in one device's columns (also on an explicit mesh,
+    under jit). sdd: the stored output blocks are partial sums over k, added with psum (a
+    coo output's own indices are refused). A slice that is not a whole number of stored
+    blocks is refused at the call."""
+    (k1, env1, res1), (k2, env2, res2), (k3, env3, res3) = run_on_mesh(mesh_results, "coo")
     assert assert_case(k1, env1, res1, 0, ["P(None, 'model')"]) == 2
-    assert assert_case(k2, env2, res2, 0, ["P()"], parts=4) == 2
+    assert assert_case(k1, env1, res1, 1, ["P('data', 'model')"]) == 2
+    assert assert_case(k1, env1, res1, 2, ["P('model',)"]) == 2
+    assert assert_case(k1, env1, res1, 3, ["P('model',)"], parts=2) == 2
+    assert str(res1["case4_error"]) == ("dsd_matmul: sharded: index k cannot be split over mesh axis 'model' of 4 devices: "
+                                        "a device's slice of K (64) is not a whole number of stored blocks (128 along k)")
+    assert assert_case(k2, env2, res2, 0, ["P(None, 'model')"]) == 2
+    assert assert_case(k2, env2, res2, 1, ["P('data', 'model')"]) == 2
+    assert assert_case(k3, env3, res3, 0, ["P()"], parts=4) == 2
+
+
+def test_coo_deal_matches_block_coo_split():
+    """A module's deal of a coo input's stored blocks (`_coo_deal`, jax.numpy, what each
+    device is given) is `BlockCOO.split`'s, and both are a plain per-shard filter: shard s's
+    blocks in the caller's order, coordinates made local, padded with -1 entries to the
+    bucket the module counts on the host (the most any shard gets)."""
+    from sparsegen.formats import BlockCOO
+
+    kernel, mod = build(DSD, formatted=False)
+    rng = np.random.default_rng(7)
+    c0, c1 = rng.integers(0, 8, 30).astype(np.int32), rng.integers(0, 4, 30).astype(np.int32)
+    c0[[3, 11]] = c1[[3, 11]] = -1  # padding
+    c0[20:] = 5  # skewed: a third of the blocks in one row block
+    blocks = rng.standard_normal((30, 2, 3)).astype(np.float32)
+    x = BlockCOO(blocks, (c0, c1), (16, 12))
+    for dims, ns in ((0, 4), ((0, 1), (2, 2)), (1, 4), (0, 1)):
+        dims, ns = ((dims,), (ns,)) if isinstance(dims, int) else (dims, ns)
+        split = x.split(dims, ns)
+        per = [x.shape[d] // n // x.block_shape[d] for d, n in zip(dims, ns)]
+        # The plain filter: shard s (row-major over `dims`) holds the blocks whose coordinates fall in its slices.
+        shards = [[b for b in range(30) if c0[b] >= 0 and all(x.coords[d][b] // p == i for d, p, i in zip(dims, per, idx))]
+                  for idx in np.ndindex(*ns)]
+        assert split.bucket == max(len(s) for s in shards)
+        want = np.concatenate([s + [-1] * (split.bucket - len(s)) for s in shards])
+        np.testing.assert_array_equal(split.source, want)
+        for d in range(2):
+            local = x.coords[d][want] % (per[dims.index(d)] if d in dims else 1 << 30)
+            np.testing.assert_array_equal(split.coo.coords[d], np.where(want >= 0, local, -1))
+        np.testing.assert_array_equal(split.coo.blocks, np.where((want >= 0)[:, None, None], blocks[want], 0))
+        assert split.coo.shape == tuple(s // ns[dims.index(d)] if d in dims else s for d, s in enumerate(x.shape))
+        cut = tuple((d, f"axis{d}", n, p) for d, n, p in zip(dims, ns, per))
+        dealt, coords, source = mod._coo_deal(jnp.asarray(blocks), [jnp.asarray(c0), jnp.asarray(c1)], cut, split.bucket)
+        np.testing.assert_array_equal(np.asarray(source), split.source)
+        np.testing.assert_array_equal(np.asarray(dealt), split.coo.blocks)
+        for got, expected in zip(coords, split.coo.coords):
+            np.testing.assert_array_equal(np.asarray(got), expected)
+    # The bucket `sharded` counts on the host (here for the rows over 4 devices), and under jit.
+    mesh = jax.sharding.AbstractMesh((4,), ("data",))
+    blocks = np.zeros((30, 128, 128), np.float32)
+    coords = (c0, c1)
+    got = []
+    original = mod._on_mesh
+    try:
+        mod._on_mesh = lambda *args: got.append(args[-1])
+        mod._on_mesh_coo((blocks, *coords, None), (None, mesh, (("m", "data"),)), (("M", 256), ("K", 512), ("N", 128)), True)
+        jax.jit(lambda c: mod._on_mesh_coo((blocks, c, c1, None), (None, mesh, (("m", "data"),)),
+                                           (("M", 256), ("K", 512), ("N", 128)), True) or 0)(c0)
+    finally:
+        mod._on_mesh = original
+    assert got == [(BlockCOO(blocks, coords, (1024, 512)).split(0, 4).bucket,), (30,)]
+    assert x.split(0, 2).bucket == 19  # rows 4-7: 9 of the first 20 entries (2 are padding), and the last 10
+    with pytest.raises(ValueError, match="a shard gets 19 stored blocks, more than the bucket 4"):
+        x.split(0, 2, bucket=4)
+    with pytest.raises(ValueError, match="dim 1 of size 12 cannot be cut into 8 slices of whole blocks"):
+        x.split(1, 8)
 
 
 GROUPED = with_tiles(spec_text("grouped_matmul"), m=128, k=128, n=128, g=1)
@@ -361,7 +458,9 @@ def plan_of(name: str):
     ("masked_attention", {"masked_attention": dict(h="split", i="split", j=None, d=None, e=None)}),
     ("masked_matmul", {"masked_matmul": dict(m="split", n="split", k="sum")}),
     ("masked_backward", {"masked_matmul_dx": dict(m="split", k="split", n="sum"), "masked_matmul_dy": dict(k="split", n="split", m="sum")}),
-    ("dsd_matmul", {"dsd_matmul": dict(m=None, n="split", k=None)}),
+    ("dsd_matmul", {"dsd_matmul": dict(m="split", n="split", k="sum")}),
+    ("dds_matmul", {"dds_matmul": dict(m="split", n="split", k="sum")}),
+    ("batched_dsd", {"batched_dsd": dict(b="split", m="split", n="split", k="sum")}),
     ("sdd_matmul", {"sdd_matmul": dict(m=None, n=None, k="sum")}),
     ("grouped_matmul", {"grouped_matmul": dict(m="split", n="split", k="sum", g="sum")}),
     ("block_slice", {"block_slice": dict(i=None, j=None)}),
@@ -469,10 +568,9 @@ REFUSALS = [
     (WIDE_SEG, {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting it (a ring, "
      "with i) is not supported yet: bias dim 0 is read as i and as j, and only arguments read along one of them (or integers "
      "read along both) travel or stay"),
-    ("dsd_matmul", {"m": "data"}, "index m cannot be split: the sparse coo input x is indexed by it (x[m, k]): "
-     "splitting a coo operand's stored blocks is not supported yet"),
     ("sdd_matmul", {"n": "data"}, "index n cannot be split: the sparse coo output o is indexed by it (o[m, n]): "
-     "splitting a coo operand's stored blocks is not supported yet"),
+     "splitting a coo output's requested blocks is not supported yet (a coo input's stored blocks are split by their "
+     "coordinates)"),
     ("block_slice", {"i": "data"}, "index i cannot be split: x[start[0] + i, start[1] + j] reads it at an offset or through a "
      "table, which a slice would move"),
     (WINDOW, {"i": "data"}, "index i cannot be split: `s[i, j] = x[i, j] where ((i - j) < 64) and (j <= i)` reads its "
@@ -516,6 +614,12 @@ def test_gpu_modules_have_the_same_rule():
     for name in ("_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES"):
         assert getattr(gpu, name) == getattr(tpu, name)
     assert callable(gpu.sharded(one_device_mesh(), k="model"))
+    _, tpu = build(DSD, formatted=False)
+    _, gpu = build(DSD, target="h200")
+    for name in ("_MESH_RULES", "_MESH_ARGS", "_MESH_COO"):
+        assert getattr(gpu, name) == getattr(tpu, name)
+    assert tpu._MESH_COO == ((0, (1, 2), ("m", "k"), (128, 128)),)
+    assert callable(gpu.sharded(one_device_mesh(), m="data", k="model"))
 
 
 HOSTILE = """
@@ -529,11 +633,26 @@ kernel _on_mesh_ {
 }"""
 
 
+HOSTILE_COO = """
+kernel _coo_deal_ {
+    in  _on_mesh_coo: f32[cut, buckets] coo
+    in  _coo_cut: f32[buckets, tiles]
+    out _MESH_COO: f32[cut, tiles]
+    _MESH_COO[cut, tiles] = _on_mesh_coo[cut, buckets] * _coo_cut[buckets, tiles]
+    tile cut = 128, tiles = 128, buckets = 128
+}"""
+
+
 def test_spec_names_that_sharded_uses_are_safe():
-    """Operands, indices and sizes named after what `sharded` and its inner function read."""
+    """Operands, indices and sizes named after what `sharded` and its inner function read,
+    and after what it deals a coo input with."""
     kernel, mod = build(HOSTILE, formatted=False)
     args, keywords = example_args(kernel, dict(mesh=128, axes=256, sharded=128), "random", np.random.default_rng(0))
     fn = mod.sharded(one_device_mesh(), mesh="data", axes="model")  # an index named `mesh`, one named `axes`
+    np.testing.assert_allclose(fn(*args, **keywords, interpret=True), mod.reference(*args, **keywords), rtol=1e-5, atol=1e-4)
+    kernel, mod = build(HOSTILE_COO, formatted=False)
+    args, keywords = example_args(kernel, dict(cut=256, buckets=256, tiles=128), "padded", np.random.default_rng(0))
+    fn = mod.sharded(one_device_mesh(), cut="data", buckets="model")
     np.testing.assert_allclose(fn(*args, **keywords, interpret=True), mod.reference(*args, **keywords), rtol=1e-5, atol=1e-4)
 
 
