@@ -423,8 +423,8 @@ class Wrapper:
 
     # ------------------------------------------------------------------ module
     def module(self, template: str, source_name: str, target: str, doc: str, call_doc: str, glue: "Glue",
-               prepare_lines: list[str], reference_lines: list[str], keywords: tuple[str, ...] = (), ring: bool = False,
-               **context) -> str:
+               prepare_lines: list[str], reference_lines: list[str], keywords: tuple[str, ...] = (),
+               mesh: MeshPlan | None = None, **context) -> str:
         """The module's text (before black): `template`, which extends `templates/module.py.j2`,
         rendered with the skeleton's context (header, `_prepare`, `_reference`, the public
         functions, `sharded`, `glue`) and the target's own `context`; the helpers it calls in
@@ -433,7 +433,7 @@ class Wrapper:
         k, conv = self.k, self.conv
         size_vars = [s.internal for s in conv.sizes]
         kernel_signature, reference_signature = self.signature()
-        on_mesh = self.mesh_context(kernel_signature, keywords, ring)
+        on_mesh = self.mesh_context(kernel_signature, keywords, mesh)
         main = environment().get_template(template).render(
             k=k,
             source=source_name.encode("unicode_escape").decode("ascii"),
@@ -457,11 +457,11 @@ class Wrapper:
         return with_helpers(main)
 
     # ------------------------------------------------------------------ sharded
-    def mesh_context(self, kernel_signature: str, keywords: tuple[str, ...], ring: bool = False) -> dict:
+    def mesh_context(self, kernel_signature: str, keywords: tuple[str, ...], plan: MeshPlan | None = None) -> dict:
         """What `templates/module.py.j2` writes `sharded` and its tables from: the plan of
-        `sparsegen/mesh.py`, as Python literals. `ring`: the module can run a ring."""
+        `sparsegen/mesh.py` (`plan`: the emitter's, where it asked for a ring), as Python literals."""
         k, conv = self.k, self.conv
-        plan = mesh_plan(k, conv, self.spans, ring)
+        plan = plan or mesh_plan(k, conv, self.spans)
         rules = []
         for r in plan.rules:
             value = f'("{r.how}", {py_tuple(f"{chr(34)}{s}{chr(34)}" for s in r.sizes)})' if r.how else f"(None, {r.why!r})"

@@ -10,6 +10,7 @@ from ...dtypes import DTYPES
 from ...expr import Const, Var, render
 from ...schedule.row import SLOT, STEP
 from ...ir import Read
+from ...mesh import mesh_plan
 from ...pytext import live_lines, parameters, py_tuple, words
 from ...schedule.classify import Classifier
 from ...wrapper import Glue, Wrapper, vjp_tables
@@ -263,11 +264,13 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             zeros=True,
             keywords=self.shard_keywords,
         )
+        # `sharded`'s plan, a ring where mesh.py allows one (the kernels take first positions).
+        mesh = mesh_plan(k, conv, self.wrapper.spans, ring=len(conv.impl_args) == len(conv.params))
         text = self.wrapper.module(
             "tpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare_lines, reference_lines,
             keywords=("max_steps",) if data else (),
-            ring=len(conv.impl_args) == len(conv.params),
-            ring_tables=self.ring_tables(glue),
+            mesh=mesh,
+            ring_tables=self.ring_tables(glue, mesh.ring),
             smem=m.target.smem_bytes,
             classify_fn=classify_fn,
             classify_params=classify_reads,
@@ -290,12 +293,9 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         )
         return format_module(text, names=(m.name,)) if formatted else text
 
-    def ring_tables(self, glue: Glue) -> dict:
+    def ring_tables(self, glue: Glue, ring) -> dict:
         """`sharded`'s ring (where mesh.py allows one): how each of `_impl`'s results merges,
         its rows' dimension, which are the outputs and which the rows' logsumexp."""
-        from ...mesh import mesh_plan
-
-        ring = mesh_plan(self.k, self.m.conv, (), True).ring
         if ring is None:
             return {}
         p = self.p
@@ -398,16 +398,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
 
     def prepare_lines(self) -> list[str]:
         lines = self.wrapper.prepare_lines([])
-        checks = []
-        for o in self.m.operands:
-            op = self.k.operand(o.read.operand)
-            for d, s in enumerate(o.read.subs):
-                dim = op.dims[d]
-                if s.index in self.p.inner and dim.symbol is not None:
-                    var, t = self.m.conv.size_var(dim.symbol), self.tile[s.index]
-                    line = f'_check_whole({var}, {t}, "{op.name} dim {d} ({dim.symbol})")'
-                    if line not in checks:
-                        checks.append(line)
+        checks = self.wrapper.whole_checks([o.read for o in self.m.operands], self.p.inner, self.tile)
         return lines[:-1] + checks + lines[-1:]
 
     def about(self, o: Operand) -> str:
@@ -454,13 +445,15 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         """The key-side array variable a read uses instead of its operand's (None: its own)."""
         return self.key_side.get(r.operand) if self.p.key in r.indices else None
 
-    def uses_positions(self) -> bool:
-        """Does a condition or the chain read the query or key position?"""
-        terms = [term for _, term in self.p.chain] + [pt.condition for pt in self.p.points if pt.condition is not None]
+    def _reads_positions(self, terms) -> bool:
         return any(t.op == "index" and t.name in (self.p.query, self.p.key) for term in terms for t in term.walk())
 
+    def uses_positions(self) -> bool:
+        """Does a condition or the chain read the query or key position?"""
+        return self._reads_positions([term for _, term in self.p.chain] + list(self.p.conditions))
+
     def chain_uses_positions(self) -> bool:
-        return any(t.op == "index" and t.name in (self.p.query, self.p.key) for _, term in self.p.chain for t in term.walk())
+        return self._reads_positions(term for _, term in self.p.chain)
 
     def precision(self, *dtypes) -> str:
         """A product's precision, from the dtypes its operands enter it with: the MXU rounds
