@@ -1,0 +1,252 @@
+"""Every example kernel split over each index it allows (issue 20), derived from the rule.
+
+For every kernel of every spec in specs/ (built fresh from its text), the indices that
+`sparsegen/mesh.py`'s `mesh_plan` allows to split (the rule `sharded` enforces through the
+module's `_MESH_RULES`): each one split alone over a mesh axis of N devices (a "split"
+index, a "sum" index added with psum), and where the rule allows a ring, the key index with
+the query index on one axis, in order and in zigzag order (and the key index alone where
+the rows have a size of their own). On 8 host CPU devices, in the CPU interpreter, in the
+session's one `tests/mesh_runner.py` process (`tests/mesh_jobs.py`): values and `jax.grad`
+equal the kernel unsplit and `reference` (`assert_case`), each output laid out as the split
+says. Every index the rule refuses: `sharded` raises the ValueError naming it (here, on a
+one-device mesh).
+
+Shapes are small: each spec's tiles capped at SMALL_TILE (the rule is asserted to be the
+same as at the spec's own tiles), one block along every size no split divides, N blocks
+(2N for a zigzag ring) along those one does. By default a representative part runs
+(`representative`: per kernel, one index of each kind of split, the one that exercises the
+most machinery, and the ring in order and in zigzag order); SPARSEGEN_SWEEP=1 runs every case.
+
+Also here: a coo input's stored blocks dealt by their coordinates (`_on_mesh_coo`,
+`_coo_deal`), values and gradients, in the TPU simulator on the same mesh runner.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import pytest
+from conftest import SPECS, build, with_tiles
+from mesh_jobs import assert_case, differentiable, on_mesh, one_device_mesh, run_mesh_jobs
+
+from sparsegen.compiler import lower_source
+from sparsegen.mesh import mesh_plan
+from sparsegen.source import SourceFile
+
+SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
+N = 2  # devices along the mesh axis each case splits over
+AXIS = "x"
+SMALL_TILE = 128  # the TPU's lane width: a tile of at least this keeps every block layout-legal
+KINDS = ("split", "sum", "ring", "zigzag", "alone")
+
+
+def example_kernels() -> list[tuple[str, str]]:
+    """(spec name, one kernel's text) for every kernel of every example spec."""
+    out = []
+    for path in sorted(SPECS.glob("*.spk")):
+        text = path.read_text()
+        chunks = [c for c in re.split(r"(?m)^(?=kernel\s)", text) if c.startswith("kernel")]
+        names = [plan.name for plan in lower_source(SourceFile(path.name, text), "v5e")]
+        assert [re.match(r"kernel\s+(\w+)", c).group(1) for c in chunks] == names, path.name
+        out += [(path.stem, c) for c in chunks]
+    return out
+
+
+def small(text: str) -> str:
+    """The kernel with every tile above SMALL_TILE capped to it."""
+    return re.sub(r"(?m)^(\s*tile .*)$", lambda m: re.sub(r"= (\d+)", lambda t: f"= {min(int(t.group(1)), SMALL_TILE)}",
+                                                           m.group(1)), text, count=1)
+
+
+def rule_of(text: str):
+    """The kernel's mesh plan as sparsegen/mesh.py decides it for the v5e module, given what
+    its emitter gives it (sparsegen/tpu/*/emit.py): a row walk's kernels take the first
+    positions of their arrays, so a ring may be asked for, where every argument reaches
+    them; a paged walk's do not; a grid kernel's blocks may have to span a dimension."""
+    from sparsegen.tpu.attention.lower import AttentionModule
+    from sparsegen.tpu.paged.lower import PagedModule
+
+    (plan,) = lower_source(SourceFile("sweep.spk", text), "v5e")
+    if isinstance(plan, PagedModule):
+        return mesh_plan(plan.kernel, plan.conv)
+    if isinstance(plan, AttentionModule):
+        return mesh_plan(plan.kernel, plan.conv, ring=len(plan.conv.impl_args) == len(plan.conv.params))
+    return mesh_plan(plan.kernel, plan.conv, plan.spans)
+
+
+def cases_of(kernel, mod) -> list[tuple[str, str, dict]]:
+    """(kind, label, axes) for every split the module allows, one index (or a ring's pair)
+    alone: read from the tables `sharded` enforces (`_MESH_RULES`, `_RING_*`)."""
+    cases = [(how, index, {index: AXIS}) for index, (how, _) in mod._MESH_RULES.items() if how in ("split", "sum")]
+    query, key = getattr(mod, "_RING_QUERY", None), getattr(mod, "_RING_KEY", None)
+    if key is not None:
+        cases.append(("ring", f"{query}+{key}", {query: AXIS, key: AXIS}))
+        cases.append(("zigzag", f"{query}+{key}", {query: [AXIS, "zigzag"], key: AXIS}))
+        if mod._RING_LENGTHS[0] != mod._RING_LENGTHS[1]:
+            cases.append(("alone", key, {key: AXIS}))
+    return cases
+
+
+def weight(kernel, mod, index: str) -> int:
+    """How much of `sharded`'s machinery splitting `index` exercises: the sizes it divides,
+    the coo inputs it deals, the integer inputs it shifts."""
+    coo = sum(index in indices for _, _, indices, _ in getattr(mod, "_MESH_COO", ()))
+    shifts = sum(i == index for _, i in mod._MESH_SHIFTS)
+    return len(mod._MESH_RULES[index][1]) + 2 * coo + 2 * shifts
+
+
+def representative(kernel, mod, cases) -> list[int]:
+    """The default part: per kind of split, the case that exercises the most (the first of
+    equals); the ring in order and in zigzag order (what each moves differs)."""
+    best: dict[str, int] = {}
+    for n, (kind, label, _) in enumerate(cases):
+        if kind not in best or (kind in ("split", "sum") and weight(kernel, mod, label) > weight(kernel, mod, cases[best[kind]][1])):
+            best[kind] = n
+    return sorted(best.values())
+
+
+def sizes_for(kernel, mod, cases) -> dict[str, int]:
+    """One block along every size, N blocks along each a case divides (2N for a zigzag
+    ring: two chunks a device); a `h // n` relation's smaller size divisible by N too.
+    Sizes of a cache's pages come from `resolve_sizes`' defaults."""
+    divided: dict[str, int] = {}
+    for kind, label, axes in cases:
+        for index in axes:
+            for symbol in mod._MESH_RULES[index][1] if mod._MESH_RULES[index][0] else (kernel.index(index).size.symbol,):
+                divided[symbol] = max(divided.get(symbol, 1), 2 * N if kind == "zigzag" else N)
+    sizes = {}
+    for index in kernel.indices:
+        symbol = index.size.symbol
+        if symbol is not None and index.size.literal is None and not index.size.product:
+            sizes[symbol] = math.lcm(sizes.get(symbol, 1), index.tile * divided.get(symbol, 1))
+    for rel in kernel.relations:  # `h // n`: the smaller size follows, divided as the larger one
+        big = kernel.index(rel.index).size.symbol
+        sizes[big] = math.lcm(sizes[big], rel.divisor * divided.get(rel.dim.symbol, 1))
+        sizes.pop(rel.dim.symbol, None)
+    return sizes
+
+
+def output_specs(mod, axes) -> list[str]:
+    """Each output's PartitionSpec as jax prints it: its dimensions' axes, trailing Nones dropped."""
+    from jax.sharding import PartitionSpec
+
+    out = []
+    for dims in mod._MESH_OUTPUTS:
+        spec = [AXIS if i in axes else None for i in dims]
+        while spec and spec[-1] is None:
+            spec.pop()
+        out.append(str(PartitionSpec(*spec)))
+    return out
+
+
+def parts(kind: str) -> int:
+    """The partial results added (or merged) per output element: N for a sum or a ring,
+    2N chunks for a zigzag ring."""
+    return {"split": 1, "sum": N, "ring": N, "alone": N, "zigzag": 2 * N}[kind]
+
+
+# Built at collection: every kernel, its cases (all, and those that run here), its job.
+KERNELS = []
+for spec, text in example_kernels():
+    kernel, mod = build(small(text), formatted=False)
+    cases = cases_of(kernel, mod)
+    chosen = list(range(len(cases))) if SWEEP else representative(kernel, mod, cases)
+    KERNELS.append((spec, text, kernel, mod, cases, chosen))
+    if chosen:
+        on_mesh(f"sweep-{kernel.name}", (small(text), sizes_for(kernel, mod, cases),
+                                         [{"mesh": [N], "names": [AXIS], "axes": cases[n][2]} for n in chosen]))
+RUNS = [(kernel.name, n, cases[c]) for _, _, kernel, mod, cases, chosen in KERNELS for n, c in enumerate(chosen)]
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory, worker_id):
+    return run_mesh_jobs(tmp_path_factory, worker_id)
+
+
+@pytest.mark.parametrize("name,n,case", RUNS, ids=[f"{name}-{kind}-{label}" for name, _, (kind, label, _) in RUNS])
+def test_split_alone_equals_unsplit_and_reference(mesh_results, name, n, case):
+    (kernel, env, res), = mesh_results[f"sweep-{name}"]
+    kind, label, axes = case
+    _, _, _, mod, _, _ = next(k for k in KERNELS if k[2].name == name)
+    # Every floating argument's gradient, as the unsplit kernel's.
+    assert assert_case(kernel, env, res, n, output_specs(mod, axes), parts=parts(kind)) == len(differentiable(kernel)) > 0
+
+
+def test_the_sweep_covers_what_the_rule_allows():
+    """The cases are every split the rule allows (counted here from `mesh_plan` itself, not
+    from the module's tables they were read from); the module's tables are that rule; the
+    capped tiles leave it as at the spec's own; the default part has every kind of split
+    of every kernel."""
+    expected = total = 0
+    for spec, text, kernel, mod, cases, chosen in KERNELS:
+        plan = rule_of(small(text))
+        assert {r.index: (r.how, r.sizes if r.how else r.why) for r in plan.rules} == mod._MESH_RULES, kernel.name
+        assert {r.index: r.how for r in rule_of(text).rules} == \
+            {r.index: r.how for r in plan.rules}, f"{kernel.name}: capping its tiles changed its rule"
+        count = sum(r.how in ("split", "sum") for r in plan.rules)
+        if plan.ring is not None:
+            assert (mod._RING_QUERY, mod._RING_KEY) == (plan.ring.query, plan.ring.key)
+            alone = kernel.index(plan.ring.query).size.symbol != kernel.index(plan.ring.key).size.symbol
+            count += 2 + alone
+        assert len(cases) == count, (kernel.name, cases)
+        assert {cases[n][0] for n in chosen} == {kind for kind, _, _ in cases}, kernel.name
+        expected += count
+        total += len(cases)
+    assert total == expected and len(KERNELS) == sum(len(lower_source(SourceFile(p.name, p.read_text()), "v5e"))
+                                                     for p in SPECS.glob("*.spk"))
+    kinds = {kind for *_, cases, _ in KERNELS for kind, _, _ in cases}
+    assert {"split", "sum", "ring", "zigzag"} <= kinds, kinds
+    assert len(RUNS) == (total if SWEEP else sum(len(chosen) for *_, chosen in KERNELS)) > 0
+
+
+REFUSED = [(kernel.name, index) for _, _, kernel, mod, _, _ in KERNELS for index, (how, _) in mod._MESH_RULES.items() if how is None]
+
+
+@pytest.mark.parametrize("name,index", REFUSED, ids=[f"{n}-{i}" for n, i in REFUSED])
+def test_refused_index_raises_naming_it(name, index):
+    """`sharded` raises the rule's reason (`mesh_plan`'s), naming the index."""
+    _, _, kernel, mod, _, _ = next(k for k in KERNELS if k[2].name == name)
+    text = next(k[1] for k in KERNELS if k[2].name == name)
+    why = next(r.why for r in rule_of(small(text)).rules if r.index == index)
+    with pytest.raises(ValueError) as info:
+        mod.sharded(one_device_mesh(), **{index: "data"})
+    assert str(info.value) == f"{name}: sharded: index {index} cannot be split: {why}"
+
+
+RINGS = [(kernel.name, mod) for _, _, kernel, mod, _, _ in KERNELS if getattr(mod, "_RING_KEY", None)]
+
+
+@pytest.mark.parametrize("name,mod", RINGS, ids=[n for n, _ in RINGS])
+def test_ring_index_alone_or_apart_raises_naming_both(name, mod):
+    """A ring's index without its partner (the query index, or the key index where the rows
+    share its size), or the two on different axes, is refused with both named."""
+    query, key = mod._RING_QUERY, mod._RING_KEY
+    both = f"the key index {key} is split with the query index {query}, as a ring: map both to one mesh axis " \
+           f"(sharded(mesh, {query}=AXIS, {key}=AXIS))"
+    mesh = one_device_mesh()
+    attempts = [({query: "data", key: "model"}, both)]
+    if mod._MESH_RULES[query][0] == "ring":
+        attempts.append(({query: "data"}, both))
+    if mod._RING_LENGTHS[0] == mod._RING_LENGTHS[1]:
+        attempts.append(({key: "data"}, f"{both}; alone it would need {query} to have a size of its own"))
+    for axes, message in attempts:
+        with pytest.raises(ValueError) as info:
+            mod.sharded(mesh, **axes)
+        assert str(info.value) == f"{name}: sharded: {message}", axes
+
+
+# ------------------------------------------------- a coo input's deal in the TPU simulator
+
+# dsd_matmul's x dealt by its stored blocks' row coordinates over 2 devices, its padding
+# entries (coordinates -1) among them, in the simulator: memory no step writes is NaN, an
+# out-of-bounds read raises (a bucket's padding must reach no block).
+COO_SIMULATED = with_tiles(next(t for s, t in example_kernels() if s == "dsd_matmul"), m=128, n=128, k=128)
+on_mesh("coo-simulator", (COO_SIMULATED, dict(M=256, K=256, N=128),
+                          [{"mesh": [N], "names": [AXIS], "axes": {"m": AXIS}, "interpret": "simulator"}], "padded"))
+
+
+def test_coo_input_split_in_the_tpu_simulator(mesh_results):
+    (kernel, env, res), = mesh_results["coo-simulator"]
+    assert assert_case(kernel, env, res, 0, [f"P('{AXIS}',)"]) == len(differentiable(kernel)) == 2
