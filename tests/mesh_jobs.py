@@ -22,9 +22,12 @@ from sparsegen.testing import example_args, resolve_sizes, tolerance
 MESH = dict(mesh=[2, 4], names=["data", "model"])
 
 
-def differentiable(kernel) -> list[int]:
+def differentiable(kernel, mod) -> list[int]:
+    """The positional arguments a job differentiates: floating data whose gradient the
+    module derives (not those its `_REFUSED` names: a paged walk's, issue 19)."""
     conv = convention(kernel, ModuleNames(kernel))
-    return [n for n, p in enumerate(conv.params) if p.kind in ("dense", "blocks")
+    refused = {n for n, _, _ in mod._REFUSED}
+    return [n for n, p in enumerate(conv.params) if p.kind in ("dense", "blocks") and n not in refused
             and kernel.operand(p.operand).dtype.is_float and kernel.operand(p.operand).sparsity != "mask"]
 
 
@@ -49,7 +52,7 @@ def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random",
     saved.update({f"weight{n}": w for n, w in enumerate(weights)})
     np.savez(folder / "args.npz", **saved)
     job = {"module": mod.__file__, "kernel": kernel.name, "args": str(folder / "args.npz"), "n_args": len(args),
-           "dtypes": dtypes, "n_outputs": len(outs), "keywords": keywords, "diff": differentiable(kernel), "cases": cases,
+           "dtypes": dtypes, "n_outputs": len(outs), "keywords": keywords, "diff": differentiable(kernel, mod), "cases": cases,
            "result": str(folder / "result.npz")}
     (folder / "job.json").write_text(json.dumps(job))
     return kernel, resolve_sizes(kernel, sizes), folder
