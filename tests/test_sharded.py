@@ -1,13 +1,16 @@
 """Every kernel on a device mesh (language v2, section 4): `sharded(mesh, b="data", ...)`.
 
-On 8 host CPU devices, in one subprocess for every test (`tests/mesh_runner.py`: the device
-count is set before jax is imported there), in the CPU interpreter: example kernels split over each
-index they allow equal the kernel unsplit and `reference`, values and `jax.grad`; a summed
-index split into partial sums added with psum (a coo output's too); a coo input's stored
-blocks dealt by their coordinates (or whole where its indices are not split); conditions comparing a split index's position with an
-integer input (grouped_matmul over its experts); arguments arriving sharded otherwise, an
-explicit mesh, jit. Here, in the test process (one device): the split rule of the
-examples' indices (`sparsegen/mesh.py`), every refusal's message, hostile names.
+On 8 host CPU devices, in one subprocess for every test (`tests/mesh_runner.py`, run by
+`tests/mesh_jobs.py`: the device count is set before jax is imported there), in the CPU
+interpreter: example kernels split over indices they allow, several at once on a 2x4
+mesh, equal the kernel unsplit and `reference`, values and `jax.grad` (every example over
+each index alone: tests/test_sharded_sweep.py); a summed index split into partial sums
+added with psum (a coo output's too); a coo input's stored blocks dealt by their
+coordinates (or whole where its indices are not split); conditions comparing a split
+index's position with an integer input (grouped_matmul over its experts); arguments
+arriving sharded otherwise, an explicit mesh, jit. Here, in the test process (one device):
+the split rule of the examples' indices (`sparsegen/mesh.py`), every refusal's message,
+hostile names.
 """
 
 from __future__ import annotations

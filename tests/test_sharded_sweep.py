@@ -7,6 +7,7 @@ index, a "sum" index added with psum), and where the rule allows a ring, the key
 the query index on one axis, in order and in zigzag order (and the key index alone where
 the rows have a size of their own). On 8 host CPU devices, in the CPU interpreter, in the
 session's one `tests/mesh_runner.py` process (`tests/mesh_jobs.py`): values and `jax.grad`
+(of every argument whose gradient the module derives: a paged walk's none yet, issue 19)
 equal the kernel unsplit and `reference` (`assert_case`), each output laid out as the split
 says. Every index the rule refuses: `sharded` raises the ValueError naming it (here, on a
 one-device mesh).
@@ -14,8 +15,9 @@ one-device mesh).
 Shapes are small: each spec's tiles capped at SMALL_TILE (the rule is asserted to be the
 same as at the spec's own tiles), one block along every size no split divides, N blocks
 (2N for a zigzag ring) along those one does. By default a representative part runs
-(`representative`: per kernel, one index of each kind of split, the one that exercises the
-most machinery, and the ring in order and in zigzag order); SPARSEGEN_SWEEP=1 runs every case.
+(`representative`: per kind of split, the case of all the examples' that exercises the most
+machinery; and a case of every kind of walk, grid, row and paged); SPARSEGEN_SWEEP=1 runs
+every case. (The whole sweep is some 45 cases, about 250 CPU-seconds; the default part 5, about 40.)
 
 Also here: a coo input's stored blocks dealt by their coordinates (`_on_mesh_coo`,
 `_coo_deal`), values and gradients, in the TPU simulator on the same mesh runner.
@@ -33,6 +35,7 @@ from mesh_jobs import assert_case, differentiable, on_mesh, one_device_mesh, run
 
 from sparsegen.compiler import lower_source
 from sparsegen.mesh import mesh_plan
+from sparsegen.shapes import page_sizes
 from sparsegen.source import SourceFile
 
 SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
@@ -60,18 +63,26 @@ def small(text: str) -> str:
                                                            m.group(1)), text, count=1)
 
 
+def walk_of(text: str) -> str:
+    """How the v5e module walks the kernel: "paged" (a paged walk), "row" (a row walk:
+    attention-like), "grid" (a grid kernel)."""
+    from sparsegen.tpu.attention.lower import AttentionModule
+    from sparsegen.tpu.paged.lower import PagedModule
+
+    (plan,) = lower_source(SourceFile("sweep.spk", text), "v5e")
+    return "paged" if isinstance(plan, PagedModule) else "row" if isinstance(plan, AttentionModule) else "grid"
+
+
 def rule_of(text: str):
     """The kernel's mesh plan as sparsegen/mesh.py decides it for the v5e module, given what
     its emitter gives it (sparsegen/tpu/*/emit.py): a row walk's kernels take the first
     positions of their arrays, so a ring may be asked for, where every argument reaches
     them; a paged walk's do not; a grid kernel's blocks may have to span a dimension."""
-    from sparsegen.tpu.attention.lower import AttentionModule
-    from sparsegen.tpu.paged.lower import PagedModule
-
     (plan,) = lower_source(SourceFile("sweep.spk", text), "v5e")
-    if isinstance(plan, PagedModule):
+    walk = walk_of(text)
+    if walk == "paged":
         return mesh_plan(plan.kernel, plan.conv)
-    if isinstance(plan, AttentionModule):
+    if walk == "row":
         return mesh_plan(plan.kernel, plan.conv, ring=len(plan.conv.impl_args) == len(plan.conv.params))
     return mesh_plan(plan.kernel, plan.conv, plan.spans)
 
@@ -100,20 +111,27 @@ def weight(kernel, mod, index: str) -> int:
 def representative(kernels) -> set[tuple[str, int]]:
     """The default part, (kernel, case): per kind of split, the case of all the examples'
     that exercises the most machinery (`weight`; the first of equals in spec order; a ring,
-    in order or zigzag, the first kernel's)."""
+    in order or zigzag, the first kernel's); then per kind of walk (grid, row, paged) that
+    none of those is in, its first kernel's first case."""
     best: dict[str, tuple[int, str, int]] = {}
+    walks = {kernel.name: walk_of(small(text)) for _, text, kernel, _, _ in kernels}
     for _, _, kernel, mod, cases in kernels:
         for n, (kind, label, _) in enumerate(cases):
             w = weight(kernel, mod, label) if kind in ("split", "sum") else 0
             if kind not in best or w > best[kind][0]:
                 best[kind] = (w, kernel.name, n)
-    return {(name, n) for _, name, n in best.values()}
+    chosen = {(name, n) for _, name, n in best.values()}
+    for _, _, kernel, _, cases in kernels:
+        if cases and walks[kernel.name] not in {walks[name] for name, _ in chosen}:
+            chosen.add((kernel.name, 0))
+    return chosen
 
 
 def sizes_for(kernel, mod, cases) -> dict[str, int]:
     """One block along every size, N blocks along each a case divides (2N for a zigzag
-    ring: two chunks a device); a `h // n` relation's smaller size divisible by N too.
-    Sizes of a cache's pages come from `resolve_sizes`' defaults."""
+    ring: two chunks a device); a `h // n` relation's smaller size divisible by N too; an
+    index read through a page table, one block of pages of `page_sizes`' size (the number
+    of pages in a cache: `resolve_sizes`' default)."""
     divided: dict[str, int] = {}
     for kind, label, axes in cases:
         for index in axes:
@@ -124,11 +142,33 @@ def sizes_for(kernel, mod, cases) -> dict[str, int]:
         symbol = index.size.symbol
         if symbol is not None and index.size.literal is None and not index.size.product:
             sizes[symbol] = math.lcm(sizes.get(symbol, 1), index.tile * divided.get(symbol, 1))
+    for index in kernel.indices:  # read through a page table (`j // T`, `j % T`): pages of one block
+        if index.size.product:
+            page = next(f for f in index.size.product if f in page_divisors(kernel))
+            sizes.update({f: page_sizes(kernel)[page] if f == page else index.tile // page_sizes(kernel)[page]
+                          for f in index.size.product if isinstance(f, str)})
     for rel in kernel.relations:  # `h // n`: the smaller size follows, divided as the larger one
         big = kernel.index(rel.index).size.symbol
         sizes[big] = math.lcm(sizes[big], rel.divisor * divided.get(rel.dim.symbol, 1))
         sizes.pop(rel.dim.symbol, None)
     return sizes
+
+
+def page_divisors(kernel) -> set[str]:
+    """The size symbols a read divides an index by (`pages[b, j // T]`: T, a page's size)."""
+    found: set[str] = set()
+
+    def visit(read) -> None:
+        for sub in read.subs:
+            if isinstance(sub.divisor, str):
+                found.add(sub.divisor)
+            if sub.table is not None:
+                visit(sub.table)
+
+    for st in kernel.statements:
+        for r in (st.target, *st.reads):
+            visit(r)
+    return found
 
 
 def output_specs(mod, axes) -> list[str]:
@@ -163,6 +203,7 @@ for n, (spec, text, kernel, mod, cases) in enumerate(KERNELS):
         on_mesh(f"sweep-{kernel.name}", (small(text), sizes_for(kernel, mod, cases),
                                          [{"mesh": [N], "names": [AXIS], "axes": cases[n][2]} for n in chosen]))
 RUNS = [(kernel.name, n, cases[c]) for _, _, kernel, mod, cases, chosen in KERNELS for n, c in enumerate(chosen)]
+BY_NAME = {k[2].name: k for k in KERNELS}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +215,7 @@ def mesh_results(tmp_path_factory, worker_id):
 def test_split_alone_equals_unsplit_and_reference(mesh_results, name, n, case):
     (kernel, env, res), = mesh_results[f"sweep-{name}"]
     kind, label, axes = case
-    _, _, _, mod, _, _ = next(k for k in KERNELS if k[2].name == name)
+    mod = BY_NAME[name][3]
     # Every gradient the module derives (a paged walk's none yet: values only, issue 19).
     grads = assert_case(kernel, env, res, n, output_specs(mod, axes), parts=parts(kind))
     assert grads == len(differentiable(kernel, mod))
@@ -183,8 +224,8 @@ def test_split_alone_equals_unsplit_and_reference(mesh_results, name, n, case):
 def test_the_sweep_covers_what_the_rule_allows():
     """The cases are every split the rule allows (counted here from `mesh_plan` itself, not
     from the module's tables they were read from); the module's tables are that rule; the
-    capped tiles leave it as at the spec's own; the default part has every kind of split
-    of every kernel."""
+    capped tiles leave it as at the spec's own; the default part has a case of every kind
+    of split and of every kind of walk there is."""
     expected = total = 0
     for spec, text, kernel, mod, cases, chosen in KERNELS:
         plan = rule_of(small(text))
@@ -203,8 +244,10 @@ def test_the_sweep_covers_what_the_rule_allows():
                                                      for p in SPECS.glob("*.spk"))
     kinds = {kind for *_, cases, _ in KERNELS for kind, _, _ in cases}
     assert {"split", "sum", "ring", "zigzag"} <= kinds, kinds
-    assert len(RUNS) == (total if SWEEP else len(kinds)), RUNS
-    assert {case[0] for *_, case in RUNS} == kinds
+    assert {case[0] for *_, case in RUNS} == kinds, RUNS
+    walks = {walk_of(small(text)) for _, text, _, _, cases, _ in KERNELS if cases}
+    assert {walk_of(small(text)) for _, text, kernel, *_ in KERNELS if any(name == kernel.name for name, _, _ in RUNS)} == walks
+    assert len(RUNS) == (total if SWEEP else len(DEFAULT)) and len(DEFAULT) <= len(kinds) + len(walks)
 
 
 REFUSED = [(kernel.name, index) for _, _, kernel, mod, _, _ in KERNELS for index, (how, _) in mod._MESH_RULES.items() if how is None]
@@ -213,8 +256,7 @@ REFUSED = [(kernel.name, index) for _, _, kernel, mod, _, _ in KERNELS for index
 @pytest.mark.parametrize("name,index", REFUSED, ids=[f"{n}-{i}" for n, i in REFUSED])
 def test_refused_index_raises_naming_it(name, index):
     """`sharded` raises the rule's reason (`mesh_plan`'s), naming the index."""
-    _, _, kernel, mod, _, _ = next(k for k in KERNELS if k[2].name == name)
-    text = next(k[1] for k in KERNELS if k[2].name == name)
+    _, text, kernel, mod, _, _ = BY_NAME[name]
     why = next(r.why for r in rule_of(small(text)).rules if r.index == index)
     with pytest.raises(ValueError) as info:
         mod.sharded(one_device_mesh(), **{index: "data"})
@@ -248,11 +290,13 @@ def test_ring_index_alone_or_apart_raises_naming_both(name, mod):
 # dsd_matmul's x dealt by its stored blocks' row coordinates over 2 devices, its padding
 # entries (coordinates -1) among them, in the simulator: memory no step writes is NaN, an
 # out-of-bounds read raises (a bucket's padding must reach no block).
-COO_SIMULATED = with_tiles(next(t for s, t in example_kernels() if s == "dsd_matmul"), m=128, n=128, k=128)
+COO_SIMULATED = with_tiles(BY_NAME["dsd_matmul"][1], m=128, n=128, k=128)
 on_mesh("coo-simulator", (COO_SIMULATED, dict(M=256, K=256, N=128),
                           [{"mesh": [N], "names": [AXIS], "axes": {"m": AXIS}, "interpret": "simulator"}], "padded"))
 
 
 def test_coo_input_split_in_the_tpu_simulator(mesh_results):
+    """Values and the gradients of x's stored blocks and of y, as the kernel's unsplit (in
+    the CPU interpreter) and `reference`'s."""
     (kernel, env, res), = mesh_results["coo-simulator"]
-    assert assert_case(kernel, env, res, 0, [f"P('{AXIS}',)"]) == len(differentiable(kernel, build(COO_SIMULATED, formatted=False)[1])) == 2
+    assert assert_case(kernel, env, res, 0, [f"P('{AXIS}',)"]) == 2
