@@ -6,12 +6,12 @@ a job (JSON): a generated module's path, its arguments (an .npz), and cases (a m
 mapping of indices to its axes); per case it runs the sharded function, the kernel unsplit
 and `reference`, values and `jax.grad`, in the CPU interpreter (a case's "interpret":
 "simulator": in the TPU simulator, `pltpu.InterpretParams`, which fills memory no step
-writes with NaN and raises on out-of-bounds reads), and saves them (an .npz)
-for the test to compare; a case expecting a ValueError saves its message instead, and any
-other exception its traceback (as does a job whose unsplit run fails): one broken case
-fails its own test, not every test of the session. Each case's seconds are saved too, wall
-and CPU (`case{c}_seconds`, `case{c}_cpu`; the unsplit runs' `job_seconds`, `job_cpu`):
-where the time goes.
+writes with NaN and raises on out-of-bounds reads), and saves them (an .npz) for the test
+to compare; a case expecting a ValueError saves its message instead, and any other
+exception its traceback (as does a job whose unsplit run fails): one broken case fails its
+own test, not every test of the session. Each case's seconds are saved too, wall and CPU
+(`case{c}_seconds`, `case{c}_cpu`; the unsplit runs' `job_seconds`, `job_cpu`): where the
+time goes.
 
     python tests/mesh_runner.py JOB.json...
 """
@@ -87,12 +87,14 @@ def run_case(mod, job, case, args, weights, saved: dict, tag: str):
                     if a.ndim and a.shape[0] % size == 0 else a for a in args]
         call = jax.jit(fn, static_argnames=("interpret", *keywords)) if case.get("jit") else fn
         mode = interpret_mode(case.get("interpret", "cpu"))
-        with jax.set_mesh(mesh) if case.get("explicit") else _nothing():
-            outs, grads = values_and_grads(lambda *a, **k: call(*a, **k, interpret=mode), args, keywords, job["diff"],
-                                           weights, case.get("grad", True))
-        if mode is not True:
-            jax.effects_barrier()  # a kernel whose result nobody awaited (a forward under grad) may still run
-            pltpu.reset_tpu_interpret_mode_state()
+        try:
+            with jax.set_mesh(mesh) if case.get("explicit") else _nothing():
+                outs, grads = values_and_grads(lambda *a, **k: call(*a, **k, interpret=mode), args, keywords, job["diff"],
+                                               weights, case.get("grad", True))
+        finally:
+            if mode is not True:
+                jax.effects_barrier()  # a kernel whose result nobody awaited (a forward under grad) may still run
+                pltpu.reset_tpu_interpret_mode_state()
     except ValueError as e:
         saved[f"{tag}error"] = np.array(str(e))
         return
