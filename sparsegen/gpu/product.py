@@ -439,7 +439,7 @@ class ProductLowering:
         else:
             out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False))
         end_index = self.out_tile(self.end) if self.end is not None else None
-        self.kernel_lets += [("start", self.start), ("count", self.count)]
+        self.kernel_lets.append(("start", self.start))  # the count is the chunk's: the work list's (`steps` per block)
 
         # The wrapper's result: the kernel's 2-D output as the operand.
         out_var, raw = names.local(st.target.operand), names.local(f"{st.target.operand}_matrix")
@@ -457,7 +457,7 @@ class ProductLowering:
             end_mask=self.end_mask, tiles=t, in_dtype=da, out_dtype=out_op.dtype, scale=st.scale,
             cell_coords=tuple((i, self.cell_extent(i)) for i in (*self.coords, m, n)), cells=ncells, host=self.host,
             guard=self.guard, tables=self.tables, kernel_lets=self.kernel_lets, a_index=a_index, b_index=b_index,
-            out_index=out_index, end_index=end_index, step_lets=self.step_lets, kind_table=kind_table, finish=finish,
+            out_index=out_index, end_index=end_index, step_lets=self.step_lets, steps=self.count, kind_table=kind_table, finish=finish,
             out_var=out_var, raw=raw, statics=tuple(sorted(self.statics)), names=names,
             fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
             block_products=ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,
