@@ -45,12 +45,13 @@ def _trimmed(d: dict) -> dict:
         head = _PERSISTENT_HEAD
         lets = [(name, value) for name, value, _ in _CHUNK] + lets
     lets = _needed([(name, value) for name, value, _ in head] + lets, body)
-    notes = {name: note for name, _, note in (*head, *_CHUNK)}
+    notes = {name: note for name, _, note in (*head, *(_CHUNK if d["form"] == "product" else ()))}
     used = words(body) | set().union(*(words(value) for _, value in lets))
     tables, refs = d["params"][: d["n_tables"]], d["params"][d["n_tables"]:]
     signature, deleted = parameters(tables + refs, used | set(refs), d["statics"], collapse=False)
     lets = [(name, value + (f"  # {notes[name]}" if name in notes else "")) for name, value in lets]
-    top = {name for name, _, _ in head}
+    # Elementwise: every let at the top; a product's per chunk, but the CTA's coordinates.
+    top = {name for name, _, _ in head} if d["form"] == "product" else {name for name, _ in lets}
     return dict(d, lets=[x for x in lets if x[0] in top], chunk_lets=[x for x in lets if x[0] not in top],
                 signature=signature, deleted=deleted)
 
