@@ -10,7 +10,7 @@ from ..expr import Const, render
 from ..formatting import format_module
 from ..pytext import needed as _needed, parameters, py_tuple, words
 from ..wrapper import Glue, Wrapper, einsum_glue
-from .describe import describe
+from .describe import describe, persistent_ctas
 from .plan import ElementwisePass, GpuModule, GpuPass
 
 
@@ -164,11 +164,10 @@ class _Emitter:
                 rows = rows * e
             raw_shape = py_tuple([render(rows * t.bm, "host"), render(p.cell_coords[-1][1] * t.bn, "host")])
         call_args = list(mod.conv.impl_args) + [dict(mod.outputs)[o] for o in self.reads(p, mod)]
-        # The persistent grid: as many CTAs as the chip runs at once (one per SM: a product
-        # CTA's shared memory leaves room for no second), each block's tiles a CTA each; never
-        # more than the steps there can be.
+        # The persistent grid: as many CTAs as the chip runs at once (describe.persistent_ctas),
+        # never more than the steps there can be.
         sub = (t.bm // t.tm) * (t.bn // t.tn)
-        cap = max(1, mod.target.sms // sub)
+        cap = persistent_ctas(p, mod.target)
         bound = p.block_products * t.ksub
         ctas = str(min(cap, bound.value)) if isinstance(bound, Const) else f"min({cap}, {render(bound, 'host')})"
         rows_in, cols_in = t.bm // t.tm, t.bn // t.tn
@@ -221,7 +220,8 @@ class _Emitter:
             "out_var": p.out_var,
             "end_dtype": k.operand(p.end.operand).dtype.jnp if p.end else None,
             "piece_at": at(piece_at),
-            "steps": p.steps,
+            "steps": p.steps if "cell" in words(p.steps) or _needed(p.kernel_lets, p.steps)
+            else f"jnp.full(cell.shape, {p.steps}, jnp.int32)",  # the dense walk: every block's the same
             "steps_lets": _needed(p.kernel_lets, p.steps),
             "ctas": ctas,
             "ctas_about": f"{mod.target.name}'s {mod.target.sms} SMs" + (f", {sub} CTAs per output block (its tiles)" if sub > 1 else ""),
