@@ -111,7 +111,8 @@ def test_a_skewed_pattern_is_balanced_over_the_persistent_grid(monkeypatch):
 def test_the_work_list_at_the_chips_scale():
     """`_deal` for 132 CTAs over a skewed pattern too large for the interpreter: every step
     dealt once, no CTA over 2x the mean, a block shared by CTAs only where its steps cross
-    a CTA's share, each piece a slot of its own, blocks without steps a chunk of none."""
+    a CTA's share, each piece a slot of its own, blocks without steps a chunk of none,
+    dealt round-robin."""
     _, mod = build(with_tiles(example_text("dsd_matmul"), m=TILE, n=TILE, k=TILE), "h200")
     rng = np.random.default_rng(1)
     steps = rng.integers(0, 4, size=600)
@@ -133,6 +134,9 @@ def test_the_work_list_at_the_chips_scale():
         if split:
             assert np.all(slot_cell[slot[mine]] == c)
     assert len(set(slot[slot >= 0].tolist())) == np.sum(slot >= 0) <= 2 * ctas
+    # The blocks without steps (their stores of zeros) are spread over the CTAs too.
+    empty = [np.sum(steps[cell[cta_first[j]:cta_first[j + 1]]] == 0) for j in range(ctas)]
+    assert max(empty) == -(-np.sum(steps == 0) // ctas), empty
 
 
 def test_shared_blocks_add_their_pieces_deterministically():

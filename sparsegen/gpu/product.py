@@ -1,12 +1,20 @@
 """A statement with a sum as a block-sparse matrix product on Mosaic GPU (Hopper).
 
 `out[c.., m, n] = A[c.., m, k] * B[c.., k, n]` (any dimension order; `c` are the output's
-other indices: batch, heads, each value a block of its own) becomes one kernel. Its grid
-has a CTA per output *tile* (tm x tn, WGMMA's) of every output *block* (the spec's tile,
-the sparsity's grain). GPUs have no scalar prefetch, so a CTA reads from tables in GMEM how
-many steps its block takes and where they start, then runs `plgpu.emit_pipeline` over that
-dynamic count: TMA copies of an A tile and a B tile into shared memory per step, one WGMMA
-each, the accumulator in registers. A block nothing reaches runs zero steps, storing zeros.
+other indices: batch, heads, each value a block of its own) becomes one kernel. An output
+*block* (the spec's tile, the sparsity's grain) is computed as CTA *tiles* (tm x tn,
+WGMMA's). GPUs have no scalar prefetch, so the kernel reads from tables in GMEM how many
+steps a block takes and where they start, then runs `plgpu.emit_pipeline` over that dynamic
+count: TMA copies of an A tile and a B tile into shared memory per step, one WGMMA each, the
+accumulator in registers. A block nothing reaches runs zero steps, storing zeros.
+
+The grid is persistent (the emitter and the `_deal` helper): a CTA per SM (per tile of a
+block), each running a run of chunks of a work list in which every block's steps lie end to
+end, cut into equal runs; a block whose steps cross a run's end is shared by CTAs, each
+storing its piece's f32 partial sum, added by the wrapper in a fixed order
+(`_add_pieces`). So a skewed pattern (one row of output blocks holding most of the steps)
+does not serialise the kernel on that row's CTAs. The lowering gives each block's step count
+(`steps`) in terms of the block (`cell`), which the wrapper evaluates for every block.
 
 The walk (which steps a block takes) is the schedule's: `schedule.choose_walk` names it and
 the operand whose blocks decide it, and `walk_of` says it in GPU terms, or refuses it:
