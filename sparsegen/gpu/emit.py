@@ -224,7 +224,7 @@ class _Emitter:
             else f"jnp.full(cell.shape, {p.steps}, jnp.int32)",  # the dense walk: every block's the same
             "steps_lets": _needed(p.kernel_lets, p.steps),
             "ctas": ctas,
-            "ctas_about": f"{mod.target.name}'s {mod.target.sms} SMs" + (f", {sub} CTAs per output block (its tiles)" if sub > 1 else ""),
+            "ctas_about": f"{mod.target.sms} SMs on {mod.target.name}" + (f", {sub} tiles a block" if sub > 1 else ""),
             "cells": render(p.cells, "host"),
             "bm": t.bm,
             "bn": t.bn,
@@ -253,9 +253,9 @@ class _Emitter:
             "coo output": f"every block along {p.a.col}, for each requested block of {p.output}",
             "output mask": f"every block along {p.a.col}, where the {p.sparse} block is not empty",
         }[p.walk]
-        return (f"{p.statement.text}: persistent; a CTA runs its chunks of the work list, each the steps of one "
-                f"{t.tm}x{t.tn} tile of an output block, or a run of them; a block walks {walk}, one WGMMA per "
-                f"{p.a.col} tile of {t.tk}.")
+        return (f"{p.statement.text}: persistent; each CTA runs its chunks of the work list, a chunk a run of the "
+                f"steps of a {t.tm}x{t.tn} tile of an output block, which walks {walk}, one WGMMA per {p.a.col} tile "
+                f"of {t.tk}.")
 
     def gradient(self) -> tuple[Glue, list[dict]]:
         """The custom_vjp glue (residuals: the inputs), and the backward's passes."""
