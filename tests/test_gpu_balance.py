@@ -103,6 +103,9 @@ def test_a_skewed_pattern_is_balanced_over_the_persistent_grid(monkeypatch):
     for (cta, _, _), n in steps.items():
         work[cta] += n
     assert work.sum() == per_tile.sum()  # every step ran, once
+    # Row 0's block is shared by CTAs: its pieces' partial sums are added by the wrapper.
+    slots = np.asarray(mod._deal(jnp.asarray(per_tile), sms)[4])
+    assert np.sum(slots >= 0) >= 4
     assert work.max() <= 2 * work.mean(), (work.tolist(), per_tile.tolist())
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(mod.reference(*args, **keywords), np.float32),
                                rtol=0.02, atol=0.1)
@@ -139,19 +142,10 @@ def test_the_work_list_at_the_chips_scale():
     assert max(empty) == -(-np.sum(steps == 0) // ctas), empty
 
 
-def test_shared_blocks_add_their_pieces_deterministically():
-    """A block split over many CTAs (the skewed row, 132 SMs) gives the same bits run after
-    run: its pieces are added in a fixed order, never by atomics."""
-    _, mod = build(with_tiles(example_text("dsd_matmul"), m=TILE, n=TILE, k=TILE), "h200")
-    args, keywords = skewed_args(np.random.default_rng(2))
-    first = np.asarray(mod.dsd_matmul(*args, **keywords, interpret=True), np.float32)
-    again = np.asarray(mod.dsd_matmul(*args, **keywords, interpret=True), np.float32)
-    np.testing.assert_array_equal(first, again)
-
-
 def test_skewed_values_and_gradients_in_the_gpu_interpreter():
     """The skewed pattern's result and gradients (the backward's kernels run persistent too)
-    equal `reference`'s."""
+    equal `reference`'s, on the H200's 132 SMs: every block of more than one step is shared
+    by CTAs, its pieces added by the wrapper."""
     _, mod = build(with_tiles(example_text("dsd_matmul"), m=TILE, n=TILE, k=TILE), "h200")
     args, keywords = skewed_args(np.random.default_rng(3))
     out = mod.dsd_matmul(*args, **keywords, interpret=True)
