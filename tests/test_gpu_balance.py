@@ -18,7 +18,9 @@ from conftest import build, with_tiles
 from jax import lax
 from test_gpu import example_text
 
+from sparsegen.compiler import lower_source
 from sparsegen.gpu.targets import GPU_TARGETS
+from sparsegen.source import SourceFile
 
 TILE = 64  # m, n, k: one 64x64 CTA tile per block, one step per block
 ROWS, K_BLOCKS = 8, 16  # row blocks of x, blocks along k
@@ -64,6 +66,12 @@ class _CountingPlgpu:
         return self._plgpu.emit_pipeline(counted, **kwargs)
 
 
+def depth(text: str) -> int:
+    """The pipeline's depth of the kernel's pass: `_deal`'s least run of steps."""
+    (m,) = lower_source(SourceFile("t.spk", text), "h200")
+    return m.passes[0].tiles.stages
+
+
 def steps_per_cta(mod, fn, args, keywords, monkeypatch) -> dict:
     steps: dict = {}
     monkeypatch.setattr(mod, "plgpu", _CountingPlgpu(mod.plgpu, steps))
@@ -104,7 +112,7 @@ def test_a_skewed_pattern_is_balanced_over_the_persistent_grid(monkeypatch):
         work[cta] += n
     assert work.sum() == per_tile.sum()  # every step ran, once
     # Row 0's block is shared by CTAs: its pieces' partial sums are added by the wrapper.
-    slots = np.asarray(mod._deal(jnp.asarray(per_tile), sms)[4])
+    slots = np.asarray(mod._deal(jnp.asarray(per_tile), sms, depth(text))[4])
     assert np.sum(slots >= 0) >= 4
     assert work.max() <= 2 * work.mean(), (work.tolist(), per_tile.tolist())
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(mod.reference(*args, **keywords), np.float32),
@@ -116,13 +124,14 @@ def test_the_work_list_at_the_chips_scale():
     dealt once, no CTA over 2x the mean, a block shared by CTAs only where its steps cross
     a CTA's share, each piece a slot of its own, blocks without steps a chunk of none,
     dealt round-robin."""
-    _, mod = build(with_tiles(example_text("dsd_matmul"), m=TILE, n=TILE, k=TILE), "h200")
+    text = with_tiles(example_text("dsd_matmul"), m=TILE, n=TILE, k=TILE)
+    _, mod = build(text, "h200")
     rng = np.random.default_rng(1)
     steps = rng.integers(0, 4, size=600)
     steps[17] = steps.sum()  # one block holds half of the steps
     steps[40:90] = 0
     ctas = 132
-    cta_first, cell, first, count, slot, slot_cell = (np.asarray(t) for t in mod._deal(jnp.asarray(steps), ctas))
+    cta_first, cell, first, count, slot, slot_cell = (np.asarray(t) for t in mod._deal(jnp.asarray(steps), ctas, depth(text)))
     used = slice(0, int(cta_first[-1]))
     work = np.array([count[cta_first[j]:cta_first[j + 1]].sum() for j in range(ctas)])
     assert work.sum() == steps.sum() and work.max() <= 2 * work.mean(), work.tolist()

@@ -168,7 +168,7 @@ class _Emitter:
         # never more than the steps there can be.
         sub = (t.bm // t.tm) * (t.bn // t.tn)
         cap = persistent_ctas(p, mod.target)
-        bound = p.block_products * t.ksub
+        bound = (p.block_products * t.ksub).cdiv(t.stages)  # runs of a pipeline's depth (`_deal`)
         ctas = str(min(cap, bound.value)) if isinstance(bound, Const) else f"min({cap}, {render(bound, 'host')})"
         rows_in, cols_in = t.bm // t.tm, t.bn // t.tn
         piece_at = (f"slot * {rows_in} + mi" if rows_in > 1 else "slot", "ni" if cols_in > 1 else "0")
