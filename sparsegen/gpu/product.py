@@ -171,8 +171,8 @@ class ProductLowering:
             if eop.sparsity == "coo":
                 fail(e.span, f"'{e.text}' is coo inside another factor's blocks: not lowered for GPUs yet")
             if eop.sparsity == "mask":
-                if set(e.indices) != set(main.indices):
-                    fail(e.span, f"a mask factor on GPUs has the indices of the factor it multiplies ('{main.text}')")
+                if not set(e.indices) <= set(main.indices):
+                    fail(e.span, f"a mask factor on GPUs reads only indices of the factor it multiplies ('{main.text}')")
         # The schedule's mask source, when this group holds it (covered: the main factor is not a mask's).
         mask = next((st.factors[s.factor] for s in self.skipped() if s.place == "sum" and s.sparsity == "mask" and st.summed_groups[s.group] is group), None)
         var = names.local(f"{main.operand}_matrix")
@@ -214,8 +214,19 @@ class ProductLowering:
         mvar = None
         if mask is not None:
             mvar = names.local(f"{mask.operand}_matrix")
-            mperm = tuple(mask.indices.index(i) for i in order)
-            host.append(f"{mvar} = _matrix({self.ctx.source(mask)}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, tiles))})")
+            msrc = self.ctx.source(mask)
+            if len(mask.indices) < len(main.indices):
+                # The mask lacks some of the factor's indices (a batch index): its blocks are
+                # the same along them; laid out as the factor for the walk's tables.
+                letters = {i: _LETTERS[n] for n, i in enumerate(main.indices)}
+                held = "".join(letters[i] for i in mask.indices)
+                host.append(f"{mvar} = jnp.broadcast_to(_expand({msrc}, \"{held}\", \"{''.join(letters[i] for i in main.indices)}\"), "
+                            f"{self.ctx.source(main)}.shape)  # the same for every {', '.join(i for i in main.indices if i not in mask.indices)}")
+                msrc, mindices = mvar, main.indices
+            else:
+                mindices = mask.indices
+            mperm = tuple(mindices.index(i) for i in order)
+            host.append(f"{mvar} = _matrix({msrc}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, tiles))})")
         return Matrix(op.name, var, mine, row, col, transposed, False, copied), mvar
 
     def after_sum(self):
@@ -229,8 +240,16 @@ class ProductLowering:
             return
         e = st.factors[st.end_groups[0].main]
         eop = k.operand(e.operand)
-        if set(e.indices) != set(st.out_indices) or eop.sparsity == "coo" or out_op.sparsity == "coo":
-            fail(e.span, f"'{e.text}' after the sum: the GPU backend applies a dense or mask factor with the output's indices only")
+        if eop.sparsity == "coo" or out_op.sparsity == "coo":
+            what = f"'{e.text}' is coo" if eop.sparsity == "coo" else f"the output '{out_op.name}' is coo"
+            fail(e.span, f"'{e.text}' after the sum: {what}; the GPU backend applies a dense or mask factor after the sum, "
+                         "tile by tile of a dense output")
+        lacking = [i for i in (self.m, self.n) if i not in e.indices]
+        if lacking:
+            fail(e.span, f"'{e.text}' after the sum lacks {' and '.join(lacking)}, the product's "
+                         f"{'rows and columns' if len(lacking) == 2 else 'rows' if lacking[0] == self.m else 'columns'}: "
+                         "the GPU backend multiplies a factor after the sum in tile by tile of the output "
+                         f"(broadcast it to [{', '.join(st.out_indices)}] first)")
         evar = self.names.local(f"{e.operand}_matrix")
         # In the output's order: its block kinds are read per cell, and cells are in that order.
         ecoords = tuple(sorted(self.coords_of(e), key=lambda c: self.coords.index(c.index)))
@@ -365,10 +384,22 @@ class ProductLowering:
             self.step_lets.append(("stored", f"{order_t}[step]"))
 
     def output_mask(self, sparse: str) -> str:
-        """Empty mask blocks run no step (zeros); the kernel reads only partial ones."""
+        """Empty mask blocks run no step (zeros); the kernel reads only partial ones. A mask
+        lacking some of the output's coordinates (a batch index) is read by every value of
+        them: its kinds are broadcast to the output's cells."""
         kinds = self.names.local(f"{sparse}_kinds")
         self.host.append(f"# The blocks of {sparse}: empty ones run no step, all-ones ones are not read.")
-        self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True).reshape(-1)")
+        mine = [c.index for c in self.end.coords]
+        if len(mine) == len(self.coords):
+            self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True).reshape(-1)")
+        else:
+            lacked = ", ".join(i for i in self.coords if i not in mine)
+            blocks = [render(self.ctx.blocks(i), "host") for i in (self.m, self.n)]
+            cells = [render(self.cell_extent(i), "host") if i in mine else "1" for i in self.coords]
+            full = [render(self.cell_extent(i), "host") for i in (*self.coords, self.m, self.n)]
+            self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True)"
+                             f".reshape({', '.join(cells + blocks)})")
+            self.host.append(f"{kinds} = jnp.broadcast_to({kinds}, ({', '.join(full)})).reshape(-1)  # the same for every {lacked}")
         self.tables.append((kinds, f"_EMPTY, _PARTIAL or _FULL: each output block's {sparse} block"))
         self.count = f"jnp.where({kinds}[cell] == _EMPTY, 0, {self.py(self.KB * self.t.ksub)})"
         return kinds
