@@ -1,12 +1,20 @@
 """A statement with a sum as a block-sparse matrix product on Mosaic GPU (Hopper).
 
 `out[c.., m, n] = A[c.., m, k] * B[c.., k, n]` (any dimension order; `c` are the output's
-other indices: batch, heads, each value a block of its own) becomes one kernel. Its grid
-has a CTA per output *tile* (tm x tn, WGMMA's) of every output *block* (the spec's tile,
-the sparsity's grain). GPUs have no scalar prefetch, so a CTA reads from tables in GMEM how
-many steps its block takes and where they start, then runs `plgpu.emit_pipeline` over that
-dynamic count: TMA copies of an A tile and a B tile into shared memory per step, one WGMMA
-each, the accumulator in registers. A block nothing reaches runs zero steps, storing zeros.
+other indices: batch, heads, each value a block of its own) becomes one kernel. An output
+*block* (the spec's tile, the sparsity's grain) is computed as CTA *tiles* (tm x tn,
+WGMMA's). GPUs have no scalar prefetch, so the kernel reads from tables in GMEM how many
+steps a block takes and where they start, then runs `plgpu.emit_pipeline` over that dynamic
+count: TMA copies of an A tile and a B tile into shared memory per step, one WGMMA each, the
+accumulator in registers. A block nothing reaches runs zero steps, storing zeros.
+
+The grid is persistent (the emitter and the `_deal` helper): a CTA per SM (per tile of a
+block), each running a run of chunks of a work list in which every block's steps lie end to
+end, cut into equal runs; a block whose steps cross a run's end is shared by CTAs, each
+storing its piece's f32 partial sum, added by the wrapper in a fixed order
+(`_add_pieces`). So a skewed pattern (one row of output blocks holding most of the steps)
+does not serialise the kernel on that row's CTAs. The lowering gives each block's step count
+(`steps`) in terms of the block (`cell`), which the wrapper evaluates for every block.
 
 The walk (which steps a block takes) is the schedule's: `schedule.choose_walk` names it and
 the operand whose blocks decide it, and `walk_of` says it in GPU terms, or refuses it:
@@ -470,7 +478,7 @@ class ProductLowering:
         else:
             out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False))
         end_index = self.out_tile(self.end) if self.end is not None else None
-        self.kernel_lets += [("start", self.start), ("count", self.count)]
+        self.kernel_lets.append(("start", self.start))  # the count is the chunk's: the work list's (`steps` per block)
 
         # The wrapper's result: the kernel's 2-D output as the operand.
         out_var, raw = names.local(st.target.operand), names.local(f"{st.target.operand}_matrix")
@@ -488,7 +496,7 @@ class ProductLowering:
             end_mask=self.end_mask, tiles=t, in_dtype=da, out_dtype=out_op.dtype, scale=st.scale,
             cell_coords=tuple((i, self.cell_extent(i)) for i in (*self.coords, m, n)), cells=ncells, host=self.host,
             guard=self.guard, tables=self.tables, kernel_lets=self.kernel_lets, a_index=a_index, b_index=b_index,
-            out_index=out_index, end_index=end_index, step_lets=self.step_lets, kind_table=kind_table, finish=finish,
+            out_index=out_index, end_index=end_index, step_lets=self.step_lets, steps=self.count, kind_table=kind_table, finish=finish,
             out_var=out_var, raw=raw, statics=tuple(sorted(self.statics)), names=names,
             fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
             block_products=ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,

@@ -26,11 +26,13 @@ def fail(span, message: str, notes=()):
 
 def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: int = 0) -> int:
     """Shared memory of one product CTA. Scoped allocations are reused (measured), so the
-    pipeline's buffers and the epilogue's tiles do not add; a barrier takes 8 bytes (one per
-    buffer, and the epilogue's)."""
+    pipeline's buffers and the epilogue's tiles do not add; nor do the epilogue's two ways
+    out (the output's tile, or an f32 piece of a block shared by CTAs), but a tile of the
+    factor after the sum is held under either. A barrier takes 8 bytes (one per buffer, and
+    the epilogue's)."""
     t = tiles
     pipeline = t.stages * (t.tm * t.tk + t.tk * t.tn) * in_itemsize
-    epilogue = t.tm * t.tn * (out_itemsize + end_itemsize)
+    epilogue = t.tm * t.tn * (max(out_itemsize, 4) + end_itemsize)
     return max(pipeline, epilogue) + 8 * (t.stages + 1)
 
 
