@@ -58,7 +58,7 @@ def describe_pass(p: GpuPass, target) -> list[str]:
         + (f" times the {p.end.operand} tile" + (" where its block is partial" if p.end_mask else "") if p.end else "")
         + f", as {p.out_dtype.name}, through shared memory to {p.output} (TMA)",
         f"  shared memory: {p.smem} bytes per CTA (limit {target.smem_bytes} on {target.name})",
-        f"  work: at most {render(p.block_products, 'text')} block products of {p.flops_per_product} FLOPs ({p.in_dtype.name} in, f32 accumulated)",
+        f"  work: at most {render(p.block_products, 'text')} block products of {p.flops_per_product} FLOPs ({p.in_dtype.name} in, {"f32" if p.in_dtype.is_float else "i32"} accumulated)",
     ]
     if p.tables:
         lines.append("  tables (int32, in GMEM, computed by the wrapper):")

@@ -152,16 +152,16 @@ class ProductLowering:
             fail(main.span, f"'{main.text}' has '{stray[0]}', which is neither the product's rows, columns nor sum "
                             "nor an index of the output: not lowered for GPUs")
         if op.dtype.name not in DTYPES_WGMMA:
-            fail(op.dtype_span, f"WGMMA multiplies bf16, f16 or f32 (as tf32) factors; '{op.name}' is {op.dtype.name}")
+            fail(op.dtype_span, f"WGMMA multiplies bf16, f16, f32 (as tf32) or i8 (into i32) factors; '{op.name}' is {op.dtype.name}")
         mine = self.coords_of(main)
         stored_cr = main.indices.index(col) < main.indices.index(row)  # stored (col, row)
-        # 16-bit tiles are read either way (WGMMA reads a transposed view MN-major); 32-bit
-        # (tf32) WGMMA takes K-major tiles only: A as (m, k), B as (n, k). Several summed
+        # 16-bit tiles are read either way (WGMMA reads a transposed view MN-major); tf32 and
+        # s8 WGMMA take K-major tiles only: A as (m, k), B as (n, k). Several summed
         # indices flatten into one contraction: (rows, k..) for A, (k.., columns) for B.
-        transposed = stored_cr if op.dtype.itemsize == 2 and not self.extra_sums else is_b and op.dtype.itemsize == 4
+        transposed = stored_cr if op.dtype.itemsize == 2 and not self.extra_sums else is_b and op.dtype.itemsize != 2
         copied = transposed != stored_cr
         why = ("  # the summed indices flattened into one contraction: a copy" if self.extra_sums else
-               "  # tf32 WGMMA reads K-major tiles: a transposed copy") if copied else ""
+               f"  # {'tf32' if op.dtype.is_float else 's8'} WGMMA reads K-major tiles: a transposed copy") if copied else ""
         extras = [st.factors[e] for e in group.extras]
         divisors = {s.index: s.divisor for s in main.subs}
         for e in extras:
@@ -441,11 +441,16 @@ class ProductLowering:
         if da.name != db.name:
             fail(k.operand(self.b.operand).dtype_span, f"WGMMA multiplies two factors of one dtype; '{self.a.operand}' is {da.name}, "
                                                        f"'{self.b.operand}' is {db.name}")
-        if k.accumulate.name != "f32":
-            fail(k.accumulate_span or k.tile_span, f"accumulate {k.accumulate.name}: WGMMA accumulates in f32")
-        if not out_op.dtype.is_float:
-            fail(out_op.dtype_span, f"the GPU backend writes float outputs; '{out_op.name}' is {out_op.dtype.name}")
+        integer = not da.is_float  # s8 factors: WGMMA accumulates in s32
+        want = "i32" if integer else "f32"
+        if k.accumulate.name != want:
+            fail(k.accumulate_span or k.tile_span, f"accumulate {k.accumulate.name}: WGMMA accumulates {da.name} products in {want}")
+        if not out_op.dtype.is_float and not (integer and out_op.dtype.name == "i32"):
+            fail(out_op.dtype_span, f"the GPU backend writes float outputs (or i32 for i8 factors); '{out_op.name}' is {out_op.dtype.name}")
         self.after_sum()
+        if integer and (self.end is not None or st.scale is not None):
+            what = f"'{self.end.operand}' after the sum" if self.end is not None else "a constant factor"
+            fail(st.span, f"{what} on an i8 product (s32 on the GPU): not lowered for GPUs yet; apply it to the result")
         end_dtype = k.operand(self.end.operand).dtype if self.end else None
         self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype)
         self.KB = self.ctx.blocks(kidx)
