@@ -673,7 +673,10 @@ def _attention_dq_kernel(
             inside = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             )
-            q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            q_blk = jnp.where(inside, q_blk.astype(jnp.float32), 0.0).astype(
+                q_blk.dtype
+            )
         k_blk = k_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
@@ -713,11 +716,11 @@ def _attention_dq_kernel(
         do = do_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            do = jnp.where(
-                read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S,
-                do,
-                0,
+            inside_ = (
+                read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             )
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            do = jnp.where(inside_, do.astype(jnp.float32), 0.0).astype(do.dtype)
         dprobs = lax.dot_general(
             do.astype(v_blk.dtype),
             v_blk,
@@ -729,8 +732,8 @@ def _attention_dq_kernel(
         k_blk = k_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
-            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+            inside__ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            k_blk = jnp.where(inside__, k_blk, jnp.zeros_like(k_blk))
         dq_acc[...] += (
             lax.dot_general(
                 draw.astype(k_blk.dtype),
@@ -804,7 +807,10 @@ def _attention_dkv_kernel(
             inside_ = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             )
-            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            k_blk = jnp.where(inside_, k_blk.astype(jnp.float32), 0.0).astype(
+                k_blk.dtype
+            )
         raw_scores = lax.dot_general(
             k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -837,13 +843,15 @@ def _attention_dkv_kernel(
             inside = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             )
-            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            v_blk = jnp.where(inside, v_blk.astype(jnp.float32), 0.0).astype(
+                v_blk.dtype
+            )
         do = do_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            do = jnp.where(
-                cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S, do, 0
-            )
+            inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            do = jnp.where(inside_, do, jnp.zeros_like(do))
         dprobs = lax.dot_general(
             v_blk,
             do.astype(v_blk.dtype),
@@ -855,8 +863,8 @@ def _attention_dkv_kernel(
         q_blk = q_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
-            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
+            inside__ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
         dv_o_acc[...] += lax.dot_general(
             probs.astype(do.dtype),
             do,

@@ -704,7 +704,10 @@ def _attention_dq_kernel(
             inside = (
                 read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             )
-            q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            q_blk = jnp.where(inside, q_blk.astype(jnp.float32), 0.0).astype(
+                q_blk.dtype
+            )
         k_blk = k_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
@@ -748,11 +751,11 @@ def _attention_dq_kernel(
         do = do_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            do = jnp.where(
-                read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S,
-                do,
-                0,
+            inside_ = (
+                read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             )
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            do = jnp.where(inside_, do.astype(jnp.float32), 0.0).astype(do.dtype)
         dprobs = lax.dot_general(
             do.astype(v_blk.dtype),
             v_blk,
@@ -764,8 +767,8 @@ def _attention_dq_kernel(
         k_blk = k_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
-            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+            inside__ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            k_blk = jnp.where(inside__, k_blk, jnp.zeros_like(k_blk))
         dq_acc[...] += (
             lax.dot_general(
                 draw.astype(k_blk.dtype),
@@ -842,7 +845,10 @@ def _attention_dkv_kernel(
             inside_ = (
                 read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             )
-            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            k_blk = jnp.where(inside_, k_blk.astype(jnp.float32), 0.0).astype(
+                k_blk.dtype
+            )
         seg_blk = seg_ref[0:1, :]
         seg_blk_ = seg_ref_[:, 0:1]
         raw_scores = lax.dot_general(
@@ -879,13 +885,15 @@ def _attention_dkv_kernel(
             inside = (
                 read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             )
-            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            v_blk = jnp.where(inside, v_blk.astype(jnp.float32), 0.0).astype(
+                v_blk.dtype
+            )
         do = do_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            do = jnp.where(
-                cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S, do, 0
-            )
+            inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            do = jnp.where(inside_, do, jnp.zeros_like(do))
         dprobs = lax.dot_general(
             v_blk,
             do.astype(v_blk.dtype),
@@ -897,8 +905,8 @@ def _attention_dkv_kernel(
         q_blk = q_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
-            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
+            inside__ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
         dv_o_acc[...] += lax.dot_general(
             probs.astype(do.dtype),
             do,

@@ -638,11 +638,10 @@ def _attention_dq_kernel(
         do = do_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            do = jnp.where(
-                read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S,
-                do,
-                0,
+            inside_ = (
+                read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
             )
+            do = jnp.where(inside_, do, jnp.zeros_like(do))
         dprobs = lax.dot_general(
             do.astype(v_blk.dtype),
             v_blk,
@@ -655,8 +654,8 @@ def _attention_dq_kernel(
         k_blk = k_ref[...]
         if masked:
             # Past the end of j memory holds anything: zero it.
-            inside_ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
-            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+            inside__ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
+            k_blk = jnp.where(inside__, k_blk, jnp.zeros_like(k_blk))
         dq_acc[...] += lax.dot_general(
             draw.astype(k_blk.dtype),
             k_blk,
@@ -768,9 +767,8 @@ def _attention_dkv_kernel(
         do = do_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            do = jnp.where(
-                cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S, do, 0
-            )
+            inside_ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
+            do = jnp.where(inside_, do, jnp.zeros_like(do))
         dprobs = lax.dot_general(
             v_blk,
             do.astype(v_blk.dtype),
@@ -783,8 +781,8 @@ def _attention_dkv_kernel(
         q_blk = q_ref[...]
         if masked:
             # Past the end of i memory holds anything: zero it.
-            inside_ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
-            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
+            inside__ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
+            q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
         dv_o_acc[...] += lax.dot_general(
             probs.astype(do.dtype),
             do,
