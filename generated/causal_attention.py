@@ -598,7 +598,7 @@ def _attention_kernel(
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
@@ -668,7 +668,7 @@ def _attention_dq_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of i memory holds anything: zero it.
             inside = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
@@ -678,7 +678,7 @@ def _attention_dq_kernel(
                 q_blk.dtype
             )
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
@@ -700,7 +700,7 @@ def _attention_dq_kernel(
         raw, s = _scores(masked)
         lse_ = row_lse_ref[...]
         delta = delta_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             rows_inside = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             )
@@ -709,12 +709,12 @@ def _attention_dq_kernel(
         lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)  # a row with nothing present
         probs = jnp.exp(s - jnp.tile(lse_, (1, 4)))  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         do = do_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of i memory holds anything: zero it.
             inside_ = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
@@ -730,7 +730,7 @@ def _attention_dq_kernel(
         ds = probs * (dprobs - jnp.tile(delta, (1, 4)))
         draw = ds
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside__ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             k_blk = jnp.where(inside__, k_blk, jnp.zeros_like(k_blk))
@@ -797,12 +797,12 @@ def _attention_dkv_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of i memory holds anything: zero it.
             inside = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside_ = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
@@ -829,7 +829,7 @@ def _attention_dkv_kernel(
         raw, s = _scores(masked)
         lse_ = row_lse_ref[0:1, :]
         delta = delta_ref[0:1, :]
-        if masked:
+        if masked and S % 512 != 0:
             rows_inside = (
                 cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1) < S
             )
@@ -838,7 +838,7 @@ def _attention_dkv_kernel(
         lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)  # a row with nothing present
         probs = jnp.exp(s - lse_)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
@@ -848,7 +848,7 @@ def _attention_dkv_kernel(
                 v_blk.dtype
             )
         do = do_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of i memory holds anything: zero it.
             inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             do = jnp.where(inside_, do, jnp.zeros_like(do))
@@ -861,7 +861,7 @@ def _attention_dkv_kernel(
         ds = probs * (dprobs - delta)
         draw = ds
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of i memory holds anything: zero it.
             inside__ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))

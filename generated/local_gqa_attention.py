@@ -618,7 +618,7 @@ def _attention_kernel(
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
@@ -685,7 +685,7 @@ def _attention_dq_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 256 != 0:
             # Past the end of i memory holds anything: zero it.
             inside = (
                 read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
@@ -695,7 +695,7 @@ def _attention_dq_kernel(
                 q_blk.dtype
             )
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside_ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
@@ -724,7 +724,7 @@ def _attention_dq_kernel(
         raw, s, chain = _scores(masked)
         lse = row_lse_ref[...]
         delta = delta_ref[...]
-        if masked:
+        if masked and S % 256 != 0:
             rows_inside = (
                 read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             )
@@ -733,12 +733,12 @@ def _attention_dq_kernel(
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
         probs = jnp.exp(s - jnp.tile(lse, (1, 4)))  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         do = do_ref[...]
-        if masked:
+        if masked and S % 256 != 0:
             # Past the end of i memory holds anything: zero it.
             inside_ = (
                 read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
@@ -756,7 +756,7 @@ def _attention_dq_kernel(
         (draw,) = pull(ds)
         draw = jnp.where(jnp.isneginf(s), 0.0, draw)  # absent: no gradient
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside__ = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
             k_blk = jnp.where(inside__, k_blk, jnp.zeros_like(k_blk))
@@ -823,12 +823,12 @@ def _attention_dkv_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 256 != 0:
             # Past the end of i memory holds anything: zero it.
             inside = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside_ = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
@@ -862,7 +862,7 @@ def _attention_dkv_kernel(
         raw, s, chain = _scores(masked)
         lse = row_lse_ref[0:1, :]
         delta = delta_ref[0:1, :]
-        if masked:
+        if masked and S % 256 != 0:
             rows_inside = (
                 cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1) < S
             )
@@ -871,7 +871,7 @@ def _attention_dkv_kernel(
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
         probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = (
                 read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
@@ -881,7 +881,7 @@ def _attention_dkv_kernel(
                 v_blk.dtype
             )
         do = do_ref[...]
-        if masked:
+        if masked and S % 256 != 0:
             # Past the end of i memory holds anything: zero it.
             inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             do = jnp.where(inside_, do, jnp.zeros_like(do))
@@ -896,7 +896,7 @@ def _attention_dkv_kernel(
         (draw,) = pull(ds)
         draw = jnp.where(jnp.isneginf(s), 0.0, draw)  # absent: no gradient
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 256 != 0:
             # Past the end of i memory holds anything: zero it.
             inside__ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))

@@ -606,7 +606,7 @@ def _attention_kernel(
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
@@ -673,7 +673,7 @@ def _attention_dq_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of i memory holds anything: zero it.
             inside = (
                 read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
@@ -683,7 +683,7 @@ def _attention_dq_kernel(
                 q_blk.dtype
             )
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside_ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
@@ -705,7 +705,7 @@ def _attention_dq_kernel(
         raw, s = _scores(masked)
         lse = row_lse_ref[...]
         delta = delta_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             rows_inside = (
                 read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             )
@@ -714,12 +714,12 @@ def _attention_dq_kernel(
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
         probs = jnp.exp(s - (lse)[:, :32])  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         do = do_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of i memory holds anything: zero it.
             inside_ = (
                 read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
@@ -735,7 +735,7 @@ def _attention_dq_kernel(
         ds = probs * (dprobs - (delta)[:, :32])
         draw = ds
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside__ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             k_blk = jnp.where(inside__, k_blk, jnp.zeros_like(k_blk))
@@ -802,12 +802,12 @@ def _attention_dkv_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of i memory holds anything: zero it.
             inside = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside_ = (
                 read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
@@ -834,7 +834,7 @@ def _attention_dkv_kernel(
         raw, s = _scores(masked)
         lse = row_lse_ref[0:1, :]
         delta = delta_ref[0:1, :]
-        if masked:
+        if masked and S % 32 != 0:
             rows_inside = (
                 cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (1, 32), 1) < S
             )
@@ -843,7 +843,7 @@ def _attention_dkv_kernel(
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
         probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = (
                 read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
@@ -853,7 +853,7 @@ def _attention_dkv_kernel(
                 v_blk.dtype
             )
         do = do_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of i memory holds anything: zero it.
             inside_ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             do = jnp.where(inside_, do, jnp.zeros_like(do))
@@ -866,7 +866,7 @@ def _attention_dkv_kernel(
         ds = probs * (dprobs - delta)
         draw = ds
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of i memory holds anything: zero it.
             inside__ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))

@@ -213,6 +213,15 @@ class KernelWriter:
         p = self.p
         return bool(p.chain) or p.stored_score or any(pt.local != p.score for pt in p.points)
 
+    def may_pass_end(self, index: str) -> str:
+        """What joins `masked` in the test guarding a ragged index's zeroing: a size symbol's
+        value is static in the kernel (a Python int), so at a multiple of the tile the test is
+        false while tracing and the selects are never emitted (a diagonal block of causal
+        attention then pays only its condition). Empty for a literal size (ragged or not, known)."""
+        if self.k.index(index).size.literal is not None:
+            return ""
+        return f" and {self.size_of(index)} % {self.tile[index]} != 0"
+
     def load_block(self, n, o: Operand, at, tables, masked: str, along: tuple[str, ...], transposed: bool = False,
                    lhs: bool = False) -> list[str]:
         """An operand's block; on a partial step its rows (or columns) past the end of a
@@ -237,7 +246,7 @@ class KernelWriter:
             shape = f"({t}, 1)" if axis == 0 else f"(1, {t})"
             table = tables.query if index == self.p.query else tables.key
             inside = n.local("inside")
-            lines += [f"    if {masked}:", f"        # Past the end of {index} memory holds anything: zero it.",
+            lines += [f"    if {masked}{self.may_pass_end(index)}:", f"        # Past the end of {index} memory holds anything: zero it.",
                       f"        {inside} = {table}[{at}] * {t} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(index)}"]
             lines += zero_outside(inside, o.var, self.dtype_of(o), lhs)
         return lines
@@ -474,7 +483,7 @@ class KernelWriter:
             ti = self.tile[p.query]
             shape, axis = (f"(1, {ti})", 1) if transposed else (f"({ti}, 1)", 0)
             inside = n.local("rows_inside")
-            lines += [f"    if {masked}:",
+            lines += [f"    if {masked}{self.may_pass_end(p.query)}:",
                       f"        {inside} = {tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(p.query)}",
                       f"        {nm['lse']} = jnp.where({inside}, {nm['lse']}, 0.0)",
                       f"        {delta} = jnp.where({inside}, {delta}, 0.0)"]
@@ -492,7 +501,7 @@ class KernelWriter:
                 if self.ragged(p.query):
                     ti = self.tile[p.query]
                     inside = n.local("inside")
-                    lines += [f"    if {masked}:", f"        # Past the end of {p.query} memory holds anything: zero it.",
+                    lines += [f"    if {masked}{self.may_pass_end(p.query)}:", f"        # Past the end of {p.query} memory holds anything: zero it.",
                               f"        {inside} = {tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0) < {self.size_of(p.query)}"]
                     lines += zero_outside(inside, do, self.k.operand(c.output).dtype, not transposed)
                 dov, vv, prec = self.mxu(do, vo.var, self.dtype_of(vo))
