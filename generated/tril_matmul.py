@@ -508,7 +508,7 @@ def _kernel(
         k_pos = step_col[step] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
         m_pos = step_read[step] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
         present = k_pos <= m_pos
-        x_ = jnp.where(present, x_, jnp.zeros_like(x_))
+        x_ = jnp.where(present, x_.astype(jnp.float32), 0.0).astype(x_.dtype)
         y_ = y_ref[...]
         if M % 512:  # a partial last block: what lies past the end is absent
             x_ = _mask_tail(x_, 1, M - step_col[step] * 512)
@@ -692,7 +692,7 @@ def _d_y_kernel(
         k_pos = step_read[step] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
         m_pos = step_col[step] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
         present = k_pos <= m_pos
-        x_ = jnp.where(present, x_, jnp.zeros_like(x_))
+        x_ = jnp.where(present, x_.astype(jnp.float32), 0.0).astype(x_.dtype)
         if M % 512:  # a partial last block: what lies past the end is absent
             g_o_ = _mask_tail(g_o_, 0, M - step_col[step] * 512)
             x_ = _mask_tail(x_, 0, M - step_col[step] * 512)

@@ -250,7 +250,12 @@ class BodyWriter:
         present = render_term(sel.condition, leaf)
         keep = self.tp_local("present")
         lines.append(f"{keep} = {present}")
-        lines.append(f"{name} = jnp.where({keep}, {name}, jnp.zeros_like({name}))")
+        if v.dtype.is_float and v.dtype.bits == 16:
+            # Via f32 (exact): Mosaic selects a packed bf16 block as int16, which libtpu's
+            # cycle profiler rejects as a matmul's left operand (attention's kernels do the same).
+            lines.append(f"{name} = jnp.where({keep}, {name}.astype(jnp.float32), 0.0).astype({name}.dtype)")
+        else:
+            lines.append(f"{name} = jnp.where({keep}, {name}, jnp.zeros_like({name}))")
         return lines
 
     def compute_lines(self, partial: bool = False) -> tuple[list[str], str]:

@@ -566,7 +566,7 @@ def _kernel(
         # Some terms absent: the condition selects them out.
         x_ = x_ref[...]
         present = gid_ref[:, 0:1] == step_col[step]
-        x_ = jnp.where(present, x_, jnp.zeros_like(x_))
+        x_ = jnp.where(present, x_.astype(jnp.float32), 0.0).astype(x_.dtype)
         w_ = w_ref[...]
         if K % 128:  # a partial last block: what lies past the end is absent
             x_ = _mask_tail(x_, 1, K - k * 128)
@@ -675,7 +675,7 @@ def _d_x_kernel(
         # Some terms absent: the condition selects them out.
         g_o_ = g_o_ref[...]
         present = gid_ref[:, 0:1] == step_col[step]
-        g_o_ = jnp.where(present, g_o_, jnp.zeros_like(g_o_))
+        g_o_ = jnp.where(present, g_o_.astype(jnp.float32), 0.0).astype(g_o_.dtype)
         w_ = w_ref[...]
         if N % 128:  # a partial last block: what lies past the end is absent
             g_o_ = _mask_tail(g_o_, 1, N - n * 128)
@@ -769,7 +769,7 @@ def _d_w_kernel(
         # Some terms absent: the condition selects them out.
         g_o_ = g_o_ref[...]
         present = gid_ref[:, 0:1] == step_read[step]
-        g_o_ = jnp.where(present, g_o_, jnp.zeros_like(g_o_))
+        g_o_ = jnp.where(present, g_o_.astype(jnp.float32), 0.0).astype(g_o_.dtype)
         x_ = x_ref[...]
         if M % 128:  # a partial last block: what lies past the end is absent
             g_o_ = _mask_tail(g_o_, 0, M - step_col[step] * 128)
