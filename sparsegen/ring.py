@@ -105,12 +105,13 @@ class RingSides:
         return self._reads_positions(term for _, term in self.p.chain)
 
     # ------------------------------------------------------------------ ring
-    def ring_tables(self, glue, ring, statics: str, consumers=None) -> dict:
+    def ring_tables(self, glue, ring, statics: str, consumers=None, lockstep: tuple[str, str] | None = None) -> dict:
         """`sharded`'s ring (where mesh.py allows one): how each of `_impl`'s results merges,
         its rows' dimension, which are the outputs and which the rows' logsumexp (the last);
         `statics`: the static arguments `_impl` and `_run_backward` take after the arrays, for
         a pair; `consumers`: those of `_impl`'s results before the logsumexp (default: the
-        plan's, in order)."""
+        plan's, in order); `lockstep`: (a test of `interpret`, what it is) where the target's
+        interpreter runs a kernel on every device together, so that no device may skip one."""
         if ring is None:
             return {}
         p = self.p
@@ -128,4 +129,6 @@ class RingSides:
             # the classification's operands among a pair's arguments
             "classify_args": "".join(f"args[{self.m.conv.impl_args.index(a)}], " for a in self.classify_reads),
             "statics": statics,
+            "lockstep": lockstep[0] if lockstep else "",
+            "lockstep_why": lockstep[1] if lockstep else "",
         }

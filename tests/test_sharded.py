@@ -47,10 +47,10 @@ def differentiable(kernel) -> list[int]:
             and kernel.operand(p.operand).dtype.is_float and kernel.operand(p.operand).sparsity != "mask"]
 
 
-def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random", seed=0, write=True):
-    """Build `text`, draw its arguments (`pattern`: example_args's, or the arguments), write
+def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random", seed=0, target="v5e", write=True):
+    """Build `text` for `target`, draw its arguments (`pattern`: example_args's, or the arguments), write
     a job for mesh_runner.py in `folder` (`write`: False where it is written already)."""
-    kernel, mod = build(text, formatted=False)
+    kernel, mod = build(text, target, formatted=target.startswith("h"))
     if not write:
         return kernel, resolve_sizes(kernel, sizes), folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -667,3 +667,113 @@ def test_keywords_besides_sizes_pass_through():
     np.testing.assert_array_equal(np.asarray(fn(q, k, v, seg, max_steps=1, interpret=True), np.float32), np.asarray(want, np.float32))
     with pytest.raises(ValueError, match="max_steps must be a positive int"):
         fn(q, k, v, seg, max_steps=0, interpret=True)
+
+
+# ------------------------------------------------------------------ GPU ring
+# Mosaic GPU attention modules (--target h200) render the same ring (templates/ring.py.j2)
+# around their own `_impl` and `_run_backward`, whose kernels take the first positions
+# (`origin`) and the key side of segment ids (`keys`). On 8 host CPU devices, in the Mosaic
+# GPU interpreter (mesh_runner.py's `interpret=True`), against the kernel unsplit and
+# `reference`: values and jax.grad. GPU-sized tiles (a CTA takes 64 rows).
+
+GPU_TILES = dict(b=1, h=1, i=64, j=64, d=64, e=64)
+
+on_mesh("gpu_ring",
+        (with_tiles(spec_text("causal_attention"), **GPU_TILES), dict(B=2, H=2, S=512, D=64),
+         [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}},
+          {**RING, "axes": {"h": "data", "i": ["seq", "zigzag"], "j": "seq"}}], "random", 0, "h200"),
+        (with_tiles(spec_text("document_attention"), **GPU_TILES), dict(B=2, H=1, S=512, D=64),
+         [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}},
+          {**RING, "axes": {"i": ["seq", "zigzag"], "j": "seq"}}], "random", 0, "h200"))
+
+
+def test_gpu_ring_attention_causal_document_and_zigzag(mesh_results):
+    """causal_attention and document_attention built for H200, the key index split with the
+    rows over one mesh axis: in order beside a batch or head split, and in zigzag order;
+    segment ids' key side travels with the keys."""
+    (k1, env1, res1), (k2, env2, res2) = run_on_mesh(mesh_results, "gpu_ring")
+    assert assert_case(k1, env1, res1, 0, ["P('data', None, 'seq')"] * 2, parts=4) == 3
+    assert assert_case(k1, env1, res1, 1, ["P(None, 'data', 'seq')"] * 2, parts=8) == 3
+    assert assert_case(k2, env2, res2, 0, ["P('data', None, 'seq')"], parts=4) == 3
+    assert assert_case(k2, env2, res2, 1, ["P(None, None, 'seq')"], parts=8) == 3
+
+
+# Cross attention at GPU tiles (f32: tf32 WGMMA tiles), rows and keys of their own sizes.
+GPU_CROSS = with_tiles(CROSS, b=1, i=64, j=64, d=64, e=64)
+on_mesh("gpu_alone", (GPU_CROSS, dict(B=2, S=128, T=512, D=64), [{**RING, "axes": {"b": "data", "j": "seq"}},
+                                                                 {**RING, "axes": {"i": "seq", "j": "seq"}}], "random", 0, "h200"))
+
+
+def test_gpu_key_index_alone_merges_across_the_axis(mesh_results):
+    """The key index split alone on a GPU module: every device attends all rows over its
+    keys, merged across the axis (values and gradients); the same kernel as a ring."""
+    kernel, env, res = run_on_mesh(mesh_results, "gpu_alone")
+    assert assert_case(kernel, env, res, 0, ["P('data',)", "P('data',)"], parts=4) == 3
+    assert assert_case(kernel, env, res, 1, ["P(None, 'seq')", "P(None, 'seq')"], parts=4) == 3
+
+
+GPU_WINDOWED = with_tiles(spec_text("local_gqa_attention"), b=1, h=1, i=64, j=128, d=64, e=64).replace("i - j < 1024", "i - j < 100")
+
+
+def windowed_oracle(q, k, v, origin, window=100):
+    """local_gqa_attention's output and logsumexp in numpy (one key head), its rows and keys
+    starting at the global positions `origin`."""
+    qf, kf, vf = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("bhid,bjd->bhij", qf, kf[:, 0]) * 0.08838834764831845
+    s = 50.0 * np.tanh(s / 50.0)
+    i = np.arange(qf.shape[2])[:, None] + origin[0]
+    j = np.arange(kf.shape[2])[None, :] + origin[1]
+    s = np.where((i >= j) & (i - j < window), s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isneginf(m), 0, m))
+    total = p.sum(-1, keepdims=True)
+    out = np.einsum("bhij,bje->bhie", p / np.where(total == 0, 1, total), vf[:, 0])
+    lse = np.where(total[..., 0] == 0, -np.inf, m[..., 0] + np.log(np.where(total[..., 0] == 0, 1, total[..., 0])))
+    return out, lse
+
+
+def test_gpu_kernels_compare_global_positions():
+    """The GPU row kernel given its rows' and keys' first positions (`origin`, as the ring
+    passes them) evaluates its window on global positions, in the Mosaic GPU interpreter:
+    the window's edge inside the blocks, rows past every key (nothing seen: 0 and minus
+    infinity), keys behind, keys ahead of every row. Its classification is by global
+    positions too."""
+    kernel, mod = build(GPU_WINDOWED, "h200")
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((1, 4, 256, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, 1, 256, 64)), jnp.bfloat16) for _ in range(2))
+    q, k, v, sizes = mod._prepare(q, k, v, *(None for _ in mod._MESH_SIZES))
+    # (rows' first position, keys'): whether some row sees some key
+    for origin, seen_any in (((300, 0), True), ((356, 0), False), ((256, 192), True), ((0, 256), False)):
+        o, row_lse = mod._impl(q, k, v, sizes, True, origin=jnp.asarray(origin, jnp.int32))
+        want, lse = windowed_oracle(q, k, v, origin)
+        assert np.isfinite(lse).any() == seen_any, origin
+        np.testing.assert_allclose(np.asarray(o, np.float64), want, atol=2e-2, err_msg=str(origin))
+        np.testing.assert_array_equal(np.isneginf(np.asarray(row_lse)), np.isneginf(lse), err_msg=str(origin))
+        seen = np.isfinite(lse)
+        np.testing.assert_allclose(np.asarray(row_lse)[seen], lse[seen], atol=2e-2, err_msg=str(origin))
+        kinds = np.asarray(mod._classify_blocks(np, sizes, origin))
+        rows, keys = np.arange(4)[:, None] * 64 + origin[0], np.arange(2)[None, :] * 128 + origin[1]
+        # A block is empty where no (row, key) pair of it is in the window.
+        any_seen = (rows + 63 >= keys) & (rows - (keys + 127) < 100)
+        np.testing.assert_array_equal(kinds.reshape(-1, 4, 2)[0] != 0, any_seen, err_msg=str(origin))
+
+
+def test_gpu_kernels_with_origins_and_key_sides_lower_for_h200():
+    """document_attention's forward and backward kernels, given first positions and the key
+    side of the segment ids (as a ring's pair), lower under an abstract H200."""
+    from sparsegen.gpu.verify import _lower
+
+    kernel, mod = build(with_tiles(spec_text("document_attention"), **GPU_TILES), "h200")
+    sizes = (1, 2, 256, 64)
+    x = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    origin = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+    def pair(q, k, v, seg, seg_keys, origin):
+        o, row_lse = mod._impl(q, k, v, seg, sizes, False, origin=origin, keys=(seg_keys,))
+        residuals = (q, k, v, seg, o, row_lse, ((), (), (), ()))
+        return mod._run_backward(sizes, False, residuals, jnp.ones_like(o), origin=origin, keys=(seg_keys,))
+
+    text = _lower(pair, [x, x, x, seg, seg, origin], {}, "h200")
+    assert text.count("mosaic_gpu") >= 3, text[:2000]  # the forward, dq and dk/dv kernels

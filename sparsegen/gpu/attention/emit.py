@@ -515,7 +515,8 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             kernel_fn=kernel_fn, kernel_params=params, kernel_lines=lines, arrays=arrays, outs=outs, finish=finish, grid=grid,
             kinds_var=kinds_var, tables_var=self.n.local("tables"), xp=xp, data=data, class_axes=list(p.class_axes),
             results=glue.kept if glue.derived else declared, backward_calls=calls_b, mesh=mesh,
-            ring_tables=self.ring_tables(glue, mesh.ring, "chunk, interpret", [by_output[o.name] for o in k.outputs]),
+            ring_tables=self.ring_tables(glue, mesh.ring, "chunk, interpret", [by_output[o.name] for o in k.outputs],
+                                         ("_gpu_interpret(interpret) is not None", "the Mosaic GPU interpreter")),
             positions=self.positions, shard_keywords=self.shard_keywords, kinds_lines=kinds_lines,
         )
         return format_module(text, names=(m.name,))
