@@ -678,29 +678,57 @@ def test_keywords_besides_sizes_pass_through():
 
 GPU_TILES = dict(b=1, h=1, i=64, j=64, d=64, e=64)
 
+
+def assert_gpu_case(kernel, env, res, c: int, specs) -> int:
+    """Case `c`'s outputs and gradients against the kernel unsplit and `reference`, within
+    the GPU kernels' own rounding (WGMMA multiplies f32 tiles as tf32, the backward's ds in
+    bf16 for bf16 arguments), relative to each array's largest element as
+    tests/test_gpu_attention.py compares them; minus infinity (an lse's row that sees
+    nothing) where `reference` has it. Returns how many gradients were compared."""
+    tag = f"case{c}_"
+    assert f"{tag}error" not in res, str(res[f"{tag}error"])
+
+    def compare(what, got, unsplit, ref):
+        assert np.array_equal(np.isneginf(got), np.isneginf(ref)), what
+        seen = np.isfinite(ref)
+        assert np.isfinite(got[seen]).all(), what
+        scale = float(np.abs(ref[seen]).max())
+        assert scale > 0.1, (what, scale)  # a comparison that can fail
+        np.testing.assert_allclose(got[seen], unsplit[seen], atol=0.01 * scale, err_msg=f"case {c}: {what} against the kernel")
+        np.testing.assert_allclose(got[seen], ref[seen], atol=0.015 * scale, err_msg=f"case {c}: {what} against reference")
+
+    for n, op in enumerate(kernel.outputs):
+        compare(op.name, *(res[f"{t}out{n}"].astype(np.float64) for t in (tag, "kernel_", "reference_")))
+        assert str(res[f"{tag}spec{n}"]) == specs[n], (op.name, str(res[f"{tag}spec{n}"]))
+    grads = [key[len(f"{tag}grad"):] for key in res if key.startswith(f"{tag}grad")]
+    for n in grads:
+        compare(f"gradient {n}", *(res[f"{t}grad{n}"].astype(np.float64) for t in (tag, "kernel_", "reference_")))
+    return len(grads)
+
+
+# The interpreter's kernel calls are slow: zigzag (four pairs a step) over a 2-device ring.
+CUBE = {"mesh": [2, 2, 2], "names": ["data", "model", "seq"]}
 on_mesh("gpu_ring",
-        (with_tiles(spec_text("causal_attention"), **GPU_TILES), dict(B=2, H=2, S=512, D=64),
+        (with_tiles(spec_text("causal_attention"), **GPU_TILES), dict(B=2, H=2, S=256, D=64),
          [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}},
-          {**RING, "axes": {"h": "data", "i": ["seq", "zigzag"], "j": "seq"}}], "random", 0, "h200"),
-        (with_tiles(spec_text("document_attention"), **GPU_TILES), dict(B=2, H=1, S=512, D=64),
-         [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}},
-          {**RING, "axes": {"i": ["seq", "zigzag"], "j": "seq"}}], "random", 0, "h200"))
+          {**CUBE, "axes": {"b": "data", "h": "model", "i": ["seq", "zigzag"], "j": "seq"}}], "random", 0, "h200"),
+        (with_tiles(spec_text("document_attention"), **GPU_TILES), dict(B=2, H=1, S=256, D=64),
+         [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}}], "random", 0, "h200"))
 
 
 def test_gpu_ring_attention_causal_document_and_zigzag(mesh_results):
     """causal_attention and document_attention built for H200, the key index split with the
-    rows over one mesh axis: in order beside a batch or head split, and in zigzag order;
-    segment ids' key side travels with the keys."""
+    rows over one mesh axis: in order beside a batch split (4 devices), in zigzag order
+    beside batch and head splits (2 devices); segment ids' key side travels with the keys."""
     (k1, env1, res1), (k2, env2, res2) = run_on_mesh(mesh_results, "gpu_ring")
-    assert assert_case(k1, env1, res1, 0, ["P('data', None, 'seq')"] * 2, parts=4) == 3
-    assert assert_case(k1, env1, res1, 1, ["P(None, 'data', 'seq')"] * 2, parts=8) == 3
-    assert assert_case(k2, env2, res2, 0, ["P('data', None, 'seq')"], parts=4) == 3
-    assert assert_case(k2, env2, res2, 1, ["P(None, None, 'seq')"], parts=8) == 3
+    assert assert_gpu_case(k1, env1, res1, 0, ["P('data', None, 'seq')"] * 2) == 3
+    assert assert_gpu_case(k1, env1, res1, 1, ["P('data', 'model', 'seq')"] * 2) == 3
+    assert assert_gpu_case(k2, env2, res2, 0, ["P('data', None, 'seq')"]) == 3
 
 
 # Cross attention at GPU tiles (f32: tf32 WGMMA tiles), rows and keys of their own sizes.
 GPU_CROSS = with_tiles(CROSS, b=1, i=64, j=64, d=64, e=64)
-on_mesh("gpu_alone", (GPU_CROSS, dict(B=2, S=128, T=512, D=64), [{**RING, "axes": {"b": "data", "j": "seq"}},
+on_mesh("gpu_alone", (GPU_CROSS, dict(B=2, S=128, T=256, D=64), [{**RING, "axes": {"b": "data", "j": "seq"}},
                                                                  {**RING, "axes": {"i": "seq", "j": "seq"}}], "random", 0, "h200"))
 
 
@@ -708,8 +736,8 @@ def test_gpu_key_index_alone_merges_across_the_axis(mesh_results):
     """The key index split alone on a GPU module: every device attends all rows over its
     keys, merged across the axis (values and gradients); the same kernel as a ring."""
     kernel, env, res = run_on_mesh(mesh_results, "gpu_alone")
-    assert assert_case(kernel, env, res, 0, ["P('data',)", "P('data',)"], parts=4) == 3
-    assert assert_case(kernel, env, res, 1, ["P(None, 'seq')", "P(None, 'seq')"], parts=4) == 3
+    assert assert_gpu_case(kernel, env, res, 0, ["P('data',)", "P('data',)"]) == 3
+    assert assert_gpu_case(kernel, env, res, 1, ["P(None, 'seq')", "P(None, 'seq')"]) == 3
 
 
 GPU_WINDOWED = with_tiles(spec_text("local_gqa_attention"), b=1, h=1, i=64, j=128, d=64, e=64).replace("i - j < 1024", "i - j < 100")

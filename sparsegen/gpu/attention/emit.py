@@ -8,6 +8,11 @@ memory once; `plgpu.emit_pipeline` over the steps of the row block's non-empty k
 into a scoped accumulator, the chain, the condition on a partial block only (`lax.cond` on
 the block's kind), the online softmax in registers, the probabilities through shared
 memory into a second WGMMA per value; then each output's tile through shared memory.
+
+`sharded`'s ring (templates/ring.py.j2, the TPU module's) calls `_impl` and `_run_backward`
+with `origin=` (the kernels read it from GMEM and add it to the positions a condition or the
+chain compares) and `keys=` (segment ids' key side, which every read along the key index
+takes): sparsegen/ring.py.
 """
 
 from __future__ import annotations
