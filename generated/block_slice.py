@@ -182,6 +182,23 @@ def _gradients_wanted(name, perturbed, cotangents, partials, refused):
     return tuple(perturbed[arg] is not None and given[out] for arg, out in partials)
 
 
+def _typed(out_shape, *operands):
+    """A pallas_call's output types. Under a typed shard_map (`_on_mesh`), outputs vary over
+    the mesh axes any operand varies over (each device computes its own); elsewhere, and
+    for unsplit calls, over none."""
+    varying = frozenset().union(
+        *(jax.typeof(x).manual_axis_type.varying for x in operands)
+    )
+    mat = jax.sharding.ManualAxisType(varying=varying)
+    if isinstance(out_shape, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(
+            out_shape.shape, out_shape.dtype, manual_axis_type=mat
+        )
+    return [
+        jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat) for s in out_shape
+    ]
+
+
 def _add(*partials):
     """An argument's gradient: the sum of its partial gradients that were computed (None,
     a zero, where none was)."""
@@ -238,12 +255,17 @@ def _local_sizes(placement, sizes):
     return tuple(local.items())
 
 
-@functools.partial(jax.jit, static_argnames=("placement", "keywords", "interpret"))
-def _on_mesh(args, placement, keywords, interpret):
+@functools.partial(
+    jax.jit, static_argnames=("placement", "keywords", "interpret", "typed")
+)
+def _on_mesh(args, placement, keywords, interpret, typed=None):
     """The kernel under jax.shard_map: each device runs it on its slices of the arguments
     (`keywords`: the sizes it sees, integers compared with a split index's position less
     its slice's start); an output whose statement sums a split index is added across that
-    index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
+    index's mesh axis. Under jit: custom_vjp's symbolic zeros need it.
+    `typed`: whether shard_map types values by the mesh axes they vary over (None: when
+    compiled; tests force it).
+    """
     kernel, mesh, split = placement[:3]
     axis = dict(split)
     in_specs = tuple(
@@ -260,6 +282,12 @@ def _on_mesh(args, placement, keywords, interpret):
             jax.reshard(a, jax.sharding.NamedSharding(mesh, s))
             for a, s in zip(args, in_specs)
         )
+    if typed is None:
+        # Compiled, shard_map types each value by the mesh axes it varies over (check_vma):
+        # the backward then adds up only what differs between devices. Not interpreted
+        # (jax's interpreters fail on kernels whose bodies or index maps mix a device's
+        # values with constants, typed).
+        typed = interpret is False
 
     def one_device(*shards):
         shards = list(shards)
@@ -276,7 +304,7 @@ def _on_mesh(args, placement, keywords, interpret):
         return tuple(lax.psum(o, s) if s else o for o, s in zip(outs, sums))
 
     outs = jax.shard_map(
-        one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=typed
     )(*args)
     return outs if len(outs) > 1 else outs[0]
 
@@ -374,7 +402,7 @@ def _impl(x, offsets, sizes, interpret):
     return pl.pallas_call(
         _kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((128, 128), jnp.int32),
+        out_shape=_typed(jax.ShapeDtypeStruct((128, 128), jnp.int32), x),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"),
         ),

@@ -198,6 +198,35 @@ def _gradients_wanted(name, perturbed, cotangents, partials, refused):
     return tuple(perturbed[arg] is not None and given[out] for arg, out in partials)
 
 
+def _typed(out_shape, *operands):
+    """A pallas_call's output types. Under a typed shard_map (`_on_mesh`), outputs vary over
+    the mesh axes any operand varies over (each device computes its own); elsewhere, and
+    for unsplit calls, over none."""
+    varying = frozenset().union(
+        *(jax.typeof(x).manual_axis_type.varying for x in operands)
+    )
+    mat = jax.sharding.ManualAxisType(varying=varying)
+    if isinstance(out_shape, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(
+            out_shape.shape, out_shape.dtype, manual_axis_type=mat
+        )
+    return [
+        jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat) for s in out_shape
+    ]
+
+
+def _typed_gradients(grads, primals):
+    """Gradients typed as their arguments under a typed shard_map: one that varies over a
+    mesh axis its argument does not (a weight every device's rows read) is each device's
+    share of it, added up across that axis. A no-op elsewhere."""
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying  # noqa: E731
+    extra = [
+        () if g is None else tuple(sorted(varying(g) - varying(p)))
+        for g, p in zip(grads, primals)
+    ]
+    return tuple(lax.psum(g, axes) if axes else g for g, axes in zip(grads, extra))
+
+
 def _add(*partials):
     """An argument's gradient: the sum of its partial gradients that were computed (None,
     a zero, where none was)."""
@@ -292,12 +321,17 @@ def _local_sizes(placement, sizes):
     return tuple(local.items())
 
 
-@functools.partial(jax.jit, static_argnames=("placement", "keywords", "interpret"))
-def _on_mesh(args, placement, keywords, interpret):
+@functools.partial(
+    jax.jit, static_argnames=("placement", "keywords", "interpret", "typed")
+)
+def _on_mesh(args, placement, keywords, interpret, typed=None):
     """The kernel under jax.shard_map: each device runs it on its slices of the arguments
     (`keywords`: the sizes it sees, integers compared with a split index's position less
     its slice's start); an output whose statement sums a split index is added across that
-    index's mesh axis. Under jit: custom_vjp's symbolic zeros need it."""
+    index's mesh axis. Under jit: custom_vjp's symbolic zeros need it.
+    `typed`: whether shard_map types values by the mesh axes they vary over (None: when
+    compiled; tests force it).
+    """
     kernel, mesh, split = placement[:3]
     axis = dict(split)
     ring = axis.get(_RING_KEY)
@@ -321,6 +355,13 @@ def _on_mesh(args, placement, keywords, interpret):
             jax.reshard(a, jax.sharding.NamedSharding(mesh, s))
             for a, s in zip(args, in_specs)
         )
+    if typed is None:
+        # Compiled, shard_map types each value by the mesh axes it varies over (check_vma):
+        # the backward then adds up only what differs between devices. Not interpreted
+        # (jax's interpreters fail on kernels whose bodies or index maps mix a device's
+        # values with constants, typed), nor around a ring (its merges and exchanges
+        # are written for untyped values).
+        typed = interpret is False and ring is None
 
     def one_device(*shards):
         shards = list(shards)
@@ -351,7 +392,7 @@ def _on_mesh(args, placement, keywords, interpret):
         return tuple(lax.psum(o, s) if s else o for o, s in zip(outs, sums))
 
     outs = jax.shard_map(
-        one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=typed
     )(*args)
     if ring is not None and placement[3]:
         # Back in natural order, laid out as the mapping says.
@@ -1151,11 +1192,16 @@ def _impl(q, k, v, sizes, bound, interpret, origin=None):
     ) = pl.pallas_call(
         functools.partial(_attention_kernel, steps=steps, S=S),
         grid_spec=grid_spec,
-        out_shape=[
-            jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((B, H, 1, S), jnp.float32),
-            jax.ShapeDtypeStruct((B, H, 1, S), jnp.float32),
-        ],
+        out_shape=_typed(
+            [
+                jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
+                jax.ShapeDtypeStruct((B, H, 1, S), jnp.float32),
+                jax.ShapeDtypeStruct((B, H, 1, S), jnp.float32),
+            ],
+            q,
+            k,
+            v,
+        ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
         ),
@@ -1217,9 +1263,17 @@ def _backward(
     (dq_full,) = pl.pallas_call(
         functools.partial(_attention_dq_kernel, steps=steps, S=S),
         grid_spec=grid_spec,
-        out_shape=[
-            jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
-        ],
+        out_shape=_typed(
+            [
+                jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
+            ],
+            q,
+            k,
+            v,
+            g_o,
+            row_lse_rows,
+            delta_rows,
+        ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
         ),
@@ -1273,10 +1327,18 @@ def _backward(
     ) = pl.pallas_call(
         functools.partial(_attention_dkv_kernel, steps=steps, S=S),
         grid_spec=grid_spec,
-        out_shape=[
-            jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
-        ],
+        out_shape=_typed(
+            [
+                jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
+                jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
+            ],
+            q,
+            k,
+            v,
+            g_o,
+            row_lse_cols,
+            delta_cols,
+        ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
         ),
@@ -1353,10 +1415,17 @@ def _run_backward(sizes, bound, interpret, residuals, cotangent, origin=None):
         interpret,
         origin=origin,
     )
-    return (
-        (_to_operand(dq_full, "abce", "abce", ())).astype(jnp.bfloat16),
-        (_to_operand(dk_full, "abde", "abde", ())).astype(jnp.bfloat16),
-        (_to_operand(dv_o_full, "abdf", "abdf", ())).astype(jnp.bfloat16),
+    return _typed_gradients(
+        (
+            (_to_operand(dq_full, "abce", "abce", ())).astype(jnp.bfloat16),
+            (_to_operand(dk_full, "abde", "abde", ())).astype(jnp.bfloat16),
+            (_to_operand(dv_o_full, "abdf", "abdf", ())).astype(jnp.bfloat16),
+        ),
+        (
+            q,
+            k,
+            v,
+        ),
     )
 
 

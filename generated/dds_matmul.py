@@ -272,6 +272,35 @@ def _gradients_wanted(name, perturbed, cotangents, partials, refused):
     return tuple(perturbed[arg] is not None and given[out] for arg, out in partials)
 
 
+def _typed(out_shape, *operands):
+    """A pallas_call's output types. Under a typed shard_map (`_on_mesh`), outputs vary over
+    the mesh axes any operand varies over (each device computes its own); elsewhere, and
+    for unsplit calls, over none."""
+    varying = frozenset().union(
+        *(jax.typeof(x).manual_axis_type.varying for x in operands)
+    )
+    mat = jax.sharding.ManualAxisType(varying=varying)
+    if isinstance(out_shape, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(
+            out_shape.shape, out_shape.dtype, manual_axis_type=mat
+        )
+    return [
+        jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat) for s in out_shape
+    ]
+
+
+def _typed_gradients(grads, primals):
+    """Gradients typed as their arguments under a typed shard_map: one that varies over a
+    mesh axis its argument does not (a weight every device's rows read) is each device's
+    share of it, added up across that axis. A no-op elsewhere."""
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying  # noqa: E731
+    extra = [
+        () if g is None else tuple(sorted(varying(g) - varying(p)))
+        for g, p in zip(grads, primals)
+    ]
+    return tuple(lax.psum(g, axes) if axes else g for g, axes in zip(grads, extra))
+
+
 def _add(*partials):
     """An argument's gradient: the sum of its partial gradients that were computed (None,
     a zero, where none was)."""
@@ -329,14 +358,16 @@ def _local_sizes(placement, sizes):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("placement", "keywords", "interpret", "buckets")
+    jax.jit, static_argnames=("placement", "keywords", "interpret", "buckets", "typed")
 )
-def _on_mesh(args, placement, keywords, interpret, buckets):
+def _on_mesh(args, placement, keywords, interpret, buckets, typed=None):
     """The kernel under jax.shard_map: each device runs it on its slices of the arguments
     (`keywords`: the sizes it sees, integers compared with a split index's position less
     its slice's start; a coo input's stored blocks dealt by their coordinates, its entry
     of `buckets` to a device: `_on_mesh_coo`); an output whose statement sums a split index
     is added across that index's mesh axis. Under jit: custom_vjp's symbolic zeros need it.
+    `typed`: whether shard_map types values by the mesh axes they vary over (None: when
+    compiled; tests force it).
     """
     kernel, mesh, split = placement[:3]
     axis = dict(split)
@@ -368,6 +399,12 @@ def _on_mesh(args, placement, keywords, interpret, buckets):
             jax.reshard(a, jax.sharding.NamedSharding(mesh, s))
             for a, s in zip(args, in_specs)
         )
+    if typed is None:
+        # Compiled, shard_map types each value by the mesh axes it varies over (check_vma):
+        # the backward then adds up only what differs between devices. Not interpreted
+        # (jax's interpreters fail on kernels whose bodies or index maps mix a device's
+        # values with constants, typed).
+        typed = interpret is False
 
     def one_device(*shards):
         shards = list(shards)
@@ -384,7 +421,7 @@ def _on_mesh(args, placement, keywords, interpret, buckets):
         return tuple(lax.psum(o, s) if s else o for o, s in zip(outs, sums))
 
     outs = jax.shard_map(
-        one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=typed
     )(*args)
     return outs if len(outs) > 1 else outs[0]
 
@@ -870,7 +907,7 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
     return pl.pallas_call(
         functools.partial(_kernel, K=K),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((M, N), jnp.bfloat16),
+        out_shape=_typed(jax.ShapeDtypeStruct((M, N), jnp.bfloat16), x, y_blocks),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
@@ -903,7 +940,7 @@ def _d_x_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
     return pl.pallas_call(
         functools.partial(_d_x_kernel, N=N),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
+        out_shape=_typed(jax.ShapeDtypeStruct((M, K), jnp.bfloat16), g_o, y_blocks),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
@@ -940,7 +977,7 @@ def _d_y_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
     return pl.pallas_call(
         functools.partial(_d_y_kernel, M=M, K=K, N=N),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((nb, 512, 256), jnp.bfloat16),
+        out_shape=_typed(jax.ShapeDtypeStruct((nb, 512, 256), jnp.bfloat16), g_o, x),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
@@ -1009,7 +1046,16 @@ def _run_backward(sizes, interpret, residuals, cotangent):
     d_x, d_y = _backward(
         x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret, wanted
     )
-    return (_add(d_x), _add(d_y), None, None, None)
+    return _typed_gradients(
+        (_add(d_x), _add(d_y), None, None, None),
+        (
+            x,
+            y_blocks,
+            y_idx_0,
+            y_idx_1,
+            pad,
+        ),
+    )
 
 
 _run.defvjp(_run_forward, _run_backward, symbolic_zeros=True)

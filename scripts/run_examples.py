@@ -1,6 +1,11 @@
 """`make run`: every generated kernel against its reference in the TPU simulator, as a table;
 then every kernel the GPU backend takes, built for h200, in the Mosaic GPU interpreter.
 
+    python scripts/run_examples.py [--targets v5e,v6e] [KERNEL ...]
+
+names some kernels (and their specs) only, and the TPU targets compiled ahead of time
+(tests/test_run_examples.py runs one kernel so).
+
 The simulator fills uninitialised memory with NaN and raises on out-of-bounds reads and on
 non-consecutive output revisits, so a pass here is the closest thing to a TPU run. The GPU
 table adds each kernel's lowering under an abstract H200 and, where `make gpu-venv` made
@@ -69,25 +74,39 @@ def load_generated(name: str):
     return module
 
 
-def main() -> int:
+def chosen_specs(only: set[str] | None) -> list[Path]:
+    """The example specs, those defining a kernel of `only` where given."""
+    specs = sorted((ROOT / "specs").glob("*.spk"))
+    if only is None:
+        return specs
+    chosen = [s for s in specs if only & {p.kernel.name for p in plans(s)}]
+    known = {p.kernel.name for s in specs for p in plans(s)}
+    if only - known:
+        raise SystemExit(f"run_examples: no example kernel {', '.join(sorted(only - known))} (known: {', '.join(sorted(known))})")
+    return chosen
+
+
+def main(only: set[str] | None = None, targets: tuple[str, ...] = TARGETS) -> int:
     import jax
     from jax.experimental.pallas import tpu as pltpu
 
     from sparsegen import verify
 
     table = Table(title="generated kernels vs reference in the TPU simulator; ahead-of-time compiles per TPU target")
-    for column in ("kernel", "walk", "shapes", "pattern", "max |err|", "tolerance", "sim time", "result", *TARGETS):
+    for column in ("kernel", "walk", "shapes", "pattern", "max |err|", "tolerance", "sim time", "result", *targets):
         table.add_column(column, justify="right" if column in ("max |err|", "sim time") else "left")
     # Ahead-of-time compiles through libtpu, one column per target (sparsegen verify --quick).
     compiles = {}
-    for spec in sorted((ROOT / "specs").glob("*.spk")):
-        for r in verify.verify_file(spec, TARGETS, probe=False)[1]:
+    for spec in chosen_specs(only):
+        for r in verify.verify_file(spec, targets, probe=False)[1]:
             compiles[r.kernel, r.target] = f"[green]ok[/green] {r.compile_seconds:.1f}s" if r.compiled else "[red]fails[/red]"
             failures_aot.append(not r.compiled)
     failures = 0
-    for spec in sorted((ROOT / "specs").glob("*.spk")):
+    for spec in chosen_specs(only):
         for plan in plans(spec):
             kernel = plan.kernel
+            if only is not None and kernel.name not in only:
+                continue
             walk = " + ".join(plan.walks)
             module = load_generated(kernel.name)
             sizes = sizes_for(kernel)
@@ -109,15 +128,15 @@ def main() -> int:
                 failures += not ok
                 shapes = ", ".join(f"{k}={env[k]}" for k in sizes) or "fixed"
                 first = pattern == patterns[0]
-                aot = [compiles[kernel.name, t] if first else "" for t in TARGETS]
+                aot = [compiles[kernel.name, t] if first else "" for t in targets]
                 rtol = max(tolerance(kernel, o.name, env)[0] for o in kernel.outputs)
                 table.add_row(kernel.name, walk, shapes, pattern, f"{error:.3g}", f"rtol {rtol:.2g}", f"{elapsed:.2f} s", result, *aot)
     Console(width=170).print(table)
-    failures += run_gpu()
+    failures += run_gpu(only)
     return 1 if failures or any(failures_aot) else 0
 
 
-def run_gpu() -> int:
+def run_gpu(only: set[str] | None = None) -> int:
     """The examples built for h200 (those the GPU rules refuse left out: the paged walk, a
     kernel over the shared-memory budget), one block along each symbolic index, in the
     Mosaic GPU interpreter; lowering and ptxas."""
@@ -133,7 +152,7 @@ def run_gpu() -> int:
         table.add_column(column, justify="right" if column in ("max |err|", "interpreter", "shared memory") else "left")
     failures = 0
     folder = Path(tempfile.mkdtemp(prefix="sparsegen-gpu-"))
-    for spec in sorted((ROOT / "specs").glob("*.spk")):
+    for spec in chosen_specs(only):
         source = SourceFile.read(spec)
         try:
             built = compile_source(source, "h200", origin=spec.name)
@@ -141,6 +160,8 @@ def run_gpu() -> int:
             continue  # refused for GPUs (README, "GPUs")
         for m in built:
             kernel = m.plan.kernel
+            if only is not None and kernel.name not in only:
+                continue
             path = folder / f"{m.kernel}.py"
             path.write_text(m.code)
             loader = util.spec_from_file_location(f"gpu_{m.kernel}", path)
@@ -176,4 +197,10 @@ def run_gpu() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kernels", nargs="*", metavar="KERNEL", help="run these example kernels only (default: all)")
+    parser.add_argument("--targets", default=",".join(TARGETS), help=f"TPU targets compiled ahead of time (default: {','.join(TARGETS)})")
+    args = parser.parse_args()
+    sys.exit(main(set(args.kernels) or None, tuple(args.targets.split(","))))

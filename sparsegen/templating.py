@@ -47,7 +47,7 @@ _OPTIONAL = {
     "floordiv": "_floordiv", "mod": "_mod", "whole": "_check_whole", "to_operand": "_to_operand", "scatter_blocks": "_scatter_blocks", "row_vector": "_row_vector", "softmax_rows": "_softmax_rows",
     "visited_product": "_visited_product", "page_bounds": "_page_bounds", "page_size": "_check_page_size",
     "matrix": "_matrix", "unmatrix": "_unmatrix", "walk": "_walk", "gpu_interpret": "_gpu_interpret", "ring": "_ring_device",
-    "coo_mesh": "_on_mesh_coo",
+    "coo_mesh": "_on_mesh_coo", "typed": "_typed", "typed_gradients": "_typed_gradients",
 }  # fmt: skip
 
 

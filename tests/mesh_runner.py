@@ -4,7 +4,7 @@ A script, run in a subprocess: the device count (`--xla_force_host_platform_devi
 must be set before jax is imported, and the test process has imported it already. It takes
 a job (JSON): a generated module's path, its arguments (an .npz), and cases (a mesh, the
 mapping of indices to its axes); per case it runs the sharded function, the kernel unsplit
-and `reference`, values and `jax.grad`, in the CPU interpreter, and saves them (an .npz)
+and `reference`, values and `jax.grad`, in the CPU interpreter (or the TPU simulator), and saves them (an .npz)
 for the test to compare; a case expecting a ValueError saves its message instead.
 
     python tests/mesh_runner.py JOB.json...
@@ -18,6 +18,8 @@ import sys
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import contextlib  # noqa: E402
+import functools  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 
@@ -77,13 +79,36 @@ def run_case(mod, job, case, args, weights, saved: dict, tag: str):
             args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(first)))
                     if a.ndim and a.shape[0] % size == 0 else a for a in args]
         call = jax.jit(fn, static_argnames=("interpret", *keywords)) if case.get("jit") else fn
-        with jax.set_mesh(mesh) if case.get("explicit") else _nothing():
-            outs, grads = values_and_grads(lambda *a, **k: call(*a, **k, interpret=True), args, keywords, job["diff"],
+        with jax.set_mesh(mesh) if case.get("explicit") else _nothing(), typed(mod, case.get("typed")):
+            outs, grads = values_and_grads(lambda *a, **k: call(*a, **k, interpret=interpret(case)), args, keywords, job["diff"],
                                            weights, case.get("grad", True))
     except ValueError as e:
         saved[f"{tag}error"] = np.array(str(e))
         return
     save(saved, tag, outs, grads, job["diff"])
+
+
+def interpret(case):
+    """The case's interpreter: the CPU one, or the TPU simulator (`"interpret": "simulator"`),
+    under which `sharded` types its values by the mesh axes they vary over (check_vma)."""
+    if case.get("interpret") == "simulator":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.InterpretParams()
+    return True
+
+
+@contextlib.contextmanager
+def typed(mod, on: bool):
+    """With `on`, the module's shard_map typed by the mesh axes values vary over, as it runs
+    compiled (`_on_mesh(typed=True)`; interpreted, jax evaluates only some kernels so)."""
+    on_mesh = mod._on_mesh
+    if on:
+        mod._on_mesh = functools.partial(on_mesh, typed=True)
+    try:
+        yield
+    finally:
+        mod._on_mesh = on_mesh
 
 
 class _nothing:

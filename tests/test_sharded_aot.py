@@ -139,7 +139,7 @@ def compile_on_topology(text: str, target: str, sizes: tuple, axes: tuple, patte
 
 
 def check_on_topology(text: str, target: str, sizes: dict, axes: dict, forward, backward,
-                      key: str | None = None, pattern: str = "random", today=None):
+                      key: str | None = None, pattern: str = "random"):
     """Compile `sharded(mesh, **axes)` for the target's topology, forward and backward
     (`compile_on_topology`), and assert what its HLO holds:
 
@@ -147,9 +147,6 @@ def check_on_topology(text: str, target: str, sizes: dict, axes: dict, forward, 
       mesh axes), counted): ("all-reduce", "model") for a psum over model,
       ("all-reduce", "data,model") over both, ("collective-permute", "model") for a ring
       step along it;
-    - `today`: where the backward holds more than it needs (REDUNDANT below), what it
-      holds now: asserted instead of `backward`, and test_backward_needs_no_more asserts
-      `backward` (xfail, strict: it passes once the redundancy is gone);
     - every Pallas kernel runs on slices: the forward's kernel results include each
       split output's one-device shape (at least one output must be split);
     - `key` (an attention's key index): no all-gather, forward or backward, whose result is
@@ -158,7 +155,7 @@ def check_on_topology(text: str, target: str, sizes: dict, axes: dict, forward, 
     mesh = topology_mesh(target)
     mod, args, outs, fwd, bwd = compile_on_topology(text, target, tuple(sizes.items()), tuple(axes.items()), pattern)
     found = {"forward": collectives(fwd, mesh), "backward": collectives(bwd, mesh)}
-    for name, hlo, expected in (("forward", fwd, forward), ("backward", bwd, backward if today is None else today)):
+    for name, hlo, expected in (("forward", fwd, forward), ("backward", bwd, backward)):
         assert "tpu_custom_call" in hlo, f"{name}: no Pallas kernel in the compiled HLO"
         got = sorted((op, ",".join(a)) for op, a, _ in found[name])
         assert got == sorted(expected), f"{name}: collectives {got}, expected {sorted(expected)}: {found[name]}"
@@ -190,21 +187,20 @@ TARGETS = sorted(TOPOLOGIES)
 AR = "all-reduce"
 CP = "collective-permute"
 
-# REDUNDANT: the template's shard_map runs with check_vma=False (a pallas_call's out_shape
-# carries no varying-axes type), so its transpose cannot tell a replicated cotangent from a
-# varying one, and adds up (all-reduce) (1) the cotangent of every output whose statement
-# sums a split index (psum's transpose; the cotangent arrives equal on every device) and
-# (2) every argument's gradient over each mesh axis that splits none of the kernel's
-# indices (every device along it computed the same). Correct (the cotangents are divided
-# first), but communication for nothing; check_vma=True removes both (reported, issue 20).
-# `today` below: what the backward holds now.
+# NOTHING REDUNDANT: compiled, `_on_mesh` runs shard_map with check_vma=True and types each
+# pallas_call's outputs by the mesh axes its operands vary over (`_typed`), a gradient by
+# its argument's (`_typed_gradients` adds a share up where the argument is whole). Untyped
+# (check_vma=False, as the CPU interpreter still runs), the backward all-reduced (1) the
+# cotangent of every output whose statement sums a split index (psum's transpose) and (2)
+# every argument's gradient over each mesh axis that splits none of the kernel's indices:
+# einsum-b-k, grouped-m-g and dsd-n each held one to two all-reduces more than below.
 
 # (id, spec text, sizes, axes, forward, backward, keyword arguments of check_on_topology)
 CASES = [
     # k summed: each device's partial product added over model in the forward; the
     # backward's gradients are sliced as their inputs (dx and dy over b, k): none needed.
     ("einsum-b-k", BATCHED, dict(B=2, M=128, K=512, N=128), dict(b="data", k="model"),
-     [(AR, "model")], [], dict(today=[(AR, "model")])),
+     [(AR, "model")], [], {}),
     # m, n split, k whole: no forward collective; dy sums over the rows m (split over
     # data) and dx over the columns n (split over model): each added over its axis.
     ("einsum-m-n", BATCHED, dict(B=2, M=256, K=128, N=512), dict(m="data", n="model"),
@@ -212,7 +208,7 @@ CASES = [
     # Expert parallelism: the experts' partial products added over model; in the backward
     # dx sums over the experts (model) and dw over the rows (data).
     ("grouped-m-g", GROUPED, dict(M=1024, K=512, N=512, E=4), dict(m="data", g="model"),
-     [(AR, "model")], [(AR, "data"), (AR, "model")], dict(today=[(AR, "data"), (AR, "model"), (AR, "model")])),
+     [(AR, "model")], [(AR, "data"), (AR, "model")], {}),
     # Attention over batch and heads: every device attends its own; nothing moves, and
     # no key/value sequence is gathered.
     ("causal-b-h", CAUSAL, dict(B=2, H=4, S=1024, D=128), dict(b="data", h="model"), [], [], dict(key="j")),
@@ -220,8 +216,7 @@ CASES = [
     ("gqa-b-h", GQA, dict(B=2, H=16, S=512, D=128), dict(b="data", h="model"), [], [], dict(key="j")),
     # x (coo) whole on every device: its stored blocks' gradient sums over the columns n,
     # each device's added over model; the mesh's data axis splits nothing.
-    ("dsd-n", DSD, dict(M=512, K=1024, N=2048), dict(n="model"), [], [(AR, "model")],
-     dict(today=[(AR, "data"), (AR, "data,model")])),
+    ("dsd-n", DSD, dict(M=512, K=1024, N=2048), dict(n="model"), [], [(AR, "model")], {}),
     # RING (context parallelism): the sequence split over data (2 devices), i and j
     # together, heads over model. Causal: only device 0's keys and values travel (to device
     # 1), one permute each; the backward sends them again and the key side's gradients
@@ -237,18 +232,6 @@ IDS = [c[0] for c in CASES]
 def test_sharded_compiles_with_the_expected_collectives(case, target):
     _, text, sizes, axes, forward, backward, more = case
     check_on_topology(text, target, sizes, axes, forward, backward, **more)
-
-
-REDUNDANT_CASES = [c for c in CASES if "today" in c[-1]]
-
-
-@pytest.mark.xfail(strict=True, reason="REDUNDANT: shard_map with check_vma=False all-reduces replicated cotangents "
-                                       "in the backward (issue 20)")
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("case", REDUNDANT_CASES, ids=[c[0] for c in REDUNDANT_CASES])
-def test_backward_needs_no_more(case, target):
-    _, text, sizes, axes, forward, backward, more = case
-    check_on_topology(text, target, sizes, axes, forward, backward, **{k: v for k, v in more.items() if k != "today"})
 
 
 def test_collectives_parser_reads_axes_and_permutes():
