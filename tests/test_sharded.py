@@ -805,3 +805,18 @@ def test_gpu_kernels_with_origins_and_key_sides_lower_for_h200():
 
     text = _lower(pair, [x, x, x, seg, seg, origin], {}, "h200")
     assert text.count("mosaic_gpu") >= 3, text[:2000]  # the forward, dq and dk/dv kernels
+
+
+def test_gpu_module_without_a_backward_says_why_it_has_no_ring():
+    """The ring merges by the rows' logsumexp, which a GPU module keeps only with its
+    backward: where the backward is not lowered (its shared memory), the key index is
+    refused saying so; its batch still splits."""
+    text = with_tiles(CROSS, b=1, i=64, j=64, d=128, e=128)
+    kernel, mod = build(text, "h200")
+    assert mod._MESH_RULES["b"][0] == "split" and mod._MESH_RULES["j"][0] is None
+    with pytest.raises(ValueError) as info:
+        mod.sharded(one_device_mesh(), j="data")
+    assert str(info.value).startswith("cross: sharded: index j cannot be split: it is the key index of an attention-like kernel: "
+                                      "splitting it (a ring) merges partial results by the rows' logsumexp, which this module "
+                                      "keeps only with its backward, and its backward is not lowered (the backward's "), str(info.value)
+    assert callable(mod.sharded(one_device_mesh(), b="data"))

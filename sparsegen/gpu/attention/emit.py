@@ -509,7 +509,11 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                         keywords=self.shard_keywords)
         # `sharded`'s plan, a ring where mesh.py allows one (the kernels take first positions;
         # the ring merges by the rows' logsumexp, which `_impl` returns where a backward is).
-        mesh = mesh_plan(k, conv, self.wrapper.spans, ring=len(conv.impl_args) == len(conv.params) and m.backward is not None)
+        ring = len(conv.impl_args) == len(conv.params)
+        if ring and m.backward is None:
+            ring = ("merges partial results by the rows' logsumexp, which this module keeps only with its backward, and "
+                    f"its backward is not lowered ({m.backward_error})")
+        mesh = mesh_plan(k, conv, self.wrapper.spans, ring=ring)
         by_output = {c.output: c for c in p.consumers}
         kinds_lines = self.kinds_call(kinds_var, classify_fn, classify_reads, xp, data)
         text = self.wrapper.module(
