@@ -74,7 +74,8 @@ def analyse(dump: Path, name_part: str) -> dict:
 
 
 def compile_forward(job: dict, dump: Path) -> dict:
-    """Compile the job's forward pass (as recorded, flattened) and read its bundles."""
+    """Compile the job's forward pass (as recorded, flattened) and read its bundles; with
+    `"pass": N`, the gradient's Nth backward kernel instead (sparsegen: 0 dq, 1 dk/dv)."""
     import jax
     import numpy as np
     from jax.experimental import pallas as pl
@@ -96,8 +97,8 @@ def compile_forward(job: dict, dump: Path) -> dict:
     else:
         fn = {"splash": ac.splash_fn, "tokamax": ac.tokamax_fn}[job["impl"]](kind, H, S, D, job["block"], job.get("variant"))
         args = ac.arguments(kind, H, S, D)
-    forward, _, _ = ac.record(fn, args, False)
-    call = ac.flat_call(forward[0])
+    forward, _, backward = ac.record(fn, args, "pass" in job)
+    call = ac.flat_call(backward[job["pass"]] if "pass" in job else forward[0])
     sharding = SingleDeviceSharding(device)
     structs = [jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding) for a in call.args]
     kernel = call.kernel

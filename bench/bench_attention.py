@@ -14,12 +14,14 @@
    (from the compiled HLO), against Splash at the same block sizes.
 4. On a TPU (none here): wall time of both, forward and forward+backward.
 
-    .venv/bin/python bench/bench_attention.py --cycles [--backward] [--cycles-chips v5e,v6e] [--no-bundles]
+    .venv/bin/python bench/bench_attention.py --cycles [--forward-only] [--cycles-chips v5e,v6e] [--no-bundles]
 
 5. (`--cycles` runs this alone) libtpu's static cycle estimate of the generated kernels, JAX's
-   Splash and tokamax's Splash at H = 8, S = 4096, D = 128, blocks 512, causal, local and
-   document masks, forward (and with --backward the backward passes, and the forward with
-   residuals a training step runs): bench/attention_cycles.py records each side's
+   Splash and tokamax's Splash at H = 8, S = 4096 (`--cycles-S`; profiled compiles are slow,
+   in proportion to the grid), D = 128, blocks 512, causal, local and document masks: the
+   forward, and (unless --forward-only) the backward passes and the forward with residuals a
+   training step runs, printed last as forward and forward+backward side by side per mask and
+   chip: bench/attention_cycles.py records each side's
    pallas_calls and weights them with sparsegen/tpu/cycles.py's pass_cycles, the
    `verify --cycles` machinery (every `pl.when` region walked as the real tables take it).
    tokamax runs from an interpreter that imports it: this one, else the benchmark-only venv
@@ -346,6 +348,28 @@ def print_bundles(rows: list[dict]) -> None:
         print(f"   {r['impl']:9s} {r['kind']:9s} {r['chip']} total {r['bundles']:5d}: {regs}")
 
 
+def print_side_by_side(c: dict) -> None:
+    """One line per mask and chip: each side's forward and forward+backward (a training step:
+    the forward with residuals where that is another kernel, plus the backward kernels)."""
+    sides = ("sparsegen", "splash", "tokamax")
+
+    def fmt(r, d):
+        v = r.get(f"{d}_cycles")
+        return f"{v:>10,}" if v else f"{'-':>10}"
+
+    def ratio(r, d, a):
+        v = r.get(f"{d}_ratio_{a}")
+        return f"{v:5.2f}" if v else f"{'-':>5}"
+
+    print(f"   side by side, cycles: forward [{' / '.join(sides)}]   forward+backward [{' / '.join(sides)}]"
+          "   sparsegen / Splash, / tokamax: fwd, fwd+bwd")
+    for r in c["cases"]:
+        fwd = " ".join(fmt(r[s], "forward") for s in sides)
+        both = " ".join(fmt(r[s], "training") for s in sides)
+        ratios = "  ".join(f"{ratio(r, 'forward', a)} {ratio(r, 'training', a)}" for a in sides[1:])
+        print(f"   {r['mask']:9s} {r['chip']}  {fwd}   {both}   {ratios}")
+
+
 def print_cycles(c: dict) -> None:
     print(f"5. libtpu's static cycle estimate, H = {c['cases'][0]['H']}, S = {c['cases'][0]['S']}, blocks {BLOCK} "
           f"(regions weighted by the real tables; tokamax: {c['tokamax_variant'] or 'defaults'})")
@@ -363,6 +387,8 @@ def print_cycles(c: dict) -> None:
                              if r[s].get("error") or (r[s].get("unavailable") and d == "forward"))
             print(f"   {r['mask']:9s} {r['chip']} {d[:3]}  sparsegen {fmt(r['sparsegen'], d)}  Splash {fmt(r['splash'], d)}"
                   f"  tokamax {fmt(r['tokamax'], d)}  {ratios}{'  (' + errs + ')' if errs else ''}")
+    if c["cases"] and c["cases"][0]["backward"]:
+        print_side_by_side(c)
 
 
 # ------------------------------------------------------------------ 4. on a TPU
@@ -394,14 +420,15 @@ def main() -> int:
     parser.add_argument("--cycles-chips", default="v5e", help="chips for section 5 (comma-separated: v5e,v6e)")
     parser.add_argument("--cycles-masks", default=",".join(CYCLE_KINDS))
     parser.add_argument("--cycles-S", type=int, default=4096)
-    parser.add_argument("--backward", action="store_true", help="section 5: forward and backward passes")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="section 5 without the backward passes (by default: forward and forward+backward side by side)")
     parser.add_argument("--no-bundles", action="store_true", help="section 5 without section 6 (the forward kernels' bundles)")
     parser.add_argument("--tokamax-variant", default="prescaled",
                         help="tokamax config changes ('+'-joined; bench/attention_cycles.py TOKAMAX_VARIANTS; '' for none)")
     parser.add_argument("--cycles-json", metavar="FILE", default=str(ROOT / "bench" / "results" / "attention_cycles.json"))
     a = parser.parse_args()
     if a.cycles:
-        c = static_cycles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(","), a.backward, a.tokamax_variant)
+        c = static_cycles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(","), not a.forward_only, a.tokamax_variant)
         print_cycles(c)
         if not a.no_bundles:
             c["bundles"] = bundles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(",")[0], a.tokamax_variant)

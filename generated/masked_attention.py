@@ -562,7 +562,7 @@ def _attention_kernel(
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
-        if masked:
+        if masked and T % 128 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
@@ -631,14 +631,14 @@ def _attention_dq_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 128 != 0:
             # Past the end of i memory holds anything: zero it.
             inside = (
                 read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
             )
             q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
-        if masked:
+        if masked and T % 128 != 0:
             # Past the end of j memory holds anything: zero it.
             inside_ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
             k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
@@ -662,7 +662,7 @@ def _attention_dq_kernel(
         raw, s = _scores(masked)
         lse = row_lse_ref[...]
         delta = delta_ref[...]
-        if masked:
+        if masked and S % 128 != 0:
             rows_inside = (
                 read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
             )
@@ -671,18 +671,17 @@ def _attention_dq_kernel(
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
         probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
-        if masked:
+        if masked and T % 128 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         do = do_ref[...]
-        if masked:
+        if masked and S % 128 != 0:
             # Past the end of i memory holds anything: zero it.
-            do = jnp.where(
-                read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S,
-                do,
-                0,
+            inside_ = (
+                read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
             )
+            do = jnp.where(inside_, do, jnp.zeros_like(do))
         dprobs = lax.dot_general(
             do.astype(v_blk.dtype),
             v_blk,
@@ -693,10 +692,10 @@ def _attention_dq_kernel(
         ds = probs * (dprobs - delta)
         draw = ds
         k_blk = k_ref[...]
-        if masked:
+        if masked and T % 128 != 0:
             # Past the end of j memory holds anything: zero it.
-            inside_ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
-            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+            inside__ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
+            k_blk = jnp.where(inside__, k_blk, jnp.zeros_like(k_blk))
         dq_acc[...] += lax.dot_general(
             draw.astype(k_blk.dtype),
             k_blk,
@@ -759,12 +758,12 @@ def _attention_dkv_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 128 != 0:
             # Past the end of i memory holds anything: zero it.
             inside = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
             q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
-        if masked:
+        if masked and T % 128 != 0:
             # Past the end of j memory holds anything: zero it.
             inside_ = (
                 read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
@@ -790,7 +789,7 @@ def _attention_dkv_kernel(
         raw, s = _scores(masked)
         lse = row_lse_ref[0:1, :]
         delta = delta_ref[0:1, :]
-        if masked:
+        if masked and S % 128 != 0:
             rows_inside = (
                 cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1) < S
             )
@@ -799,18 +798,17 @@ def _attention_dkv_kernel(
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
         probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
-        if masked:
+        if masked and T % 128 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = (
                 read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < T
             )
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         do = do_ref[...]
-        if masked:
+        if masked and S % 128 != 0:
             # Past the end of i memory holds anything: zero it.
-            do = jnp.where(
-                cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S, do, 0
-            )
+            inside_ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
+            do = jnp.where(inside_, do, jnp.zeros_like(do))
         dprobs = lax.dot_general(
             v_blk,
             do.astype(v_blk.dtype),
@@ -821,10 +819,10 @@ def _attention_dkv_kernel(
         ds = probs * (dprobs - delta)
         draw = ds
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 128 != 0:
             # Past the end of i memory holds anything: zero it.
-            inside_ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
-            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
+            inside__ = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0) < S
+            q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
         dv_o_acc[...] += lax.dot_general(
             probs.astype(do.dtype),
             do,

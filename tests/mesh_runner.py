@@ -1,11 +1,18 @@
-"""Runs generated kernels' `sharded` on 8 host CPU devices for tests/test_sharded.py.
+"""Runs generated kernels' `sharded` on 8 host CPU devices for tests/mesh_jobs.py's jobs.
 
 A script, run in a subprocess: the device count (`--xla_force_host_platform_device_count`)
 must be set before jax is imported, and the test process has imported it already. It takes
 a job (JSON): a generated module's path, its arguments (an .npz), and cases (a mesh, the
 mapping of indices to its axes); per case it runs the sharded function, the kernel unsplit
-and `reference`, values and `jax.grad`, in the CPU interpreter (or the TPU simulator), and saves them (an .npz)
-for the test to compare; a case expecting a ValueError saves its message instead.
+and `reference`, values and `jax.grad`, in the CPU interpreter (a case's "interpret":
+"simulator": in the TPU simulator, `pltpu.InterpretParams`, which fills memory no step
+writes with NaN and raises on out-of-bounds reads), and saves them (an .npz) for the test
+to compare; a case expecting a ValueError saves its message instead, and any other
+exception its traceback (as does a job whose unsplit run fails): one broken case fails its
+own test, not every test of the session. Each case's seconds are saved too, wall and CPU
+(`case{c}_seconds`, `case{c}_cpu`; the unsplit runs' `job_seconds`, `job_cpu`): where the
+time goes. A case's "typed": shard_map typed by the mesh axes values vary over, as
+`sharded` runs compiled (`_on_mesh(typed=True)`).
 
     python tests/mesh_runner.py JOB.json...
 """
@@ -22,10 +29,13 @@ import contextlib  # noqa: E402
 import functools  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 
 def load(path: str):
@@ -79,23 +89,29 @@ def run_case(mod, job, case, args, weights, saved: dict, tag: str):
             args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(first)))
                     if a.ndim and a.shape[0] % size == 0 else a for a in args]
         call = jax.jit(fn, static_argnames=("interpret", *keywords)) if case.get("jit") else fn
-        with jax.set_mesh(mesh) if case.get("explicit") else _nothing(), typed(mod, case.get("typed")):
-            outs, grads = values_and_grads(lambda *a, **k: call(*a, **k, interpret=interpret(case)), args, keywords, job["diff"],
-                                           weights, case.get("grad", True))
+        mode = interpret_mode(case.get("interpret", "cpu"))
+        try:
+            with jax.set_mesh(mesh) if case.get("explicit") else _nothing(), typed(mod, case.get("typed")):
+                outs, grads = values_and_grads(lambda *a, **k: call(*a, **k, interpret=mode), args, keywords, job["diff"],
+                                               weights, case.get("grad", True))
+        finally:
+            if mode is not True:
+                jax.effects_barrier()  # a kernel whose result nobody awaited (a forward under grad) may still run
+                pltpu.reset_tpu_interpret_mode_state()
     except ValueError as e:
         saved[f"{tag}error"] = np.array(str(e))
+        return
+    except Exception:  # noqa: BLE001 (reported to the test)
+        saved[f"{tag}error"] = np.array(traceback.format_exc())
         return
     save(saved, tag, outs, grads, job["diff"])
 
 
-def interpret(case):
-    """The case's interpreter: the CPU one, or the TPU simulator (`"interpret": "simulator"`),
-    under which `sharded` types its values by the mesh axes they vary over (check_vma)."""
-    if case.get("interpret") == "simulator":
-        from jax.experimental.pallas import tpu as pltpu
-
-        return pltpu.InterpretParams()
-    return True
+def interpret_mode(name: str):
+    if name == "cpu":
+        return True
+    assert name == "simulator", name
+    return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
 
 
 @contextlib.contextmanager
@@ -156,11 +172,19 @@ def main(path: str) -> None:
     weights = [data[f"weight{n}"] for n in range(job["n_outputs"])]
     keywords = dict(job["keywords"])
     saved: dict[str, np.ndarray] = {}
-    # The kernel unsplit and `reference`, values and gradients.
-    for tag, fn in (("kernel_", lambda *a, **k: kernel(*a, **k, interpret=True)), ("reference_", mod.reference)):
-        save(saved, tag, *values_and_grads(fn, args, keywords, job["diff"], weights, True), job["diff"])
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        # The kernel unsplit and `reference`, values and gradients.
+        for tag, fn in (("kernel_", lambda *a, **k: kernel(*a, **k, interpret=True)), ("reference_", mod.reference)):
+            save(saved, tag, *values_and_grads(fn, args, keywords, job["diff"], weights, True), job["diff"])
+    except Exception:  # noqa: BLE001 (reported to the test)
+        np.savez(job["result"], job_error=np.array(traceback.format_exc()))
+        return
+    saved["job_seconds"], saved["job_cpu"] = np.array(time.perf_counter() - start), np.array(time.process_time() - cpu)
     for c, case in enumerate(job["cases"]):
+        start, cpu = time.perf_counter(), time.process_time()
         run_case(mod, job, case, args, weights, saved, f"case{c}_")
+        saved[f"case{c}_seconds"], saved[f"case{c}_cpu"] = np.array(time.perf_counter() - start), np.array(time.process_time() - cpu)
     np.savez(job["result"], **saved)
 
 

@@ -323,15 +323,15 @@ def test_tiles_wgmma_cannot_take_are_refused_at_the_tile_line(tile, needle, mess
 
 def test_dtypes_and_accumulators_wgmma_cannot_take():
     base = with_tiles(example_text("dsd_matmul"), m=64, n=64, k=64)
-    text = base.replace("in  y: bf16", "in  y: i8")
+    text = base.replace("in  y: bf16", "in  y: i16")
     rendered = refused(text)
-    caret_at(rendered, text, "i8")
-    assert "bf16, f16 or f32" in rendered
+    caret_at(rendered, text, "i16")
+    assert "bf16, f16, f32 (as tf32) or i8 (into i32)" in rendered  # i8: tests/test_gpu_int8.py
     text = base.replace("in  y: bf16", "in  y: f32")
     rendered = refused(text)
     caret_at(rendered, text, "f32")
     assert "one dtype" in rendered
-    assert "accumulates in f32" in refused(base.replace("accumulate f32", "accumulate bf16"))
+    assert "WGMMA accumulates bf16 products in f32" in refused(base.replace("accumulate f32", "accumulate bf16"))
 
 
 def test_shared_memory_the_tiles_need_is_checked_against_the_chip():

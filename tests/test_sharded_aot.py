@@ -12,7 +12,10 @@ What is expected, and why (per index's rule, sparsegen/mesh.py):
   (a weight the split rows all read) is added across its axis (all-reduce);
 - a "sum" index (an einsum's k, grouped_matmul's experts g): the forward adds the partial
   sums (psum: all-reduce over its axis); the backward needs none for it (each device's
-  slice of the inputs gets its own slice of the gradient).
+  slice of the inputs gets its own slice of the gradient);
+- a coo input read by split indices: every device deals the stored blocks itself (no
+  collective in the forward); in the backward, each device's bucket's gradient goes back
+  to the caller's order, added across the mesh axes that dealt them (all-reduce).
 
 The numbers (that the split kernels equal the unsplit ones, values and gradients) are
 tests/test_sharded.py's, on 8 host CPU devices; here only what the TPU compile makes of it.
@@ -29,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import build, spec_text
+from conftest import build, spec_text, with_tiles
 from test_sharded import BATCHED
 
 from sparsegen.testing import example_args
@@ -217,6 +220,13 @@ CASES = [
     # x (coo) whole on every device: its stored blocks' gradient sums over the columns n,
     # each device's added over model; the mesh's data axis splits nothing.
     ("dsd-n", DSD, dict(M=512, K=1024, N=2048), dict(n="model"), [], [(AR, "model")], {}),
+    # A coo input dealt by its stored blocks' coordinates along both its dimensions (rows m
+    # over data, k over model: 8 buckets, counted under jit as every stored block), k's
+    # partial products added over model. The backward: dy sums over the rows (data); the
+    # stored blocks' gradients, each device's own bucket's, come home to the caller's
+    # order (a scatter: added over both axes).
+    ("dsd-m-k", with_tiles(DSD, m=128, n=128, k=128), dict(M=512, K=512, N=512), dict(m="data", k="model"),
+     [(AR, "model")], [(AR, "data"), (AR, "data,model")], {}),
     # RING (context parallelism): the sequence split over data (2 devices), i and j
     # together, heads over model. Causal: only device 0's keys and values travel (to device
     # 1), one permute each; the backward sends them again and the key side's gradients

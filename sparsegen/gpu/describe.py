@@ -11,13 +11,21 @@ def _walk(p: GpuPass) -> str:
     k = p.a.col
     return {
         "dense": f"every block along {k}",
-        "rows": f"the blocks of {p.sparse} in the CTA's row of output blocks (a table per row: first step, count; per step: "
+        "rows": f"the blocks of {p.sparse} in its row of output blocks (a table per row: first step, count; per step: "
                 + ("the stored block and its " + k + ")" if p.a.stored else f"the non-empty {p.sparse} block's {k})"),
-        "cols": f"the blocks of {p.sparse} in the CTA's column of output blocks (a table per column: first step, count; per step: "
+        "cols": f"the blocks of {p.sparse} in its column of output blocks (a table per column: first step, count; per step: "
                 + ("the stored block and its " + k + ")" if p.b.stored else f"the non-empty {p.sparse} block's {k})"),
         "coo output": f"every block along {k}, for each requested block of {p.output} (padding entries: no step, zeros)",
         "output mask": f"every block along {k} where the {p.sparse} block is not empty (empty: no step, zeros; all ones: no read)",
     }[p.walk]
+
+
+def persistent_ctas(p: GpuPass, target) -> int:
+    """CTAs of a product's persistent grid along its first axis: one per SM, a block's tiles
+    each a CTA (a product CTA's shared memory leaves an SM room for no second). The wrapper
+    takes fewer where there are fewer steps."""
+    t = p.tiles
+    return max(1, target.sms // ((t.bm // t.tm) * (t.bn // t.tn)))
 
 
 def describe_elementwise(p: ElementwisePass, target) -> list[str]:
@@ -39,16 +47,18 @@ def describe_pass(p: GpuPass, target) -> list[str]:
                      + (" (copied transposed by the wrapper: tf32 reads K-major tiles)" if x.copied else ""))
     lines = [
         f"statement: {p.statement.text}",
-        f"  walk: {p.walk} — each output block's CTAs take {_walk(p)}",
-        f"  grid: ({render(p.cells, 'text')} output blocks, {t.bm // t.tm}, {t.bn // t.tn}) CTAs, each a {t.tm}x{t.tn} tile of a "
-        f"{t.bm}x{t.bn} block; steps of {t.tk} along {p.a.col} ({t.ksub} per block)",
+        f"  walk: {p.walk} — each output block takes {_walk(p)}",
+        f"  grid: persistent, ({persistent_ctas(p, target)}, {t.bm // t.tm}, {t.bn // t.tn}) CTAs at most ({target.sms} SMs), "
+        f"each a {t.tm}x{t.tn} tile of a {t.bm}x{t.bn} block; steps of {t.tk} along {p.a.col} ({t.ksub} per block)",
+        f"  work list: the steps of the {render(p.cells, 'text')} output blocks, laid end to end, dealt in equal runs to the CTAs; "
+        "a block shared by several CTAs stores each piece's f32 partial sum, added in a fixed order by the wrapper",
         f"  per step: TMA copies of a {t.tm}x{t.tk} tile of {mat(p.a)} and a {t.tk}x{t.tn} tile of {mat(p.b)} into shared memory "
         f"({t.stages} in flight), one WGMMA into an f32 accumulator in registers",
         "  flush: the accumulator" + (f" times {p.scale}" if p.scale is not None else "")
         + (f" times the {p.end.operand} tile" + (" where its block is partial" if p.end_mask else "") if p.end else "")
         + f", as {p.out_dtype.name}, through shared memory to {p.output} (TMA)",
         f"  shared memory: {p.smem} bytes per CTA (limit {target.smem_bytes} on {target.name})",
-        f"  work: at most {render(p.block_products, 'text')} block products of {p.flops_per_product} FLOPs ({p.in_dtype.name} in, f32 accumulated)",
+        f"  work: at most {render(p.block_products, 'text')} block products of {p.flops_per_product} FLOPs ({p.in_dtype.name} in, {"f32" if p.in_dtype.is_float else "i32"} accumulated)",
     ]
     if p.tables:
         lines.append("  tables (int32, in GMEM, computed by the wrapper):")

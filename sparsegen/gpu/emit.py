@@ -10,7 +10,7 @@ from ..expr import Const, render
 from ..formatting import format_module
 from ..pytext import needed as _needed, parameters, py_tuple, words
 from ..wrapper import Glue, Wrapper, einsum_glue
-from .describe import describe
+from .describe import describe, persistent_ctas
 from .plan import ElementwisePass, GpuModule, GpuPass
 
 
@@ -18,23 +18,41 @@ from .plan import ElementwisePass, GpuModule, GpuPass
 _HEAD = (("cell", 'lax.axis_index("cell")', "the output block"),
          ("mi", 'lax.axis_index("m")', "this CTA's row tile inside it"),
          ("ni", 'lax.axis_index("n")', "this CTA's column tile inside it"))
+# A product kernel is persistent: its CTA runs chunks of the work list (`_deal`), each
+# chunk binding these at the top of the loop's body.
+_PERSISTENT_HEAD = (("cta", 'lax.axis_index("cta")', "this CTA: a run of chunks of the work list"),) + _HEAD[1:]
+_CHUNK = (("cell", "chunk_cell[chunk]", "the output block"),
+          ("first", "chunk_first[chunk]", "the chunk's first step in the block's walk"),
+          ("count", "chunk_count[chunk]", "its steps"),
+          ("slot", "chunk_slot[chunk]", "-1: the whole block; else its piece's slot"))
+# The work list's tables the kernel reads (the wrapper's names; `_deal` returns them).
+_WORK_TABLES = ("cta_first", "chunk_cell", "chunk_first", "chunk_count", "chunk_slot")
 # A pass's fields that are not the kernel's body (host code, names, docs).
 _NOT_BODY = frozenset({"form", "fn", "params", "n_tables", "statics", "about", "lets", "call_fn", "call_args", "call_about",
-                       "guard", "host", "raw", "raw_shape", "kernel", "grid", "kernel_args", "finish", "out_var"})
+                       "guard", "host", "raw", "raw_shape", "kernel", "grid", "kernel_args", "finish", "out_var",
+                       "steps", "steps_lets", "ctas", "ctas_about", "cells", "bm", "bn", "sub_grid"})
 
 
 def _trimmed(d: dict) -> dict:
     """The pass with its kernel's head cut to what the body reads: the CTA coordinates and
-    lets nothing reads are not bound, and the tables nothing reads are `del`-ed."""
+    lets nothing reads are not bound, and the tables nothing reads are `del`-ed. A product
+    kernel's lets are bound per chunk, inside its loop (`chunk_lets`)."""
     body = repr([v for key, v in d.items() if key not in _NOT_BODY])
+    head = _HEAD
+    lets = list(d["lets"])
     if d["form"] == "product":
-        body += " count"  # the pipeline's grid (template text)
-    lets = _needed([(name, value) for name, value, _ in _HEAD] + list(d["lets"]), body)
-    notes = {name: note for name, _, note in _HEAD}
+        body += " cta_first cta first count slot"  # the loop, the maps, the pipeline's grid, the store (template text)
+        head = _PERSISTENT_HEAD
+        lets = [(name, value) for name, value, _ in _CHUNK] + lets
+    lets = _needed([(name, value) for name, value, _ in head] + lets, body)
+    notes = {name: note for name, _, note in (*head, *(_CHUNK if d["form"] == "product" else ()))}
     used = words(body) | set().union(*(words(value) for _, value in lets))
     tables, refs = d["params"][: d["n_tables"]], d["params"][d["n_tables"]:]
     signature, deleted = parameters(tables + refs, used | set(refs), d["statics"], collapse=False)
-    return dict(d, lets=[(name, value + (f"  # {notes[name]}" if name in notes else "")) for name, value in lets],
+    lets = [(name, value + (f"  # {notes[name]}" if name in notes else "")) for name, value in lets]
+    # Elementwise: every let at the top; a product's per chunk, but the CTA's coordinates.
+    top = {name for name, _, _ in head} if d["form"] == "product" else {name for name, _ in lets}
+    return dict(d, lets=[x for x in lets if x[0] in top], chunk_lets=[x for x in lets if x[0] not in top],
                 signature=signature, deleted=deleted)
 
 
@@ -116,8 +134,8 @@ class _Emitter:
         end_ref = names.local(f"{p.end.operand}_gmem") if p.end else None
         out_ref = names.local(f"{p.output}_gmem")
         a_smem, b_smem = names.local(f"{p.a.operand}_smem"), names.local(f"{p.b.operand}_smem")
-        tables = [name for name, _ in p.tables]
-        params = tables + [a_ref, b_ref] + ([end_ref] if end_ref else []) + [out_ref]
+        tables = [*_WORK_TABLES, *(name for name, _ in p.tables)]
+        params = tables + [a_ref, b_ref] + ([end_ref] if end_ref else []) + [out_ref, "pieces_gmem"]
         a_block = (t.tk, t.tm) if p.a.transposed else (t.tm, t.tk)
         b_block = (t.tn, t.tk) if p.b.transposed else (t.tk, t.tn)
         maps = []
@@ -146,6 +164,14 @@ class _Emitter:
                 rows = rows * e
             raw_shape = py_tuple([render(rows * t.bm, "host"), render(p.cell_coords[-1][1] * t.bn, "host")])
         call_args = list(mod.conv.impl_args) + [dict(mod.outputs)[o] for o in self.reads(p, mod)]
+        # The persistent grid: as many CTAs as the chip runs at once (describe.persistent_ctas),
+        # never more than the steps there can be.
+        sub = (t.bm // t.tm) * (t.bn // t.tn)
+        cap = persistent_ctas(p, mod.target)
+        bound = (p.block_products * t.ksub).cdiv(t.stages)  # runs of a pipeline's depth (`_deal`)
+        ctas = str(min(cap, bound.value)) if isinstance(bound, Const) else f"min({cap}, {render(bound, 'host')})"
+        rows_in, cols_in = t.bm // t.tm, t.bn // t.tn
+        piece_at = (f"slot * {rows_in} + mi" if rows_in > 1 else "slot", "ni" if cols_in > 1 else "0")
         guard = list(p.guard)
         if guard:
             guard.append(f"    return {self.zeros(p, mod)}")
@@ -168,6 +194,7 @@ class _Emitter:
             "b_ref": b_ref,
             "stages": t.stages,
             "tile": f"({t.tm}, {t.tn})",
+            "acc": "jnp.float32" if p.in_dtype.is_float else "jnp.int32",  # WGMMA's accumulator: s8 products in s32
             "scale": _number(p.scale) if p.scale is not None else None,
             "out_index": ", ".join(p.out_index),
             "scoped": ", ".join(scoped),
@@ -192,6 +219,17 @@ class _Emitter:
             "kernel_args": tables + [p.a.array, p.b.array] + ([p.end.array] if p.end else []),
             "finish": p.finish,
             "out_var": p.out_var,
+            "end_dtype": k.operand(p.end.operand).dtype.jnp if p.end else None,
+            "piece_at": at(piece_at),
+            "steps": p.steps if "cell" in words(p.steps) or _needed(p.kernel_lets, p.steps)
+            else f"jnp.full(cell.shape, {p.steps}, jnp.int32)",  # the dense walk: every block's the same
+            "steps_lets": _needed(p.kernel_lets, p.steps),
+            "ctas": ctas,
+            "ctas_about": f"{mod.target.sms} SMs on {mod.target.name}" + (f", {sub} tiles a block" if sub > 1 else ""),
+            "cells": render(p.cells, "host"),
+            "bm": t.bm,
+            "bn": t.bn,
+            "sub_grid": f"{rows_in}, {cols_in}",
         })
 
     def reads(self, p: GpuPass, mod: GpuModule) -> list[str]:
@@ -216,8 +254,9 @@ class _Emitter:
             "coo output": f"every block along {p.a.col}, for each requested block of {p.output}",
             "output mask": f"every block along {p.a.col}, where the {p.sparse} block is not empty",
         }[p.walk]
-        return (f"{p.statement.text}: one CTA per {t.tm}x{t.tn} tile of each output block; it walks {walk}, "
-                f"one WGMMA per {p.a.col} tile of {t.tk}.")
+        return (f"{p.statement.text}: persistent; each CTA runs its chunks of the work list, a chunk a run of the "
+                f"steps of a {t.tm}x{t.tn} tile of an output block, which walks {walk}, one WGMMA per {p.a.col} tile "
+                f"of {t.tk}.")
 
     def gradient(self) -> tuple[Glue, list[dict]]:
         """The custom_vjp glue (residuals: the inputs), and the backward's passes."""

@@ -93,6 +93,7 @@ class ProductPass:
     out_index: tuple[str, str]
     end_index: tuple[str, str] | None
     step_lets: list[tuple[str, str]]  # per-step values the index maps read
+    steps: str  # an output block's steps (kernel code over `cell` and the kernel lets): what the work list deals
     kind_table: str | None  # output mask: the kind of each cell's block
     finish: list[str]  # wrapper lines turning the kernel's 2-D output into the operand
     out_var: str

@@ -1,12 +1,20 @@
 """A statement with a sum as a block-sparse matrix product on Mosaic GPU (Hopper).
 
 `out[c.., m, n] = A[c.., m, k] * B[c.., k, n]` (any dimension order; `c` are the output's
-other indices: batch, heads, each value a block of its own) becomes one kernel. Its grid
-has a CTA per output *tile* (tm x tn, WGMMA's) of every output *block* (the spec's tile,
-the sparsity's grain). GPUs have no scalar prefetch, so a CTA reads from tables in GMEM how
-many steps its block takes and where they start, then runs `plgpu.emit_pipeline` over that
-dynamic count: TMA copies of an A tile and a B tile into shared memory per step, one WGMMA
-each, the accumulator in registers. A block nothing reaches runs zero steps, storing zeros.
+other indices: batch, heads, each value a block of its own) becomes one kernel. An output
+*block* (the spec's tile, the sparsity's grain) is computed as CTA *tiles* (tm x tn,
+WGMMA's). GPUs have no scalar prefetch, so the kernel reads from tables in GMEM how many
+steps a block takes and where they start, then runs `plgpu.emit_pipeline` over that dynamic
+count: TMA copies of an A tile and a B tile into shared memory per step, one WGMMA each, the
+accumulator in registers. A block nothing reaches runs zero steps, storing zeros.
+
+The grid is persistent (the emitter and the `_deal` helper): a CTA per SM (per tile of a
+block), each running a run of chunks of a work list in which every block's steps lie end to
+end, cut into equal runs; a block whose steps cross a run's end is shared by CTAs, each
+storing its piece's f32 partial sum, added by the wrapper in a fixed order
+(`_add_pieces`). So a skewed pattern (one row of output blocks holding most of the steps)
+does not serialise the kernel on that row's CTAs. The lowering gives each block's step count
+(`steps`) in terms of the block (`cell`), which the wrapper evaluates for every block.
 
 The walk (which steps a block takes) is the schedule's: `schedule.choose_walk` names it and
 the operand whose blocks decide it, and `walk_of` says it in GPU terms, or refuses it:
@@ -144,16 +152,16 @@ class ProductLowering:
             fail(main.span, f"'{main.text}' has '{stray[0]}', which is neither the product's rows, columns nor sum "
                             "nor an index of the output: not lowered for GPUs")
         if op.dtype.name not in DTYPES_WGMMA:
-            fail(op.dtype_span, f"WGMMA multiplies bf16, f16 or f32 (as tf32) factors; '{op.name}' is {op.dtype.name}")
+            fail(op.dtype_span, f"WGMMA multiplies bf16, f16, f32 (as tf32) or i8 (into i32) factors; '{op.name}' is {op.dtype.name}")
         mine = self.coords_of(main)
         stored_cr = main.indices.index(col) < main.indices.index(row)  # stored (col, row)
-        # 16-bit tiles are read either way (WGMMA reads a transposed view MN-major); 32-bit
-        # (tf32) WGMMA takes K-major tiles only: A as (m, k), B as (n, k). Several summed
+        # 16-bit tiles are read either way (WGMMA reads a transposed view MN-major); tf32 and
+        # s8 WGMMA take K-major tiles only: A as (m, k), B as (n, k). Several summed
         # indices flatten into one contraction: (rows, k..) for A, (k.., columns) for B.
-        transposed = stored_cr if op.dtype.itemsize == 2 and not self.extra_sums else is_b and op.dtype.itemsize == 4
+        transposed = stored_cr if op.dtype.itemsize == 2 and not self.extra_sums else is_b and op.dtype.itemsize != 2
         copied = transposed != stored_cr
         why = ("  # the summed indices flattened into one contraction: a copy" if self.extra_sums else
-               "  # tf32 WGMMA reads K-major tiles: a transposed copy") if copied else ""
+               f"  # {'tf32' if op.dtype.is_float else 's8'} WGMMA reads K-major tiles: a transposed copy") if copied else ""
         extras = [st.factors[e] for e in group.extras]
         divisors = {s.index: s.divisor for s in main.subs}
         for e in extras:
@@ -163,8 +171,8 @@ class ProductLowering:
             if eop.sparsity == "coo":
                 fail(e.span, f"'{e.text}' is coo inside another factor's blocks: not lowered for GPUs yet")
             if eop.sparsity == "mask":
-                if set(e.indices) != set(main.indices):
-                    fail(e.span, f"a mask factor on GPUs has the indices of the factor it multiplies ('{main.text}')")
+                if not set(e.indices) <= set(main.indices):
+                    fail(e.span, f"a mask factor on GPUs reads only indices of the factor it multiplies ('{main.text}')")
         # The schedule's mask source, when this group holds it (covered: the main factor is not a mask's).
         mask = next((st.factors[s.factor] for s in self.skipped() if s.place == "sum" and s.sparsity == "mask" and st.summed_groups[s.group] is group), None)
         var = names.local(f"{main.operand}_matrix")
@@ -206,8 +214,19 @@ class ProductLowering:
         mvar = None
         if mask is not None:
             mvar = names.local(f"{mask.operand}_matrix")
-            mperm = tuple(mask.indices.index(i) for i in order)
-            host.append(f"{mvar} = _matrix({self.ctx.source(mask)}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, tiles))})")
+            msrc = self.ctx.source(mask)
+            if len(mask.indices) < len(main.indices):
+                # The mask lacks some of the factor's indices (a batch index): its blocks are
+                # the same along them; laid out as the factor for the walk's tables.
+                letters = {i: _LETTERS[n] for n, i in enumerate(main.indices)}
+                held = "".join(letters[i] for i in mask.indices)
+                host.append(f"{mvar} = jnp.broadcast_to(_expand({msrc}, \"{held}\", \"{''.join(letters[i] for i in main.indices)}\"), "
+                            f"{self.ctx.source(main)}.shape)  # the same for every {', '.join(i for i in main.indices if i not in mask.indices)}")
+                msrc, mindices = mvar, main.indices
+            else:
+                mindices = mask.indices
+            mperm = tuple(mindices.index(i) for i in order)
+            host.append(f"{mvar} = _matrix({msrc}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, tiles))})")
         return Matrix(op.name, var, mine, row, col, transposed, False, copied), mvar
 
     def after_sum(self):
@@ -221,8 +240,16 @@ class ProductLowering:
             return
         e = st.factors[st.end_groups[0].main]
         eop = k.operand(e.operand)
-        if set(e.indices) != set(st.out_indices) or eop.sparsity == "coo" or out_op.sparsity == "coo":
-            fail(e.span, f"'{e.text}' after the sum: the GPU backend applies a dense or mask factor with the output's indices only")
+        if eop.sparsity == "coo" or out_op.sparsity == "coo":
+            what = f"'{e.text}' is coo" if eop.sparsity == "coo" else f"the output '{out_op.name}' is coo"
+            fail(e.span, f"'{e.text}' after the sum: {what}; the GPU backend applies a dense or mask factor after the sum, "
+                         "tile by tile of a dense output")
+        lacking = [i for i in (self.m, self.n) if i not in e.indices]
+        if lacking:
+            fail(e.span, f"'{e.text}' after the sum lacks {' and '.join(lacking)}, the product's "
+                         f"{'rows and columns' if len(lacking) == 2 else 'rows' if lacking[0] == self.m else 'columns'}: "
+                         "the GPU backend multiplies a factor after the sum in tile by tile of the output "
+                         f"(broadcast it to [{', '.join(st.out_indices)}] first)")
         evar = self.names.local(f"{e.operand}_matrix")
         # In the output's order: its block kinds are read per cell, and cells are in that order.
         ecoords = tuple(sorted(self.coords_of(e), key=lambda c: self.coords.index(c.index)))
@@ -357,10 +384,22 @@ class ProductLowering:
             self.step_lets.append(("stored", f"{order_t}[step]"))
 
     def output_mask(self, sparse: str) -> str:
-        """Empty mask blocks run no step (zeros); the kernel reads only partial ones."""
+        """Empty mask blocks run no step (zeros); the kernel reads only partial ones. A mask
+        lacking some of the output's coordinates (a batch index) is read by every value of
+        them: its kinds are broadcast to the output's cells."""
         kinds = self.names.local(f"{sparse}_kinds")
         self.host.append(f"# The blocks of {sparse}: empty ones run no step, all-ones ones are not read.")
-        self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True).reshape(-1)")
+        mine = [c.index for c in self.end.coords]
+        if len(mine) == len(self.coords):
+            self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True).reshape(-1)")
+        else:
+            lacked = ", ".join(i for i in self.coords if i not in mine)
+            blocks = [render(self.ctx.blocks(i), "host") for i in (self.m, self.n)]
+            cells = [render(self.cell_extent(i), "host") if i in mine else "1" for i in self.coords]
+            full = [render(self.cell_extent(i), "host") for i in (*self.coords, self.m, self.n)]
+            self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True)"
+                             f".reshape({', '.join(cells + blocks)})")
+            self.host.append(f"{kinds} = jnp.broadcast_to({kinds}, ({', '.join(full)})).reshape(-1)  # the same for every {lacked}")
         self.tables.append((kinds, f"_EMPTY, _PARTIAL or _FULL: each output block's {sparse} block"))
         self.count = f"jnp.where({kinds}[cell] == _EMPTY, 0, {self.py(self.KB * self.t.ksub)})"
         return kinds
@@ -402,11 +441,16 @@ class ProductLowering:
         if da.name != db.name:
             fail(k.operand(self.b.operand).dtype_span, f"WGMMA multiplies two factors of one dtype; '{self.a.operand}' is {da.name}, "
                                                        f"'{self.b.operand}' is {db.name}")
-        if k.accumulate.name != "f32":
-            fail(k.accumulate_span or k.tile_span, f"accumulate {k.accumulate.name}: WGMMA accumulates in f32")
-        if not out_op.dtype.is_float:
-            fail(out_op.dtype_span, f"the GPU backend writes float outputs; '{out_op.name}' is {out_op.dtype.name}")
+        integer = not da.is_float  # s8 factors: WGMMA accumulates in s32
+        want = "i32" if integer else "f32"
+        if k.accumulate.name != want:
+            fail(k.accumulate_span or k.tile_span, f"accumulate {k.accumulate.name}: WGMMA accumulates {da.name} products in {want}")
+        if not out_op.dtype.is_float and not (integer and out_op.dtype.name == "i32"):
+            fail(out_op.dtype_span, f"the GPU backend writes float outputs (or i32 for i8 factors); '{out_op.name}' is {out_op.dtype.name}")
         self.after_sum()
+        if integer and (self.end is not None or st.scale is not None):
+            what = f"'{self.end.operand}' after the sum" if self.end is not None else "a constant factor"
+            fail(st.span, f"{what} on an i8 product (s32 on the GPU): not lowered for GPUs yet; apply it to the result")
         end_dtype = k.operand(self.end.operand).dtype if self.end else None
         self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype)
         self.KB = self.ctx.blocks(kidx)
@@ -439,7 +483,7 @@ class ProductLowering:
         else:
             out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False))
         end_index = self.out_tile(self.end) if self.end is not None else None
-        self.kernel_lets += [("start", self.start), ("count", self.count)]
+        self.kernel_lets.append(("start", self.start))  # the count is the chunk's: the work list's (`steps` per block)
 
         # The wrapper's result: the kernel's 2-D output as the operand.
         out_var, raw = names.local(st.target.operand), names.local(f"{st.target.operand}_matrix")
@@ -457,7 +501,7 @@ class ProductLowering:
             end_mask=self.end_mask, tiles=t, in_dtype=da, out_dtype=out_op.dtype, scale=st.scale,
             cell_coords=tuple((i, self.cell_extent(i)) for i in (*self.coords, m, n)), cells=ncells, host=self.host,
             guard=self.guard, tables=self.tables, kernel_lets=self.kernel_lets, a_index=a_index, b_index=b_index,
-            out_index=out_index, end_index=end_index, step_lets=self.step_lets, kind_table=kind_table, finish=finish,
+            out_index=out_index, end_index=end_index, step_lets=self.step_lets, steps=self.count, kind_table=kind_table, finish=finish,
             out_var=out_var, raw=raw, statics=tuple(sorted(self.statics)), names=names,
             fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
             block_products=ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,

@@ -16,7 +16,7 @@ from ..source import Diagnostic
 from .plan import GpuError, Tiles
 from .targets import GpuTarget
 
-DTYPES_WGMMA = ("bf16", "f16", "f32")  # f32 as tf32 (K-major tiles only)
+DTYPES_WGMMA = ("bf16", "f16", "f32", "i8")  # f32 as tf32, i8 into s32 (both: K-major tiles only)
 MAX_ACC = 128 * 128  # accumulator elements per CTA: one warpgroup's registers
 
 
@@ -26,11 +26,13 @@ def fail(span, message: str, notes=()):
 
 def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: int = 0) -> int:
     """Shared memory of one product CTA. Scoped allocations are reused (measured), so the
-    pipeline's buffers and the epilogue's tiles do not add; a barrier takes 8 bytes (one per
-    buffer, and the epilogue's)."""
+    pipeline's buffers and the epilogue's tiles do not add; nor do the epilogue's two ways
+    out (the output's tile, or an f32 piece of a block shared by CTAs), but a tile of the
+    factor after the sum is held under either. A barrier takes 8 bytes (one per buffer, and
+    the epilogue's)."""
     t = tiles
     pipeline = t.stages * (t.tm * t.tk + t.tk * t.tn) * in_itemsize
-    epilogue = t.tm * t.tn * (out_itemsize + end_itemsize)
+    epilogue = t.tm * t.tn * (max(out_itemsize, 4) + end_itemsize)
     return max(pipeline, epilogue) + 8 * (t.stages + 1)
 
 
@@ -59,11 +61,13 @@ def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype
     step = 32 // dtype.itemsize  # WGMMA's K: 16 for 16-bit factors, 8 for tf32
     if bk % swizzle == 0:
         tk = swizzle
-    elif bk in (step, 2 * step):  # a 32- or 64-byte row: the narrower swizzles
+    elif bk == 2 * step or (bk == step and dtype.itemsize != 1):  # a 32- or 64-byte row: the narrower swizzles (s8: 64 only)
         tk = bk
     else:
-        fail(span[kidx], f"tile {kidx} = {bk}: WGMMA's K steps are multiples of {step} ({dtype.name}) in rows of 32, 64 or "
-                         f"128 bytes; on {target.name} use {step}, {2 * step} or a multiple of {swizzle}")
+        rows = "64 or 128 bytes (s8 takes no 32-byte swizzle)" if dtype.itemsize == 1 else "32, 64 or 128 bytes"
+        ok = f"{2 * step}" if dtype.itemsize == 1 else f"{step}, {2 * step}"
+        fail(span[kidx], f"tile {kidx} = {bk}: WGMMA's K steps are multiples of {step} ({dtype.name}) in rows of {rows}; "
+                         f"on {target.name} use {ok} or a multiple of {swizzle}")
     need = 0
     for stages in (4, 3, 2):
         t = Tiles(bm, bn, bk, tm, tn, tk, stages)

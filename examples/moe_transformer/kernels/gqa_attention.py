@@ -647,7 +647,7 @@ def _attention_kernel(
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
@@ -714,14 +714,17 @@ def _attention_dq_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of i memory holds anything: zero it.
             inside = (
                 read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             )
-            q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            q_blk = jnp.where(inside, q_blk.astype(jnp.float32), 0.0).astype(
+                q_blk.dtype
+            )
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside_ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
@@ -743,7 +746,7 @@ def _attention_dq_kernel(
         raw, s = _scores(masked)
         lse = row_lse_ref[...]
         delta = delta_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             rows_inside = (
                 read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             )
@@ -752,18 +755,18 @@ def _attention_dq_kernel(
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
         probs = jnp.exp(s - (lse)[:, :32])  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         do = do_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of i memory holds anything: zero it.
-            do = jnp.where(
-                read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S,
-                do,
-                0,
+            inside_ = (
+                read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             )
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            do = jnp.where(inside_, do.astype(jnp.float32), 0.0).astype(do.dtype)
         dprobs = lax.dot_general(
             do.astype(v_blk.dtype),
             v_blk,
@@ -773,10 +776,10 @@ def _attention_dq_kernel(
         ds = probs * (dprobs - (delta)[:, :32])
         draw = ds
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
-            inside_ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
-            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+            inside__ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
+            k_blk = jnp.where(inside__, k_blk, jnp.zeros_like(k_blk))
         dq_acc[...] += (
             lax.dot_general(
                 draw.astype(k_blk.dtype),
@@ -840,17 +843,20 @@ def _attention_dkv_kernel(
 
     def _scores(masked):
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of i memory holds anything: zero it.
             inside = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
         k_blk = k_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside_ = (
                 read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             )
-            k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            k_blk = jnp.where(inside_, k_blk.astype(jnp.float32), 0.0).astype(
+                k_blk.dtype
+            )
         raw_scores = lax.dot_general(
             k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -869,7 +875,7 @@ def _attention_dkv_kernel(
         raw, s = _scores(masked)
         lse = row_lse_ref[0:1, :]
         delta = delta_ref[0:1, :]
-        if masked:
+        if masked and S % 32 != 0:
             rows_inside = (
                 cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (1, 32), 1) < S
             )
@@ -878,18 +884,20 @@ def _attention_dkv_kernel(
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
         probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
         v_blk = v_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
             inside = (
                 read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             )
-            v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
-        do = do_ref[...]
-        if masked:
-            # Past the end of i memory holds anything: zero it.
-            do = jnp.where(
-                cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S, do, 0
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            v_blk = jnp.where(inside, v_blk.astype(jnp.float32), 0.0).astype(
+                v_blk.dtype
             )
+        do = do_ref[...]
+        if masked and S % 32 != 0:
+            # Past the end of i memory holds anything: zero it.
+            inside_ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
+            do = jnp.where(inside_, do, jnp.zeros_like(do))
         dprobs = lax.dot_general(
             v_blk,
             do.astype(v_blk.dtype),
@@ -899,10 +907,10 @@ def _attention_dkv_kernel(
         ds = probs * (dprobs - delta)
         draw = ds
         q_blk = q_ref[...]
-        if masked:
+        if masked and S % 32 != 0:
             # Past the end of i memory holds anything: zero it.
-            inside_ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
-            q_blk = jnp.where(inside_, q_blk, jnp.zeros_like(q_blk))
+            inside__ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
+            q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
         dv_o_acc[...] += lax.dot_general(
             probs.astype(do.dtype),
             do,

@@ -71,6 +71,18 @@ def lanes(x: str, width: int) -> str:
     return f"({x})[:, 0:1]"
 
 
+def zero_outside(inside: str, var: str, dtype, lhs: bool) -> list[str]:
+    """Lines zeroing `var` (a block of `dtype`) where `inside` is false. `lhs`: the block is a
+    product's left operand; a 16-bit float one is then selected as f32 and packed back
+    (exact). Mosaic selects a packed bf16 block as int16, and libtpu's static profiler rejects
+    that as a vmatmul's left operand ("Expected vector-bf16packed, got vector-int16"),
+    aborting `verify --cycles` on every backward pass; as a right operand it passes."""
+    if lhs and dtype.is_float and dtype.bits == 16:
+        return ["        # Via f32: a bf16 select here aborts libtpu's cycle profiler.",
+                f"        {var} = jnp.where({inside}, {var}.astype(jnp.float32), 0.0).astype({var}.dtype)"]
+    return [f"        {var} = jnp.where({inside}, {var}, jnp.zeros_like({var}))"]
+
+
 class KernelWriter:
     """The kernels' lines (a mixin of AttentionEmitter)."""
 
@@ -108,7 +120,9 @@ class KernelWriter:
                 # Past the ends memory holds anything: zeros keep the scores finite there
                 # (the derivatives the chain sums for a bias too); the gradient products
                 # reuse these blocks.
-                out += self.load_block(n, o, at, tables, "masked", (p.query, p.key), transposed)
+                # The score product's left operand: q's block, k's on key x row blocks.
+                lhs = o.role == ("k" if transposed else "q")
+                out += self.load_block(n, o, at, tables, "masked", (p.query, p.key), transposed, lhs)
             else:
                 out.append(f"    {o.var} = {self.block_value(o, transposed)}")
         raw = None
@@ -199,9 +213,20 @@ class KernelWriter:
         p = self.p
         return bool(p.chain) or p.stored_score or any(pt.local != p.score for pt in p.points)
 
-    def load_block(self, n, o: Operand, at, tables, masked: str, along: tuple[str, ...], transposed: bool = False) -> list[str]:
+    def may_pass_end(self, index: str) -> str:
+        """What joins `masked` in the test guarding a ragged index's zeroing: a size symbol's
+        value is static in the kernel (a Python int), so at a multiple of the tile the test is
+        false while tracing and the selects are never emitted (a diagonal block of causal
+        attention then pays only its condition). Empty for a literal size (ragged or not, known)."""
+        if self.k.index(index).size.literal is not None:
+            return ""
+        return f" and {self.size_of(index)} % {self.tile[index]} != 0"
+
+    def load_block(self, n, o: Operand, at, tables, masked: str, along: tuple[str, ...], transposed: bool = False,
+                   lhs: bool = False) -> list[str]:
         """An operand's block; on a partial step its rows (or columns) past the end of a
-        ragged index in `along` are zeroed: memory there holds anything, and 0 x NaN is NaN."""
+        ragged index in `along` are zeroed: memory there holds anything, and 0 x NaN is NaN.
+        `lhs`: the block is a product's left operand (`zero_outside`)."""
         lines = [f"    {o.var} = {self.block_value(o, transposed)}"]
         live = self.live(o.read)
         if o.layout == "natural":
@@ -221,9 +246,9 @@ class KernelWriter:
             shape = f"({t}, 1)" if axis == 0 else f"(1, {t})"
             table = tables.query if index == self.p.query else tables.key
             inside = n.local("inside")
-            lines += [f"    if {masked}:", f"        # Past the end of {index} memory holds anything: zero it.",
-                      f"        {inside} = {table}[{at}] * {t} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(index)}",
-                      f"        {o.var} = jnp.where({inside}, {o.var}, jnp.zeros_like({o.var}))"]
+            lines += [f"    if {masked}{self.may_pass_end(index)}:", f"        # Past the end of {index} memory holds anything: zero it.",
+                      f"        {inside} = {table}[{at}] * {t} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(index)}"]
+            lines += zero_outside(inside, o.var, self.dtype_of(o), lhs)
         return lines
 
     def operands(self, transposed: bool) -> list[Operand]:
@@ -458,7 +483,7 @@ class KernelWriter:
             ti = self.tile[p.query]
             shape, axis = (f"(1, {ti})", 1) if transposed else (f"({ti}, 1)", 0)
             inside = n.local("rows_inside")
-            lines += [f"    if {masked}:",
+            lines += [f"    if {masked}{self.may_pass_end(p.query)}:",
                       f"        {inside} = {tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(p.query)}",
                       f"        {nm['lse']} = jnp.where({inside}, {nm['lse']}, 0.0)",
                       f"        {delta} = jnp.where({inside}, {delta}, 0.0)"]
@@ -468,14 +493,17 @@ class KernelWriter:
         for c in p.consumers:
             if c.kind == "softmax_product":
                 vo = self.consumer_value(c)
-                lines += self.load_block(n, vo, at, tables, masked, (p.key, p.query))
+                # The values are the left operand of dprobs on key x row blocks, do on row blocks.
+                lines += self.load_block(n, vo, at, tables, masked, (p.key, p.query), lhs=transposed)
                 ve = self.live(vo.read).index(self.e_of(c))
                 do = dos[c.output] = n.local(f"d{c.output}")
                 lines.append(f"    {do} = {extra[c.output]}[...]")
                 if self.ragged(p.query):
                     ti = self.tile[p.query]
-                    lines += [f"    if {masked}:", f"        # Past the end of {p.query} memory holds anything: zero it.",
-                              f"        {do} = jnp.where({tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0) < {self.size_of(p.query)}, {do}, 0)"]
+                    inside = n.local("inside")
+                    lines += [f"    if {masked}{self.may_pass_end(p.query)}:", f"        # Past the end of {p.query} memory holds anything: zero it.",
+                              f"        {inside} = {tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0) < {self.size_of(p.query)}"]
+                    lines += zero_outside(inside, do, self.k.operand(c.output).dtype, not transposed)
                 dov, vv, prec = self.mxu(do, vo.var, self.dtype_of(vo))
                 if transposed:
                     term = f"lax.dot_general({vv}, {dov}, ((({ve},), (1,)), ((), ())), preferred_element_type={acc.jnp}{prec})"
