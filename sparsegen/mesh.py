@@ -108,12 +108,13 @@ def _statement(st) -> str:
     return f"`{st.text}`"
 
 
-def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool = False) -> MeshPlan:
+def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool | str = False) -> MeshPlan:
     """The split rule of every index, and where each index sits in the arguments and outputs.
     `spans`: the target's (operand, dim, tile) whose tile must span a symbolic dimension (a
     block breaking the TPU's layout rule), which a slice would make smaller than its tile.
     `ring`: the target's kernels take the first positions of the arrays they are given
-    (`_impl(..., origin=)`), so an attention-like kernel's key index may travel as a ring."""
+    (`_impl(..., origin=)`), so an attention-like kernel's key index may travel as a ring;
+    a string: why this module's cannot (its key index's refusal says so)."""
     from .schedule.attention import whole_sizes
 
     k = kernel
@@ -144,7 +145,10 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool = False) ->
     for index in k.indices:
         rules.append(_rule(k, index, local_names, operands, read_later, dim_reads, whole))
     the_ring = None
-    if ring:
+    if isinstance(ring, str):
+        rules = [Rule(r.index, None, f"it is the key index of an attention-like kernel: splitting it (a ring) {ring}")
+                 if r.why.startswith("it is the key index") else r for r in rules]
+    elif ring:
         found = _ring(k, conv, dim_reads, whole)
         if isinstance(found, Ring):
             the_ring = found

@@ -31,10 +31,11 @@ def differentiable(kernel, mod) -> list[int]:
             and kernel.operand(p.operand).dtype.is_float and kernel.operand(p.operand).sparsity != "mask"]
 
 
-def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random", seed=0, write=True):
-    """Build `text`, draw its arguments (`pattern`: example_args's, or the arguments), write
-    a job for mesh_runner.py in `folder` (`write`: False where it is written already)."""
-    kernel, mod = build(text, formatted=False)
+def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random", seed=0, target="v5e", write=True):
+    """Build `text` for `target`, draw its arguments (`pattern`: example_args's, or the
+    arguments), write a job for mesh_runner.py in `folder` (`write`: False where it is
+    written already)."""
+    kernel, mod = build(text, target, formatted=target.startswith("h"))  # a GPU module only formatted
     if not write:
         return kernel, resolve_sizes(kernel, sizes), folder
     folder.mkdir(parents=True, exist_ok=True)

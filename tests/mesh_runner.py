@@ -135,10 +135,36 @@ class _nothing:
         return False
 
 
+def gpu_interpreter_on_many_devices() -> None:
+    """jax's Mosaic GPU interpreter checks, as each device ends a kernel, that no barrier of
+    any device is allocated, while the other devices may still be in theirs (they run it
+    together: a kernel's end waits for every device); that check (of the interpreter itself,
+    not of the kernel: each barrier's use is still checked as it is deallocated) then fails
+    at random on a mesh. Made here per device: the barriers of the device ending the kernel."""
+    from jax._src import callback
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
+
+    def check(token, device):
+        memory = gpu_callbacks._get_shared_memory()
+        with memory.lock:
+            for key, alloc in memory.mem.items():
+                assert key.device_id != int(device) or type(alloc).__name__ not in ("Barrier", "ClusterBarrier"), (
+                    f"Barrier remains allocated at key `{key}`.")
+        return token
+
+    def call(token):
+        device = jaxpr_interpret.DeviceInfo().device_id
+        return callback.io_callback(gpu_callbacks.fail_on_exception(check), gpu_callbacks.TOKEN_SHAPE_DTYPE, token, device)
+
+    gpu_callbacks.call_assert_no_barriers_allocated = call
+
+
 def main(path: str) -> None:
     with open(path) as f:
         job = json.load(f)
     mod = load(job["module"])
+    if hasattr(mod, "_gpu_interpret"):
+        gpu_interpreter_on_many_devices()
     kernel = getattr(mod, job["kernel"])
     data = np.load(job["args"])
     # bf16 arrays travel as f32 (an .npz keeps no bfloat16).

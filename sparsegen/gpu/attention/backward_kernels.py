@@ -46,15 +46,14 @@ class BackwardWriter:
         whole blocks, cast (a cotangent to its values' dtype), its tile dimensions swapped."""
         p = self.p
         if a.source == "read":
-            x, idx = self.m.conv.param(a.read.operand).internal, [s.index for s in a.read.subs]
+            x, idx = self.keyed(a.read) or self.m.conv.param(a.read.operand).internal, [s.index for s in a.read.subs]
         elif a.source == "cotangent":
             x, idx = cotangents[a.output], list(self.k.statement_of(a.output).target.indices)
         else:
             x, idx = vectors[a.key], list(p.lead) + [p.query]
-        if a.source != "lse":  # the forward's lse is written padded already
-            pads = [f"(0, -{self.size_of(i)} % {self.tile[i]})" if i in (p.query, p.key) and self.ragged(i) else "(0, 0)" for i in idx]
-            if any(pad != "(0, 0)" for pad in pads):
-                x = f"jnp.pad({x}, {py_tuple(pads)})"
+        pads = [f"(0, -{self.size_of(i)} % {self.tile[i]})" if i in (p.query, p.key) and self.ragged(i) else "(0, 0)" for i in idx]
+        if any(pad != "(0, 0)" for pad in pads):
+            x = f"jnp.pad({x}, {py_tuple(pads)})"
         if a.source == "cotangent" and self.k.operand(a.output).dtype.jnp != a.dtype:
             x = f"{x}.astype({a.dtype})"
         if a.swapped:
@@ -87,7 +86,8 @@ class BackwardWriter:
         refs = {a.key: n.local(f"{a.name}_gmem") for a in bk.arrays}
         smems = {a.key: n.local(f"{a.name}_smem") for a in bk.arrays}
         out_refs = {name: n.local(f"{_out_stem(name)}_gmem") for name, _, _ in bk.outs}
-        params = tables + [refs[a.key] for a in bk.arrays] + [out_refs[name] for name, _, _ in bk.outs]
+        origins = n.local("origins_gmem") if self.positions else None
+        params = tables + ([origins] if origins else []) + [refs[a.key] for a in bk.arrays] + [out_refs[name] for name, _, _ in bk.outs]
         lines = []
         if self.size_vars:
             lines.append(f"{', '.join(self.size_vars)}{',' if len(self.size_vars) == 1 else ''} = sizes")
@@ -113,6 +113,7 @@ class BackwardWriter:
         lines.append(f"{count} = {tables[2]}[{slot}]" + (f" * {ssub}" if ssub != 1 else "")
                      + f"  # pipeline steps: {ssub} per non-empty {'key' if dq else 'row'} block")
         n_other = self.blocks(other)
+        firsts = self.origin_lines(n, origins, lines)
 
         scalars = {}
         for a in bk.arrays:
@@ -180,6 +181,7 @@ class BackwardWriter:
         kstart = f"{stile}({t}) * {TB}" if dq else f"{cta} * {TB}"
         pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, {qaxis}) + jnp.full({shape}, {qstart}, jnp.int32)",
                      f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, {kaxis}) + jnp.full({shape}, {kstart}, jnp.int32)"]
+        gpos = self.global_positions(sn, firsts, {p.query: qpos, p.key: kpos}, shape, pos_lines)
         by_read = {read_key(a.read): a for a in bk.arrays if a.source == "read" and a.key != "k_t" and a.key != "q_t"}
 
         def vector(a: BArray) -> str:
@@ -190,7 +192,7 @@ class BackwardWriter:
 
         def leaf(term: Term, float_ctx: bool) -> str:
             if term.op == "index":
-                v = qpos if term.name == p.query else kpos if term.name == p.key else f"jnp.full({shape}, {self.lv[term.name]}, jnp.int32)"
+                v = gpos[term.name] if term.name in gpos else f"jnp.full({shape}, {self.lv[term.name]}, jnp.int32)"
                 return f"{v}.astype({F32})" if float_ctx else v
             if term.op == "size":
                 v = self.m.conv.size_var(term.name)

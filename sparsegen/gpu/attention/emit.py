@@ -8,6 +8,11 @@ memory once; `plgpu.emit_pipeline` over the steps of the row block's non-empty k
 into a scoped accumulator, the chain, the condition on a partial block only (`lax.cond` on
 the block's kind), the online softmax in registers, the probabilities through shared
 memory into a second WGMMA per value; then each output's tile through shared memory.
+
+`sharded`'s ring (templates/ring.py.j2, the TPU module's) calls `_impl` and `_run_backward`
+with `origin=` (the kernels read it from GMEM and add it to the positions a condition or the
+chain compares) and `keys=` (segment ids' key side, which every read along the key index
+takes): sparsegen/ring.py.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from __future__ import annotations
 from ...expr import render
 from ...formatting import format_module
 from ...ir import Term
+from ...mesh import mesh_plan
 from ...pytext import py_tuple
+from ...ring import RingSides
 from ...schedule.attention import read_key
-from ...schedule.classify import Classifier
 from ...terms import render_term
 from ...wrapper import Glue, Wrapper, vjp_tables
 from ...tpu.attention.reference import ReferenceWriter  # backend-neutral: jax.numpy over whole arrays
@@ -28,7 +34,7 @@ from .lower import STAGES, GpuAttentionModule, GpuOperand, _free_index
 F32 = "jnp.float32"
 
 
-class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
+class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
     def __init__(self, m: GpuAttentionModule):
         self.m = m
         self.k = m.kernel
@@ -36,6 +42,11 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
         self.n = m.names
         self.tile = m.tile
         self.wrapper = Wrapper(m.kernel, m.conv, (), m.names.local("size"), m.names)
+        # A condition (or the chain) comparing query or key positions compares global ones:
+        # `_impl(..., origin=...)` gives the first positions of the arrays passed (`sharded`'s
+        # ring), an int32[2] each kernel reads; integers read along both indices take their
+        # key side from `keys=` (sparsegen/ring.py).
+        self.shard_sides(True)
 
     # Names and sizes (as ReferenceWriter reads them).
     def size_of(self, index: str) -> str:
@@ -53,25 +64,12 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
     def blocks(self, index: str) -> str:
         return f"(-(-{self.size_of(index)} // {self.tile[index]}))"
 
-    # -------------------------------------------------------- classification
-    def classify(self) -> tuple[str, list[str], list[str]]:
-        p = self.p
-        scope = self.n.scope()
-        cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], lambda i: self.m.conv.size(self.k.index(i).size))
-        lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)])
-        reads = []
-        for r in (r for cond in p.conditions for r in cond.reads):
-            param = self.m.conv.param(r.operand).internal
-            if param not in reads:
-                reads.append(param)
-        return self.n.function("_classify_blocks"), reads, lines
-
     # -------------------------------------------------------------- arrays
     def host_array(self, o: GpuOperand) -> str:
         """The array the kernel receives: the argument, its ragged rows and keys padded with
         zeros to whole blocks (a tile never reads past an array's end), its two tile
         dimensions swapped where WGMMA or the condition wants them the other way."""
-        x = self.m.conv.param(o.read.operand).internal
+        x = self.keyed(o.read) or self.m.conv.param(o.read.operand).internal
         subs = o.read.subs
         pads = [f"(0, -{self.size_of(s.index)} % {self.tile[s.index]})" if s.index in (self.p.query, self.p.key) and self.ragged(s.index)
                 else "(0, 0)" for s in subs]
@@ -108,7 +106,8 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
         tables = [n.local("cols"), n.local("kinds"), n.local("counts")]
         ops = m.operands
         out_refs = {c.output: n.local(f"{c.output}_gmem") for c in p.consumers}
-        params = tables + [o.ref for o in ops] + [out_refs[c.output] for c in p.consumers]
+        origins = n.local("origins_gmem") if self.positions else None
+        params = tables + ([origins] if origins else []) + [o.ref for o in ops] + [out_refs[c.output] for c in p.consumers]
         lse_ref = n.local("row_lse_gmem") if m.backward is not None else None
         if lse_ref:
             params.append(lse_ref)
@@ -139,6 +138,7 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
         lines.append(f"{count} = {tables[2]}[{slot}]" + (f" * {ksub}  # pipeline steps: {ksub} per non-empty key block" if ksub != 1
                                                          else "  # pipeline steps: one per non-empty key block"))
         n_cols = self.blocks(p.key)
+        firsts = self.origin_lines(n, origins, lines)
 
         # Scalars (operands read with lead indices only), read once.
         scalars = {}
@@ -229,12 +229,13 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
         qpos, kpos = sn.local(f"{p.query}_pos"), sn.local(f"{p.key}_pos")
         pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {row_tile} * {tq}, jnp.int32)",
                      f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {key_tile}({t}) * {tk}, jnp.int32)"]
+        gpos = self.global_positions(sn, firsts, {p.query: qpos, p.key: kpos}, shape, pos_lines)
         by_read = {read_key(o.read): o for o in ops}
         values = {p.score: s}
 
         def leaf(term: Term, float_ctx: bool) -> str:
             if term.op == "index":
-                v = qpos if term.name == p.query else kpos if term.name == p.key else f"jnp.full({shape}, {self.lv[term.name]}, jnp.int32)"
+                v = gpos[term.name] if term.name in gpos else f"jnp.full({shape}, {self.lv[term.name]}, jnp.int32)"
                 return f"{v}.astype({F32})" if float_ctx else v
             if term.op == "size":
                 v = self.m.conv.size_var(term.name)
@@ -368,7 +369,26 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
         lines += [f"    plgpu.copy_smem_to_gmem({sm}, {dst})" for sm, _, dst in copies]
         lines.append("    plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
         self.n_tiles = n_tiles
-        return params, lines, [self.host_array(o) for o in ops]
+        return params, lines, ([self.origins] if origins else []) + [self.host_array(o) for o in ops]
+
+    def origin_lines(self, n, origins: str | None, lines: list[str]) -> dict[str, str]:
+        """A kernel's first global positions of its rows and keys (read from `origins`, where
+        a condition or the chain compares positions): index -> its variable."""
+        if origins is None:
+            return {}
+        p = self.p
+        firsts = {i: n.local(f"{i}_origin") for i in (p.query, p.key)}
+        lines.append(f"{firsts[p.query]}, {firsts[p.key]} = {origins}[0], {origins}[1]  # the first global positions of the rows and keys given")
+        return firsts
+
+    def global_positions(self, scope, firsts: dict[str, str], local: dict[str, str], shape: str, pos_lines: list[str]) -> dict[str, str]:
+        """The positions a condition or the chain compares (global: the local ones plus the
+        first positions, added to `pos_lines`); the ragged ends compare the local ones."""
+        out = dict(local)
+        for index, first in firsts.items():
+            out[index] = scope.local(f"{index}_at")
+            pos_lines.append(f"{out[index]} = {local[index]} + jnp.full({shape}, {first}, jnp.int32)")
+        return out
 
     # ------------------------------------------------------------------ backward
     def backward_glue(self, declared: list[str], row_lse: str, cot: dict[str, str]) -> dict:
@@ -395,7 +415,7 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
         self.b_tiles = getattr(self, "b_tiles", {})
         params, lines = self.backward_kernel(bk)
         along = p.query if bk.which == "dq" else p.key
-        arrays = [self.b_host(a, glue["cot"], glue["vectors"]) for a in bk.arrays]
+        arrays = ([self.origins] if self.positions else []) + [self.b_host(a, glue["cot"], glue["vectors"]) for a in bk.arrays]
         outs, finish, results = [], [], []
         letters = {i.name: chr(97 + n) for n, i in enumerate(k.indices)}
         reads = {"dq": p.q, "dk": p.k}
@@ -451,8 +471,12 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
                 finish.append(f"{var} = {var}[{cut}]  # the rows past the end (padding) dropped")
         declared = [dict((c.output, v) for c, (v, _, _) in zip(p.consumers, outs))[o.name] for o in k.outputs]
         if m.backward:
-            row_lse = self.n.local("row_lse")  # padded rows kept: the backward reads whole blocks
+            row_lse = self.n.local("row_lse")
             outs.append((row_lse, py_tuple([self.size_of(i) for i in p.lead] + [f"{self.blocks(p.query)} * {self.tile[p.query]}"]), F32))
+            if self.ragged(p.query):
+                # Dropped too (the backward pads it again): laid out as the outputs' rows, as
+                # `sharded`'s ring merges it with them.
+                finish.append(f"{row_lse} = {row_lse}[..., :{self.size_of(p.query)}]  # the rows past the end dropped")
         grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.n_tiles})"])
         reference_lines = self.reference_lines()
         doc, call_doc = self.wrapper.docstrings(
@@ -478,10 +502,20 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
                                          "arguments are differentiated."],
                         residuals=args + declared + [row_lse], derived=True, bargs=backward["args"],
                         partials=[v for c in calls_b for v in c["results"]], returns=backward["returns"], prelude=backward["lines"],
-                        wanted=False, kept=declared + [row_lse], declared=declared, zeros=True)
+                        wanted=False, kept=declared + [row_lse], declared=declared, zeros=True, keywords=self.shard_keywords)
         else:
             glue = Glue(args=args, statics=["sizes", "interpret"], tables=tables, n_outputs=len(k.outputs), cotangents=cotangents,
-                        residuals_about=["No backward is lowered: the residuals are the arguments."], derived=False)
+                        residuals_about=["No backward is lowered: the residuals are the arguments."], derived=False,
+                        keywords=self.shard_keywords)
+        # `sharded`'s plan, a ring where mesh.py allows one (the kernels take first positions;
+        # the ring merges by the rows' logsumexp, which `_impl` returns where a backward is).
+        ring = len(conv.impl_args) == len(conv.params)
+        if ring and m.backward is None:
+            ring = ("merges partial results by the rows' logsumexp, which this module keeps only with its backward, and "
+                    f"its backward is not lowered ({m.backward_error})")
+        mesh = mesh_plan(k, conv, self.wrapper.spans, ring=ring)
+        by_output = {c.output: c for c in p.consumers}
+        kinds_lines = self.kinds_call(kinds_var, classify_fn, classify_reads, xp, data)
         text = self.wrapper.module(
             "gpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue,
             # A block spans the summed index and the values' columns: the tile is their size.
@@ -489,7 +523,10 @@ class GpuAttentionEmitter(BackwardWriter, ReferenceWriter):
             classify_fn=classify_fn, classify_params=classify_reads, classify_lines=classify_lines,
             kernel_fn=kernel_fn, kernel_params=params, kernel_lines=lines, arrays=arrays, outs=outs, finish=finish, grid=grid,
             kinds_var=kinds_var, tables_var=self.n.local("tables"), xp=xp, data=data, class_axes=list(p.class_axes),
-            results=glue.kept if glue.derived else declared, backward_calls=calls_b,
+            results=glue.kept if glue.derived else declared, backward_calls=calls_b, mesh=mesh,
+            ring_tables=self.ring_tables(glue, mesh.ring, "chunk, interpret", [by_output[o.name] for o in k.outputs],
+                                         ("_gpu_interpret(interpret) is not None", "the Mosaic GPU interpreter")),
+            positions=self.positions, shard_keywords=self.shard_keywords, kinds_lines=kinds_lines,
         )
         return format_module(text, names=(m.name,))
 

@@ -12,7 +12,7 @@ from ...schedule.row import SLOT, STEP
 from ...ir import Read
 from ...mesh import mesh_plan
 from ...pytext import live_lines, parameters, py_tuple, words
-from ...schedule.classify import Classifier
+from ...ring import RingSides
 from ...wrapper import Glue, Wrapper, vjp_tables
 from .describe import describe_attention
 from .kernels import Arr, CallSpec, KernelWriter, OutArr
@@ -20,7 +20,7 @@ from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, l
 from .reference import ReferenceWriter
 
 
-class AttentionEmitter(KernelWriter, ReferenceWriter):
+class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
     origin_supported = True  # `_impl` takes the arrays' first positions (not the paged walk's)
 
     def __init__(self, m: AttentionModule):
@@ -38,18 +38,11 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         self.walk_tables = list(self.tables)
         # A condition (or the chain) comparing query or key positions compares global ones:
         # `_impl(..., origin=...)` gives the first position of the arrays passed (a shard on a
-        # mesh, `sharded`'s ring), in scalar memory after the walk's tables.
-        self.positions = self.origin_supported and self.uses_positions()
-        self.origins = self.n.local("origins")
+        # mesh, `sharded`'s ring), in scalar memory after the walk's tables; integers read
+        # along both indices take their key side from `keys=` (sparsegen/ring.py).
+        self.shard_sides(self.origin_supported)
         if self.positions:
             self.tables.append(self.origins)
-        # Integer arguments read along both the query and the key index (segment ids): the
-        # key side's values may come from another array (`_impl(..., keys=...)`: the ring's
-        # travelling shard, while the rows keep theirs).
-        self.key_side = {}
-        if self.origin_supported:
-            self.key_side = {name: self.n.local(f"{m.conv.param(name).internal}_keys") for name in self.both_sides()}
-        self.shard_keywords = tuple(w for w, on in (("origin", self.positions), ("keys", bool(self.key_side))) if on)
         self.steps = self.w.step.static
         maps = self.n.scope()  # the index maps' parameters
         self.grid_vars = [maps.local(i) for i in self.p.lead]
@@ -85,28 +78,6 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
 
     def live(self, read: Read) -> list[str]:
         return [s.index for s in read.subs if s.index not in self.p.lead]
-
-    # -------------------------------------------------------- classification
-    def classify(self) -> tuple[str, list[str], list[str]]:
-        """The block-kind function: its name, parameters and lines."""
-        p = self.p
-        scope = self.n.scope()
-        origins = {}
-        if self.positions:
-            origins = {i: Var(scope.local(f"{i}_origin")) for i in (p.query, p.key)}
-        cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], lambda i: self.m.conv.size(self.k.index(i).size), origins,
-                        self.keyed)
-        lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)])
-        if origins:
-            first = ", ".join(v.name for v in origins.values())
-            lines = [f"{first} = (0, 0) if origin is None else (origin[0], origin[1])"] + lines
-        lines = self.key_side_lines() + lines
-        reads = []
-        for r in (r for cond in p.conditions for r in cond.reads):
-            param = self.m.conv.param(r.operand).internal
-            if param not in reads:
-                reads.append(param)
-        return self.n.function("_classify_blocks"), reads, lines
 
     # ------------------------------------------------------------- arrays
     def arr(self, o: Operand, tables) -> Arr:
@@ -201,14 +172,8 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
         xp = "jnp" if data else "np"
         kinds_var = self.n.local("block_kinds")
         n_class = len(p.class_axes)
-        if self.positions:
-            # Traced first positions (a shard's, on a mesh) classify under jit.
-            kinds_lines = [f"{kinds_var} = {classify_fn}({xp if data else 'np if origin is None else jnp'}, "
-                           f"{', '.join(classify_reads + ['sizes', 'origin'] + (['keys'] if self.key_side else []))})",
-                           f"{self.origins} = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)"]
-        else:
-            kinds_lines = [f"{kinds_var} = {classify_fn}({xp}, {', '.join(classify_reads + ['sizes'] + (['keys=keys'] if self.key_side else []))})"]
-        kinds_lines = self.key_side_lines() + kinds_lines
+        # Traced first positions (a shard's, on a mesh) classify under jit.
+        kinds_lines = self.kinds_call(kinds_var, classify_fn, classify_reads, xp, data)
         kinds_lines.append(f"{kinds_var} = {kinds_var}.reshape((-1,) + {kinds_var}.shape[{n_class - 2}:])")
         forward = self.forward_call()
         row_consumers = [c for c in p.consumers if not c.stored]
@@ -270,7 +235,7 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             "tpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare_lines, reference_lines,
             keywords=("max_steps",) if data else (),
             mesh=mesh,
-            ring_tables=self.ring_tables(glue, mesh.ring),
+            ring_tables=self.ring_tables(glue, mesh.ring, "chunk, None, interpret"),
             smem=m.target.smem_bytes,
             classify_fn=classify_fn,
             classify_params=classify_reads,
@@ -292,26 +257,6 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
             data=data,
         )
         return format_module(text, names=(m.name,)) if formatted else text
-
-    def ring_tables(self, glue: Glue, ring) -> dict:
-        """`sharded`'s ring (where mesh.py allows one): how each of `_impl`'s results merges,
-        its rows' dimension, which are the outputs and which the rows' logsumexp."""
-        if ring is None:
-            return {}
-        p = self.p
-        rows = [self.k.statement_of(c.output).target.indices.index(p.query) for c in p.consumers] + [len(p.lead)]
-        quoted = lambda xs: py_tuple("None" if x is None else repr(x) for x in xs)  # noqa: E731
-        return {
-            "roles": quoted(ring.roles),
-            "dims": quoted(ring.dims),
-            "merges": quoted(["softmax" if c.kind == "softmax_product" else "logsumexp" for c in p.consumers] + ["logsumexp"]),
-            "rows": py_tuple(str(r) for r in rows),
-            "declared": py_tuple(str(glue.kept.index(d)) for d in glue.declared),
-            "lse": str(len(glue.kept) - 1),
-            "lengths": quoted([self.k.index(i).size.symbol for i in (p.query, p.key)]),
-            # the classification's operands among a pair's arguments
-            "classify_args": "".join(f"args[{self.m.conv.impl_args.index(a)}], " for a in self.classify_reads),
-        }
 
     def gradient_tables(self, backward: dict, derived: list[str]) -> str:
         """`_PARTIALS` (every gradient the backward computes: argument, output) and `_REFUSED`
@@ -424,36 +369,6 @@ class AttentionEmitter(KernelWriter, ReferenceWriter):
     def dim_size(self, read: Read, d: int) -> str:
         dim = self.k.operand(read.operand).dims[d]
         return str(dim.literal) if dim.literal is not None else self.m.conv.size_var(dim.symbol)
-
-    def both_sides(self) -> list[str]:
-        """Integer inputs read along the query index and, elsewhere, along the key index."""
-        p, out = self.p, []
-        for name in dict.fromkeys(r.operand for r in p.reads):
-            op = self.k.operand(name)
-            reads = [r for r in p.reads if r.operand == name]
-            if (not op.dtype.is_float and any(p.query in r.indices and p.key not in r.indices for r in reads)
-                    and any(p.key in r.indices and p.query not in r.indices for r in reads)):
-                out.append(name)
-        return out
-
-    def key_side_lines(self) -> list[str]:
-        """The key-side arrays: given (`keys`), or the arguments' own."""
-        return [f"{var} = {self.m.conv.param(name).internal} if keys is None else keys[{n}]"
-                for n, (name, var) in enumerate(self.key_side.items())]
-
-    def keyed(self, r: Read) -> str | None:
-        """The key-side array variable a read uses instead of its operand's (None: its own)."""
-        return self.key_side.get(r.operand) if self.p.key in r.indices else None
-
-    def _reads_positions(self, terms) -> bool:
-        return any(t.op == "index" and t.name in (self.p.query, self.p.key) for term in terms for t in term.walk())
-
-    def uses_positions(self) -> bool:
-        """Does a condition or the chain read the query or key position?"""
-        return self._reads_positions([term for _, term in self.p.chain] + list(self.p.conditions))
-
-    def chain_uses_positions(self) -> bool:
-        return self._reads_positions(term for _, term in self.p.chain)
 
     def precision(self, *dtypes) -> str:
         """A product's precision, from the dtypes its operands enter it with: the MXU rounds
