@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from aot import across_targets
 from attention_oracle import brute_kinds, run
-from conftest import SPECS, build, spec_text
+from conftest import SPECS, build, in_both_modes, spec_text
 
 from sparsegen.schedule.attention import row_plan
 
@@ -254,7 +254,9 @@ def random_condition(rng) -> str:
     return text
 
 
-@pytest.mark.parametrize("seed", range(24) if SWEEP else (0, 1, 2, 6, 9))  # 1: a mask, 6: a modulo
+# Seeds 1: a mask, 6: a modulo. The simulator runs the kernel for the first three (its
+# classification check is the CPU interpreter's, which every seed has).
+@pytest.mark.parametrize(*in_both_modes(range(24) if SWEEP else (0, 1, 2, 6, 9), lambda seed: seed < 3, "seed"), indirect=["interpret"])
 def test_random_conditions(seed, interpret):
     rng = np.random.default_rng(100 + seed)
     cond = random_condition(rng)
@@ -312,7 +314,10 @@ def assert_gradients_match(got, want, bf16: bool):
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale)
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+# Every example in the CPU interpreter; in the simulator grouped heads with a window and
+# soft-capping (bf16), and a mask whose first row block sees nothing (f32): the backward's
+# walks are those of every example (every example under SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes(EXAMPLES, ["local_gqa_attention", "masked_attention"], "name"), indirect=["interpret"])
 def test_example_gradients(name, interpret):
     """grad through the kernel (dq over rows, dk and dv over key blocks) equals JAX's
     gradient of `reference`, ragged lengths and grouped heads included."""

@@ -20,8 +20,14 @@ from sparsegen.source import SourceFile, SpecError
 SPECS = Path(__file__).parents[1] / "specs"
 
 
+_compiled: dict[str, object] = {}
+
+
 def _load(spec: str, tmp_path):
-    (m,) = compile_file(SPECS / spec)
+    """A fresh module (tests may change its constants) of a spec compiled once per session."""
+    if spec not in _compiled:
+        (_compiled[spec],) = compile_file(SPECS / spec)
+    m = _compiled[spec]
     path = tmp_path / f"{m.kernel}.py"
     path.write_text(m.code)
     loader = importlib.util.spec_from_file_location(m.kernel, path)
@@ -155,8 +161,8 @@ def test_gradients_through_the_table_are_refused_saying_so(tmp_path):
         jax.eval_shape(jax.grad(loss), kc)  # raised while tracing: nothing runs
 
 
-def test_the_plan_says_how_pages_are_copied():
-    (m,) = compile_file(SPECS / "paged_decode.spk")
+def test_the_plan_says_how_pages_are_copied(tmp_path):
+    _, m = _load("paged_decode.spk", tmp_path)
     assert "a block gathers its 512 / T pages, one copy per page and operand" in m.code
     assert "pages outside the bounds are never copied" in m.code
 
