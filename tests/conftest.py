@@ -111,6 +111,11 @@ def in_both_modes(cases, simulated, names: str | None = None):
     return f"{names},interpret", [pytest.param(*p, id=i) for p, i in zip(params, ids)]
 
 
+# For a test whose point does not depend on the mode (names, symbolic zeros, which gradient
+# is asked for): the CPU interpreter, and the simulator too under SPARSEGEN_SWEEP=1.
+cpu_unless_sweep = pytest.mark.parametrize("interpret", ["cpu", "sim"] if SWEEP else ["cpu"], indirect=True)
+
+
 @pytest.fixture(params=["cpu", "sim"])
 def interpret(request):
     """The CPU interpreter and the TPU simulator (NaN-filled memory, revisit and bounds checks)."""

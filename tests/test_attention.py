@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from aot import across_targets
 from attention_oracle import brute_kinds, run
-from conftest import SPECS, build, in_both_modes, spec_text
+from conftest import SPECS, build, cpu_unless_sweep, in_both_modes, spec_text
 
 from sparsegen.schedule.attention import row_plan
 
@@ -455,6 +455,7 @@ def with_max_setup():
     return kernel, mod, args, w
 
 
+@cpu_unless_sweep
 def test_a_max_output_blocks_no_other_gradient(interpret):
     """A loss on o alone (m's cotangent a symbolic zero), or with m behind stop_gradient:
     every input's gradient equals JAX's gradient of `reference`; a loss on m differentiates

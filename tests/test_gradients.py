@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax import lax
 from aot import across_targets, compile_for
-from conftest import SPECS, SWEEP, assert_matches, build, in_both_modes, spec_text  # noqa: F401
+from conftest import SPECS, SWEEP, assert_matches, build, cpu_unless_sweep, in_both_modes, spec_text  # noqa: F401
 from test_einsum import SPECS as FEATURES
 
 from sparsegen.callconv import convention
@@ -238,6 +238,7 @@ def scaled_setup():
     return kernel, mod, (x, y, sc), weights
 
 
+@cpu_unless_sweep
 def test_an_underivable_gradient_blocks_no_other(interpret):
     """jax.grad of x and y through the scaled product equals JAX's gradient of `reference`:
     sc, not differentiated or behind stop_gradient, is never asked for its gradient."""
@@ -262,6 +263,7 @@ def test_an_underivable_gradient_raises_where_it_is_asked_for():
     assert jax.jit(jax.grad(loss, argnums=1))(*args).shape == args[1].shape  # and under jit, without sc
 
 
+@cpu_unless_sweep
 def test_an_unused_output_needs_no_gradient_through_it(interpret):
     """Two outputs: z's gradient through t is not derived; a loss on o alone (t's cotangent
     a symbolic zero) differentiates x, y and z (z's is zero), a loss on t differentiates x
