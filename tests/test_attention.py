@@ -378,8 +378,8 @@ def test_variant_forward_and_gradients(which, interpret):
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v4": "v4:2x2x1"}
 
 
-# tests/test_verify.py compiles every example's forward and backward for each target:
-# here by default local_gqa_attention (grouped heads, a window, soft-capping) on v5e, every
+# tests/test_verify.py compiles every example's forward and backward (causal_attention for
+# each target, the others for one each): here by default local_gqa_attention (grouped heads, a window, soft-capping) on v5e, every
 # example on one target, the three in turn, under SPARSEGEN_SWEEP=1 (on all three).
 BACKWARD_COMPILES = across_targets(EXAMPLES, sorted(TOPOLOGIES)) if SWEEP else [("local_gqa_attention", "v5e")]
 

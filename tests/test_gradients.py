@@ -171,7 +171,7 @@ def test_backward_of_a_causal_masked_matmul_does_the_forward_block_products():
 
 # Each example and each v1 feature on one target, the three in turn, and the features v4
 # refuses at build on v4 (every pair under SPARSEGEN_SWEEP=1): tests/test_verify.py compiles
-# every example's backward for all three, and a compile takes seconds.
+# every example's backward (one of each walk for all three), and a compile takes seconds.
 TOPOLOGIES = ["v5e:2x2", "v6e:2x2", "v4:2x2x1"]
 V4_REFUSED = ["coo_outside_sum", "row_sum"]
 BACKWARD_AOT = across_targets(sorted(EXAMPLES), TOPOLOGIES) + sorted(
