@@ -14,8 +14,9 @@ SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
 def across_targets(names, targets):
     """(name, target) pairs for an ahead-of-time compile test of examples: every pair under
     SPARSEGEN_SWEEP=1; by default each name on one target, the targets in turn (each still
-    gets some). tests/test_verify.py compiles every example, forward and backward, for every
-    target in `make test`; a compile takes seconds, so the other tests need not repeat it."""
+    gets some). tests/test_verify.py compiles every example, forward and backward, in `make
+    test`, one example of each walk for every target; a compile takes seconds, so the other
+    tests need not repeat it."""
     names, targets = list(names), list(targets)
     if SWEEP:
         return [(n, t) for n in names for t in targets]

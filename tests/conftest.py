@@ -87,6 +87,35 @@ def assert_matches(kernel, out, ref, env=None):
         np.testing.assert_allclose(o, r, rtol=rtol, atol=atol * scale, err_msg=f"output {op.name}")
 
 
+SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
+
+
+def in_both_modes(cases, simulated, names: str | None = None):
+    """Parameters for a test taking `interpret` beside its own: every case in the CPU
+    interpreter, and in the simulator the representative ones (`simulated`: a list of cases,
+    or a predicate on a case), every case under SPARSEGEN_SWEEP=1. The simulator traces and
+    runs each kernel op by op (seconds to minutes a case), and what it adds to the CPU
+    interpreter (NaN-filled memory, revisit and bounds checks) depends on a walk's kind, not
+    on which example of that kind runs it. Use as
+    `@pytest.mark.parametrize(*in_both_modes(CASES, [...], "name"), indirect=["interpret"])`;
+    a case that is a tuple fills several names ("name,pattern")."""
+    keep = simulated if callable(simulated) else (lambda case, chosen=list(simulated): case in chosen)
+    params, ids = [], []
+    for mode in ("cpu", "sim"):
+        for case in cases:
+            if mode == "cpu" or SWEEP or keep(case):
+                values = case if isinstance(case, tuple) else (case,)
+                params.append((*values, mode))
+                ids.append("-".join([mode, *map(str, values)]))
+    names = names or "case"
+    return f"{names},interpret", [pytest.param(*p, id=i) for p, i in zip(params, ids)]
+
+
+# For a test whose point does not depend on the mode (names, symbolic zeros, which gradient
+# is asked for): the CPU interpreter, and the simulator too under SPARSEGEN_SWEEP=1.
+cpu_unless_sweep = pytest.mark.parametrize("interpret", ["cpu", "sim"] if SWEEP else ["cpu"], indirect=True)
+
+
 @pytest.fixture(params=["cpu", "sim"])
 def interpret(request):
     """The CPU interpreter and the TPU simulator (NaN-filled memory, revisit and bounds checks)."""

@@ -65,8 +65,8 @@ def test_every_spec_kernel_is_listed():
     )
 
 
-# tests/test_verify.py compiles every example for v5e, v6e and v4, forward and backward,
-# emitted now as here (and compile_for, like verify, compiles for the arguments' shapes and
+# tests/test_verify.py compiles every example, forward and backward (one of each walk for
+# v5e, v6e and v4, the others for one target each), emitted now as here (and compile_for, like verify, compiles for the arguments' shapes and
 # dtypes only): by default one kernel of each kind here (a coo input, a coo output, a
 # mask, a condition on the terms, an offset read, attention, a paged walk), the targets in
 # turn; every kernel on every target under SPARSEGEN_SWEEP=1.

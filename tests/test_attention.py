@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from aot import across_targets
 from attention_oracle import brute_kinds, run
-from conftest import SPECS, build, spec_text
+from conftest import SPECS, build, cpu_unless_sweep, in_both_modes, spec_text
 
 from sparsegen.schedule.attention import row_plan
 
@@ -254,7 +254,9 @@ def random_condition(rng) -> str:
     return text
 
 
-@pytest.mark.parametrize("seed", range(24) if SWEEP else (0, 1, 2, 6, 9))  # 1: a mask, 6: a modulo
+# Seeds 1: a mask, 6: a modulo. The simulator runs the kernel for the first three (its
+# classification check is the CPU interpreter's, which every seed has).
+@pytest.mark.parametrize(*in_both_modes(range(24) if SWEEP else (0, 1, 2, 6, 9), lambda seed: seed < 3, "seed"), indirect=["interpret"])
 def test_random_conditions(seed, interpret):
     rng = np.random.default_rng(100 + seed)
     cond = random_condition(rng)
@@ -312,7 +314,10 @@ def assert_gradients_match(got, want, bf16: bool):
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale)
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+# Every example in the CPU interpreter; in the simulator grouped heads with a window and
+# soft-capping (bf16), and a mask whose first row block sees nothing (f32): the backward's
+# walks are those of every example (every example under SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes(EXAMPLES, ["local_gqa_attention", "masked_attention"], "name"), indirect=["interpret"])
 def test_example_gradients(name, interpret):
     """grad through the kernel (dq over rows, dk and dv over key blocks) equals JAX's
     gradient of `reference`, ragged lengths and grouped heads included."""
@@ -373,8 +378,8 @@ def test_variant_forward_and_gradients(which, interpret):
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v4": "v4:2x2x1"}
 
 
-# tests/test_verify.py compiles every example's forward and backward for each target:
-# here by default local_gqa_attention (grouped heads, a window, soft-capping) on v5e, every
+# tests/test_verify.py compiles every example's forward and backward (causal_attention for
+# each target, the others for one each): here by default local_gqa_attention (grouped heads, a window, soft-capping) on v5e, every
 # example on one target, the three in turn, under SPARSEGEN_SWEEP=1 (on all three).
 BACKWARD_COMPILES = across_targets(EXAMPLES, sorted(TOPOLOGIES)) if SWEEP else [("local_gqa_attention", "v5e")]
 
@@ -450,6 +455,7 @@ def with_max_setup():
     return kernel, mod, args, w
 
 
+@cpu_unless_sweep
 def test_a_max_output_blocks_no_other_gradient(interpret):
     """A loss on o alone (m's cotangent a symbolic zero), or with m behind stop_gradient:
     every input's gradient equals JAX's gradient of `reference`; a loss on m differentiates

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, SPECS
 
 EXAMPLES = sorted(str(p.relative_to(ROOT)) for p in SPECS.glob("*.spk"))
@@ -22,11 +23,23 @@ def sparsegen(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "sparsegen", *map(str, args)], cwd=cwd, capture_output=True, text=True)
 
 
-def test_generated_is_current():
-    """generated/ matches specs/ (what `sparsegen check` tells CI and pre-commit hooks)."""
-    result = sparsegen("check", *EXAMPLES, "-o", "generated")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"{len(list((ROOT / 'generated').glob('*.py')))} modules up to date" in result.stdout
+def test_generated_is_current_and_build_check_and_plan_never_import_jax(tmp_path):
+    """generated/ matches specs/ (what `sparsegen check` tells CI and pre-commit hooks); and
+    check (which compiles every example as build does), build and plan never import jax. One
+    process: a check of every example compiles them all (about 10 s of CPU)."""
+    code = (
+        "import sys\n"
+        "from sparsegen.cli import main\n"
+        f"assert main(['check', *{EXAMPLES!r}, '-o', 'generated']) == 0\n"
+        f"assert main(['build', *{FEW!r}, '-o', {str(tmp_path)!r}, '-q']) == 0\n"
+        "assert main(['plan', 'specs/dsd_matmul.spk']) == 0\n"
+        "assert 'jax' not in sys.modules, 'jax was imported'\n"
+        "print('no jax')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0 and "no jax" in result.stdout, result.stdout + result.stderr
+    assert f"{len(list((ROOT / 'generated').glob('*.py')))} modules up to date in generated\n" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == FEW_MODULES
 
 
 # One spec per walk family (einsum, attention-like, condition, two kernels in one file):
@@ -83,8 +96,7 @@ def test_check_does_not_depend_on_how_the_spec_is_spelled(tmp_path):
     shutil.copytree(SPECS, tmp_path / "specs")
     (tmp_path / "tests").mkdir()
     (tmp_path / "generated").mkdir()
-    for name in FEW_MODULES:
-        shutil.copy(ROOT / "generated" / name, tmp_path / "generated" / name)
+    _few_modules(tmp_path / "generated")
     for specs, cwd, out in [
         ([tmp_path / e for e in FEW], tmp_path, "generated"),
         ([f"../{e}" for e in FEW], tmp_path / "tests", "../generated"),
@@ -99,8 +111,23 @@ def test_diagnostics_name_the_spec_as_typed():
     assert result.returncode == 1 and result.stderr.startswith("./tests/bad/tile_zero.spk:"), result.stderr
 
 
-def test_check_reports_stale_and_missing(tmp_path):
-    sparsegen("build", *FEW, "-o", tmp_path)
+def _few_modules(folder, source=ROOT / "generated"):
+    """FEW's modules copied into a folder: from generated/ (which the first test proves
+    current) for a copy of the project, or from a build of FEW outside any project."""
+    for name in FEW_MODULES:
+        shutil.copy(source / name, folder / name)
+
+
+@pytest.fixture(scope="module")
+def few_built(tmp_path_factory):
+    """FEW built once outside any project (headers name the spec file alone)."""
+    out = tmp_path_factory.mktemp("few")
+    assert sparsegen("build", *FEW, "-o", out).returncode == 0
+    return out
+
+
+def test_check_reports_stale_and_missing(tmp_path, few_built):
+    _few_modules(tmp_path, few_built)
     (tmp_path / "dsd_matmul.py").write_text("# edited\n")
     (tmp_path / "sdd_matmul.py").unlink()
     result = sparsegen("check", *FEW, "-o", tmp_path)
@@ -132,8 +159,8 @@ def test_check_compares_with_the_target_a_module_records(tmp_path):
                                               f" && sparsegen build specs/sdd_matmul.spk -o {tmp_path}")
 
 
-def test_check_reports_orphans_and_leaves_other_files_alone(tmp_path):
-    sparsegen("build", *FEW, "-o", tmp_path)
+def test_check_reports_orphans_and_leaves_other_files_alone(tmp_path, few_built):
+    _few_modules(tmp_path, few_built)
     (tmp_path / "old_kernel.py").write_text((tmp_path / "dsd_matmul.py").read_text())  # a spec since removed
     others = {
         "__init__.py": "",
@@ -231,20 +258,6 @@ def test_plan_describes_grid_blocks_and_memory():
     assert "VMEM estimate: 10.1 MiB of 128 MiB on v5e" in out
     result = sparsegen("plan", "specs/dsd_matmul.spk", "--kernel", "nope")
     assert result.returncode == 1
-
-
-def test_build_check_and_plan_never_import_jax(tmp_path):
-    code = (
-        "import sys, runpy\n"
-        "from sparsegen.cli import main\n"
-        f"main(['build', *{EXAMPLES!r}, '-o', {str(tmp_path)!r}, '-q'])\n"
-        f"main(['check', *{FEW!r}, '-o', {str(tmp_path)!r}])\n"  # check compiles as build does
-        "main(['plan', 'specs/dsd_matmul.spk'])\n"
-        "assert 'jax' not in sys.modules, 'jax was imported'\n"
-        "print('no jax')\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0 and "no jax" in result.stdout, result.stderr
 
 
 def test_generated_modules_import_only_jax_numpy_and_stdlib():

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from aot import across_targets, compile_for
-from conftest import SPECS, assert_matches, build, spec_text, with_tiles
+from conftest import SPECS, assert_matches, build, in_both_modes, spec_text, with_tiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,7 +79,8 @@ def test_grouped_classification_against_brute_force_and_the_bound():
 # ------------------------------------------------------------------ tril
 
 
-@pytest.mark.parametrize("m,n", [(256, 128), (300, 200)])
+# The simulator at ragged sizes (both under SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes([(256, 128), (300, 200)], [(300, 200)], "m,n"), indirect=["interpret"])
 def test_tril_matches_the_oracle(interpret, m, n):
     kernel, mod = build(TRIL)
     rng = np.random.default_rng(m)
@@ -136,8 +137,11 @@ GROUPS = {
 }
 
 
-@pytest.mark.parametrize("sizes", list(GROUPS.values()), ids=list(GROUPS))
-def test_grouped_matches_ragged_dot(interpret, sizes):
+# The simulator where groups are empty and where a block straddles three (every case under
+# SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes(list(GROUPS), ["empty groups", "a block straddling three groups"], "group"), indirect=["interpret"])
+def test_grouped_matches_ragged_dot(interpret, group):
+    sizes = GROUPS[group]
     kernel, mod = build(GROUPED)
     rng = np.random.default_rng(len(sizes))
     m, e = sum(sizes), len(sizes)
@@ -243,7 +247,9 @@ NEGATED = {  # condition: its truth over (m, k), numpy (n = N = 128)
 }
 
 
-@pytest.mark.parametrize("cond", sorted(NEGATED))
+# What is checked is the classification (the same in both modes): the simulator for one
+# condition (every one under SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes(sorted(NEGATED), ["not (k % N < 5 and m >= 3)"], "cond"), indirect=["interpret"])
 def test_a_negated_condition_is_never_full_where_terms_are_absent(interpret, cond):
     """A negation of what the classifier cannot bound (`m % N`) must stay "maybe", and of
     a comparison decided without an index (`m < m + 3`, `N < 300`) must stay decided. The

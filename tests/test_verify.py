@@ -26,9 +26,15 @@ from sparsegen.source import SourceFile
 EXAMPLES = sorted(str(p) for p in SPECS.glob("*.spk"))
 
 
-# The paged serving variants share paged_decode's kernel shape: one target each, in turn
-# (all three under SPARSEGEN_SWEEP=1); every other example on all three.
-VARIANTS = [e for e in EXAMPLES if Path(e).stem.startswith("paged_") and Path(e).stem != "paged_decode"]
+# One example of each walk on all three targets: a coo input, a coo output, a mask, a
+# condition on the terms (affine, and on group ids), an offset read, two kernels of one file (the masked backward's),
+# the row walk (attention), the paged walk. The others share one of those kernel shapes (the
+# paged serving variants paged_decode's, the other attention examples causal_attention's,
+# dds_matmul and batched_dsd dsd_matmul's ...): one target each, in turn (all three under
+# SPARSEGEN_SWEEP=1). Every example is compiled, forward and backward, on some target.
+ON_EVERY_TARGET = ["dsd_matmul", "sdd_matmul", "masked_matmul", "tril_matmul", "grouped_matmul", "block_slice", "masked_backward", "causal_attention",
+                   "paged_decode"]
+VARIANTS = [e for e in EXAMPLES if Path(e).stem not in ON_EVERY_TARGET]
 PAIRS = [(e, t) for e in EXAMPLES for t in ("v5e", "v6e", "v4")
          if e not in VARIANTS or SWEEP or t == ("v5e", "v6e", "v4")[VARIANTS.index(e) % 3]]
 
