@@ -170,7 +170,7 @@ GPU_REFUSES = {
     "row_sum": "two groups of factors",
     "coo_outside_sum": "two groups of factors",
     "coo_join": "one sparse operand per statement",
-    "sampled_product": "dense or mask factor with the output's indices",
+    "sampled_product": "a dense or mask factor after the sum, tile by tile of a dense output",
 }
 
 

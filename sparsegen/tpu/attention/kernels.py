@@ -437,7 +437,7 @@ class KernelWriter:
                 coords = tuple(self.w.coord(i) for i in st.target.indices)  # the rows and a value's own index (whole)
                 ins.append(Arr(ref, block, coords, self.fn(f"_d{c.output}_map", key=("cotangent", c.output)), self.cot(c.output), f"the cotangent of {c.output}",
                                itemsize=k.operand(c.output).dtype.itemsize))
-                extra[c.output] = ref
+                extra["cotangent", c.output] = ref  # apart from the row statistics: an output may be named row_lse
         about = {"row_lse": "the forward's logsumexp per row", "delta": "per row: sum(do * o) minus the logsumexp's cotangent",
                  "dsum": "per row: the cotangent of the sum"}
         for key, host in (self.col_hosts if transposed else self.row_hosts).items():
@@ -497,7 +497,7 @@ class KernelWriter:
                 lines += self.load_block(n, vo, at, tables, masked, (p.key, p.query), lhs=transposed)
                 ve = self.live(vo.read).index(self.e_of(c))
                 do = dos[c.output] = n.local(f"d{c.output}")
-                lines.append(f"    {do} = {extra[c.output]}[...]")
+                lines.append(f"    {do} = {extra['cotangent', c.output]}[...]")
                 if self.ragged(p.query):
                     ti = self.tile[p.query]
                     inside = n.local("inside")
