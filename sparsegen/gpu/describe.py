@@ -44,21 +44,21 @@ def describe_pass(p: GpuPass, target) -> list[str]:
         return describe_elementwise(p, target)
     t = p.tiles
     mat = lambda x: (f"{x.operand}" + (" (stored blocks)" if x.stored else "") + (" read MN-major" if x.transposed else "")  # noqa: E731
-                     + (" (copied transposed by the wrapper: tf32 reads K-major tiles)" if x.copied else ""))
+                     + (f" (copied transposed by the wrapper: {'tf32' if p.in_dtype.is_float else 's8'} reads K-major tiles)" if x.copied else ""))
     lines = [
         f"statement: {p.statement.text}",
         f"  walk: {p.walk} — each output block takes {_walk(p)}",
         f"  grid: persistent, ({persistent_ctas(p, target)}, {t.bm // t.tm}, {t.bn // t.tn}) CTAs at most ({target.sms} SMs), "
         f"each a {t.tm}x{t.tn} tile of a {t.bm}x{t.bn} block; steps of {t.tk} along {p.a.col} ({t.ksub} per block)",
         f"  work list: the steps of the {render(p.cells, 'text')} output blocks, laid end to end, dealt in equal runs to the CTAs; "
-        "a block shared by several CTAs stores each piece's f32 partial sum, added in a fixed order by the wrapper",
+        f"a block shared by several CTAs stores each piece's {p.acc_dtype.name} partial sum, added in a fixed order by the wrapper",
         f"  per step: TMA copies of a {t.tm}x{t.tk} tile of {mat(p.a)} and a {t.tk}x{t.tn} tile of {mat(p.b)} into shared memory "
-        f"({t.stages} in flight), one WGMMA into an f32 accumulator in registers",
+        f"({t.stages} in flight), one WGMMA into an {p.acc_dtype.name} accumulator in registers",
         "  flush: the accumulator" + (f" times {p.scale}" if p.scale is not None else "")
         + (f" times the {p.end.operand} tile" + (" where its block is partial" if p.end_mask else "") if p.end else "")
         + f", as {p.out_dtype.name}, through shared memory to {p.output} (TMA)",
         f"  shared memory: {p.smem} bytes per CTA (limit {target.smem_bytes} on {target.name})",
-        f"  work: at most {render(p.block_products, 'text')} block products of {p.flops_per_product} FLOPs ({p.in_dtype.name} in, {"f32" if p.in_dtype.is_float else "i32"} accumulated)",
+        f"  work: at most {render(p.block_products, 'text')} block products of {p.flops_per_product} FLOPs ({p.in_dtype.name} in, {p.acc_dtype.name} accumulated)",
     ]
     if p.tables:
         lines.append("  tables (int32, in GMEM, computed by the wrapper):")

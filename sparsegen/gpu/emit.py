@@ -194,7 +194,7 @@ class _Emitter:
             "b_ref": b_ref,
             "stages": t.stages,
             "tile": f"({t.tm}, {t.tn})",
-            "acc": "jnp.float32" if p.in_dtype.is_float else "jnp.int32",  # WGMMA's accumulator: s8 products in s32
+            "acc": p.acc_dtype.jnp,  # WGMMA's accumulator: f32, or s32 for s8 products
             "scale": _number(p.scale) if p.scale is not None else None,
             "out_index": ", ".join(p.out_index),
             "scoped": ", ".join(scoped),

@@ -80,6 +80,7 @@ class ProductPass:
     end_mask: bool
     tiles: Tiles
     in_dtype: DType
+    acc_dtype: DType  # WGMMA's accumulator (the kernel's `accumulate`): f32, or i32 for i8 factors
     out_dtype: DType
     scale: float | int | None
     cell_coords: tuple[tuple[str, Expr], ...]  # the output's block coordinates, per cell, in grid order

@@ -498,7 +498,7 @@ class ProductLowering:
                       f"{py_tuple(render(self.ctx.size(i), 'host') for i in order)}, {py_tuple(map(str, inv))})"]
         return ProductPass(
             statement=st, output=out_op.name, walk=walk, sparse=sparse, a=self.a, b=self.b, end=self.end,
-            end_mask=self.end_mask, tiles=t, in_dtype=da, out_dtype=out_op.dtype, scale=st.scale,
+            end_mask=self.end_mask, tiles=t, in_dtype=da, acc_dtype=k.accumulate, out_dtype=out_op.dtype, scale=st.scale,
             cell_coords=tuple((i, self.cell_extent(i)) for i in (*self.coords, m, n)), cells=ncells, host=self.host,
             guard=self.guard, tables=self.tables, kernel_lets=self.kernel_lets, a_index=a_index, b_index=b_index,
             out_index=out_index, end_index=end_index, step_lets=self.step_lets, steps=self.count, kind_table=kind_table, finish=finish,
