@@ -29,7 +29,7 @@ from ...wrapper import Glue, Wrapper, vjp_tables
 from ...tpu.attention.reference import ReferenceWriter  # backend-neutral: jax.numpy over whole arrays
 from .backward_kernels import BackwardWriter
 from .describe import describe_gpu_attention
-from .lower import STAGES, GpuAttentionModule, GpuOperand, _free_index
+from .lower import MEMORY_REGISTERS, STAGES, GpuAttentionModule, GpuOperand, _free_index, out_through_q
 
 F32 = "jnp.float32"
 
@@ -97,12 +97,17 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
 
     # -------------------------------------------------------------- kernel
     def kernel_lines(self) -> tuple[list[str], list[str], list[str]]:
-        """The kernel's parameters, its lines, and the arrays passed (in order)."""
+        """The kernel's parameters, its lines, and the arrays passed (in order).
+
+        Warp-specialized (FlashAttention-3's shape, docs/gpu-notes.md): a CTA owns
+        `warpgroups` x 64 rows of one row block; each consumer warpgroup computes its 64 rows
+        (the query tile, the online softmax, its outputs) while the last warpgroup only issues
+        the TMA copies of the key-side tiles (`plgpu.emit_pipeline_warp_specialized`)."""
         m, p, k = self.m, self.p, self.k
         n = self.n.scope()
-        tq, tk = m.tq, m.tk
+        tq, tk, wgs = m.tq, m.tk, m.warpgroups
         ti, tj = self.tile[p.query], self.tile[p.key]
-        rsub, ksub = ti // tq, tj // tk
+        rsub, ksub = ti // (tq * wgs), tj // tk
         tables = [n.local("cols"), n.local("kinds"), n.local("counts")]
         ops = m.operands
         out_refs = {c.output: n.local(f"{c.output}_gmem") for c in p.consumers}
@@ -114,10 +119,15 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         lines = []
         if self.size_vars:
             lines.append(f"{', '.join(self.size_vars)}{',' if len(self.size_vars) == 1 else ''} = sizes")
-        cell, row_tile = n.local("cell"), n.local("row_tile")
+        cell, row_tile, wg, rows_at = n.local("cell"), n.local("row_tile"), n.local("wg"), n.local("rows_at")
         n_tiles = f"{self.blocks(p.query)} * {rsub}" if rsub != 1 else self.blocks(p.query)
         lines.append(f'{cell} = lax.axis_index("cell")')
-        lines.append(f"{row_tile} = {cell} % ({n_tiles})  # the CTA's {tq} rows")
+        lines.append(f"{row_tile} = {cell} % ({n_tiles})  # the CTA's {tq * wgs} rows")
+        lines.append("# The warpgroup: " + (f"0 to {wgs - 1} consumers ({tq} rows each), {wgs}" if wgs > 1 else f"0 the consumer ({tq} rows), 1")
+                     + " the producer (TMA copies)")
+        lines.append(f'{wg} = lax.axis_index("wg")')
+        lines.append(f"{rows_at} = {row_tile} * {wgs} + {wg}  # a consumer's rows, in tiles of {tq}" if wgs > 1 else
+                     f"{rows_at} = {row_tile}  # the consumer's rows, in tiles of {tq}")
         self.lv = {i: n.local(i) for i in p.lead}
         stride = f"{n_tiles}"
         for d in reversed(range(len(p.lead))):
@@ -161,9 +171,10 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             return ", ".join(parts)
 
         def block(o: GpuOperand) -> str:
-            return py_tuple("None" if i in p.lead else str(tk if i == p.key else tq if i == p.query else self.tile[i]) for i in self.dims(o))
+            return py_tuple("None" if i in p.lead else str(tk if i == p.key else tq * wgs if i == p.query else self.tile[i]) for i in self.dims(o))
 
-        # The walk's scope: the query tile, the per-row operands, the probabilities' tiles.
+        # The walk's scope, shared by the CTA's warpgroups: per consumer its query tile, its
+        # per-row operands, its probabilities' tile and its outputs' tiles (indexed by `wg`).
         qo = m.operand("q")
         row_ops = [o for o in ops if o.layout == "rows"]
         pipe = [o for o in ops if o.role in ("k", "value") or (o.role == "extra" and o.layout in ("tile", "cols"))]
@@ -171,37 +182,44 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         value_dtypes = list(dict.fromkeys(k.operand(c.value.operand).dtype.jnp for c in products))
         probs_smem = {d: n.local("probs_smem") for d in value_dtypes}
         barrier = n.local("barrier")
-        scoped = [f"{qo.smem}=plgpu.SMEM({py_tuple(str(tq if i == p.query else self.tile[i]) for i in self.dims(qo) if i not in p.lead)}, "
-                  f"{k.operand(qo.read.operand).dtype.jnp})"]
-        scoped += [f"{o.smem}=plgpu.SMEM(({tq},), {k.operand(o.read.operand).dtype.jnp})" for o in row_ops]
-        scoped += [f"{probs_smem[d]}=plgpu.SMEM(({tq}, {tk}), {d})" for d in value_dtypes]
+        q_tile = py_tuple([str(wgs)] + [str(tq if i == p.query else self.tile[i]) for i in self.dims(qo) if i not in p.lead])
+        scoped = [f"{qo.smem}=plgpu.SMEM({q_tile}, {k.operand(qo.read.operand).dtype.jnp})"]
+        scoped += [f"{o.smem}=plgpu.SMEM(({wgs}, {tq}), {k.operand(o.read.operand).dtype.jnp})" for o in row_ops]
+        scoped += [f"{probs_smem[d]}=plgpu.SMEM(({wgs}, {tq}, {tk}), {d})" for d in value_dtypes]
+        through_q = out_through_q(k, p, ops)
+        out_smem = {}
+        for c in p.consumers:
+            out = k.operand(c.output)
+            if c.output == through_q:
+                out_smem[c.output] = qo.smem
+                continue
+            out_smem[c.output] = n.local(f"{c.output}_smem")
+            shp = f"({wgs}, {tq}, {self.tile[self.e_of(c)]})" if c.kind == "softmax_product" else f"({wgs}, {tq})"
+            scoped.append(f"{out_smem[c.output]}=plgpu.SMEM({shp}, {out.dtype.jnp})")
+        lse_smem = n.local("row_lse_smem") if lse_ref else None
+        if lse_smem:
+            scoped.append(f"{lse_smem}=plgpu.SMEM(({wgs}, {tq}), {F32})")
         arrivals = 1 + len(row_ops)
-        scoped.append(f"{barrier}=plgpu.Barrier(" + (f"num_arrivals={arrivals})" if arrivals > 1 else ")"))
-        walk = n.local("_over_keys")
+        scoped.append(f"{barrier}=plgpu.Barrier(" + (f"num_arrivals={arrivals}, " if arrivals > 1 else "") + f"num_barriers={wgs})")
+        walk = n.local("_shared")
         scope_names = [s.split("=")[0] for s in scoped]
-        body = [f"plgpu.copy_gmem_to_smem({o.ref}.at[{at(o, row_tile)}], {o.smem}, {barrier})" for o in [qo] + row_ops]
-        body.append(f"plgpu.barrier_wait({barrier})")
-        rows_val = {}
-        for o in row_ops:
-            var = n.local(f"{o.read.operand}_rows")
-            body.append(f"{var} = {o.smem}[...]  # per row: along the scores' rows")
-            rows_val[read_key(o.read)] = var
         key_block, key_tile = n.local("key_block"), n.local("key_tile")
         t = n.local("t")
-        body += ["", f"def {key_block}({t}):", f"    # The key block of step {t} (the row block's non-empty ones, in order)",
-                 f"    return {tables[0]}[{slot} * {n_cols} + {t}" + (f" // {ksub}]" if ksub != 1 else "]"),
-                 "", f"def {key_tile}({t}):", f"    # The {tk} keys step {t} reads",
-                 f"    return {key_block}({t}) * {ksub} + {t} % {ksub}" if ksub != 1 else f"    return {key_block}({t})"]
+        lines += ["", f"def {key_block}({t}):", f"    # The key block of step {t} (the row block's non-empty ones, in order)",
+                  f"    return {tables[0]}[{slot} * {n_cols} + {t}" + (f" // {ksub}]" if ksub != 1 else "]"),
+                  "", f"def {key_tile}({t}):", f"    # The {tk} keys step {t} reads",
+                  f"    return {key_block}({t}) * {ksub} + {t} % {ksub}" if ksub != 1 else f"    return {key_block}({t})"]
         maps = []
         for o in pipe:
             fn = n.local(f"_{o.read.operand}_tile")
             coords = []
             for i in self.dims(o):
                 coords.append(self.lead_coord(o, i) if i in p.lead else f"{key_tile}({t})" if i == p.key else row_tile if i == p.query else "0")
-            body += ["", f"def {fn}({t}):", f"    return ({', '.join(coords)},)"]
+            lines += ["", f"def {fn}({t}):", f"    return ({', '.join(coords)},)"]
             maps.append(f"plgpu.BlockSpec({block(o)}, {fn})")
+        body = []
 
-        # The step.
+        # The step, run by each consumer on its rows (the producer only copies).
         sn = n.scope()
         idx, carry = sn.local("idx"), sn.local("carry")
         step_fn = n.local("_key_step")
@@ -215,7 +233,8 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             step.append(f"{kind} = {tables[1]}[{slot} * {n_cols} + {key_block}({t})]")
         else:
             kind = None
-        qa = qo.smem if [i for i in self.dims(qo) if i not in p.lead] == [p.query, p.summed] else f"{qo.smem}.T"
+        q_mine = f"{qo.smem}.at[{wg}]"
+        qa = q_mine if [i for i in self.dims(qo) if i not in p.lead] == [p.query, p.summed] else f"{q_mine}.T"
         ko = m.operand("k")
         klive = [i for i in self.dims(ko) if i not in p.lead]
         kb = f"{ko.smem}.T" if klive == [p.key, p.summed] else ko.smem
@@ -227,7 +246,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             step.append(f"{s} = {s} * {p.scale!r}")
         shape = f"({tq}, {tk})"
         qpos, kpos = sn.local(f"{p.query}_pos"), sn.local(f"{p.key}_pos")
-        pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {row_tile} * {tq}, jnp.int32)",
+        pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {rows_at} * {tq}, jnp.int32)",
                      f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {key_tile}({t}) * {tk}, jnp.int32)"]
         gpos = self.global_positions(sn, firsts, {p.query: qpos, p.key: kpos}, shape, pos_lines)
         by_read = {read_key(o.read): o for o in ops}
@@ -244,9 +263,10 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                 return values[term.read.operand]
             o = by_read[read_key(term.read)]
             if o.layout == "tile":
-                v = f"{o.smem}[...]"
+                # The CTA's tile spans every consumer's rows: this consumer's part.
+                v = f"{o.smem}.at[pl.ds({wg} * {tq}, {tq})][...]" if wgs > 1 else f"{o.smem}[...]"
             elif o.layout == "rows":
-                v = f"lax.broadcast_in_dim({rows_val[read_key(o.read)]}, {shape}, [0])"
+                v = f"lax.broadcast_in_dim({o.smem}.at[{wg}][...], {shape}, [0])"
             elif o.layout == "cols":
                 v = f"lax.broadcast_in_dim({o.smem}[...], {shape}, [1])"
             else:
@@ -291,13 +311,13 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             vd = k.operand(c.value.operand).dtype.jnp
             e = self.e_of(c)
             if stored_dtype != vd:
-                step += [f"{probs_smem[vd]}[...] = {probs}.astype({vd})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
+                step += [f"{probs_smem[vd]}.at[{wg}][...] = {probs}.astype({vd})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
                 stored_dtype = vd
             vlive = [i for i in self.dims(vo) if i not in p.lead]
             vb = vo.smem if vlive == [p.key, e] else f"{vo.smem}.T"
             pv = sn.local(f"_{c.output}_product")
             a2 = sn.local("acc_ref")
-            step += ["", f"def {pv}({a2}):", f"    plgpu.wgmma({a2}, {probs_smem[vd]}, {vb})", f"    return {a2}[...]", ""]
+            step += ["", f"def {pv}({a2}):", f"    plgpu.wgmma({a2}, {probs_smem[vd]}.at[{wg}], {vb})", f"    return {a2}[...]", ""]
             new_acc = sn.local(f"{c.output}_new")
             step.append(f"{new_acc} = {accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {self.tile[e]}), [0]) + "
                         f"pl.run_scoped({pv}, plgpu.ACC(({tq}, {self.tile[e]}), {F32}))")
@@ -310,25 +330,27 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                 new[sums[c.output]] = new_sum
         step.append(f"return {', '.join(new[x] for x in carried)}")
         pipe_smems = [o.smem for o in pipe]
-        body += ["", f"def {step_fn}({', '.join([idx] + pipe_smems + [carry])}):"] + ["    " + line for line in step]
+        body += [f"def {step_fn}({', '.join([idx] + pipe_smems + [carry])}):"] + ["    " + line for line in step]
+
+        # A consumer: its tiles copied once, the walk (the pipeline's steps), its outputs.
+        cn = n.scope()
+        consumer, over_keys = n.local("_consumer"), cn.local("over_keys")
+        cons = [f"plgpu.copy_gmem_to_smem({o.ref}.at[{at(o, rows_at)}], {o.smem}.at[{wg}], {barrier}.at[{wg}])" for o in [qo] + row_ops]
+        cons.append(f"plgpu.barrier_wait({barrier}.at[{wg}])")
         init = [f"jnp.full({row}, -jnp.inf, {F32})", f"jnp.zeros({row}, {F32})"]
         init += [f"jnp.zeros(({tq}, {self.tile[self.e_of(c)]}), {F32})" for c in products]
         init += [f"jnp.zeros({row}, {F32})" for _ in sums]
-        body += ["", "return plgpu.emit_pipeline(", f"    {step_fn},", f"    grid=({count},),", "    in_specs=[" + ", ".join(maps) + "],",
-                 f"    max_concurrent_steps={STAGES},", f"    init_carry=({', '.join(init)}),", f")({', '.join(o.ref for o in pipe)})"]
-        results = [sn.local("m"), sn.local("l")] + [sn.local(f"{c.output}_acc") for c in products] + [sn.local(f"{c}_sum") for c in sums]
-        lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)})", f"def {walk}({', '.join(scope_names)}):"]
-        lines += ["    " + line for line in body]
-        lines += ["", f"{', '.join(results)} = {walk}"]
+        results = [cn.local("m"), cn.local("l")] + [cn.local(f"{c.output}_acc") for c in products] + [cn.local(f"{c}_sum") for c in sums]
+        cons.append(f"{', '.join(results)} = {over_keys}(({', '.join(init)}))")
         mm, ll = results[0], results[1]
         res_acc = dict(zip([c.output for c in products], results[2:2 + len(products)]))
         res_sum = dict(zip(list(sums), results[2 + len(products):]))
-        safe = n.local("l_safe")
+        safe = cn.local("l_safe")
         empty = f"{ll} == jnp.full({row}, 0.0, {F32})"
-        lines.append(f"{safe} = jnp.where({empty}, jnp.full({row}, 1.0, {F32}), {ll})  # a row with nothing present: outputs 0")
+        cons.append(f"{safe} = jnp.where({empty}, jnp.full({row}, 1.0, {F32}), {ll})  # a row with nothing present: outputs 0")
         finals = {}
         for c in p.consumers:
-            var = n.local(c.output)
+            var = cn.local(c.output)
             if c.kind == "softmax_product":
                 e = self.tile[self.e_of(c)]
                 value = f"{res_acc[c.output]} / lax.broadcast_in_dim({safe}, ({tq}, {e}), [0])"
@@ -340,34 +362,37 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                 value = mm
             else:
                 value = res_sum[c.output]
-            lines.append(f"{var} = {value}")
+            cons.append(f"{var} = {value}")
             finals[c.output] = var
-        store = n.local("_store")
-        out_scoped, out_names = [], []
         copies = []
         for c in p.consumers:
             out = k.operand(c.output)
-            sm = n.local(f"{c.output}_smem")
-            shp = f"({tq}, {self.tile[self.e_of(c)]})" if c.kind == "softmax_product" else row
-            out_scoped.append(f"{sm}=plgpu.SMEM({shp}, {out.dtype.jnp})")
-            out_names.append(sm)
             target = self.k.statement_of(c.output).target
             parts = []
             for i in target.indices:
-                parts.append(self.lv[i] if i in p.lead else f"pl.ds({row_tile} * {tq}, {tq})" if i == p.query else f"pl.ds(0, {self.tile[i]})")
-            copies.append((sm, f"{finals[c.output]}.astype({out.dtype.jnp})", f"{out_refs[c.output]}.at[{', '.join(parts)}]"))
+                parts.append(self.lv[i] if i in p.lead else f"pl.ds({rows_at} * {tq}, {tq})" if i == p.query else f"pl.ds(0, {self.tile[i]})")
+            copies.append((out_smem[c.output], f"{finals[c.output]}.astype({out.dtype.jnp})", f"{out_refs[c.output]}.at[{', '.join(parts)}]"))
         if lse_ref:
-            var, sm = n.local("row_lse"), n.local("row_lse_smem")
-            lines.append(f"{var} = jnp.where({empty}, jnp.full({row}, -jnp.inf, {F32}), {mm} + jnp.log({safe}))  # kept for the gradients")
-            out_scoped.append(f"{sm}=plgpu.SMEM({row}, {F32})")
-            out_names.append(sm)
-            parts = [self.lv[i] for i in p.lead] + [f"pl.ds({row_tile} * {tq}, {tq})"]
-            copies.append((sm, var, f"{lse_ref}.at[{', '.join(parts)}]"))
-        lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(out_scoped)})", f"def {store}({', '.join(out_names)}):"]
-        lines += [f"    {sm}[...] = {value}" for sm, value, _ in copies]
-        lines.append("    plgpu.commit_smem()")
-        lines += [f"    plgpu.copy_smem_to_gmem({sm}, {dst})" for sm, _, dst in copies]
-        lines.append("    plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
+            var = cn.local("row_lse")
+            cons.append(f"{var} = jnp.where({empty}, jnp.full({row}, -jnp.inf, {F32}), {mm} + jnp.log({safe}))  # kept for the gradients")
+            parts = [self.lv[i] for i in p.lead] + [f"pl.ds({rows_at} * {tq}, {tq})"]
+            copies.append((lse_smem, var, f"{lse_ref}.at[{', '.join(parts)}]"))
+        if through_q:
+            cons.append(f"# '{through_q}' through the query tile: the walk has read it for the last time.")
+        cons += [f"{sm}.at[{wg}][...] = {value}" for sm, value, _ in copies]
+        cons.append("plgpu.commit_smem()")
+        cons += [f"plgpu.copy_smem_to_gmem({sm}.at[{wg}], {dst})" for sm, _, dst in copies]
+        cons.append("plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
+        body += ["", f"def {consumer}({over_keys}):",
+                 f"    # A consumer warpgroup's {tq} rows: its query tile, the walk (`{over_keys}` runs the pipeline's steps), its outputs."]
+        body += ["    " + line for line in cons]
+        body += ["", "plgpu.emit_pipeline_warp_specialized(", f"    {step_fn},", f"    grid=({count},),",
+                 "    in_specs=[" + ", ".join(maps) + "],", f"    max_concurrent_steps={STAGES},",
+                 f"    memory_registers={MEMORY_REGISTERS},  # the producer's; the consumers take the rest (setmaxnreg)",
+                 f'    wg_axis="wg",', f"    num_compute_wgs={wgs},", f"    compute_context={consumer},",
+                 f")({', '.join(o.ref for o in pipe)})"]
+        lines += ["", f'@functools.partial(pl.run_scoped, {", ".join(scoped)}, collective_axes="wg")', f"def {walk}({', '.join(scope_names)}):"]
+        lines += ["    " + line for line in body]
         self.n_tiles = n_tiles
         return params, lines, ([self.origins] if origins else []) + [self.host_array(o) for o in ops]
 
@@ -527,6 +552,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             ring_tables=self.ring_tables(glue, mesh.ring, "chunk, interpret", [by_output[o.name] for o in k.outputs],
                                          ("_gpu_interpret(interpret) is not None", "the Mosaic GPU interpreter")),
             positions=self.positions, shard_keywords=self.shard_keywords, kinds_lines=kinds_lines,
+            warpgroups=m.warpgroups,
         )
         return format_module(text, names=(m.name,))
 

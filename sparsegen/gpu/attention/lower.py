@@ -22,7 +22,9 @@ from ..plan import GpuError
 from ..targets import GpuTarget
 from .backward import GpuBackward, plan_backward
 
-TQ = 64  # rows of a CTA: one warpgroup's WGMMA M (a 128-row score tile spills: docs/gpu-notes.md)
+TQ = 64  # rows of a consumer warpgroup: one WGMMA M (a 128-row score tile spills: docs/gpu-notes.md)
+WARPGROUPS = 2  # consumer warpgroups of a CTA where the row block holds their rows (FlashAttention-3)
+MEMORY_REGISTERS = 40  # the producer warpgroup's registers a thread (setmaxnreg); it only issues TMA copies
 STAGES = 2  # pipeline steps in flight (TMA copies of the key-side tiles)
 ALIGN = 1024  # shared-memory tiles start at 1024-byte boundaries (the 128-byte swizzle's period)
 CONSUMERS = ("softmax_product", "logsumexp", "max", "sum")  # what the GPU walk computes from the rows
@@ -51,8 +53,9 @@ class GpuAttentionModule:
     names: ModuleNames
     plan: RowPlan
     operands: tuple[GpuOperand, ...]
-    tq: int  # CTA rows (a row block holds ti // tq of them)
+    tq: int  # a consumer warpgroup's rows (a CTA holds `warpgroups` of them, a row block ti // tq)
     tk: int  # keys a pipeline step (a key block holds tj // tk)
+    warpgroups: int  # consumer warpgroups of a CTA (and one producer): 2 where the row block has 128 rows
     smem: int  # shared memory of one CTA (rules' estimate)
     backward: GpuBackward | None = None  # the dq and dk/dv kernels
     backward_error: str | None = None  # why jax.grad cannot go through the kernel at all
@@ -196,7 +199,8 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
             add(c.value, "value", order(c.value, e, p.key, vd))
     for r in p.reads:
         add(r, "extra", (p.query, p.key) if p.query in r.indices and p.key in r.indices else None)
-    smem = smem_bytes(k, p, ops, TQ, tk)
+    wgs = consumer_warpgroups(ti)
+    smem = smem_bytes(k, p, ops, TQ, tk, wgs)
     if smem > target.smem_bytes:
         _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
                            f"use smaller tiles of {p.summed} or the values' columns")
@@ -206,10 +210,10 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
             error = (f"the backward's {what} kernel needs {bk.smem} bytes of shared memory per CTA on {target.name} (limit "
                      f"{target.smem_bytes}): use smaller tiles of {p.summed} or the values' columns to differentiate '{k.name}'")
     if error is not None:
-        return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, smem, None, error)
+        return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None, error)
     # The forward also writes each row's logsumexp (a residual of the backward).
-    smem = smem_bytes(k, p, ops, TQ, tk, row_lse=True)
-    return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, smem, backward)
+    smem = smem_bytes(k, p, ops, TQ, tk, wgs, row_lse=True)
+    return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, backward)
 
 
 def _free_index(k: Kernel, p: RowPlan, c) -> str:
@@ -220,36 +224,58 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, row_lse: bool = False) -> int:
+def consumer_warpgroups(ti: int) -> int:
+    """A CTA's consumer warpgroups: two (128 rows, FlashAttention-3's shape) where the row
+    block holds them, else one; they share the row block's walk (the same key tiles)."""
+    return WARPGROUPS if ti % (WARPGROUPS * TQ) == 0 else 1
+
+
+def out_through_q(k: Kernel, p: RowPlan, ops) -> str | None:
+    """The output that leaves through the query tile (the walk reads that tile for the last
+    time before the outputs are written): the first softmax product whose tile has the query
+    tile's shape and dtype, or None."""
+    qo = next(o for o in ops if o.role == "q")
+    tile = {i.name: i.tile for i in k.indices}
+    if qo.swapped or list(qo.live) != [p.query, p.summed]:
+        return None
+    for c in p.consumers:
+        if (c.kind == "softmax_product" and tile[_free_index(k, p, c)] == tile[p.summed]
+                and k.operand(c.output).dtype == k.operand(qo.read.operand).dtype):
+            return c.output
+    return None
+
+
+def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, wgs: int, row_lse: bool = False) -> int:
     """Shared memory of one CTA, as Mosaic GPU lays it out (measured under an abstract H200,
-    tests/test_gpu_attention.py): the walk's scope (the query tile, the per-row vectors and
-    the probabilities' tile, each from a 1024-byte boundary, then a barrier), then the
-    pipeline's buffers (per key-side operand its tiles for every step in flight, from a
-    1024-byte boundary) and its barriers (1024 + 8 per step in flight and one); or the
-    epilogue's scope (each output's tile), which reuses the same memory (scoped allocations
-    are not summed, docs/gpu-notes.md)."""
+    tests/test_gpu_attention.py): the walk's scope, which every warpgroup shares (per
+    consumer its query tile, per-row vectors, probabilities' tile and outputs' tiles, each
+    allocation from a 1024-byte boundary), then the pipeline's buffers (per key-side operand
+    its tiles for every step in flight, from a 1024-byte boundary); then each of the two
+    scopes' barriers, 1024 bytes and 8 a barrier (a consumer's query copy; per step in
+    flight the copies' arrival and the consumers' release)."""
     tile = {i.name: i.tile for i in k.indices}
     walk = 0
     buffers = 0
     for o in ops:
         isz = k.operand(o.read.operand).dtype.itemsize
         if o.role == "q":
-            walk += _aligned(tq * tile[p.summed] * isz)
+            walk += _aligned(wgs * tq * tile[p.summed] * isz)
         elif o.layout == "rows":
-            walk += _aligned(tq * isz)
+            walk += _aligned(wgs * tq * isz)
         elif o.layout == "cols":
             buffers += _aligned(STAGES * tk * isz)
         elif o.layout == "tile" and o.role == "extra":
-            buffers += _aligned(STAGES * tq * tk * isz)
+            buffers += _aligned(STAGES * wgs * tq * tk * isz)
         elif o.role in ("k", "value"):
             other = [i for i in o.live if i != p.key][0]
             buffers += _aligned(STAGES * tk * tile[other] * isz)
     dtypes = {k.operand(c.value.operand).dtype.itemsize for c in p.consumers if c.kind == "softmax_product"}
-    walk += sum(_aligned(tq * tk * isz) for isz in dtypes) + 8  # the probabilities, as each values' dtype; the barrier
-    epilogue = 0
+    walk += sum(_aligned(wgs * tq * tk * isz) for isz in dtypes)  # the probabilities, as each values' dtype
+    through_q = out_through_q(k, p, ops)
     for c in p.consumers:
-        out = k.operand(c.output)
-        epilogue += _aligned(tq * (tile[_free_index(k, p, c)] if c.kind == "softmax_product" else 1) * out.dtype.itemsize)
+        if c.output != through_q:
+            out = k.operand(c.output)
+            walk += _aligned(wgs * tq * (tile[_free_index(k, p, c)] if c.kind == "softmax_product" else 1) * out.dtype.itemsize)
     if row_lse:
-        epilogue += _aligned(tq * 4)  # each row's logsumexp, kept for the gradients
-    return max(_aligned(walk) + buffers + ALIGN + 8 * (STAGES + 1), epilogue)
+        walk += _aligned(wgs * tq * 4)  # each row's logsumexp, kept for the gradients
+    return walk + buffers + 2 * ALIGN + 8 * (wgs + 2 * STAGES)
