@@ -92,7 +92,8 @@ def sparsegen_job(tmp: Path) -> tuple[dict, dict]:
     # reads, the steps in flight (the constants the emitters write), the rules' shared memory.
     tq, tk, tb = gpu_lower.TQ, m.tk, gpu_backward.TB
     plan = {
-        "attention_kernel": {"kernel": "forward", "cta_tile": f"{tq} rows", "step": f"{tk} keys", "stages": gpu_lower.STAGES,
+        "attention_kernel": {"kernel": "forward", "cta_tile": f"{tq * m.warpgroups} rows ({m.warpgroups} x {tq})" if m.warpgroups > 1 else f"{tq} rows",
+                             "step": f"{tk} keys", "stages": gpu_lower.STAGES,
                              "smem_estimate": m.smem_bytes},
         "attention_dq_kernel": {"kernel": "dq", "cta_tile": f"{tb} rows", "step": f"{tb} keys", "stages": gpu_backward.STAGES,
                                 "smem_estimate": m.backward_smem[0]},

@@ -1,0 +1,144 @@
+"""Warp-specialized GPU attention (issue 21, FlashAttention-3's shape): a CTA's producer
+warpgroup issues the TMA copies of the key-side tiles while one or two consumer warpgroups
+(64 rows each) compute, all three in `plgpu.kernel(num_threads=..., thread_name="wg")`.
+
+The Mosaic GPU interpreter of jax 0.12 runs such a kernel as it is: one CPU thread per
+warpgroup, the barriers between them honoured (docs/gpu-notes.md). So the same kernel is
+proven in the three stages as every GPU kernel: the interpreter against `reference` (values
+and gradients) on the row-block shapes that give two consumers and on the shapes that give
+one, a negative control showing the interpreter tells the consumers apart, lowering under an
+abstract H200 (shared memory to the byte), and ptxas for sm_90a (registers, spills).
+"""
+
+from __future__ import annotations
+
+import re
+import types
+
+import jax
+import numpy as np
+import pytest
+from conftest import assert_matches, build, spec_text, with_tiles
+from test_gpu_attention import BIASED, floats, weighted_sum
+
+from sparsegen.compiler import lower_source
+from sparsegen.source import SourceFile
+from sparsegen.testing import example_args, resolve_sizes
+
+# 128-row blocks: two consumer warpgroups share each CTA's walk. Ragged sizes (S, T) where the
+# spec has them; a where-condition (causal), per-row segment ids (document), a mask tile that
+# each consumer reads half of (masked).
+TWO = {
+    "causal_attention": (dict(b=1, h=1, i=128, j=128, d=64, e=64), dict(B=1, H=1, S=300, D=64)),
+    "document_attention": (dict(b=1, h=1, i=128, j=64, d=64, e=64), dict(B=1, H=1, S=200, D=64)),
+    "masked_attention": (dict(h=1, i=128, j=64, d=64, e=64), dict(H=1, S=256, T=150, D=64)),
+}
+
+
+def example(name: str, tiles: dict) -> str:
+    return with_tiles(spec_text(name), **tiles)
+
+
+def source_of(mod) -> str:
+    with open(mod.__file__) as f:
+        return f.read()
+
+
+def kernel_call(text: str) -> str:
+    """The forward's `plgpu.kernel(...)` call in a module's `_impl`."""
+    impl = text[text.index("def _impl("):]
+    return impl[impl.index("plgpu.kernel("):impl.index("interpret=_gpu_interpret")]
+
+
+@pytest.mark.parametrize("rows, threads", [(128, 3), (64, 2)])
+def test_a_cta_runs_a_producer_and_a_consumer_per_64_rows_of_its_row_block(rows, threads):
+    kernel, mod = build(example("causal_attention", dict(b=1, h=1, i=rows, j=128, d=64, e=64)), "h200")
+    text = source_of(mod)
+    call = kernel_call(text)
+    assert f"num_threads={threads}," in call and 'thread_name="wg"' in call, call
+    forward = text[text.index("def _attention_kernel("):text.index("def _attention_dq_kernel(")]
+    assert "plgpu.emit_pipeline_warp_specialized(" in forward and f"num_compute_wgs={threads - 1}," in forward
+    assert "memory_registers=40," in forward
+
+
+@pytest.mark.parametrize("name", sorted(TWO))
+def test_two_consumers_match_reference_in_the_gpu_interpreter(name):
+    """Values and jax.grad (the forward's row logsumexp feeds the backward) against `reference`."""
+    tiles, sizes = TWO[name]
+    kernel, mod = build(example(name, tiles), "h200")
+    args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(1))
+    run = lambda *a, **k: getattr(mod, kernel.name)(*a, **k, interpret=True)  # noqa: E731
+    out = run(*args, **keywords)
+    assert_matches(kernel, out, mod.reference(*args, **keywords), resolve_sizes(kernel, sizes))
+    kinds = np.asarray(mod.block_kinds(*args, **keywords))
+    assert (kinds == 0).any() and (kinds != 0).any(), kinds  # the walk skips blocks here
+    got = jax.grad(weighted_sum(run, keywords), argnums=floats(args))(*args)
+    want = jax.grad(weighted_sum(mod.reference, keywords), argnums=floats(args))(*args)
+    for g, w, n in zip(got, want, floats(args)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        scale = np.abs(w).max()
+        assert scale > 0.1 and np.isfinite(g).all(), (name, n, scale)
+        bf16 = np.asarray(args[n]).dtype != np.float32
+        np.testing.assert_allclose(g, w, atol=scale * (0.015 if bf16 else 1e-4), err_msg=f"{name}: argument {n}")
+
+
+def test_two_consumers_read_their_halves_of_a_bias_tile():
+    """The chain's operands with two consumers: a bias tile (each consumer its 64 rows of the
+    CTA's 128), a slope per head, a per-key term."""
+    text = BIASED.replace("tile h = 1, i = 64,", "tile h = 1, i = 128,")
+    kernel, mod = build(text, "h200")
+    assert "num_compute_wgs=2," in source_of(mod)
+    rng = np.random.default_rng(5)
+    args = [jax.numpy.asarray(rng.standard_normal(s), jax.numpy.bfloat16) for s in [(2, 128, 64)] * 3 + [(2, 128, 128)]]
+    args += [jax.numpy.asarray(rng.random(2), jax.numpy.float32), jax.numpy.asarray(rng.standard_normal(128), jax.numpy.float32)]
+    assert_matches(kernel, mod.biased(*args, interpret=True), mod.reference(*args), {"H": 2, "S": 128, "D": 64})
+
+
+def test_the_interpreter_tells_the_consumers_apart():
+    """Negative control: the same module with both consumers scoring warpgroup 0's query tile
+    gets consumer 0's rows right and consumer 1's wrong, so the interpreter runs each
+    warpgroup with its own index (it does not run one and copy it)."""
+    tiles, sizes = TWO["causal_attention"]
+    kernel, mod = build(example("causal_attention", tiles), "h200")
+    text = source_of(mod)
+    assert text.count("plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.T)") == 1
+    broken = types.ModuleType("broken")
+    exec(compile(text.replace("plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.T)", "plgpu.wgmma(acc_ref, q_smem.at[0], k_smem.T)"),
+                 "broken.py", "exec"), broken.__dict__)
+    args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(2))
+    o, _ = broken.causal_attention(*args, **keywords, interpret=True)
+    ref, _ = mod.reference(*args, **keywords)
+    err = np.abs(np.asarray(o, np.float32) - np.asarray(ref, np.float32)).max(axis=-1)[0, 0]  # per row
+    err = np.where(np.isnan(err), np.inf, err)  # consumer 0 also writes its output over that tile: NaN is wrong too
+    first, second = (np.arange(300) % 128) < 64, (np.arange(300) % 128) >= 64
+    assert err[first].max() < 0.05 and err[second].max() > 0.5, (err[first].max(), err[second].max())
+
+
+# ------------------------------------------------------------------ stages 2 and 3
+
+LOWERED = {  # GPU-sized, two consumers each
+    "document_attention": dict(b=1, h=1, i=128, j=64, d=64, e=64),
+    "masked_attention": dict(h=1, i=128, j=64, d=64, e=64),
+}
+
+
+def test_two_consumers_lower_and_compile_for_h200():
+    """Shared memory to the byte (Mosaic GPU's count against the rules'), then ptxas: the
+    forward without spills (registers at launch; the consumers take more by setmaxnreg)."""
+    from sparsegen.gpu.verify import verify_modules
+
+    items = []
+    for name, tiles in LOWERED.items():
+        source = SourceFile(f"{name}.spk", example(name, tiles))
+        items += [(m, source, "h200") for m in lower_source(source, "h200")]
+    assert [m.warpgroups for m, _, _ in items] == [2, 2]
+    results = verify_modules(items)
+    for r in results:
+        assert r.lowered and r.smem_used == r.smem_estimate <= r.smem_limit, (r.kernel, r.raw_error, r.smem_used, r.smem_estimate)
+        assert r.backward == "lowers" and r.backward_smem_used == r.backward_smem_estimate, (r.kernel, r.backward)
+    if results[0].compiled is None:
+        pytest.skip(f"stage 3 (ptxas for sm_90a) not run: {results[0].stage3}")
+    for r in results:
+        assert r.compiled, (r.kernel, r.raw_error)
+        forward = next(kk for kk in r.kernels if re.fullmatch(r"attention_kernel(_mosaic_gpu_kernel)?", kk["name"]))
+        assert forward["spill_bytes"] == 0 and forward["registers"] <= 255, (r.kernel, forward)
