@@ -18,7 +18,8 @@ IMPORTS = frozenset({"functools", "jax", "jnp", "np", "lax", "pl", "pltpu", "plg
 # Every helper the templates define (read from them, so a new helper is reserved the day it
 # is written), the module's constants, and its fixed functions.
 HELPERS = frozenset(
-    name for template in ("helpers.py.j2", "module.py.j2", "tpu/module.py.j2", "tpu/attention.py.j2", "gpu/module.py.j2")
+    name for template in ("helpers.py.j2", "module.py.j2", "tpu/module.py.j2", "tpu/attention.py.j2", "gpu/module.py.j2",
+                     "gpu/attention.py.j2")
     for name in re.findall(r"^def (_\w+)\(", read_resource("templates", template), re.M)
 ) | {
     "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES", "_PARTIALS", "_REFUSED",
@@ -29,7 +30,7 @@ HELPERS = frozenset(
 }  # fmt: skip
 MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds", "sharded"}
 # Fixed parameter and local names of the generated functions.
-FIXED_LOCALS = frozenset({"_", "sizes", "interpret", "grid_spec", "residuals", "cotangent", "perturbed", "wanted", "mesh", "axes"}) | {
+FIXED_LOCALS = frozenset({"_", "sizes", "compiled", "interpret", "grid_spec", "residuals", "cotangent", "perturbed", "wanted", "mesh", "axes"}) | {
     # the row walk's (attention) fixed names: its kernels' nested functions and parameters,
     # the walk's wrapper locals, the classification's locals
     "masked", "bound", "overflow", "max_steps", "xp", "can", "must", "origin",

@@ -307,30 +307,31 @@ class BackwardWriter:
         if dq:
             kt = self.b_array(bk, "k_t", "k")
             step += [f"{scratch['ds']}[...] = {ds}.astype({k_dtype})", "plgpu.commit_smem()  # ds, as WGMMA's A"]
-            extra, call = product(scratch["ds"], mma_b(kt, p.key, p.summed), self.tile[p.summed], "dq_product")
             new["dq"] = sn.local("dq_new")
-            step += extra + [f"{new['dq']} = {out_acc['dq']} + {call}"]
+            step.append(f"{new['dq']} = _mma_add({out_acc['dq']}, {scratch['ds']}, {mma_b(kt, p.key, p.summed)}, compiled)  # dq += ds . K")
         else:
             # ds^T to shared memory before the products: then only the accumulators are live
             # while they run (at d = e = 128 the carried dk and dv take 128 registers a thread).
             step += [f"{scratch['ds']}[...] = {ds}.astype({q_dtype})", "plgpu.commit_smem()  # p^T and ds^T, as WGMMA's A"]
             for value in dict.fromkeys(c.value.operand for c in products):
                 vd = k.operand(value).dtype.jnp
-                parts = []
+                var = out_acc[f"dv:{value}"]
                 for c in products:  # every product of these values adds p^T . dO
                     if c.value.operand != value:
                         continue
                     db = self.b_array(bk, f"do_t:{c.output}", f"do:{c.output}")
-                    extra, call = product(scratch[vd], mma_b(db, p.query, self.e_of(c)), self.tile[self.e_of(c)], f"dv_{c.output}_product")
-                    step += extra
-                    parts.append(call + (f" * {c.scale!r}" if c.scale is not None else ""))
-                var = sn.local(f"dv_{value}_new")
-                step.append(f"{var} = {out_acc[f'dv:{value}']} + " + " + ".join(parts))
+                    mb = mma_b(db, p.query, self.e_of(c))
+                    new_var = sn.local(f"dv_{value}_new")
+                    if c.scale is None:
+                        step.append(f"{new_var} = _mma_add({var}, {scratch[vd]}, {mb}, compiled)  # dv += p^T . dO")
+                    else:  # the product's scale: on a fresh accumulator
+                        extra, call = product(scratch[vd], mb, self.tile[self.e_of(c)], f"dv_{c.output}_product")
+                        step += extra + [f"{new_var} = {var} + {call} * {c.scale!r}"]
+                    var = new_var
                 new[f"dv:{value}"] = var
             qt = self.b_array(bk, "q_t", "q")
-            extra, call = product(scratch["ds"], mma_b(qt, p.query, p.summed), self.tile[p.summed], "dk_product")
             new["dk"] = sn.local("dk_new")
-            step += extra + [f"{new['dk']} = {out_acc['dk']} + {call}"]
+            step.append(f"{new['dk']} = _mma_add({out_acc['dk']}, {scratch['ds']}, {mma_b(qt, p.query, p.summed)}, compiled)  # dk += ds^T . Q")
         step.append(f"return {', '.join(new[name] for name, _, _ in bk.outs)}{',' if len(bk.outs) == 1 else ''}")
         step_fn = n.local("_row_step" if not dq else "_key_step")
         body += ["", f"def {step_fn}({', '.join([idx] + [smems[a.key] for a in pipe] + [carry])}):"] + ["    " + line for line in step]

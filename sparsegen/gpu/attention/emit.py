@@ -315,12 +315,9 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                 stored_dtype = vd
             vlive = [i for i in self.dims(vo) if i not in p.lead]
             vb = vo.smem if vlive == [p.key, e] else f"{vo.smem}.T"
-            pv = sn.local(f"_{c.output}_product")
-            a2 = sn.local("acc_ref")
-            step += ["", f"def {pv}({a2}):", f"    plgpu.wgmma({a2}, {probs_smem[vd]}.at[{wg}], {vb})", f"    return {a2}[...]", ""]
             new_acc = sn.local(f"{c.output}_new")
-            step.append(f"{new_acc} = {accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {self.tile[e]}), [0]) + "
-                        f"pl.run_scoped({pv}, plgpu.ACC(({tq}, {self.tile[e]}), {F32}))")
+            rescaled = f"{accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {self.tile[e]}), [0])"
+            step.append(f"{new_acc} = _mma_add({rescaled}, {probs_smem[vd]}.at[{wg}], {vb}, compiled)  # acc * alpha + P . V")
             new[accs[c.output]] = new_acc
         for c in p.consumers:
             if c.kind == "sum":
