@@ -12,10 +12,12 @@ def describe_gpu_attention(m) -> list[str]:
     tile = m.tile
     ti, tj = tile[p.query], tile[p.key]
     lead = ", ".join(p.lead) or "nothing"
-    lines = [f"target: {m.target.name} (Mosaic GPU: TMA copies, WGMMA, one warpgroup per CTA)",
-             f"walk: rows of '{p.score}': one CTA per {m.tq} rows of an {p.query} block of {ti} (per {lead}),",
+    wgs = m.warpgroups
+    lines = [f"target: {m.target.name} (Mosaic GPU: TMA copies, WGMMA; warp-specialized: a producer warpgroup issues the copies)",
+             f"walk: rows of '{p.score}': one CTA per {m.tq * wgs} rows of an {p.query} block of {ti} (per {lead}),"
+             + (f" {wgs} consumer warpgroups of {m.tq} rows" if wgs > 1 else " one consumer warpgroup"),
              f"  reducing over {p.key}: the row block's non-empty {p.key} blocks of {tj}, in order, {m.tk} keys a pipeline step",
-             f"  (TMA copies of the key-side tiles, {2} in flight; the query tile copied once)"]
+             f"  (TMA copies of the key-side tiles, {2} in flight; each consumer's query tile copied once)"]
     if not p.conditions:
         lines.append("blocks: every block is full (no condition)")
     else:
@@ -34,6 +36,7 @@ def describe_gpu_attention(m) -> list[str]:
         else:
             lines.append(f"{c.output}: {c.kind} of each row, from the running statistics")
     lines.append("rows with no present element: outputs 0 (logsumexp and max: -inf)")
+    lines.append("products accumulate in place where compiled (a fresh accumulator added in the Mosaic GPU interpreter)")
     lines.append(f"shared memory: {m.smem} bytes per CTA (limit {m.target.smem_bytes} on {m.target.name})")
     b = m.backward
     if b is not None:
