@@ -1,13 +1,16 @@
-"""Warp-specialized GPU attention (issue 21, FlashAttention-3's shape): a CTA's producer
-warpgroup issues the TMA copies of the key-side tiles while one or two consumer warpgroups
-(64 rows each) compute, all three in `plgpu.kernel(num_threads=..., thread_name="wg")`.
+"""Warp-specialized GPU attention (issue 21, FlashAttention-3's shape): where a row block has
+128 rows, a CTA's producer warpgroup issues the TMA copies of the key-side tiles while two
+consumer warpgroups (64 rows each) compute: `plgpu.kernel(num_threads=3, thread_name="wg")`
+around `plgpu.emit_pipeline_warp_specialized`. A 64-row block keeps one warpgroup per CTA
+(the same step and consumer code, driven by `plgpu.emit_pipeline`).
 
-The Mosaic GPU interpreter of jax 0.12 runs such a kernel as it is: one CPU thread per
-warpgroup, the barriers between them honoured (docs/gpu-notes.md). So the same kernel is
-proven in the three stages as every GPU kernel: the interpreter against `reference` (values
-and gradients) on the row-block shapes that give two consumers and on the shapes that give
-one, a negative control showing the interpreter tells the consumers apart, lowering under an
-abstract H200 (shared memory to the byte), and ptxas for sm_90a (registers, spills).
+The Mosaic GPU interpreter of jax 0.12 runs a warp-specialized kernel as it is: one CPU
+thread per warpgroup, the barriers between them honoured (docs/gpu-notes.md). So the kernel
+is proven in the three stages as every GPU kernel: the interpreter against `reference`
+(values and gradients; a where-condition, ragged sizes, per-row segment ids, a mask tile and
+a bias tile split between the consumers), a negative control showing the interpreter tells
+the consumers apart, lowering under an abstract H200 (shared memory to the byte), and ptxas
+for sm_90a (registers, spills).
 """
 
 from __future__ import annotations
@@ -50,15 +53,22 @@ def kernel_call(text: str) -> str:
     return impl[impl.index("plgpu.kernel("):impl.index("interpret=_gpu_interpret")]
 
 
-@pytest.mark.parametrize("rows, threads", [(128, 3), (64, 2)])
-def test_a_cta_runs_a_producer_and_a_consumer_per_64_rows_of_its_row_block(rows, threads):
-    kernel, mod = build(example("causal_attention", dict(b=1, h=1, i=rows, j=128, d=64, e=64)), "h200")
-    text = source_of(mod)
-    call = kernel_call(text)
-    assert f"num_threads={threads}," in call and 'thread_name="wg"' in call, call
-    forward = text[text.index("def _attention_kernel("):text.index("def _attention_dq_kernel(")]
-    assert "plgpu.emit_pipeline_warp_specialized(" in forward and f"num_compute_wgs={threads - 1}," in forward
-    assert "memory_registers=40," in forward
+def test_128_row_blocks_run_two_consumers_and_a_producer_64_row_blocks_one_warpgroup():
+    """Warp-specialized where the row block holds two consumers' rows; a 64-row block keeps
+    one warpgroup that copies and computes (a warp-specialized CTA claims the whole register
+    file at launch, so one consumer an SM would compute less than two plain CTAs)."""
+    for rows, specialized in ((128, True), (64, False)):
+        kernel, mod = build(example("causal_attention", dict(b=1, h=1, i=rows, j=128, d=64, e=64)), "h200")
+        text = source_of(mod)
+        call = kernel_call(text)
+        forward = text[text.index("def _attention_kernel("):text.index("def _attention_dq_kernel(")]
+        if specialized:
+            assert "num_threads=3," in call and 'thread_name="wg"' in call, call
+            assert "plgpu.emit_pipeline_warp_specialized(" in forward and "num_compute_wgs=2," in forward
+            assert "memory_registers=40," in forward and 'collective_axes="wg"' in forward
+        else:
+            assert "num_threads" not in call and "thread_name" not in call, call
+            assert "plgpu.emit_pipeline(" in forward and "warp_specialized" not in forward
 
 
 @pytest.mark.parametrize("name", sorted(TWO))

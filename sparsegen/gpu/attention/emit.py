@@ -119,15 +119,20 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         lines = []
         if self.size_vars:
             lines.append(f"{', '.join(self.size_vars)}{',' if len(self.size_vars) == 1 else ''} = sizes")
-        cell, row_tile, wg, rows_at = n.local("cell"), n.local("row_tile"), n.local("wg"), n.local("rows_at")
+        ws = wgs > 1  # warp-specialized; one warpgroup copies and computes otherwise
+        cell, row_tile = n.local("cell"), n.local("row_tile")
+        wg, rows_at = (n.local("wg"), n.local("rows_at")) if ws else (None, row_tile)
         n_tiles = f"{self.blocks(p.query)} * {rsub}" if rsub != 1 else self.blocks(p.query)
         lines.append(f'{cell} = lax.axis_index("cell")')
         lines.append(f"{row_tile} = {cell} % ({n_tiles})  # the CTA's {tq * wgs} rows")
-        lines.append("# The warpgroup: " + (f"0 to {wgs - 1} consumers ({tq} rows each), {wgs}" if wgs > 1 else f"0 the consumer ({tq} rows), 1")
-                     + " the producer (TMA copies)")
-        lines.append(f'{wg} = lax.axis_index("wg")')
-        lines.append(f"{rows_at} = {row_tile} * {wgs} + {wg}  # a consumer's rows, in tiles of {tq}" if wgs > 1 else
-                     f"{rows_at} = {row_tile}  # the consumer's rows, in tiles of {tq}")
+        if ws:
+            lines.append(f"# The warpgroup: 0 to {wgs - 1} consumers ({tq} rows each), {wgs} the producer (TMA copies only)")
+            lines.append(f'{wg} = lax.axis_index("wg")')
+            lines.append(f"{rows_at} = {row_tile} * {wgs} + {wg}  # a consumer's rows, in tiles of {tq}")
+
+        def mine(ref: str) -> str:
+            """A consumer's part of a shared-memory allocation (each consumer has its own)."""
+            return f"{ref}.at[{wg}]" if ws else ref
         self.lv = {i: n.local(i) for i in p.lead}
         stride = f"{n_tiles}"
         for d in reversed(range(len(p.lead))):
@@ -182,10 +187,11 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         value_dtypes = list(dict.fromkeys(k.operand(c.value.operand).dtype.jnp for c in products))
         probs_smem = {d: n.local("probs_smem") for d in value_dtypes}
         barrier = n.local("barrier")
-        q_tile = py_tuple([str(wgs)] + [str(tq if i == p.query else self.tile[i]) for i in self.dims(qo) if i not in p.lead])
+        per = [str(wgs)] if ws else []  # the consumers' allocations side by side
+        q_tile = py_tuple(per + [str(tq if i == p.query else self.tile[i]) for i in self.dims(qo) if i not in p.lead])
         scoped = [f"{qo.smem}=plgpu.SMEM({q_tile}, {k.operand(qo.read.operand).dtype.jnp})"]
-        scoped += [f"{o.smem}=plgpu.SMEM(({wgs}, {tq}), {k.operand(o.read.operand).dtype.jnp})" for o in row_ops]
-        scoped += [f"{probs_smem[d]}=plgpu.SMEM(({wgs}, {tq}, {tk}), {d})" for d in value_dtypes]
+        scoped += [f"{o.smem}=plgpu.SMEM({py_tuple(per + [str(tq)])}, {k.operand(o.read.operand).dtype.jnp})" for o in row_ops]
+        scoped += [f"{probs_smem[d]}=plgpu.SMEM({py_tuple(per + [str(tq), str(tk)])}, {d})" for d in value_dtypes]
         through_q = out_through_q(k, p, ops)
         out_smem = {}
         for c in p.consumers:
@@ -194,13 +200,14 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                 out_smem[c.output] = qo.smem
                 continue
             out_smem[c.output] = n.local(f"{c.output}_smem")
-            shp = f"({wgs}, {tq}, {self.tile[self.e_of(c)]})" if c.kind == "softmax_product" else f"({wgs}, {tq})"
+            shp = py_tuple(per + [str(tq), str(self.tile[self.e_of(c)])] if c.kind == "softmax_product" else per + [str(tq)])
             scoped.append(f"{out_smem[c.output]}=plgpu.SMEM({shp}, {out.dtype.jnp})")
         lse_smem = n.local("row_lse_smem") if lse_ref else None
         if lse_smem:
-            scoped.append(f"{lse_smem}=plgpu.SMEM(({wgs}, {tq}), {F32})")
+            scoped.append(f"{lse_smem}=plgpu.SMEM({py_tuple(per + [str(tq)])}, {F32})")
         arrivals = 1 + len(row_ops)
-        scoped.append(f"{barrier}=plgpu.Barrier(" + (f"num_arrivals={arrivals}, " if arrivals > 1 else "") + f"num_barriers={wgs})")
+        scoped.append(f"{barrier}=plgpu.Barrier(" + ", ".join(([f"num_arrivals={arrivals}"] if arrivals > 1 else [])
+                                                                + ([f"num_barriers={wgs}"] if ws else [])) + ")")
         walk = n.local("_shared")
         scope_names = [s.split("=")[0] for s in scoped]
         key_block, key_tile = n.local("key_block"), n.local("key_tile")
@@ -233,7 +240,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             step.append(f"{kind} = {tables[1]}[{slot} * {n_cols} + {key_block}({t})]")
         else:
             kind = None
-        q_mine = f"{qo.smem}.at[{wg}]"
+        q_mine = mine(qo.smem)
         qa = q_mine if [i for i in self.dims(qo) if i not in p.lead] == [p.query, p.summed] else f"{q_mine}.T"
         ko = m.operand("k")
         klive = [i for i in self.dims(ko) if i not in p.lead]
@@ -264,9 +271,9 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             o = by_read[read_key(term.read)]
             if o.layout == "tile":
                 # The CTA's tile spans every consumer's rows: this consumer's part.
-                v = f"{o.smem}.at[pl.ds({wg} * {tq}, {tq})][...]" if wgs > 1 else f"{o.smem}[...]"
+                v = f"{o.smem}.at[pl.ds({wg} * {tq}, {tq})][...]" if ws else f"{o.smem}[...]"
             elif o.layout == "rows":
-                v = f"lax.broadcast_in_dim({o.smem}.at[{wg}][...], {shape}, [0])"
+                v = f"lax.broadcast_in_dim({mine(o.smem)}[...], {shape}, [0])"
             elif o.layout == "cols":
                 v = f"lax.broadcast_in_dim({o.smem}[...], {shape}, [1])"
             else:
@@ -311,13 +318,13 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             vd = k.operand(c.value.operand).dtype.jnp
             e = self.e_of(c)
             if stored_dtype != vd:
-                step += [f"{probs_smem[vd]}.at[{wg}][...] = {probs}.astype({vd})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
+                step += [f"{mine(probs_smem[vd])}[...] = {probs}.astype({vd})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
                 stored_dtype = vd
             vlive = [i for i in self.dims(vo) if i not in p.lead]
             vb = vo.smem if vlive == [p.key, e] else f"{vo.smem}.T"
             new_acc = sn.local(f"{c.output}_new")
             rescaled = f"{accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {self.tile[e]}), [0])"
-            step.append(f"{new_acc} = _mma_add({rescaled}, {probs_smem[vd]}.at[{wg}], {vb}, compiled)  # acc * alpha + P . V")
+            step.append(f"{new_acc} = _mma_add({rescaled}, {mine(probs_smem[vd])}, {vb}, compiled)  # acc * alpha + P . V")
             new[accs[c.output]] = new_acc
         for c in p.consumers:
             if c.kind == "sum":
@@ -332,8 +339,8 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         # A consumer: its tiles copied once, the walk (the pipeline's steps), its outputs.
         cn = n.scope()
         consumer, over_keys = n.local("_consumer"), cn.local("over_keys")
-        cons = [f"plgpu.copy_gmem_to_smem({o.ref}.at[{at(o, rows_at)}], {o.smem}.at[{wg}], {barrier}.at[{wg}])" for o in [qo] + row_ops]
-        cons.append(f"plgpu.barrier_wait({barrier}.at[{wg}])")
+        cons = [f"plgpu.copy_gmem_to_smem({o.ref}.at[{at(o, rows_at)}], {mine(o.smem)}, {mine(barrier)})" for o in [qo] + row_ops]
+        cons.append(f"plgpu.barrier_wait({mine(barrier)})")
         init = [f"jnp.full({row}, -jnp.inf, {F32})", f"jnp.zeros({row}, {F32})"]
         init += [f"jnp.zeros(({tq}, {self.tile[self.e_of(c)]}), {F32})" for c in products]
         init += [f"jnp.zeros({row}, {F32})" for _ in sums]
@@ -376,19 +383,29 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             copies.append((lse_smem, var, f"{lse_ref}.at[{', '.join(parts)}]"))
         if through_q:
             cons.append(f"# '{through_q}' through the query tile: the walk has read it for the last time.")
-        cons += [f"{sm}.at[{wg}][...] = {value}" for sm, value, _ in copies]
+        cons += [f"{mine(sm)}[...] = {value}" for sm, value, _ in copies]
         cons.append("plgpu.commit_smem()")
-        cons += [f"plgpu.copy_smem_to_gmem({sm}.at[{wg}], {dst})" for sm, _, dst in copies]
+        cons += [f"plgpu.copy_smem_to_gmem({mine(sm)}, {dst})" for sm, _, dst in copies]
         cons.append("plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
         body += ["", f"def {consumer}({over_keys}):",
                  f"    # A consumer warpgroup's {tq} rows: its query tile, the walk (`{over_keys}` runs the pipeline's steps), its outputs."]
         body += ["    " + line for line in cons]
-        body += ["", "plgpu.emit_pipeline_warp_specialized(", f"    {step_fn},", f"    grid=({count},),",
-                 "    in_specs=[" + ", ".join(maps) + "],", f"    max_concurrent_steps={STAGES},",
-                 f"    memory_registers={MEMORY_REGISTERS},  # the producer's; the consumers take the rest (setmaxnreg)",
-                 f'    wg_axis="wg",', f"    num_compute_wgs={wgs},", f"    compute_context={consumer},",
-                 f")({', '.join(o.ref for o in pipe)})"]
-        lines += ["", f'@functools.partial(pl.run_scoped, {", ".join(scoped)}, collective_axes="wg")', f"def {walk}({', '.join(scope_names)}):"]
+        if ws:
+            body += ["", "plgpu.emit_pipeline_warp_specialized(", f"    {step_fn},", f"    grid=({count},),",
+                     "    in_specs=[" + ", ".join(maps) + "],", f"    max_concurrent_steps={STAGES},",
+                     f"    memory_registers={MEMORY_REGISTERS},  # the producer's; the consumers take the rest (setmaxnreg)",
+                     '    wg_axis="wg",', f"    num_compute_wgs={wgs},", f"    compute_context={consumer},",
+                     f")({', '.join(o.ref for o in pipe)})"]
+        else:
+            # One warpgroup copies and computes: a 64-row block gives a CTA one consumer only,
+            # and a warp-specialized CTA claims the whole register file (one CTA an SM).
+            pn = n.scope()
+            driver, init_carry = n.local("_over_keys"), pn.local("carry")
+            body += ["", f"def {driver}({init_carry}):", f"    return plgpu.emit_pipeline(", f"        {step_fn},", f"        grid=({count},),",
+                     "        in_specs=[" + ", ".join(maps) + "],", f"        max_concurrent_steps={STAGES},", f"        init_carry={init_carry},",
+                     f"    )({', '.join(o.ref for o in pipe)})", "", f"{consumer}({driver})"]
+        lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)}" + (', collective_axes="wg")' if ws else ")"),
+                  f"def {walk}({', '.join(scope_names)}):"]
         lines += ["    " + line for line in body]
         self.n_tiles = n_tiles
         return params, lines, ([self.origins] if origins else []) + [self.host_array(o) for o in ops]

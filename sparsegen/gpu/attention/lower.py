@@ -23,7 +23,7 @@ from ..targets import GpuTarget
 from .backward import GpuBackward, plan_backward
 
 TQ = 64  # rows of a consumer warpgroup: one WGMMA M (a 128-row score tile spills: docs/gpu-notes.md)
-WARPGROUPS = 2  # consumer warpgroups of a CTA where the row block holds their rows (FlashAttention-3)
+WARPGROUPS = 2  # consumer warpgroups of a warp-specialized CTA (FlashAttention-3), where the row block holds their rows
 MEMORY_REGISTERS = 40  # the producer warpgroup's registers a thread (setmaxnreg); it only issues TMA copies
 STAGES = 2  # pipeline steps in flight (TMA copies of the key-side tiles)
 ALIGN = 1024  # shared-memory tiles start at 1024-byte boundaries (the 128-byte swizzle's period)
@@ -55,7 +55,7 @@ class GpuAttentionModule:
     operands: tuple[GpuOperand, ...]
     tq: int  # a consumer warpgroup's rows (a CTA holds `warpgroups` of them, a row block ti // tq)
     tk: int  # keys a pipeline step (a key block holds tj // tk)
-    warpgroups: int  # consumer warpgroups of a CTA (and one producer): 2 where the row block has 128 rows
+    warpgroups: int  # 2: two consumer warpgroups and a producer (row blocks of 128 rows); 1: one warpgroup
     smem: int  # shared memory of one CTA (rules' estimate)
     backward: GpuBackward | None = None  # the dq and dk/dv kernels
     backward_error: str | None = None  # why jax.grad cannot go through the kernel at all
@@ -225,8 +225,11 @@ def _aligned(n: int) -> int:
 
 
 def consumer_warpgroups(ti: int) -> int:
-    """A CTA's consumer warpgroups: two (128 rows, FlashAttention-3's shape) where the row
-    block holds them, else one; they share the row block's walk (the same key tiles)."""
+    """A CTA's consumer warpgroups: two (128 rows, FlashAttention-3's shape, and a producer
+    warpgroup issuing the copies) where the row block holds them, sharing its walk (the same
+    key tiles); else one warpgroup that copies and computes (warp-specialized, a CTA claims
+    the whole register file at launch: one consumer an SM would compute less than two
+    64-row CTAs side by side)."""
     return WARPGROUPS if ti % (WARPGROUPS * TQ) == 0 else 1
 
 
@@ -252,7 +255,7 @@ def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, wgs: int, row_lse: 
     allocation from a 1024-byte boundary), then the pipeline's buffers (per key-side operand
     its tiles for every step in flight, from a 1024-byte boundary); then each of the two
     scopes' barriers, 1024 bytes and 8 a barrier (a consumer's query copy; per step in
-    flight the copies' arrival and the consumers' release)."""
+    flight the copies' arrival and, warp-specialized, the consumers' release)."""
     tile = {i.name: i.tile for i in k.indices}
     walk = 0
     buffers = 0
@@ -278,4 +281,5 @@ def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, wgs: int, row_lse: 
             walk += _aligned(wgs * tq * (tile[_free_index(k, p, c)] if c.kind == "softmax_product" else 1) * out.dtype.itemsize)
     if row_lse:
         walk += _aligned(wgs * tq * 4)  # each row's logsumexp, kept for the gradients
-    return walk + buffers + 2 * ALIGN + 8 * (wgs + 2 * STAGES)
+    pipeline_barriers = 2 * STAGES if wgs > 1 else STAGES
+    return walk + buffers + 2 * ALIGN + 8 * (wgs + pipeline_barriers)
