@@ -104,6 +104,44 @@ def test_two_consumers_read_their_halves_of_a_bias_tile():
     assert_matches(kernel, mod.biased(*args, interpret=True), mod.reference(*args), {"H": 2, "S": 128, "D": 64})
 
 
+PADDED = """
+kernel padded {
+    in  q: bf16[H, S, D]
+    in  k: bf16[H, S, D]
+    in  v: bf16[H, S, D]
+    in  ok: i32[S]
+    out o: bf16[H, S, D]
+    out lse: f32[H, S]
+    out top: f32[H, S]
+    s[h, i, j] = q[h, i, d] * k[h, j, d] * 0.125 where ok[i] != 0 and ok[j] != 0
+    o[h, i, e] = softmax(s[h, i, j], j) * v[h, j, e]
+    lse[h, i] = logsumexp(s[h, i, j], j)
+    top[h, i] = max(s[h, i, j], j)
+    tile h = 1, i = 128, j = 64, d = 64, e = 64
+}
+"""
+
+
+def test_an_empty_row_block_runs_no_step_and_outputs_zeros_and_minus_infinity():
+    """A row block with nothing present: the producer copies nothing and both consumers walk
+    zero steps (o 0, lse and max minus infinity); three outputs through the consumers' tiles,
+    a per-row and a per-key operand."""
+    kernel, mod = build(PADDED, "h200")
+    assert "num_compute_wgs=2," in source_of(mod)
+    rng = np.random.default_rng(3)
+    q, k, v = (jax.numpy.asarray(rng.standard_normal((2, 384, 64)), jax.numpy.bfloat16) for _ in range(3))
+    ok = np.ones(384, np.int32)
+    ok[128:256] = 0  # row block 1 sees nothing; its keys are absent for every row
+    assert (np.asarray(mod.block_kinds(q, k, v, ok))[1] == 0).all()
+    o, lse, top = (np.asarray(x, np.float32) for x in mod.padded(q, k, v, ok, interpret=True))
+    ref_o, ref_lse, ref_top = (np.asarray(x, np.float32) for x in mod.reference(q, k, v, ok))
+    assert not o[:, 128:256].any() and np.isneginf(lse[:, 128:256]).all() and np.isneginf(top[:, 128:256]).all()
+    seen = np.r_[0:128, 256:384]
+    np.testing.assert_allclose(o, ref_o, atol=0.02)
+    np.testing.assert_allclose(lse[:, seen], ref_lse[:, seen], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(top[:, seen], ref_top[:, seen], rtol=1e-5, atol=1e-5)
+
+
 def test_the_interpreter_tells_the_consumers_apart():
     """Negative control: the same module with both consumers scoring warpgroup 0's query tile
     gets consumer 0's rows right and consumer 1's wrong, so the interpreter runs each

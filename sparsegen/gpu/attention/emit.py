@@ -126,7 +126,8 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         lines.append(f'{cell} = lax.axis_index("cell")')
         lines.append(f"{row_tile} = {cell} % ({n_tiles})  # the CTA's {tq * wgs} rows")
         if ws:
-            lines.append(f"# The warpgroup: 0 to {wgs - 1} consumers ({tq} rows each), {wgs} the producer (TMA copies only)")
+            consumers = " and ".join(map(str, range(wgs))) if wgs == 2 else f"0 to {wgs - 1}"
+            lines.append(f"# The warpgroup: {consumers} consumers ({tq} rows each), {wgs} the producer (TMA copies only)")
             lines.append(f'{wg} = lax.axis_index("wg")')
             lines.append(f"{rows_at} = {row_tile} * {wgs} + {wg}  # a consumer's rows, in tiles of {tq}")
 
