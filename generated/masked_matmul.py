@@ -83,13 +83,14 @@ Plan (target v5e):
           n: the sum over n, innermost so each output block's visits are consecutive [arbitrary]
         dimension_semantics (parallel, parallel, arbitrary)
         scalar prefetch (SMEM, int32):
-          kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its mask block
+          kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its mask block
           next_step[ceil(M / 512) * ceil(K / 1024) * ceil(N / 512)]: per grid cell over m, k, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+          next_mask[ceil(M / 512) * ceil(K / 1024) * ceil(N / 512)]: per grid cell: the next cell whose mask block is partial, the only blocks the kernel reads
         blocks:
           in  g_o block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
               Skipped steps hold the block of the next step that computes, so they start no copy.
-          in  mask block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
-              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  mask block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_mask[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
+              Only partial mask blocks are read: every other step holds the next partial one.
           in  y block (1024, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // n_n % n_k, nxt % n_n)
               Skipped steps hold the block of the next step that computes, so they start no copy.
           out d_x block (512, 1024), index map (m, k)
@@ -97,6 +98,7 @@ Plan (target v5e):
           init accumulator when n == 0
           accumulate the product of (g_o * mask) and y summed over n when block_kind != _EMPTY
             past N along n (a partial last block) the factors are zero
+            in a full step (block_kind == _FULL) mask is all ones: not read, not multiplied
           write output when n == n_n - 1: accumulator
         VMEM estimate: 11.1 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB
@@ -114,13 +116,14 @@ Plan (target v5e):
           m: the sum over m, innermost so each output block's visits are consecutive [arbitrary]
         dimension_semantics (parallel, parallel, arbitrary)
         scalar prefetch (SMEM, int32):
-          kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its mask block
+          kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its mask block
           next_step[ceil(K / 1024) * ceil(N / 512) * ceil(M / 512)]: per grid cell over k, n, m: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+          next_mask[ceil(K / 1024) * ceil(N / 512) * ceil(M / 512)]: per grid cell: the next cell whose mask block is partial, the only blocks the kernel reads
         blocks:
           in  g_o block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
               Skipped steps hold the block of the next step that computes, so they start no copy.
-          in  mask block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
-              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  mask block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_mask[cell]; -> (nxt % n_m, nxt // n_m % n_n)
+              Only partial mask blocks are read: every other step holds the next partial one.
           in  x block (512, 1024), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // (n_n * n_m))
               Skipped steps hold the block of the next step that computes, so they start no copy.
           out d_y block (1024, 512), index map (k, n)
@@ -128,6 +131,7 @@ Plan (target v5e):
           init accumulator when m == 0
           accumulate the product of (g_o * mask) and x summed over m when block_kind != _EMPTY
             past M along m (a partial last block) the factors are zero
+            in a full step (block_kind == _FULL) mask is all ones: not read, not multiplied
           write output when m == n_m - 1: accumulator
         VMEM estimate: 11.1 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB
@@ -563,8 +567,10 @@ def _prefetch(x, y, mask, sizes):
     return (kind, next_step, next_mask)
 
 
-def _d_x_kernel(kind, next_step, g_o_ref, mask_ref, y_ref, d_x_ref, acc_ref, *, N):
-    del next_step  # unused
+def _d_x_kernel(
+    kind, next_step, next_mask, g_o_ref, mask_ref, y_ref, d_x_ref, acc_ref, *, N
+):
+    del next_step, next_mask  # unused
     m = pl.program_id(0)
     n = pl.program_id(2)
     n_n = pl.num_programs(2)
@@ -575,11 +581,24 @@ def _d_x_kernel(kind, next_step, g_o_ref, mask_ref, y_ref, d_x_ref, acc_ref, *, 
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(block_kind != _EMPTY)
-    def _compute():
+    @pl.when(block_kind == _PARTIAL)
+    def _compute_partial():
+        # mask block partial: multiply it in.
         g_o = (
             g_o_ref[...].astype(jnp.float32) * mask_ref[...].astype(jnp.float32)
         ).astype(jnp.bfloat16)
+        y = y_ref[...]
+        if N % 512:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 1, N - n * 512)
+            y = _mask_tail(y, 1, N - n * 512)
+        acc_ref[...] += lax.dot_general(
+            g_o, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(block_kind == _FULL)
+    def _compute_full():
+        # mask is all ones here: no need to read it.
+        g_o = g_o_ref[...]
         y = y_ref[...]
         if N % 512:  # a partial last block: what lies past the end is absent
             g_o = _mask_tail(g_o, 1, N - n * 512)
@@ -594,7 +613,7 @@ def _d_x_kernel(kind, next_step, g_o_ref, mask_ref, y_ref, d_x_ref, acc_ref, *, 
         d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
 
 
-def _d_x_g_o_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+def _d_x_g_o_index_map(m, k, n, kind, next_step, *_, n_k, n_n):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
@@ -602,15 +621,15 @@ def _d_x_g_o_index_map(m, k, n, kind, next_step, *, n_k, n_n):
     return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
 
 
-def _d_x_mask_index_map(m, k, n, kind, next_step, *, n_k, n_n):
-    del kind  # unused
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
+def _d_x_mask_index_map(m, k, n, kind, next_step, next_mask, *, n_k, n_n):
+    del kind, next_step  # unused
+    # Only partial mask blocks are read: every other step holds the next partial one.
     cell = (m * n_k + k) * n_n + n
-    nxt = next_step[cell]
+    nxt = next_mask[cell]
     return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
 
 
-def _d_x_y_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+def _d_x_y_index_map(m, k, n, kind, next_step, *_, n_k, n_n):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
@@ -626,19 +645,27 @@ def _d_x_prefetch(x, y, mask, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
     # Classify the blocks of mask; skipped steps follow a map to the next step that computes.
-    kind = _block_kinds(mask, (512, 512), False)
+    kind = _block_kinds(mask, (512, 512), True)
     next_step = _next_live(
         jnp.broadcast_to(
             (kind != _EMPTY).reshape((pl.cdiv(M, 512), 1, pl.cdiv(N, 512))),
             (pl.cdiv(M, 512), pl.cdiv(K, 1024), pl.cdiv(N, 512)),
         ).reshape(-1)
     )
+    next_mask = _next_live(
+        jnp.broadcast_to(
+            (kind == _PARTIAL).reshape((pl.cdiv(M, 512), 1, pl.cdiv(N, 512))),
+            (pl.cdiv(M, 512), pl.cdiv(K, 1024), pl.cdiv(N, 512)),
+        ).reshape(-1)
+    )
     kind = kind.reshape(-1)
-    return (kind, next_step)
+    return (kind, next_step, next_mask)
 
 
-def _d_y_kernel(kind, next_step, g_o_ref, mask_ref, x_ref, d_y_ref, acc_ref, *, M):
-    del next_step  # unused
+def _d_y_kernel(
+    kind, next_step, next_mask, g_o_ref, mask_ref, x_ref, d_y_ref, acc_ref, *, M
+):
+    del next_step, next_mask  # unused
     n = pl.program_id(1)
     m = pl.program_id(2)
     n_m = pl.num_programs(2)
@@ -649,11 +676,24 @@ def _d_y_kernel(kind, next_step, g_o_ref, mask_ref, x_ref, d_y_ref, acc_ref, *, 
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(block_kind != _EMPTY)
-    def _compute():
+    @pl.when(block_kind == _PARTIAL)
+    def _compute_partial():
+        # mask block partial: multiply it in.
         g_o = (
             g_o_ref[...].astype(jnp.float32) * mask_ref[...].astype(jnp.float32)
         ).astype(jnp.bfloat16)
+        x = x_ref[...]
+        if M % 512:  # a partial last block: what lies past the end is absent
+            g_o = _mask_tail(g_o, 0, M - m * 512)
+            x = _mask_tail(x, 0, M - m * 512)
+        acc_ref[...] += lax.dot_general(
+            x, g_o, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(block_kind == _FULL)
+    def _compute_full():
+        # mask is all ones here: no need to read it.
+        g_o = g_o_ref[...]
         x = x_ref[...]
         if M % 512:  # a partial last block: what lies past the end is absent
             g_o = _mask_tail(g_o, 0, M - m * 512)
@@ -668,7 +708,7 @@ def _d_y_kernel(kind, next_step, g_o_ref, mask_ref, x_ref, d_y_ref, acc_ref, *, 
         d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
 
 
-def _d_y_g_o_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+def _d_y_g_o_index_map(k, n, m, kind, next_step, *_, n_n, n_m):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
@@ -676,15 +716,15 @@ def _d_y_g_o_index_map(k, n, m, kind, next_step, *, n_n, n_m):
     return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
 
 
-def _d_y_mask_index_map(k, n, m, kind, next_step, *, n_n, n_m):
-    del kind  # unused
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
+def _d_y_mask_index_map(k, n, m, kind, next_step, next_mask, *, n_n, n_m):
+    del kind, next_step  # unused
+    # Only partial mask blocks are read: every other step holds the next partial one.
     cell = (k * n_n + n) * n_m + m
-    nxt = next_step[cell]
+    nxt = next_mask[cell]
     return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
 
 
-def _d_y_x_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+def _d_y_x_index_map(k, n, m, kind, next_step, *_, n_n, n_m):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
@@ -700,15 +740,21 @@ def _d_y_prefetch(x, y, mask, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
     # Classify the blocks of mask; skipped steps follow a map to the next step that computes.
-    kind = _block_kinds(mask, (512, 512), False).transpose((1, 0))
+    kind = _block_kinds(mask, (512, 512), True).transpose((1, 0))
     next_step = _next_live(
         jnp.broadcast_to(
             (kind != _EMPTY).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512))),
             (pl.cdiv(K, 1024), pl.cdiv(N, 512), pl.cdiv(M, 512)),
         ).reshape(-1)
     )
+    next_mask = _next_live(
+        jnp.broadcast_to(
+            (kind == _PARTIAL).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512))),
+            (pl.cdiv(K, 1024), pl.cdiv(N, 512), pl.cdiv(M, 512)),
+        ).reshape(-1)
+    )
     kind = kind.reshape(-1)
-    return (kind, next_step)
+    return (kind, next_step, next_mask)
 
 
 def _prepare(x, y, mask, M, K, N):
@@ -781,7 +827,7 @@ def _d_x_call(x, y, mask, g_o, sizes, interpret):
     """The pass that computes d_x."""
     M, K, N = sizes
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(pl.cdiv(M, 512), pl.cdiv(K, 1024), pl.cdiv(N, 512)),
         in_specs=[
             pl.BlockSpec(
@@ -830,7 +876,7 @@ def _d_y_call(x, y, mask, g_o, sizes, interpret):
     """The pass that computes d_y."""
     M, K, N = sizes
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(pl.cdiv(K, 1024), pl.cdiv(N, 512), pl.cdiv(M, 512)),
         in_specs=[
             pl.BlockSpec(

@@ -48,13 +48,14 @@ Plan (target v5e):
         n: the sum over n, innermost so each output block's visits are consecutive [arbitrary]
       dimension_semantics (parallel, parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its keep block
+        kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its keep block
         next_step[ceil(M / 512) * ceil(K / 512) * ceil(N / 512)]: per grid cell over m, k, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+        next_keep[ceil(M / 512) * ceil(K / 512) * ceil(N / 512)]: per grid cell: the next cell whose keep block is partial, the only blocks the kernel reads
       blocks:
         in  g block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
             Skipped steps hold the block of the next step that computes, so they start no copy.
-        in  keep block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
-            Skipped steps hold the block of the next step that computes, so they start no copy.
+        in  keep block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_keep[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
+            Only partial mask blocks are read: every other step holds the next partial one.
         in  y block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // n_n % n_k, nxt % n_n)
             Skipped steps hold the block of the next step that computes, so they start no copy.
         out dx block (512, 512), index map (m, k)
@@ -62,6 +63,7 @@ Plan (target v5e):
         init accumulator when n == 0
         accumulate the product of (g * keep) and y summed over n when block_kind != _EMPTY
           past N along n (a partial last block) the factors are zero
+          in a full step (block_kind == _FULL) keep is all ones: not read, not multiplied
         write output when n == n_n - 1: accumulator
       VMEM estimate: 6.1 MiB of 128 MiB on v5e
         g block: 2 x 512x512 bf16 = 1 MiB
@@ -114,20 +116,22 @@ Plan (target v5e):
           m: the sum over m, innermost so each output block's visits are consecutive [arbitrary]
         dimension_semantics (parallel, parallel, arbitrary)
         scalar prefetch (SMEM, int32):
-          kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its keep block
+          kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its keep block
           next_step[ceil(K / 512) * ceil(N / 512) * ceil(M / 512)]: per grid cell over k, n, m: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+          next_keep[ceil(K / 512) * ceil(N / 512) * ceil(M / 512)]: per grid cell: the next cell whose keep block is partial, the only blocks the kernel reads
         blocks:
           in  g_dx block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // (n_n * n_m))
               Skipped steps hold the block of the next step that computes, so they start no copy.
           in  g block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
               Skipped steps hold the block of the next step that computes, so they start no copy.
-          in  keep block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
-              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  keep block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_keep[cell]; -> (nxt % n_m, nxt // n_m % n_n)
+              Only partial mask blocks are read: every other step holds the next partial one.
           out d_y block (512, 512), index map (k, n)
         body:
           init accumulator when m == 0
           accumulate the product of g_dx and (g * keep) summed over m when block_kind != _EMPTY
             past M along m (a partial last block) the factors are zero
+            in a full step (block_kind == _FULL) keep is all ones: not read, not multiplied
           write output when m == n_m - 1: accumulator
         VMEM estimate: 6.1 MiB of 128 MiB on v5e
           g_dx block: 2 x 512x512 bf16 = 1 MiB
@@ -520,8 +524,8 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
-def _kernel(kind, next_step, g_ref, keep_ref, y_ref, dx_ref, acc_ref, *, N):
-    del next_step  # unused
+def _kernel(kind, next_step, next_keep, g_ref, keep_ref, y_ref, dx_ref, acc_ref, *, N):
+    del next_step, next_keep  # unused
     m = pl.program_id(0)
     n = pl.program_id(2)
     n_n = pl.num_programs(2)
@@ -532,11 +536,24 @@ def _kernel(kind, next_step, g_ref, keep_ref, y_ref, dx_ref, acc_ref, *, N):
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(block_kind != _EMPTY)
-    def _compute():
+    @pl.when(block_kind == _PARTIAL)
+    def _compute_partial():
+        # keep block partial: multiply it in.
         g = (g_ref[...].astype(jnp.float32) * keep_ref[...].astype(jnp.float32)).astype(
             jnp.bfloat16
         )
+        y = y_ref[...]
+        if N % 512:  # a partial last block: what lies past the end is absent
+            g = _mask_tail(g, 1, N - n * 512)
+            y = _mask_tail(y, 1, N - n * 512)
+        acc_ref[...] += lax.dot_general(
+            g, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(block_kind == _FULL)
+    def _compute_full():
+        # keep is all ones here: no need to read it.
+        g = g_ref[...]
         y = y_ref[...]
         if N % 512:  # a partial last block: what lies past the end is absent
             g = _mask_tail(g, 1, N - n * 512)
@@ -551,7 +568,7 @@ def _kernel(kind, next_step, g_ref, keep_ref, y_ref, dx_ref, acc_ref, *, N):
         dx_ref[...] = acc_ref[...].astype(dx_ref.dtype)
 
 
-def _g_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+def _g_index_map(m, k, n, kind, next_step, *_, n_k, n_n):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
@@ -559,15 +576,15 @@ def _g_index_map(m, k, n, kind, next_step, *, n_k, n_n):
     return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
 
 
-def _keep_index_map(m, k, n, kind, next_step, *, n_k, n_n):
-    del kind  # unused
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
+def _keep_index_map(m, k, n, kind, next_step, next_keep, *, n_k, n_n):
+    del kind, next_step  # unused
+    # Only partial mask blocks are read: every other step holds the next partial one.
     cell = (m * n_k + k) * n_n + n
-    nxt = next_step[cell]
+    nxt = next_keep[cell]
     return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
 
 
-def _y_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+def _y_index_map(m, k, n, kind, next_step, *_, n_k, n_n):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
@@ -583,15 +600,21 @@ def _prefetch(g, keep, y, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, N, K = sizes
     # Classify the blocks of keep; skipped steps follow a map to the next step that computes.
-    kind = _block_kinds(keep, (512, 512), False)
+    kind = _block_kinds(keep, (512, 512), True)
     next_step = _next_live(
         jnp.broadcast_to(
             (kind != _EMPTY).reshape((pl.cdiv(M, 512), 1, pl.cdiv(N, 512))),
             (pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
         ).reshape(-1)
     )
+    next_keep = _next_live(
+        jnp.broadcast_to(
+            (kind == _PARTIAL).reshape((pl.cdiv(M, 512), 1, pl.cdiv(N, 512))),
+            (pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
+        ).reshape(-1)
+    )
     kind = kind.reshape(-1)
-    return (kind, next_step)
+    return (kind, next_step, next_keep)
 
 
 def _d_g_kernel(
@@ -676,8 +699,10 @@ def _d_g_prefetch(g, keep, y, g_dx, sizes):
     return (kind, next_step, next_keep)
 
 
-def _d_y_kernel(kind, next_step, g_dx_ref, g_ref, keep_ref, d_y_ref, acc_ref, *, M):
-    del next_step  # unused
+def _d_y_kernel(
+    kind, next_step, next_keep, g_dx_ref, g_ref, keep_ref, d_y_ref, acc_ref, *, M
+):
+    del next_step, next_keep  # unused
     n = pl.program_id(1)
     m = pl.program_id(2)
     n_m = pl.num_programs(2)
@@ -688,12 +713,25 @@ def _d_y_kernel(kind, next_step, g_dx_ref, g_ref, keep_ref, d_y_ref, acc_ref, *,
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(block_kind != _EMPTY)
-    def _compute():
+    @pl.when(block_kind == _PARTIAL)
+    def _compute_partial():
+        # keep block partial: multiply it in.
         g_dx = g_dx_ref[...]
         g = (g_ref[...].astype(jnp.float32) * keep_ref[...].astype(jnp.float32)).astype(
             jnp.bfloat16
         )
+        if M % 512:  # a partial last block: what lies past the end is absent
+            g_dx = _mask_tail(g_dx, 0, M - m * 512)
+            g = _mask_tail(g, 0, M - m * 512)
+        acc_ref[...] += lax.dot_general(
+            g_dx, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(block_kind == _FULL)
+    def _compute_full():
+        # keep is all ones here: no need to read it.
+        g_dx = g_dx_ref[...]
+        g = g_ref[...]
         if M % 512:  # a partial last block: what lies past the end is absent
             g_dx = _mask_tail(g_dx, 0, M - m * 512)
             g = _mask_tail(g, 0, M - m * 512)
@@ -707,7 +745,7 @@ def _d_y_kernel(kind, next_step, g_dx_ref, g_ref, keep_ref, d_y_ref, acc_ref, *,
         d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
 
 
-def _d_y_g_dx_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+def _d_y_g_dx_index_map(k, n, m, kind, next_step, *_, n_n, n_m):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
@@ -715,7 +753,7 @@ def _d_y_g_dx_index_map(k, n, m, kind, next_step, *, n_n, n_m):
     return (lax.rem(nxt, n_m), lax.div(nxt, n_n * n_m))
 
 
-def _d_y_g_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+def _d_y_g_index_map(k, n, m, kind, next_step, *_, n_n, n_m):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
@@ -723,11 +761,11 @@ def _d_y_g_index_map(k, n, m, kind, next_step, *, n_n, n_m):
     return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
 
 
-def _d_y_keep_index_map(k, n, m, kind, next_step, *, n_n, n_m):
-    del kind  # unused
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
+def _d_y_keep_index_map(k, n, m, kind, next_step, next_keep, *, n_n, n_m):
+    del kind, next_step  # unused
+    # Only partial mask blocks are read: every other step holds the next partial one.
     cell = (k * n_n + n) * n_m + m
-    nxt = next_step[cell]
+    nxt = next_keep[cell]
     return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
 
 
@@ -739,15 +777,21 @@ def _d_y_prefetch(g, keep, y, g_dx, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, N, K = sizes
     # Classify the blocks of keep; skipped steps follow a map to the next step that computes.
-    kind = _block_kinds(keep, (512, 512), False).transpose((1, 0))
+    kind = _block_kinds(keep, (512, 512), True).transpose((1, 0))
     next_step = _next_live(
         jnp.broadcast_to(
             (kind != _EMPTY).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512))),
             (pl.cdiv(K, 512), pl.cdiv(N, 512), pl.cdiv(M, 512)),
         ).reshape(-1)
     )
+    next_keep = _next_live(
+        jnp.broadcast_to(
+            (kind == _PARTIAL).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512))),
+            (pl.cdiv(K, 512), pl.cdiv(N, 512), pl.cdiv(M, 512)),
+        ).reshape(-1)
+    )
     kind = kind.reshape(-1)
-    return (kind, next_step)
+    return (kind, next_step, next_keep)
 
 
 def _prepare(g, keep, y, M, N, K):
@@ -765,7 +809,7 @@ def _prepare(g, keep, y, M, N, K):
     M, N, K = size["M"][0], size["N"][0], size["K"][0]
     _check_smem(
         pl.cdiv(M, 512) * pl.cdiv(N, 512)
-        + pl.cdiv(M, 512) * pl.cdiv(K, 512) * pl.cdiv(N, 512),
+        + 2 * (pl.cdiv(M, 512) * pl.cdiv(K, 512) * pl.cdiv(N, 512)),
         "the scalar-prefetch tables of this call",
     )
     return g, keep, y, (M, N, K)
@@ -775,7 +819,7 @@ def _prepare(g, keep, y, M, N, K):
 def _impl(g, keep, y, sizes, interpret):
     M, N, K = sizes
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
         in_specs=[
             pl.BlockSpec(
@@ -864,7 +908,7 @@ def _d_y_call(g, keep, y, g_dx, sizes, interpret):
     """The pass that computes d_y."""
     M, N, K = sizes
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(pl.cdiv(K, 512), pl.cdiv(N, 512), pl.cdiv(M, 512)),
         in_specs=[
             pl.BlockSpec(

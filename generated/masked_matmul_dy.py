@@ -48,20 +48,22 @@ Plan (target v5e):
         m: the sum over m, innermost so each output block's visits are consecutive [arbitrary]
       dimension_semantics (parallel, parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its keep block
+        kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its keep block
         next_step[ceil(K / 512) * ceil(N / 512) * ceil(M / 512)]: per grid cell over k, n, m: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+        next_keep[ceil(K / 512) * ceil(N / 512) * ceil(M / 512)]: per grid cell: the next cell whose keep block is partial, the only blocks the kernel reads
       blocks:
         in  x block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // (n_n * n_m))
             Skipped steps hold the block of the next step that computes, so they start no copy.
         in  g block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
             Skipped steps hold the block of the next step that computes, so they start no copy.
-        in  keep block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
-            Skipped steps hold the block of the next step that computes, so they start no copy.
+        in  keep block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_keep[cell]; -> (nxt % n_m, nxt // n_m % n_n)
+            Only partial mask blocks are read: every other step holds the next partial one.
         out dy block (512, 512), index map (k, n)
       body:
         init accumulator when m == 0
         accumulate the product of x and (g * keep) summed over m when block_kind != _EMPTY
           past M along m (a partial last block) the factors are zero
+          in a full step (block_kind == _FULL) keep is all ones: not read, not multiplied
         write output when m == n_m - 1: accumulator
       VMEM estimate: 6.1 MiB of 128 MiB on v5e
         x block: 2 x 512x512 bf16 = 1 MiB
@@ -80,20 +82,22 @@ Plan (target v5e):
           n: the sum over n, innermost so each output block's visits are consecutive [arbitrary]
         dimension_semantics (parallel, parallel, arbitrary)
         scalar prefetch (SMEM, int32):
-          kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL: per cell, the kind of its keep block
+          kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its keep block
           next_step[ceil(M / 512) * ceil(K / 512) * ceil(N / 512)]: per grid cell over m, k, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
+          next_keep[ceil(M / 512) * ceil(K / 512) * ceil(N / 512)]: per grid cell: the next cell whose keep block is partial, the only blocks the kernel reads
         blocks:
           in  g_dy block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // n_n % n_k, nxt % n_n)
               Skipped steps hold the block of the next step that computes, so they start no copy.
           in  g block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
               Skipped steps hold the block of the next step that computes, so they start no copy.
-          in  keep block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
-              Skipped steps hold the block of the next step that computes, so they start no copy.
+          in  keep block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_keep[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
+              Only partial mask blocks are read: every other step holds the next partial one.
           out d_x block (512, 512), index map (m, k)
         body:
           init accumulator when n == 0
           accumulate the product of g_dy and (g * keep) summed over n when block_kind != _EMPTY
             past N along n (a partial last block) the factors are zero
+            in a full step (block_kind == _FULL) keep is all ones: not read, not multiplied
           write output when n == n_n - 1: accumulator
         VMEM estimate: 6.1 MiB of 128 MiB on v5e
           g_dy block: 2 x 512x512 bf16 = 1 MiB
@@ -520,8 +524,8 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
-def _kernel(kind, next_step, x_ref, g_ref, keep_ref, dy_ref, acc_ref, *, M):
-    del next_step  # unused
+def _kernel(kind, next_step, next_keep, x_ref, g_ref, keep_ref, dy_ref, acc_ref, *, M):
+    del next_step, next_keep  # unused
     n = pl.program_id(1)
     m = pl.program_id(2)
     n_m = pl.num_programs(2)
@@ -532,12 +536,25 @@ def _kernel(kind, next_step, x_ref, g_ref, keep_ref, dy_ref, acc_ref, *, M):
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(block_kind != _EMPTY)
-    def _compute():
+    @pl.when(block_kind == _PARTIAL)
+    def _compute_partial():
+        # keep block partial: multiply it in.
         x = x_ref[...]
         g = (g_ref[...].astype(jnp.float32) * keep_ref[...].astype(jnp.float32)).astype(
             jnp.bfloat16
         )
+        if M % 512:  # a partial last block: what lies past the end is absent
+            x = _mask_tail(x, 0, M - m * 512)
+            g = _mask_tail(g, 0, M - m * 512)
+        acc_ref[...] += lax.dot_general(
+            x, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(block_kind == _FULL)
+    def _compute_full():
+        # keep is all ones here: no need to read it.
+        x = x_ref[...]
+        g = g_ref[...]
         if M % 512:  # a partial last block: what lies past the end is absent
             x = _mask_tail(x, 0, M - m * 512)
             g = _mask_tail(g, 0, M - m * 512)
@@ -551,7 +568,7 @@ def _kernel(kind, next_step, x_ref, g_ref, keep_ref, dy_ref, acc_ref, *, M):
         dy_ref[...] = acc_ref[...].astype(dy_ref.dtype)
 
 
-def _x_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+def _x_index_map(k, n, m, kind, next_step, *_, n_n, n_m):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
@@ -559,7 +576,7 @@ def _x_index_map(k, n, m, kind, next_step, *, n_n, n_m):
     return (lax.rem(nxt, n_m), lax.div(nxt, n_n * n_m))
 
 
-def _g_index_map(k, n, m, kind, next_step, *, n_n, n_m):
+def _g_index_map(k, n, m, kind, next_step, *_, n_n, n_m):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (k * n_n + n) * n_m + m
@@ -567,11 +584,11 @@ def _g_index_map(k, n, m, kind, next_step, *, n_n, n_m):
     return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
 
 
-def _keep_index_map(k, n, m, kind, next_step, *, n_n, n_m):
-    del kind  # unused
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
+def _keep_index_map(k, n, m, kind, next_step, next_keep, *, n_n, n_m):
+    del kind, next_step  # unused
+    # Only partial mask blocks are read: every other step holds the next partial one.
     cell = (k * n_n + n) * n_m + m
-    nxt = next_step[cell]
+    nxt = next_keep[cell]
     return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
 
 
@@ -583,19 +600,27 @@ def _prefetch(x, g, keep, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
     # Classify the blocks of keep; skipped steps follow a map to the next step that computes.
-    kind = _block_kinds(keep, (512, 512), False).transpose((1, 0))
+    kind = _block_kinds(keep, (512, 512), True).transpose((1, 0))
     next_step = _next_live(
         jnp.broadcast_to(
             (kind != _EMPTY).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512))),
             (pl.cdiv(K, 512), pl.cdiv(N, 512), pl.cdiv(M, 512)),
         ).reshape(-1)
     )
+    next_keep = _next_live(
+        jnp.broadcast_to(
+            (kind == _PARTIAL).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512))),
+            (pl.cdiv(K, 512), pl.cdiv(N, 512), pl.cdiv(M, 512)),
+        ).reshape(-1)
+    )
     kind = kind.reshape(-1)
-    return (kind, next_step)
+    return (kind, next_step, next_keep)
 
 
-def _d_x_kernel(kind, next_step, g_dy_ref, g_ref, keep_ref, d_x_ref, acc_ref, *, N):
-    del next_step  # unused
+def _d_x_kernel(
+    kind, next_step, next_keep, g_dy_ref, g_ref, keep_ref, d_x_ref, acc_ref, *, N
+):
+    del next_step, next_keep  # unused
     m = pl.program_id(0)
     n = pl.program_id(2)
     n_n = pl.num_programs(2)
@@ -606,12 +631,25 @@ def _d_x_kernel(kind, next_step, g_dy_ref, g_ref, keep_ref, d_x_ref, acc_ref, *,
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(block_kind != _EMPTY)
-    def _compute():
+    @pl.when(block_kind == _PARTIAL)
+    def _compute_partial():
+        # keep block partial: multiply it in.
         g_dy = g_dy_ref[...]
         g = (g_ref[...].astype(jnp.float32) * keep_ref[...].astype(jnp.float32)).astype(
             jnp.bfloat16
         )
+        if N % 512:  # a partial last block: what lies past the end is absent
+            g_dy = _mask_tail(g_dy, 1, N - n * 512)
+            g = _mask_tail(g, 1, N - n * 512)
+        acc_ref[...] += lax.dot_general(
+            g, g_dy, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(block_kind == _FULL)
+    def _compute_full():
+        # keep is all ones here: no need to read it.
+        g_dy = g_dy_ref[...]
+        g = g_ref[...]
         if N % 512:  # a partial last block: what lies past the end is absent
             g_dy = _mask_tail(g_dy, 1, N - n * 512)
             g = _mask_tail(g, 1, N - n * 512)
@@ -625,7 +663,7 @@ def _d_x_kernel(kind, next_step, g_dy_ref, g_ref, keep_ref, d_x_ref, acc_ref, *,
         d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
 
 
-def _d_x_g_dy_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+def _d_x_g_dy_index_map(m, k, n, kind, next_step, *_, n_k, n_n):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
@@ -633,7 +671,7 @@ def _d_x_g_dy_index_map(m, k, n, kind, next_step, *, n_k, n_n):
     return (lax.rem(lax.div(nxt, n_n), n_k), lax.rem(nxt, n_n))
 
 
-def _d_x_g_index_map(m, k, n, kind, next_step, *, n_k, n_n):
+def _d_x_g_index_map(m, k, n, kind, next_step, *_, n_k, n_n):
     del kind  # unused
     # Skipped steps hold the block of the next step that computes, so they start no copy.
     cell = (m * n_k + k) * n_n + n
@@ -641,11 +679,11 @@ def _d_x_g_index_map(m, k, n, kind, next_step, *, n_k, n_n):
     return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
 
 
-def _d_x_keep_index_map(m, k, n, kind, next_step, *, n_k, n_n):
-    del kind  # unused
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
+def _d_x_keep_index_map(m, k, n, kind, next_step, next_keep, *, n_k, n_n):
+    del kind, next_step  # unused
+    # Only partial mask blocks are read: every other step holds the next partial one.
     cell = (m * n_k + k) * n_n + n
-    nxt = next_step[cell]
+    nxt = next_keep[cell]
     return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
 
 
@@ -657,15 +695,21 @@ def _d_x_prefetch(x, g, keep, g_dy, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
     # Classify the blocks of keep; skipped steps follow a map to the next step that computes.
-    kind = _block_kinds(keep, (512, 512), False)
+    kind = _block_kinds(keep, (512, 512), True)
     next_step = _next_live(
         jnp.broadcast_to(
             (kind != _EMPTY).reshape((pl.cdiv(M, 512), 1, pl.cdiv(N, 512))),
             (pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
         ).reshape(-1)
     )
+    next_keep = _next_live(
+        jnp.broadcast_to(
+            (kind == _PARTIAL).reshape((pl.cdiv(M, 512), 1, pl.cdiv(N, 512))),
+            (pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
+        ).reshape(-1)
+    )
     kind = kind.reshape(-1)
-    return (kind, next_step)
+    return (kind, next_step, next_keep)
 
 
 def _d_g_kernel(
@@ -765,7 +809,7 @@ def _prepare(x, g, keep, M, K, N):
     M, K, N = size["M"][0], size["K"][0], size["N"][0]
     _check_smem(
         pl.cdiv(N, 512) * pl.cdiv(M, 512)
-        + pl.cdiv(K, 512) * pl.cdiv(N, 512) * pl.cdiv(M, 512),
+        + 2 * (pl.cdiv(K, 512) * pl.cdiv(N, 512) * pl.cdiv(M, 512)),
         "the scalar-prefetch tables of this call",
     )
     return x, g, keep, (M, K, N)
@@ -775,7 +819,7 @@ def _prepare(x, g, keep, M, K, N):
 def _impl(x, g, keep, sizes, interpret):
     M, K, N = sizes
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(pl.cdiv(K, 512), pl.cdiv(N, 512), pl.cdiv(M, 512)),
         in_specs=[
             pl.BlockSpec(
@@ -821,7 +865,7 @@ def _d_x_call(x, g, keep, g_dy, sizes, interpret):
     """The pass that computes d_x."""
     M, K, N = sizes
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
         in_specs=[
             pl.BlockSpec(

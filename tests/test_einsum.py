@@ -229,3 +229,27 @@ kernel widened {
     result = verify_plan(module.plan, source, "v5e", dict(A=256, B=256, C=256))
     assert result.compiled and result.vmem_used is not None
     assert result.vmem_used <= result.vmem_estimate <= verify.ESTIMATE_SLACK * result.vmem_used + verify.ESTIMATE_FLOOR
+
+
+def test_a_mask_inside_the_sum_is_skipped_where_all_ones(interpret):
+    """three_factors' keep multiplies g inside the sum: a step whose keep block is all ones
+    leaves it out (`_compute_full`), a partial one multiplies it in, an empty one computes
+    nothing; all three kinds in one call, equal to the reference and the oracle."""
+    text, sizes = SPECS["three_factors"]  # keep blocks (128, 128): a 2 x 3 grid of them
+    kernel, mod = build(text)
+    rng = np.random.default_rng(3)
+    g, keep, y = example_args(kernel, sizes, "random", rng)[0]
+    keep = np.ones((256, 384), np.float32)
+    keep[0:128, 128:256] = 0  # empty
+    keep[0:128, 256:384] = rng.random((128, 128)) < 0.5  # partial 0/1
+    keep[128:256, 128:256] = 2.0  # nonzero but not ones: multiplied
+    keep = keep.astype(np.asarray(g).dtype)
+    env = resolve_sizes(kernel, sizes)
+    ref = mod.reference(g, keep, y)
+    assert_matches(kernel, ref, oracle(kernel, [g, keep, y], {}), env)
+    assert_matches(kernel, mod.three_factors(g, keep, y, interpret=interpret), ref, env)
+    from sparsegen.compiler import compile_source
+    from sparsegen.source import SourceFile
+
+    (module,) = compile_source(SourceFile("t.spk", text))
+    assert "def _compute_full():" in module.code and "keep is all ones here" in module.code

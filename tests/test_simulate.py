@@ -164,3 +164,16 @@ def test_plan_png_into_a_missing_folder_is_a_usage_error(tmp_path, capsys):
 def test_cost_estimate_in_every_pallas_call():
     for path in (ROOT / "generated").glob("*.py"):
         assert "cost_estimate=pl.CostEstimate(" in path.read_text(), path.name
+
+
+@pytest.mark.parametrize("kernel,copies", [("masked_matmul_dx", 4), ("masked_matmul_dy", 16)])
+def test_a_mask_inside_the_sum_is_read_at_its_partial_blocks_only(kernel, copies):
+    """keep multiplies g inside the sum: its all-ones blocks are left out of a full step's
+    product, so its map follows the partial (diagonal) blocks only: dx's grid (m, k, n)
+    holds each across k (4 copies), dy's (k, n, m) reads the 4 again for each k (16); every
+    computing step copied it before (40)."""
+    plan = next(p for p in plans(SPECS / "masked_backward.spk") if p.name == kernel)
+    report = analyse(plan, dict(M=2048, K=2048, N=2048), "tril")
+    assert report.sim.wasted_copies == 0
+    assert report.sim.traffic["keep"].copies == copies
+    assert report.sim.block_products == 10 * 4  # the 10 non-empty keep blocks, each for 4 blocks of the other index

@@ -141,6 +141,18 @@ class FlushCase:
 
 
 @dataclass(frozen=True)
+class MaskSplit:
+    """A mask operand inside the sum whose all-ones blocks are skipped: a step whose block is
+    partial multiplies it in (`partial`), a full one (`full`) computes `summed` (the sum's
+    groups without it) and does not read it; its index map follows the partial steps only."""
+
+    mask: str
+    partial: Expr
+    full: Expr
+    summed: tuple[Product, ...]
+
+
+@dataclass(frozen=True)
 class Body:
     accumulator: bool
     init_when: Expr | None
@@ -158,6 +170,7 @@ class Body:
     notes: tuple[str, ...] = ()
     lets: tuple[tuple[str, Expr], ...] = ()  # values the phases read (over axes, extents and tables)
     select: Select | None = None  # a condition on the statement's terms
+    split: MaskSplit | None = None  # a mask in the sum: its all-ones blocks are not read
 
     @property
     def matrix_product(self) -> bool:

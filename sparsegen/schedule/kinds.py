@@ -7,7 +7,9 @@ output's block meets (stored / not). Sources combine by their minimum. Empty cel
 their compute, and every operand's index map follows a table to the block of the *next*
 cell that computes (the tutorial's `k_fetch`, generalised), so a skipped step starts no
 copy; past the last computing cell, maps hold its blocks. An all-ones mask block needs no
-mask read, so the mask's own map follows only the partial blocks.
+mask read, so the mask's own map follows only the partial blocks: a mask applied after the
+sum is left out of a full block's flush, one inside the sum (covered by another factor of
+its group) out of a full step's product.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from ..expr import Const, Expr, Load, Var, Where, clip, flat, render
 from ..pytext import py_tuple as _tuple
 from .build import PassBuilder
-from .core import Axis, Block, Body, FlushCase
+from .core import Axis, Block, Body, FlushCase, MaskSplit, Product
 
 _KINDS = ["_EMPTY", "_PARTIAL", "_FULL"]
 
@@ -29,6 +31,7 @@ class KindSource:
     host: list[str]  # wrapper lines that compute `var`: kinds over `axes`
     var: str
     mask: str | None = None  # a mask operand applied after the sum: _FULL blocks need no read of it
+    in_sum: str | None = None  # a mask operand inside the sum: _FULL steps multiply without it
     extra_tables: list[str] = field(default_factory=list)
 
 
@@ -63,7 +66,11 @@ class KindsMixin(PassBuilder):
         var = self.local("kind")
         param = self.conv.param(read.operand).internal
         tiles = _tuple(str(self.tile[i]) for i in read.indices)
-        ones = "True" if applied_after_sum else "False"
+        # Inside the sum, an all-ones block is skipped where another factor covers the mask in
+        # its group (that factor keeps the product's dtype; the mask alone is never dropped).
+        skippable = not applied_after_sum and sum(f.operand == read.operand for f in self.st.factors) == 1 and any(
+            n in g.extras for g in self.st.summed_groups)
+        ones = "True" if applied_after_sum or skippable else "False"
         host = [f"# Classify the blocks of {read.operand}; skipped steps follow a map to the next step that computes."]
         kinds = f"_block_kinds({param}, {tiles}, {ones})"
         natural = [self.source_of(i)[0].var for i in read.indices]
@@ -72,7 +79,8 @@ class KindsMixin(PassBuilder):
             host.append(f"{var} = {kinds}" + (f".transpose({_tuple(map(str, order))})" if order != sorted(order) else ""))
         else:
             host.append(f"{var} = {kinds}[{self.gather(read.indices, axes)}]")
-        return KindSource(f"{read.operand} block", axes, host, var, read.operand if applied_after_sum else None)
+        return KindSource(f"{read.operand} block", axes, host, var, read.operand if applied_after_sum else None,
+                          read.operand if skippable else None)
 
     def window_source(self, index: str, slot: int) -> KindSource:
         axis = self.axis_of(index)
@@ -112,16 +120,18 @@ class KindsMixin(PassBuilder):
         for a in prefix:
             size_prefix = size_prefix * a.extent
         mask = next((s.mask for s in sources if s.mask), None)
+        in_sum = next((s.in_sum for s in sources if s.in_sum), None)
+        skipped = [m for m in (mask, in_sum) if m]  # masks whose all-ones blocks are not read
         next_var = self.local("next_step")
-        partial_var = self.local(f"next_{mask}") if mask else None
+        partial_var = self.local(f"next_{skipped[0]}") if skipped else None
         about = "; ".join(s.about for s in sources)
-        kinds_about = "_EMPTY (skip), _PARTIAL" + (", _FULL (all ones: no mask read)" if mask else ", _FULL") + f": per cell, the kind of its {about}"
+        kinds_about = "_EMPTY (skip), _PARTIAL" + (", _FULL (all ones: no mask read)" if skipped else ", _FULL") + f": per cell, the kind of its {about}"
         self.tables.append(_table(kind, size_kind, kinds_about))
         self.tables.append(_table(next_var, size_prefix, "per grid cell over " + ", ".join(a.var for a in prefix)
                                   + ": the next cell that computes (the last one after it), so skipped steps fetch nothing new"))
         self.host.append(f"{next_var} = _next_live({self.broadcast(f'{kind} != _EMPTY', kind_axes, prefix)}.reshape(-1))")
-        if mask:
-            self.tables.append(_table(partial_var, size_prefix, f"per grid cell: the next cell whose {mask} block is partial, the only blocks the kernel reads"))
+        if skipped:
+            self.tables.append(_table(partial_var, size_prefix, f"per grid cell: the next cell whose {' and '.join(skipped)} block is partial, the only blocks the kernel reads"))
             self.host.append(f"{partial_var} = _next_live({self.broadcast(f'{kind} == _PARTIAL', kind_axes, prefix)}.reshape(-1))")
         for s in sources:
             for line in s.extra_tables:
@@ -174,7 +184,7 @@ class KindsMixin(PassBuilder):
         for n, read in enumerate(self.st.factors):
             if along_sum and n in ends and n not in custom:
                 b = self.factor_block(n, self.coords(read, lambda i: self.natural_coord(i)), "Read when the output block is flushed.")
-            elif read.operand == mask:
+            elif read.operand in skipped:
                 b = follow(n, partial_var, "Only partial mask blocks are read: every other step holds the next partial one.")
             else:
                 b = follow(n, next_var, "Skipped steps hold the block of the next step that computes, so they start no copy.")
@@ -198,9 +208,14 @@ class KindsMixin(PassBuilder):
                 cases.append(FlushCase(Var(here).ne(Var("_EMPTY")), end, "flush", "Write the block."))
         notes = (f"Steps whose {about} is empty skip the compute (and their copies).",)
         self.kind_about = about
+        split = None
+        if in_sum and body.accumulator:
+            # A full step's product leaves the mask out (all ones there): not read, not multiplied.
+            full = tuple(Product(tuple(f for f in q.factors if f.operand != in_sum)) for q in body.summed)
+            split = MaskSplit(in_sum, Var(here).eq(Var("_PARTIAL")), Var(here).eq(Var("_FULL")), full)
         body = Body(body.accumulator, body.init_when, body.compute_when, body.summed, body.step, body.flush_when, tuple(cases),
                     body.summed_indices, body.acc_live, body.acc_shape, body.out_live, body.tails, body.out_tails, notes,
-                    lets=((here, Load(kind, kernel_kind_cell)),))
+                    lets=((here, Load(kind, kernel_kind_cell)),), split=split)
         return blocks, body
 
     def natural_coord(self, index: str) -> Expr:

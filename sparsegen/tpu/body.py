@@ -258,11 +258,12 @@ class BodyWriter:
             lines.append(f"{name} = jnp.where({keep}, {name}, jnp.zeros_like({name}))")
         return lines
 
-    def compute_lines(self, partial: bool = False) -> tuple[list[str], str]:
+    def compute_lines(self, partial: bool = False, groups=None) -> tuple[list[str], str]:
         """Lines before the accumulation, and the accumulated value; `partial`: in a step
-        where the body's condition holds for some terms only (its absent ones selected out)."""
+        where the body's condition holds for some terms only (its absent ones selected out);
+        `groups`: the sum's groups in place of the body's (a mask left out where all ones)."""
         body = self.body
-        groups = body.summed or body.step
+        groups = groups or body.summed or body.step
         # Only two groups that share a summed axis make a matrix product; elsewhere products
         # stay wide (the reference rounds nothing before the sum).
         vals = [self.product(q, for_mxu=body.matrix_product) for q in groups]

@@ -36,6 +36,8 @@ def _calls(tp: TpuPass) -> list[str]:
         lines.append(f"accumulate {what}{when}")
         for t in body.tails:
             lines.append(f"  past {t.size} along {t.index} (a partial last block) the factors are zero")
+        if body.split is not None:
+            lines.append(f"  in a full step ({render(body.split.full, 'text')}) {body.split.mask} is all ones: not read, not multiplied")
     if body.select is not None:
         sel = body.select
         on = "the value written" if sel.target == "flush" else " * ".join(f.operand for f in body.summed[sel.group].factors)

@@ -59,6 +59,15 @@ class _Emitter:
                              "about": "Some terms absent: the condition selects them out."},
                             {"name": "compute_full", "when": render(body.select.full, "py"),
                              "lines": compute_lines, "value": compute_value, "about": "Every term present: no condition to evaluate."}]
+            elif body.split is not None:
+                # A mask inside the sum: a partial block multiplies it in, an all-ones one is not read.
+                used, w._locals = w._locals, set()  # each region's locals are its own: the full one reuses the names
+                lines, value = w.compute_lines(groups=body.split.summed)
+                w._locals |= used
+                computes = [{"name": "compute_partial", "when": render(body.split.partial, "py"), "lines": compute_lines,
+                             "value": compute_value, "about": f"{body.split.mask} block partial: multiply it in."},
+                            {"name": "compute_full", "when": render(body.split.full, "py"), "lines": lines, "value": value,
+                             "about": f"{body.split.mask} is all ones here: no need to read it."}]
         cases = []
         for case in body.flush_cases:
             whens = [render(e, "py") for e in (body.flush_when, case.when) if e is not None]

@@ -264,6 +264,8 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
     for s in tp.in_specs:
         if s.block.key in computing and body.accumulator:
             consumers[s.block.key] = compute
+            if body.split is not None and s.block.operand == body.split.mask:
+                consumers[s.block.key] = compute & condition(body.split.partial)  # not read where all ones
         else:
             used = np.zeros(steps, bool)
             for case in body.flush_cases:
