@@ -249,5 +249,5 @@ def backward_walk(kernel: Kernel, p: RowPlan, target: Target, ops) -> BackwardWa
     why = (f"fused: one walk over key blocks computes d{p.k.operand}, the values' gradients and d{p.q.operand} "
            f"(d{p.q.operand} of one ({group}) summed in VMEM, {row_bytes} bytes a row)")
     if rows is None:
-        why += f", while {size.text} padded to {ti} is at most {max_rows}; two passes beyond"
+        why += f", while {size.text} padded to {ti} is at most {max_rows}"
     return BackwardWalk(True, why, None if rows is not None else max_rows, row_bytes, tuple(vmem), limit)

@@ -1,0 +1,157 @@
+"""The fused attention backward (issue 23): one walk over key blocks computes dk, dv and dq,
+dq of a group summed in VMEM and written once at the group's last step. The rule that
+chooses it (`lower.backward_walk`) and its reasons in `plan`; its gradients against
+`reference` in the CPU interpreter and the TPU simulator (which fills memory no step wrote
+with NaN and raises on an output block revisited out of turn), the two-pass fallback in the
+same module; the calls it makes; the AOT compile on v5e and v6e."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import build, spec_text
+from test_attention import BIASED, assert_gradients_match, example, gradients, rand
+
+from sparsegen.compiler import lower_source
+from sparsegen.source import SourceFile
+
+# The names of the backward's kernels in a module's pallas_calls.
+FUSED, DQ, DKV = "_attention_fused_backward_kernel", "_attention_dq_kernel", "_attention_dkv_kernel"
+
+
+def walk_of(text: str, target: str = "v5e"):
+    (m,) = lower_source(SourceFile("test.spk", text), target)
+    return m.backward_walk
+
+
+def backward_kernels(mod, fn, args) -> list[str]:
+    """The kernels of the backward's pallas_calls, recorded on the host (nothing runs)."""
+    from sparsegen.tpu.cycles import _name, capture
+
+    _, backward = capture(fn, args, {}, True, mod.pl)
+    return [_name(c) for c in backward]
+
+
+LITERAL = """kernel literal_attention {
+    in  q: f32[2, 300, 128]
+    in  k: f32[2, 300, 128]
+    in  v: f32[2, 300, 128]
+    out o: f32[2, 300, 128]
+
+    s[h, i, j] = q[h, i, d] * k[h, j, d] * 0.125 where i >= j
+    o[h, i, e] = softmax(s[h, i, j], j) * v[h, j, e]
+
+    tile h = 1, i = 128, j = 128, d = 128, e = 128
+}
+"""
+
+
+# ------------------------------------------------------------------- the rule
+
+
+def test_the_rule_fuses_attention_and_bounds_the_rows_held():
+    bw = walk_of(spec_text("causal_attention"))
+    assert bw.fused and bw.max_rows is not None and bw.max_rows % 512 == 0
+    # dq of a head: an f32 sum and two buffers of its bf16 output block, 128 lanes a row.
+    assert bw.row_bytes == 128 * 4 + 2 * 128 * 2
+    # Within half of the target's VMEM with the walk's blocks, and the compiler asked for it.
+    held = sum(i.bytes for i in bw.vmem) + bw.max_rows * bw.row_bytes
+    assert held <= 64 << 20 and bw.limit >= held
+    assert walk_of(spec_text("causal_attention"), "v4").max_rows < bw.max_rows  # v4's VMEM is an eighth of v5e's
+    assert "S padded to 512 is at most" in bw.why
+
+
+def test_the_rule_keeps_two_passes_where_fusing_does_not_apply():
+    # A per-row and a per-block float operand: their gradients are summed over the row walk.
+    bw = walk_of(BIASED)
+    assert not bw.fused and "'bias' per block" in bw.why
+    per_row = BIASED.replace(" + bias[h, i, j]", "").replace("    in  bias: f32[H, S, S]\n", "")
+    assert "'qb' per row" in walk_of(per_row).why
+    # A literal size too large for VMEM: decided when the spec is lowered.
+    huge = LITERAL.replace("300", "262144")
+    bw = walk_of(huge)
+    assert not bw.fused and "262144 rows" in bw.why
+    # A literal size that fits: fused, no call-time test.
+    bw = walk_of(LITERAL)
+    assert bw.fused and bw.max_rows is None
+
+
+def test_plan_gives_the_walk_and_why(tmp_path, capsys):
+    from sparsegen.cli import main
+
+    for name, text in (("causal", spec_text("causal_attention")), ("biased", BIASED)):
+        path = tmp_path / f"{name}.spk"
+        path.write_text(text)
+        assert main(["plan", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "fused: one walk over key blocks computes dk, the values' gradients and dq" in out
+    assert "beyond that, two passes" in out
+    assert "two passes: the chain reads 'bias' per block" in out
+
+
+# ------------------------------------------------------------------ the kernels
+
+
+def test_one_call_while_the_rows_fit_and_two_beyond():
+    """The fused walk is one pallas_call; past `_FUSED_MAX_ROWS` the same module takes two."""
+    kernel, mod = build(spec_text("causal_attention"))
+    args, _ = example("causal_attention", 700, np.random.default_rng(0))
+    assert backward_kernels(mod, mod.causal_attention, args) == [FUSED]
+    _, small = build(spec_text("causal_attention") + "\n")  # a module of its own
+    small._FUSED_MAX_ROWS = 512  # S = 700 pads to 1024 rows
+    assert backward_kernels(small, small.causal_attention, args) == [DQ, DKV]
+    _, lit = build(LITERAL)
+    assert DQ not in lit.__dict__ and not hasattr(lit, "_FUSED_MAX_ROWS")  # decided when built
+
+
+CASES = ["causal_attention", "document_attention", "local_gqa_attention", "masked_attention"]
+LENGTHS = {"causal_attention": 700, "document_attention": 600, "local_gqa_attention": 700, "masked_attention": 384}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fused_gradients_match_reference(name, interpret):
+    """Ragged lengths, a traced walk (documents), grouped heads with a window and soft-capping,
+    a mask whose first row block sees nothing (f32): each through the fused walk, against
+    JAX's gradient of `reference`; and the two-pass walk of the same module agrees."""
+    _, mod = build(spec_text(name))
+    args, _ = example(name, LENGTHS[name], np.random.default_rng(11))
+    fn = getattr(mod, name)
+    assert backward_kernels(mod, fn, args) == [FUSED]
+    got = gradients(lambda *a: fn(*a, interpret=interpret), args, 3)
+    want = gradients(mod.reference, args, 3)
+    assert_gradients_match(got, want, bf16=name != "masked_attention")
+
+
+@pytest.mark.parametrize("name", ["causal_attention", "masked_attention"])
+def test_two_pass_fallback_matches(name, interpret):
+    _, mod = build(spec_text(name) + "\n")
+    mod._FUSED_MAX_ROWS = 0
+    args, _ = example(name, LENGTHS[name], np.random.default_rng(11))
+    fn = getattr(mod, name)
+    assert backward_kernels(mod, fn, args) == [DQ, DKV]
+    got = gradients(lambda *a: fn(*a, interpret=interpret), args, 3)
+    assert_gradients_match(got, gradients(mod.reference, args, 3), bf16=name != "masked_attention")
+
+
+def test_literal_sizes_fused(interpret):
+    kernel, mod = build(LITERAL)
+    rng = np.random.default_rng(3)
+    args = [rand(rng, (2, 300, 128), jnp.float32) for _ in range(3)]
+    assert backward_kernels(mod, mod.literal_attention, args) == [FUSED]
+    got = gradients(lambda *a: mod.literal_attention(*a, interpret=interpret), args, 3)
+    assert_gradients_match(got, gradients(mod.reference, args, 3), bf16=False)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_fused_backward_compiles_for_tpu(topology):
+    """Forward and fused backward through libtpu (two pallas_calls), GQA with a window and
+    soft-capping at S = 1024 (the kernels of any longer S)."""
+    from aot import compile_for
+
+    _, mod = build(spec_text("local_gqa_attention"))
+    args = [np.zeros((1, 4, 1024, 128), jnp.bfloat16)] + [np.zeros((1, 1, 1024, 128), jnp.bfloat16)] * 2
+    compiled = compile_for(lambda *a: gradients(mod.local_gqa_attention, list(a), 3), args, topology)
+    text = compiled.as_text()
+    assert text.count("tpu_custom_call") == 2  # the forward and the fused backward
+    assert "fused_backward" in text
