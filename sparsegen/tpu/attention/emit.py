@@ -195,7 +195,7 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
         backward = {}
         outputs = [c.output for c in p.consumers]
         derived = derived_outputs(p) if error is None else []
-        fused_dict, fused_rows = None, None
+        fused_dict, fused_rows, fused_vmem = None, None, None
         if derived:
             self.cotangents = {o.name: self.n.local(f"g_{o.name}") for o in k.outputs}
             dq, dkv = self.dq_call(), self.dkv_call() if self.needs_key_walk() else None
@@ -205,12 +205,15 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             if bw.fused:  # lower.backward_walk: one walk over key blocks (and, past max_rows, the two passes)
                 fused = self.dkv_call(fused=True)
                 fused_dict = self.call_dict(fused, f"{kinds_var}.transpose(0, 2, 1)")
-                limits = [x for x in (bw.limit, m.vmem_limit()) if x is not None]
-                fused_dict["vmem_limit"] = max(limits) if limits else None
                 if bw.max_rows is None:
+                    limits = [x for x in (bw.limit, m.vmem_limit()) if x is not None]
+                    fused_dict["vmem_limit"] = max(limits) if limits else None
                     calls_b = []
-                else:
+                else:  # the size is known at trace time: so is the limit (`_fused_vmem_limit`)
                     fused_rows = (self.padded_rows(), bw.max_rows)
+                    fused_dict["vmem_limit"] = f"_fused_vmem_limit({self.padded_rows()})"
+                    fused_vmem = {"static": bw.static_bytes, "row": bw.row_bytes, "floor": m.vmem_limit() or m.target.scoped_vmem_bytes,
+                                  "vmem": m.target.vmem_bytes}
         else:
             calls_b = []
         doc, call_doc = self.docstring()
@@ -259,6 +262,7 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             backward_calls=calls_b,
             fused=fused_dict,
             fused_rows=fused_rows,
+            fused_vmem=fused_vmem,
             maps=maps,
             kinds_lines=kinds_lines,
             xp=xp,

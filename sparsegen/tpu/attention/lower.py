@@ -197,7 +197,8 @@ class BackwardWalk:
     max_rows: int | None = None  # fused while the query index's size, padded to its tile, is at most this (None: always)
     row_bytes: int = 0  # VMEM a row of dq takes: its f32 sum and its output block's two buffers
     vmem: tuple[VmemItem, ...] = ()  # the fused walk's VMEM besides dq's rows
-    limit: int | None = None  # vmem_limit_bytes for the fused call (at max_rows, or the literal size)
+    static_bytes: int = 0  # their sum, with Mosaic's scratch
+    limit: int | None = None  # vmem_limit_bytes for the fused call at a literal size (`vmem.vmem_limit`)
 
 
 def backward_walk(kernel: Kernel, p: RowPlan, target: Target, ops) -> BackwardWalk:
@@ -205,8 +206,9 @@ def backward_walk(kernel: Kernel, p: RowPlan, target: Target, ops) -> BackwardWa
     gradient); no float operand the chain reads per row, per block or per walk (their
     gradients are summed over the row walk, which the fused walk does not take); a row tile
     the dynamic store of a dq block can address (a multiple of 8 rows); and dq of one group
-    within half the target's VMEM (beside the walk's blocks), decided here for a literal
-    size, else by the generated code against `max_rows` (the size is known at trace time)."""
+    and the walk's blocks within three quarters of the target's VMEM, decided here for a
+    literal size, else by the generated code against `max_rows` (the size is known at
+    trace time). tests/test_fused_backward.py compiles the fused walk at `max_rows`."""
     if p.stored_score:
         return BackwardWalk(False, "two passes: a stored score has no row factor whose gradient the key walk could sum")
     for r in p.float_reads():
@@ -232,9 +234,9 @@ def backward_walk(kernel: Kernel, p: RowPlan, target: Target, ops) -> BackwardWa
             vmem.append(VmemItem(f"d{c.value.operand} block x2 and its sum", (tj, tile[e]), acc, 3))
     vmem.append(VmemItem("row statistics x2", (SUBLANES, ti), acc, 2 * (2 + any(c.kind == "sum" for c in p.consumers))))
     vmem.append(VmemItem(f"d{p.k.operand} block x2 and its sum", (tj, d), acc, 3))
-    vmem.append(VmemItem("score, probability and gradient blocks (f32 temporaries)", (tj, ti), acc, 5))
+    vmem.append(VmemItem("score, probability and gradient blocks (f32 temporaries)", (tj, ti), acc, 4))
     static = sum(item.bytes for item in vmem) + MOSAIC_SCRATCH
-    budget = target.vmem_bytes // 2  # the rest for what the estimate misses (spills, Mosaic's copies)
+    budget = target.vmem_bytes * 3 // 4  # a quarter for what the estimate misses (spills, Mosaic's copies)
     max_rows = (budget - static) // row_bytes // ti * ti
     group = ", ".join(p.lead) or "walk"
     if max_rows < ti:
@@ -243,11 +245,10 @@ def backward_walk(kernel: Kernel, p: RowPlan, target: Target, ops) -> BackwardWa
     rows = -(-size.literal // ti) * ti if size.literal is not None else None
     if rows is not None and rows > max_rows:
         return BackwardWalk(False, f"two passes: dq of one ({group}), {rows} rows, would take {rows * row_bytes >> 20} MiB of VMEM "
-                                   f"(at most {max_rows} rows fit in half of {target.name}'s)")
-    held = rows if rows is not None else max_rows
-    limit = vmem_limit(static + held * row_bytes, target)
+                                   f"(at most {max_rows} rows fit in three quarters of {target.name}'s)")
+    limit = vmem_limit(static + rows * row_bytes, target) if rows is not None else None
     why = (f"fused: one walk over key blocks computes d{p.k.operand}, the values' gradients and d{p.q.operand} "
            f"(d{p.q.operand} of one ({group}) summed in VMEM, {row_bytes} bytes a row)")
     if rows is None:
         why += f", while {size.text} padded to {ti} is at most {max_rows}"
-    return BackwardWalk(True, why, None if rows is not None else max_rows, row_bytes, tuple(vmem), limit)
+    return BackwardWalk(True, why, None if rows is not None else max_rows, row_bytes, tuple(vmem), static, limit)
