@@ -64,7 +64,7 @@ Plan (target v5e):
       score block and its softmax (f32 temporaries): 768 KiB
     backward (jax.grad), through o: fused: one walk over key blocks computes dk, the values' gradients
       and dq (dq of one (b, h) summed in VMEM, 1024 bytes a row), while S padded to 256 is at most
-      62464; beyond that, two passes: dq and the chain's per-row, per-block and per-walk operands over
+      95488; beyond that, two passes: dq and the chain's per-row, per-block and per-walk operands over
       the same walk, dk and the values over the key-side walk (the transposed classification, key x row
       blocks); run only where a gradient is needed
     gradients (jax.grad), per float input:
@@ -91,7 +91,7 @@ _PARTIAL = 1  # some elements absent: the condition is evaluated
 _FULL = 2  # every element present: the condition is not evaluated
 # The most rows of dq (the query index's size rounded up to its tile) the fused backward
 # sums in VMEM for one group; beyond them the backward takes two walks (`sparsegen plan`).
-_FUSED_MAX_ROWS = 62464
+_FUSED_MAX_ROWS = 95488
 
 
 def _fail(message):
@@ -605,6 +605,15 @@ def _classify_blocks(xp, seg, sizes, origin=None, keys=None):
         (B, -(-S // 256), -(-S // 256)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
+
+
+def _fused_vmem_limit(rows):
+    """vmem_limit_bytes for the fused backward holding `rows` rows of dq: the estimate
+    (the walk's blocks, each row's f32 sum and output buffers) with a quarter and 2 MiB on
+    top, in whole MiB, at least the module's limit, within the chip's VMEM (vmem.py)."""
+    need = 2801664 + rows * 1024
+    limit = -(-(need * 5 // 4 + 2 * 1024 * 1024) // (1024 * 1024)) * 1024 * 1024
+    return min(max(limit, 16777216), 134217728)
 
 
 def _attention_kernel(
@@ -1613,7 +1622,7 @@ def _backward(
             ),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "arbitrary"),
-                vmem_limit_bytes=85983232,
+                vmem_limit_bytes=_fused_vmem_limit(-(-S // 256) * 256),
             ),
             cost_estimate=pl.CostEstimate(
                 flops=kinds.size * 41943040,

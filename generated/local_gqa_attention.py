@@ -61,7 +61,7 @@ Plan (target v5e):
       score block and its softmax (f32 temporaries): 1536 KiB
     backward (jax.grad), through o: fused: one walk over key blocks computes dk, the values' gradients
       and dq (dq of one (b, h) summed in VMEM, 1024 bytes a row), while S padded to 256 is at most
-      60416; beyond that, two passes: dq and the chain's per-row, per-block and per-walk operands over
+      93696; beyond that, two passes: dq and the chain's per-row, per-block and per-walk operands over
       the same walk, dk and the values over the key-side walk (the transposed classification, key x row
       blocks); run only where a gradient is needed
     gradients (jax.grad), per float input:
@@ -88,7 +88,7 @@ _PARTIAL = 1  # some elements absent: the condition is evaluated
 _FULL = 2  # every element present: the condition is not evaluated
 # The most rows of dq (the query index's size rounded up to its tile) the fused backward
 # sums in VMEM for one group; beyond them the backward takes two walks (`sparsegen plan`).
-_FUSED_MAX_ROWS = 60416
+_FUSED_MAX_ROWS = 93696
 
 
 def _fail(message):
@@ -594,6 +594,15 @@ def _classify_blocks(xp, sizes, origin=None):
         (-(-S // 256), -(-S // 512)),
     )
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
+
+
+def _fused_vmem_limit(rows):
+    """vmem_limit_bytes for the fused backward holding `rows` rows of dq: the estimate
+    (the walk's blocks, each row's f32 sum and output buffers) with a quarter and 2 MiB on
+    top, in whole MiB, at least the module's limit, within the chip's VMEM (vmem.py)."""
+    need = 4620288 + rows * 1024
+    limit = -(-(need * 5 // 4 + 2 * 1024 * 1024) // (1024 * 1024)) * 1024 * 1024
+    return min(max(limit, 16777216), 134217728)
 
 
 def _attention_kernel(
@@ -1515,7 +1524,7 @@ def _backward(
             ),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "arbitrary"),
-                vmem_limit_bytes=85983232,
+                vmem_limit_bytes=_fused_vmem_limit(-(-S // 256) * 256),
             ),
             cost_estimate=pl.CostEstimate(
                 flops=kinds.size * 167772160,
