@@ -1,7 +1,8 @@
 """The row walk's kernel bodies, as lines of Python: the forward (flash: running max and
-sum, rescaled accumulators), the stored outputs' dense walk, and the backward's dq (row
-walk) and dk/dv (key-side walk on key x row blocks). Mixed into the emitter, whose names,
-tiles and sizes they use.
+sum, rescaled accumulators), the stored outputs' dense walk, and the backward: fused (dk,
+dv and dq in one key-side walk on key x row blocks, dq summed per group in VMEM) where
+`lower.backward_walk` says so, else dq (row walk) and dk/dv (key-side walk). Mixed into the
+emitter, whose names, tiles and sizes they use.
 """
 
 from __future__ import annotations
