@@ -16,7 +16,7 @@ from ...expr import Const
 from ...schedule.attention import read_key
 from ...schedule.row import Direction
 from ...terms import render_term
-from .lower import LANES, SUBLANES, Operand
+from .lower import LANES, SUBLANES, Operand, gradient_dtype
 
 
 @dataclass
@@ -769,10 +769,5 @@ class KernelWriter:
         return self.tile[self.p.query] * self.tile[self.p.key]
 
     def grad_dtype(self, read: Read) -> str:
-        """A gradient block's dtype: the operand's where the kernel's block is the whole
-        gradient; f32 where the wrapper still sums partial gradients (grouped heads, a head
-        the operand lacks, an operand read twice)."""
-        p, op = self.p, self.k.operand(read.operand)
-        roles = [r for r in (p.q, p.k, *(c.value for c in p.consumers if c.value is not None)) if r is not None and r.operand == read.operand]
-        direct = len(set(roles)) == 1 and len(roles) == 1 and all(s.divisor == 1 for s in read.subs) and set(p.lead) <= set(read.indices)
-        return op.dtype.jnp if direct else "jnp.float32"
+        """A gradient block's dtype (`lower.gradient_dtype`), as jnp names it."""
+        return gradient_dtype(self.k, self.p, read).jnp

@@ -180,6 +180,16 @@ def derived_outputs(p: RowPlan) -> list[str]:
     return [c.output for c in p.consumers if c.kind not in _NOT_DERIVED]
 
 
+def gradient_dtype(kernel: Kernel, p: RowPlan, read: Read):
+    """A gradient block's dtype: the operand's where the kernel's block is the whole
+    gradient; f32 where the wrapper still sums partial gradients (grouped heads, a head the
+    operand lacks, an operand read twice)."""
+    op = kernel.operand(read.operand)
+    roles = [r for r in (p.q, p.k, *(c.value for c in p.consumers if c.value is not None)) if r is not None and r.operand == read.operand]
+    direct = len(set(roles)) == 1 and len(roles) == 1 and all(s.divisor == 1 for s in read.subs) and set(p.lead) <= set(read.indices)
+    return op.dtype if direct else DTYPES["f32"]
+
+
 # ------------------------------------------------------------------ the backward's walk
 
 
@@ -218,13 +228,11 @@ def backward_walk(kernel: Kernel, p: RowPlan, target: Target, ops) -> BackwardWa
             return BackwardWalk(False, f"two passes: the chain reads '{r.operand}' {what}, whose gradient the row walk sums")
     tile = {i.name: i.tile for i in kernel.indices}
     ti, tj, d = tile[p.query], tile[p.key], tile[p.summed]
-    if ti % SUBLANES:
-        return BackwardWalk(False, f"two passes: a row tile of {ti} is no multiple of {SUBLANES}, so dq's blocks cannot be stored at a dynamic row")
+    if ti % kernel.accumulate.sublanes:
+        return BackwardWalk(False, f"two passes: a row tile of {ti} is no multiple of {kernel.accumulate.sublanes}, "
+                                   "so dq's blocks cannot be stored at a dynamic row")
     acc = kernel.accumulate
-    q_dtype = kernel.operand(p.q.operand).dtype
-    roles = [r for r in (p.q, p.k, *(c.value for c in p.consumers if c.value is not None)) if r is not None and r.operand == p.q.operand]
-    direct = len(roles) == 1 and all(s.divisor == 1 for s in p.q.subs) and set(p.lead) <= set(p.q.indices)
-    dq_dtype = q_dtype if direct else DTYPES["f32"]  # as `KernelWriter.grad_dtype` lays it out
+    dq_dtype = gradient_dtype(kernel, p, p.q)
     row_bytes = padded_bytes((SUBLANES, d), acc) // SUBLANES + 2 * padded_bytes((16, d), dq_dtype) // 16
     vmem = [VmemItem(f"{o.read.operand} block x2", tuple(b for b in o.block if b is not None), kernel.operand(o.read.operand).dtype, 2) for o in ops]
     for c in p.consumers:
