@@ -59,9 +59,11 @@ Plan (target v5e):
       o accumulator: 128 KiB
       running max and sum: 384 KiB
       score block and its softmax (f32 temporaries): 1536 KiB
-    backward (jax.grad), through o: dq and the chain's per-row, per-block and per-walk operands
-      over the same walk; dk and the values over the key-side walk (the transposed classification,
-      key x row blocks); run only where a gradient is needed
+    backward (jax.grad), through o: fused: one walk over key blocks computes dk, the values' gradients
+      and dq (dq of one (b, h) summed in VMEM, 1024 bytes a row), while S padded to 256 is at most
+      93696; beyond that, two passes: dq and the chain's per-row, per-block and per-walk operands over
+      the same walk, dk and the values over the key-side walk (the transposed classification, key x row
+      blocks); run only where a gradient is needed
     gradients (jax.grad), per float input:
       q: through o
       k: through o
@@ -84,6 +86,9 @@ _SMEM_BYTES = 1040384  # scalar memory of a v5e TensorCore
 _EMPTY = 0  # every element absent: no step computes it
 _PARTIAL = 1  # some elements absent: the condition is evaluated
 _FULL = 2  # every element present: the condition is not evaluated
+# The most rows of dq (the query index's size rounded up to its tile) the fused backward
+# sums in VMEM for one group; beyond them the backward takes two walks (`sparsegen plan`).
+_FUSED_MAX_ROWS = 93696
 
 
 def _fail(message):
@@ -591,6 +596,15 @@ def _classify_blocks(xp, sizes, origin=None):
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 
+def _fused_vmem_limit(rows):
+    """vmem_limit_bytes for the fused backward holding `rows` rows of dq: the estimate
+    (the walk's blocks, each row's f32 sum and output buffers) with a quarter and 2 MiB on
+    top, in whole MiB, at least the module's limit, within the chip's VMEM (vmem.py)."""
+    need = 4620288 + rows * 1024
+    limit = -(-(need * 5 // 4 + 2 * 1024 * 1024) // (1024 * 1024)) * 1024 * 1024
+    return min(max(limit, 16777216), 134217728)
+
+
 def _attention_kernel(
     rows,
     cols,
@@ -973,6 +987,182 @@ def _attention_dkv_kernel(
         dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
 
 
+def _attention_fused_backward_kernel(
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    origins,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    row_lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_o_ref,
+    dq_ref,
+    dk_acc,
+    dv_o_acc,
+    dq_acc,
+    *,
+    steps,
+    S,
+):
+    # Computes the gradients of k, the values and q in one walk over key blocks.
+    del rows  # unused
+    t = pl.program_id(2)
+    at = t
+    kind = kinds[at]
+    flag = flags[at]
+
+    @pl.when(pl.program_id(2) == 0)
+    def _start():
+        # The group's first step: no row of dq summed yet.
+        dq_acc[...] = jnp.zeros_like(dq_acc)
+
+    @pl.when(flag & 1 != 0)
+    def _init():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_o_acc[...] = jnp.zeros_like(dv_o_acc)
+
+    # Blocks are key x row here: each row's statistics are row vectors, and both
+    # gradients are plain products with the row blocks.
+
+    def _scores(masked):
+        q_blk = q_ref[...]
+        if masked and S % 256 != 0:
+            # Past the end of i memory holds anything: zero it.
+            inside = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            q_blk = jnp.where(inside, q_blk, jnp.zeros_like(q_blk))
+        k_blk = k_ref[...]
+        if masked and S % 512 != 0:
+            # Past the end of j memory holds anything: zero it.
+            inside_ = (
+                read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            )
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            k_blk = jnp.where(inside_, k_blk.astype(jnp.float32), 0.0).astype(
+                k_blk.dtype
+            )
+        raw_scores = lax.dot_general(
+            k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        raw_scores = raw_scores * 0.08838834764831845
+
+        def _chain(raw_scores):
+            s = 50.0 * jnp.tanh(raw_scores / 50.0)
+            return s
+
+        s_ = _chain(raw_scores)
+        if masked:
+            i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
+            j_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
+            i_at = i_pos + origins[0]
+            j_at = j_pos + origins[1]
+            present = (
+                ((i_at >= j_at) & (i_at - j_at < 1024)) & (i_pos < S) & (j_pos < S)
+            )
+            s_ = jnp.where(present, s_, -jnp.inf)
+        return raw_scores, s_, _chain
+
+    def _step(masked):
+        raw, s, chain = _scores(masked)
+        lse = row_lse_ref[0:1, :]
+        delta_ = delta_ref[0:1, :]
+        if masked and S % 256 != 0:
+            rows_inside = (
+                cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1) < S
+            )
+            lse = jnp.where(rows_inside, lse, 0.0)
+            delta_ = jnp.where(rows_inside, delta_, 0.0)
+        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
+        probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
+        v_blk = v_ref[...]
+        if masked and S % 512 != 0:
+            # Past the end of j memory holds anything: zero it.
+            inside = (
+                read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            )
+            # Via f32: a bf16 select here aborts libtpu's cycle profiler.
+            v_blk = jnp.where(inside, v_blk.astype(jnp.float32), 0.0).astype(
+                v_blk.dtype
+            )
+        do = do_ref[...]
+        if masked and S % 256 != 0:
+            # Past the end of i memory holds anything: zero it.
+            inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            do = jnp.where(inside_, do, jnp.zeros_like(do))
+        dprobs = lax.dot_general(
+            v_blk,
+            do.astype(v_blk.dtype),
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        ds = probs * (dprobs - delta_)
+        _, pull = jax.vjp(chain, raw)
+        (draw,) = pull(ds)
+        draw = jnp.where(jnp.isneginf(s), 0.0, draw)  # absent: no gradient
+        q_blk = q_ref[...]
+        if masked and S % 256 != 0:
+            # Past the end of i memory holds anything: zero it.
+            inside__ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
+            q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
+        dv_o_acc[...] += lax.dot_general(
+            probs.astype(do.dtype),
+            do,
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        dk_acc[...] += (
+            lax.dot_general(
+                draw.astype(q_blk.dtype),
+                q_blk,
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+            * 0.08838834764831845
+        )
+        k_blk = k_ref[...]
+        if masked and S % 512 != 0:
+            # Past the end of j memory holds anything: zero it.
+            inside___ = (
+                read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0) < S
+            )
+            k_blk = jnp.where(inside___, k_blk, jnp.zeros_like(k_blk))
+        row = pl.multiple_of(cols[at] * 256, 256)
+        dq_acc[pl.ds(row, 256), :] += (
+            lax.dot_general(
+                draw.astype(k_blk.dtype),
+                k_blk,
+                (((0,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+            * 0.08838834764831845
+        )
+
+    @pl.when(kind == _PARTIAL)
+    def _partial():
+        # Some elements absent: evaluate the condition.
+        _step(True)
+
+    @pl.when(kind == _FULL)
+    def _full():
+        # Every element present: the condition is not evaluated.
+        _step(False)
+
+    @pl.when(flag & 2 != 0)
+    def _flush():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
+
+    @pl.when(pl.program_id(2) == steps - 1)
+    def _finish():
+        # The group's last step: every row of dq is whole.
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+
 def _q_map(b, h, t, rows, cols, read_rows, *_):
     del rows, cols  # unused
     # q[b, h, i, d]: the row block the step reads
@@ -1155,6 +1345,16 @@ def _dv_o_map_by_key(b, h, t, rows, *_):
     )
 
 
+def _dq_group_map_by_key(b, h, *_):
+    # the gradient of q: the group's rows, written at its last step
+    return (
+        b,
+        h,
+        0,
+        0,
+    )
+
+
 def _prepare(q, k, v, B, H, S, D, G):
     """Check the arguments against the spec; return the kernel's arrays and sizes."""
     size = _sizes({"B": B, "H": H, "S": S, "D": D, "G": G}, {})
@@ -1264,12 +1464,95 @@ def _backward(
     interpret,
     origin=None,
 ):
-    """The gradients: a walk over rows (the row factor's), and one over key blocks, visiting
-    each key block's non-empty row blocks (the key factor's and the values')."""
+    """The gradients: in one walk over key blocks (the key factor's and the values' per key
+    block, the row factor's summed per group in VMEM) while the group's rows fit VMEM, else
+    in two: a walk over rows (the row factor's), and one over key blocks, visiting each key
+    block's non-empty row blocks (the key factor's and the values')."""
     B, H, S, D, G = sizes
     block_kinds_ = _classify_blocks(np if origin is None else jnp, sizes, origin)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
+    if -(-S // 256) * 256 <= _FUSED_MAX_ROWS:
+        # dq of a group fits VMEM (lower.backward_walk): one walk.
+        (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+            block_kinds_.transpose(0, 2, 1), bound
+        )
+        steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(B, H, steps),
+            in_specs=[
+                pl.BlockSpec((None, None, 256, 128), _q_map_by_key),
+                pl.BlockSpec((None, None, 512, 128), _k_map_by_key),
+                pl.BlockSpec((None, None, 512, 128), _v_map_by_key),
+                pl.BlockSpec((None, None, 256, 128), _do_map_by_key),
+                pl.BlockSpec((None, None, 8, 256), _row_lse_cols_map_by_key),
+                pl.BlockSpec((None, None, 8, 256), _delta_cols_map_by_key),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, 512, 128), _dk_map_by_key),
+                pl.BlockSpec((None, None, 512, 128), _dv_o_map_by_key),
+                pl.BlockSpec(
+                    (None, None, -(-S // 256) * 256, 128), _dq_group_map_by_key
+                ),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((512, 128), jnp.float32),
+                pltpu.VMEM((512, 128), jnp.float32),
+                pltpu.VMEM((-(-S // 256) * 256, 128), jnp.float32),
+            ],
+        )
+        (
+            dk_full,
+            dv_o_full,
+            dq_full,
+        ) = pl.pallas_call(
+            functools.partial(_attention_fused_backward_kernel, steps=steps, S=S),
+            grid_spec=grid_spec,
+            out_shape=_typed(
+                [
+                    jax.ShapeDtypeStruct((B, H, S, D), jnp.float32),
+                    jax.ShapeDtypeStruct((B, H, S, D), jnp.float32),
+                    jax.ShapeDtypeStruct((B, H, -(-S // 256) * 256, D), jnp.bfloat16),
+                ],
+                q,
+                k,
+                v,
+                g_o,
+                row_lse_cols,
+                delta_cols,
+            ),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "arbitrary"),
+                vmem_limit_bytes=_fused_vmem_limit(-(-S // 256) * 256),
+            ),
+            cost_estimate=pl.CostEstimate(
+                flops=kinds.size * 167772160,
+                transcendentals=kinds.size * 131072,
+                bytes_accessed=kinds.size * 409600
+                + B * H * S * D * 4
+                + B * H * S * D * 4
+                + B * H * -(-S // 256) * 256 * D * 2,
+            ),
+            interpret=interpret,
+        )(
+            rows,
+            cols,
+            read_rows,
+            kinds,
+            flags,
+            origins,
+            q,
+            k,
+            v,
+            g_o,
+            row_lse_cols,
+            delta_cols,
+        )
+        dq_full = dq_full[..., :S, :]  # the rows past the end dropped
+
+        return dq_full, dk_full, dv_o_full
+    # Two walks: dq of a group would not fit VMEM.
     (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(

@@ -81,8 +81,7 @@ def test_kernels_ran_sharded_on_the_mesh(run):
     kernels = calls["kernels"]
     assert kernels["pallas_calls_outside"] == 0 and kernels["pallas_calls_in_shard_map"] >= 6
     ran = {k for sm in kernels["shard_maps"] for k in sm["kernels"]}
-    assert ran == {"gqa_attention._attention_kernel", "gqa_attention._attention_dq_kernel",
-                   "gqa_attention._attention_dkv_kernel", "expert_matmul._kernel", "expert_matmul._d_x_kernel",
+    assert ran == {"gqa_attention._attention_kernel", "gqa_attention._attention_fused_backward_kernel", "expert_matmul._kernel", "expert_matmul._d_x_kernel",
                    "expert_matmul._d_w_kernel"}
     for sm in kernels["shard_maps"]:
         assert sm["mesh"] == mesh
@@ -122,7 +121,7 @@ def test_kernels_ran_sharded_on_the_mesh(run):
     n, heads = mesh[ring], report["config"]["heads"]
     rows, positions = BATCH // mesh["data"], SEQ // n
     want = [[rows, h, positions, 64] for h in (heads, heads // 2, heads // 2)]  # q, k, v
-    backward = {"gqa_attention._attention_dq_kernel", "gqa_attention._attention_dkv_kernel"}
+    backward = {"gqa_attention._attention_fused_backward_kernel"}
     (att_backward,) = shard_maps_running(kernels, backward)
     assert att_forward["collectives"] == {"ppermute": 2 * (n - 1)}
     assert att_backward["collectives"] == {"ppermute": 4 * (n - 1)}

@@ -3,6 +3,8 @@ what it costs, in words."""
 
 from __future__ import annotations
 
+import textwrap
+
 
 def describe_attention(m) -> list[str]:
     p, k, w = m.plan, m.kernel, m.walk
@@ -51,9 +53,14 @@ def describe_attention(m) -> list[str]:
         lines.append("  placed after), the values and per-key operands over the key-side walk (the transposed classification,")
         lines.append("  key x row blocks); run only where a gradient is needed")
     elif derived:
-        lines.append(f"backward (jax.grad), through {', '.join(derived)}: dq and the chain's per-row, per-block and per-walk operands")
-        lines.append(f"  over the same walk; d{p.k.operand} and the values over the key-side walk (the transposed classification,")
-        lines.append("  key x row blocks); run only where a gradient is needed")
+        bw = m.backward_walk  # lower.backward_walk: the rule and its reason
+        text = f"backward (jax.grad), through {', '.join(derived)}: {bw.why}"
+        if not bw.fused or bw.max_rows is not None:
+            text += (f"; {'' if not bw.fused else 'beyond that, '}two passes: d{p.q.operand} and the chain's per-row, per-block "
+                     f"and per-walk operands over the same walk, d{p.k.operand} and the values over the key-side walk "
+                     "(the transposed classification, key x row blocks)")
+        text += "; run only where a gradient is needed"
+        lines += textwrap.wrap(text, 100, subsequent_indent="  ")
     values = {c.value.operand: c.output for c in p.consumers if c.kind == "softmax_product"}
     partials = [Partial(op, "", out) for out in derived for op in dict.fromkeys(p.score_operands() + [v for v, o in values.items() if o == out])]
     return lines + gradient_lines(k, partials, m.refused)

@@ -54,7 +54,7 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             self.col_hosts["dsum"] = self.n.local("dsum_cols")
         self._fns: dict[object, str] = {}
         self.float_grads: list = []  # (read, variable in _backward, the indices it is laid out over)
-        self.post_dkv: list[str] = []
+        self.grad_vars: dict[str, str] = {}  # `grad_var`: a gradient's variable, shared by the two backward walks
 
     def fn(self, preferred: str, key: object = None) -> str:
         """A module-level function name, the same for the same `key` (default: the preferred
@@ -151,6 +151,7 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             "walk_fn": walk,
             "post": call.post,
             "about": call.about,
+            "vmem_limit": None,  # the module's (a call of its own sets it)
         }
 
     def bytes_accessed(self, call: CallSpec) -> str:
@@ -194,17 +195,32 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
         backward = {}
         outputs = [c.output for c in p.consumers]
         derived = derived_outputs(p) if error is None else []
+        fused_dict, fused_rows, fused_vmem = None, None, None
         if derived:
             self.cotangents = {o.name: self.n.local(f"g_{o.name}") for o in k.outputs}
             dq, dkv = self.dq_call(), self.dkv_call() if self.needs_key_walk() else None
             backward = self.backward_glue(dq, dkv, outputs)
             calls_b = [self.call_dict(dq, kinds_var)] + ([self.call_dict(dkv, f"{kinds_var}.transpose(0, 2, 1)")] if dkv else [])
+            bw = m.backward_walk
+            if bw.fused:  # lower.backward_walk: one walk over key blocks (and, past max_rows, the two passes)
+                fused = self.dkv_call(fused=True)
+                fused_dict = self.call_dict(fused, f"{kinds_var}.transpose(0, 2, 1)")
+                if bw.max_rows is None:
+                    limits = [x for x in (bw.limit, m.vmem_limit()) if x is not None]
+                    fused_dict["vmem_limit"] = max(limits) if limits else None
+                    calls_b = []
+                else:  # the size is known at trace time: so is the limit (`_fused_vmem_limit`)
+                    fused_rows = (self.padded_rows(), bw.max_rows)
+                    fused_dict["vmem_limit"] = f"_fused_vmem_limit({self.padded_rows()})"
+                    fused_vmem = {"static": bw.static_bytes, "row": bw.row_bytes, "floor": m.vmem_limit() or m.target.scoped_vmem_bytes,
+                                  "vmem": m.target.vmem_bytes}
         else:
             calls_b = []
         doc, call_doc = self.docstring()
         forward_dict = self.call_dict(forward, kinds_var)
         stored_dict = self.call_dict(stored, kinds_var, walk="_dense_tables") if stored else None
-        maps = self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if derived else []))
+        maps = self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if calls_b else [])
+                             + ([fused] if fused_dict else []))
         prepare_lines = self.prepare_lines()
         reference_lines = self.reference_lines()
         outputs = [self.out_var[c.output] for c in p.consumers]
@@ -244,6 +260,9 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             stored=stored_dict,
             stored_lines=stored_lines,
             backward_calls=calls_b,
+            fused=fused_dict,
+            fused_rows=fused_rows,
+            fused_vmem=fused_vmem,
             maps=maps,
             kinds_lines=kinds_lines,
             xp=xp,

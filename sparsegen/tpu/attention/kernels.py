@@ -1,7 +1,8 @@
 """The row walk's kernel bodies, as lines of Python: the forward (flash: running max and
-sum, rescaled accumulators), the stored outputs' dense walk, and the backward's dq (row
-walk) and dk/dv (key-side walk on key x row blocks). Mixed into the emitter, whose names,
-tiles and sizes they use.
+sum, rescaled accumulators), the stored outputs' dense walk, and the backward: fused (dk,
+dv and dq in one key-side walk on key x row blocks, dq summed per group in VMEM) where
+`lower.backward_walk` says so, else dq (row walk) and dk/dv (key-side walk). Mixed into the
+emitter, whose names, tiles and sizes they use.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ...expr import Const
 from ...schedule.attention import read_key
 from ...schedule.row import Direction
 from ...terms import render_term
-from .lower import LANES, SUBLANES, Operand
+from .lower import LANES, SUBLANES, Operand, gradient_dtype
 
 
 @dataclass
@@ -552,7 +553,7 @@ class KernelWriter:
             dr, kv, prec = self.mxu(draw, ko.var, self.dtype_of(ko))
             step.append(f"    {dq_acc}[...] += lax.dot_general({dr}, {kv}, (((1,), ({kj},)), ((), ())), "
                         f"preferred_element_type={acc.jnp}{prec}){scale}")
-            outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), self.grad_dtype(p.q), self.n.local("dq_full"),
+            outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), self.grad_dtype(p.q), self.grad_var("dq_full"),
                                  "the row block's gradient of the score's row factor", vector=False)]
             scratch = [f"pltpu.VMEM(({self.tile[p.query]}, {self.tile[p.summed]}), {acc.jnp})"]
         row_accs, walk_accs, init, flush, finish, post = [], [], [], [], [], []
@@ -622,9 +623,10 @@ class KernelWriter:
         return CallSpec(self.n.function("_attention_dq_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
                         f"{2 * dims * (2 * self.score_depth() + e_total)}", f"{dims}", about, refs, post=post)
 
-    def dkv_call(self) -> CallSpec:
+    def dkv_call(self, fused: bool = False) -> CallSpec:
         """The key-side gradients: a walk over key blocks (the transposed classification),
-        visiting each key block's non-empty row blocks."""
+        visiting each key block's non-empty row blocks. `fused` (lower.backward_walk): dq in
+        the same walk, from the same probabilities (`fused_dq`)."""
         p, acc = self.p, self.acc
         n = self.n.scope()
         tables = self.key_tables()
@@ -652,23 +654,23 @@ class KernelWriter:
             dr, qv, prec = self.mxu(draw, qo.var, self.dtype_of(qo))
             step.append(f"    {dk_acc}[...] += lax.dot_general({dr}, {qv}, (((1,), ({qi},)), ((), ())), "
                         f"preferred_element_type={acc.jnp}{prec}){scale}")
-            outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), self.grad_dtype(p.k), self.n.local("dk_full"),
+            outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), self.grad_dtype(p.k), self.grad_var("dk_full"),
                                  "the key block's gradient of the score's key factor", vector=False)]
             scratch = [f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[p.summed]}), {acc.jnp})"]
         for c in p.consumers:
             if c.kind == "softmax_product":
                 e = self.e_of(c)
-                outs.append(self.out_arr(dv[c.output][1], p.lead + (p.key, e), self.grad_dtype(c.value), self.n.local(f"dv_{c.output}_full"),
+                outs.append(self.out_arr(dv[c.output][1], p.lead + (p.key, e), self.grad_dtype(c.value), self.grad_var(f"dv_{c.output}_full"),
                                          f"the key block's gradient of {c.value.operand}", vector=False))
                 scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[e]}), {acc.jnp})")
         # Float operands the chain reads per key (a key-padding bias): summed per key block here.
-        key_accs, key_flush = [], []
+        key_accs, key_flush, post = [], [], []
         lead_shape = [self.size_of(i) for i in p.lead]
         for r, d in dos["floats"].items():
             if self.operand_of(r).layout != "cols":
                 continue
             ref, a = float_names[r]
-            var = self.n.local(f"d{r.operand}_{''.join(r.indices)}")
+            var = self.grad_var(f"d{r.operand}_{''.join(r.indices)}")
             key_accs.append(a)
             step.append(f"    {a}[...] += {d}")
             key_flush.append(f"    {ref}[...] = jnp.broadcast_to({a}[...], {ref}.shape)")
@@ -676,22 +678,78 @@ class KernelWriter:
             outs.append(OutArr(ref, tuple([None] * len(p.lead) + [self.tile[p.key], LANES]), tuple(self.w.lead_coords() + [self.w.row(), Const(0)]),
                                self.fn(f"_d{r.operand}_keys_map", key=("keys", r)), "", f"the gradient of {r.text}, per key", shape, shape, "jnp.float32", var))
             scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, 1), {acc.jnp})")
-            self.post_dkv.append(f"{var} = {var}[..., 0]")
-            self.float_grads.append((r, var, p.lead + (p.key,)))
+            post.append(f"{var} = {var}[..., 0]")
+            if not fused:  # the fused walk returns the same variables
+                self.float_grads.append((r, var, p.lead + (p.key,)))
         accs = ([] if p.stored_score else [dk_acc]) + [a for a, _ in dv.values()] + key_accs
-        lines = list(head) + ["", f"@pl.when({flag} & 1 != 0)", "def _init():"] + [f"    {a}[...] = jnp.zeros_like({a})" for a in accs]
+        start, finish, group_accs = [], [], []
+        if fused:
+            start, finish, group_accs = self.fused_dq(n, sn, step, at, tables, draw, outs, scratch, post)
+        lines = list(head) + start + ["", f"@pl.when({flag} & 1 != 0)", "def _init():"] + [f"    {a}[...] = jnp.zeros_like({a})" for a in accs]
         lines += ["", "# Blocks are key x row here: each row's statistics are row vectors, and both",
                   "# gradients are plain products with the row blocks."]
         lines += self.scores(n, lead_vars, at, tables, with_raw=True, transposed=True)
         lines += ["", "def _step(masked):"] + step + self.phases(kind, "_step")
         lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():"] + ([] if p.stored_score else [f"    {dk_ref}[...] = {dk_acc}[...].astype({dk_ref}.dtype)"])
-        lines += [f"    {r}[...] = {a}[...].astype({r}.dtype)" for a, r in dv.values()] + key_flush
-        refs = [a.ref for a in ins] + [o.ref for o in outs] + accs
+        lines += [f"    {r}[...] = {a}[...].astype({r}.dtype)" for a, r in dv.values()] + key_flush + finish
+        refs = [a.ref for a in ins] + [o.ref for o in outs] + accs + group_accs
         e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
-        return CallSpec(self.n.function("_attention_dkv_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
-                        f"{2 * self.block_elements() * (2 * self.score_depth() + 2 * e_total)}", f"{self.block_elements()}",
-                        f"the gradients of {p.k.operand} and the values" if not p.stored_score else "the gradients of the values and per-key operands",
-                        refs, suffix="_by_key", post=list(self.post_dkv))
+        about = f"the gradients of {p.k.operand} and the values" if not p.stored_score else "the gradients of the values and per-key operands"
+        depth = 2 * self.score_depth()
+        if fused:
+            about, depth = f"the gradients of {p.k.operand}, the values and {p.q.operand} in one walk over key blocks", 3 * self.score_depth()
+        return CallSpec(self.n.function("_attention_fused_backward_kernel" if fused else "_attention_dkv_kernel"), lines, scratch, ins, outs,
+                        self.statics(lines), tables, f"{2 * self.block_elements() * (depth + 2 * e_total)}", f"{self.block_elements()}",
+                        about, refs, suffix="_by_key", post=post)
+
+    def fused_dq(self, n, sn, step, at, tables, draw, outs, scratch, post) -> tuple[list[str], list[str], list[str]]:
+        """dq in the key-side walk (lower.backward_walk says when): each step's row block
+        of dq, draw^T k (draw is key x row here), is added into an f32 sum of the whole
+        group's rows in VMEM at the step's row block, zeroed at the group's first step and
+        written at its last as one output block that no other step maps to. (A dq block per
+        row in HBM would be revisited out of turn: the walk meets a row block once per key
+        block.) Appends to the step, outputs, scratch and post lines; returns the group's
+        start and finish regions and the sum's scratch ref."""
+        p, acc = self.p, self.acc
+        ti, d = self.tile[p.query], self.tile[p.summed]
+        ko = self.m.operands[1]
+        kj = self.live(ko.read).index(p.key)
+        step += self.load_block(sn, ko, at, tables, "masked", (p.key,), transposed=True)
+        dr, kv, prec = self.mxu(draw, ko.var, self.dtype_of(ko))
+        scale = f" * {p.scale!r}" if p.scale is not None else ""
+        dq_acc, dq_ref, row = n.local("dq_acc"), n.local("dq_ref"), sn.local("row")
+        step += [f"    {row} = pl.multiple_of({tables.query}[{at}] * {ti}, {ti})",
+                 f"    {dq_acc}[pl.ds({row}, {ti}), :] += lax.dot_general({dr}, {kv}, (((0,), ({kj},)), ((), ())), "
+                 f"preferred_element_type={acc.jnp}{prec}){scale}"]
+        rows = self.padded_rows()
+        lead_shape = [self.size_of(i) for i in p.lead]
+        var = self.grad_var("dq_full")
+        shape = tuple(lead_shape + [rows, self.size_of(p.summed)])
+        outs.append(OutArr(dq_ref, tuple([None] * len(p.lead) + [rows, d]), tuple(self.w.lead_coords() + [Const(0), Const(0)]),
+                           self.fn("_dq_group_map", key=("group", "dq")), "", f"the gradient of {p.q.operand}: the group's rows, written at its last step",
+                           shape, shape, self.grad_dtype(p.q), var))
+        scratch.append(f"pltpu.VMEM(({rows}, {d}), {acc.jnp})")
+        post.append(f"{var} = {var}[..., :{self.size_of(p.query)}, :]  # the rows past the end dropped")
+        axis = len(p.lead)
+        start = ["", f"@pl.when(pl.program_id({axis}) == 0)", "def _start():", "    # The group's first step: no row of dq summed yet.",
+                 f"    {dq_acc}[...] = jnp.zeros_like({dq_acc})"]
+        finish = ["", f"@pl.when(pl.program_id({axis}) == {self.steps} - 1)", "def _finish():", "    # The group's last step: every row of dq is whole.",
+                  f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)"]
+        return start, finish, [dq_acc]
+
+    def padded_rows(self) -> str:
+        """The query index's size rounded up to its tile (a host expression): dq's rows in VMEM."""
+        ti = self.tile[self.p.query]
+        size = self.k.index(self.p.query).size
+        if size.literal is not None:
+            return str(-(-size.literal // ti) * ti)
+        return f"-(-{self.size_of(self.p.query)} // {ti}) * {ti}"
+
+    def grad_var(self, preferred: str) -> str:
+        """A gradient's variable in `_backward`: one name whichever walk computes it."""
+        if preferred not in self.grad_vars:
+            self.grad_vars[preferred] = self.n.local(preferred)
+        return self.grad_vars[preferred]
 
     def needs_key_walk(self) -> bool:
         """The key-side backward walk: for the key factor, the values, per-key operands."""
@@ -711,10 +769,5 @@ class KernelWriter:
         return self.tile[self.p.query] * self.tile[self.p.key]
 
     def grad_dtype(self, read: Read) -> str:
-        """A gradient block's dtype: the operand's where the kernel's block is the whole
-        gradient; f32 where the wrapper still sums partial gradients (grouped heads, a head
-        the operand lacks, an operand read twice)."""
-        p, op = self.p, self.k.operand(read.operand)
-        roles = [r for r in (p.q, p.k, *(c.value for c in p.consumers if c.value is not None)) if r is not None and r.operand == read.operand]
-        direct = len(set(roles)) == 1 and len(roles) == 1 and all(s.divisor == 1 for s in read.subs) and set(p.lead) <= set(read.indices)
-        return op.dtype.jnp if direct else "jnp.float32"
+        """A gradient block's dtype (`lower.gradient_dtype`), as jnp names it."""
+        return gradient_dtype(self.k, self.p, read).jnp

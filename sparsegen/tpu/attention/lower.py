@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ...autodiff import Refusal, refusals
+from ...dtypes import DTYPES
 from ...callconv import Convention, convention
 from ...ir import Kernel, Read
 from ...names import ModuleNames
@@ -20,6 +21,7 @@ from ...expr import Const
 from ...schedule.attention import RowPlan, read_key
 from ...schedule.row import RowWalk, row_walk
 from ..targets import Target
+from ..layout import padded_bytes
 from ..vmem import MOSAIC_SCRATCH, VmemItem, attention_vmem, vmem_limit
 
 LANES, SUBLANES = 128, 8
@@ -53,6 +55,7 @@ class AttentionModule:
     backward_error: str | None = None  # why jax.grad cannot go through this kernel at all
     vmem_limit_override: int | None = None  # verify's probe
     refused: tuple = ()  # autodiff.Refusal: every gradient not derived, each raised only where needed
+    backward_walk: "BackwardWalk | None" = None  # fused or two passes (`backward_walk`), None without a backward
 
     @property
     def name(self) -> str:
@@ -128,7 +131,8 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
     vmem = attention_vmem(kernel, p, ops)
     error = gradient_error(kernel, plan)
     return AttentionModule(kernel, target, conv, names, plan, walk, tuple(ops), vmem, error,
-                           refused=refusals(kernel, None, error) + gradient_refusals(kernel, plan))  # the kernel-wide reason first
+                           refused=refusals(kernel, None, error) + gradient_refusals(kernel, plan),  # the kernel-wide reason first
+                           backward_walk=backward_walk(kernel, plan, target, ops) if error is None and derived_outputs(plan) else None)
 
 
 def layout_block(read: Read, layout: str, walk: RowWalk, tile: dict) -> tuple[tuple, tuple]:
@@ -174,3 +178,85 @@ def gradient_refusals(kernel: Kernel, p: RowPlan) -> tuple:
 def derived_outputs(p: RowPlan) -> list[str]:
     """The outputs the backward carries gradients through (in the plan's order)."""
     return [c.output for c in p.consumers if c.kind not in _NOT_DERIVED]
+
+
+def gradient_dtype(kernel: Kernel, p: RowPlan, read: Read):
+    """A gradient block's dtype: the operand's where the kernel's block is the whole
+    gradient; f32 where the wrapper still sums partial gradients (grouped heads, a head the
+    operand lacks, an operand read twice)."""
+    op = kernel.operand(read.operand)
+    roles = [r for r in (p.q, p.k, *(c.value for c in p.consumers if c.value is not None)) if r is not None and r.operand == read.operand]
+    direct = len(set(roles)) == 1 and len(roles) == 1 and all(s.divisor == 1 for s in read.subs) and set(p.lead) <= set(read.indices)
+    return op.dtype if direct else DTYPES["f32"]
+
+
+# ------------------------------------------------------------------ the backward's walk
+
+
+@dataclass(frozen=True)
+class BackwardWalk:
+    """How the gradients walk (the one rule: `backward_walk`). Fused: one walk over key
+    blocks computes dk, dv and dq, each (key block, row block) pair's scores and
+    probabilities once; dq of a whole lead group (a batch and head) is summed in VMEM and
+    written once at the group's last step, so no output block is revisited out of turn.
+    Otherwise two passes: dq over the row walk, dk and dv over the key-side walk, each
+    recomputing the scores."""
+
+    fused: bool
+    why: str  # the reason, in words (`sparsegen plan`)
+    max_rows: int | None = None  # fused while the query index's size, padded to its tile, is at most this (None: always)
+    row_bytes: int = 0  # VMEM a row of dq takes: its f32 sum and its output block's two buffers
+    vmem: tuple[VmemItem, ...] = ()  # the fused walk's VMEM besides dq's rows
+    static_bytes: int = 0  # their sum, with Mosaic's scratch
+    limit: int | None = None  # vmem_limit_bytes for the fused call at a literal size (`vmem.vmem_limit`)
+
+
+def backward_walk(kernel: Kernel, p: RowPlan, target: Target, ops) -> BackwardWalk:
+    """Fused or two passes, and why. Fused needs: a score product (dq is its row factor's
+    gradient); no float operand the chain reads per row, per block or per walk (their
+    gradients are summed over the row walk, which the fused walk does not take); a row tile
+    the dynamic store of a dq block can address (a multiple of 8 rows); and dq of one group
+    and the walk's blocks within three quarters of the target's VMEM, decided here for a
+    literal size, else by the generated code against `max_rows` (the size is known at
+    trace time). tests/test_fused_backward.py compiles the fused walk at `max_rows`."""
+    if p.stored_score:
+        return BackwardWalk(False, "two passes: a stored score has no row factor whose gradient the key walk could sum")
+    for r in p.float_reads():
+        o = next(o for o in ops if read_key(o.read) == read_key(r))
+        if o.layout != "cols":
+            what = {"natural": "per block", "rows": "per row", "scalar": "per walk"}[o.layout]
+            return BackwardWalk(False, f"two passes: the chain reads '{r.operand}' {what}, whose gradient the row walk sums")
+    tile = {i.name: i.tile for i in kernel.indices}
+    ti, tj, d = tile[p.query], tile[p.key], tile[p.summed]
+    if ti % kernel.accumulate.sublanes:
+        return BackwardWalk(False, f"two passes: a row tile of {ti} is no multiple of {kernel.accumulate.sublanes}, "
+                                   "so dq's blocks cannot be stored at a dynamic row")
+    acc = kernel.accumulate
+    dq_dtype = gradient_dtype(kernel, p, p.q)
+    row_bytes = padded_bytes((SUBLANES, d), acc) // SUBLANES + 2 * padded_bytes((16, d), dq_dtype) // 16
+    vmem = [VmemItem(f"{o.read.operand} block x2", tuple(b for b in o.block if b is not None), kernel.operand(o.read.operand).dtype, 2) for o in ops]
+    for c in p.consumers:
+        if c.kind == "softmax_product":
+            e = [i for i in kernel.statement_of(c.output).target.indices if i not in p.lead and i != p.query][0]
+            vmem.append(VmemItem(f"d{c.output} block x2", (ti, tile[e]), kernel.operand(c.output).dtype, 2))
+            vmem.append(VmemItem(f"d{c.value.operand} block x2 and its sum", (tj, tile[e]), acc, 3))
+    vmem.append(VmemItem("row statistics x2", (SUBLANES, ti), acc, 2 * (2 + any(c.kind == "sum" for c in p.consumers))))
+    vmem.append(VmemItem(f"d{p.k.operand} block x2 and its sum", (tj, d), acc, 3))
+    vmem.append(VmemItem("score, probability and gradient blocks (f32 temporaries)", (tj, ti), acc, 4))
+    static = sum(item.bytes for item in vmem) + MOSAIC_SCRATCH
+    budget = target.vmem_bytes * 3 // 4  # a quarter for what the estimate misses (spills, Mosaic's copies)
+    max_rows = (budget - static) // row_bytes // ti * ti
+    group = ", ".join(p.lead) or "walk"
+    if max_rows < ti:
+        return BackwardWalk(False, f"two passes: dq of one ({group}) would not fit in {target.name}'s VMEM beside the walk's blocks")
+    size = kernel.index(p.query).size
+    rows = -(-size.literal // ti) * ti if size.literal is not None else None
+    if rows is not None and rows > max_rows:
+        return BackwardWalk(False, f"two passes: dq of one ({group}), {rows} rows, would take {rows * row_bytes >> 20} MiB of VMEM "
+                                   f"(at most {max_rows} rows fit in three quarters of {target.name}'s)")
+    limit = vmem_limit(static + rows * row_bytes, target) if rows is not None else None
+    why = (f"fused: one walk over key blocks computes d{p.k.operand}, the values' gradients and d{p.q.operand} "
+           f"(d{p.q.operand} of one ({group}) summed in VMEM, {row_bytes} bytes a row)")
+    if rows is None:
+        why += f", while {size.text} padded to {ti} is at most {max_rows}"
+    return BackwardWalk(True, why, None if rows is not None else max_rows, row_bytes, tuple(vmem), static, limit)
