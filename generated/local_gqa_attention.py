@@ -1184,13 +1184,20 @@ def _prepare(q, k, v, B, H, S, D, G):
 
 def _walk_tables(kinds, bound):
     """The walk's scalar-prefetch tables for block kinds (numpy: known at trace time),
-    and whether some group needed more steps than `bound`."""
+    the steps its grid runs (the most any group needs: traced under jit, where the tables
+    hold `bound` steps a group, by default the dense count), and whether some group needed
+    more steps than `bound`."""
     # Known at trace time unless classified from a shard's traced first positions.
     tables, total, needed = _row_walk(
         np if isinstance(kinds, np.ndarray) else jnp, kinds, bound
     )
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
-    return tuple(jnp.asarray(t) for t in tables), False
+    # Under jit the grid's step axis is as long as the data needs, not the tables: steps past
+    # a group's last are empty, and no group's steps past the longest one's are run at all.
+    n_run = (
+        total if isinstance(needed, np.ndarray) else jnp.minimum(jnp.max(needed), total)
+    )
+    return tuple(jnp.asarray(t) for t in tables), n_run, False
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
@@ -1199,11 +1206,13 @@ def _impl(q, k, v, sizes, bound, interpret, origin=None):
     block_kinds_ = _classify_blocks(np if origin is None else jnp, sizes, origin)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(B, H, steps),
+        grid=(B, H, n_run),
         in_specs=[
             pl.BlockSpec((None, None, 256, 128), _q_map),
             pl.BlockSpec((None, None, 512, 128), _k_map),
@@ -1270,11 +1279,13 @@ def _backward(
     block_kinds_ = _classify_blocks(np if origin is None else jnp, sizes, origin)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(B, H, steps),
+        grid=(B, H, n_run),
         in_specs=[
             pl.BlockSpec((None, None, 256, 128), _q_map),
             pl.BlockSpec((None, None, 512, 128), _k_map),
@@ -1325,13 +1336,13 @@ def _backward(
         row_lse_rows,
         delta_rows,
     )
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
         block_kinds_.transpose(0, 2, 1), bound
     )
     steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(B, H, steps),
+        grid=(B, H, n_run),
         in_specs=[
             pl.BlockSpec((None, None, 256, 128), _q_map_by_key),
             pl.BlockSpec((None, None, 512, 128), _k_map_by_key),

@@ -30,8 +30,9 @@ Arguments:
     S: int, keyword, optional  (taken from the arguments; must agree if given)
     D: int, keyword, optional  (taken from the arguments; must agree if given)
     T: int, keyword, optional  (taken from the arguments; must agree if given)
-    max_steps: int, keyword, optional  (the walk's steps per group; default: every block;
-        checked on concrete arguments, NaN outputs under jit when too few)
+    max_steps: int, keyword, optional  (the tables' steps per group, in scalar memory; default:
+        every block; the grid runs the steps the data needs either way; checked on concrete
+        arguments, NaN outputs under jit when too few)
     interpret: False compiles for the TPU; True runs the CPU interpreter;
         pltpu.InterpretParams() runs the TPU simulator.
 
@@ -1064,10 +1065,17 @@ def _prepare(q, k, v, keep, H, S, D, T):
 
 def _walk_tables(kinds, bound):
     """The walk's scalar-prefetch tables for block kinds,
-    and whether some group needed more steps than `bound`."""
+    the steps its grid runs (the most any group needs: traced under jit, where the tables
+    hold `bound` steps a group, by default the dense count), and whether some group needed
+    more steps than `bound`."""
     tables, total, needed = _row_walk(jnp, kinds, bound)
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
-    return tuple(jnp.asarray(t) for t in tables), jnp.any(needed > total)
+    # Under jit the grid's step axis is as long as the data needs, not the tables: steps past
+    # a group's last are empty, and no group's steps past the longest one's are run at all.
+    n_run = (
+        total if isinstance(needed, np.ndarray) else jnp.minimum(jnp.max(needed), total)
+    )
+    return tuple(jnp.asarray(t) for t in tables), n_run, jnp.any(needed > total)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
@@ -1075,11 +1083,13 @@ def _impl(q, k, v, keep, sizes, bound, interpret):
     H, S, D, T = sizes
     block_kinds_ = _classify_blocks(jnp, keep, sizes)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(H, steps),
+        grid=(H, n_run),
         in_specs=[
             pl.BlockSpec((None, 128, 128), _q_map),
             pl.BlockSpec((None, 128, 128), _k_map),
@@ -1150,11 +1160,13 @@ def _backward(
     H, S, D, T = sizes
     block_kinds_ = _classify_blocks(jnp, keep, sizes)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(H, steps),
+        grid=(H, n_run),
         in_specs=[
             pl.BlockSpec((None, 128, 128), _q_map),
             pl.BlockSpec((None, 128, 128), _k_map),
@@ -1196,13 +1208,13 @@ def _backward(
     )(rows, cols, read_rows, kinds, flags, q, k, v, keep, g_o, row_lse_rows, delta_rows)
     # A walk cut short by max_steps (traced segment ids): NaN, never a silent wrong answer.
     dq_full = jnp.where(overflow, jnp.nan, dq_full).astype(dq_full.dtype)
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
         block_kinds_.transpose(0, 2, 1), bound
     )
     steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(H, steps),
+        grid=(H, n_run),
         in_specs=[
             pl.BlockSpec((None, 128, 128), _q_map_by_key),
             pl.BlockSpec((None, 128, 128), _k_map_by_key),
@@ -1356,8 +1368,9 @@ def masked_attention(
 
 
 def _check_bound(max_steps, classify, reads, sizes):
-    """max_steps: the walk's steps per group instead of the dense count. Checked here when
-    the operands are concrete (under jit, a walk that does not fit makes the outputs NaN).
+    """max_steps: the walk tables' steps per group instead of the dense count (their size in
+    scalar memory; the grid runs the steps the data needs either way). Checked here when the
+    operands are concrete (under jit, a walk that does not fit makes the outputs NaN).
     """
     if max_steps is None:
         return None
