@@ -169,9 +169,9 @@ def classification(S: int, repeats: int) -> list[dict]:
 
 def our_walk(kind: str, S: int, H: int = 8) -> dict:
     """Steps, computing steps, partial steps and K/V copies of the grid (1, H, steps): with one
-    batch row every head walks the same tables. Segment ids are traced under jit, so that
-    walk has the dense count unless the caller bounds it: `max_steps` here is the exact
-    need (the generated function checks it when the ids are concrete)."""
+    batch row every head walks the same tables. Segment ids are traced under jit: the grid's
+    step axis is then a traced extent, these steps, over tables of the dense count
+    (`max_steps` shrinks the tables, not the grid)."""
     mod = module(kind)
     args = args_of(kind, H, S)
     kinds = np.asarray(mod.block_kinds(*args))
@@ -182,7 +182,7 @@ def our_walk(kind: str, S: int, H: int = 8) -> dict:
     out = {"grid": f"(1, {H}, {steps})", "steps": H * steps, "computed": H * int((step_kinds != 0).sum()),
            "partial": H * int((step_kinds == 1).sum()), "kv_copies": H * copies}
     if kind == "document":
-        out["dense_steps"] = H * kinds.shape[1] * kinds.shape[2]  # without max_steps
+        out["table_steps"] = H * kinds.shape[1] * kinds.shape[2]  # the tables' length without max_steps
     return out
 
 
@@ -447,7 +447,7 @@ def main() -> int:
     print(f"2. The walk at H = 8, S = {S}")
     for r in result["walk"]:
         o, t = r["sparsegen"], r["splash"]
-        note = f"  (max_steps given; {o['dense_steps']} without)" if "dense_steps" in o else ""
+        note = f"  (a traced grid extent; tables of {o['table_steps']} steps)" if "table_steps" in o else ""
         print(f"   {r['mask']:9s} steps {o['steps']:6d} vs {t['steps']:6d}   computed {o['computed']:6d} vs {t['computed']:6d}"
               f"   K/V copies {o['kv_copies']:6d} vs {t['streamed_copies']:6d}{note}")
     print("3. Ahead-of-time compiles (scoped VMEM per kernel, MiB)")

@@ -584,6 +584,22 @@ def test_bias_slope_and_per_row_and_per_key_terms_get_gradients(interpret):
     assert_gradients_match(got, want, bf16=False)
 
 
+@pytest.mark.parametrize("interpret", ["cpu", "sim"], indirect=True)
+def test_sums_over_a_traced_walk_finish_at_its_last_step(interpret):
+    """The slope's gradient, summed over the whole dq walk, is written at the grid's last
+    step: with segment ids traced under jit that is the traced extent's, not the tables'."""
+    text = BIASED.replace("in  kpad: f32[B, S]", "in  kpad: f32[B, S]\n    in  seg: i32[B, S]")
+    kernel, mod = build(text.replace("where i >= j", "where seg[b, i] == seg[b, j] and i >= j"))
+    rng = np.random.default_rng(16)
+    B, H, S = 2, 2, 300
+    args = [rand(rng, (B, H, S, 128), jnp.float32) for _ in range(3)]
+    args += [rand(rng, (H, S, S), jnp.float32), jnp.abs(rand(rng, (H,), jnp.float32)) * 0.01, rand(rng, (B, H, S), jnp.float32),
+             rand(rng, (B, S), jnp.float32), jnp.asarray(np.arange(2 * S).reshape(B, S) // 100 % 3, jnp.int32)]
+    fn = jax.jit(lambda *a: mod.biased(*a, interpret=interpret))
+    got = gradients(fn, args, 7)
+    assert_gradients_match(got, gradients(mod.reference, args, 7), bf16=False)
+
+
 @pytest.mark.parametrize("target", sorted(TOPOLOGIES))
 def test_biased_backward_compiles_for_tpu(target):
     from aot import compile_for

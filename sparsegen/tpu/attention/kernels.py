@@ -614,7 +614,8 @@ class KernelWriter:
         if flush:
             lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():"] + flush
         if walk_accs:
-            lines += ["", f"@pl.when(pl.program_id({len(p.lead)}) == {self.steps} - 1)", "def _finish():"] + finish
+            # The last step the grid runs (a traced extent where the walk is classified under jit).
+            lines += ["", f"@pl.when(pl.program_id({len(p.lead)}) == pl.num_programs({len(p.lead)}) - 1)", "def _finish():"] + finish
         refs = [a.ref for a in ins] + [o.ref for o in outs] + ([] if p.stored_score else [dq_acc]) + row_accs + walk_accs
         dims = self.block_elements()
         e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
