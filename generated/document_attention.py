@@ -642,7 +642,7 @@ def _attention_kernel(
     def _scores(masked):
         q_blk = q_ref[...]
         k_blk = k_ref[...]
-        seg_blk = seg_ref[:, 0:1]
+        seg_blk = jnp.tile(seg_ref[...], (1, 2))
         seg_blk_ = seg_ref_[0:1, :]
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -650,13 +650,16 @@ def _attention_kernel(
         raw_scores = raw_scores * 0.125
         s = raw_scores
         if masked:
-            i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((seg_blk == seg_blk_) & (i_at >= j_at)) & (i_pos < S) & (j_pos < S)
+            i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 0
             )
+            j_at = (cols[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 1
+            )
+            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if S % 256 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s = jnp.where(present, s, -jnp.inf)
         return s
 
@@ -755,7 +758,7 @@ def _attention_dq_kernel(
             # Past the end of j memory holds anything: zero it.
             inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
-        seg_blk = seg_ref[:, 0:1]
+        seg_blk = jnp.tile(seg_ref[...], (1, 2))
         seg_blk_ = seg_ref_[0:1, :]
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -763,13 +766,16 @@ def _attention_dq_kernel(
         raw_scores = raw_scores * 0.125
         s = raw_scores
         if masked:
-            i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((seg_blk == seg_blk_) & (i_at >= j_at)) & (i_pos < S) & (j_pos < S)
+            i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 0
             )
+            j_at = (cols[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 1
+            )
+            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if S % 256 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -892,20 +898,23 @@ def _attention_dkv_kernel(
                 k_blk.dtype
             )
         seg_blk = seg_ref[0:1, :]
-        seg_blk_ = seg_ref_[:, 0:1]
+        seg_blk_ = jnp.tile(seg_ref_[...], (1, 2))
         raw_scores = lax.dot_general(
             k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
         raw_scores = raw_scores * 0.125
         s = raw_scores
         if masked:
-            i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            j_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((seg_blk == seg_blk_) & (i_at >= j_at)) & (i_pos < S) & (j_pos < S)
+            i_at = (cols[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 1
             )
+            j_at = (read_rows[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 0
+            )
+            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if S % 256 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 

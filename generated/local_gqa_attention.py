@@ -638,13 +638,16 @@ def _attention_kernel(
 
         s_ = _chain(raw_scores)
         if masked:
-            i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((i_at >= j_at) & (i_at - j_at < 1024)) & (i_pos < S) & (j_pos < S)
+            i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 512), 0
             )
+            j_at = (cols[at] * 512 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 512), 1
+            )
+            present = (i_at >= j_at) & (i_at - j_at < 1024)
+            if S % 256 != 0 or S % 512 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s_ = jnp.where(present, s_, -jnp.inf)
         return s_
 
@@ -751,13 +754,16 @@ def _attention_dq_kernel(
 
         s_ = _chain(raw_scores)
         if masked:
-            i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((i_at >= j_at) & (i_at - j_at < 1024)) & (i_pos < S) & (j_pos < S)
+            i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 512), 0
             )
+            j_at = (cols[at] * 512 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 512), 1
+            )
+            present = (i_at >= j_at) & (i_at - j_at < 1024)
+            if S % 256 != 0 or S % 512 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s_ = jnp.where(present, s_, -jnp.inf)
         return raw_scores, s_, _chain
 
@@ -889,13 +895,16 @@ def _attention_dkv_kernel(
 
         s_ = _chain(raw_scores)
         if masked:
-            i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            j_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((i_at >= j_at) & (i_at - j_at < 1024)) & (i_pos < S) & (j_pos < S)
+            i_at = (cols[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (512, 256), 1
             )
+            j_at = (read_rows[at] * 512 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (512, 256), 0
+            )
+            present = (i_at >= j_at) & (i_at - j_at < 1024)
+            if S % 256 != 0 or S % 512 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s_ = jnp.where(present, s_, -jnp.inf)
         return raw_scores, s_, _chain
 

@@ -546,9 +546,12 @@ def _attention_kernel(
         )
         s = raw_scores
         if masked:
-            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = ((keep_blk != 0)) & (i_pos < S) & (j_pos < T)
+            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 0)
+            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 1)
+            present = keep_blk != 0
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return s
 
@@ -653,9 +656,12 @@ def _attention_dq_kernel(
         )
         s = raw_scores
         if masked:
-            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = ((keep_blk != 0)) & (i_pos < S) & (j_pos < T)
+            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 0)
+            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 1)
+            present = keep_blk != 0
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -780,9 +786,12 @@ def _attention_dkv_kernel(
         )
         s = raw_scores
         if masked:
-            i_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            j_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            present = ((keep_blk != 0)) & (i_pos < S) & (j_pos < T)
+            i_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 1)
+            j_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 0)
+            present = keep_blk != 0
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 

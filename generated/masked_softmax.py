@@ -459,14 +459,21 @@ def _attention_kernel(
 
         s, s_ = _chain(x_blk)
         if masked:
-            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (i_at >= j_at) & (i_pos < S) & (j_pos < T)
+            i_at = (read_rows[at] * 128 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (128, 128), 0
+            )
+            j_at = (cols[at] * 128 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (128, 128), 1
+            )
+            present = i_at >= j_at
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < T + origins[1])
             s = jnp.where(present, s, -jnp.inf)
-            present_ = (i_pos < S) & (j_pos < T)
-            s_ = jnp.where(present_, s_, -jnp.inf)
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present_ = (i_at < S + origins[0]) & (j_at < T + origins[1])
+                s_ = jnp.where(present_, s_, -jnp.inf)
         return s, s_
 
     def _step(masked):
@@ -553,14 +560,21 @@ def _attention_stored_kernel(
 
         s, s_ = _chain(x_blk)
         if masked:
-            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (i_at >= j_at) & (i_pos < S) & (j_pos < T)
+            i_at = (read_rows[at] * 128 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (128, 128), 0
+            )
+            j_at = (cols[at] * 128 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (128, 128), 1
+            )
+            present = i_at >= j_at
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < T + origins[1])
             s = jnp.where(present, s, -jnp.inf)
-            present_ = (i_pos < S) & (j_pos < T)
-            s_ = jnp.where(present_, s_, -jnp.inf)
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present_ = (i_at < S + origins[0]) & (j_at < T + origins[1])
+                s_ = jnp.where(present_, s_, -jnp.inf)
         return s, s_
 
     def _write(masked):

@@ -628,11 +628,16 @@ def _attention_kernel(
         raw_scores = raw_scores * 0.125
         s = raw_scores
         if masked:
-            i_pos = read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0)
-            j_pos = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (1, 32), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (i_at >= j_at) & (i_pos < S) & (j_pos < S)
+            i_at = (read_rows[at] * 32 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (32, 32), 0
+            )
+            j_at = (cols[at] * 32 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (32, 32), 1
+            )
+            present = i_at >= j_at
+            if S % 32 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s = jnp.where(present, s, -jnp.inf)
         return s
 
@@ -734,11 +739,16 @@ def _attention_dq_kernel(
         raw_scores = raw_scores * 0.125
         s = raw_scores
         if masked:
-            i_pos = read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0)
-            j_pos = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (1, 32), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (i_at >= j_at) & (i_pos < S) & (j_pos < S)
+            i_at = (read_rows[at] * 32 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (32, 32), 0
+            )
+            j_at = (cols[at] * 32 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (32, 32), 1
+            )
+            present = i_at >= j_at
+            if S % 32 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -863,11 +873,16 @@ def _attention_dkv_kernel(
         raw_scores = raw_scores * 0.125
         s = raw_scores
         if masked:
-            i_pos = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (1, 32), 1)
-            j_pos = read_rows[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (i_at >= j_at) & (i_pos < S) & (j_pos < S)
+            i_at = (cols[at] * 32 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (32, 32), 1
+            )
+            j_at = (read_rows[at] * 32 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (32, 32), 0
+            )
+            present = i_at >= j_at
+            if S % 32 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 

@@ -15,7 +15,7 @@ from ...pytext import live_lines, parameters, py_tuple, words
 from ...ring import RingSides
 from ...wrapper import Glue, Wrapper, vjp_tables
 from .describe import describe_attention
-from .kernels import Arr, CallSpec, KernelWriter, OutArr
+from .kernels import Arr, CallSpec, KernelWriter, OutArr, lanes
 from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, layout_block
 from .reference import ReferenceWriter
 
@@ -408,6 +408,10 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
     def block_value(self, o: Operand, transposed: bool = False) -> str:
         ref = o.ref
         if o.layout == "rows":
+            if not self.dtype_of(o).is_float:
+                # Integers (segment ids) meet the score block whole: lane-wide, as the block
+                # holds them, not a column each use would broadcast across lanes (XLU).
+                return lanes(f"{ref}[...]", self.tile[self.p.query if transposed else self.p.key])
             return f"{ref}[:, 0:1]"
         if o.layout == "cols":
             return f"{ref}[0:1, :]"

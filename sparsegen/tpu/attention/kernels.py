@@ -136,17 +136,23 @@ class KernelWriter:
             if p.scale is not None:
                 out.append(f"    {raw} = {raw} * {p.scale!r}")
         qpos, kpos = n.local(f"{p.query}_pos"), n.local(f"{p.key}_pos")
-        qshape, kshape = ((1, ti), (tj, 1)) if transposed else ((ti, 1), (1, tj))
-        pos_lines = [
-            f"    {qpos} = {tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {qshape}, {int(transposed)})",
-            f"    {kpos} = {tables.key}[{at}] * {tj} + lax.broadcasted_iota(jnp.int32, {kshape}, {int(not transposed)})",
-        ]
+        # Positions as whole blocks: a (rows, 1) column against a score block is a lane
+        # broadcast on the XLU at every use; a 2-d iota is one VPU op a vreg.
+        qshape = kshape = (tj, ti) if transposed else (ti, tj)
+        starts = [f"{tables.query}[{at}] * {ti}", f"{tables.key}[{at}] * {tj}"]
         gpos = {p.query: qpos, p.key: kpos}  # the positions a condition or the chain compares
+        ends = {p.query: self.size_of(p.query), p.key: self.size_of(p.key)}  # where each ends, as `gpos` counts
         if self.positions:
-            # Positions are global: a shard's first element sits at `origins` (a ring on a mesh).
-            for d, (index, pos) in enumerate(((p.query, qpos), (p.key, kpos))):
+            # Positions are global: a shard's first element sits at `origins` (a ring on a
+            # mesh); added to the block's first (a scalar), not to every element.
+            for d, index in enumerate((p.query, p.key)):
                 gpos[index] = n.local(f"{index}_at")
-                pos_lines.append(f"    {gpos[index]} = {pos} + {self.origins}[{d}]")
+                starts[d] = f"({starts[d]} + {self.origins}[{d}])"
+                ends[index] = f"{ends[index]} + {self.origins}[{d}]"
+        pos_lines = [
+            f"    {gpos[p.query]} = {starts[0]} + lax.broadcasted_iota(jnp.int32, {qshape}, {int(transposed)})",
+            f"    {gpos[p.key]} = {starts[1]} + lax.broadcasted_iota(jnp.int32, {kshape}, {int(not transposed)})",
+        ]
         chain_pos = self.chain_uses_positions()
         if chain_pos:
             out += pos_lines
@@ -186,19 +192,32 @@ class KernelWriter:
         else:
             ss = [n.local("s")]
             out.append(f"    {ss[0]} = {raw}")
-        ragged = [f"({pos} < {self.size_of(index)})" for index, pos in ((p.query, qpos), (p.key, kpos)) if self.ragged(index)]
+        # A ragged index's end: a literal size's is known; a size symbol's is static in the
+        # kernel, so at a multiple of the tile its test is dropped while tracing.
+        ends = [(f"({gpos[index]} < {ends[index]})", self.may_pass_end(index).removeprefix(" and "))
+                for index in (p.query, p.key) if self.ragged(index)]
+        known = [test for test, guard in ends if not guard]
+        guarded = [(test, guard) for test, guard in ends if guard]
         # `&` binds tighter than the comparisons in a condition: bracket it when anything joins it.
         conds = [([] if pt.condition is None else [render_term(pt.condition, lambda x: leaf(x, False))]) for pt in p.points]
-        conds = [[f"({c[0]})"] + ragged if c and ragged else c + ragged for c in conds]
-        if any(conds):
+        conds = [[f"({c[0]})"] + known if c and (known or guarded) else c + known for c in conds]
+        if any(conds) or guarded:
             out.append("    if masked:")
             if not chain_pos:
                 out += ["    " + x for x in pos_lines]
+            guard = " or ".join(dict.fromkeys(g for _, g in guarded))
             for s, cond in zip(ss, conds):
+                present = n.local("present")
                 if cond:
-                    present = n.local("present")
                     out.append(f"        {present} = " + " & ".join(cond))
+                    if guarded:
+                        out += [f"        if {guard}:", "            # Past the end: absent.",
+                                f"            {present} = {present} & " + " & ".join(t for t, _ in guarded)]
                     out.append(f"        {s} = jnp.where({present}, {s}, -jnp.inf)")
+                else:
+                    out += [f"        if {guard}:", "            # Past the end: absent.",
+                            f"            {present} = " + " & ".join(t for t, _ in guarded),
+                            f"            {s} = jnp.where({present}, {s}, -jnp.inf)"]
         if with_raw:  # one point (the gradients are derived for one)
             got = ([raw] if raw is not None else []) + [ss[0]] + (["_chain"] if self.has_chain() else [])
             if fvars:
