@@ -655,8 +655,11 @@ def _attention_kernel(
         scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        m_safe = m_new
+        if masked:
+            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
+            # (In a full block every row has a score: its max is one.)
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         alpha = jnp.exp(m_prev - m_safe)
         probs = jnp.exp(scores - jnp.tile(m_safe, (1, 4)))
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)

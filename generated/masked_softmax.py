@@ -480,16 +480,22 @@ def _attention_kernel(
         scores, scores_ = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        m_safe = m_new
+        if masked:
+            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
+            # (In a full block every row has a score: its max is one.)
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         alpha = jnp.exp(m_prev - m_safe)
         probs = jnp.exp(scores - m_safe)
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         m_prev_ = m_scratch_[...]
         m_new_ = jnp.maximum(m_prev_, jnp.max(scores_, axis=1, keepdims=True))
-        # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-        m_safe_ = jnp.where(jnp.isneginf(m_new_), 0.0, m_new_)
+        m_safe_ = m_new_
+        if masked:
+            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
+            # (In a full block every row has a score: its max is one.)
+            m_safe_ = jnp.where(jnp.isneginf(m_new_), 0.0, m_new_)
         alpha_ = jnp.exp(m_prev_ - m_safe_)
         probs_ = jnp.exp(scores_ - m_safe_)
         l_scratch_[...] = alpha_ * l_scratch_[...] + jnp.sum(

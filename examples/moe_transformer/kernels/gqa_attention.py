@@ -625,7 +625,8 @@ def _attention_kernel(
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        raw_scores = raw_scores * 0.125
+        # In base 2 (softmax is the same): log2(e) joins the scale, so exp2 needs no multiply of its own.
+        raw_scores = raw_scores * 0.18033688011112042
         s = raw_scores
         if masked:
             i_at = (read_rows[at] * 32 + origins[0]) + lax.broadcasted_iota(
@@ -645,10 +646,13 @@ def _attention_kernel(
         scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-        alpha = jnp.exp(m_prev - m_safe)
-        probs = jnp.exp(scores - (m_safe)[:, :32])
+        m_safe = m_new
+        if masked:
+            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
+            # (In a full block every row has a score: its max is one.)
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        alpha = jnp.exp2(m_prev - m_safe)
+        probs = jnp.exp2(scores - (m_safe)[:, :32])
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
@@ -683,7 +687,11 @@ def _attention_kernel(
             o_acc[...] * (jnp.where(nothing, 0.0, 1.0 / safe))[:, :64]
         ).astype(o_ref.dtype)
         row_lse_ref[...] = _row_vector(
-            jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(safe))
+            jnp.where(
+                nothing,
+                -jnp.inf,
+                (m_scratch[...] + jnp.log2(safe)) * 0.6931471805599453,
+            )
         )  # kept for the gradients
 
 

@@ -6,6 +6,7 @@ tiles and sizes they use.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -59,6 +60,9 @@ class CallSpec:
 
 
 
+LOG2E, LN2 = math.log2(math.e), math.log(2.0)
+
+
 def lanes(x: str, width: int) -> str:
     """A (rows, 128) value whose lanes all hold the row's value, as a (rows, width) block:
     tiled, sliced, or (another width) one lane broadcast."""
@@ -102,7 +106,7 @@ class KernelWriter:
         lines.append(f"{flag} = {self.w.flags}[{at}]")
         return lines, lead_vars, at, kind, flag
 
-    def scores(self, n, lead_vars, at, tables, with_raw: bool, transposed: bool = False) -> list[str]:
+    def scores(self, n, lead_vars, at, tables, with_raw: bool, transposed: bool = False, base2: bool = False) -> list[str]:
         """`_scores(masked)`: the score block (MXU), the elementwise chain, and on a partial
         block the condition (absent: minus infinity). With `with_raw`, also the product
         before the chain, for the chain's derivative. `transposed`: key x row blocks (the
@@ -133,7 +137,10 @@ class KernelWriter:
             (qv, kv), prec = self.score_factors(qo, ko)
             a, b, da, db = (kv, qv, kd, qd) if transposed else (qv, kv, qd, kd)
             out.append(f"    {raw} = lax.dot_general({a}, {b}, ((({da},), ({db},)), ((), ())), preferred_element_type={acc.jnp}{prec})")
-            if p.scale is not None:
+            if base2:
+                out.append("    # In base 2 (softmax is the same): log2(e) joins the scale, so exp2 needs no multiply of its own.")
+                out.append(f"    {raw} = {raw} * {(1.0 if p.scale is None else p.scale) * LOG2E!r}")
+            elif p.scale is not None:
                 out.append(f"    {raw} = {raw} * {p.scale!r}")
         qpos, kpos = n.local(f"{p.query}_pos"), n.local(f"{p.key}_pos")
         # Positions as whole blocks: a (rows, 1) column against a score block is a lane
@@ -312,7 +319,12 @@ class KernelWriter:
         for m_scr, l_scr in stat_names:
             lines += [f"    {m_scr}[...] = jnp.full_like({m_scr}, -jnp.inf)", f"    {l_scr}[...] = jnp.zeros_like({l_scr})"]
         lines += [f"    {a}[...] = jnp.zeros_like({a})" for a in accs.values()]
-        lines += self.scores(n, lead_vars, at, tables, with_raw=False)
+        # exp(x) is exp2(x * log2(e)) on the EUP: where the scores feed only softmax and
+        # logsumexp, they are kept in base 2 with log2(e) in the score's scale (one multiply a
+        # score, not two) and the logsumexp is brought back to base e at the flush.
+        base2 = p.scale is not None and not self.has_chain() and all(c.kind in ("softmax_product", "logsumexp") for c in consumers)
+        exp, log = ("jnp.exp2", "jnp.log2") if base2 else ("jnp.exp", "jnp.log")
+        lines += self.scores(n, lead_vars, at, tables, with_raw=False, base2=base2)
         nms = [{x: n.local(x) for x in ["m_prev", "m_new", "m_safe", "alpha", "probs", "total", "nothing", "safe", "scores"]} for _ in pts]
         lines += ["", "def _step(masked):", f"    {', '.join(nm['scores'] for nm in nms)} = _scores(masked)"]
         tj = self.tile[p.key]
@@ -320,10 +332,13 @@ class KernelWriter:
             sv = nm["scores"]
             lines += [f"    {nm['m_prev']} = {m_scr}[...]",
                       f"    {nm['m_new']} = jnp.maximum({nm['m_prev']}, jnp.max({sv}, axis=1, keepdims=True))",
-                      "    # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
-                      f"    {nm['m_safe']} = jnp.where(jnp.isneginf({nm['m_new']}), 0.0, {nm['m_new']})",
-                      f"    {nm['alpha']} = jnp.exp({nm['m_prev']} - {nm['m_safe']})",
-                      f"    {nm['probs']} = jnp.exp({sv} - {lanes(nm['m_safe'], tj)})",
+                      f"    {nm['m_safe']} = {nm['m_new']}",
+                      "    if masked:",
+                      "        # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
+                      "        # (In a full block every row has a score: its max is one.)",
+                      f"        {nm['m_safe']} = jnp.where(jnp.isneginf({nm['m_new']}), 0.0, {nm['m_new']})",
+                      f"    {nm['alpha']} = {exp}({nm['m_prev']} - {nm['m_safe']})",
+                      f"    {nm['probs']} = {exp}({sv} - {lanes(nm['m_safe'], tj)})",
                       f"    {l_scr}[...] = {nm['alpha']} * {l_scr}[...] + jnp.sum({nm['probs']}, axis=1, keepdims=True)",
                       f"    {m_scr}[...] = {nm['m_new']}"]
         for c in consumers:
@@ -339,7 +354,9 @@ class KernelWriter:
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")
-        lses = [f"jnp.where({nm['nothing']}, -jnp.inf, {m_scr}[...] + jnp.log({nm['safe']}))" for nm, (m_scr, _) in zip(nms, stat_names)]
+        to_e = f" * {LN2!r}" if base2 else ""
+        lses = [f"jnp.where({nm['nothing']}, -jnp.inf, ({m_scr}[...] + {log}({nm['safe']})){to_e})" if base2 else
+                f"jnp.where({nm['nothing']}, -jnp.inf, {m_scr}[...] + jnp.log({nm['safe']}))" for nm, (m_scr, _) in zip(nms, stat_names)]
         lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", "    # The row's last step: normalise and write."]
         for nm, (_, l_scr) in zip(nms, stat_names):
             lines += [f"    {nm['total']} = {l_scr}[...]", f"    {nm['nothing']} = {nm['total']} == 0.0",
