@@ -169,9 +169,9 @@ def classification(S: int, repeats: int) -> list[dict]:
 
 def our_walk(kind: str, S: int, H: int = 8) -> dict:
     """Steps, computing steps, partial steps and K/V copies of the grid (1, H, steps): with one
-    batch row every head walks the same tables. Segment ids are traced under jit, so that
-    walk has the dense count unless the caller bounds it: `max_steps` here is the exact
-    need (the generated function checks it when the ids are concrete)."""
+    batch row every head walks the same tables. Segment ids are traced under jit: the grid's
+    step axis is then a traced extent, these steps, over tables of the dense count
+    (`max_steps` shrinks the tables, not the grid)."""
     mod = module(kind)
     args = args_of(kind, H, S)
     kinds = np.asarray(mod.block_kinds(*args))
@@ -182,7 +182,7 @@ def our_walk(kind: str, S: int, H: int = 8) -> dict:
     out = {"grid": f"(1, {H}, {steps})", "steps": H * steps, "computed": H * int((step_kinds != 0).sum()),
            "partial": H * int((step_kinds == 1).sum()), "kv_copies": H * copies}
     if kind == "document":
-        out["dense_steps"] = H * kinds.shape[1] * kinds.shape[2]  # without max_steps
+        out["table_steps"] = H * kinds.shape[1] * kinds.shape[2]  # the tables' length without max_steps
     return out
 
 
@@ -272,28 +272,57 @@ def generated_cycles_via_verify(kinds, S: int, chips, backward: bool, H: int = 8
     return out
 
 
+def _earlier_cases(paths: list[str], base: dict, tokamax_variant: str) -> dict:
+    """Splash's and tokamax's figures per (mask, chip) from earlier runs of section 5, checked
+    to be for these shapes, this tokamax variant and this jax."""
+    import jax
+
+    out = {}
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        if run.get("jax") != jax.__version__ or run.get("tokamax_variant") != tokamax_variant:
+            raise SystemExit(f"{path}: jax {run.get('jax')}, tokamax variant {run.get('tokamax_variant')}: not this run's")
+        for case in run["cases"]:
+            if all(case.get(k) == v for k, v in base.items()):
+                out[(case["mask"], case["chip"])] = case
+        out["python"], out["why"] = run.get("tokamax_python"), run.get("tokamax_unavailable")
+    return out
+
+
 def _steps(passes: list[dict]) -> dict:
     """Grid steps and steps that run a block product, summed over passes."""
     return {"steps": sum(p.get("steps") or 0 for p in passes), "computing": sum(p.get("computing_steps") or 0 for p in passes)}
 
 
-def static_cycles(kinds, S: int, chips, backward: bool, tokamax_variant: str, H: int = 8, D: int = 128) -> dict:
+def static_cycles(kinds, S: int, chips, backward: bool, tokamax_variant: str, H: int = 8, D: int = 128,
+                  reuse: list[str] = ()) -> dict:
     """libtpu's static estimate of the three sides, weighted alike (bench/attention_cycles.py:
     sparsegen/tpu/cycles.py's pass_cycles on each recorded pallas_call; for the generated kernels
     the same figures as `sparsegen verify --cycles`, whose job this is, with Splash's document ids
     as the pattern). A pass libtpu's profiler aborts on is tried again with its partial block
-    steps counted as full ones (marked), else reported as not estimated."""
+    steps counted as full ones (marked), else reported as not estimated. `reuse`: earlier
+    runs' JSON files (this script's, the same jax and libtpu): Splash's and tokamax's figures
+    are taken from them (their kernels have not changed), only sparsegen's are measured."""
     import attention_cycles as ac
 
     start = time.perf_counter()
     base = {"H": H, "S": S, "D": D, "block": BLOCK, "backward": backward}
-    here = [{"impl": i, "kind": k, "chip": c, **base} for i in ("sparsegen", "splash") for k in kinds for c in chips]
-    found = ac.run_jobs(here, log=lambda m: print(m, flush=True))
     n = len(kinds) * len(chips)
-    ours, theirs = found[:n], found[n:]
     python, why = ac.tokamax_python()
     tk_jobs = [{"impl": "tokamax", "kind": k, "chip": c, "variant": tokamax_variant, **base} for k in kinds for c in chips]
-    if python is None:
+    if reuse:
+        earlier = _earlier_cases(reuse, base, tokamax_variant)
+        ours = ac.run_jobs([{"impl": "sparsegen", "kind": k, "chip": c, **base} for k in kinds for c in chips],
+                           log=lambda m: print(m, flush=True))
+        theirs = [earlier[(k, c)]["splash"] for k in kinds for c in chips]
+        tk = [earlier[(k, c)]["tokamax"] for k in kinds for c in chips]
+    else:
+        here = [{"impl": i, "kind": k, "chip": c, **base} for i in ("sparsegen", "splash") for k in kinds for c in chips]
+        found = ac.run_jobs(here, log=lambda m: print(m, flush=True))
+        ours, theirs = found[:n], found[n:]
+    if reuse:
+        python, why = earlier["python"], earlier["why"]
+    elif python is None:
         print(f"   tokamax: unavailable: {why}", flush=True)
         tk = [{"unavailable": why}] * len(tk_jobs)
     else:
@@ -318,7 +347,7 @@ def static_cycles(kinds, S: int, chips, backward: bool, tokamax_variant: str, H:
                 row[f"{d}_ratio_{against}"] = round(a / b, 3) if a and b else None
         cases.append(row)
     return {"cases": cases, "tokamax_variant": tokamax_variant, "tokamax_python": python, "tokamax_unavailable": why,
-            "seconds": round(time.perf_counter() - start, 1)}
+            "splash_tokamax_from": list(reuse) or "this run", "seconds": round(time.perf_counter() - start, 1)}
 
 
 def bundles(kinds, S: int, chip: str, tokamax_variant: str, H: int = 8, D: int = 128) -> list[dict]:
@@ -425,10 +454,13 @@ def main() -> int:
     parser.add_argument("--no-bundles", action="store_true", help="section 5 without section 6 (the forward kernels' bundles)")
     parser.add_argument("--tokamax-variant", default="prescaled",
                         help="tokamax config changes ('+'-joined; bench/attention_cycles.py TOKAMAX_VARIANTS; '' for none)")
+    parser.add_argument("--cycles-reuse", metavar="FILES", default="",
+                        help="section 5: Splash's and tokamax's figures from earlier runs' JSON (comma-separated); only sparsegen is measured")
     parser.add_argument("--cycles-json", metavar="FILE", default=str(ROOT / "bench" / "results" / "attention_cycles.json"))
     a = parser.parse_args()
     if a.cycles:
-        c = static_cycles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(","), not a.forward_only, a.tokamax_variant)
+        c = static_cycles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(","), not a.forward_only, a.tokamax_variant,
+                          reuse=[x for x in a.cycles_reuse.split(",") if x])
         print_cycles(c)
         if not a.no_bundles:
             c["bundles"] = bundles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(",")[0], a.tokamax_variant)
@@ -447,7 +479,7 @@ def main() -> int:
     print(f"2. The walk at H = 8, S = {S}")
     for r in result["walk"]:
         o, t = r["sparsegen"], r["splash"]
-        note = f"  (max_steps given; {o['dense_steps']} without)" if "dense_steps" in o else ""
+        note = f"  (a traced grid extent; tables of {o['table_steps']} steps)" if "table_steps" in o else ""
         print(f"   {r['mask']:9s} steps {o['steps']:6d} vs {t['steps']:6d}   computed {o['computed']:6d} vs {t['computed']:6d}"
               f"   K/V copies {o['kv_copies']:6d} vs {t['streamed_copies']:6d}{note}")
     print("3. Ahead-of-time compiles (scoped VMEM per kernel, MiB)")

@@ -30,8 +30,9 @@ Arguments:
     H: int, keyword, optional  (taken from the arguments; must agree if given)
     S: int, keyword, optional  (taken from the arguments; must agree if given)
     D: int, keyword, optional  (taken from the arguments; must agree if given)
-    max_steps: int, keyword, optional  (the walk's steps per group; default: every block;
-        checked on concrete arguments, NaN outputs under jit when too few)
+    max_steps: int, keyword, optional  (the tables' steps per group, in scalar memory; default:
+        every block; the grid runs the steps the data needs either way; checked on concrete
+        arguments, NaN outputs under jit when too few)
     interpret: False compiles for the TPU; True runs the CPU interpreter;
         pltpu.InterpretParams() runs the TPU simulator.
 
@@ -655,21 +656,25 @@ def _attention_kernel(
     def _scores(masked):
         q_blk = q_ref[...]
         k_blk = k_ref[...]
-        seg_blk = seg_ref[:, 0:1]
+        seg_blk = jnp.tile(seg_ref[...], (1, 2))
         seg_blk_ = seg_ref_[0:1, :]
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        raw_scores = raw_scores * 0.125
+        # In base 2 (softmax is the same): log2(e) joins the scale, so exp2 needs no multiply of its own.
+        raw_scores = raw_scores * 0.18033688011112042
         s = raw_scores
         if masked:
-            i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((seg_blk == seg_blk_) & (i_at >= j_at)) & (i_pos < S) & (j_pos < S)
+            i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 0
             )
+            j_at = (cols[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 1
+            )
+            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if S % 256 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s = jnp.where(present, s, -jnp.inf)
         return s
 
@@ -677,10 +682,13 @@ def _attention_kernel(
         scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-        alpha = jnp.exp(m_prev - m_safe)
-        probs = jnp.exp(scores - jnp.tile(m_safe, (1, 2)))
+        m_safe = m_new
+        if masked:
+            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
+            # (In a full block every row has a score: its max is one.)
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        alpha = jnp.exp2(m_prev - m_safe)
+        probs = jnp.exp2(scores - jnp.tile(m_safe, (1, 2)))
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
@@ -715,7 +723,11 @@ def _attention_kernel(
             o_acc[...] * (jnp.where(nothing, 0.0, 1.0 / safe))[:, :64]
         ).astype(o_ref.dtype)
         row_lse_ref[...] = _row_vector(
-            jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(safe))
+            jnp.where(
+                nothing,
+                -jnp.inf,
+                (m_scratch[...] + jnp.log2(safe)) * 0.6931471805599453,
+            )
         )  # kept for the gradients
 
 
@@ -768,7 +780,7 @@ def _attention_dq_kernel(
             # Past the end of j memory holds anything: zero it.
             inside_ = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             k_blk = jnp.where(inside_, k_blk, jnp.zeros_like(k_blk))
-        seg_blk = seg_ref[:, 0:1]
+        seg_blk = jnp.tile(seg_ref[...], (1, 2))
         seg_blk_ = seg_ref_[0:1, :]
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -776,13 +788,16 @@ def _attention_dq_kernel(
         raw_scores = raw_scores * 0.125
         s = raw_scores
         if masked:
-            i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            j_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((seg_blk == seg_blk_) & (i_at >= j_at)) & (i_pos < S) & (j_pos < S)
+            i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 0
             )
+            j_at = (cols[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 1
+            )
+            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if S % 256 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -905,20 +920,23 @@ def _attention_dkv_kernel(
                 k_blk.dtype
             )
         seg_blk = seg_ref[0:1, :]
-        seg_blk_ = seg_ref_[:, 0:1]
+        seg_blk_ = jnp.tile(seg_ref_[...], (1, 2))
         raw_scores = lax.dot_general(
             k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
         raw_scores = raw_scores * 0.125
         s = raw_scores
         if masked:
-            i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            j_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((seg_blk == seg_blk_) & (i_at >= j_at)) & (i_pos < S) & (j_pos < S)
+            i_at = (cols[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 1
             )
+            j_at = (read_rows[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 0
+            )
+            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if S % 256 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -1057,20 +1075,23 @@ def _attention_fused_backward_kernel(
                 k_blk.dtype
             )
         seg_blk = seg_ref[0:1, :]
-        seg_blk_ = seg_ref_[:, 0:1]
+        seg_blk_ = jnp.tile(seg_ref_[...], (1, 2))
         raw_scores = lax.dot_general(
             k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
         raw_scores = raw_scores * 0.125
         s = raw_scores
         if masked:
-            i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            j_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((seg_blk == seg_blk_) & (i_at >= j_at)) & (i_pos < S) & (j_pos < S)
+            i_at = (cols[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 1
             )
+            j_at = (read_rows[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 256), 0
+            )
+            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if S % 256 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -1162,7 +1183,7 @@ def _attention_fused_backward_kernel(
         dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
         dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
 
-    @pl.when(pl.program_id(2) == steps - 1)
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _finish():
         # The group's last step: every row of dq is whole.
         dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
@@ -1430,10 +1451,17 @@ def _prepare(q, k, v, seg, B, H, S, D):
 
 def _walk_tables(kinds, bound):
     """The walk's scalar-prefetch tables for block kinds,
-    and whether some group needed more steps than `bound`."""
+    the steps its grid runs (the most any group needs: traced under jit, where the tables
+    hold `bound` steps a group, by default the dense count), and whether some group needed
+    more steps than `bound`."""
     tables, total, needed = _row_walk(jnp, kinds, bound)
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
-    return tuple(jnp.asarray(t) for t in tables), jnp.any(needed > total)
+    # Under jit the grid's step axis is as long as the data needs, not the tables: steps past
+    # a group's last are empty, and no group's steps past the longest one's are run at all.
+    n_run = (
+        total if isinstance(needed, np.ndarray) else jnp.minimum(jnp.max(needed), total)
+    )
+    return tuple(jnp.asarray(t) for t in tables), n_run, jnp.any(needed > total)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
@@ -1443,11 +1471,13 @@ def _impl(q, k, v, seg, sizes, bound, interpret, origin=None, keys=None):
     block_kinds_ = _classify_blocks(jnp, seg, sizes, origin, keys)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(B, H, steps),
+        grid=(B, H, n_run),
         in_specs=[
             pl.BlockSpec((None, None, 256, 64), functools.partial(_q_map, steps=steps)),
             pl.BlockSpec((None, None, 256, 64), functools.partial(_k_map, steps=steps)),
@@ -1542,13 +1572,13 @@ def _backward(
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
     if -(-S // 256) * 256 <= _FUSED_MAX_ROWS:
         # dq of a group fits VMEM (lower.backward_walk): one walk.
-        (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
             block_kinds_.transpose(0, 2, 1), bound
         )
         steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(B, H, steps),
+            grid=(B, H, n_run),
             in_specs=[
                 pl.BlockSpec(
                     (None, None, 256, 64), functools.partial(_q_map_by_key, steps=steps)
@@ -1657,11 +1687,13 @@ def _backward(
 
         return dq_full, dk_full, dv_o_full
     # Two walks: dq of a group would not fit VMEM.
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(B, H, steps),
+        grid=(B, H, n_run),
         in_specs=[
             pl.BlockSpec((None, None, 256, 64), functools.partial(_q_map, steps=steps)),
             pl.BlockSpec((None, None, 256, 64), functools.partial(_k_map, steps=steps)),
@@ -1729,13 +1761,13 @@ def _backward(
     )
     # A walk cut short by max_steps (traced segment ids): NaN, never a silent wrong answer.
     dq_full = jnp.where(overflow, jnp.nan, dq_full).astype(dq_full.dtype)
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
         block_kinds_.transpose(0, 2, 1), bound
     )
     steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(B, H, steps),
+        grid=(B, H, n_run),
         in_specs=[
             pl.BlockSpec(
                 (None, None, 256, 64), functools.partial(_q_map_by_key, steps=steps)
@@ -1943,8 +1975,9 @@ def document_attention(
 
 
 def _check_bound(max_steps, classify, reads, sizes):
-    """max_steps: the walk's steps per group instead of the dense count. Checked here when
-    the operands are concrete (under jit, a walk that does not fit makes the outputs NaN).
+    """max_steps: the walk tables' steps per group instead of the dense count (their size in
+    scalar memory; the grid runs the steps the data needs either way). Checked here when the
+    operands are concrete (under jit, a walk that does not fit makes the outputs NaN).
     """
     if max_steps is None:
         return None

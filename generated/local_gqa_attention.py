@@ -652,13 +652,16 @@ def _attention_kernel(
 
         s_ = _chain(raw_scores)
         if masked:
-            i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((i_at >= j_at) & (i_at - j_at < 1024)) & (i_pos < S) & (j_pos < S)
+            i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 512), 0
             )
+            j_at = (cols[at] * 512 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 512), 1
+            )
+            present = (i_at >= j_at) & (i_at - j_at < 1024)
+            if S % 256 != 0 or S % 512 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s_ = jnp.where(present, s_, -jnp.inf)
         return s_
 
@@ -666,8 +669,11 @@ def _attention_kernel(
         scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        m_safe = m_new
+        if masked:
+            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
+            # (In a full block every row has a score: its max is one.)
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         alpha = jnp.exp(m_prev - m_safe)
         probs = jnp.exp(scores - jnp.tile(m_safe, (1, 4)))
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
@@ -765,13 +771,16 @@ def _attention_dq_kernel(
 
         s_ = _chain(raw_scores)
         if masked:
-            i_pos = read_rows[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0)
-            j_pos = cols[at] * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((i_at >= j_at) & (i_at - j_at < 1024)) & (i_pos < S) & (j_pos < S)
+            i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (256, 512), 0
             )
+            j_at = (cols[at] * 512 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (256, 512), 1
+            )
+            present = (i_at >= j_at) & (i_at - j_at < 1024)
+            if S % 256 != 0 or S % 512 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s_ = jnp.where(present, s_, -jnp.inf)
         return raw_scores, s_, _chain
 
@@ -903,13 +912,16 @@ def _attention_dkv_kernel(
 
         s_ = _chain(raw_scores)
         if masked:
-            i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            j_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((i_at >= j_at) & (i_at - j_at < 1024)) & (i_pos < S) & (j_pos < S)
+            i_at = (cols[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (512, 256), 1
             )
+            j_at = (read_rows[at] * 512 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (512, 256), 0
+            )
+            present = (i_at >= j_at) & (i_at - j_at < 1024)
+            if S % 256 != 0 or S % 512 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s_ = jnp.where(present, s_, -jnp.inf)
         return raw_scores, s_, _chain
 
@@ -1057,13 +1069,16 @@ def _attention_fused_backward_kernel(
 
         s_ = _chain(raw_scores)
         if masked:
-            i_pos = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (1, 256), 1)
-            j_pos = read_rows[at] * 512 + lax.broadcasted_iota(jnp.int32, (512, 1), 0)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (
-                ((i_at >= j_at) & (i_at - j_at < 1024)) & (i_pos < S) & (j_pos < S)
+            i_at = (cols[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (512, 256), 1
             )
+            j_at = (read_rows[at] * 512 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (512, 256), 0
+            )
+            present = (i_at >= j_at) & (i_at - j_at < 1024)
+            if S % 256 != 0 or S % 512 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
             s_ = jnp.where(present, s_, -jnp.inf)
         return raw_scores, s_, _chain
 
@@ -1157,7 +1172,7 @@ def _attention_fused_backward_kernel(
         dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
         dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
 
-    @pl.when(pl.program_id(2) == steps - 1)
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _finish():
         # The group's last step: every row of dq is whole.
         dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
@@ -1384,13 +1399,20 @@ def _prepare(q, k, v, B, H, S, D, G):
 
 def _walk_tables(kinds, bound):
     """The walk's scalar-prefetch tables for block kinds (numpy: known at trace time),
-    and whether some group needed more steps than `bound`."""
+    the steps its grid runs (the most any group needs: traced under jit, where the tables
+    hold `bound` steps a group, by default the dense count), and whether some group needed
+    more steps than `bound`."""
     # Known at trace time unless classified from a shard's traced first positions.
     tables, total, needed = _row_walk(
         np if isinstance(kinds, np.ndarray) else jnp, kinds, bound
     )
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
-    return tuple(jnp.asarray(t) for t in tables), False
+    # Under jit the grid's step axis is as long as the data needs, not the tables: steps past
+    # a group's last are empty, and no group's steps past the longest one's are run at all.
+    n_run = (
+        total if isinstance(needed, np.ndarray) else jnp.minimum(jnp.max(needed), total)
+    )
+    return tuple(jnp.asarray(t) for t in tables), n_run, False
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
@@ -1399,11 +1421,13 @@ def _impl(q, k, v, sizes, bound, interpret, origin=None):
     block_kinds_ = _classify_blocks(np if origin is None else jnp, sizes, origin)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(B, H, steps),
+        grid=(B, H, n_run),
         in_specs=[
             pl.BlockSpec((None, None, 256, 128), _q_map),
             pl.BlockSpec((None, None, 512, 128), _k_map),
@@ -1474,13 +1498,13 @@ def _backward(
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
     if -(-S // 256) * 256 <= _FUSED_MAX_ROWS:
         # dq of a group fits VMEM (lower.backward_walk): one walk.
-        (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
             block_kinds_.transpose(0, 2, 1), bound
         )
         steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(B, H, steps),
+            grid=(B, H, n_run),
             in_specs=[
                 pl.BlockSpec((None, None, 256, 128), _q_map_by_key),
                 pl.BlockSpec((None, None, 512, 128), _k_map_by_key),
@@ -1553,11 +1577,13 @@ def _backward(
 
         return dq_full, dk_full, dv_o_full
     # Two walks: dq of a group would not fit VMEM.
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(B, H, steps),
+        grid=(B, H, n_run),
         in_specs=[
             pl.BlockSpec((None, None, 256, 128), _q_map),
             pl.BlockSpec((None, None, 512, 128), _k_map),
@@ -1608,13 +1634,13 @@ def _backward(
         row_lse_rows,
         delta_rows,
     )
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
         block_kinds_.transpose(0, 2, 1), bound
     )
     steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(B, H, steps),
+        grid=(B, H, n_run),
         in_specs=[
             pl.BlockSpec((None, None, 256, 128), _q_map_by_key),
             pl.BlockSpec((None, None, 512, 128), _k_map_by_key),

@@ -30,8 +30,9 @@ Arguments:
     S: int, keyword, optional  (taken from the arguments; must agree if given)
     D: int, keyword, optional  (taken from the arguments; must agree if given)
     T: int, keyword, optional  (taken from the arguments; must agree if given)
-    max_steps: int, keyword, optional  (the walk's steps per group; default: every block;
-        checked on concrete arguments, NaN outputs under jit when too few)
+    max_steps: int, keyword, optional  (the tables' steps per group, in scalar memory; default:
+        every block; the grid runs the steps the data needs either way; checked on concrete
+        arguments, NaN outputs under jit when too few)
     interpret: False compiles for the TPU; True runs the CPU interpreter;
         pltpu.InterpretParams() runs the TPU simulator.
 
@@ -559,9 +560,12 @@ def _attention_kernel(
         )
         s = raw_scores
         if masked:
-            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = ((keep_blk != 0)) & (i_pos < S) & (j_pos < T)
+            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 0)
+            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 1)
+            present = keep_blk != 0
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return s
 
@@ -569,8 +573,11 @@ def _attention_kernel(
         scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        m_safe = m_new
+        if masked:
+            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
+            # (In a full block every row has a score: its max is one.)
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         alpha = jnp.exp(m_prev - m_safe)
         probs = jnp.exp(scores - m_safe)
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
@@ -666,9 +673,12 @@ def _attention_dq_kernel(
         )
         s = raw_scores
         if masked:
-            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            present = ((keep_blk != 0)) & (i_pos < S) & (j_pos < T)
+            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 0)
+            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 1)
+            present = keep_blk != 0
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -793,9 +803,12 @@ def _attention_dkv_kernel(
         )
         s = raw_scores
         if masked:
-            i_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            j_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            present = ((keep_blk != 0)) & (i_pos < S) & (j_pos < T)
+            i_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 1)
+            j_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 0)
+            present = keep_blk != 0
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -935,9 +948,12 @@ def _attention_fused_backward_kernel(
         )
         s = raw_scores
         if masked:
-            i_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            j_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            present = ((keep_blk != 0)) & (i_pos < S) & (j_pos < T)
+            i_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 1)
+            j_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 128), 0)
+            present = keep_blk != 0
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_pos < S) & (j_pos < T)
             s = jnp.where(present, s, -jnp.inf)
         return raw_scores, s
 
@@ -1024,7 +1040,7 @@ def _attention_fused_backward_kernel(
         dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
         dv_o_ref[...] = dv_o_acc[...].astype(dv_o_ref.dtype)
 
-    @pl.when(pl.program_id(1) == steps - 1)
+    @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
     def _finish():
         # The group's last step: every row of dq is whole.
         dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
@@ -1249,10 +1265,17 @@ def _prepare(q, k, v, keep, H, S, D, T):
 
 def _walk_tables(kinds, bound):
     """The walk's scalar-prefetch tables for block kinds,
-    and whether some group needed more steps than `bound`."""
+    the steps its grid runs (the most any group needs: traced under jit, where the tables
+    hold `bound` steps a group, by default the dense count), and whether some group needed
+    more steps than `bound`."""
     tables, total, needed = _row_walk(jnp, kinds, bound)
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
-    return tuple(jnp.asarray(t) for t in tables), jnp.any(needed > total)
+    # Under jit the grid's step axis is as long as the data needs, not the tables: steps past
+    # a group's last are empty, and no group's steps past the longest one's are run at all.
+    n_run = (
+        total if isinstance(needed, np.ndarray) else jnp.minimum(jnp.max(needed), total)
+    )
+    return tuple(jnp.asarray(t) for t in tables), n_run, jnp.any(needed > total)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
@@ -1260,11 +1283,13 @@ def _impl(q, k, v, keep, sizes, bound, interpret):
     H, S, D, T = sizes
     block_kinds_ = _classify_blocks(jnp, keep, sizes)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(H, steps),
+        grid=(H, n_run),
         in_specs=[
             pl.BlockSpec((None, 128, 128), _q_map),
             pl.BlockSpec((None, 128, 128), _k_map),
@@ -1339,13 +1364,13 @@ def _backward(
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
     if -(-S // 128) * 128 <= _FUSED_MAX_ROWS:
         # dq of a group fits VMEM (lower.backward_walk): one walk.
-        (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
             block_kinds_.transpose(0, 2, 1), bound
         )
         steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
-            grid=(H, steps),
+            grid=(H, n_run),
             in_specs=[
                 pl.BlockSpec((None, 128, 128), _q_map_by_key),
                 pl.BlockSpec((None, 128, 128), _k_map_by_key),
@@ -1422,11 +1447,13 @@ def _backward(
 
         return dq_full, dk_full, dv_o_full
     # Two walks: dq of a group would not fit VMEM.
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(H, steps),
+        grid=(H, n_run),
         in_specs=[
             pl.BlockSpec((None, 128, 128), _q_map),
             pl.BlockSpec((None, 128, 128), _k_map),
@@ -1468,13 +1495,13 @@ def _backward(
     )(rows, cols, read_rows, kinds, flags, q, k, v, keep, g_o, row_lse_rows, delta_rows)
     # A walk cut short by max_steps (traced segment ids): NaN, never a silent wrong answer.
     dq_full = jnp.where(overflow, jnp.nan, dq_full).astype(dq_full.dtype)
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
         block_kinds_.transpose(0, 2, 1), bound
     )
     steps = rows.size // block_kinds_.transpose(0, 2, 1).shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(H, steps),
+        grid=(H, n_run),
         in_specs=[
             pl.BlockSpec((None, 128, 128), _q_map_by_key),
             pl.BlockSpec((None, 128, 128), _k_map_by_key),
@@ -1628,8 +1655,9 @@ def masked_attention(
 
 
 def _check_bound(max_steps, classify, reads, sizes):
-    """max_steps: the walk's steps per group instead of the dense count. Checked here when
-    the operands are concrete (under jit, a walk that does not fit makes the outputs NaN).
+    """max_steps: the walk tables' steps per group instead of the dense count (their size in
+    scalar memory; the grid runs the steps the data needs either way). Checked here when the
+    operands are concrete (under jit, a walk that does not fit makes the outputs NaN).
     """
     if max_steps is None:
         return None

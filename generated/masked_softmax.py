@@ -459,30 +459,43 @@ def _attention_kernel(
 
         s, s_ = _chain(x_blk)
         if masked:
-            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (i_at >= j_at) & (i_pos < S) & (j_pos < T)
+            i_at = (read_rows[at] * 128 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (128, 128), 0
+            )
+            j_at = (cols[at] * 128 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (128, 128), 1
+            )
+            present = i_at >= j_at
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < T + origins[1])
             s = jnp.where(present, s, -jnp.inf)
-            present_ = (i_pos < S) & (j_pos < T)
-            s_ = jnp.where(present_, s_, -jnp.inf)
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present_ = (i_at < S + origins[0]) & (j_at < T + origins[1])
+                s_ = jnp.where(present_, s_, -jnp.inf)
         return s, s_
 
     def _step(masked):
         scores, scores_ = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        m_safe = m_new
+        if masked:
+            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
+            # (In a full block every row has a score: its max is one.)
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         alpha = jnp.exp(m_prev - m_safe)
         probs = jnp.exp(scores - m_safe)
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         m_prev_ = m_scratch_[...]
         m_new_ = jnp.maximum(m_prev_, jnp.max(scores_, axis=1, keepdims=True))
-        # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-        m_safe_ = jnp.where(jnp.isneginf(m_new_), 0.0, m_new_)
+        m_safe_ = m_new_
+        if masked:
+            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
+            # (In a full block every row has a score: its max is one.)
+            m_safe_ = jnp.where(jnp.isneginf(m_new_), 0.0, m_new_)
         alpha_ = jnp.exp(m_prev_ - m_safe_)
         probs_ = jnp.exp(scores_ - m_safe_)
         l_scratch_[...] = alpha_ * l_scratch_[...] + jnp.sum(
@@ -553,14 +566,21 @@ def _attention_stored_kernel(
 
         s, s_ = _chain(x_blk)
         if masked:
-            i_pos = read_rows[at] * 128 + lax.broadcasted_iota(jnp.int32, (128, 1), 0)
-            j_pos = cols[at] * 128 + lax.broadcasted_iota(jnp.int32, (1, 128), 1)
-            i_at = i_pos + origins[0]
-            j_at = j_pos + origins[1]
-            present = (i_at >= j_at) & (i_pos < S) & (j_pos < T)
+            i_at = (read_rows[at] * 128 + origins[0]) + lax.broadcasted_iota(
+                jnp.int32, (128, 128), 0
+            )
+            j_at = (cols[at] * 128 + origins[1]) + lax.broadcasted_iota(
+                jnp.int32, (128, 128), 1
+            )
+            present = i_at >= j_at
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present = present & (i_at < S + origins[0]) & (j_at < T + origins[1])
             s = jnp.where(present, s, -jnp.inf)
-            present_ = (i_pos < S) & (j_pos < T)
-            s_ = jnp.where(present_, s_, -jnp.inf)
+            if S % 128 != 0 or T % 128 != 0:
+                # Past the end: absent.
+                present_ = (i_at < S + origins[0]) & (j_at < T + origins[1])
+                s_ = jnp.where(present_, s_, -jnp.inf)
         return s, s_
 
     def _write(masked):
@@ -645,13 +665,20 @@ def _prepare(x, S, T):
 
 def _walk_tables(kinds, bound):
     """The walk's scalar-prefetch tables for block kinds (numpy: known at trace time),
-    and whether some group needed more steps than `bound`."""
+    the steps its grid runs (the most any group needs: traced under jit, where the tables
+    hold `bound` steps a group, by default the dense count), and whether some group needed
+    more steps than `bound`."""
     # Known at trace time unless classified from a shard's traced first positions.
     tables, total, needed = _row_walk(
         np if isinstance(kinds, np.ndarray) else jnp, kinds, bound
     )
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
-    return tuple(jnp.asarray(t) for t in tables), False
+    # Under jit the grid's step axis is as long as the data needs, not the tables: steps past
+    # a group's last are empty, and no group's steps past the longest one's are run at all.
+    n_run = (
+        total if isinstance(needed, np.ndarray) else jnp.minimum(jnp.max(needed), total)
+    )
+    return tuple(jnp.asarray(t) for t in tables), n_run, False
 
 
 def _dense_tables(kinds, bound):
@@ -664,7 +691,11 @@ def _dense_tables(kinds, bound):
     cols = jnp.tile(jnp.tile(jnp.arange(n_cols, dtype=jnp.int32), n_rows), groups)
     _check_smem(5 * groups * cells, "the walk's scalar-prefetch tables")
     flags = jnp.full((groups * cells,), 3, jnp.int32)
-    return (rows, cols, rows, jnp.asarray(kinds, jnp.int32).reshape(-1), flags), False
+    return (
+        (rows, cols, rows, jnp.asarray(kinds, jnp.int32).reshape(-1), flags),
+        cells,
+        False,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
@@ -673,11 +704,13 @@ def _impl(x, sizes, bound, interpret, origin=None):
     block_kinds_ = _classify_blocks(np if origin is None else jnp, sizes, origin)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
-    (rows, cols, read_rows, kinds, flags), overflow = _walk_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(steps,),
+        grid=(n_run,),
         in_specs=[
             pl.BlockSpec((128, 128), _x_ij_map),
         ],
@@ -724,11 +757,13 @@ def _impl(x, sizes, bound, interpret, origin=None):
 
     # Stored softmax and score outputs: a second walk over every block.
     row_lse_rows = jnp.broadcast_to(row_lse[..., None], (S, 128))
-    (rows, cols, read_rows, kinds, flags), overflow = _dense_tables(block_kinds_, bound)
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _dense_tables(
+        block_kinds_, bound
+    )
     steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
-        grid=(steps,),
+        grid=(n_run,),
         in_specs=[
             pl.BlockSpec((128, 128), _x_ij_map),
             pl.BlockSpec((128, 128), _row_lse_rows_map),

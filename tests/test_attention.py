@@ -501,7 +501,7 @@ def test_plan_lists_the_attention_gradients_per_input(tmp_path, capsys):
 
 
 def test_max_steps_bounds_a_traced_walk():
-    """Segment ids: the walk has the dense count unless the caller bounds it; a bound below
+    """Segment ids: the walk's tables have the dense count unless the caller bounds it; a bound below
     what the walk needs is a ValueError on concrete ids, and NaN outputs under jit."""
     kernel, mod = build(spec_text("document_attention"))
     args, _ = example("document_attention", 1024, np.random.default_rng(14), docs=8)
@@ -516,6 +516,36 @@ def test_max_steps_bounds_a_traced_walk():
         mod.document_attention(*args, max_steps=need - 1, interpret=True)
     cut = jax.jit(lambda *a: mod.document_attention(*a, max_steps=need - 1, interpret=True))(*args)
     assert np.isnan(np.asarray(cut, np.float32)).all()
+
+
+@pytest.mark.parametrize("interpret", ["cpu", "sim"], indirect=True)
+def test_traced_walk_runs_the_steps_the_data_needs(interpret):
+    """Segment ids traced under jit: the grid's step axis is a traced extent, the most steps
+    any group needs (here the two batch rows' documents differ), not the tables' dense
+    count; the steps past a group's own last are empty. Values and gradients (the dq walk
+    and the key-side walk, each with its own extent) match; the simulator checks revisits."""
+    from sparsegen.tpu import cycles
+
+    kernel, mod = build(spec_text("document_attention"))
+    rng = np.random.default_rng(21)
+    args, _ = example("document_attention", 1000, rng)
+    seg = np.zeros((2, 1000), np.int32)
+    seg[0] = np.arange(1000) // 250  # four documents: 6 of 16 blocks
+    seg[1] = np.arange(1000) // 600  # two: 7 of 16 blocks, the longer walk
+    args[3] = jnp.asarray(seg)
+    fn = jax.jit(lambda *a: mod.document_attention(*a, interpret=interpret))
+    check_outputs(kernel, fn(*args), args, sizes_of(kernel, args))
+    got = gradients(lambda *a: jax.jit(lambda *x: mod.document_attention(*x, interpret=interpret))(*a), args, 3)
+    assert_gradients_match(got, gradients(mod.reference, args, 3), bf16=True)
+    # The grids, recorded as concrete values (the extent is computed from the ids).
+    kinds = np.asarray(mod.block_kinds(*args)).reshape(2, 4, 4)
+    needs = [max(int(n) for n in mod._row_walk(np, k[None])[2]) for k in kinds]
+    needs_t = [max(int(n) for n in mod._row_walk(np, k.T[None])[2]) for k in kinds]
+    assert needs[0] != needs[1] and max(needs) < 16
+    forward, backward = cycles.capture(mod.document_attention, args, {"interpret": True}, True, mod.pl)
+    assert forward[0].grid == (2, 1, max(needs))
+    assert [c.grid for c in backward] == [(2, 1, max(needs)), (2, 1, max(needs_t))]
+    assert forward[0].tables[0].size == 2 * 16  # the tables keep the dense count
 
 
 BIASED = """kernel biased {
@@ -552,6 +582,22 @@ def test_bias_slope_and_per_row_and_per_key_terms_get_gradients(interpret):
     got = gradients(lambda *a: mod.biased(*a, interpret=interpret), args, len(args))
     want = gradients(mod.reference, args, len(args))
     assert_gradients_match(got, want, bf16=False)
+
+
+@pytest.mark.parametrize("interpret", ["cpu", "sim"], indirect=True)
+def test_sums_over_a_traced_walk_finish_at_its_last_step(interpret):
+    """The slope's gradient, summed over the whole dq walk, is written at the grid's last
+    step: with segment ids traced under jit that is the traced extent's, not the tables'."""
+    text = BIASED.replace("in  kpad: f32[B, S]", "in  kpad: f32[B, S]\n    in  seg: i32[B, S]")
+    kernel, mod = build(text.replace("where i >= j", "where seg[b, i] == seg[b, j] and i >= j"))
+    rng = np.random.default_rng(16)
+    B, H, S = 2, 2, 300
+    args = [rand(rng, (B, H, S, 128), jnp.float32) for _ in range(3)]
+    args += [rand(rng, (H, S, S), jnp.float32), jnp.abs(rand(rng, (H,), jnp.float32)) * 0.01, rand(rng, (B, H, S), jnp.float32),
+             rand(rng, (B, S), jnp.float32), jnp.asarray(np.arange(2 * S).reshape(B, S) // 100 % 3, jnp.int32)]
+    fn = jax.jit(lambda *a: mod.biased(*a, interpret=interpret))
+    got = gradients(fn, args, 7)
+    assert_gradients_match(got, gradients(mod.reference, args, 7), bf16=False)
 
 
 @pytest.mark.parametrize("target", sorted(TOPOLOGIES))

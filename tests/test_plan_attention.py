@@ -51,8 +51,8 @@ def test_causal_visits_exactly_the_non_empty_blocks(tmp_path, capsys):
 ])
 def test_pattern_gives_the_condition_its_data(capsys, spec, pattern, shape):
     """A mask from the pattern (masked_attention), segment ids (document_attention: band=W
-    is documents of W positions); the walk has the dense count (a traced condition), the
-    visited blocks are the brute force's."""
+    is documents of W positions); a traced condition's grid runs the steps the data needs,
+    the visited blocks are the brute force's."""
     report = _plan(capsys, SPECS / spec, "--pattern", pattern, "--shape", shape)
     sizes = report["shapes"]
     i, j = np.arange(sizes["S"])[:, None], np.arange(sizes.get("T", sizes["S"]))[None, :]
@@ -61,7 +61,14 @@ def test_pattern_gives_the_condition_its_data(capsys, spec, pattern, shape):
     else:
         present, lead, ti, tj = (i // 300 == j // 300) & (i >= j), 2, 256, 256
     assert report["block_products"] == lead * _blocks(present, ti, tj)
-    assert report["grid_steps"] == report["dense_block_products"] == lead * -(-present.shape[0] // ti) * -(-present.shape[1] // tj)
+    # The grid runs the steps the data needs (a traced extent): each row block its non-empty
+    # key blocks, or one step; the tables keep the dense count.
+    rows, cols = -(-present.shape[0] // ti), -(-present.shape[1] // tj)
+    padded = np.zeros((rows * ti, cols * tj), bool)
+    padded[: present.shape[0], : present.shape[1]] = present
+    per_row = padded.reshape(rows, ti, cols, tj).any(axis=(1, 3)).sum(axis=1)
+    assert report["grid_steps"] == lead * int(np.maximum(per_row, 1).sum())
+    assert report["dense_block_products"] == lead * rows * cols
     assert report["wasted_copies"] == 0
     assert "max_steps=" in report["notes"][0]
 

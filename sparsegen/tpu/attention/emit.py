@@ -15,7 +15,7 @@ from ...pytext import live_lines, parameters, py_tuple, words
 from ...ring import RingSides
 from ...wrapper import Glue, Wrapper, vjp_tables
 from .describe import describe_attention
-from .kernels import Arr, CallSpec, KernelWriter, OutArr
+from .kernels import Arr, CallSpec, KernelWriter, OutArr, lanes
 from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, layout_block
 from .reference import ReferenceWriter
 
@@ -44,6 +44,11 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
         if self.positions:
             self.tables.append(self.origins)
         self.steps = self.w.step.static
+        # A walk classified under jit (operands read by the condition, or a shard's traced
+        # first positions) runs a traced number of steps: the most any group needs, with
+        # tables of the bound's length (the dense count by default).
+        self.dynamic = bool(self.p.data_dependent or self.positions)
+        self.n_run = self.n.local("n_run") if self.dynamic else self.steps
         maps = self.n.scope()  # the index maps' parameters
         self.grid_vars = [maps.local(i) for i in self.p.lead]
         self.t = maps.local("t")
@@ -124,7 +129,7 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
                 "spec_map": f"functools.partial({fn}, {partial})" if statics else fn}
 
     def call_dict(self, call: CallSpec, walk_kinds: str, walk: str = "_walk_tables") -> dict:
-        grid = [render(a.extent, "host") for a in self.w.lead] + [self.steps]  # the walk's axes: lead values, then steps
+        grid = [render(a.extent, "host") for a in self.w.lead] + [self.n_run]  # the walk's axes: lead values, then steps
         # The kernel's head binds every coordinate, slot and kind; those nothing reads are
         # dropped, and the kernel `del`s the tables it does not read.
         lines = live_lines(call.kernel_lines)
@@ -271,6 +276,8 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             positions=self.positions,
             shard_keywords=self.shard_keywords,
             steps=self.steps,
+            n_run=self.n_run,
+            dynamic=self.dynamic,
             vmem_limit=self.m.vmem_limit(),
             class_axes=list(p.class_axes),
             data=data,
@@ -420,6 +427,10 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
     def block_value(self, o: Operand, transposed: bool = False) -> str:
         ref = o.ref
         if o.layout == "rows":
+            if not self.dtype_of(o).is_float:
+                # Integers (segment ids) meet the score block whole: lane-wide, as the block
+                # holds them, not a column each use would broadcast across lanes (XLU).
+                return lanes(f"{ref}[...]", self.tile[self.p.query if transposed else self.p.key])
             return f"{ref}[:, 0:1]"
         if o.layout == "cols":
             return f"{ref}[0:1, :]"
@@ -448,8 +459,9 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
         args = []
         if self.p.data_dependent:
             signature = signature.replace("interpret=False", "max_steps=None, interpret=False")
-            args.append("    max_steps: int, keyword, optional  (the walk's steps per group; default: every block;")
-            args.append("        checked on concrete arguments, NaN outputs under jit when too few)")
+            args.append("    max_steps: int, keyword, optional  (the tables' steps per group, in scalar memory; default:")
+            args.append("        every block; the grid runs the steps the data needs either way; checked on concrete")
+            args.append("        arguments, NaN outputs under jit when too few)")
         args.append("    interpret: False compiles for the TPU; True runs the CPU interpreter;")
         args.append("        pltpu.InterpretParams() runs the TPU simulator.")
         return self.wrapper.docstrings("a Pallas TPU kernel", args, "Bad shapes and dtypes raise a ValueError naming the argument and dimension.",

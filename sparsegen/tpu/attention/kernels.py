@@ -7,6 +7,7 @@ emitter, whose names, tiles and sizes they use.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -60,6 +61,9 @@ class CallSpec:
 
 
 
+LOG2E, LN2 = math.log2(math.e), math.log(2.0)
+
+
 def lanes(x: str, width: int) -> str:
     """A (rows, 128) value whose lanes all hold the row's value, as a (rows, width) block:
     tiled, sliced, or (another width) one lane broadcast."""
@@ -103,7 +107,7 @@ class KernelWriter:
         lines.append(f"{flag} = {self.w.flags}[{at}]")
         return lines, lead_vars, at, kind, flag
 
-    def scores(self, n, lead_vars, at, tables, with_raw: bool, transposed: bool = False) -> list[str]:
+    def scores(self, n, lead_vars, at, tables, with_raw: bool, transposed: bool = False, base2: bool = False) -> list[str]:
         """`_scores(masked)`: the score block (MXU), the elementwise chain, and on a partial
         block the condition (absent: minus infinity). With `with_raw`, also the product
         before the chain, for the chain's derivative. `transposed`: key x row blocks (the
@@ -134,20 +138,29 @@ class KernelWriter:
             (qv, kv), prec = self.score_factors(qo, ko)
             a, b, da, db = (kv, qv, kd, qd) if transposed else (qv, kv, qd, kd)
             out.append(f"    {raw} = lax.dot_general({a}, {b}, ((({da},), ({db},)), ((), ())), preferred_element_type={acc.jnp}{prec})")
-            if p.scale is not None:
+            if base2:
+                out.append("    # In base 2 (softmax is the same): log2(e) joins the scale, so exp2 needs no multiply of its own.")
+                out.append(f"    {raw} = {raw} * {(1.0 if p.scale is None else p.scale) * LOG2E!r}")
+            elif p.scale is not None:
                 out.append(f"    {raw} = {raw} * {p.scale!r}")
         qpos, kpos = n.local(f"{p.query}_pos"), n.local(f"{p.key}_pos")
-        qshape, kshape = ((1, ti), (tj, 1)) if transposed else ((ti, 1), (1, tj))
-        pos_lines = [
-            f"    {qpos} = {tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {qshape}, {int(transposed)})",
-            f"    {kpos} = {tables.key}[{at}] * {tj} + lax.broadcasted_iota(jnp.int32, {kshape}, {int(not transposed)})",
-        ]
+        # Positions as whole blocks: a (rows, 1) column against a score block is a lane
+        # broadcast on the XLU at every use; a 2-d iota is one VPU op a vreg.
+        qshape = kshape = (tj, ti) if transposed else (ti, tj)
+        starts = [f"{tables.query}[{at}] * {ti}", f"{tables.key}[{at}] * {tj}"]
         gpos = {p.query: qpos, p.key: kpos}  # the positions a condition or the chain compares
+        ends = {p.query: self.size_of(p.query), p.key: self.size_of(p.key)}  # where each ends, as `gpos` counts
         if self.positions:
-            # Positions are global: a shard's first element sits at `origins` (a ring on a mesh).
-            for d, (index, pos) in enumerate(((p.query, qpos), (p.key, kpos))):
+            # Positions are global: a shard's first element sits at `origins` (a ring on a
+            # mesh); added to the block's first (a scalar), not to every element.
+            for d, index in enumerate((p.query, p.key)):
                 gpos[index] = n.local(f"{index}_at")
-                pos_lines.append(f"    {gpos[index]} = {pos} + {self.origins}[{d}]")
+                starts[d] = f"({starts[d]} + {self.origins}[{d}])"
+                ends[index] = f"{ends[index]} + {self.origins}[{d}]"
+        pos_lines = [
+            f"    {gpos[p.query]} = {starts[0]} + lax.broadcasted_iota(jnp.int32, {qshape}, {int(transposed)})",
+            f"    {gpos[p.key]} = {starts[1]} + lax.broadcasted_iota(jnp.int32, {kshape}, {int(not transposed)})",
+        ]
         chain_pos = self.chain_uses_positions()
         if chain_pos:
             out += pos_lines
@@ -187,19 +200,32 @@ class KernelWriter:
         else:
             ss = [n.local("s")]
             out.append(f"    {ss[0]} = {raw}")
-        ragged = [f"({pos} < {self.size_of(index)})" for index, pos in ((p.query, qpos), (p.key, kpos)) if self.ragged(index)]
+        # A ragged index's end: a literal size's is known; a size symbol's is static in the
+        # kernel, so at a multiple of the tile its test is dropped while tracing.
+        ends = [(f"({gpos[index]} < {ends[index]})", self.may_pass_end(index).removeprefix(" and "))
+                for index in (p.query, p.key) if self.ragged(index)]
+        known = [test for test, guard in ends if not guard]
+        guarded = [(test, guard) for test, guard in ends if guard]
         # `&` binds tighter than the comparisons in a condition: bracket it when anything joins it.
         conds = [([] if pt.condition is None else [render_term(pt.condition, lambda x: leaf(x, False))]) for pt in p.points]
-        conds = [[f"({c[0]})"] + ragged if c and ragged else c + ragged for c in conds]
-        if any(conds):
+        conds = [[f"({c[0]})"] + known if c and (known or guarded) else c + known for c in conds]
+        if any(conds) or guarded:
             out.append("    if masked:")
             if not chain_pos:
                 out += ["    " + x for x in pos_lines]
+            guard = " or ".join(dict.fromkeys(g for _, g in guarded))
             for s, cond in zip(ss, conds):
+                present = n.local("present")
                 if cond:
-                    present = n.local("present")
                     out.append(f"        {present} = " + " & ".join(cond))
+                    if guarded:
+                        out += [f"        if {guard}:", "            # Past the end: absent.",
+                                f"            {present} = {present} & " + " & ".join(t for t, _ in guarded)]
                     out.append(f"        {s} = jnp.where({present}, {s}, -jnp.inf)")
+                else:
+                    out += [f"        if {guard}:", "            # Past the end: absent.",
+                            f"            {present} = " + " & ".join(t for t, _ in guarded),
+                            f"            {s} = jnp.where({present}, {s}, -jnp.inf)"]
         if with_raw:  # one point (the gradients are derived for one)
             got = ([raw] if raw is not None else []) + [ss[0]] + (["_chain"] if self.has_chain() else [])
             if fvars:
@@ -294,7 +320,12 @@ class KernelWriter:
         for m_scr, l_scr in stat_names:
             lines += [f"    {m_scr}[...] = jnp.full_like({m_scr}, -jnp.inf)", f"    {l_scr}[...] = jnp.zeros_like({l_scr})"]
         lines += [f"    {a}[...] = jnp.zeros_like({a})" for a in accs.values()]
-        lines += self.scores(n, lead_vars, at, tables, with_raw=False)
+        # exp(x) is exp2(x * log2(e)) on the EUP: where the scores feed only softmax and
+        # logsumexp, they are kept in base 2 with log2(e) in the score's scale (one multiply a
+        # score, not two) and the logsumexp is brought back to base e at the flush.
+        base2 = p.scale is not None and not self.has_chain() and all(c.kind in ("softmax_product", "logsumexp") for c in consumers)
+        exp, log = ("jnp.exp2", "jnp.log2") if base2 else ("jnp.exp", "jnp.log")
+        lines += self.scores(n, lead_vars, at, tables, with_raw=False, base2=base2)
         nms = [{x: n.local(x) for x in ["m_prev", "m_new", "m_safe", "alpha", "probs", "total", "nothing", "safe", "scores"]} for _ in pts]
         lines += ["", "def _step(masked):", f"    {', '.join(nm['scores'] for nm in nms)} = _scores(masked)"]
         tj = self.tile[p.key]
@@ -302,10 +333,13 @@ class KernelWriter:
             sv = nm["scores"]
             lines += [f"    {nm['m_prev']} = {m_scr}[...]",
                       f"    {nm['m_new']} = jnp.maximum({nm['m_prev']}, jnp.max({sv}, axis=1, keepdims=True))",
-                      "    # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
-                      f"    {nm['m_safe']} = jnp.where(jnp.isneginf({nm['m_new']}), 0.0, {nm['m_new']})",
-                      f"    {nm['alpha']} = jnp.exp({nm['m_prev']} - {nm['m_safe']})",
-                      f"    {nm['probs']} = jnp.exp({sv} - {lanes(nm['m_safe'], tj)})",
+                      f"    {nm['m_safe']} = {nm['m_new']}",
+                      "    if masked:",
+                      "        # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
+                      "        # (In a full block every row has a score: its max is one.)",
+                      f"        {nm['m_safe']} = jnp.where(jnp.isneginf({nm['m_new']}), 0.0, {nm['m_new']})",
+                      f"    {nm['alpha']} = {exp}({nm['m_prev']} - {nm['m_safe']})",
+                      f"    {nm['probs']} = {exp}({sv} - {lanes(nm['m_safe'], tj)})",
                       f"    {l_scr}[...] = {nm['alpha']} * {l_scr}[...] + jnp.sum({nm['probs']}, axis=1, keepdims=True)",
                       f"    {m_scr}[...] = {nm['m_new']}"]
         for c in consumers:
@@ -321,7 +355,9 @@ class KernelWriter:
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")
-        lses = [f"jnp.where({nm['nothing']}, -jnp.inf, {m_scr}[...] + jnp.log({nm['safe']}))" for nm, (m_scr, _) in zip(nms, stat_names)]
+        to_e = f" * {LN2!r}" if base2 else ""
+        lses = [f"jnp.where({nm['nothing']}, -jnp.inf, ({m_scr}[...] + {log}({nm['safe']})){to_e})" if base2 else
+                f"jnp.where({nm['nothing']}, -jnp.inf, {m_scr}[...] + jnp.log({nm['safe']}))" for nm, (m_scr, _) in zip(nms, stat_names)]
         lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", "    # The row's last step: normalise and write."]
         for nm, (_, l_scr) in zip(nms, stat_names):
             lines += [f"    {nm['total']} = {l_scr}[...]", f"    {nm['nothing']} = {nm['total']} == 0.0",
@@ -615,7 +651,8 @@ class KernelWriter:
         if flush:
             lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():"] + flush
         if walk_accs:
-            lines += ["", f"@pl.when(pl.program_id({len(p.lead)}) == {self.steps} - 1)", "def _finish():"] + finish
+            # The last step the grid runs (a traced extent where the walk is classified under jit).
+            lines += ["", f"@pl.when(pl.program_id({len(p.lead)}) == pl.num_programs({len(p.lead)}) - 1)", "def _finish():"] + finish
         refs = [a.ref for a in ins] + [o.ref for o in outs] + ([] if p.stored_score else [dq_acc]) + row_accs + walk_accs
         dims = self.block_elements()
         e_total = sum(self.tile[self.e_of(c)] for c in p.consumers if c.kind == "softmax_product")
@@ -733,7 +770,7 @@ class KernelWriter:
         axis = len(p.lead)
         start = ["", f"@pl.when(pl.program_id({axis}) == 0)", "def _start():", "    # The group's first step: no row of dq summed yet.",
                  f"    {dq_acc}[...] = jnp.zeros_like({dq_acc})"]
-        finish = ["", f"@pl.when(pl.program_id({axis}) == {self.steps} - 1)", "def _finish():", "    # The group's last step: every row of dq is whole.",
+        finish = ["", f"@pl.when(pl.program_id({axis}) == pl.num_programs({axis}) - 1)", "def _finish():", "    # The group's last step: every row of dq is whole.",
                   f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)"]
         return start, finish, [dq_acc]
 

@@ -100,8 +100,10 @@ def _notes(p, module, args, keywords, pattern: str, sim) -> tuple[str, ...]:
     kinds = np.asarray(module.block_kinds(*args, **keywords))
     kinds = kinds.reshape((-1,) + kinds.shape[-2:])
     needed = max(int(module._row_walk(np, x)[1]) for x in (kinds, kinds.transpose(0, 2, 1)))
-    return (f"the condition reads operands (classified under jit): {sim.grid[-1]} steps per group, the dense count; "
-            f"max_steps={needed} (the least this pattern allows, forward and backward) would leave {needed}",)
+    dense = kinds.shape[-2] * kinds.shape[-1]
+    return (f"the condition reads operands (classified under jit): the grid runs the {sim.grid[-1]} steps per group this "
+            f"pattern needs (a traced extent); the walk's tables hold the dense count, {dense} steps per group, in scalar "
+            f"memory; max_steps={needed} (the least this pattern allows, forward and backward) would shrink them to {needed}",)
 
 
 def _walk(plan, calls) -> WalkSimulation:
