@@ -757,7 +757,8 @@ def _attention_dq_kernel(
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        raw_scores = raw_scores * 0.08838834764831845
+        # In base 2 (softmax is the same): log2(e) joins the scale, so exp2 needs no multiply of its own.
+        raw_scores = raw_scores * 0.12751743082459868
         s = raw_scores
         if masked:
             i_at = (read_rows[at] * 512 + origins[0]) + lax.broadcasted_iota(
@@ -784,7 +785,8 @@ def _attention_dq_kernel(
             lse_ = jnp.where(rows_inside, lse_, 0.0)
             delta = jnp.where(rows_inside, delta, 0.0)
         lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)  # a row with nothing present
-        probs = jnp.exp(s - jnp.tile(lse_, (1, 4)))  # absent elements: exp(-inf) = 0
+        lse_ = lse_ * 1.4426950408889634  # in base 2, as the scores
+        probs = jnp.exp2(s - jnp.tile(lse_, (1, 4)))  # absent elements: exp2(-inf) = 0
         v_blk = v_ref[...]
         if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
@@ -891,7 +893,8 @@ def _attention_dkv_kernel(
         raw_scores = lax.dot_general(
             k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        raw_scores = raw_scores * 0.08838834764831845
+        # In base 2 (softmax is the same): log2(e) joins the scale, so exp2 needs no multiply of its own.
+        raw_scores = raw_scores * 0.12751743082459868
         s = raw_scores
         if masked:
             i_at = (cols[at] * 512 + origins[0]) + lax.broadcasted_iota(
@@ -918,7 +921,8 @@ def _attention_dkv_kernel(
             lse_ = jnp.where(rows_inside, lse_, 0.0)
             delta = jnp.where(rows_inside, delta, 0.0)
         lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)  # a row with nothing present
-        probs = jnp.exp(s - lse_)  # absent elements: exp(-inf) = 0
+        lse_ = lse_ * 1.4426950408889634  # in base 2, as the scores
+        probs = jnp.exp2(s - lse_)  # absent elements: exp2(-inf) = 0
         v_blk = v_ref[...]
         if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
@@ -1041,7 +1045,8 @@ def _attention_fused_backward_kernel(
         raw_scores = lax.dot_general(
             k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        raw_scores = raw_scores * 0.08838834764831845
+        # In base 2 (softmax is the same): log2(e) joins the scale, so exp2 needs no multiply of its own.
+        raw_scores = raw_scores * 0.12751743082459868
         s = raw_scores
         if masked:
             i_at = (cols[at] * 512 + origins[0]) + lax.broadcasted_iota(
@@ -1068,7 +1073,8 @@ def _attention_fused_backward_kernel(
             lse_ = jnp.where(rows_inside, lse_, 0.0)
             delta_ = jnp.where(rows_inside, delta_, 0.0)
         lse_ = jnp.where(jnp.isneginf(lse_), 0.0, lse_)  # a row with nothing present
-        probs = jnp.exp(s - lse_)  # absent elements: exp(-inf) = 0
+        lse_ = lse_ * 1.4426950408889634  # in base 2, as the scores
+        probs = jnp.exp2(s - lse_)  # absent elements: exp2(-inf) = 0
         v_blk = v_ref[...]
         if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.

@@ -522,8 +522,9 @@ def test_max_steps_bounds_a_traced_walk():
 def test_traced_walk_runs_the_steps_the_data_needs(interpret):
     """Segment ids traced under jit: the grid's step axis is a traced extent, the most steps
     any group needs (here the two batch rows' documents differ), not the tables' dense
-    count; the steps past a group's own last are empty. Values and gradients (the dq walk
-    and the key-side walk, each with its own extent) match; the simulator checks revisits."""
+    count; the steps past a group's own last are empty. Values and gradients (the fused
+    backward's key-side walk has its own extent, and writes dq at its last step) match; the
+    simulator checks revisits."""
     from sparsegen.tpu import cycles
 
     kernel, mod = build(spec_text("document_attention"))
@@ -544,7 +545,8 @@ def test_traced_walk_runs_the_steps_the_data_needs(interpret):
     assert needs[0] != needs[1] and max(needs) < 16
     forward, backward = cycles.capture(mod.document_attention, args, {"interpret": True}, True, mod.pl)
     assert forward[0].grid == (2, 1, max(needs))
-    assert [c.grid for c in backward] == [(2, 1, max(needs)), (2, 1, max(needs_t))]
+    # The backward: the fused walk over key blocks (dq summed in it), its own extent.
+    assert [c.grid for c in backward] == [(2, 1, max(needs_t))]
     assert forward[0].tables[0].size == 2 * 16  # the tables keep the dense count
 
 

@@ -758,7 +758,8 @@ def _attention_dq_kernel(
         raw_scores = lax.dot_general(
             q_blk, k_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        raw_scores = raw_scores * 0.125
+        # In base 2 (softmax is the same): log2(e) joins the scale, so exp2 needs no multiply of its own.
+        raw_scores = raw_scores * 0.18033688011112042
         s = raw_scores
         if masked:
             i_at = (read_rows[at] * 32 + origins[0]) + lax.broadcasted_iota(
@@ -785,7 +786,8 @@ def _attention_dq_kernel(
             lse = jnp.where(rows_inside, lse, 0.0)
             delta = jnp.where(rows_inside, delta, 0.0)
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
-        probs = jnp.exp(s - (lse)[:, :32])  # absent elements: exp(-inf) = 0
+        lse = lse * 1.4426950408889634  # in base 2, as the scores
+        probs = jnp.exp2(s - (lse)[:, :32])  # absent elements: exp2(-inf) = 0
         v_blk = v_ref[...]
         if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
@@ -892,7 +894,8 @@ def _attention_dkv_kernel(
         raw_scores = lax.dot_general(
             k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        raw_scores = raw_scores * 0.125
+        # In base 2 (softmax is the same): log2(e) joins the scale, so exp2 needs no multiply of its own.
+        raw_scores = raw_scores * 0.18033688011112042
         s = raw_scores
         if masked:
             i_at = (cols[at] * 32 + origins[0]) + lax.broadcasted_iota(
@@ -919,7 +922,8 @@ def _attention_dkv_kernel(
             lse = jnp.where(rows_inside, lse, 0.0)
             delta = jnp.where(rows_inside, delta, 0.0)
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
-        probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
+        lse = lse * 1.4426950408889634  # in base 2, as the scores
+        probs = jnp.exp2(s - lse)  # absent elements: exp2(-inf) = 0
         v_blk = v_ref[...]
         if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
@@ -1042,7 +1046,8 @@ def _attention_fused_backward_kernel(
         raw_scores = lax.dot_general(
             k_blk, q_blk, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        raw_scores = raw_scores * 0.125
+        # In base 2 (softmax is the same): log2(e) joins the scale, so exp2 needs no multiply of its own.
+        raw_scores = raw_scores * 0.18033688011112042
         s = raw_scores
         if masked:
             i_at = (cols[at] * 32 + origins[0]) + lax.broadcasted_iota(
@@ -1069,7 +1074,8 @@ def _attention_fused_backward_kernel(
             lse = jnp.where(rows_inside, lse, 0.0)
             delta_ = jnp.where(rows_inside, delta_, 0.0)
         lse = jnp.where(jnp.isneginf(lse), 0.0, lse)  # a row with nothing present
-        probs = jnp.exp(s - lse)  # absent elements: exp(-inf) = 0
+        lse = lse * 1.4426950408889634  # in base 2, as the scores
+        probs = jnp.exp2(s - lse)  # absent elements: exp2(-inf) = 0
         v_blk = v_ref[...]
         if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.

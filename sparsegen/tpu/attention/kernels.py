@@ -235,6 +235,13 @@ class KernelWriter:
             out.append(f"    return {', '.join(ss)}")
         return out
 
+    def base2(self) -> bool:
+        """exp(x) is exp2(x * log2(e)) on the EUP: where the scores feed only softmax and
+        logsumexp, every pass keeps them in base 2 with log2(e) in the score's scale (one
+        multiply a score, not two); the logsumexp the forward writes stays in base e."""
+        p = self.p
+        return p.scale is not None and not self.has_chain() and all(c.kind in ("softmax_product", "logsumexp") for c in p.consumers)
+
     def has_chain(self) -> bool:
         """Is there a `_chain` function (elementwise steps, several points, stored scores)?"""
         p = self.p
@@ -320,10 +327,7 @@ class KernelWriter:
         for m_scr, l_scr in stat_names:
             lines += [f"    {m_scr}[...] = jnp.full_like({m_scr}, -jnp.inf)", f"    {l_scr}[...] = jnp.zeros_like({l_scr})"]
         lines += [f"    {a}[...] = jnp.zeros_like({a})" for a in accs.values()]
-        # exp(x) is exp2(x * log2(e)) on the EUP: where the scores feed only softmax and
-        # logsumexp, they are kept in base 2 with log2(e) in the score's scale (one multiply a
-        # score, not two) and the logsumexp is brought back to base e at the flush.
-        base2 = p.scale is not None and not self.has_chain() and all(c.kind in ("softmax_product", "logsumexp") for c in consumers)
+        base2 = self.base2()
         exp, log = ("jnp.exp2", "jnp.log2") if base2 else ("jnp.exp", "jnp.log")
         lines += self.scores(n, lead_vars, at, tables, with_raw=False, base2=base2)
         nms = [{x: n.local(x) for x in ["m_prev", "m_new", "m_safe", "alpha", "probs", "total", "nothing", "safe", "scores"]} for _ in pts]
@@ -524,8 +528,12 @@ class KernelWriter:
                       f"        {inside} = {tables.query}[{at}] * {ti} + lax.broadcasted_iota(jnp.int32, {shape}, {axis}) < {self.size_of(p.query)}",
                       f"        {nm['lse']} = jnp.where({inside}, {nm['lse']}, 0.0)",
                       f"        {delta} = jnp.where({inside}, {delta}, 0.0)"]
-        lines += [f"    {nm['lse']} = jnp.where(jnp.isneginf({nm['lse']}), 0.0, {nm['lse']})  # a row with nothing present",
-                  f"    {nm['probs']} = jnp.exp({nm['s']} - {widen(nm['lse'])})  # absent elements: exp(-inf) = 0"]
+        lines.append(f"    {nm['lse']} = jnp.where(jnp.isneginf({nm['lse']}), 0.0, {nm['lse']})  # a row with nothing present")
+        if self.base2():
+            lines += [f"    {nm['lse']} = {nm['lse']} * {LOG2E!r}  # in base 2, as the scores",
+                      f"    {nm['probs']} = jnp.exp2({nm['s']} - {widen(nm['lse'])})  # absent elements: exp2(-inf) = 0"]
+        else:
+            lines.append(f"    {nm['probs']} = jnp.exp({nm['s']} - {widen(nm['lse'])})  # absent elements: exp(-inf) = 0")
         terms, dos = [], {}
         for c in p.consumers:
             if c.kind == "softmax_product":
@@ -645,7 +653,7 @@ class KernelWriter:
             flush.insert(0, f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)")
         if init:
             lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():"] + init
-        lines += self.scores(n, lead_vars, at, tables, with_raw=True)
+        lines += self.scores(n, lead_vars, at, tables, with_raw=True, base2=self.base2())
         lines += ["", "def _step(masked):"] + step
         lines += self.phases(kind, "_step")
         if flush:
@@ -725,7 +733,7 @@ class KernelWriter:
         lines = list(head) + start + ["", f"@pl.when({flag} & 1 != 0)", "def _init():"] + [f"    {a}[...] = jnp.zeros_like({a})" for a in accs]
         lines += ["", "# Blocks are key x row here: each row's statistics are row vectors, and both",
                   "# gradients are plain products with the row blocks."]
-        lines += self.scores(n, lead_vars, at, tables, with_raw=True, transposed=True)
+        lines += self.scores(n, lead_vars, at, tables, with_raw=True, transposed=True, base2=self.base2())
         lines += ["", "def _step(masked):"] + step + self.phases(kind, "_step")
         lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():"] + ([] if p.stored_score else [f"    {dk_ref}[...] = {dk_acc}[...].astype({dk_ref}.dtype)"])
         lines += [f"    {r}[...] = {a}[...].astype({r}.dtype)" for a, r in dv.values()] + key_flush + finish
