@@ -1,8 +1,9 @@
 """The machinery of the tests that run kernels on 8 host CPU devices (tests/test_sharded.py,
-tests/test_sharded_sweep.py): a test registers its jobs at import (`on_mesh`: a spec, sizes,
-cases), the module fixture `mesh_results` runs every registered job of the session in ONE
-`tests/mesh_runner.py` process (jax's start on 8 devices and its compiles are the cost), and
-`assert_case` compares a case's values and gradients with the kernel unsplit and `reference`.
+tests/test_sharded_gpu.py, tests/test_sharded_sweep.py, tests/test_sharded_typed.py): a test
+module registers its tests' jobs at import (`MeshJobs.add`: a spec, sizes, cases), its
+fixture `mesh_results` runs them in one `tests/mesh_runner.py` process (jax's start on 8
+devices and its compiles are the cost), and `assert_case` compares a case's values and
+gradients with the kernel unsplit and `reference`.
 """
 
 from __future__ import annotations
@@ -59,36 +60,40 @@ def prepare(folder, text: str, sizes: dict, cases: list[dict], pattern="random",
     return kernel, resolve_sizes(kernel, sizes), folder
 
 
-# Every test's jobs (`prepare`'s arguments after the folder), by test: all run in one
-# mesh_runner.py process (`mesh_results`), which starts jax on 8 devices once.
-MESH_JOBS: dict[str, tuple] = {}
+class MeshJobs:
+    """A test module's jobs, by test (`add`: `prepare`'s arguments after the folder), run in
+    one mesh_runner.py process of their own (`run`), which starts jax on 8 devices once. One
+    process per module rather than one for the session: each is a part of the suite that a
+    test worker takes alone, and none is long enough to hold the other worker's end."""
 
+    def __init__(self, name: str):
+        self.name = name
+        self.jobs: dict[str, tuple] = {}
 
-def on_mesh(test: str, *jobs):
-    MESH_JOBS[test] = jobs
+    def add(self, test: str, *jobs):
+        self.jobs[test] = jobs
 
+    def run(self, tmp_path_factory, worker_id):
+        """Per test, per job: (kernel, env, results), for the module's `mesh_results`
+        fixture (module scope). Test workers that both run some of the module's tests
+        share one run (the first to take the lock makes it; the results lie in the
+        session's shared temporary folder)."""
+        import fcntl
 
-def run_mesh_jobs(tmp_path_factory, worker_id):
-    """Per test, per job: (kernel, env, results), for a test module's `mesh_results` fixture
-    (module scope). Once per session: every module's jobs run in the first call, and test
-    workers that both run some of these tests share that run (the first to take the lock
-    makes it; the results lie in the session's shared temporary folder)."""
-    import fcntl
-
-    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
-    folder = shared / "mesh_jobs"
-    with open(shared / "mesh_jobs.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = (folder / "done").exists()
-        prepared = {test: [prepare(folder / f"{test}{n}", *job, write=not done) for n, job in enumerate(jobs)]
-                    for test, jobs in MESH_JOBS.items()}
-        if not done:
-            paths = [str(f / "job.json") for jobs in prepared.values() for _, _, f in jobs]
-            result = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_runner.py"), *paths], capture_output=True, text=True,
-                                    timeout=1800)
-            assert result.returncode == 0, result.stderr[-4000:]
-            (folder / "done").write_text("")
-    return {test: [(kernel, env, dict(np.load(f / "result.npz"))) for kernel, env, f in jobs] for test, jobs in prepared.items()}
+        shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+        folder = shared / f"mesh_jobs_{self.name}"
+        with open(shared / f"mesh_jobs_{self.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            done = (folder / "done").exists()
+            prepared = {test: [prepare(folder / f"{test}{n}", *job, write=not done) for n, job in enumerate(jobs)]
+                        for test, jobs in self.jobs.items()}
+            if not done:
+                paths = [str(f / "job.json") for jobs in prepared.values() for _, _, f in jobs]
+                result = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_runner.py"), *paths], capture_output=True,
+                                        text=True, timeout=1800)
+                assert result.returncode == 0, result.stderr[-4000:]
+                (folder / "done").write_text("")
+        return {test: [(kernel, env, dict(np.load(f / "result.npz"))) for kernel, env, f in jobs] for test, jobs in prepared.items()}
 
 
 def run_on_mesh(mesh_results, test: str):

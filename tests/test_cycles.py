@@ -28,19 +28,40 @@ DENSE = """kernel mm {
 """
 
 
-def _measure(job: dict) -> cycles.KernelCycles:
+# Every estimate the tests below read, made in one helper process (`measure`: python,
+# jax and libtpu start once, not once a test); the dense matmul at 512 tiles and the
+# one-group grouped matmul are compared with each other.
+JOBS = {
+    "dense": {"spec": "mm.spk", "text": DENSE, "kernel": "mm", "target": "v5e", "shapes": {"M": 512, "K": 512, "N": 512},
+              "pattern": "density=1"},
+    "tril": {"spec": str(SPECS / "dsd_matmul.spk"), "kernel": "dsd_matmul", "target": "v5e",
+             "shapes": {"M": 2048, "K": 2048, "N": 2048}, "pattern": "tril"},
+    "dense512": {"spec": "mm.spk", "text": DENSE.replace("256", "512"), "kernel": "mm", "target": "v5e",
+                 "shapes": {"M": 2048, "K": 2048, "N": 2048}, "pattern": "density=1"},
+    "grouped": {"spec": str(SPECS / "grouped_matmul.spk"), "kernel": "grouped_matmul", "target": "v5e",
+                "shapes": {"M": 2048, "K": 2048, "N": 2048, "E": 1}, "pattern": "density=1"},
+    "attention": {"spec": str(SPECS / "causal_attention.spk"), "kernel": "causal_attention", "target": "v5e",
+                  "shapes": {"B": 1, "H": 1, "S": 1000, "D": 128}, "pattern": "tril", "backward": True},
+}
+
+
+@pytest.fixture(scope="module")
+def estimates():
     try:
-        (found,) = measure([{"seed": 0, "backward": False, **job}])
+        found = measure([{"seed": 0, "backward": False, **job} for job in JOBS.values()])
     except cycles.NoProfile as exc:
         pytest.skip(f"this libtpu lacks {cycles.FLAG} (no static profile): {exc}")
+    return dict(zip(JOBS, found))
+
+
+def _found(estimates, name: str) -> cycles.KernelCycles:
+    found = estimates[name]
     assert found.error is None, found.error
     return found
 
 
-def test_dense_matmul_estimate_is_parsed(tmp_path):
-    spec = tmp_path / "mm.spk"
-    spec.write_text(DENSE)
-    found = _measure({"spec": str(spec), "kernel": "mm", "target": "v5e", "shapes": {"M": 512, "K": 512, "N": 512}, "pattern": "density=1"})
+def test_dense_matmul_estimate_is_parsed(estimates):
+    found = _found(estimates, "dense")
     (p,) = found.forward
     assert p.grid == (2, 2, 2) and p.steps == 8
     # No condition reads a table: the estimator's own figure stands, from one compile.
@@ -53,12 +74,11 @@ def test_dense_matmul_estimate_is_parsed(tmp_path):
     assert found.to_json()["forward"]["mxu_ratio"] == round(p.cycles / 2048, 3)
 
 
-def test_regions_are_weighted_by_the_real_tables():
+def test_regions_are_weighted_by_the_real_tables(estimates):
     """dsd_matmul at 2048^3 with 512 tiles on tril: 10 stored blocks of 16, 4 column blocks.
     The walk has 4 x (10 + 4) steps: 40 multiply a stored block, 16 flush one output block,
     16 start one. The estimator reads the tables as zeros (every step a flush, none computing)."""
-    found = _measure({"spec": str(SPECS / "dsd_matmul.spk"), "kernel": "dsd_matmul", "target": "v5e",
-                      "shapes": {"M": 2048, "K": 2048, "N": 2048}, "pattern": "tril"})
+    found = _found(estimates, "tril")
     (p,) = found.forward
     assert p.grid == (4, 14)
     counts = {r.name: (r.count, r.estimator_count) for r in p.regions}
@@ -72,7 +92,7 @@ def test_regions_are_weighted_by_the_real_tables():
     assert p.mxu_cycles < p.cycles < p.raw + 2 * p.mxu_cycles
 
 
-def test_a_full_walk_is_weighted_as_the_dense_product():
+def test_a_full_walk_is_weighted_as_the_dense_product(estimates):
     """grouped_matmul with one group (every block full) takes the dense product's path: init at
     the first k, the product at every step, the flush at the last k. Its weighted estimate is
     near the dense kernel's at the same tiles and shape: 8% over it (the same kernel with its
@@ -80,17 +100,7 @@ def test_a_full_walk_is_weighted_as_the_dense_product():
     gid block and the table reads of each step, on a small grid). Before two fixes it was
     11.8x: the lookup's `// 31` and `% 31` (the profiler takes them as 0: every step ran step
     0's regions) and the traced grid extent (the estimator walked a grid of its own size)."""
-    spec_dense = DENSE.replace("256", "512")
-    shapes = {"M": 2048, "K": 2048, "N": 2048}
-    try:
-        dense, grouped = measure([
-            {"seed": 0, "backward": False, "spec": "mm.spk", "text": spec_dense, "kernel": "mm", "target": "v5e",
-             "shapes": shapes, "pattern": "density=1"},
-            {"seed": 0, "backward": False, "spec": str(SPECS / "grouped_matmul.spk"), "kernel": "grouped_matmul",
-             "target": "v5e", "shapes": {**shapes, "E": 1}, "pattern": "density=1"}])
-    except cycles.NoProfile as exc:
-        pytest.skip(f"this libtpu lacks {cycles.FLAG} (no static profile): {exc}")
-    assert dense.error is None and grouped.error is None, (dense.error, grouped.error)
+    dense, grouped = _found(estimates, "dense512"), _found(estimates, "grouped")
     (d,), (g,) = dense.forward, grouped.forward
     assert d.steps == g.steps == 64
     assert {r.name: r.count for r in g.regions} == {"_init": 16, "_compute_partial": 0, "_compute_full": 64, "_flush": 16}
@@ -184,7 +194,7 @@ def test_cycles_is_refused_for_gpu_targets(capsys):
     assert "for TPU targets only" in capsys.readouterr().err
 
 
-def test_attention_backward_passes_are_estimated():
+def test_attention_backward_passes_are_estimated(estimates):
     """causal_attention's backward (dk, dv and dq in one fused walk over key blocks), its
     diagonal (partial) blocks walked: libtpu's profiler aborted on the dq and dk/dv passes
     ("Expected vector-bf16packed, got vector-int16" on a vmatmul) while a partial step zeroed
@@ -192,8 +202,7 @@ def test_attention_backward_passes_are_estimated():
     such a block as f32 (sparsegen/tpu/attention/kernels.py: zero_outside). S = 1000, a ragged
     multiple of the 512 tile (at a multiple the kernel zeroes nothing: `may_pass_end`): two
     row blocks, one head, 3 steps."""
-    found = _measure({"spec": str(SPECS / "causal_attention.spk"), "kernel": "causal_attention", "target": "v5e",
-                      "shapes": {"B": 1, "H": 1, "S": 1000, "D": 128}, "pattern": "tril", "backward": True})
+    found = _found(estimates, "attention")
     assert len(found.backward) == 1, found.backward
     for p in found.backward:
         assert p.cycles is not None, p.note

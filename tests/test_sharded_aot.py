@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import build, spec_text, with_tiles
+from conftest import SWEEP, build, spec_text, with_tiles
 from test_sharded import BATCHED
 
 from sparsegen.testing import example_args
@@ -234,11 +234,15 @@ CASES = [
     ("causal-ring", CAUSAL, dict(B=1, H=4, S=2048, D=128), dict(h="model", i="data", j="data"),
      [(CP, "data")] * 2, [(CP, "data")] * 4, dict(key="j")),
 ]
-IDS = [c[0] for c in CASES]
+# Each case for one topology by default, in turn (the collectives expected are the same on
+# both: only the mesh's shape differs), the first and the ring for both; every case for both
+# under SPARSEGEN_SWEEP=1.
+BOTH = ("einsum-b-k", "causal-ring")
+RUNS = [pytest.param(case, target, id=f"{target}-{case[0]}") for n, case in enumerate(CASES) for target in TARGETS
+        if SWEEP or case[0] in BOTH or target == TARGETS[n % len(TARGETS)]]
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case,target", RUNS)
 def test_sharded_compiles_with_the_expected_collectives(case, target):
     _, text, sizes, axes, forward, backward, more = case
     check_on_topology(text, target, sizes, axes, forward, backward, **more)

@@ -6,7 +6,7 @@ module's `_MESH_RULES`): each one split alone over a mesh axis of N devices (a "
 index, a "sum" index added with psum), and where the rule allows a ring, the key index with
 the query index on one axis, in order and in zigzag order (and the key index alone where
 the rows have a size of their own). On 8 host CPU devices, in the CPU interpreter, in the
-session's one `tests/mesh_runner.py` process (`tests/mesh_jobs.py`): values and `jax.grad`
+module's one `tests/mesh_runner.py` process (`tests/mesh_jobs.py`): values and `jax.grad`
 (of every argument whose gradient the module derives: a paged walk's none yet, issue 19)
 equal the kernel unsplit and `reference` (`assert_case`), each output laid out as the split
 says. Every index the rule refuses: `sharded` raises the ValueError naming it (here, on a
@@ -31,7 +31,7 @@ import re
 
 import pytest
 from conftest import SPECS, build, with_tiles
-from mesh_jobs import assert_case, differentiable, on_mesh, one_device_mesh, run_mesh_jobs
+from mesh_jobs import MeshJobs, assert_case, differentiable, one_device_mesh
 
 from sparsegen.compiler import lower_source
 from sparsegen.mesh import mesh_plan
@@ -191,6 +191,7 @@ def parts(kind: str) -> int:
 
 
 # Built at collection: every kernel and its cases; those that run here (`chosen`), its job.
+MESH_JOBS = MeshJobs("sharded_sweep")
 KERNELS = []
 for spec, text in example_kernels():
     kernel, mod = build(small(text), formatted=False)
@@ -200,7 +201,7 @@ for n, (spec, text, kernel, mod, cases) in enumerate(KERNELS):
     chosen = [c for c in range(len(cases)) if SWEEP or (kernel.name, c) in DEFAULT]
     KERNELS[n] += (chosen,)
     if chosen:
-        on_mesh(f"sweep-{kernel.name}", (small(text), sizes_for(kernel, mod, cases),
+        MESH_JOBS.add(f"sweep-{kernel.name}", (small(text), sizes_for(kernel, mod, cases),
                                          [{"mesh": [N], "names": [AXIS], "axes": cases[n][2]} for n in chosen]))
 RUNS = [(kernel.name, n, cases[c]) for _, _, kernel, mod, cases, chosen in KERNELS for n, c in enumerate(chosen)]
 BY_NAME = {k[2].name: k for k in KERNELS}
@@ -208,7 +209,7 @@ BY_NAME = {k[2].name: k for k in KERNELS}
 
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory, worker_id):
-    return run_mesh_jobs(tmp_path_factory, worker_id)
+    return MESH_JOBS.run(tmp_path_factory, worker_id)
 
 
 @pytest.mark.parametrize("name,n,case", RUNS, ids=[f"{name}-{kind}-{label}" for name, _, (kind, label, _) in RUNS])
@@ -291,7 +292,7 @@ def test_ring_index_alone_or_apart_raises_naming_both(name, mod):
 # entries (coordinates -1) among them, in the simulator: memory no step writes is NaN, an
 # out-of-bounds read raises (a bucket's padding must reach no block).
 COO_SIMULATED = with_tiles(BY_NAME["dsd_matmul"][1], m=128, n=128, k=128)
-on_mesh("coo-simulator", (COO_SIMULATED, dict(M=256, K=256, N=128),
+MESH_JOBS.add("coo-simulator", (COO_SIMULATED, dict(M=256, K=256, N=128),
                           [{"mesh": [N], "names": [AXIS], "axes": {"m": AXIS}, "interpret": "simulator"}], "padded"))
 
 

@@ -3,7 +3,7 @@ runs compiled and in the TPU simulator: each pallas_call's outputs vary over the
 operands vary over (`_typed`), a gradient is added up across an axis its argument is whole
 on (`_typed_gradients`), and shard_map's transpose adds nothing else. The CPU interpreter
 runs untyped (jax's cannot evaluate kernel bodies typed), so these cases run in the
-simulator, on 8 host devices (tests/mesh_runner.py, with test_sharded's jobs): values and
+simulator, on 8 host devices (tests/mesh_runner.py): values and
 gradients equal the unsplit kernel's and `reference`'s. What the compiled HLO holds (no
 redundant all-reduce) is tests/test_sharded_aot.py's.
 
@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import pytest
 from conftest import spec_text
-from mesh_jobs import MESH, assert_case, on_mesh, run_mesh_jobs, run_on_mesh
+from mesh_jobs import MESH, MeshJobs, assert_case, run_on_mesh
 from test_sharded import BATCHED, DSD
 
 SIM = {**MESH, "interpret": "simulator", "typed": True}
+MESH_JOBS = MeshJobs("sharded_typed")
 
 
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory, worker_id):
-    return run_mesh_jobs(tmp_path_factory, worker_id)
+    return MESH_JOBS.run(tmp_path_factory, worker_id)
 
 
 def _jobs():
-    on_mesh("typed",
+    MESH_JOBS.add("typed",
             (BATCHED, dict(B=2, M=128, K=512, N=128), [{**SIM, "axes": {"b": "data", "k": "model"}}]),
             (DSD, dict(M=128, K=256, N=512), [{**SIM, "axes": {"n": "model"}}]),
             (spec_text("causal_attention"), dict(B=2, H=4, S=128, D=128), [{**SIM, "axes": {"b": "data", "h": "model"}}]))
