@@ -550,6 +550,19 @@ def test_traced_walk_runs_the_steps_the_data_needs(interpret):
     assert forward[0].tables[0].size == 2 * 16  # the tables keep the dense count
 
 
+def test_reference_of_a_spec_whose_every_size_is_literal():
+    """`reference` with no size symbols: the classification it visits by still takes the
+    (empty) sizes (it used to `del sizes` first: UnboundLocalError)."""
+    text = spec_text("causal_attention")
+    text = text.replace("[B, H, S, D]", "[1, 2, 1024, 128]").replace("[B, H, S]", "[1, 2, 1024]")
+    assert "B, H" not in text  # every dimension literal
+    kernel, mod = build(text)
+    args = [rand(np.random.default_rng(3), (1, 2, 1024, 128), jnp.bfloat16) for _ in range(3)]
+    got, want = mod.causal_attention(*args, interpret=True), mod.reference(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), **BF16_TOL)
+
+
 BIASED = """kernel biased {
     in  q: f32[B, H, S, D]
     in  k: f32[B, H, S, D]
