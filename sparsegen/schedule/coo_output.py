@@ -106,7 +106,7 @@ class CooOutputWalk(KindsMixin):
         def custom(cell, nxt):
             return (Load(block, cell),) + (Const(0),) * sum(1 for s in read.subs if self.tile[s.index] != 1)
 
-        return KindSource(f"{op.name} block", axes, host, var, None, extra), {n: custom}
+        return KindSource(f"{op.name} block", axes, host, var, None, extra_tables=extra), {n: custom}
 
     def last_pos(self, axes):
         pos = {a.var: p for p, a in enumerate(self.axes)}
