@@ -569,8 +569,8 @@ def test_walk_names_as_lead_indices(n):
     if SWEEP:
         assert_gradients_match(kernel_gradients(*args), gradients(mod.reference, args, 3), bf16=False)
     else:
-        # The forward, dq and dk/dv kernels, each a pallas_call.
-        assert str(jax.make_jaxpr(kernel_gradients)(*args)).count("pallas_call") >= 3
+        # The forward and the backward (one fused walk, or dq and dk/dv), each a pallas_call.
+        assert str(jax.make_jaxpr(kernel_gradients)(*args)).count("pallas_call") >= 2
 
 
 def test_an_operand_named_like_a_key_side_map():
