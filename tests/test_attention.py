@@ -386,9 +386,10 @@ BACKWARD_COMPILES = across_targets(EXAMPLES, sorted(TOPOLOGIES)) if SWEEP else [
 
 @pytest.mark.parametrize("name,target", BACKWARD_COMPILES)
 def test_example_backward_compiles_for_tpu(name, target):
-    """Forward and backward (three pallas_calls) through libtpu, at H = 2 (GQA: 4 query
-    heads on 1), S = 1024: two blocks of the largest tile (the compiled kernels are those of
-    any longer S; the compile takes longer with the arrays)."""
+    """Forward and backward (two pallas_calls; three where the backward is not fused)
+    through libtpu, at H = 2 (GQA: 4 query heads on 1), S = 1024: two blocks of the largest
+    tile (the compiled kernels are those of any longer S; the compile takes longer with the
+    arrays)."""
     from aot import compile_for
 
     kernel, mod = build(spec_text(name))
