@@ -202,10 +202,10 @@ class KernelWriter:
             out.append(f"    {ss[0]} = {raw}")
         # A ragged index's end: a literal size's is known; a size symbol's is static in the
         # kernel, so at a multiple of the tile its test is dropped while tracing.
-        ends = [(f"({gpos[index]} < {ends[index]})", self.may_pass_end(index).removeprefix(" and "))
+        past = [(f"({gpos[index]} < {ends[index]})", self.may_pass_end(index).removeprefix(" and "))
                 for index in (p.query, p.key) if self.ragged(index)]
-        known = [test for test, guard in ends if not guard]
-        guarded = [(test, guard) for test, guard in ends if guard]
+        known = [test for test, guard in past if not guard]
+        guarded = [(test, guard) for test, guard in past if guard]
         # `&` binds tighter than the comparisons in a condition: bracket it when anything joins it.
         conds = [([] if pt.condition is None else [render_term(pt.condition, lambda x: leaf(x, False))]) for pt in p.points]
         conds = [[f"({c[0]})"] + known if c and (known or guarded) else c + known for c in conds]
@@ -359,9 +359,8 @@ class KernelWriter:
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")
-        to_e = f" * {LN2!r}" if base2 else ""
-        lses = [f"jnp.where({nm['nothing']}, -jnp.inf, ({m_scr}[...] + {log}({nm['safe']})){to_e})" if base2 else
-                f"jnp.where({nm['nothing']}, -jnp.inf, {m_scr}[...] + jnp.log({nm['safe']}))" for nm, (m_scr, _) in zip(nms, stat_names)]
+        lses = [f"{m_scr}[...] + {log}({nm['safe']})" for nm, (m_scr, _) in zip(nms, stat_names)]
+        lses = [f"jnp.where({nm['nothing']}, -jnp.inf, " + (f"({lse}) * {LN2!r})" if base2 else f"{lse})") for nm, lse in zip(nms, lses)]
         lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", "    # The row's last step: normalise and write."]
         for nm, (_, l_scr) in zip(nms, stat_names):
             lines += [f"    {nm['total']} = {l_scr}[...]", f"    {nm['nothing']} = {nm['total']} == 0.0",
