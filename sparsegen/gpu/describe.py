@@ -25,7 +25,7 @@ def persistent_ctas(p: GpuPass, target) -> int:
     each a CTA (a product CTA's shared memory leaves an SM room for no second). The wrapper
     takes fewer where there are fewer steps."""
     t = p.tiles
-    return max(1, target.sms // ((t.bm // t.tm) * (t.bn // t.tn)))
+    return max(1, target.sms // ((t.bm // t.tm) * (t.bn // t.cta_n)))
 
 
 def describe_elementwise(p: ElementwisePass, target) -> list[str]:

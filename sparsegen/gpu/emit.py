@@ -12,6 +12,7 @@ from ..pytext import needed as _needed, parameters, py_tuple, words
 from ..wrapper import Glue, Wrapper, einsum_glue
 from .describe import describe, persistent_ctas
 from .plan import ElementwisePass, GpuModule, GpuPass
+from .rules import MEMORY_REGISTERS
 
 
 # The CTA's coordinates, bound at the top of a kernel where its body reads them.
@@ -20,7 +21,8 @@ _HEAD = (("cell", 'lax.axis_index("cell")', "the output block"),
          ("ni", 'lax.axis_index("n")', "this CTA's column tile inside it"))
 # A product kernel is persistent: its CTA runs chunks of the work list (`_deal`), each
 # chunk binding these at the top of the loop's body.
-_PERSISTENT_HEAD = (("cta", 'lax.axis_index("cta")', "this CTA: a run of chunks of the work list"),) + _HEAD[1:]
+_PERSISTENT_HEAD = (("cta", 'lax.axis_index("cta")', "this CTA: a run of chunks of the work list"),) + _HEAD[1:] + (
+    ("wg", 'lax.axis_index("wg")', "this warpgroup: the consumers first, the producer last"),)
 _CHUNK = (("cell", "chunk_cell[chunk]", "the output block"),
           ("first", "chunk_first[chunk]", "the chunk's first step in the block's walk"),
           ("count", "chunk_count[chunk]", "its steps"),
@@ -30,7 +32,8 @@ _WORK_TABLES = ("cta_first", "chunk_cell", "chunk_first", "chunk_count", "chunk_
 # A pass's fields that are not the kernel's body (host code, names, docs).
 _NOT_BODY = frozenset({"form", "fn", "params", "n_tables", "statics", "about", "lets", "call_fn", "call_args", "call_about",
                        "guard", "host", "raw", "raw_shape", "kernel", "grid", "kernel_args", "finish", "out_var",
-                       "steps", "steps_lets", "ctas", "ctas_about", "cells", "bm", "bn", "sub_grid"})
+                       "steps", "steps_lets", "ctas", "ctas_about", "cells", "bm", "bn", "sub_grid", "wgs", "epi",
+                       "epi_tiles", "tn", "memory_registers"})
 
 
 def _trimmed(d: dict) -> dict:
@@ -41,7 +44,7 @@ def _trimmed(d: dict) -> dict:
     head = _HEAD
     lets = list(d["lets"])
     if d["form"] == "product":
-        body += " cta_first cta first count slot"  # the loop, the maps, the pipeline's grid, the store (template text)
+        body += " cta_first cta first count slot" + (" wg" if d["wgs"] > 1 else "")  # the loop, the maps, the pipeline's grid, the store (template text)
         head = _PERSISTENT_HEAD
         lets = [(name, value) for name, value, _ in _CHUNK] + lets
     lets = _needed([(name, value) for name, value, _ in head] + lets, body)
@@ -137,7 +140,7 @@ class _Emitter:
         tables = [*_WORK_TABLES, *(name for name, _ in p.tables)]
         params = tables + [a_ref, b_ref] + ([end_ref] if end_ref else []) + [out_ref, "pieces_gmem"]
         a_block = (t.tk, t.tm) if p.a.transposed else (t.tm, t.tk)
-        b_block = (t.tn, t.tk) if p.b.transposed else (t.tk, t.tn)
+        b_block = (t.cta_n, t.tk) if p.b.transposed else (t.tk, t.cta_n)
         maps = []
         for mat, index, fn in ((p.a, p.a_index, names.local(f"{p.a.operand}_tile")), (p.b, p.b_index, names.local(f"{p.b.operand}_tile"))):
             text = py_tuple(index)
@@ -146,14 +149,31 @@ class _Emitter:
             if mat.transposed:
                 about += f"; {mat.operand} is stored ({mat.col}, {mat.row}): WGMMA reads the tile MN-major"
             maps.append({"fn": fn, "index": text, "lets": _needed(p.step_lets, text), "about": about + "."})
+        ws = t.wgs > 1
+        epi = t.epi if ws else t.tn
+
         def at(index):
-            return f"{_ds(index[0], t.tm)}, {_ds(index[1], t.tn)}"
+            """The tile `index` (in tiles of tm x tn); warp-specialized, its epilogue tile `e` (of epi columns)."""
+            cols = _ds(index[1], t.tn)
+            if ws and epi != t.tn:
+                col = index[1] if index[1].isidentifier() else f"({index[1]})"
+                cols = f"pl.ds({col} * {t.tn} + e * {epi}, {epi})"
+            return f"{_ds(index[0], t.tm)}, {cols}"
 
         scoped = [f"out_smem=plgpu.SMEM(({t.tm}, {t.tn}), {p.out_dtype.jnp})"]
         scoped_names = ["out_smem"]
         if p.end is not None:
             scoped += [f"end_smem=plgpu.SMEM(({t.tm}, {t.tn}), {k.operand(p.end.operand).dtype.jnp})", "barrier=plgpu.Barrier()"]
             scoped_names += ["end_smem", "barrier"]
+        if ws:
+            # Each consumer's epilogue tiles, side by side (indexed by `wg`), beside the pipeline's buffers.
+            scoped = [f"out_smem=plgpu.SMEM(({t.wgs}, {t.tm}, {epi}), {p.out_dtype.jnp})",
+                      f"piece_smem=plgpu.SMEM(({t.wgs}, {t.tm}, {epi}), {p.acc_dtype.jnp})"]
+            scoped_names = ["out_smem", "piece_smem"]
+            if p.end is not None:
+                scoped += [f"end_smem=plgpu.SMEM(({t.wgs}, {t.tm}, {epi}), {k.operand(p.end.operand).dtype.jnp})",
+                           f"barrier=plgpu.Barrier(num_barriers={t.wgs})"]
+                scoped_names += ["end_smem", "barrier"]
         statics = list(p.statics)
         kernel = p.fn if not statics else f"functools.partial({p.fn}, " + ", ".join(f"{v}={v}" for v in statics) + ")"
         if p.walk == "coo output":
@@ -166,12 +186,14 @@ class _Emitter:
         call_args = list(mod.conv.impl_args) + [dict(mod.outputs)[o] for o in self.reads(p, mod)]
         # The persistent grid: as many CTAs as the chip runs at once (describe.persistent_ctas),
         # never more than the steps there can be.
-        sub = (t.bm // t.tm) * (t.bn // t.tn)
+        rows_in, cols_in = t.bm // t.tm, t.bn // t.cta_n
+        sub = rows_in * cols_in
         cap = persistent_ctas(p, mod.target)
         bound = (p.block_products * t.ksub).cdiv(t.stages)  # runs of a pipeline's depth (`_deal`)
         ctas = str(min(cap, bound.value)) if isinstance(bound, Const) else f"min({cap}, {render(bound, 'host')})"
-        rows_in, cols_in = t.bm // t.tm, t.bn // t.tn
-        piece_at = (f"slot * {rows_in} + mi" if rows_in > 1 else "slot", "ni" if cols_in > 1 else "0")
+        # The piece's tile in its slot: the CTA's row tile, and its (consumer's) column tile.
+        col_in = (f"ni * {t.wgs} + wg" if cols_in > 1 else "wg") if ws else ("ni" if cols_in > 1 else "0")
+        piece_at = (f"slot * {rows_in} + mi" if rows_in > 1 else "slot", col_in)
         guard = list(p.guard)
         if guard:
             guard.append(f"    return {self.zeros(p, mod)}")
@@ -187,7 +209,7 @@ class _Emitter:
             "a_smem": a_smem,
             "b_smem": b_smem,
             "a_operand": f"{a_smem}.transpose((1, 0))" if p.a.transposed else a_smem,
-            "b_operand": f"{b_smem}.transpose((1, 0))" if p.b.transposed else b_smem,
+            "b_operand": self.b_operand(b_smem, p.b.transposed, t),
             "a_block": py_tuple(map(str, a_block)),
             "b_block": py_tuple(map(str, b_block)),
             "a_ref": a_ref,
@@ -230,7 +252,20 @@ class _Emitter:
             "bm": t.bm,
             "bn": t.bn,
             "sub_grid": f"{rows_in}, {cols_in}",
+            "wgs": t.wgs,
+            "epi": epi,
+            "epi_tiles": t.tn // epi,
+            "tn": t.tn,
+            "memory_registers": MEMORY_REGISTERS,
         })
+
+    @staticmethod
+    def b_operand(b_smem: str, transposed: bool, t) -> str:
+        """B's shared-memory tile as WGMMA reads it; warp-specialized, the consumer's columns of the CTA's tile."""
+        if t.wgs > 1:
+            cols = f"pl.ds(wg * {t.tn}, {t.tn})"
+            return f"{b_smem}.at[{cols}].transpose((1, 0))" if transposed else f"{b_smem}.at[:, {cols}]"
+        return f"{b_smem}.transpose((1, 0))" if transposed else b_smem
 
     def reads(self, p: GpuPass, mod: GpuModule) -> list[str]:
         """Outputs of earlier statements this pass reads."""

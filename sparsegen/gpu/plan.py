@@ -36,10 +36,20 @@ class Tiles:
     tn: int
     tk: int
     stages: int  # pipeline buffers (TMA copies in flight)
+    # Warp-specialized (FlashAttention-3's and CUTLASS's cooperative shape): `wgs` consumer
+    # warpgroups side by side along n, each a tm x tn tile, and a producer warpgroup issuing
+    # the copies; 1: one warpgroup copies and computes.
+    wgs: int = 1
+    epi: int = 0  # warp-specialized: the columns of a tile each store moves (the epilogue's tile)
 
     @property
     def ksub(self) -> int:
         return self.bk // self.tk
+
+    @property
+    def cta_n(self) -> int:
+        """The columns of a CTA's tile: its consumers' side by side."""
+        return self.tn * self.wgs
 
 
 @dataclass(frozen=True)

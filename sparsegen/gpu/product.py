@@ -423,11 +423,19 @@ class ProductLowering:
         cc = self.py(c * col_tiles + self.sub(col_sub, col_tiles))
         return (cc, rr) if mat.transposed else (rr, cc)
 
+    def col_tile(self) -> Expr:
+        """The output's column tile (of tn) inside its block: the CTA's (`ni`), or, warp-specialized,
+        the consumer's (`wg`) within the CTA's."""
+        t = self.t
+        if t.wgs == 1:
+            return self.sub("ni", t.bn // t.tn)
+        return self.sub("ni", t.bn // t.cta_n) * t.wgs + Var("wg")
+
     def out_tile(self, mat: Matrix) -> tuple[str, str]:
         t = self.t
         r = self.rows_of(mat.coords, Var(self.var_of[self.m]), self.ctx.blocks(self.m))
         return (self.py(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)),
-                self.py(Var(self.var_of[self.n]) * (t.bn // t.tn) + self.sub("ni", t.bn // t.tn)))
+                self.py(Var(self.var_of[self.n]) * (t.bn // t.tn) + self.col_tile()))
 
     # ------------------------------------------------------------ the pass
     def lower(self) -> ProductPass:
@@ -476,10 +484,10 @@ class ProductLowering:
         if t.ksub > 1:
             self.step_lets.insert(0, ("kk", f"s % {t.ksub}"))
         a_index = self.matrix_index(self.a, t.bm // t.tm, t.ksub, "mi", "kk")
-        b_index = self.matrix_index(self.b, t.ksub, t.bn // t.tn, "kk", "ni")
+        b_index = self.matrix_index(self.b, t.ksub, t.bn // t.cta_n, "kk", "ni")  # the CTA's columns (all its consumers')
         out_coords = self.coords_of(st.target)
         if walk == "coo output":
-            out_index = (self.py(Var("cell") * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)), self.py(self.sub("ni", t.bn // t.tn)))
+            out_index = (self.py(Var("cell") * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)), self.py(self.col_tile()))
         else:
             out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False))
         end_index = self.out_tile(self.end) if self.end is not None else None

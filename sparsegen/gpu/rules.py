@@ -17,7 +17,9 @@ from .plan import GpuError, Tiles
 from .targets import GpuTarget
 
 DTYPES_WGMMA = ("bf16", "f16", "f32", "i8")  # f32 as tf32, i8 into s32 (both: K-major tiles only)
-MAX_ACC = 128 * 128  # accumulator elements per CTA: one warpgroup's registers
+MAX_ACC = 128 * 128  # accumulator elements per warpgroup: its registers
+WARPGROUPS = 2  # consumer warpgroups of a warp-specialized product CTA (and a producer)
+MEMORY_REGISTERS = 40  # the producer's registers a thread (setmaxnreg): it only issues TMA copies
 
 
 def fail(span, message: str, notes=()):
@@ -29,9 +31,17 @@ def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: 
     pipeline's buffers and the epilogue's tiles do not add; nor do the epilogue's two ways
     out (the output's tile, or an f32 piece of a block shared by CTAs), but a tile of the
     factor after the sum is held under either. A barrier takes 8 bytes (one per buffer, and
-    the epilogue's)."""
+    the epilogue's).
+
+    Warp-specialized, the pipeline's buffers are allocated once for all of a CTA's chunks,
+    beside each consumer's epilogue tiles (the output's, the f32 piece's, the factor after
+    the sum's), so they add; the pipeline has two barriers a buffer (copied, consumed), and
+    the factor after the sum one a consumer."""
     t = tiles
-    pipeline = t.stages * (t.tm * t.tk + t.tk * t.tn) * in_itemsize
+    pipeline = t.stages * (t.tm * t.tk + t.tk * t.cta_n) * in_itemsize
+    if t.wgs > 1:
+        epilogue = t.wgs * t.tm * t.epi * (out_itemsize + 4 + end_itemsize)
+        return pipeline + epilogue + 8 * (2 * t.stages + (t.wgs if end_itemsize else 0))
     epilogue = t.tm * t.tn * (max(out_itemsize, 4) + end_itemsize)
     return max(pipeline, epilogue) + 8 * (t.stages + 1)
 
@@ -68,10 +78,20 @@ def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype
         ok = f"{2 * step}" if dtype.itemsize == 1 else f"{step}, {2 * step}"
         fail(span[kidx], f"tile {kidx} = {bk}: WGMMA's K steps are multiples of {step} ({dtype.name}) in rows of {rows}; "
                          f"on {target.name} use {ok} or a multiple of {swizzle}")
+    end = end_dtype.itemsize if end_dtype else 0
+    if bn % (WARPGROUPS * tn) == 0:
+        # Warp-specialized where the block holds the consumers' tiles side by side: the
+        # deepest pipeline that fits, then the widest epilogue tile (a TMA row of 16 bytes
+        # or more).
+        for stages in (4, 3, 2):
+            for epi in (tn, 64, 32, 16):
+                t = Tiles(bm, bn, bk, tm, tn, tk, stages, WARPGROUPS, epi)
+                if epi <= tn and tn % epi == 0 and epi * out_dtype.itemsize >= 16 and smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end) <= target.smem_bytes:
+                    return t
     need = 0
     for stages in (4, 3, 2):
         t = Tiles(bm, bn, bk, tm, tn, tk, stages)
-        need = smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end_dtype.itemsize if end_dtype else 0)
+        need = smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end)
         if need <= target.smem_bytes:
             return t
     fail(k.tile_span, f"tiles need {need} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes})")
