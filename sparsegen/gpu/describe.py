@@ -48,12 +48,14 @@ def describe_pass(p: GpuPass, target) -> list[str]:
     lines = [
         f"statement: {p.statement.text}",
         f"  walk: {p.walk} — each output block takes {_walk(p)}",
-        f"  grid: persistent, ({persistent_ctas(p, target)}, {t.bm // t.tm}, {t.bn // t.tn}) CTAs at most ({target.sms} SMs), "
-        f"each a {t.tm}x{t.tn} tile of a {t.bm}x{t.bn} block; steps of {t.tk} along {p.a.col} ({t.ksub} per block)",
+        f"  grid: persistent, ({persistent_ctas(p, target)}, {t.bm // t.tm}, {t.bn // t.cta_n}) CTAs at most ({target.sms} SMs), "
+        f"each a {t.tm}x{t.cta_n} tile of a {t.bm}x{t.bn} block; steps of {t.tk} along {p.a.col} ({t.ksub} per block)",
+        *([f"  warp-specialized: a producer warpgroup issues the TMA copies, {t.wgs} consumer warpgroups each multiply a "
+           f"{t.tm}x{t.tn} tile (its own accumulator), storing it {t.epi} columns at a time"] if t.wgs > 1 else []),
         f"  work list: the steps of the {render(p.cells, 'text')} output blocks, laid end to end, dealt in equal runs to the CTAs; "
         f"a block shared by several CTAs stores each piece's {p.acc_dtype.name} partial sum, added in a fixed order by the wrapper",
-        f"  per step: TMA copies of a {t.tm}x{t.tk} tile of {mat(p.a)} and a {t.tk}x{t.tn} tile of {mat(p.b)} into shared memory "
-        f"({t.stages} in flight), one WGMMA into an {p.acc_dtype.name} accumulator in registers",
+        f"  per step: TMA copies of a {t.tm}x{t.tk} tile of {mat(p.a)} and a {t.tk}x{t.cta_n} tile of {mat(p.b)} into shared memory "
+        f"({t.stages} in flight), one WGMMA{' per consumer' if t.wgs > 1 else ''} into an {p.acc_dtype.name} accumulator in registers",
         "  flush: the accumulator" + (f" times {p.scale}" if p.scale is not None else "")
         + (f" times the {p.end.operand} tile" + (" where its block is partial" if p.end_mask else "") if p.end else "")
         + f", as {p.out_dtype.name}, through shared memory to {p.output} (TMA)",
@@ -67,7 +69,8 @@ def describe_pass(p: GpuPass, target) -> list[str]:
 
 
 def describe(m: GpuModule) -> list[str]:
-    lines = [f"target: {m.target.name} (Mosaic GPU: TMA copies, WGMMA, one warpgroup per CTA)"]
+    ws = any(not isinstance(p, ElementwisePass) and p.tiles.wgs > 1 for p in m.passes)
+    lines = [f"target: {m.target.name} (Mosaic GPU: TMA copies, WGMMA, " + ("warp-specialized products" if ws else "one warpgroup per CTA") + ")"]
     for p in m.passes:
         lines += describe_pass(p, m.target)
     partials = m.backward.partials if m.backward is not None and m.backward_module is not None else ()
