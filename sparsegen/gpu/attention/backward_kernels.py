@@ -13,8 +13,7 @@ from ...ir import Term
 from ...pytext import py_tuple
 from ...schedule.attention import read_key
 from ...terms import render_term
-from .backward import STAGES, TB, BArray, BKernel
-from .lower import MEMORY_REGISTERS
+from .backward import MEMORY_REGISTERS, STAGES, TB, BArray, BKernel
 
 F32 = "jnp.float32"
 
@@ -329,7 +328,12 @@ class BackwardWriter:
         delta = row_stat("delta")
         if terms:
             step.append(f"{dprobs} = " + " + ".join(terms))
-            step.append(f"{ds} = {probs} * ({dprobs} - {delta})")
+            if not dq and len(probs_dtypes) == 1 and probs_dtypes[0] != F32:
+                # Warp-specialized dk/dv: p read back from its 16-bit tile (ds goes to WGMMA as
+                # 16 bits too), so the f32 p is not live beside dk, dv and the dO.V^T product.
+                step.append(f"{ds} = {mine(scratch[probs_dtypes[0]])}[...].astype({F32}) * ({dprobs} - {delta})  # p as dv's WGMMA reads it")
+            else:
+                step.append(f"{ds} = {probs} * ({dprobs} - {delta})")
         else:
             step.append(f"{ds} = -{probs} * {delta}")
         for c in p.consumers:
