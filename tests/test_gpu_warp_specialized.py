@@ -23,7 +23,7 @@ import types
 import jax
 import numpy as np
 import pytest
-from conftest import assert_matches, build, spec_text, with_tiles
+from conftest import SWEEP, assert_matches, build, spec_text, with_tiles
 from test_gpu_attention import BIASED, floats, weighted_sum
 
 from sparsegen.compiler import lower_source
@@ -116,7 +116,9 @@ def test_backward_kernels_are_warp_specialized_where_their_block_holds_two_consu
     assert (m.backward.dq.warpgroups, m.backward.dkv.warpgroups) == (1 + (rows == 128), 1 + (keys == 128))
 
 
-@pytest.mark.parametrize("name", sorted(TWO))
+# The bf16 mask at 128 keys (dk/dv's consumers reading their halves of a mask tile) under
+# SPARSEGEN_SWEEP=1 only: the bias tile's test splits a tile along the keys in `make test`.
+@pytest.mark.parametrize("name", [n for n in sorted(TWO) if SWEEP or not n.endswith("_bf16")])
 def test_two_consumers_match_reference_in_the_gpu_interpreter(name):
     """Values and jax.grad (the forward's row logsumexp feeds the backward) against `reference`."""
     tiles, sizes = TWO[name]
