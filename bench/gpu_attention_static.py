@@ -91,14 +91,18 @@ def sparsegen_job(tmp: Path) -> tuple[dict, dict]:
     # Per kernel (as its `kernel_name` names it): the tile a CTA owns, what one pipeline step
     # reads, the steps in flight (the constants the emitters write), the rules' shared memory.
     tq, tk, tb = gpu_lower.TQ, m.tk, gpu_backward.TB
+
+    def cta(wgs: int, what: str) -> str:
+        return f"{tb * wgs} {what} ({wgs} x {tb})" if wgs > 1 else f"{tb} {what}"
+
     plan = {
         "attention_kernel": {"kernel": "forward", "cta_tile": f"{tq * m.warpgroups} rows ({m.warpgroups} x {tq})" if m.warpgroups > 1 else f"{tq} rows",
                              "step": f"{tk} keys", "stages": gpu_lower.STAGES,
                              "smem_estimate": m.smem_bytes},
-        "attention_dq_kernel": {"kernel": "dq", "cta_tile": f"{tb} rows", "step": f"{tb} keys", "stages": gpu_backward.STAGES,
-                                "smem_estimate": m.backward_smem[0]},
-        "attention_dkv_kernel": {"kernel": "dk/dv", "cta_tile": f"{tb} keys", "step": f"{tb} rows", "stages": gpu_backward.STAGES,
-                                 "smem_estimate": m.backward_smem[1]},
+        "attention_dq_kernel": {"kernel": "dq", "cta_tile": cta(m.backward.dq.warpgroups, "rows"), "step": f"{tb} keys",
+                                "stages": gpu_backward.STAGES, "smem_estimate": m.backward_smem[0]},
+        "attention_dkv_kernel": {"kernel": "dk/dv", "cta_tile": cta(m.backward.dkv.warpgroups, "keys"), "step": f"{tb} rows",
+                                 "stages": gpu_backward.STAGES, "smem_estimate": m.backward_smem[1]},
     }
     return job, plan
 

@@ -2,11 +2,16 @@
 read, in which orientation, where each lives (copied once per CTA or a pipeline operand),
 their shared memory, and the gradients not derived.
 
-dq: one CTA per `TB` rows (as the forward), walking its row block's non-empty key blocks
+dq: a CTA per `TB` rows (as the forward), walking its row block's non-empty key blocks
 (the forward's tables), `TB` keys a step: the scores again, p = exp(s - lse), dp = dO.V^T,
 ds = p * (dp - delta), through the chain's derivative, then dq += ds.K.
-dk, dv: one CTA per `TB` keys, walking its key block's non-empty row blocks (the transposed
+dk, dv: a CTA per `TB` keys, walking its key block's non-empty row blocks (the transposed
 classification), `TB` rows a step, on key x row tiles: dv += p^T.dO, dk += ds^T.Q.
+Warp-specialized where the CTA's block holds 2 x `TB` rows (keys), as the forward
+(FlashAttention-3's shape, tokamax's sm90 vjp): two consumer warpgroups of `TB` rows (keys)
+each share the walk (the same tiles a step) while a producer warpgroup issues the TMA
+copies; one warpgroup that copies and computes otherwise, or where the two consumers'
+tiles would not fit in shared memory.
 Per row, lse (the forward's, a residual) and delta = rowsum(dO * O) minus the logsumexp
 output's cotangent (computed by the wrapper in jax.numpy, as the TPU module does).
 
@@ -24,7 +29,10 @@ from ...ir import Kernel, Read
 from ...schedule.attention import RowPlan
 from ...tpu.attention.lower import derived_outputs, gradient_refusals  # backend-neutral: which gradients the flash backward derives
 
-TB = 64  # rows of a dq CTA and keys of a dk/dv CTA (one warpgroup's WGMMA M), and a step of either
+TB = 64  # rows of a dq consumer and keys of a dk/dv one (one warpgroup's WGMMA M), and a step of either
+WARPGROUPS = 2  # consumer warpgroups of a warp-specialized CTA, where the block holds their rows (keys)
+MEMORY_REGISTERS = 24  # the producer's registers a thread (setmaxnreg), FlashAttention-3's for its backward: the consumers
+# take 240 (the forward's 40 leaves them 232, and dk/dv at d = e = 128 then spills: docs/gpu-notes.md)
 ALIGN = 1024
 STAGES = 2
 
@@ -58,6 +66,8 @@ class BKernel:
     scratch: tuple[tuple[str, int], ...]  # (what, itemsize): (TB, TB) tiles through which gradients enter WGMMA
     outs: tuple[tuple[str, tuple[str, ...], str], ...]  # (name, the indices it is laid out over after the lead, jnp dtype)
     smem: int
+    warpgroups: int = 1  # 2: two consumer warpgroups of TB rows (keys) and a producer; 1: one warpgroup
+    through: tuple[tuple[str, str | None], ...] = ()  # warp-specialized: each gradient's epilogue tile, a copied-once array's (its key) or its own (None)
 
     def array(self, key: str) -> BArray:
         return next(a for a in self.arrays if a.key == key)
@@ -85,23 +95,67 @@ def _tile_bytes(a: BArray, tile: dict[str, int], p: RowPlan) -> int:
     return elems * a.itemsize
 
 
-def kernel_smem(arrays, scratch, outs, tile: dict[str, int], p: RowPlan) -> int:
+def out_through(arrays, outs) -> tuple[tuple[str, str | None], ...]:
+    """Warp-specialized, each gradient leaves through a tile of the consumer's: a copied-once
+    array of its shape and dtype (q for dq, k and v for dk and dv: the walk has read them for
+    the last time), else one of its own (a consumer cannot allocate shared memory alone)."""
+    free = [a for a in arrays if a.scoped and a.layout == "tile"]
+    through = []
+    for name, over, dtype in outs:
+        a = next((a for a in free if a.dims == tuple(over) and a.dtype == dtype), None)
+        if a is not None:
+            free.remove(a)
+        through.append((name, a.key if a is not None else None))
+    return tuple(through)
+
+
+def kernel_smem(arrays, scratch, outs, tile: dict[str, int], p: RowPlan, wgs: int = 1) -> int:
     """Shared memory of a backward CTA as Mosaic GPU's resource estimate counts it (measured
-    under an abstract H200, tests/test_gpu_attention.py): every allocation from a 1024-byte
-    boundary (the walk's copied-once arrays and scratch tiles, then the pipeline's tiles for
-    every step in flight), then 8 bytes per barrier (the walk's and one per step in flight);
-    or the epilogue's scope, which reuses the memory. No reduction runs in a step, so no
-    reduction scratch (the forward's running max and sum take some)."""
-    walk = sum(_aligned(_tile_bytes(a, tile, p)) for a in arrays if a.scoped and a.layout != "scalar")
-    walk += sum(_aligned(TB * TB * isz) for _, isz in scratch)
-    buffers = sum(_aligned(STAGES * _tile_bytes(a, tile, p)) for a in arrays if not a.scoped and a.layout != "scalar")
+    under an abstract H200, tests/test_gpu_attention.py and test_gpu_warp_specialized.py):
+    every allocation from a 1024-byte boundary (the walk's copied-once arrays and scratch
+    tiles, then the pipeline's tiles for every step in flight), then 8 bytes per barrier
+    (the walk's and one per step in flight); or the epilogue's scope, which reuses the
+    memory. Warp-specialized (`wgs` consumers): each copied-once array and scratch tile once
+    per consumer (one allocation), the pipeline's tiles along the CTA's index `wgs` times as
+    long, the epilogue's tiles not reusing an array in the walk's scope, and a barrier per
+    consumer and two per step in flight (the copies' arrival, the consumers' release). No
+    reduction runs in a step, so no reduction scratch (the forward's running max and sum take
+    some)."""
+    def tile_bytes(a: BArray, along: int) -> int:
+        return _tile_bytes(a, tile, p) * (along if a.layout == "tile" and all(i in (p.query, p.key) for i in a.dims) else 1)
+
+    walk = sum(_aligned(wgs * _tile_bytes(a, tile, p)) for a in arrays if a.scoped and a.layout != "scalar")
+    walk += sum(_aligned(wgs * TB * TB * isz) for _, isz in scratch)
     epilogue = 0
     for _, over, dtype in outs:
         elems = 1
         for i in over:
             elems *= TB if i in (p.query, p.key) else tile[i]
-        epilogue += _aligned(elems * (2 if dtype in ("jnp.bfloat16", "jnp.float16") else 4))
+        epilogue += _aligned(wgs * elems * (2 if dtype in ("jnp.bfloat16", "jnp.float16") else 4))
+    if wgs > 1:
+        # A pipeline tile spanning rows and keys spans the CTA's `wgs` x TB along its index.
+        buffers = sum(_aligned(STAGES * tile_bytes(a, wgs)) for a in arrays if not a.scoped and a.layout != "scalar")
+        own = [name for name, key in out_through(arrays, outs) if key is None]
+        for name, over, dtype in outs:
+            if name in own:
+                elems = wgs
+                for i in over:
+                    elems *= TB if i in (p.query, p.key) else tile[i]
+                walk += _aligned(elems * (2 if dtype in ("jnp.bfloat16", "jnp.float16") else 4))
+        return walk + buffers + 8 * (wgs + 2 * STAGES)
+    buffers = sum(_aligned(STAGES * _tile_bytes(a, tile, p)) for a in arrays if not a.scoped and a.layout != "scalar")
     return max(walk + buffers + 8 * (1 + STAGES), epilogue)
+
+
+def backward_kernel(which: str, arrays, scratch, outs, tile: dict[str, int], p: RowPlan, along: str, limit: int) -> BKernel:
+    """A backward kernel: warp-specialized (two consumers) where its block holds 2 x TB rows
+    (keys) and their tiles fit in `limit` bytes of shared memory, else one warpgroup."""
+    arrays, outs = tuple(arrays), tuple(outs)
+    if tile[along] % (WARPGROUPS * TB) == 0:
+        smem = kernel_smem(arrays, scratch, outs, tile, p, WARPGROUPS)
+        if smem <= limit:
+            return BKernel(which, arrays, scratch, outs, smem, WARPGROUPS, out_through(arrays, outs))
+    return BKernel(which, arrays, scratch, outs, kernel_smem(arrays, scratch, outs, tile, p))
 
 
 def _free(k: Kernel, p: RowPlan, c) -> str:
@@ -118,8 +172,9 @@ def grad_dtype(k: Kernel, p: RowPlan, read: Read) -> str:
     return op.dtype.jnp if direct else "jnp.float32"
 
 
-def plan_backward(k: Kernel, p: RowPlan, ops) -> GpuBackward:
-    """The two backward kernels of a row kernel the GPU forward takes (`ops`: its operands)."""
+def plan_backward(k: Kernel, p: RowPlan, ops, limit: int) -> GpuBackward:
+    """The two backward kernels of a row kernel the GPU forward takes (`ops`: its operands;
+    `limit`: the target's shared memory a CTA)."""
     tile = {i.name: i.tile for i in k.indices}
     refused = list(gradient_refusals(k, p))
     for r in p.float_reads():
@@ -179,7 +234,7 @@ def plan_backward(k: Kernel, p: RowPlan, ops) -> GpuBackward:
     arrays += [read_array(o, stem[id(o)], None, True) for o in extras if o.layout == "scalar"]
     scratch = (("ds", kd.itemsize),)
     outs = (("dq", (p.query, p.summed), grad_dtype(k, p, p.q)),)
-    dq = BKernel("dq", tuple(arrays), scratch, outs, kernel_smem(arrays, scratch, outs, tile, p))
+    dq = backward_kernel("dq", arrays, scratch, outs, tile, p, p.query, limit)
 
     # dk, dv: keys x rows. Copied once: k, each value, per-key vectors; a step: q, each dO, per-row vectors and tiles.
     arrays = [read_array(by_role["k"], "k", order(kd, p.key, p.summed), True)]
@@ -203,6 +258,6 @@ def plan_backward(k: Kernel, p: RowPlan, ops) -> GpuBackward:
     outs = (("dk", (p.key, p.summed), grad_dtype(k, p, p.k)),)
     outs += tuple((f"dv:{name}", (p.key, _free(k, p, next(c for c in products if c.value.operand == name))), grad_dtype(k, p, vo.read))
                   for name, vo in values.items())
-    dkv = BKernel("dkv", tuple(arrays), scratch, outs, kernel_smem(arrays, scratch, outs, tile, p))
+    dkv = backward_kernel("dkv", arrays, scratch, outs, tile, p, p.key, limit)
     grads = [p.q.operand, p.k.operand] + [name for name in values if name not in (p.q.operand, p.k.operand)]
     return GpuBackward(dq, dkv, tuple(refused), tuple(dict.fromkeys(grads)), tuple(derived_outputs(p)))

@@ -13,7 +13,7 @@ from ...ir import Term
 from ...pytext import py_tuple
 from ...schedule.attention import read_key
 from ...terms import render_term
-from .backward import STAGES, TB, BArray, BKernel
+from .backward import MEMORY_REGISTERS, STAGES, TB, BArray, BKernel
 
 F32 = "jnp.float32"
 
@@ -81,7 +81,9 @@ class BackwardWriter:
         dq = bk.which == "dq"
         n = self.n.scope()
         along, other = (p.query, p.key) if dq else (p.key, p.query)
-        csub, ssub = self.tile[along] // TB, self.tile[other] // TB
+        wgs = bk.warpgroups
+        ws = wgs > 1  # warp-specialized: `wgs` consumers of TB rows (keys) and a producer
+        csub, ssub = self.tile[along] // (TB * wgs), self.tile[other] // TB
         tables = [n.local("cols"), n.local("kinds"), n.local("counts")]
         refs = {a.key: n.local(f"{a.name}_gmem") for a in bk.arrays}
         smems = {a.key: n.local(f"{a.name}_smem") for a in bk.arrays}
@@ -94,7 +96,17 @@ class BackwardWriter:
         cell, cta = n.local("cell"), n.local("row_tile" if dq else "key_tile")
         n_tiles = f"{self.blocks(along)} * {csub}" if csub != 1 else self.blocks(along)
         lines.append(f'{cell} = lax.axis_index("cell")')
-        lines.append(f"{cta} = {cell} % ({n_tiles})  # the CTA's {TB} {'rows' if dq else 'keys'}")
+        what_along = "rows" if dq else "keys"
+        lines.append(f"{cta} = {cell} % ({n_tiles})  # the CTA's {TB * wgs} {what_along}")
+        wg, tile_at = (n.local("wg"), n.local(f"{what_along}_at")) if ws else (None, cta)
+        if ws:
+            lines.append(f"# The warpgroup: 0 and 1 consumers ({TB} {what_along} each), {wgs} the producer (TMA copies only)")
+            lines.append(f'{wg} = lax.axis_index("wg")')
+            lines.append(f"{tile_at} = {cta} * {wgs} + {wg}  # a consumer's {what_along}, in tiles of {TB}")
+
+        def mine(ref: str) -> str:
+            """A consumer's part of a shared-memory allocation (each consumer has its own)."""
+            return f"{ref}.at[{wg}]" if ws else ref
         self.lv = {i: n.local(i) for i in p.lead}
         stride = n_tiles
         for d in reversed(range(len(p.lead))):
@@ -125,11 +137,11 @@ class BackwardWriter:
         def at(a: BArray) -> str:
             parts = []
             for i in self.b_dims(a):
-                parts.append(self.b_lead(a, i) if i in p.lead else f"pl.ds({cta} * {TB}, {TB})" if i == along else f"pl.ds(0, {self.tile[i]})")
+                parts.append(self.b_lead(a, i) if i in p.lead else f"pl.ds({tile_at} * {TB}, {TB})" if i == along else f"pl.ds(0, {self.tile[i]})")
             return ", ".join(parts)
 
         def tile_shape(a: BArray) -> list[str]:
-            return [str(TB if i in (p.query, p.key) else self.tile[i]) for i in self.b_dims(a) if i not in p.lead]
+            return ([str(wgs)] if ws else []) + [str(TB if i in (p.query, p.key) else self.tile[i]) for i in self.b_dims(a) if i not in p.lead]
 
         scoped_arrays = [a for a in bk.arrays if a.scoped and a.layout != "scalar"]
         pipe = [a for a in bk.arrays if not a.scoped]
@@ -138,21 +150,37 @@ class BackwardWriter:
         q_dtype, k_dtype = k.operand(p.q.operand).dtype.jnp, k.operand(p.k.operand).dtype.jnp
         products = [c for c in p.consumers if c.kind == "softmax_product"]
         probs_dtypes = list(dict.fromkeys(k.operand(c.value.operand).dtype.jnp for c in products))
+        square = f"({wgs}, {TB}, {TB})" if ws else f"({TB}, {TB})"
         scratch["ds"] = n.local("ds_smem")
-        scoped.append(f"{scratch['ds']}=plgpu.SMEM(({TB}, {TB}), {k_dtype if dq else q_dtype})")
+        scoped.append(f"{scratch['ds']}=plgpu.SMEM({square}, {k_dtype if dq else q_dtype})")
         if not dq:
             for d in probs_dtypes:
                 scratch[d] = n.local("probs_smem")
-                scoped.append(f"{scratch[d]}=plgpu.SMEM(({TB}, {TB}), {d})")
+                scoped.append(f"{scratch[d]}=plgpu.SMEM({square}, {d})")
+        # Warp-specialized, each gradient's epilogue tile is in the walk's scope (a consumer
+        # cannot allocate alone): a copied-once array's (read for the last time) or its own.
+        through = dict(bk.through)
+        out_tiles = {}
+        for name, over, dtype in bk.outs if ws else ():
+            if through[name] is not None:
+                out_tiles[name] = smems[through[name]]
+            else:
+                out_tiles[name] = n.local(f"{_out_stem(name)}_smem")
+                scoped.append(f"{out_tiles[name]}=plgpu.SMEM(({wgs}, {TB}, {self.tile[over[1]]}), {dtype})")
         barrier = n.local("barrier")
         arrivals = len(scoped_arrays)
-        scoped.append(f"{barrier}=plgpu.Barrier(" + (f"num_arrivals={arrivals})" if arrivals > 1 else ")"))
+        scoped.append(f"{barrier}=plgpu.Barrier(" + ", ".join(([f"num_arrivals={arrivals}"] if arrivals > 1 else [])
+                                                                + ([f"num_barriers={wgs}"] if ws else [])) + ")")
         scope_names = [s.split("=")[0] for s in scoped]
-        body = [f"plgpu.copy_gmem_to_smem({refs[a.key]}.at[{at(a)}], {smems[a.key]}, {barrier})" for a in scoped_arrays]
-        body.append(f"plgpu.barrier_wait({barrier})")
-        vec = {}  # a per-row or per-key vector copied once: its value
+        copies_in = [f"plgpu.copy_gmem_to_smem({refs[a.key]}.at[{at(a)}], {mine(smems[a.key])}, {mine(barrier)})" for a in scoped_arrays]
+        copies_in.append(f"plgpu.barrier_wait({mine(barrier)})")
+        body = [] if ws else copies_in
+        vec = {}  # a per-row or per-key vector copied once: its value (warp-specialized: read from the consumer's tile)
         for a in scoped_arrays:
             if a.layout in ("rows", "cols"):
+                if ws:
+                    vec[a.key] = f"{mine(smems[a.key])}[...]"
+                    continue
                 var = n.local(f"{a.name}_{'rows' if a.layout == 'rows' else 'keys'}")
                 body.append(f"{var} = {smems[a.key]}[...]")
                 vec[a.key] = var
@@ -166,7 +194,8 @@ class BackwardWriter:
             fn = n.local(f"_{a.name}_tile")
             coords = [self.b_lead(a, i) if i in p.lead else f"{stile}({t})" if i == other else cta if i == along else "0" for i in self.b_dims(a)]
             body += ["", f"def {fn}({t}):", f"    return ({', '.join(coords)},)"]
-            block_shape = py_tuple("None" if i in p.lead else str(TB if i in (p.query, p.key) else self.tile[i]) for i in self.b_dims(a))
+            block_shape = py_tuple("None" if i in p.lead else str(TB * wgs if i == along else TB if i == other else self.tile[i])
+                                   for i in self.b_dims(a))
             maps.append(f"plgpu.BlockSpec({block_shape}, {fn})")
 
         # ------------------------------------------------------------ the step
@@ -177,8 +206,8 @@ class BackwardWriter:
         qpos, kpos = sn.local(f"{p.query}_pos"), sn.local(f"{p.key}_pos")
         # Scores are rows x keys in dq, keys x rows in dk/dv: an index's axis in the tile.
         qaxis, kaxis = (0, 1) if dq else (1, 0)
-        qstart = f"{cta} * {TB}" if dq else f"{stile}({t}) * {TB}"
-        kstart = f"{stile}({t}) * {TB}" if dq else f"{cta} * {TB}"
+        qstart = f"{tile_at} * {TB}" if dq else f"{stile}({t}) * {TB}"
+        kstart = f"{stile}({t}) * {TB}" if dq else f"{tile_at} * {TB}"
         pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, {qaxis}) + jnp.full({shape}, {qstart}, jnp.int32)",
                      f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, {kaxis}) + jnp.full({shape}, {kstart}, jnp.int32)"]
         gpos = self.global_positions(sn, firsts, {p.query: qpos, p.key: kpos}, shape, pos_lines)
@@ -200,8 +229,12 @@ class BackwardWriter:
             if term.op == "local":
                 return values[term.read.operand]
             a = by_read[read_key(term.read)]
-            if a.layout == "tile":
-                v = f"{smems[a.key]}[...]"
+            if a.layout == "tile" and ws and along in a.dims:
+                # The pipeline's tile spans the CTA's rows (keys): this consumer's part.
+                assert a.dims[0] == along and not a.scoped, a
+                v = f"{smems[a.key]}.at[pl.ds({wg} * {TB}, {TB})][...]"
+            elif a.layout == "tile":
+                v = f"{mine(smems[a.key]) if a.scoped else smems[a.key]}[...]"
             elif a.layout in ("rows", "cols"):
                 v = vector(a)
             else:
@@ -210,13 +243,16 @@ class BackwardWriter:
                 return f"({v} != 0)"
             return f"{v}.astype({F32})" if float_ctx else v
 
+        def tile_of(a: BArray) -> str:
+            return mine(smems[a.key]) if a.scoped else smems[a.key]
+
         def mma_a(a: BArray, m_: str, k_: str) -> str:
             """WGMMA's A (m, k) from an array's shared-memory tile."""
-            return smems[a.key] if a.dims == (m_, k_) else f"{smems[a.key]}.T"
+            return tile_of(a) if a.dims == (m_, k_) else f"{tile_of(a)}.T"
 
         def mma_b(a: BArray, k_: str, n_: str) -> str:
             """WGMMA's B (k, n) from an array's shared-memory tile (K-major: (n, k) read transposed)."""
-            return smems[a.key] if a.dims == (k_, n_) else f"{smems[a.key]}.T"
+            return tile_of(a) if a.dims == (k_, n_) else f"{tile_of(a)}.T"
 
         def product(a_expr: str, b_expr: str, cols: int, name: str) -> tuple[list[str], str]:
             fn, ref = sn.local(f"_{name}"), sn.local("acc_ref")
@@ -278,7 +314,7 @@ class BackwardWriter:
                  f"{probs} = jnp.exp({s} - lax.broadcast_in_dim({lse}, {shape}, [{qaxis}]))  # absent elements: exp(-inf) = 0"]
         if not dq:  # p^T stored at once (for dv), as each values' dtype
             for vd in dict.fromkeys(k.operand(c.value.operand).dtype.jnp for c in products):
-                step.append(f"{scratch[vd]}[...] = {probs}.astype({vd})")
+                step.append(f"{mine(scratch[vd])}[...] = {probs}.astype({vd})")
         terms = []
         for c in products:
             da, va = bk.array(f"do:{c.output}"), bk.array(f"v:{c.value.operand}")
@@ -292,7 +328,12 @@ class BackwardWriter:
         delta = row_stat("delta")
         if terms:
             step.append(f"{dprobs} = " + " + ".join(terms))
-            step.append(f"{ds} = {probs} * ({dprobs} - {delta})")
+            if not dq and len(probs_dtypes) == 1 and probs_dtypes[0] != F32:
+                # Warp-specialized dk/dv: p read back from its 16-bit tile (ds goes to WGMMA as
+                # 16 bits too), so the f32 p is not live beside dk, dv and the dO.V^T product.
+                step.append(f"{ds} = {mine(scratch[probs_dtypes[0]])}[...].astype({F32}) * ({dprobs} - {delta})  # p as dv's WGMMA reads it")
+            else:
+                step.append(f"{ds} = {probs} * ({dprobs} - {delta})")
         else:
             step.append(f"{ds} = -{probs} * {delta}")
         for c in p.consumers:
@@ -306,13 +347,13 @@ class BackwardWriter:
         out_acc = dict(zip([name for name, _, _ in bk.outs], accs))
         if dq:
             kt = self.b_array(bk, "k_t", "k")
-            step += [f"{scratch['ds']}[...] = {ds}.astype({k_dtype})", "plgpu.commit_smem()  # ds, as WGMMA's A"]
+            step += [f"{mine(scratch['ds'])}[...] = {ds}.astype({k_dtype})", "plgpu.commit_smem()  # ds, as WGMMA's A"]
             new["dq"] = sn.local("dq_new")
-            step.append(f"{new['dq']} = _mma_add({out_acc['dq']}, {scratch['ds']}, {mma_b(kt, p.key, p.summed)}, compiled)  # dq += ds . K")
+            step.append(f"{new['dq']} = _mma_add({out_acc['dq']}, {mine(scratch['ds'])}, {mma_b(kt, p.key, p.summed)}, compiled)  # dq += ds . K")
         else:
             # ds^T to shared memory before the products: then only the accumulators are live
             # while they run (at d = e = 128 the carried dk and dv take 128 registers a thread).
-            step += [f"{scratch['ds']}[...] = {ds}.astype({q_dtype})", "plgpu.commit_smem()  # p^T and ds^T, as WGMMA's A"]
+            step += [f"{mine(scratch['ds'])}[...] = {ds}.astype({q_dtype})", "plgpu.commit_smem()  # p^T and ds^T, as WGMMA's A"]
             for value in dict.fromkeys(c.value.operand for c in products):
                 vd = k.operand(value).dtype.jnp
                 var = out_acc[f"dv:{value}"]
@@ -323,44 +364,73 @@ class BackwardWriter:
                     mb = mma_b(db, p.query, self.e_of(c))
                     new_var = sn.local(f"dv_{value}_new")
                     if c.scale is None:
-                        step.append(f"{new_var} = _mma_add({var}, {scratch[vd]}, {mb}, compiled)  # dv += p^T . dO")
+                        step.append(f"{new_var} = _mma_add({var}, {mine(scratch[vd])}, {mb}, compiled)  # dv += p^T . dO")
                     else:  # the product's scale: on a fresh accumulator
-                        extra, call = product(scratch[vd], mb, self.tile[self.e_of(c)], f"dv_{c.output}_product")
+                        extra, call = product(mine(scratch[vd]), mb, self.tile[self.e_of(c)], f"dv_{c.output}_product")
                         step += extra + [f"{new_var} = {var} + {call} * {c.scale!r}"]
                     var = new_var
                 new[f"dv:{value}"] = var
             qt = self.b_array(bk, "q_t", "q")
             new["dk"] = sn.local("dk_new")
-            step.append(f"{new['dk']} = _mma_add({out_acc['dk']}, {scratch['ds']}, {mma_b(qt, p.query, p.summed)}, compiled)  # dk += ds^T . Q")
+            step.append(f"{new['dk']} = _mma_add({out_acc['dk']}, {mine(scratch['ds'])}, {mma_b(qt, p.query, p.summed)}, compiled)  # dk += ds^T . Q")
         step.append(f"return {', '.join(new[name] for name, _, _ in bk.outs)}{',' if len(bk.outs) == 1 else ''}")
         step_fn = n.local("_row_step" if not dq else "_key_step")
         body += ["", f"def {step_fn}({', '.join([idx] + [smems[a.key] for a in pipe] + [carry])}):"] + ["    " + line for line in step]
         init = [f"jnp.zeros(({TB}, {self.tile[over[1]]}), {F32})" for _, over, _ in bk.outs]
-        body += ["", "return plgpu.emit_pipeline(", f"    {step_fn},", f"    grid=({count},),", "    in_specs=[" + ", ".join(maps) + "],",
-                 f"    max_concurrent_steps={STAGES},", f"    init_carry=({', '.join(init)}{',' if len(init) == 1 else ''}),",
-                 f")({', '.join(refs[a.key] for a in pipe)})"]
         walk = n.local("_over_keys" if dq else "_over_rows")
         results = [n.local(_out_stem(name)) for name, _, _ in bk.outs]
-        lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)})", f"def {walk}({', '.join(scope_names)}):"]
-        lines += ["    " + line for line in body]
-        lines += ["", f"{', '.join(results)}{',' if len(results) == 1 else ''} = {walk}"]
+        scale_lines = []
         if p.scale is not None:
             score_outs = {"dq"} if dq else {"dk"}
             for (name, _, _), var in zip(bk.outs, results):
                 if name in score_outs:
-                    lines.append(f"{var} = {var} * {p.scale!r}  # the score's scale, once per tile")
+                    scale_lines.append(f"{var} = {var} * {p.scale!r}  # the score's scale, once per tile")
+
+        def dst(name: str, over) -> str:
+            parts = [self.lv[i] for i in p.lead] + [f"pl.ds({tile_at} * {TB}, {TB})", f"pl.ds(0, {self.tile[over[1]]})"]
+            return f"{out_refs[name]}.at[{', '.join(parts)}]"
+
+        if ws:
+            # A consumer: its tiles copied once, the walk (the pipeline's steps), its gradients
+            # through its epilogue tiles.
+            cn = n.scope()
+            consumer, over = n.local("_consumer"), cn.local("over")
+            cons = copies_in + [f"{', '.join(results)}{',' if len(results) == 1 else ''} = {over}(({', '.join(init)}{',' if len(init) == 1 else ''}))"]
+            cons += scale_lines
+            cons += [f"{mine(out_tiles[name])}[...] = {var}.astype({dtype})" for (name, _, dtype), var in zip(bk.outs, results)]
+            cons.append("plgpu.commit_smem()")
+            cons += [f"plgpu.copy_smem_to_gmem({mine(out_tiles[name])}, {dst(name, o)})" for name, o, _ in bk.outs]
+            cons.append("plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
+            body += ["", f"def {consumer}({over}):",
+                     f"    # A consumer warpgroup's {TB} {what_along}: its tiles, the walk (`{over}` runs the pipeline's steps), its gradients."]
+            body += ["    " + line for line in cons]
+            body += ["", "plgpu.emit_pipeline_warp_specialized(", f"    {step_fn},", f"    grid=({count},),",
+                     "    in_specs=[" + ", ".join(maps) + "],", f"    max_concurrent_steps={STAGES},",
+                     f"    memory_registers={MEMORY_REGISTERS},  # the producer's; the consumers take the rest (setmaxnreg)",
+                     '    wg_axis="wg",', f"    num_compute_wgs={wgs},", f"    compute_context={consumer},",
+                     f")({', '.join(refs[a.key] for a in pipe)})"]
+            lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)}, collective_axes=\"wg\")", f"def {walk}({', '.join(scope_names)}):"]
+            lines += ["    " + line for line in body]
+            self.b_tiles[bk.which] = n_tiles
+            return params, lines
+        body += ["", "return plgpu.emit_pipeline(", f"    {step_fn},", f"    grid=({count},),", "    in_specs=[" + ", ".join(maps) + "],",
+                 f"    max_concurrent_steps={STAGES},", f"    init_carry=({', '.join(init)}{',' if len(init) == 1 else ''}),",
+                 f")({', '.join(refs[a.key] for a in pipe)})"]
+        lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)})", f"def {walk}({', '.join(scope_names)}):"]
+        lines += ["    " + line for line in body]
+        lines += ["", f"{', '.join(results)}{',' if len(results) == 1 else ''} = {walk}"]
+        lines += scale_lines
         # The epilogue: each gradient's tile through shared memory.
         store = n.local("_store")
         out_scoped, copies = [], []
         for (name, over, dtype), var in zip(bk.outs, results):
             sm = n.local(f"{_out_stem(name)}_smem")
             out_scoped.append(f"{sm}=plgpu.SMEM(({TB}, {self.tile[over[1]]}), {dtype})")
-            parts = [self.lv[i] for i in p.lead] + [f"pl.ds({cta} * {TB}, {TB})", f"pl.ds(0, {self.tile[over[1]]})"]
-            copies.append((sm, f"{var}.astype({dtype})", f"{out_refs[name]}.at[{', '.join(parts)}]"))
+            copies.append((sm, f"{var}.astype({dtype})", dst(name, over)))
         lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(out_scoped)})", f"def {store}({', '.join(c[0] for c in copies)}):"]
         lines += [f"    {sm}[...] = {value}" for sm, value, _ in copies]
         lines.append("    plgpu.commit_smem()")
-        lines += [f"    plgpu.copy_smem_to_gmem({sm}, {dst})" for sm, _, dst in copies]
+        lines += [f"    plgpu.copy_smem_to_gmem({sm}, {dst_})" for sm, _, dst_ in copies]
         lines.append("    plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
         self.b_tiles[bk.which] = n_tiles
         return params, lines

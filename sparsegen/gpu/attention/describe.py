@@ -42,10 +42,14 @@ def describe_gpu_attention(m) -> list[str]:
     b = m.backward
     if b is not None:
         lines.append("backward (jax.grad), FlashAttention-2 style: per row the forward's logsumexp and delta = rowsum(dO * O)")
-        lines.append(f"  dq: one CTA per {TB} rows over the forward's tables, {TB} keys a step: the scores again, p = exp(s - lse),")
+        def cta(bk, what: str) -> str:
+            wgs = bk.warpgroups
+            return f"one CTA per {TB} {what}" if wgs == 1 else f"one CTA per {TB * wgs} {what} ({wgs} consumer warpgroups and a producer)"
+
+        lines.append(f"  dq: {cta(b.dq, 'rows')} over the forward's tables, {TB} keys a step: the scores again, p = exp(s - lse),")
         lines.append("    dp = dO . V^T, ds = p * (dp - delta) through the chain's derivative, dq += ds . K "
                      f"({b.dq.smem} bytes of shared memory)")
-        lines.append(f"  dk, dv: one CTA per {TB} keys over the transposed classification (each key block's non-empty row")
+        lines.append(f"  dk, dv: {cta(b.dkv, 'keys')} over the transposed classification (each key block's non-empty row")
         lines.append(f"    blocks), {TB} rows a step: dv += p^T . dO, dk += ds^T . Q ({b.dkv.smem} bytes of shared memory)")
     partials = [Partial(op, "", o) for op in (b.grads if b else ()) for o in (b.outputs if b else ())]
     return lines + gradient_lines(k, partials, m.refused)

@@ -481,10 +481,12 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             else:
                 glue["returns"].append("None")
         grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.b_tiles[bk.which]})"])
-        about = ("dq over the rows walk: a CTA per 64 rows, its row block's non-empty key blocks" if bk.which == "dq" else
-                 "dk and dv over the transposed classification: a CTA per 64 keys, its key block's non-empty row blocks")
+        wgs = bk.warpgroups
+        cta = f"{64 * wgs} {'rows' if bk.which == 'dq' else 'keys'}" + (f" ({wgs} consumer warpgroups of 64 and a producer)" if wgs > 1 else "")
+        about = (f"dq over the rows walk: a CTA per {cta}, its row block's non-empty key blocks" if bk.which == "dq" else
+                 f"dk and dv over the transposed classification: a CTA per {cta}, its key block's non-empty row blocks")
         return {"kernel_fn": fn, "params": params, "lines": lines, "arrays": arrays, "outs": outs, "finish": finish,
-                "results": results, "grid": grid, "transposed": bk.which == "dkv", "about": about}
+                "results": results, "grid": grid, "transposed": bk.which == "dkv", "about": about, "warpgroups": wgs}
 
     # ------------------------------------------------------------------ module
     def module(self, source_name: str) -> str:

@@ -204,7 +204,7 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
     if smem > target.smem_bytes:
         _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
                            f"use smaller tiles of {p.summed} or the values' columns")
-    backward, error = plan_backward(k, p, ops), None
+    backward, error = plan_backward(k, p, ops, target.smem_bytes), None
     for bk, what in ((backward.dq, "dq"), (backward.dkv, "dk/dv")):
         if bk.smem > target.smem_bytes and error is None:
             error = (f"the backward's {what} kernel needs {bk.smem} bytes of shared memory per CTA on {target.name} (limit "
