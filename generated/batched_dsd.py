@@ -119,10 +119,10 @@ Plan (target v5e):
           step_b[nb + B * ceil(K / 256)]: coordinate b of the stored block a step reads
           step_m[nb + B * ceil(K / 256)]: coordinate m of the stored block a step reads
         blocks:
-          in  g_o block (squeezed, 512, 256), index map (step_b[step], step_m[step], n)
-              The block the stored block of this step meets (flush steps hold the next one).
           in  x block (squeezed, 512, 256), index map (step_block[step], 0, 0)
               The stored block this step multiplies (flush steps hold the next one).
+          in  g_o block (squeezed, 512, 256), index map (step_b[step], step_m[step], n)
+              The block the stored block of this step meets (flush steps hold the next one).
           out d_y block (squeezed, 256, 256), index map (step_row[step] // n_k, step_row[step] % n_k, n)
         body:
           init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
@@ -131,8 +131,8 @@ Plan (target v5e):
           write output when step_kind[step] == _FLUSH: accumulator
           output blocks no stored block reaches are written as zeros by their flush step
         VMEM estimate: 1.9 MiB of 128 MiB on v5e
-          g_o block: 2 x 512x256 bf16 = 512 KiB
           x block: 2 x 512x256 bf16 = 512 KiB
+          g_o block: 2 x 512x256 bf16 = 512 KiB
           d_y block (output): 2 x 256x256 bf16 = 256 KiB
           accumulator: 1 x 256x256 f32 = 256 KiB
           body temporaries: 1 x 256x256 f32 = 256 KiB
@@ -840,8 +840,8 @@ def _d_y_kernel(
     step_row,
     step_b,
     step_m,
-    g_o_ref,
     x_ref,
+    g_o_ref,
     d_y_ref,
     acc_ref,
     *,
@@ -872,16 +872,16 @@ def _d_y_kernel(
         d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
 
 
-def _d_y_g_o_index_map(n, step, step_kind, step_block, step_row, step_b, step_m):
-    del step_kind, step_block, step_row  # unused
-    # The block the stored block of this step meets (flush steps hold the next one).
-    return (step_b[step], step_m[step], n)
-
-
 def _d_y_x_index_map(n, step, step_kind, step_block, *_):
     del n, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
+
+
+def _d_y_g_o_index_map(n, step, step_kind, step_block, step_row, step_b, step_m):
+    del step_kind, step_block, step_row  # unused
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (step_b[step], step_m[step], n)
 
 
 def _d_y_d_y_index_map(n, step, step_kind, step_block, step_row, *_, n_k):
@@ -1027,8 +1027,8 @@ def _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret
         num_scalar_prefetch=5,
         grid=(pl.cdiv(N, 256), nb + B * pl.cdiv(K, 256)),
         in_specs=[
-            pl.BlockSpec((None, 512, 256), _d_y_g_o_index_map),
             pl.BlockSpec((None, 512, 256), _d_y_x_index_map),
+            pl.BlockSpec((None, 512, 256), _d_y_g_o_index_map),
         ],
         out_specs=pl.BlockSpec(
             (None, 256, 256), functools.partial(_d_y_d_y_index_map, n_k=pl.cdiv(K, 256))
@@ -1038,7 +1038,7 @@ def _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret
     return pl.pallas_call(
         functools.partial(_d_y_kernel, M=M),
         grid_spec=grid_spec,
-        out_shape=_typed(jax.ShapeDtypeStruct((B, K, N), jnp.bfloat16), g_o, x_blocks),
+        out_shape=_typed(jax.ShapeDtypeStruct((B, K, N), jnp.bfloat16), x_blocks, g_o),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
@@ -1050,8 +1050,8 @@ def _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret
         interpret=interpret,
     )(
         *_d_y_prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes),
-        g_o,
         x_blocks,
+        g_o,
     )
 
 

@@ -52,10 +52,10 @@ Plan (target v5e):
         step_row[nb + ceil(N / 256)]: the output block a step accumulates into, row-major over n
         step_k[nb + ceil(N / 256)]: coordinate k of the stored block a step reads
       blocks:
-        in  x block (256, 512), index map (m, step_k[step])
-            The block the stored block of this step meets (flush steps hold the next one).
         in  y block (squeezed, 512, 256), index map (step_block[step], 0, 0)
             The stored block this step multiplies (flush steps hold the next one).
+        in  x block (256, 512), index map (m, step_k[step])
+            The block the stored block of this step meets (flush steps hold the next one).
         out o block (256, 256), index map (m, step_row[step])
       body:
         init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
@@ -64,8 +64,8 @@ Plan (target v5e):
         write output when step_kind[step] == _FLUSH: accumulator
         output blocks no stored block reaches are written as zeros by their flush step
       VMEM estimate: 1.9 MiB of 128 MiB on v5e
-        x block: 2 x 256x512 bf16 = 512 KiB
         y block: 2 x 512x256 bf16 = 512 KiB
+        x block: 2 x 256x512 bf16 = 512 KiB
         o block (output): 2 x 256x256 bf16 = 256 KiB
         accumulator: 1 x 256x256 f32 = 256 KiB
         body temporaries: 1 x 256x256 f32 = 256 KiB
@@ -83,10 +83,10 @@ Plan (target v5e):
           step_row[nb + ceil(K / 512)]: the output block a step accumulates into, row-major over k
           step_n[nb + ceil(K / 512)]: coordinate n of the stored block a step reads
         blocks:
-          in  g_o block (256, 256), index map (m, step_n[step])
-              The block the stored block of this step meets (flush steps hold the next one).
           in  y block (squeezed, 512, 256), index map (step_block[step], 0, 0)
               The stored block this step multiplies (flush steps hold the next one).
+          in  g_o block (256, 256), index map (m, step_n[step])
+              The block the stored block of this step meets (flush steps hold the next one).
           out d_x block (256, 512), index map (m, step_row[step])
         body:
           init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
@@ -95,8 +95,8 @@ Plan (target v5e):
           write output when step_kind[step] == _FLUSH: accumulator
           output blocks no stored block reaches are written as zeros by their flush step
         VMEM estimate: 2.4 MiB of 128 MiB on v5e
-          g_o block: 2 x 256x256 bf16 = 256 KiB
           y block: 2 x 512x256 bf16 = 512 KiB
+          g_o block: 2 x 256x256 bf16 = 256 KiB
           d_x block (output): 2 x 256x512 bf16 = 512 KiB
           accumulator: 1 x 256x512 f32 = 512 KiB
           body temporaries: 1 x 256x512 f32 = 512 KiB
@@ -663,7 +663,7 @@ def _mask_tail(value, axis, limit):
 
 
 def _kernel(
-    step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref, *, K
+    step_kind, step_block, step_row, step_k, y_ref, x_ref, o_ref, acc_ref, *, K
 ):
     del step_block, step_row  # unused
     step = pl.program_id(1)
@@ -688,16 +688,16 @@ def _kernel(
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _x_index_map(m, step, step_kind, step_block, step_row, step_k):
-    del step_kind, step_block, step_row  # unused
-    # The block the stored block of this step meets (flush steps hold the next one).
-    return (m, step_k[step])
-
-
 def _y_index_map(m, step, step_kind, step_block, *_):
     del m, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
+
+
+def _x_index_map(m, step, step_kind, step_block, step_row, step_k):
+    del step_kind, step_block, step_row  # unused
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (m, step_k[step])
 
 
 def _o_index_map(m, step, step_kind, step_block, step_row, *_):
@@ -715,7 +715,7 @@ def _prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
 
 
 def _d_x_kernel(
-    step_kind, step_block, step_row, step_n, g_o_ref, y_ref, d_x_ref, acc_ref, *, N
+    step_kind, step_block, step_row, step_n, y_ref, g_o_ref, d_x_ref, acc_ref, *, N
 ):
     del step_block, step_row  # unused
     step = pl.program_id(1)
@@ -742,16 +742,16 @@ def _d_x_kernel(
         d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
 
 
-def _d_x_g_o_index_map(m, step, step_kind, step_block, step_row, step_n):
-    del step_kind, step_block, step_row  # unused
-    # The block the stored block of this step meets (flush steps hold the next one).
-    return (m, step_n[step])
-
-
 def _d_x_y_index_map(m, step, step_kind, step_block, *_):
     del m, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
+
+
+def _d_x_g_o_index_map(m, step, step_kind, step_block, step_row, step_n):
+    del step_kind, step_block, step_row  # unused
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (m, step_n[step])
 
 
 def _d_x_d_x_index_map(m, step, step_kind, step_block, step_row, *_):
@@ -898,8 +898,8 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
         num_scalar_prefetch=4,
         grid=(pl.cdiv(M, 256), nb + pl.cdiv(N, 256)),
         in_specs=[
-            pl.BlockSpec((256, 512), _x_index_map),
             pl.BlockSpec((None, 512, 256), _y_index_map),
+            pl.BlockSpec((256, 512), _x_index_map),
         ],
         out_specs=pl.BlockSpec((256, 256), _o_index_map),
         scratch_shapes=[pltpu.VMEM((256, 256), jnp.float32)],
@@ -907,7 +907,7 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
     return pl.pallas_call(
         functools.partial(_kernel, K=K),
         grid_spec=grid_spec,
-        out_shape=_typed(jax.ShapeDtypeStruct((M, N), jnp.bfloat16), x, y_blocks),
+        out_shape=_typed(jax.ShapeDtypeStruct((M, N), jnp.bfloat16), y_blocks, x),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
@@ -917,7 +917,7 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
             bytes_accessed=nb * pl.cdiv(M, 256) * 524288 + 2 * M * N,
         ),
         interpret=interpret,
-    )(*_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes), x, y_blocks)
+    )(*_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes), y_blocks, x)
 
 
 def _d_x_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
@@ -931,8 +931,8 @@ def _d_x_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
         num_scalar_prefetch=4,
         grid=(pl.cdiv(M, 256), nb + pl.cdiv(K, 512)),
         in_specs=[
-            pl.BlockSpec((256, 256), _d_x_g_o_index_map),
             pl.BlockSpec((None, 512, 256), _d_x_y_index_map),
+            pl.BlockSpec((256, 256), _d_x_g_o_index_map),
         ],
         out_specs=pl.BlockSpec((256, 512), _d_x_d_x_index_map),
         scratch_shapes=[pltpu.VMEM((256, 512), jnp.float32)],
@@ -940,7 +940,7 @@ def _d_x_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
     return pl.pallas_call(
         functools.partial(_d_x_kernel, N=N),
         grid_spec=grid_spec,
-        out_shape=_typed(jax.ShapeDtypeStruct((M, K), jnp.bfloat16), g_o, y_blocks),
+        out_shape=_typed(jax.ShapeDtypeStruct((M, K), jnp.bfloat16), y_blocks, g_o),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
@@ -950,7 +950,7 @@ def _d_x_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
             bytes_accessed=nb * pl.cdiv(M, 256) * 393216 + 2 * M * K,
         ),
         interpret=interpret,
-    )(*_d_x_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes), g_o, y_blocks)
+    )(*_d_x_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes), y_blocks, g_o)
 
 
 def _d_y_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):

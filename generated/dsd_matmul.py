@@ -114,10 +114,10 @@ Plan (target v5e):
           step_row[nb + ceil(K / 512)]: the output block a step accumulates into, row-major over k
           step_m[nb + ceil(K / 512)]: coordinate m of the stored block a step reads
         blocks:
-          in  g_o block (512, 512), index map (step_m[step], n)
-              The block the stored block of this step meets (flush steps hold the next one).
           in  x block (squeezed, 512, 512), index map (step_block[step], 0, 0)
               The stored block this step multiplies (flush steps hold the next one).
+          in  g_o block (512, 512), index map (step_m[step], n)
+              The block the stored block of this step meets (flush steps hold the next one).
           out d_y block (512, 512), index map (step_row[step], n)
         body:
           init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
@@ -126,8 +126,8 @@ Plan (target v5e):
           write output when step_kind[step] == _FLUSH: accumulator
           output blocks no stored block reaches are written as zeros by their flush step
         VMEM estimate: 5.1 MiB of 128 MiB on v5e
-          g_o block: 2 x 512x512 bf16 = 1 MiB
           x block: 2 x 512x512 bf16 = 1 MiB
+          g_o block: 2 x 512x512 bf16 = 1 MiB
           d_y block (output): 2 x 512x512 bf16 = 1 MiB
           accumulator: 1 x 512x512 f32 = 1 MiB
           body temporaries: 1 x 512x512 f32 = 1 MiB
@@ -801,7 +801,7 @@ def _d_x_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes):
 
 
 def _d_y_kernel(
-    step_kind, step_block, step_row, step_m, g_o_ref, x_ref, d_y_ref, acc_ref, *, M
+    step_kind, step_block, step_row, step_m, x_ref, g_o_ref, d_y_ref, acc_ref, *, M
 ):
     del step_block, step_row  # unused
     step = pl.program_id(1)
@@ -828,16 +828,16 @@ def _d_y_kernel(
         d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
 
 
-def _d_y_g_o_index_map(n, step, step_kind, step_block, step_row, step_m):
-    del step_kind, step_block, step_row  # unused
-    # The block the stored block of this step meets (flush steps hold the next one).
-    return (step_m[step], n)
-
-
 def _d_y_x_index_map(n, step, step_kind, step_block, *_):
     del n, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
+
+
+def _d_y_g_o_index_map(n, step, step_kind, step_block, step_row, step_m):
+    del step_kind, step_block, step_row  # unused
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (step_m[step], n)
 
 
 def _d_y_d_y_index_map(n, step, step_kind, step_block, step_row, *_):
@@ -968,8 +968,8 @@ def _d_y_call(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes, interpret):
         num_scalar_prefetch=4,
         grid=(pl.cdiv(N, 512), nb + pl.cdiv(K, 512)),
         in_specs=[
-            pl.BlockSpec((512, 512), _d_y_g_o_index_map),
             pl.BlockSpec((None, 512, 512), _d_y_x_index_map),
+            pl.BlockSpec((512, 512), _d_y_g_o_index_map),
         ],
         out_specs=pl.BlockSpec((512, 512), _d_y_d_y_index_map),
         scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
@@ -977,7 +977,7 @@ def _d_y_call(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes, interpret):
     return pl.pallas_call(
         functools.partial(_d_y_kernel, M=M),
         grid_spec=grid_spec,
-        out_shape=_typed(jax.ShapeDtypeStruct((K, N), jnp.bfloat16), g_o, x_blocks),
+        out_shape=_typed(jax.ShapeDtypeStruct((K, N), jnp.bfloat16), x_blocks, g_o),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
@@ -987,7 +987,7 @@ def _d_y_call(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes, interpret):
             bytes_accessed=nb * pl.cdiv(N, 512) * 1048576 + 2 * K * N,
         ),
         interpret=interpret,
-    )(*_d_y_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes), g_o, x_blocks)
+    )(*_d_y_prefetch(x_blocks, x_idx_0, x_idx_1, y, pad, g_o, sizes), x_blocks, g_o)
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret", "wanted"))

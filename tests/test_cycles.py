@@ -40,6 +40,10 @@ JOBS = {
                  "shapes": {"M": 2048, "K": 2048, "N": 2048}, "pattern": "density=1"},
     "grouped": {"spec": str(SPECS / "grouped_matmul.spk"), "kernel": "grouped_matmul", "target": "v5e",
                 "shapes": {"M": 2048, "K": 2048, "N": 2048, "E": 1}, "pattern": "density=1"},
+    "dds": {"spec": str(SPECS / "dds_matmul.spk"), "kernel": "dds_matmul", "target": "v5e",
+            "shapes": {"M": 1024, "K": 1024, "N": 1024}, "pattern": "density=0.25", "backward": True},
+    "dsd": {"spec": str(SPECS / "dsd_matmul.spk"), "kernel": "dsd_matmul", "target": "v5e",
+            "shapes": {"M": 1024, "K": 1024, "N": 1024}, "pattern": "density=0.25", "backward": True},
     "attention": {"spec": str(SPECS / "causal_attention.spk"), "kernel": "causal_attention", "target": "v5e",
                   "shapes": {"B": 1, "H": 1, "S": 1000, "D": 128}, "pattern": "tril", "backward": True},
 }
@@ -209,3 +213,17 @@ def test_attention_backward_passes_are_estimated(estimates):
         counts = {r.name: r.count for r in p.regions}
         assert counts["_partial"] + counts["_full"] == 3 and counts["_partial"] >= 2, counts
         assert p.cycles > p.mxu_cycles > 0
+
+
+def test_coo_walks_with_a_moving_output_are_estimated(estimates):
+    """The coo-input walks whose output block moves along the steps (dds_matmul's forward and
+    d_x, dsd_matmul's d_y): libtpu's static profiler aborted on them ("No DMA issue node found
+    for sync flag") while an operand other than the stored blocks came first in the call; the
+    walk now passes its stored blocks first (schedule/coo_input.py). Every pass has a figure."""
+    for name, passes in (("dds", 3), ("dsd", 3)):
+        found = _found(estimates, name)
+        every = found.forward + found.backward
+        assert len(every) == passes, every
+        for p in every:
+            assert p.cycles is not None and p.steps > 0, (name, p.kernel, p.note)
+            assert p.cycles > p.mxu_cycles > 0, (name, p.kernel)

@@ -134,7 +134,12 @@ class CooInputWalk(PassBuilder):
         for a in self.axes:
             if a.role == "blocks":
                 products = products * a.extent
-        return self.finish(list(blocks.values()), body, "the grid walks the stored blocks", self.dense_out_shape(), products)
+        # The stored blocks' operand first in the call: libtpu's static profiler (`verify
+        # --cycles`) aborts on a walk whose output block moves along the steps when another
+        # operand comes first ("No DMA issue node found for sync flag"); the kernel is the
+        # same either way (its body names each ref).
+        ordered = [blocks[f"f{n_coo}"]] + [b for key, b in blocks.items() if key != f"f{n_coo}"]
+        return self.finish(ordered, body, "the grid walks the stored blocks", self.dense_out_shape(), products)
 
     def stored_dims(self, read):
         return [s for s in read.subs if self.tile[s.index] != 1]
