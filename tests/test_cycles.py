@@ -80,17 +80,19 @@ def test_dense_matmul_estimate_is_parsed(estimates):
 
 def test_regions_are_weighted_by_the_real_tables(estimates):
     """dsd_matmul at 2048^3 with 512 tiles on tril: 10 stored blocks of 16, 4 column blocks.
-    The walk has 4 x (10 + 4) steps: 40 multiply a stored block, 16 flush one output block,
-    16 start one. The estimator reads the tables as zeros (every step a flush, none computing)."""
+    The walk has 4 x 10 steps (tril feeds every output block: no step writes zeros): 40
+    multiply a stored block, 16 of them (a run's last) also flush their output block, 16
+    start one. The estimator reads the tables as zeros (every step padding: none computing
+    or flushing, the first of each column initialising)."""
     found = _found(estimates, "tril")
     (p,) = found.forward
-    assert p.grid == (4, 14)
+    assert p.grid == (4, 10)
     counts = {r.name: (r.count, r.estimator_count) for r in p.regions}
-    assert counts == {"_init": (16, 56), "_compute": (40, 0), "_flush": (16, 56)}
+    assert counts == {"_init": (16, 4), "_compute": (40, 0), "_flush": (16, 0)}
     assert p.computing_steps == 40
     assert p.mxu_cycles == 40 * 2 * 512**3 / 131072
-    # The real walk computes 40 times where the estimator saw no compute at all, and starts and
-    # flushes 16 output blocks where it saw 56: walk - zero is 40 products less 40 of each.
+    # The real walk computes 40 times and flushes 16 output blocks where the estimator saw
+    # neither: walk - zero is at least most of 40 products.
     assert p.walk > p.zero + 40 * 2048 * 3 // 4
     assert p.cycles == p.walk + p.raw - p.zero
     assert p.mxu_cycles < p.cycles < p.raw + 2 * p.mxu_cycles

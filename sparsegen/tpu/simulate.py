@@ -247,7 +247,7 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
     for d, a in enumerate(p.axes):
         body_env[a.var] = axes[d]
         body_env[a.static] = grid[d]
-    for const in ("_BLOCK", "_FLUSH", "_SKIP", "_EMPTY", "_PARTIAL", "_FULL"):
+    for const in ("_BLOCK", "_FLUSH", "_LAST", "_SKIP", "_EMPTY", "_PARTIAL", "_FULL"):
         if hasattr(module, const):
             body_env[const] = getattr(module, const)
     body = p.body
