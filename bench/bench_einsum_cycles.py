@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/bench_einsum_cycles.py [--only dsd_matmul,tril_matmul] [--target v5e] [--json FILE]
 
+With --only, the kernels measured replace theirs in an existing JSON file (the others are
+kept as measured before, and the file says which run was partial).
+
 Runs `sparsegen verify SPEC --cycles` (sparsegen.cycles.measure: one helper process, every
 pass's `pl.when` regions weighted by the real tables of the stated pattern) on each einsum
 example in specs/ at its production tiles (the spec's `tile` line, unchanged) and the shapes
@@ -137,11 +140,19 @@ def main() -> None:
         j = k.to_json()
         results.append({"example": example, "spec": f"specs/{spec}", "kernel": kernel, "shapes": shapes,
                         "pattern": "gid file" if pattern == "GROUPS" else pattern, "pattern_meaning": meaning, **j})
+    out = Path(args.json or ROOT / "bench" / "results" / f"einsum_cycles_{args.target}.json")
+    seconds = {"seconds": round(time.perf_counter() - start, 1)}
+    if only is not None and out.exists():
+        # --only: the measured kernels replace theirs in the file; the others stay as measured before.
+        before = json.loads(out.read_text())
+        fresh = {(r["example"], r["kernel"]): r for r in results}
+        results = [fresh.pop((r["example"], r["kernel"]), r) for r in before["kernels"]] + list(fresh.values())
+        seconds = {"seconds": before.get("seconds"), "seconds_of_last_partial_run": seconds["seconds"],
+                   "last_partial_run": sorted({r["kernel"] for r in fresh.values()} | {c[2] for c in cases})}
     found = rows(results)
     text = table(found)
     print(text)
-    out = Path(args.json or ROOT / "bench" / "results" / f"einsum_cycles_{args.target}.json")
-    out.write_text(json.dumps({"target": args.target, "seconds": round(time.perf_counter() - start, 1),
+    out.write_text(json.dumps({"target": args.target, **seconds,
                                "group_sizes": GROUP_SIZES, "kernels": results, "rows": found, "table": text}, indent=1) + "\n")
     print(f"\nwrote {out} ({time.perf_counter() - start:.0f} s)")
 

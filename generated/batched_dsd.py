@@ -44,12 +44,14 @@ Plan (target v5e):
 
     kernel batched_dsd
       o[b, m, n] = x[b, m, k] * y[b, k, n]  (coo input: the grid walks the stored blocks)
-      grid (ceil(N / 256), nb + B * ceil(M / 512))
+      grid (ceil(N / 256), n_run)
+        n_run: the steps the data needs (traced), at most n_steps, the tables' length
+        n_steps = nb + B * pl.cdiv(M, 512)
         n: output blocks along n [parallel]
-        step: the stored blocks of x in output-block order, plus one flush step per output block [arbitrary]
+        step: the stored blocks of x in output-block order (a run's last one writes its output block), plus a step per output block none reaches (zeros) [arbitrary]
       dimension_semantics (parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        step_kind[nb + B * ceil(M / 512)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+        step_kind[nb + B * ceil(M / 512)]: _BLOCK: multiply a stored block, _LAST: the same, then write the output block, _FLUSH: write zeros (no stored block), _SKIP: padding, past the steps run
         step_block[nb + B * ceil(M / 512)]: the stored block of x a step reads (flush steps hold the next one, so they start no copy)
         step_row[nb + B * ceil(M / 512)]: the output block a step accumulates into, row-major over b, m
         step_b[nb + B * ceil(M / 512)]: coordinate b of the stored block a step reads
@@ -61,10 +63,10 @@ Plan (target v5e):
             The block the stored block of this step meets (flush steps hold the next one).
         out o block (squeezed, 512, 256), index map (step_row[step] // n_m, step_row[step] % n_m, n)
       body:
-        init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
-        accumulate the product of x and y summed over k when step_kind[step] == _BLOCK
+        init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] & _FLUSH != 0)
+        accumulate the product of x and y summed over k when step_kind[step] & _BLOCK != 0
           past K along k (a partial last block) the factors are zero
-        write output when step_kind[step] == _FLUSH: accumulator
+        write output when step_kind[step] & _FLUSH != 0: accumulator
         output blocks no stored block reaches are written as zeros by their flush step
       VMEM estimate: 2.4 MiB of 128 MiB on v5e
         x block: 2 x 512x256 bf16 = 512 KiB
@@ -108,31 +110,33 @@ Plan (target v5e):
           Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
         SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
       pass 2: d_y[b, k, n] = g_o[b, m, n] * x[b, m, k]  (coo input: the grid walks the stored blocks)
-        grid (ceil(N / 256), nb + B * ceil(K / 256))
+        grid (ceil(N / 256), n_run)
+          n_run: the steps the data needs (traced), at most n_steps, the tables' length
+          n_steps = nb + B * pl.cdiv(K, 256)
           n: output blocks along n [parallel]
-          step: the stored blocks of x in output-block order, plus one flush step per output block [arbitrary]
+          step: the stored blocks of x in output-block order (a run's last one writes its output block), plus a step per output block none reaches (zeros) [arbitrary]
         dimension_semantics (parallel, arbitrary)
         scalar prefetch (SMEM, int32):
-          step_kind[nb + B * ceil(K / 256)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+          step_kind[nb + B * ceil(K / 256)]: _BLOCK: multiply a stored block, _LAST: the same, then write the output block, _FLUSH: write zeros (no stored block), _SKIP: padding, past the steps run
           step_block[nb + B * ceil(K / 256)]: the stored block of x a step reads (flush steps hold the next one, so they start no copy)
           step_row[nb + B * ceil(K / 256)]: the output block a step accumulates into, row-major over b, k
           step_b[nb + B * ceil(K / 256)]: coordinate b of the stored block a step reads
           step_m[nb + B * ceil(K / 256)]: coordinate m of the stored block a step reads
         blocks:
-          in  g_o block (squeezed, 512, 256), index map (step_b[step], step_m[step], n)
-              The block the stored block of this step meets (flush steps hold the next one).
           in  x block (squeezed, 512, 256), index map (step_block[step], 0, 0)
               The stored block this step multiplies (flush steps hold the next one).
+          in  g_o block (squeezed, 512, 256), index map (step_b[step], step_m[step], n)
+              The block the stored block of this step meets (flush steps hold the next one).
           out d_y block (squeezed, 256, 256), index map (step_row[step] // n_k, step_row[step] % n_k, n)
         body:
-          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
-          accumulate the product of g_o and x summed over m when step_kind[step] == _BLOCK
+          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] & _FLUSH != 0)
+          accumulate the product of g_o and x summed over m when step_kind[step] & _BLOCK != 0
             past M along m (a partial last block) the factors are zero
-          write output when step_kind[step] == _FLUSH: accumulator
+          write output when step_kind[step] & _FLUSH != 0: accumulator
           output blocks no stored block reaches are written as zeros by their flush step
         VMEM estimate: 1.9 MiB of 128 MiB on v5e
-          g_o block: 2 x 512x256 bf16 = 512 KiB
           x block: 2 x 512x256 bf16 = 512 KiB
+          g_o block: 2 x 512x256 bf16 = 512 KiB
           d_y block (output): 2 x 256x256 bf16 = 256 KiB
           accumulator: 1 x 256x256 f32 = 256 KiB
           body temporaries: 1 x 256x256 f32 = 256 KiB
@@ -155,10 +159,11 @@ from jax.experimental.pallas import tpu as pltpu
 _NAME = "batched_dsd"
 _SMEM_BYTES = 1040384  # scalar memory of a v5e TensorCore
 
-# The kinds of step in the walk over stored blocks.
-_FLUSH = 0  # write the finished output block (zeros if no stored block reached it)
+# The kinds of step in the walk over stored blocks (bit 1: multiply, bit 2: write).
+_SKIP = 0  # padding, or past the steps the grid runs: nothing to do
 _BLOCK = 1  # multiply one stored block into the accumulator
-_SKIP = 2  # a padding entry: nothing to do
+_FLUSH = 2  # write zeros: an output block no stored block reaches
+_LAST = 3  # multiply the run's last stored block, then write the finished output block
 
 # Kinds of block.
 _EMPTY = 0  # nothing to compute: no compute, no new copies
@@ -585,10 +590,12 @@ def _next_live(live):
 
 def _coo_steps(rows, n_rows, pad):
     """The walk over stored blocks: sorted by the output block (row) they feed, each row's
-    run closed by a flush step, rows that no block feeds included (they flush zeros), and
-    padding entries last, as steps that do nothing.
+    run ended by its last block, which also writes the row's output block (_LAST); a row
+    that no block feeds takes one step that writes zeros (_FLUSH). The steps after those
+    (`_coo_run` of them) do nothing (_SKIP): padding entries, and the flush steps the rows'
+    last blocks made unneeded; the grid does not run them.
 
-    Returns per step: its kind, the stored block it reads (flush and padding steps read
+    Returns per step: its kind, the stored block it reads (steps that multiply nothing read
     the next block, or the last one, so they start no extra copy) and the row it feeds.
     """
     nb = rows.shape[0]
@@ -603,13 +610,26 @@ def _coo_steps(rows, n_rows, pad):
     entry = order < nb
     is_pad = entry & pad[jnp.minimum(order, nb - 1)]
     is_block = entry & ~is_pad
-    kind = jnp.where(is_block, _BLOCK, jnp.where(is_pad, _SKIP, _FLUSH)).astype(
-        jnp.int32
+    # A row's flush step right after its last block is merged into that block.
+    merged = ~entry & jnp.concatenate([jnp.zeros(1, bool), is_block[:-1]])
+    last = is_block & jnp.concatenate([merged[1:], jnp.zeros(1, bool)])
+    kind = jnp.where(
+        last, _LAST, jnp.where(is_block, _BLOCK, jnp.where(entry, _SKIP, _FLUSH))
     )
-    block = jnp.minimum(order[_next_live(is_block)], nb - 1)
     row = jnp.where(entry, rows[jnp.minimum(order, nb - 1)], order - nb)
-    row = jnp.where(is_pad, n_rows - 1, row).astype(jnp.int32)
+    # The steps that run first, in order; the others after them.
+    run = ~merged & ~is_pad
+    kept = jnp.argsort(~run, stable=True).astype(jnp.int32)
+    kind = jnp.where(run, kind, _SKIP)[kept].astype(jnp.int32)
+    row = jnp.where(run, row, n_rows - 1)[kept].astype(jnp.int32)
+    block = jnp.minimum(order[kept][_next_live((kind & _BLOCK) != 0)], nb - 1)
     return kind, block, row
+
+
+def _coo_run(rows, n_rows, pad):
+    """The steps of `_coo_steps` the grid runs: one per stored block that is not padding,
+    and one per row that none of them feeds."""
+    return jnp.sum(_coo_steps(rows, n_rows, pad)[0] != _SKIP).astype(jnp.int32)
 
 
 def _cut_blocks(blocks, coords, tiles, shape):
@@ -686,11 +706,11 @@ def _kernel(
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
-    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] & _FLUSH != 0))
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(step_kind[step] == _BLOCK)
+    @pl.when(step_kind[step] & _BLOCK != 0)
     def _compute():
         x = x_ref[...]
         y = y_ref[...]
@@ -699,7 +719,7 @@ def _kernel(
             y = _mask_tail(y, 0, K - step_k[step] * 256)
         acc_ref[...] += jnp.dot(x, y, preferred_element_type=jnp.float32)
 
-    @pl.when(step_kind[step] == _FLUSH)
+    @pl.when(step_kind[step] & _FLUSH != 0)
     def _flush():
         # Write the finished block (zeros if no stored block reached it).
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
@@ -725,7 +745,7 @@ def _o_index_map(n, step, step_kind, step_block, step_row, *_, n_m):
 def _prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     B, M, K, N = sizes
-    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    # Sort the stored blocks by the output block they feed; a run's last block writes it.
     step_kind, step_block, step_row = _coo_steps(
         x_idx_0 * pl.cdiv(M, 512) + x_idx_1, B * pl.cdiv(M, 512), pad
     )
@@ -840,8 +860,8 @@ def _d_y_kernel(
     step_row,
     step_b,
     step_m,
-    g_o_ref,
     x_ref,
+    g_o_ref,
     d_y_ref,
     acc_ref,
     *,
@@ -851,11 +871,11 @@ def _d_y_kernel(
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
-    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] & _FLUSH != 0))
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(step_kind[step] == _BLOCK)
+    @pl.when(step_kind[step] & _BLOCK != 0)
     def _compute():
         g_o = g_o_ref[...]
         x = x_ref[...]
@@ -866,22 +886,22 @@ def _d_y_kernel(
             x, g_o, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    @pl.when(step_kind[step] == _FLUSH)
+    @pl.when(step_kind[step] & _FLUSH != 0)
     def _flush():
         # Write the finished block (zeros if no stored block reached it).
         d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
-
-
-def _d_y_g_o_index_map(n, step, step_kind, step_block, step_row, step_b, step_m):
-    del step_kind, step_block, step_row  # unused
-    # The block the stored block of this step meets (flush steps hold the next one).
-    return (step_b[step], step_m[step], n)
 
 
 def _d_y_x_index_map(n, step, step_kind, step_block, *_):
     del n, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
+
+
+def _d_y_g_o_index_map(n, step, step_kind, step_block, step_row, step_b, step_m):
+    del step_kind, step_block, step_row  # unused
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (step_b[step], step_m[step], n)
 
 
 def _d_y_d_y_index_map(n, step, step_kind, step_block, step_row, *_, n_k):
@@ -892,7 +912,7 @@ def _d_y_d_y_index_map(n, step, step_kind, step_block, step_row, *_, n_k):
 def _d_y_prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     B, M, K, N = sizes
-    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    # Sort the stored blocks by the output block they feed; a run's last block writes it.
     step_kind, step_block, step_row = _coo_steps(
         x_idx_0 * pl.cdiv(K, 256) + x_idx_2, B * pl.cdiv(K, 256), pad
     )
@@ -946,12 +966,17 @@ def _prepare(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, B, M, K, N):
 def _impl(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, sizes, interpret):
     B, M, K, N = sizes
     nb = x_blocks.shape[0]
+    n_steps = nb + B * pl.cdiv(M, 512)
     if nb == 0:
         # Nothing is stored: the result is all zeros.
         return jnp.zeros((B, M, N), jnp.bfloat16)
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    n_run = jnp.minimum(
+        _coo_run(x_idx_0 * pl.cdiv(M, 512) + x_idx_1, B * pl.cdiv(M, 512), pad), n_steps
+    )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(pl.cdiv(N, 256), nb + B * pl.cdiv(M, 512)),
+        grid=(pl.cdiv(N, 256), n_run),
         in_specs=[
             pl.BlockSpec((None, 512, 256), _x_index_map),
             pl.BlockSpec((None, 256, 256), _y_index_map),
@@ -1020,15 +1045,20 @@ def _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret
     """The pass that computes d_y."""
     B, M, K, N = sizes
     nb = x_blocks.shape[0]
+    n_steps = nb + B * pl.cdiv(K, 256)
     if nb == 0:
         # Nothing is stored: the result is all zeros.
         return jnp.zeros((B, K, N), jnp.bfloat16)
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    n_run = jnp.minimum(
+        _coo_run(x_idx_0 * pl.cdiv(K, 256) + x_idx_2, B * pl.cdiv(K, 256), pad), n_steps
+    )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(pl.cdiv(N, 256), nb + B * pl.cdiv(K, 256)),
+        grid=(pl.cdiv(N, 256), n_run),
         in_specs=[
-            pl.BlockSpec((None, 512, 256), _d_y_g_o_index_map),
             pl.BlockSpec((None, 512, 256), _d_y_x_index_map),
+            pl.BlockSpec((None, 512, 256), _d_y_g_o_index_map),
         ],
         out_specs=pl.BlockSpec(
             (None, 256, 256), functools.partial(_d_y_d_y_index_map, n_k=pl.cdiv(K, 256))
@@ -1038,7 +1068,7 @@ def _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret
     return pl.pallas_call(
         functools.partial(_d_y_kernel, M=M),
         grid_spec=grid_spec,
-        out_shape=_typed(jax.ShapeDtypeStruct((B, K, N), jnp.bfloat16), g_o, x_blocks),
+        out_shape=_typed(jax.ShapeDtypeStruct((B, K, N), jnp.bfloat16), x_blocks, g_o),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
@@ -1050,8 +1080,8 @@ def _d_y_call(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes, interpret
         interpret=interpret,
     )(
         *_d_y_prefetch(x_blocks, x_idx_0, x_idx_1, x_idx_2, y, pad, g_o, sizes),
-        g_o,
         x_blocks,
+        g_o,
     )
 
 

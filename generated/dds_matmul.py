@@ -42,30 +42,32 @@ Plan (target v5e):
 
     kernel dds_matmul
       o[m, n] = x[m, k] * y[k, n]  (coo input: the grid walks the stored blocks)
-      grid (ceil(M / 256), nb + ceil(N / 256))
+      grid (ceil(M / 256), n_run)
+        n_run: the steps the data needs (traced), at most n_steps, the tables' length
+        n_steps = nb + pl.cdiv(N, 256)
         m: output blocks along m [parallel]
-        step: the stored blocks of y in output-block order, plus one flush step per output block [arbitrary]
+        step: the stored blocks of y in output-block order (a run's last one writes its output block), plus a step per output block none reaches (zeros) [arbitrary]
       dimension_semantics (parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        step_kind[nb + ceil(N / 256)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+        step_kind[nb + ceil(N / 256)]: _BLOCK: multiply a stored block, _LAST: the same, then write the output block, _FLUSH: write zeros (no stored block), _SKIP: padding, past the steps run
         step_block[nb + ceil(N / 256)]: the stored block of y a step reads (flush steps hold the next one, so they start no copy)
         step_row[nb + ceil(N / 256)]: the output block a step accumulates into, row-major over n
         step_k[nb + ceil(N / 256)]: coordinate k of the stored block a step reads
       blocks:
-        in  x block (256, 512), index map (m, step_k[step])
-            The block the stored block of this step meets (flush steps hold the next one).
         in  y block (squeezed, 512, 256), index map (step_block[step], 0, 0)
             The stored block this step multiplies (flush steps hold the next one).
+        in  x block (256, 512), index map (m, step_k[step])
+            The block the stored block of this step meets (flush steps hold the next one).
         out o block (256, 256), index map (m, step_row[step])
       body:
-        init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
-        accumulate the product of x and y summed over k when step_kind[step] == _BLOCK
+        init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] & _FLUSH != 0)
+        accumulate the product of x and y summed over k when step_kind[step] & _BLOCK != 0
           past K along k (a partial last block) the factors are zero
-        write output when step_kind[step] == _FLUSH: accumulator
+        write output when step_kind[step] & _FLUSH != 0: accumulator
         output blocks no stored block reaches are written as zeros by their flush step
       VMEM estimate: 1.9 MiB of 128 MiB on v5e
-        x block: 2 x 256x512 bf16 = 512 KiB
         y block: 2 x 512x256 bf16 = 512 KiB
+        x block: 2 x 256x512 bf16 = 512 KiB
         o block (output): 2 x 256x256 bf16 = 256 KiB
         accumulator: 1 x 256x256 f32 = 256 KiB
         body temporaries: 1 x 256x256 f32 = 256 KiB
@@ -73,30 +75,32 @@ Plan (target v5e):
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
     backward (jax.grad): 2 passes, one per derived gradient of a float input through a statement (each run only where its gradient is needed)
       pass 1: d_x[m, k] = g_o[m, n] * y[k, n]  (coo input: the grid walks the stored blocks)
-        grid (ceil(M / 256), nb + ceil(K / 512))
+        grid (ceil(M / 256), n_run)
+          n_run: the steps the data needs (traced), at most n_steps, the tables' length
+          n_steps = nb + pl.cdiv(K, 512)
           m: output blocks along m [parallel]
-          step: the stored blocks of y in output-block order, plus one flush step per output block [arbitrary]
+          step: the stored blocks of y in output-block order (a run's last one writes its output block), plus a step per output block none reaches (zeros) [arbitrary]
         dimension_semantics (parallel, arbitrary)
         scalar prefetch (SMEM, int32):
-          step_kind[nb + ceil(K / 512)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+          step_kind[nb + ceil(K / 512)]: _BLOCK: multiply a stored block, _LAST: the same, then write the output block, _FLUSH: write zeros (no stored block), _SKIP: padding, past the steps run
           step_block[nb + ceil(K / 512)]: the stored block of y a step reads (flush steps hold the next one, so they start no copy)
           step_row[nb + ceil(K / 512)]: the output block a step accumulates into, row-major over k
           step_n[nb + ceil(K / 512)]: coordinate n of the stored block a step reads
         blocks:
-          in  g_o block (256, 256), index map (m, step_n[step])
-              The block the stored block of this step meets (flush steps hold the next one).
           in  y block (squeezed, 512, 256), index map (step_block[step], 0, 0)
               The stored block this step multiplies (flush steps hold the next one).
+          in  g_o block (256, 256), index map (m, step_n[step])
+              The block the stored block of this step meets (flush steps hold the next one).
           out d_x block (256, 512), index map (m, step_row[step])
         body:
-          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
-          accumulate the product of g_o and y summed over n when step_kind[step] == _BLOCK
+          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] & _FLUSH != 0)
+          accumulate the product of g_o and y summed over n when step_kind[step] & _BLOCK != 0
             past N along n (a partial last block) the factors are zero
-          write output when step_kind[step] == _FLUSH: accumulator
+          write output when step_kind[step] & _FLUSH != 0: accumulator
           output blocks no stored block reaches are written as zeros by their flush step
         VMEM estimate: 2.4 MiB of 128 MiB on v5e
-          g_o block: 2 x 256x256 bf16 = 256 KiB
           y block: 2 x 512x256 bf16 = 512 KiB
+          g_o block: 2 x 256x256 bf16 = 256 KiB
           d_x block (output): 2 x 256x512 bf16 = 512 KiB
           accumulator: 1 x 256x512 f32 = 512 KiB
           body temporaries: 1 x 256x512 f32 = 512 KiB
@@ -150,10 +154,11 @@ from jax.experimental.pallas import tpu as pltpu
 _NAME = "dds_matmul"
 _SMEM_BYTES = 1040384  # scalar memory of a v5e TensorCore
 
-# The kinds of step in the walk over stored blocks.
-_FLUSH = 0  # write the finished output block (zeros if no stored block reached it)
+# The kinds of step in the walk over stored blocks (bit 1: multiply, bit 2: write).
+_SKIP = 0  # padding, or past the steps the grid runs: nothing to do
 _BLOCK = 1  # multiply one stored block into the accumulator
-_SKIP = 2  # a padding entry: nothing to do
+_FLUSH = 2  # write zeros: an output block no stored block reaches
+_LAST = 3  # multiply the run's last stored block, then write the finished output block
 
 # Kinds of block.
 _EMPTY = 0  # nothing to compute: no compute, no new copies
@@ -568,10 +573,12 @@ def _next_live(live):
 
 def _coo_steps(rows, n_rows, pad):
     """The walk over stored blocks: sorted by the output block (row) they feed, each row's
-    run closed by a flush step, rows that no block feeds included (they flush zeros), and
-    padding entries last, as steps that do nothing.
+    run ended by its last block, which also writes the row's output block (_LAST); a row
+    that no block feeds takes one step that writes zeros (_FLUSH). The steps after those
+    (`_coo_run` of them) do nothing (_SKIP): padding entries, and the flush steps the rows'
+    last blocks made unneeded; the grid does not run them.
 
-    Returns per step: its kind, the stored block it reads (flush and padding steps read
+    Returns per step: its kind, the stored block it reads (steps that multiply nothing read
     the next block, or the last one, so they start no extra copy) and the row it feeds.
     """
     nb = rows.shape[0]
@@ -586,13 +593,26 @@ def _coo_steps(rows, n_rows, pad):
     entry = order < nb
     is_pad = entry & pad[jnp.minimum(order, nb - 1)]
     is_block = entry & ~is_pad
-    kind = jnp.where(is_block, _BLOCK, jnp.where(is_pad, _SKIP, _FLUSH)).astype(
-        jnp.int32
+    # A row's flush step right after its last block is merged into that block.
+    merged = ~entry & jnp.concatenate([jnp.zeros(1, bool), is_block[:-1]])
+    last = is_block & jnp.concatenate([merged[1:], jnp.zeros(1, bool)])
+    kind = jnp.where(
+        last, _LAST, jnp.where(is_block, _BLOCK, jnp.where(entry, _SKIP, _FLUSH))
     )
-    block = jnp.minimum(order[_next_live(is_block)], nb - 1)
     row = jnp.where(entry, rows[jnp.minimum(order, nb - 1)], order - nb)
-    row = jnp.where(is_pad, n_rows - 1, row).astype(jnp.int32)
+    # The steps that run first, in order; the others after them.
+    run = ~merged & ~is_pad
+    kept = jnp.argsort(~run, stable=True).astype(jnp.int32)
+    kind = jnp.where(run, kind, _SKIP)[kept].astype(jnp.int32)
+    row = jnp.where(run, row, n_rows - 1)[kept].astype(jnp.int32)
+    block = jnp.minimum(order[kept][_next_live((kind & _BLOCK) != 0)], nb - 1)
     return kind, block, row
+
+
+def _coo_run(rows, n_rows, pad):
+    """The steps of `_coo_steps` the grid runs: one per stored block that is not padding,
+    and one per row that none of them feeds."""
+    return jnp.sum(_coo_steps(rows, n_rows, pad)[0] != _SKIP).astype(jnp.int32)
 
 
 def _cut_blocks(blocks, coords, tiles, shape):
@@ -663,17 +683,17 @@ def _mask_tail(value, axis, limit):
 
 
 def _kernel(
-    step_kind, step_block, step_row, step_k, x_ref, y_ref, o_ref, acc_ref, *, K
+    step_kind, step_block, step_row, step_k, y_ref, x_ref, o_ref, acc_ref, *, K
 ):
     del step_block, step_row  # unused
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
-    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] & _FLUSH != 0))
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(step_kind[step] == _BLOCK)
+    @pl.when(step_kind[step] & _BLOCK != 0)
     def _compute():
         x = x_ref[...]
         y = y_ref[...]
@@ -682,22 +702,22 @@ def _kernel(
             y = _mask_tail(y, 0, K - step_k[step] * 512)
         acc_ref[...] += jnp.dot(x, y, preferred_element_type=jnp.float32)
 
-    @pl.when(step_kind[step] == _FLUSH)
+    @pl.when(step_kind[step] & _FLUSH != 0)
     def _flush():
         # Write the finished block (zeros if no stored block reached it).
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
-
-
-def _x_index_map(m, step, step_kind, step_block, step_row, step_k):
-    del step_kind, step_block, step_row  # unused
-    # The block the stored block of this step meets (flush steps hold the next one).
-    return (m, step_k[step])
 
 
 def _y_index_map(m, step, step_kind, step_block, *_):
     del m, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
+
+
+def _x_index_map(m, step, step_kind, step_block, step_row, step_k):
+    del step_kind, step_block, step_row  # unused
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (m, step_k[step])
 
 
 def _o_index_map(m, step, step_kind, step_block, step_row, *_):
@@ -708,24 +728,24 @@ def _o_index_map(m, step, step_kind, step_block, step_row, *_):
 def _prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    # Sort the stored blocks by the output block they feed; a run's last block writes it.
     step_kind, step_block, step_row = _coo_steps(y_idx_1, pl.cdiv(N, 256), pad)
     step_k = jnp.maximum(y_idx_0[step_block], 0)  # 0 if every entry is padding
     return (step_kind, step_block, step_row, step_k)
 
 
 def _d_x_kernel(
-    step_kind, step_block, step_row, step_n, g_o_ref, y_ref, d_x_ref, acc_ref, *, N
+    step_kind, step_block, step_row, step_n, y_ref, g_o_ref, d_x_ref, acc_ref, *, N
 ):
     del step_block, step_row  # unused
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
-    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] & _FLUSH != 0))
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(step_kind[step] == _BLOCK)
+    @pl.when(step_kind[step] & _BLOCK != 0)
     def _compute():
         g_o = g_o_ref[...]
         y = y_ref[...]
@@ -736,22 +756,22 @@ def _d_x_kernel(
             g_o, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    @pl.when(step_kind[step] == _FLUSH)
+    @pl.when(step_kind[step] & _FLUSH != 0)
     def _flush():
         # Write the finished block (zeros if no stored block reached it).
         d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
-
-
-def _d_x_g_o_index_map(m, step, step_kind, step_block, step_row, step_n):
-    del step_kind, step_block, step_row  # unused
-    # The block the stored block of this step meets (flush steps hold the next one).
-    return (m, step_n[step])
 
 
 def _d_x_y_index_map(m, step, step_kind, step_block, *_):
     del m, step_kind  # unused
     # The stored block this step multiplies (flush steps hold the next one).
     return (step_block[step], 0, 0)
+
+
+def _d_x_g_o_index_map(m, step, step_kind, step_block, step_row, step_n):
+    del step_kind, step_block, step_row  # unused
+    # The block the stored block of this step meets (flush steps hold the next one).
+    return (m, step_n[step])
 
 
 def _d_x_d_x_index_map(m, step, step_kind, step_block, step_row, *_):
@@ -762,7 +782,7 @@ def _d_x_d_x_index_map(m, step, step_kind, step_block, step_row, *_):
 def _d_x_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    # Sort the stored blocks by the output block they feed; a run's last block writes it.
     step_kind, step_block, step_row = _coo_steps(y_idx_0, pl.cdiv(K, 512), pad)
     step_n = jnp.maximum(y_idx_1[step_block], 0)  # 0 if every entry is padding
     return (step_kind, step_block, step_row, step_n)
@@ -891,15 +911,18 @@ def _prepare(x, y_blocks, y_idx_0, y_idx_1, M, K, N):
 def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
     M, K, N = sizes
     nb = y_blocks.shape[0]
+    n_steps = nb + pl.cdiv(N, 256)
     if nb == 0:
         # Nothing is stored: the result is all zeros.
         return jnp.zeros((M, N), jnp.bfloat16)
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    n_run = jnp.minimum(_coo_run(y_idx_1, pl.cdiv(N, 256), pad), n_steps)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(pl.cdiv(M, 256), nb + pl.cdiv(N, 256)),
+        grid=(pl.cdiv(M, 256), n_run),
         in_specs=[
-            pl.BlockSpec((256, 512), _x_index_map),
             pl.BlockSpec((None, 512, 256), _y_index_map),
+            pl.BlockSpec((256, 512), _x_index_map),
         ],
         out_specs=pl.BlockSpec((256, 256), _o_index_map),
         scratch_shapes=[pltpu.VMEM((256, 256), jnp.float32)],
@@ -907,7 +930,7 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
     return pl.pallas_call(
         functools.partial(_kernel, K=K),
         grid_spec=grid_spec,
-        out_shape=_typed(jax.ShapeDtypeStruct((M, N), jnp.bfloat16), x, y_blocks),
+        out_shape=_typed(jax.ShapeDtypeStruct((M, N), jnp.bfloat16), y_blocks, x),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
@@ -917,22 +940,25 @@ def _impl(x, y_blocks, y_idx_0, y_idx_1, pad, sizes, interpret):
             bytes_accessed=nb * pl.cdiv(M, 256) * 524288 + 2 * M * N,
         ),
         interpret=interpret,
-    )(*_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes), x, y_blocks)
+    )(*_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, sizes), y_blocks, x)
 
 
 def _d_x_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
     """The pass that computes d_x."""
     M, K, N = sizes
     nb = y_blocks.shape[0]
+    n_steps = nb + pl.cdiv(K, 512)
     if nb == 0:
         # Nothing is stored: the result is all zeros.
         return jnp.zeros((M, K), jnp.bfloat16)
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    n_run = jnp.minimum(_coo_run(y_idx_0, pl.cdiv(K, 512), pad), n_steps)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(pl.cdiv(M, 256), nb + pl.cdiv(K, 512)),
+        grid=(pl.cdiv(M, 256), n_run),
         in_specs=[
-            pl.BlockSpec((256, 256), _d_x_g_o_index_map),
             pl.BlockSpec((None, 512, 256), _d_x_y_index_map),
+            pl.BlockSpec((256, 256), _d_x_g_o_index_map),
         ],
         out_specs=pl.BlockSpec((256, 512), _d_x_d_x_index_map),
         scratch_shapes=[pltpu.VMEM((256, 512), jnp.float32)],
@@ -940,7 +966,7 @@ def _d_x_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
     return pl.pallas_call(
         functools.partial(_d_x_kernel, N=N),
         grid_spec=grid_spec,
-        out_shape=_typed(jax.ShapeDtypeStruct((M, K), jnp.bfloat16), g_o, y_blocks),
+        out_shape=_typed(jax.ShapeDtypeStruct((M, K), jnp.bfloat16), y_blocks, g_o),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
         ),
@@ -950,7 +976,7 @@ def _d_x_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):
             bytes_accessed=nb * pl.cdiv(M, 256) * 393216 + 2 * M * K,
         ),
         interpret=interpret,
-    )(*_d_x_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes), g_o, y_blocks)
+    )(*_d_x_prefetch(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes), y_blocks, g_o)
 
 
 def _d_y_call(x, y_blocks, y_idx_0, y_idx_1, pad, g_o, sizes, interpret):

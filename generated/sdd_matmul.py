@@ -74,12 +74,14 @@ Plan (target v5e):
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
     backward (jax.grad): 2 passes, one per derived gradient of a float input through a statement (each run only where its gradient is needed)
       pass 1: d_x[m, k] = g_o[m, n] * y[k, n]  (coo input: the grid walks the stored blocks)
-        grid (ceil(K / 512), nb + ceil(M / 128))
+        grid (ceil(K / 512), n_run)
+          n_run: the steps the data needs (traced), at most n_steps, the tables' length
+          n_steps = nb + pl.cdiv(M, 128)
           k: output blocks along k [parallel]
-          step: the stored blocks of g_o in output-block order, plus one flush step per output block [arbitrary]
+          step: the stored blocks of g_o in output-block order (a run's last one writes its output block), plus a step per output block none reaches (zeros) [arbitrary]
         dimension_semantics (parallel, arbitrary)
         scalar prefetch (SMEM, int32):
-          step_kind[nb + ceil(M / 128)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+          step_kind[nb + ceil(M / 128)]: _BLOCK: multiply a stored block, _LAST: the same, then write the output block, _FLUSH: write zeros (no stored block), _SKIP: padding, past the steps run
           step_block[nb + ceil(M / 128)]: the stored block of g_o a step reads (flush steps hold the next one, so they start no copy)
           step_row[nb + ceil(M / 128)]: the output block a step accumulates into, row-major over m
           step_n[nb + ceil(M / 128)]: coordinate n of the stored block a step reads
@@ -90,10 +92,10 @@ Plan (target v5e):
               The block the stored block of this step meets (flush steps hold the next one).
           out d_x block (128, 512), index map (step_row[step], k)
         body:
-          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
-          accumulate the product of g_o and y summed over n when step_kind[step] == _BLOCK
+          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] & _FLUSH != 0)
+          accumulate the product of g_o and y summed over n when step_kind[step] & _BLOCK != 0
             past N along n (a partial last block) the factors are zero
-          write output when step_kind[step] == _FLUSH: accumulator
+          write output when step_kind[step] & _FLUSH != 0: accumulator
           output blocks no stored block reaches are written as zeros by their flush step
         VMEM estimate: 1.2 MiB of 128 MiB on v5e
           g_o block: 2 x 128x128 bf16 = 64 KiB
@@ -104,12 +106,14 @@ Plan (target v5e):
           Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
         SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
       pass 2: d_y[k, n] = g_o[m, n] * x[m, k]  (coo input: the grid walks the stored blocks)
-        grid (ceil(K / 512), nb + ceil(N / 128))
+        grid (ceil(K / 512), n_run)
+          n_run: the steps the data needs (traced), at most n_steps, the tables' length
+          n_steps = nb + pl.cdiv(N, 128)
           k: output blocks along k [parallel]
-          step: the stored blocks of g_o in output-block order, plus one flush step per output block [arbitrary]
+          step: the stored blocks of g_o in output-block order (a run's last one writes its output block), plus a step per output block none reaches (zeros) [arbitrary]
         dimension_semantics (parallel, arbitrary)
         scalar prefetch (SMEM, int32):
-          step_kind[nb + ceil(N / 128)]: _BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding
+          step_kind[nb + ceil(N / 128)]: _BLOCK: multiply a stored block, _LAST: the same, then write the output block, _FLUSH: write zeros (no stored block), _SKIP: padding, past the steps run
           step_block[nb + ceil(N / 128)]: the stored block of g_o a step reads (flush steps hold the next one, so they start no copy)
           step_row[nb + ceil(N / 128)]: the output block a step accumulates into, row-major over n
           step_m[nb + ceil(N / 128)]: coordinate m of the stored block a step reads
@@ -120,10 +124,10 @@ Plan (target v5e):
               The block the stored block of this step meets (flush steps hold the next one).
           out d_y block (512, 128), index map (k, step_row[step])
         body:
-          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] == _FLUSH)
-          accumulate the product of g_o and x summed over m when step_kind[step] == _BLOCK
+          init accumulator when (step == 0) | (step_kind[max(step - 1, 0)] & _FLUSH != 0)
+          accumulate the product of g_o and x summed over m when step_kind[step] & _BLOCK != 0
             past M along m (a partial last block) the factors are zero
-          write output when step_kind[step] == _FLUSH: accumulator
+          write output when step_kind[step] & _FLUSH != 0: accumulator
           output blocks no stored block reaches are written as zeros by their flush step
         VMEM estimate: 1.2 MiB of 128 MiB on v5e
           g_o block: 2 x 128x128 bf16 = 64 KiB
@@ -150,10 +154,11 @@ from jax.experimental.pallas import tpu as pltpu
 _NAME = "sdd_matmul"
 _SMEM_BYTES = 1040384  # scalar memory of a v5e TensorCore
 
-# The kinds of step in the walk over stored blocks.
-_FLUSH = 0  # write the finished output block (zeros if no stored block reached it)
+# The kinds of step in the walk over stored blocks (bit 1: multiply, bit 2: write).
+_SKIP = 0  # padding, or past the steps the grid runs: nothing to do
 _BLOCK = 1  # multiply one stored block into the accumulator
-_SKIP = 2  # a padding entry: nothing to do
+_FLUSH = 2  # write zeros: an output block no stored block reaches
+_LAST = 3  # multiply the run's last stored block, then write the finished output block
 
 # Kinds of block.
 _EMPTY = 0  # nothing to compute: no compute, no new copies
@@ -463,10 +468,12 @@ def _next_live(live):
 
 def _coo_steps(rows, n_rows, pad):
     """The walk over stored blocks: sorted by the output block (row) they feed, each row's
-    run closed by a flush step, rows that no block feeds included (they flush zeros), and
-    padding entries last, as steps that do nothing.
+    run ended by its last block, which also writes the row's output block (_LAST); a row
+    that no block feeds takes one step that writes zeros (_FLUSH). The steps after those
+    (`_coo_run` of them) do nothing (_SKIP): padding entries, and the flush steps the rows'
+    last blocks made unneeded; the grid does not run them.
 
-    Returns per step: its kind, the stored block it reads (flush and padding steps read
+    Returns per step: its kind, the stored block it reads (steps that multiply nothing read
     the next block, or the last one, so they start no extra copy) and the row it feeds.
     """
     nb = rows.shape[0]
@@ -481,13 +488,26 @@ def _coo_steps(rows, n_rows, pad):
     entry = order < nb
     is_pad = entry & pad[jnp.minimum(order, nb - 1)]
     is_block = entry & ~is_pad
-    kind = jnp.where(is_block, _BLOCK, jnp.where(is_pad, _SKIP, _FLUSH)).astype(
-        jnp.int32
+    # A row's flush step right after its last block is merged into that block.
+    merged = ~entry & jnp.concatenate([jnp.zeros(1, bool), is_block[:-1]])
+    last = is_block & jnp.concatenate([merged[1:], jnp.zeros(1, bool)])
+    kind = jnp.where(
+        last, _LAST, jnp.where(is_block, _BLOCK, jnp.where(entry, _SKIP, _FLUSH))
     )
-    block = jnp.minimum(order[_next_live(is_block)], nb - 1)
     row = jnp.where(entry, rows[jnp.minimum(order, nb - 1)], order - nb)
-    row = jnp.where(is_pad, n_rows - 1, row).astype(jnp.int32)
+    # The steps that run first, in order; the others after them.
+    run = ~merged & ~is_pad
+    kept = jnp.argsort(~run, stable=True).astype(jnp.int32)
+    kind = jnp.where(run, kind, _SKIP)[kept].astype(jnp.int32)
+    row = jnp.where(run, row, n_rows - 1)[kept].astype(jnp.int32)
+    block = jnp.minimum(order[kept][_next_live((kind & _BLOCK) != 0)], nb - 1)
     return kind, block, row
+
+
+def _coo_run(rows, n_rows, pad):
+    """The steps of `_coo_steps` the grid runs: one per stored block that is not padding,
+    and one per row that none of them feeds."""
+    return jnp.sum(_coo_steps(rows, n_rows, pad)[0] != _SKIP).astype(jnp.int32)
 
 
 def _split_blocks(dense, tiles):
@@ -602,11 +622,11 @@ def _d_x_kernel(
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
-    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] & _FLUSH != 0))
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(step_kind[step] == _BLOCK)
+    @pl.when(step_kind[step] & _BLOCK != 0)
     def _compute():
         g_o = g_o_ref[...]
         y = y_ref[...]
@@ -617,7 +637,7 @@ def _d_x_kernel(
             g_o, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    @pl.when(step_kind[step] == _FLUSH)
+    @pl.when(step_kind[step] & _FLUSH != 0)
     def _flush():
         # Write the finished block (zeros if no stored block reached it).
         d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
@@ -643,7 +663,7 @@ def _d_x_d_x_index_map(k, step, step_kind, step_block, step_row, *_):
 def _d_x_prefetch(x, y, o_idx_0, o_idx_1, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    # Sort the stored blocks by the output block they feed; a run's last block writes it.
     step_kind, step_block, step_row = _coo_steps(o_idx_0, pl.cdiv(M, 128), pad)
     step_n = jnp.maximum(o_idx_1[step_block], 0)  # 0 if every entry is padding
     return (step_kind, step_block, step_row, step_n)
@@ -656,11 +676,11 @@ def _d_y_kernel(
     step = pl.program_id(1)
     # A run of steps accumulates one output block; it starts after a flush step.
 
-    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] == _FLUSH))
+    @pl.when((step == 0) | (step_kind[jnp.maximum(step - 1, 0)] & _FLUSH != 0))
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(step_kind[step] == _BLOCK)
+    @pl.when(step_kind[step] & _BLOCK != 0)
     def _compute():
         g_o = g_o_ref[...]
         x = x_ref[...]
@@ -671,7 +691,7 @@ def _d_y_kernel(
             x, g_o, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    @pl.when(step_kind[step] == _FLUSH)
+    @pl.when(step_kind[step] & _FLUSH != 0)
     def _flush():
         # Write the finished block (zeros if no stored block reached it).
         d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
@@ -697,7 +717,7 @@ def _d_y_d_y_index_map(k, step, step_kind, step_block, step_row, *_):
 def _d_y_prefetch(x, y, o_idx_0, o_idx_1, pad, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, N = sizes
-    # Sort the stored blocks by the output block they feed; a flush step closes each output block.
+    # Sort the stored blocks by the output block they feed; a run's last block writes it.
     step_kind, step_block, step_row = _coo_steps(o_idx_1, pl.cdiv(N, 128), pad)
     step_m = jnp.maximum(o_idx_0[step_block], 0)  # 0 if every entry is padding
     return (step_kind, step_block, step_row, step_m)
@@ -766,12 +786,15 @@ def _d_x_call(x, y, o_idx_0, o_idx_1, pad, g_o, sizes, interpret):
     """The pass that computes d_x."""
     M, K, N = sizes
     nb = g_o.shape[0]
+    n_steps = nb + pl.cdiv(M, 128)
     if nb == 0:
         # Nothing is stored: the result is all zeros.
         return jnp.zeros((M, K), jnp.bfloat16)
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    n_run = jnp.minimum(_coo_run(o_idx_0, pl.cdiv(M, 128), pad), n_steps)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(pl.cdiv(K, 512), nb + pl.cdiv(M, 128)),
+        grid=(pl.cdiv(K, 512), n_run),
         in_specs=[
             pl.BlockSpec((None, 128, 128), _d_x_g_o_index_map),
             pl.BlockSpec((512, 128), _d_x_y_index_map),
@@ -799,12 +822,15 @@ def _d_y_call(x, y, o_idx_0, o_idx_1, pad, g_o, sizes, interpret):
     """The pass that computes d_y."""
     M, K, N = sizes
     nb = g_o.shape[0]
+    n_steps = nb + pl.cdiv(N, 128)
     if nb == 0:
         # Nothing is stored: the result is all zeros.
         return jnp.zeros((K, N), jnp.bfloat16)
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    n_run = jnp.minimum(_coo_run(o_idx_1, pl.cdiv(N, 128), pad), n_steps)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(pl.cdiv(K, 512), nb + pl.cdiv(N, 128)),
+        grid=(pl.cdiv(K, 512), n_run),
         in_specs=[
             pl.BlockSpec((None, 128, 128), _d_y_g_o_index_map),
             pl.BlockSpec((128, 512), _d_y_x_index_map),

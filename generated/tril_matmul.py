@@ -72,28 +72,28 @@ Plan (target v5e):
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
     backward (jax.grad): 2 passes, one per derived gradient of a float input through a statement (each run only where its gradient is needed)
       pass 1: d_x[m, k] = g_o[m, n] * y[k, n] where k <= m  (condition: the non-empty blocks of the condition `k <= m`)
-        grid (n_steps, ceil(N / 512))
+        grid (n_steps)
           n_steps: the non-empty blocks of the condition, counted at trace time
-          step: the non-empty (m blocks x k blocks) of the condition, each output block's in a run [arbitrary]
-          n: the sum over n, which the condition does not use, inside each step [arbitrary]
-        dimension_semantics (arbitrary, arbitrary)
+          step: the non-empty (m blocks x k blocks x n blocks) of the condition, each output block's in a run [arbitrary]
+        dimension_semantics (arbitrary)
         scalar prefetch (SMEM, int32):
           step_row[n_steps]: the output block a step writes, row-major over m, k
           step_read[n_steps]: the output block whose inputs a step reads (steps that compute nothing hold the last one read)
+          step_col[n_steps]: the block of the summed n a step reads, row-major
           step_kind[n_steps]: _EMPTY (nothing present: no compute), _PARTIAL (the condition is evaluated), _FULL
           step_flags[n_steps]: 1: the first step of its output block (init), 2: the last (flush)
         blocks:
-          in  g_o block (512, 512), index map (step_read[step] // n_k, (n if step_kind[step] != _EMPTY else n_n - 1))
+          in  g_o block (512, 512), index map (step_read[step] // n_k, step_col[step])
               Steps that compute nothing hold the blocks of the last step that did: no copy.
-          in  y block (512, 512), index map (step_read[step] % n_k, (n if step_kind[step] != _EMPTY else n_n - 1))
+          in  y block (512, 512), index map (step_read[step] % n_k, step_col[step])
               Steps that compute nothing hold the blocks of the last step that did: no copy.
           out d_x block (512, 512), index map (step_row[step] // n_k, step_row[step] % n_k)
         body:
-          init accumulator when (step_flags[step] & 1 != 0) & (n == 0)
+          init accumulator when step_flags[step] & 1 != 0
           accumulate the product of g_o and y summed over n when step_kind_here != _EMPTY
             past N along n (a partial last block) the factors are zero
           in a partial step (step_kind_here == _PARTIAL) the terms where not (k <= m) are selected out of the value written
-          write output when (step_flags[step] & 2 != 0) & (n == n_n - 1): accumulator
+          write output when step_flags[step] & 2 != 0: accumulator
         VMEM estimate: 5.1 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB
           y block: 2 x 512x512 bf16 = 1 MiB
@@ -573,6 +573,7 @@ def _prefetch(x, y, sizes):
 def _d_x_kernel(
     step_row,
     step_read,
+    step_col,
     step_kind,
     step_flags,
     g_o_ref,
@@ -585,13 +586,11 @@ def _d_x_kernel(
 ):
     del step_row  # unused
     step = pl.program_id(0)
-    n = pl.program_id(1)
-    n_n = pl.num_programs(1)
     n_k = pl.cdiv(M, 512)
     step_kind_here = step_kind[step]
     # A run of steps accumulates one output block; a step with nothing present computes nothing.
 
-    @pl.when((step_flags[step] & 1 != 0) & (n == 0))
+    @pl.when(step_flags[step] & 1 != 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
@@ -600,15 +599,13 @@ def _d_x_kernel(
         g_o = g_o_ref[...]
         y = y_ref[...]
         if N % 512:  # a partial last block: what lies past the end is absent
-            g_o = _mask_tail(g_o, 1, N - n * 512)
-            y = _mask_tail(y, 1, N - n * 512)
+            g_o = _mask_tail(g_o, 1, N - step_col[step] * 512)
+            y = _mask_tail(y, 1, N - step_col[step] * 512)
         acc_ref[...] += lax.dot_general(
             g_o, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    @pl.when(
-        ((step_flags[step] & 2 != 0) & (n == n_n - 1)) & (step_kind_here == _PARTIAL)
-    )
+    @pl.when((step_flags[step] & 2 != 0) & (step_kind_here == _PARTIAL))
     def _flush_partial():
         # Write the block (zeros if nothing was present). Some elements absent: zeros there.
         value = acc_ref[...]
@@ -622,44 +619,51 @@ def _d_x_kernel(
         value = jnp.where(present, value, jnp.zeros_like(value))
         d_x_ref[...] = value.astype(d_x_ref.dtype)
 
-    @pl.when(
-        ((step_flags[step] & 2 != 0) & (n == n_n - 1)) & (step_kind_here != _PARTIAL)
-    )
+    @pl.when((step_flags[step] & 2 != 0) & (step_kind_here != _PARTIAL))
     def _flush():
         # Write the block (zeros if nothing was present).
         d_x_ref[...] = acc_ref[...].astype(d_x_ref.dtype)
 
 
-def _d_x_g_o_index_map(step, n, step_row, step_read, step_kind, *_, n_n, n_k):
+def _d_x_g_o_index_map(step, step_row, step_read, step_col, *_, n_k):
     del step_row  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
-    return (
-        lax.div(step_read[step], n_k),
-        jnp.where(step_kind[step] != _EMPTY, n, n_n - 1),
-    )
+    return (lax.div(step_read[step], n_k), step_col[step])
 
 
-def _d_x_y_index_map(step, n, step_row, step_read, step_kind, *_, n_n, n_k):
+def _d_x_y_index_map(step, step_row, step_read, step_col, *_, n_k):
     del step_row  # unused
     # Steps that compute nothing hold the blocks of the last step that did: no copy.
-    return (
-        lax.rem(step_read[step], n_k),
-        jnp.where(step_kind[step] != _EMPTY, n, n_n - 1),
-    )
+    return (lax.rem(step_read[step], n_k), step_col[step])
 
 
-def _d_x_d_x_index_map(step, n, step_row, *_, n_k):
-    del n  # unused
+def _d_x_d_x_index_map(step, step_row, *_, n_k):
     return (lax.div(step_row[step], n_k), lax.rem(step_row[step], n_k))
+
+
+def _d_x_classify(xp, sizes):
+    """Per (row block, column block) of the condition: empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands)."""
+    M, N = sizes
+    k_block = xp.reshape(xp.arange(-(-M // 512)), (1, -1, 1))
+    k_lo = k_block * 512
+    k_hi = xp.minimum(k_lo + 512, M) - 1
+    m_block = xp.reshape(xp.arange(-(-M // 512)), (-1, 1, 1))
+    m_lo = m_block * 512
+    m_hi = xp.minimum(m_lo + 512, M) - 1
+    can = xp.broadcast_to(k_lo - m_hi <= 0, (-(-M // 512), -(-M // 512), -(-N // 512)))
+    must = xp.broadcast_to(k_hi - m_lo <= 0, (-(-M // 512), -(-M // 512), -(-N // 512)))
+    return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 
 def _d_x_prefetch(x, y, g_o, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, N = sizes
     # The walk's steps, from the condition's blocks (known at trace time).
-    kinds = _classify(np, (M, N)).reshape((1, pl.cdiv(M, 512) * pl.cdiv(M, 512), 1))
-    (step_row, _, step_read, step_kind, step_flags), _, _ = _row_walk(np, kinds)
-    return (step_row, step_read, step_kind, step_flags)
+    kinds = _d_x_classify(np, (M, N)).reshape(
+        (1, pl.cdiv(M, 512) * pl.cdiv(M, 512), pl.cdiv(N, 512))
+    )
+    (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(np, kinds)
+    return (step_row, step_read, step_col, step_kind, step_flags)
 
 
 def _d_y_kernel(
@@ -823,24 +827,21 @@ def _d_x_call(x, y, g_o, sizes, interpret):
     M, N = sizes
     n_steps = int(
         _row_walk(
-            np, _classify(np, (M, N)).reshape((1, pl.cdiv(M, 512) * pl.cdiv(M, 512), 1))
+            np,
+            _d_x_classify(np, (M, N)).reshape(
+                (1, pl.cdiv(M, 512) * pl.cdiv(M, 512), pl.cdiv(N, 512))
+            ),
         )[1]
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
-        grid=(n_steps, pl.cdiv(N, 512)),
+        num_scalar_prefetch=5,
+        grid=(n_steps,),
         in_specs=[
             pl.BlockSpec(
-                (512, 512),
-                functools.partial(
-                    _d_x_g_o_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(M, 512)
-                ),
+                (512, 512), functools.partial(_d_x_g_o_index_map, n_k=pl.cdiv(M, 512))
             ),
             pl.BlockSpec(
-                (512, 512),
-                functools.partial(
-                    _d_x_y_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(M, 512)
-                ),
+                (512, 512), functools.partial(_d_x_y_index_map, n_k=pl.cdiv(M, 512))
             ),
         ],
         out_specs=pl.BlockSpec(
@@ -853,12 +854,12 @@ def _d_x_call(x, y, g_o, sizes, interpret):
         grid_spec=grid_spec,
         out_shape=_typed(jax.ShapeDtypeStruct((M, M), jnp.bfloat16), g_o, y),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary", "arbitrary"),
+            dimension_semantics=("arbitrary",),
         ),
         cost_estimate=pl.CostEstimate(
-            flops=n_steps * pl.cdiv(N, 512) * 268435456,
+            flops=n_steps * 268435456,
             transcendentals=0,
-            bytes_accessed=n_steps * pl.cdiv(N, 512) * 1048576 + 2 * M * M,
+            bytes_accessed=n_steps * 1048576 + 2 * M * M,
         ),
         interpret=interpret,
     )(*_d_x_prefetch(x, y, g_o, sizes), g_o, y)

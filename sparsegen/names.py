@@ -22,7 +22,7 @@ HELPERS = frozenset(
                      "gpu/attention.py.j2")
     for name in re.findall(r"^def (_\w+)\(", read_resource("templates", template), re.M)
 ) | {
-    "_NAME", "_BLOCK", "_FLUSH", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES", "_PARTIALS", "_REFUSED",
+    "_NAME", "_BLOCK", "_FLUSH", "_LAST", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES", "_PARTIALS", "_REFUSED",
     "_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES", "_MESH_SHIFTS", "_MESH_COO", "_placement",
     "_kernel", "_impl", "_reference", "_prepare", "_prefetch", "_init", "_compute", "_flush",
     "_RING_QUERY", "_RING_KEY", "_RING_ROLES", "_RING_DIMS", "_RING_MERGES", "_RING_ROWS", "_RING_DECLARED", "_RING_LSE",

@@ -70,14 +70,18 @@ def test_dimension_semantics_parallel_only_where_output_blocks_never_repeat():
 
 
 def test_coo_flush_steps_hold_the_next_block():
-    """A flush step reads the block of the next real step, so it starts no new copy."""
+    """A row's last block writes its output block (_LAST): no step of its own. A row no block
+    feeds takes one flush step (zeros), which reads the block of the next real step, so it
+    starts no new copy. The grid runs `_coo_run` steps: the two unneeded flushes trail."""
     kernel, mod = build(DSD)
     rows = jnp.array([2, 0, 2, 0], jnp.int32)
     kind, block, row = mod._coo_steps(rows, 3, jnp.zeros(4, bool))
-    # Row 0: blocks 1, 3, flush; row 1: flush only; row 2: blocks 0, 2, flush.
-    np.testing.assert_array_equal(kind, [1, 1, 0, 0, 1, 1, 0])
-    np.testing.assert_array_equal(row, [0, 0, 0, 1, 2, 2, 2])
-    np.testing.assert_array_equal(block, [1, 3, 0, 0, 0, 2, 2])  # the last flush holds the last block
+    # Row 0: blocks 1, 3 (the last writes); row 1: flush only; row 2: blocks 0, 2; then 2 unneeded.
+    B, L, F, S = mod._BLOCK, mod._LAST, mod._FLUSH, mod._SKIP
+    np.testing.assert_array_equal(kind, [B, L, F, B, L, S, S])
+    np.testing.assert_array_equal(row, [0, 0, 1, 2, 2, 2, 2])
+    np.testing.assert_array_equal(block, [1, 3, 0, 0, 2, 2, 2])  # the flush and the trailing steps hold a block read
+    assert int(mod._coo_run(rows, 3, jnp.zeros(4, bool))) == 5  # 4 blocks and row 1's zeros, not 4 + 3
 
 
 def test_padding_entries_go_last_do_nothing_and_hold_the_last_block():
@@ -85,7 +89,9 @@ def test_padding_entries_go_last_do_nothing_and_hold_the_last_block():
     rows = jnp.array([-1, 2, -1, 0], jnp.int32)
     pad = rows < 0
     kind, block, row = mod._coo_steps(rows, 3, pad)
-    # Row 0: block 3, flush; row 1: flush; row 2: block 1, flush; then two padding steps.
-    np.testing.assert_array_equal(kind, [1, 0, 0, 1, 0, 2, 2])
+    # Row 0: block 3 (writes); row 1: flush; row 2: block 1 (writes); then padding and unneeded steps.
+    B, L, F, S = mod._BLOCK, mod._LAST, mod._FLUSH, mod._SKIP
+    np.testing.assert_array_equal(kind, [L, F, L, S, S, S, S])
     np.testing.assert_array_equal(block, [3, 1, 1, 1, 1, 1, 1])
-    np.testing.assert_array_equal(row, [0, 0, 1, 2, 2, 2, 2])
+    np.testing.assert_array_equal(row, [0, 1, 2, 2, 2, 2, 2])
+    assert int(mod._coo_run(rows, 3, pad)) == 3

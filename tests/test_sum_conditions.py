@@ -110,6 +110,22 @@ def test_tril_steps_visit_only_the_lower_blocks():
     assert all(c <= r for r, c in zip(row, col))
 
 
+def test_tril_dx_walks_an_empty_output_block_once():
+    """d_x[m, k] = g[m, n] * y[k, n] where k <= m: a condition on the output's indices alone.
+    The sum over n is walked as the steps' columns, so each of the 6 output blocks above the
+    diagonal (of 4 x 4) takes one step that writes zeros, not one per block of n (2 here):
+    10 x 2 + 6 = 26 steps, where n walked inside each step took 16 x 2 = 32."""
+    _, mod = build(TRIL)
+    row, read, col, kind, flags = mod._d_x_prefetch(None, None, None, (512, 256))
+    assert len(kind) == 10 * 2 + 6
+    assert int((np.asarray(kind) == mod._EMPTY).sum()) == 6
+    # Each output block's steps are consecutive (one run), flagged first and last.
+    runs = [r for n, r in enumerate(row) if n == 0 or r != row[n - 1]]
+    assert sorted(runs) == list(range(16)) and len(runs) == 16
+    flags = np.asarray(flags)
+    assert int(((flags & 1) != 0).sum()) == int(((flags & 2) != 0).sum()) == 16
+
+
 def test_tril_gradients(interpret):
     kernel, mod = build(TRIL)
     rng = np.random.default_rng(2)

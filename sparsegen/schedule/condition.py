@@ -59,6 +59,11 @@ class ConditionWalk(PassBuilder):
         used = condition_indices(cond)
         out_c = [i for i in st.out_indices if i in used]
         sum_c = [i for i in st.summed if i in used]
+        if not sum_c and out_c:
+            # A condition on output indices alone: the sum is walked as the steps' columns
+            # (every one full), so an output block the condition empties takes one step
+            # that writes zeros, not one per block of the sum.
+            sum_c = list(st.summed)
         for i in st.out_indices:
             if i not in out_c:
                 self.axis("blocks", i, self.blocks_along(i), True, f"output blocks along {i}")

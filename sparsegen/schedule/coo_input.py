@@ -1,18 +1,21 @@
 """The coo-input walk: the grid walks the stored blocks of the sparse input.
 
-The stored blocks are sorted by the output block (row) they feed and each row's run is
-closed by a *flush step*, so every output block is written exactly once — rows that no
-stored block reaches included (they flush zeros) — with no look-ahead and no output
-aliased to an input. Output indices the coo operand does not carry are parallel grid
-axes before the walk. Flush steps hold the next stored block, so they start no copy;
-padding entries (every coordinate -1) sort last and do nothing.
+The stored blocks are sorted by the output block (row) they feed and each row's run ends
+with its last block, which also writes the row's output block, so every output block is
+written exactly once — a row that no stored block reaches takes one *flush step* that
+writes zeros — with no look-ahead and no output aliased to an input. Output indices the
+coo operand does not carry are parallel grid axes before the walk. Flush steps hold the
+next stored block, so they start no copy. The grid runs exactly the steps the data needs
+(a traced extent): padding entries (every coordinate -1) sort past them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..expr import Const, Load, Max, Var, Where, flat, render
 from .build import PassBuilder
-from .core import Body, FlushCase, Pass, Product
+from .core import Body, Fallback, FlushCase, Pass, Product
 
 
 class CooInputWalk(PassBuilder):
@@ -31,17 +34,19 @@ class CooInputWalk(PassBuilder):
         rows = Const(1)
         for i in carried:
             rows = rows * self.blocks_along(i)
-        steps = self.axis("steps", None, Var(nb) + rows, False,
-                          f"the stored blocks of {coo.name} in output-block order, plus one flush step per output block", var=self.local("step"))
+        n_steps, n_run = self.local("n_steps"), self.local("n_run")
+        steps = self.axis("steps", None, Var(n_run), False,
+                          f"the stored blocks of {coo.name} in output-block order (a run's last one writes its output block), "
+                          "plus a step per output block none reaches (zeros)", var=self.local("step"))
         step = Var(steps.var)
         # Summed indices the coo operand lacks are walked inside each step.
         inner = [self.axis("reduce", i, self.blocks_along(i), False, f"the sum over {i}, which {coo.name} lacks, inside each step")
                  for i in st.summed if i not in coo_read.indices]
         blocks_param = self.conv.param(coo.name, "blocks").internal
         coords = {i: self.conv.param(coo.name, "coords", d).internal for d, i in enumerate(coo_read.indices)}
-        self.kinds = ["_FLUSH", "_BLOCK", "_SKIP"]
+        self.kinds = ["_SKIP", "_BLOCK", "_FLUSH", "_LAST"]
         length = Var(nb) + rows
-        kind = self.table("step_kind", length, "_BLOCK for a step that multiplies a stored block, _FLUSH for the step that writes an output block, _SKIP for padding")
+        kind = self.table("step_kind", length, "_BLOCK: multiply a stored block, _LAST: the same, then write the output block, _FLUSH: write zeros (no stored block), _SKIP: padding, past the steps run")
         block = self.table("step_block", length, f"the stored block of {coo.name} a step reads (flush steps hold the next one, so they start no copy)")
         row = self.table("step_row", length, "the output block a step accumulates into, row-major over " + ", ".join(carried)) if carried else None
         # Compute steps read the coordinates of their stored block; the other operands follow them.
@@ -53,7 +58,7 @@ class CooInputWalk(PassBuilder):
             if i in needed:
                 held[i] = self.table(f"step_{i}", length, f"coordinate {i} of the stored block a step reads")
         row_coords = flat([Var(coords[i]) for i in carried], [self.blocks_along(i) for i in carried]) if carried else Const(0)
-        self.host.append("# Sort the stored blocks by the output block they feed; a flush step closes each output block.")
+        self.host.append("# Sort the stored blocks by the output block they feed; a run's last block writes it.")
         targets = ", ".join([kind, block, row] if row else [kind, block, "_"])
         pad = self.conv.pad(coo.name)
         rows_text = render(row_coords, "host") if carried else f"jnp.zeros({pad}.shape, jnp.int32)"  # one output row
@@ -84,7 +89,7 @@ class CooInputWalk(PassBuilder):
             axis = self.axis_of(index)
             if axis in inner:
                 # Walked while the step computes; flush and padding steps hold the last block.
-                return Where(Load(kind, step).eq(Var("_BLOCK")), Var(axis.var), Var(axis.static) - 1)
+                return Where((Load(kind, step) & Var("_BLOCK")).ne(0), Var(axis.var), Var(axis.static) - 1)
             return Var(axis.var)
 
         def tail_coord(index):
@@ -104,9 +109,10 @@ class CooInputWalk(PassBuilder):
                 b = self.natural_block(n, flush_coord, "Read when the output block is flushed.")
             blocks[b.key] = b
         blocks["out"] = self.out_block(self.coords(st.target, flush_coord))
-        init = step.eq(0) | Load(kind, Max(step - 1, 0)).eq(Var("_FLUSH"))
-        computes = Load(kind, step).eq(Var("_BLOCK"))
-        flushes = Load(kind, step).eq(Var("_FLUSH"))
+        # Kinds are bits: _BLOCK multiplies, _FLUSH writes (_LAST does both).
+        init = step.eq(0) | (Load(kind, Max(step - 1, 0)) & Var("_FLUSH")).ne(0)
+        computes = (Load(kind, step) & Var("_BLOCK")).ne(0)
+        flushes = (Load(kind, step) & Var("_FLUSH")).ne(0)
         for a in inner:
             init = init & Var(a.var).eq(0)
             flushes = flushes & Var(a.var).eq(Var(a.static) - 1)
@@ -129,12 +135,21 @@ class CooInputWalk(PassBuilder):
             body = Body(True, init, computes, (), (Product(factors),), flushes, (FlushCase(None, (), "flush", about),), (), acc_live,
                         acc_shape, out.live, notes=note)
         self.counts.append((nb, f"{blocks_param}.shape[0]"))
+        self.counts.append((n_steps, f"{nb} + {render(rows, 'host')}"))
+        self.fallback = Fallback(n_steps, n_run, self.local("needed"), f"_coo_run({rows_text}, {render(rows, 'host')}, {pad})", None,
+                                 f"{nb} + {render(rows, 'host')}")
         self.guard += [f"if {nb} == 0:", "    # Nothing is stored: the result is all zeros."]
         products = Var(nb)
         for a in self.axes:
             if a.role == "blocks":
                 products = products * a.extent
-        return self.finish(list(blocks.values()), body, "the grid walks the stored blocks", self.dense_out_shape(), products)
+        # The stored blocks' operand first in the call: libtpu's static profiler (`verify
+        # --cycles`) aborts on a walk whose output block moves along the steps when another
+        # operand comes first ("No DMA issue node found for sync flag"); the kernel is the
+        # same either way (its body names each ref).
+        ordered = [blocks[f"f{n_coo}"]] + [b for key, b in blocks.items() if key != f"f{n_coo}"]
+        p = self.finish(ordered, body, "the grid walks the stored blocks", self.dense_out_shape(), products)
+        return dataclasses.replace(p, fallback=self.fallback)
 
     def stored_dims(self, read):
         return [s for s in read.subs if self.tile[s.index] != 1]

@@ -228,14 +228,14 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
             env[var] = int(np.shape(array)[0])
         else:  # a condition walk's length: host code over the sizes (and the module's functions)
             env[var] = int(eval(value, {**vars(module), **env, **by_name}))  # the module's own generated text
-    if p.fallback is not None:  # the grid runs the steps the data needs (a traced extent in the module)
-        needed = int(eval(p.fallback.needed_value, {**vars(module), **env, **by_name}))
-        env[p.fallback.run] = min(needed, env[p.fallback.count])
     k = plan.kernel
     out_bytes = block_bytes(k, tp.out_spec)
     traffic = {s.block.operand: Traffic(s.block.operand, block_bytes(k, s)) for s in tp.in_specs}
     if any(env[var] == 0 for var, _ in p.counts):  # the generated function returns early: no grid at all
         return Simulation((), 0, 0, 0, 0, out_bytes, 0, traffic)
+    if p.fallback is not None:  # the grid runs the steps the data needs (a traced extent in the module)
+        needed = int(eval(p.fallback.needed_value, {**vars(module), **env, **by_name}))
+        env[p.fallback.run] = min(needed, env[p.fallback.count])
     grid = tuple(int(evaluate(a.extent, env)) for a in p.axes)
     steps = math.prod(grid)
     axes = np.indices(grid, dtype=np.int32).reshape(len(grid), steps)
@@ -247,7 +247,7 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
     for d, a in enumerate(p.axes):
         body_env[a.var] = axes[d]
         body_env[a.static] = grid[d]
-    for const in ("_BLOCK", "_FLUSH", "_SKIP", "_EMPTY", "_PARTIAL", "_FULL"):
+    for const in ("_BLOCK", "_FLUSH", "_LAST", "_SKIP", "_EMPTY", "_PARTIAL", "_FULL"):
         if hasattr(module, const):
             body_env[const] = getattr(module, const)
     body = p.body
