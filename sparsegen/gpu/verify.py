@@ -160,25 +160,27 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
     return result, job
 
 
-def verify_modules(items, shapes=None, nnz: float = 0.1, stage3: bool = True, python: str | None = None) -> list[GpuResult]:
+def verify_modules(items, shapes=None, nnz: float = 0.1, stage3=True, python: str | None = None) -> list[GpuResult]:
     """Stage 2 for each (module, source, target), then stage 3 for all that lowered, in one
-    process of the plugin's environment (`python`, found by gpu_python() if not given)."""
+    process of the plugin's environment (`python`, found by gpu_python() if not given).
+    `stage3`: True, False (--lower-only), or the names of the kernels to compile (the
+    others are lowered only)."""
     results, jobs = [], []
     for m, source, target in items:
         result, job = stage2(m, source, target, shapes, nnz)
         results.append(result)
-        if job is not None:
-            jobs.append((result, m, job))
-    if not stage3:
-        for result in results:
+        if stage3 is not True and (not stage3 or result.kernel not in stage3):
             result.stage3 = "not asked for"  # --lower-only
+        elif job is not None:
+            jobs.append((result, m, job))
+    if stage3 is not True and not jobs:
         return results
     why = ""
     if python is None:
         python, why = gpu_python()
     if python is None:
         for result in results:
-            result.stage3 = why
+            result.stage3 = result.stage3 or why
         return results
     outcomes = compile_stage3(python, [job for _, _, job in jobs])
     for (result, m, _), outcome in zip(jobs, outcomes):
