@@ -516,7 +516,7 @@ def test_cli_builds_plans_and_verifies_for_h200(tmp_path):
 
 GRADIENT_EXAMPLES = ["dsd_matmul", "dds_matmul", "sdd_matmul", "masked_backward:masked_matmul_dx"]  # a backward of every walk
 # Fewer blocks than SMALL's (the forward and two backward kernels run in the interpreter),
-# ragged where SMALL is; SMALL's under SPARSEGEN_SWEEP=1.
+# one size ragged each; SMALL's under SPARSEGEN_SWEEP=1.
 GRADIENT_SIZES = {"dsd_matmul": dict(M=200, K=256, N=128), "dds_matmul": dict(M=128, K=128, N=100),
                   "sdd_matmul": dict(M=256, K=300, N=128), "masked_backward:masked_matmul_dx": dict(M=200, K=128, N=256)}
 
