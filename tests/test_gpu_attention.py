@@ -40,7 +40,9 @@ def example(name: str) -> str:
     return text.replace("i - j < 1024", "i - j < 100")
 
 
+@functools.cache
 def run(name: str, seed: int = 0):
+    """The example interpreted against `reference`, once per process (tests reuse the run)."""
     kernel, mod = build(example(name), "h200")
     sizes = SMALL[name][1]
     args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(seed))
@@ -78,9 +80,7 @@ def test_the_walk_skips_what_the_classification_empties():
 def test_segment_ids_traced_under_jit():
     """The classification reads the segment ids: under jit it is traced, and the walk's
     tables are computed on the device; the result equals the eager call's."""
-    kernel, mod = build(example("document_attention"), "h200")
-    args, keywords = example_args(kernel, SMALL["document_attention"][1], "random", np.random.default_rng(2))
-    eager = mod.document_attention(*args, **keywords, interpret=True)
+    kernel, mod, args, keywords, eager = run("document_attention")  # test_example_matches_reference_in_the_gpu_interpreter's
     jitted = jax.jit(mod.document_attention, static_argnames=("interpret",))(*args, interpret=True)
     np.testing.assert_array_equal(np.asarray(jitted, np.float32), np.asarray(eager, np.float32))
     kinds = jax.jit(mod.block_kinds)(*args)

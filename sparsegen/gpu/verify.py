@@ -15,9 +15,9 @@ None (unknown), never a count.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import re
 import subprocess
 import tempfile
 import time
@@ -84,12 +84,21 @@ def gpu_python() -> tuple[str | None, str]:
     if not os.path.exists(python):
         where = f"SPARSEGEN_GPU_PYTHON={chosen} does not exist" if chosen else "no environment with the jax-cuda13 plugin"
         return None, f"{where}: {PLUGIN_HOWTO}"
+    last = _probe(python)
+    if last is None:
+        return python, ""
+    return None, f"{python} lacks the jax-cuda13 plugin ({last}): {PLUGIN_HOWTO}"
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(python: str) -> str | None:
+    """None where `python` imports jax and the plugin, else the last line it printed (once
+    per Python and process: the import takes seconds)."""
     probe = subprocess.run([python, "-c", "import jax_plugins.xla_cuda13, jax"], capture_output=True, text=True,
                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
     if probe.returncode == 0:
-        return python, ""
-    last = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "import failed"
-    return None, f"{python} lacks the jax-cuda13 plugin ({last}): {PLUGIN_HOWTO}"
+        return None
+    return probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else "import failed"
 
 
 def _lower(fn, structs, keywords, target, argnums: tuple[int, ...] | None = None) -> str:
@@ -128,7 +137,7 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
     structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in args]
     start = time.perf_counter()
     try:
-        _lower(fn, structs, keywords, target)
+        launched = launch_smem(lambda: _lower(fn, structs, keywords, target))
     except Exception as exc:
         result.lower_seconds = time.perf_counter() - start
         result.raw_error = str(exc)
@@ -136,7 +145,9 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
         return result, None
     result.lower_seconds = time.perf_counter() - start
     result.lowered = True
-    result.smem_used = measure_smem(fn, structs, keywords, target)
+    # The (first) kernel's shared memory as Mosaic GPU sizes it at its launch: what its limit
+    # check compares (read in the one lowering, not measured by a second one under a 0-byte limit).
+    result.smem_used = launched[0] if launched else 0
     own = getattr(m, "has_backward", None)  # the row walk's backward kernels are its own (an einsum's: a backward module)
     argnums = None
     if m.backward_error or not (own if own is not None else getattr(m, "backward_module", None) is not None):
@@ -160,25 +171,27 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
     return result, job
 
 
-def verify_modules(items, shapes=None, nnz: float = 0.1, stage3: bool = True, python: str | None = None) -> list[GpuResult]:
+def verify_modules(items, shapes=None, nnz: float = 0.1, stage3=True, python: str | None = None) -> list[GpuResult]:
     """Stage 2 for each (module, source, target), then stage 3 for all that lowered, in one
-    process of the plugin's environment (`python`, found by gpu_python() if not given)."""
+    process of the plugin's environment (`python`, found by gpu_python() if not given).
+    `stage3`: True, False (--lower-only), or the names of the kernels to compile (the
+    others are lowered only)."""
     results, jobs = [], []
     for m, source, target in items:
         result, job = stage2(m, source, target, shapes, nnz)
         results.append(result)
-        if job is not None:
-            jobs.append((result, m, job))
-    if not stage3:
-        for result in results:
+        if stage3 is not True and (not stage3 or result.kernel not in stage3):
             result.stage3 = "not asked for"  # --lower-only
+        elif job is not None:
+            jobs.append((result, m, job))
+    if stage3 is not True and not jobs:
         return results
     why = ""
     if python is None:
         python, why = gpu_python()
     if python is None:
         for result in results:
-            result.stage3 = why
+            result.stage3 = result.stage3 or why
         return results
     outcomes = compile_stage3(python, [job for _, _, job in jobs])
     for (result, m, _), outcome in zip(jobs, outcomes):
@@ -202,19 +215,6 @@ def verify_modules(items, shapes=None, nnz: float = 0.1, stage3: bool = True, py
 
 def verify_module(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: float = 0.1, stage3: bool = True) -> GpuResult:
     return verify_modules([(m, source, target)], shapes, nnz, stage3)[0]
-
-
-def measure_smem(fn, structs, keywords, target) -> int | None:
-    """Shared memory the (first) kernel needs, as Mosaic GPU counts it: lowered under a 0-byte limit."""
-    from jax.experimental.mosaic.gpu import core
-
-    with core.artificial_shared_memory_limit(0):
-        try:
-            _lower(fn, structs, keywords, target)
-        except ValueError as exc:
-            found = re.search(r"smem_bytes=(\d+)", str(exc))
-            return int(found.group(1)) if found else None
-    return 0
 
 
 def launch_smem(lower) -> list[int]:
