@@ -27,6 +27,7 @@ weighting: the estimator resolves them itself.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -321,8 +322,14 @@ def job_calls(job: dict) -> dict:
         args = arguments(job["kind"], job["H"], job["S"], job["D"])
     forward, grad, backward = record(fn, args, job["backward"])
     # The forward a training step runs (with residuals), where it is another kernel (Splash's).
-    names = {f.kwargs.get("name") for f in forward}
-    residuals = [c for c in grad[: len(grad) - len(backward)] if c.kwargs.get("name") not in names]
+    # (Named by the call's `name`, else by its kernel function: the generated primal call's
+    # kernel writes no logsumexp, and a training step runs the forward's that does.)
+    def name(c):
+        kernel = c.kernel.func if isinstance(c.kernel, functools.partial) else c.kernel
+        return c.kwargs.get("name") or getattr(kernel, "__name__", None)
+
+    names = {name(f) for f in forward}
+    residuals = [c for c in grad[: len(grad) - len(backward)] if name(c) not in names]
     return {side: [flat_call(c) for c in calls] for side, calls in
             (("forward", forward), ("forward_residuals", residuals), ("backward", backward))}
 

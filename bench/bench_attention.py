@@ -283,7 +283,11 @@ def _earlier_cases(paths: list[str], base: dict, tokamax_variant: str) -> dict:
         if run.get("jax") != jax.__version__ or run.get("tokamax_variant") != tokamax_variant:
             raise SystemExit(f"{path}: jax {run.get('jax')}, tokamax variant {run.get('tokamax_variant')}: not this run's")
         for case in run["cases"]:
-            if all(case.get(k) == v for k, v in base.items()):
+            # A forward-only run takes the forward figures of a run with the backward too.
+            if all(case.get(k) == v for k, v in base.items() if k != "backward") and (case.get("backward") or not base["backward"]):
+                if not base["backward"]:
+                    case = {**case, "backward": False, **{side: {k: v for k, v in case[side].items() if not k.startswith(("backward", "training"))}
+                                                          for side in ("splash", "tokamax") if isinstance(case.get(side), dict)}}
                 out[(case["mask"], case["chip"])] = case
         out["python"], out["why"] = run.get("tokamax_python"), run.get("tokamax_unavailable")
     return out

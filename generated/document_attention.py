@@ -649,7 +649,7 @@ def _attention_kernel(
     @pl.when(flag & 1 != 0)
     def _init():
         # The row's first step: nothing seen yet.
-        m_scratch[...] = jnp.full_like(m_scratch, -jnp.inf)
+        m_scratch[...] = jnp.full_like(m_scratch, jnp.finfo(jnp.float32).min)
         l_scratch[...] = jnp.zeros_like(l_scratch)
         o_acc[...] = jnp.zeros_like(o_acc)
 
@@ -682,13 +682,8 @@ def _attention_kernel(
         scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        m_safe = m_new
-        if masked:
-            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-            # (In a full block every row has a score: its max is one.)
-            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-        alpha = jnp.exp2(m_prev - m_safe)
-        probs = jnp.exp2(scores - jnp.tile(m_safe, (1, 2)))
+        alpha = jnp.exp2(m_prev - m_new)
+        probs = jnp.exp2(scores - jnp.tile(m_new, (1, 2)))
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
@@ -697,10 +692,7 @@ def _attention_kernel(
             inside = cols[at] * 256 + lax.broadcasted_iota(jnp.int32, (256, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         o_acc[...] = (alpha)[:, :64] * o_acc[...] + lax.dot_general(
-            probs.astype(v_blk.dtype),
-            v_blk,
-            (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
+            probs, v_blk, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
     @pl.when(kind == _PARTIAL)
@@ -718,17 +710,60 @@ def _attention_kernel(
         # The row's last step: normalise and write.
         total = l_scratch[...]
         nothing = total == 0.0
-        safe = jnp.where(nothing, 1.0, total)
         o_ref[...] = (
-            o_acc[...] * (jnp.where(nothing, 0.0, 1.0 / safe))[:, :64]
+            o_acc[...] * (jnp.where(nothing, 0.0, 1.0 / total))[:, :64]
         ).astype(o_ref.dtype)
-        row_lse_ref[...] = _row_vector(
-            jnp.where(
-                nothing,
-                -jnp.inf,
-                (m_scratch[...] + jnp.log2(safe)) * 0.6931471805599453,
-            )
-        )  # kept for the gradients
+        if row_lse_ref is not None:
+            row_lse_ref[...] = _row_vector(
+                jnp.where(
+                    nothing,
+                    -jnp.inf,
+                    (m_scratch[...] + jnp.log2(total)) * 0.6931471805599453,
+                )
+            )  # kept for the gradients
+
+
+def _attention_primal_kernel(
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    origins,
+    q_ref,
+    k_ref,
+    v_ref,
+    seg_ref,
+    seg_ref_,
+    o_ref,
+    m_scratch,
+    l_scratch,
+    o_acc,
+    *,
+    steps,
+    S,
+):
+    # Computes the outputs alone (a call not differentiated): the forward's kernel, no logsumexp kept.
+    _attention_kernel(
+        rows,
+        cols,
+        read_rows,
+        kinds,
+        flags,
+        origins,
+        q_ref,
+        k_ref,
+        v_ref,
+        seg_ref,
+        seg_ref_,
+        o_ref,
+        None,
+        m_scratch,
+        l_scratch,
+        o_acc,
+        steps=steps,
+        S=S,
+    )
 
 
 def _attention_dq_kernel(
@@ -1470,13 +1505,95 @@ def _walk_tables(kinds, bound):
     return tuple(jnp.asarray(t) for t in tables), n_run, jnp.any(needed > total)
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
-def _impl(q, k, v, seg, sizes, bound, interpret, origin=None, keys=None):
+@functools.partial(
+    jax.jit, static_argnames=("sizes", "bound", "interpret", "residuals")
+)
+def _impl(
+    q, k, v, seg, sizes, bound, interpret, origin=None, keys=None, residuals=True
+):
+    """The outputs and each row's logsumexp (for the gradients); residuals=False (a call not
+    differentiated): the outputs alone, from a kernel that does not compute the logsumexp.
+    """
     B, H, S, D = sizes
     seg_keys = seg if keys is None else keys[0]
     block_kinds_ = _classify_blocks(jnp, seg, sizes, origin, keys)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
+    if not residuals:
+        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+            block_kinds_, bound
+        )
+        steps = rows.size // block_kinds_.shape[0]
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(B, H, n_run),
+            in_specs=[
+                pl.BlockSpec(
+                    (None, None, 256, 64), functools.partial(_q_map, steps=steps)
+                ),
+                pl.BlockSpec(
+                    (None, None, 256, 64), functools.partial(_k_map, steps=steps)
+                ),
+                pl.BlockSpec(
+                    (None, None, 256, 64), functools.partial(_v_map, steps=steps)
+                ),
+                pl.BlockSpec(
+                    (None, 256, 128), functools.partial(_seg_bi_map, steps=steps)
+                ),
+                pl.BlockSpec(
+                    (None, 8, 256), functools.partial(_seg_bj_map, steps=steps)
+                ),
+            ],
+            out_specs=[
+                pl.BlockSpec(
+                    (None, None, 256, 64), functools.partial(_o_map, steps=steps)
+                ),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((256, 128), jnp.float32),
+                pltpu.VMEM((256, 128), jnp.float32),
+                pltpu.VMEM((256, 64), jnp.float32),
+            ],
+        )
+        (o,) = pl.pallas_call(
+            functools.partial(_attention_primal_kernel, steps=steps, S=S),
+            grid_spec=grid_spec,
+            out_shape=_typed(
+                [
+                    jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
+                ],
+                q,
+                k,
+                v,
+                jnp.broadcast_to(seg.astype(jnp.int32)[..., None], (B, S, 128)),
+                jnp.broadcast_to(seg_keys.astype(jnp.int32)[..., None, :], (B, 8, S)),
+            ),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "arbitrary"),
+            ),
+            cost_estimate=pl.CostEstimate(
+                flops=kinds.size * 16777216,
+                transcendentals=kinds.size * 65536,
+                bytes_accessed=kinds.size * 237568 + B * H * S * D * 2,
+            ),
+            interpret=interpret,
+        )(
+            rows,
+            cols,
+            read_rows,
+            kinds,
+            flags,
+            origins,
+            q,
+            k,
+            v,
+            jnp.broadcast_to(seg.astype(jnp.int32)[..., None], (B, S, 128)),
+            jnp.broadcast_to(seg_keys.astype(jnp.int32)[..., None, :], (B, 8, S)),
+        )
+        # A walk cut short by max_steps (traced segment ids): NaN, never a silent wrong answer.
+        o = jnp.where(overflow, jnp.nan, o).astype(o.dtype)
+
+        return o
     (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
         block_kinds_, bound
     )
@@ -1868,8 +1985,7 @@ def _backward(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _run(q, k, v, seg, sizes, bound, interpret):
-    o, row_lse = _impl(q, k, v, seg, sizes, bound, interpret)
-    return o
+    return _impl(q, k, v, seg, sizes, bound, interpret, residuals=False)
 
 
 def _run_forward(q, k, v, seg, sizes, bound, interpret):

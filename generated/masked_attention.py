@@ -543,7 +543,7 @@ def _attention_kernel(
     @pl.when(flag & 1 != 0)
     def _init():
         # The row's first step: nothing seen yet.
-        m_scratch[...] = jnp.full_like(m_scratch, -jnp.inf)
+        m_scratch[...] = jnp.full_like(m_scratch, jnp.finfo(jnp.float32).min)
         l_scratch[...] = jnp.zeros_like(l_scratch)
         o_acc[...] = jnp.zeros_like(o_acc)
 
@@ -573,13 +573,8 @@ def _attention_kernel(
         scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        m_safe = m_new
-        if masked:
-            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-            # (In a full block every row has a score: its max is one.)
-            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-        alpha = jnp.exp(m_prev - m_safe)
-        probs = jnp.exp(scores - m_safe)
+        alpha = jnp.exp(m_prev - m_new)
+        probs = jnp.exp(scores - m_new)
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
@@ -610,13 +605,54 @@ def _attention_kernel(
         # The row's last step: normalise and write.
         total = l_scratch[...]
         nothing = total == 0.0
-        safe = jnp.where(nothing, 1.0, total)
-        o_ref[...] = (o_acc[...] * jnp.where(nothing, 0.0, 1.0 / safe)).astype(
+        o_ref[...] = (o_acc[...] * jnp.where(nothing, 0.0, 1.0 / total)).astype(
             o_ref.dtype
         )
-        row_lse_ref[...] = _row_vector(
-            jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(safe))
-        )  # kept for the gradients
+        if row_lse_ref is not None:
+            row_lse_ref[...] = _row_vector(
+                jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(total))
+            )  # kept for the gradients
+
+
+def _attention_primal_kernel(
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    q_ref,
+    k_ref,
+    v_ref,
+    keep_ref,
+    o_ref,
+    m_scratch,
+    l_scratch,
+    o_acc,
+    *,
+    steps,
+    S,
+    T,
+):
+    # Computes the outputs alone (a call not differentiated): the forward's kernel, no logsumexp kept.
+    _attention_kernel(
+        rows,
+        cols,
+        read_rows,
+        kinds,
+        flags,
+        q_ref,
+        k_ref,
+        v_ref,
+        keep_ref,
+        o_ref,
+        None,
+        m_scratch,
+        l_scratch,
+        o_acc,
+        steps=steps,
+        S=S,
+        T=T,
+    )
 
 
 def _attention_dq_kernel(
@@ -1278,11 +1314,65 @@ def _walk_tables(kinds, bound):
     return tuple(jnp.asarray(t) for t in tables), n_run, jnp.any(needed > total)
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
-def _impl(q, k, v, keep, sizes, bound, interpret):
+@functools.partial(
+    jax.jit, static_argnames=("sizes", "bound", "interpret", "residuals")
+)
+def _impl(q, k, v, keep, sizes, bound, interpret, residuals=True):
+    """The outputs and each row's logsumexp (for the gradients); residuals=False (a call not
+    differentiated): the outputs alone, from a kernel that does not compute the logsumexp.
+    """
     H, S, D, T = sizes
     block_kinds_ = _classify_blocks(jnp, keep, sizes)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
+    if not residuals:
+        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+            block_kinds_, bound
+        )
+        steps = rows.size // block_kinds_.shape[0]
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(H, n_run),
+            in_specs=[
+                pl.BlockSpec((None, 128, 128), _q_map),
+                pl.BlockSpec((None, 128, 128), _k_map),
+                pl.BlockSpec((None, 128, 128), _v_map),
+                pl.BlockSpec((128, 128), _keep_ij_map),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, 128, 128), _o_map),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((128, 128), jnp.float32),
+                pltpu.VMEM((128, 128), jnp.float32),
+                pltpu.VMEM((128, 128), jnp.float32),
+            ],
+        )
+        (o,) = pl.pallas_call(
+            functools.partial(_attention_primal_kernel, steps=steps, S=S, T=T),
+            grid_spec=grid_spec,
+            out_shape=_typed(
+                [
+                    jax.ShapeDtypeStruct((H, S, D), jnp.float32),
+                ],
+                q,
+                k,
+                v,
+                keep,
+            ),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "arbitrary"),
+            ),
+            cost_estimate=pl.CostEstimate(
+                flops=kinds.size * 8388608,
+                transcendentals=kinds.size * 16384,
+                bytes_accessed=kinds.size * 212992 + H * S * D * 4,
+            ),
+            interpret=interpret,
+        )(rows, cols, read_rows, kinds, flags, q, k, v, keep)
+        # A walk cut short by max_steps (traced segment ids): NaN, never a silent wrong answer.
+        o = jnp.where(overflow, jnp.nan, o).astype(o.dtype)
+
+        return o
     (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
         block_kinds_, bound
     )
@@ -1557,8 +1647,7 @@ def _backward(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _run(q, k, v, keep, sizes, bound, interpret):
-    o, row_lse = _impl(q, k, v, keep, sizes, bound, interpret)
-    return o
+    return _impl(q, k, v, keep, sizes, bound, interpret, residuals=False)
 
 
 def _run_forward(q, k, v, keep, sizes, bound, interpret):

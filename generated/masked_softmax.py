@@ -445,9 +445,9 @@ def _attention_kernel(
     @pl.when(flag & 1 != 0)
     def _init():
         # The row's first step: nothing seen yet.
-        m_scratch[...] = jnp.full_like(m_scratch, -jnp.inf)
+        m_scratch[...] = jnp.full_like(m_scratch, jnp.finfo(jnp.float32).min)
         l_scratch[...] = jnp.zeros_like(l_scratch)
-        m_scratch_[...] = jnp.full_like(m_scratch_, -jnp.inf)
+        m_scratch_[...] = jnp.full_like(m_scratch_, jnp.finfo(jnp.float32).min)
         l_scratch_[...] = jnp.zeros_like(l_scratch_)
 
     def _scores(masked):
@@ -480,24 +480,14 @@ def _attention_kernel(
         scores, scores_ = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        m_safe = m_new
-        if masked:
-            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-            # (In a full block every row has a score: its max is one.)
-            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-        alpha = jnp.exp(m_prev - m_safe)
-        probs = jnp.exp(scores - m_safe)
+        alpha = jnp.exp(m_prev - m_new)
+        probs = jnp.exp(scores - m_new)
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         m_prev_ = m_scratch_[...]
         m_new_ = jnp.maximum(m_prev_, jnp.max(scores_, axis=1, keepdims=True))
-        m_safe_ = m_new_
-        if masked:
-            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-            # (In a full block every row has a score: its max is one.)
-            m_safe_ = jnp.where(jnp.isneginf(m_new_), 0.0, m_new_)
-        alpha_ = jnp.exp(m_prev_ - m_safe_)
-        probs_ = jnp.exp(scores_ - m_safe_)
+        alpha_ = jnp.exp(m_prev_ - m_new_)
+        probs_ = jnp.exp(scores_ - m_new_)
         l_scratch_[...] = alpha_ * l_scratch_[...] + jnp.sum(
             probs_, axis=1, keepdims=True
         )
@@ -518,17 +508,19 @@ def _attention_kernel(
         # The row's last step: normalise and write.
         total = l_scratch[...]
         nothing = total == 0.0
-        safe = jnp.where(nothing, 1.0, total)
         total_ = l_scratch_[...]
         nothing_ = total_ == 0.0
-        safe_ = jnp.where(nothing_, 1.0, total_)
-        r_ref[...] = _row_vector(m_scratch_[...]).astype(r_ref.dtype)
-        row_lse_ref[...] = _row_vector(
-            jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(safe))
-        )  # kept for the gradients
-        row_lse_ref_[...] = _row_vector(
-            jnp.where(nothing_, -jnp.inf, m_scratch_[...] + jnp.log(safe_))
-        )  # kept for the gradients
+        r_ref[...] = _row_vector(jnp.where(nothing_, -jnp.inf, m_scratch_[...])).astype(
+            r_ref.dtype
+        )
+        if row_lse_ref is not None:
+            row_lse_ref[...] = _row_vector(
+                jnp.where(nothing, -jnp.inf, m_scratch[...] + jnp.log(total))
+            )  # kept for the gradients
+        if row_lse_ref_ is not None:
+            row_lse_ref_[...] = _row_vector(
+                jnp.where(nothing_, -jnp.inf, m_scratch_[...] + jnp.log(total_))
+            )  # kept for the gradients
 
 
 def _attention_stored_kernel(

@@ -554,6 +554,9 @@ class Glue:
     # Keywords `_backward` and `_run_backward` pass on (a row kernel's `origin=`, the
     # arrays' first positions, and `keys=`, key-side arrays of arguments read along both)
     keywords: tuple[str, ...] = ()
+    # `_run`'s keyword to `_impl` where a call not differentiated returns the declared outputs
+    # alone (a row kernel's `residuals=False`: no logsumexp kept for the gradients)
+    primal: str = ""
 
     def __post_init__(self):
         self.residuals = self.residuals or list(self.args)

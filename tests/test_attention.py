@@ -700,3 +700,65 @@ def test_walk_names_as_spec_names():
     check_outputs(kernel, mod.hostile2(*args, interpret=True), args, sizes_of(kernel, args))
     got = gradients(lambda *a: mod.hostile2(*a, max_steps=9, interpret=True), args, 3)
     assert_gradients_match(got, gradients(mod.reference, args, 3), bf16=False)
+
+
+def _pallas_calls(jaxpr) -> list:
+    """The pallas_call equations of a jaxpr, inside jit and custom_vjp bodies too."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+                if hasattr(sub, "eqns"):
+                    found += _pallas_calls(sub)
+    return found
+
+
+def test_a_call_not_differentiated_keeps_no_logsumexp(interpret):
+    """The primal call (no gradient asked) runs a forward with the outputs alone: no row
+    logsumexp written (nor computed in the flush); the same values as the forward a gradient
+    runs (which keeps it for the backward) and as the reference. Ragged S: the selects past
+    the end, and a first block row with nothing present (its rows zero)."""
+    text = spec_text("causal_attention").replace("where i >= j", "where i >= j + 200").replace("    out lse: f32[B, H, S]\n", "")
+    text = text.replace("    lse[b, h, i] = logsumexp(s[b, h, i, j], j)\n", "").replace("i = 512, j = 512", "i = 128, j = 128")
+    kernel, mod = build(text)
+    assert [o.name for o in kernel.outputs] == ["o"]
+    args, _ = example("causal_attention", 400, np.random.default_rng(3))
+    fn = lambda *a: mod.causal_attention(*a, interpret=interpret)  # noqa: E731
+    primal = _pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr)
+    assert len(primal) == 1 and len(primal[0].outvars) == 1  # o alone
+    differentiated = _pallas_calls(jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[0])(*args).jaxpr)
+    assert len(differentiated[0].outvars) == 2  # o and the row logsumexp
+    o = fn(*args)
+    o_vjp, pull = jax.vjp(fn, *args)
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o_vjp, np.float32))
+    assert np.all(np.asarray(o, np.float32)[:, :, :200] == 0)
+    check_outputs(kernel, o, args, sizes_of(kernel, args))
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in pull(jnp.ones_like(o)))
+
+
+# Two integer bounds on one affine term in the positions (`_ranges`): one unsigned compare.
+# Every way of writing the bounds: either side, strict or not, a negative coefficient, a
+# size in the term (the pair then kept as two tests: `S` is no integer constant) beside one.
+RANGES = {
+    "window": ("i >= j and i - j < 100", True),
+    "flipped": ("j <= i and 100 > i - j", True),
+    "strict": ("j - i > -100 and j - i < 7", True),
+    "twice": ("2 * i - 2 * j >= -40 and 2 * i - 2 * j <= 300 and j < T - 5", True),
+    "sized": ("i - j >= 0 and i - j < S - 200", False),
+}
+
+
+@pytest.mark.parametrize(*in_both_modes(sorted(RANGES), ["window"], "name"), indirect=["interpret"])
+def test_two_bounds_on_positions_are_one_unsigned_compare(name, interpret):
+    cond, one = RANGES[name]
+    kernel, mod = build(condition_spec(cond))
+    code = open(mod.__file__).read()
+    scores = code[code.index("def _attention_kernel("):code.index("def _attention_primal_kernel(")]
+    assert ("bitcast_convert_type" in scores) == one, cond
+    rng = np.random.default_rng(7)
+    S, T = 333, 450  # ragged: the end tests join the range's
+    args = [rand(rng, (S, 128), jnp.float32), rand(rng, (T, 128), jnp.float32), rand(rng, (T, 128), jnp.float32)]
+    check_outputs(kernel, mod.cond_attention(*args, interpret=interpret), args, {"S": S, "T": T, "D": 128})

@@ -629,7 +629,7 @@ def _attention_kernel(
     @pl.when(flag & 1 != 0)
     def _init():
         # The row's first step: nothing seen yet.
-        m_scratch[...] = jnp.full_like(m_scratch, -jnp.inf)
+        m_scratch[...] = jnp.full_like(m_scratch, jnp.finfo(jnp.float32).min)
         l_scratch[...] = jnp.zeros_like(l_scratch)
         o_acc[...] = jnp.zeros_like(o_acc)
 
@@ -660,13 +660,8 @@ def _attention_kernel(
         scores = _scores(masked)
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-        m_safe = m_new
-        if masked:
-            # A row with nothing present yet keeps minus infinity; exp then gives zeros.
-            # (In a full block every row has a score: its max is one.)
-            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-        alpha = jnp.exp2(m_prev - m_safe)
-        probs = jnp.exp2(scores - (m_safe)[:, :32])
+        alpha = jnp.exp2(m_prev - m_new)
+        probs = jnp.exp2(scores - (m_new)[:, :32])
         l_scratch[...] = alpha * l_scratch[...] + jnp.sum(probs, axis=1, keepdims=True)
         m_scratch[...] = m_new
         v_blk = v_ref[...]
@@ -675,10 +670,7 @@ def _attention_kernel(
             inside = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
         o_acc[...] = (alpha)[:, :64] * o_acc[...] + lax.dot_general(
-            probs.astype(v_blk.dtype),
-            v_blk,
-            (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
+            probs, v_blk, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
     @pl.when(kind == _PARTIAL)
@@ -696,17 +688,56 @@ def _attention_kernel(
         # The row's last step: normalise and write.
         total = l_scratch[...]
         nothing = total == 0.0
-        safe = jnp.where(nothing, 1.0, total)
         o_ref[...] = (
-            o_acc[...] * (jnp.where(nothing, 0.0, 1.0 / safe))[:, :64]
+            o_acc[...] * (jnp.where(nothing, 0.0, 1.0 / total))[:, :64]
         ).astype(o_ref.dtype)
-        row_lse_ref[...] = _row_vector(
-            jnp.where(
-                nothing,
-                -jnp.inf,
-                (m_scratch[...] + jnp.log2(safe)) * 0.6931471805599453,
-            )
-        )  # kept for the gradients
+        if row_lse_ref is not None:
+            row_lse_ref[...] = _row_vector(
+                jnp.where(
+                    nothing,
+                    -jnp.inf,
+                    (m_scratch[...] + jnp.log2(total)) * 0.6931471805599453,
+                )
+            )  # kept for the gradients
+
+
+def _attention_primal_kernel(
+    rows,
+    cols,
+    read_rows,
+    kinds,
+    flags,
+    origins,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    m_scratch,
+    l_scratch,
+    o_acc,
+    *,
+    steps,
+    S,
+):
+    # Computes the outputs alone (a call not differentiated): the forward's kernel, no logsumexp kept.
+    _attention_kernel(
+        rows,
+        cols,
+        read_rows,
+        kinds,
+        flags,
+        origins,
+        q_ref,
+        k_ref,
+        v_ref,
+        o_ref,
+        None,
+        m_scratch,
+        l_scratch,
+        o_acc,
+        steps=steps,
+        S=S,
+    )
 
 
 def _attention_dq_kernel(
@@ -1395,12 +1426,62 @@ def _walk_tables(kinds, bound):
     return tuple(jnp.asarray(t) for t in tables), n_run, False
 
 
-@functools.partial(jax.jit, static_argnames=("sizes", "bound", "interpret"))
-def _impl(q, k, v, sizes, bound, interpret, origin=None):
+@functools.partial(
+    jax.jit, static_argnames=("sizes", "bound", "interpret", "residuals")
+)
+def _impl(q, k, v, sizes, bound, interpret, origin=None, residuals=True):
+    """The outputs and each row's logsumexp (for the gradients); residuals=False (a call not
+    differentiated): the outputs alone, from a kernel that does not compute the logsumexp.
+    """
     B, H, S, D, G = sizes
     block_kinds_ = _classify_blocks(np if origin is None else jnp, sizes, origin)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
+    if not residuals:
+        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+            block_kinds_, bound
+        )
+        steps = rows.size // block_kinds_.shape[0]
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(B, H, n_run),
+            in_specs=[
+                pl.BlockSpec((None, None, 32, 64), _q_map),
+                pl.BlockSpec((None, None, 32, 64), _k_map),
+                pl.BlockSpec((None, None, 32, 64), _v_map),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, 32, 64), _o_map),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((32, 128), jnp.float32),
+                pltpu.VMEM((32, 128), jnp.float32),
+                pltpu.VMEM((32, 64), jnp.float32),
+            ],
+        )
+        (o,) = pl.pallas_call(
+            functools.partial(_attention_primal_kernel, steps=steps, S=S),
+            grid_spec=grid_spec,
+            out_shape=_typed(
+                [
+                    jax.ShapeDtypeStruct((B, H, S, D), jnp.bfloat16),
+                ],
+                q,
+                k,
+                v,
+            ),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "arbitrary"),
+            ),
+            cost_estimate=pl.CostEstimate(
+                flops=kinds.size * 262144,
+                transcendentals=kinds.size * 1024,
+                bytes_accessed=kinds.size * 12288 + B * H * S * D * 2,
+            ),
+            interpret=interpret,
+        )(rows, cols, read_rows, kinds, flags, origins, q, k, v)
+
+        return o
     (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
         block_kinds_, bound
     )
@@ -1682,8 +1763,7 @@ def _backward(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _run(q, k, v, sizes, bound, interpret):
-    o, row_lse = _impl(q, k, v, sizes, bound, interpret)
-    return o
+    return _impl(q, k, v, sizes, bound, interpret, residuals=False)
 
 
 def _run_forward(q, k, v, sizes, bound, interpret):

@@ -223,6 +223,10 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             calls_b = []
         doc, call_doc = self.docstring()
         forward_dict = self.call_dict(forward, kinds_var)
+        # `_run` (no gradients) calls the forward without the logsumexp the gradients read;
+        # stored outputs read it in a second walk, so they keep the one call.
+        primal = None if stored else self.primal_call(forward)
+        primal_dict = self.call_dict(primal, kinds_var) if primal else None
         stored_dict = self.call_dict(stored, kinds_var, walk="_dense_tables") if stored else None
         maps = self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if calls_b else [])
                              + ([fused] if fused_dict else []))
@@ -249,6 +253,7 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             declared=declared,
             zeros=True,
             keywords=self.shard_keywords,
+            primal="residuals=False" if primal else "",
         )
         # `sharded`'s plan, a ring where mesh.py allows one (the kernels take first positions).
         mesh = mesh_plan(k, conv, self.wrapper.spans, ring=len(conv.impl_args) == len(conv.params))
@@ -262,6 +267,7 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             classify_params=classify_reads,
             classify_lines=classify_lines,
             forward=forward_dict,
+            primal=primal_dict,
             stored=stored_dict,
             stored_lines=stored_lines,
             backward_calls=calls_b,
@@ -401,11 +407,16 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
         f32 operands to bf16 unless asked for full precision."""
         return ", precision=lax.Precision.HIGHEST" if any(d.name == "f32" for d in dtypes) else ""
 
-    def mxu(self, computed: str, block: str, dtype) -> tuple[str, str, str]:
+    def mxu(self, computed: str, block: str, dtype, in_mxu: bool = False) -> tuple[str, str, str]:
         """A product of a block computed in the accumulate dtype (probabilities, a gradient)
         by a block of a spec array of `dtype`: (computed, block, precision) as the MXU takes
         them. A float block sets the dtype (bf16 products, as flash attention does them); an
-        integer block is widened instead (probabilities cast to an integer would be 0 or 1)."""
+        integer block is widened instead (probabilities cast to an integer would be 0 or 1).
+        `in_mxu`: f32 probabilities times a bf16 block go to the MXU as they are: at default
+        precision it takes them to bf16 itself, one pass as the cast's product, with no pack on
+        the VPU (a slot use per two score vregs; tokamax's and Splash's forward do the same)."""
+        if in_mxu and dtype.name == "bf16" and self.acc.name == "f32":
+            return computed, block, ""
         if dtype.is_float:
             return f"{computed}.astype({block}.dtype)", block, self.precision(dtype)
         return computed, f"{block}.astype({self.acc.jnp})", self.precision(self.acc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import dataclasses
 from dataclasses import dataclass, field
 
 from ...ir import Read, Term
@@ -207,7 +208,13 @@ class KernelWriter:
         known = [test for test, guard in past if not guard]
         guarded = [(test, guard) for test, guard in past if guard]
         # `&` binds tighter than the comparisons in a condition: bracket it when anything joins it.
-        conds = [([] if pt.condition is None else [render_term(pt.condition, lambda x: leaf(x, False))]) for pt in p.points]
+        spliced: dict[str, str] = {}  # `_ranges`' tests: name -> code
+
+        def cond_leaf(x: Term) -> str:
+            return spliced[x.name] if x.op == "index" and x.name in spliced else leaf(x, False)
+
+        conds = [([] if pt.condition is None else [render_term(self._ranges(pt.condition, lead_vars, spliced, cond_leaf), cond_leaf)])
+                 for pt in p.points]
         conds = [[f"({c[0]})"] + known if c and (known or guarded) else c + known for c in conds]
         if any(conds) or guarded:
             out.append("    if masked:")
@@ -234,6 +241,95 @@ class KernelWriter:
         else:
             out.append(f"    return {', '.join(ss)}")
         return out
+
+    def _ranges(self, t: Term, lead_vars: dict, spliced: dict, leaf) -> Term:
+        """A condition whose `and` bounds one affine term in the positions from below and
+        above by integers (`i >= j and i - j < W`: 0 <= i - j <= W - 1) with the pair as one
+        unsigned comparison, `uint32(E - lo) <= hi - lo`: a compare per score vreg instead of
+        two and their `&` (two's complement: E below lo wraps past hi - lo). Other terms as
+        they are; the pair's test is spliced in as an atom (`spliced`)."""
+        if t.op in ("or", "not"):
+            return dataclasses.replace(t, args=tuple(self._ranges(a, lead_vars, spliced, leaf) for a in t.args))
+        if t.op != "and":
+            return t
+        args = [self._ranges(a, lead_vars, spliced, leaf) for a in t.args]
+        bounds = {}  # the affine part (its first coefficient positive) -> [(lower, upper, arg index, term, sign, constant)]
+        for n, a in enumerate(args):
+            got = self._bound(a, lead_vars)
+            if got is not None:
+                bounds.setdefault(got[0], []).append((n,) + got[1:])
+        used, out = set(), []
+        for key, found in bounds.items():
+            lows = [f for f in found if f[1] == "lo"]
+            highs = [f for f in found if f[1] == "hi"]
+            if not lows or not highs:
+                continue
+            (n_lo, _, lo, term, sign, k), (n_hi, _, hi, *_) = lows[0], highs[0]
+            if hi < lo:
+                continue
+            # E - lo from the lower bound's own sides: (lhs - rhs) is sign * E + k.
+            shift = k + sign * lo
+            expr = Term("-", args=term.args)
+            expr = expr if sign == 1 else Term("neg", args=(expr,))
+            diff = render_term(Term("-", args=(expr, Term("num", value=sign * shift))) if shift else expr, leaf)
+            name = f"__range{len(spliced)}"
+            spliced[name] = f"(lax.bitcast_convert_type({diff}, jnp.uint32) <= {hi - lo})"
+            used |= {n_lo, n_hi}
+            out.append(Term("index", name=name))
+        rest = [a for n, a in enumerate(args) if n not in used]
+        if not used:
+            return dataclasses.replace(t, args=tuple(args))
+        kept = rest + out
+        return kept[0] if len(kept) == 1 else Term("and", args=tuple(kept))
+
+    def _bound(self, t: Term, lead_vars: dict):
+        """A comparison as an integer bound on an affine term in the positions: (the term's
+        coefficients, "lo" or "hi", the bound (inclusive), the comparison, the sign and
+        constant with which lhs - rhs is sign * E + constant); None for any other term."""
+        p = self.p
+        if t.op != "cmp" or len(t.ops) != 1 or t.ops[0] not in (">=", ">", "<=", "<"):
+            return None
+
+        def affine(x: Term) -> dict | None:
+            if x.op == "num" and isinstance(x.value, int) and not isinstance(x.value, bool):
+                return {"": x.value}
+            if x.op == "index":
+                return {x.name: 1} if x.name in (p.query, p.key) or x.name in lead_vars else None
+            if x.op == "size":
+                return {f"size {x.name}": 1}
+            if x.op in ("+", "-", "neg"):
+                parts = [affine(a) for a in x.args]
+                if any(q is None for q in parts):
+                    return None
+                out: dict = {}
+                for sign, q in zip((-1,) if x.op == "neg" else (1, 1 if x.op == "+" else -1), parts):
+                    for key, c in q.items():
+                        out[key] = out.get(key, 0) + sign * c
+                return out
+            if x.op == "*":
+                a, b = affine(x.args[0]), affine(x.args[1])
+                for u, v in ((a, b), (b, a)):
+                    if u is not None and v is not None and set(u) == {""}:
+                        return {key: u[""] * c for key, c in v.items()}
+            return None
+
+        lhs, rhs = affine(t.args[0]), affine(t.args[1])
+        if lhs is None or rhs is None:
+            return None
+        d = dict(lhs)
+        for key, c in rhs.items():
+            d[key] = d.get(key, 0) - c
+        k = d.pop("", 0)
+        part = tuple(sorted((key, c) for key, c in d.items() if c))
+        if not any(key in (p.query, p.key) for key, _ in part):
+            return None
+        sign = 1 if part[0][1] > 0 else -1
+        part = tuple((key, sign * c) for key, c in part)
+        # sign * E + k op 0, as a bound on E.
+        op = t.ops[0] if sign == 1 else {">=": "<=", ">": "<", "<=": ">=", "<": ">"}[t.ops[0]]
+        b = -k * sign
+        kind, bound = {">=": ("lo", b), ">": ("lo", b + 1), "<=": ("hi", b), "<": ("hi", b - 1)}[op]
+        return part, kind, bound, t, sign, k
 
     def base2(self) -> bool:
         """exp(x) is exp2(x * log2(e)) on the EUP: where the scores feed only softmax and
@@ -325,25 +421,24 @@ class KernelWriter:
         stats_refs = [n.local("row_lse_ref") for _ in pts]
         lines += ["", f"@pl.when({flag} & 1 != 0)", "def _init():", "    # The row's first step: nothing seen yet."]
         for m_scr, l_scr in stat_names:
-            lines += [f"    {m_scr}[...] = jnp.full_like({m_scr}, -jnp.inf)", f"    {l_scr}[...] = jnp.zeros_like({l_scr})"]
+            # The running max starts at the lowest finite value, not minus infinity: an absent
+            # score (minus infinity) then gives exp(-inf - m) = 0 with no guard on m, and a row
+            # with nothing present yet keeps a sum of 0 (its max is not written as such: the
+            # flush tests the sum).
+            lines += [f"    {m_scr}[...] = jnp.full_like({m_scr}, jnp.finfo({acc.jnp}).min)", f"    {l_scr}[...] = jnp.zeros_like({l_scr})"]
         lines += [f"    {a}[...] = jnp.zeros_like({a})" for a in accs.values()]
         base2 = self.base2()
         exp, log = ("jnp.exp2", "jnp.log2") if base2 else ("jnp.exp", "jnp.log")
         lines += self.scores(n, lead_vars, at, tables, with_raw=False, base2=base2)
-        nms = [{x: n.local(x) for x in ["m_prev", "m_new", "m_safe", "alpha", "probs", "total", "nothing", "safe", "scores"]} for _ in pts]
+        nms = [{x: n.local(x) for x in ["m_prev", "m_new", "alpha", "probs", "total", "nothing", "scores"]} for _ in pts]
         lines += ["", "def _step(masked):", f"    {', '.join(nm['scores'] for nm in nms)} = _scores(masked)"]
         tj = self.tile[p.key]
         for nm, (m_scr, l_scr) in zip(nms, stat_names):
             sv = nm["scores"]
             lines += [f"    {nm['m_prev']} = {m_scr}[...]",
                       f"    {nm['m_new']} = jnp.maximum({nm['m_prev']}, jnp.max({sv}, axis=1, keepdims=True))",
-                      f"    {nm['m_safe']} = {nm['m_new']}",
-                      "    if masked:",
-                      "        # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
-                      "        # (In a full block every row has a score: its max is one.)",
-                      f"        {nm['m_safe']} = jnp.where(jnp.isneginf({nm['m_new']}), 0.0, {nm['m_new']})",
-                      f"    {nm['alpha']} = {exp}({nm['m_prev']} - {nm['m_safe']})",
-                      f"    {nm['probs']} = {exp}({sv} - {lanes(nm['m_safe'], tj)})",
+                      f"    {nm['alpha']} = {exp}({nm['m_prev']} - {nm['m_new']})",
+                      f"    {nm['probs']} = {exp}({sv} - {lanes(nm['m_new'], tj)})",
                       f"    {l_scr}[...] = {nm['alpha']} * {l_scr}[...] + jnp.sum({nm['probs']}, axis=1, keepdims=True)",
                       f"    {m_scr}[...] = {nm['m_new']}"]
         for c in consumers:
@@ -353,32 +448,34 @@ class KernelWriter:
                 vd = self.live(vo.read).index(p.key)
                 lines += self.load_block(n, vo, at, tables, "masked", (p.key,))
                 a = accs[c.output]
-                pv, vv, prec = self.mxu(nm["probs"], vo.var, self.dtype_of(vo))
+                pv, vv, prec = self.mxu(nm["probs"], vo.var, self.dtype_of(vo), in_mxu=True)
                 lines.append(f"    {a}[...] = {lanes(nm['alpha'], self.tile[self.e_of(c)])} * {a}[...] + lax.dot_general({pv}, {vv}, "
                              f"(((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{prec})")
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")
-        lses = [f"{m_scr}[...] + {log}({nm['safe']})" for nm, (m_scr, _) in zip(nms, stat_names)]
+        # A row with nothing present (its sum 0): 1 / 0 and log(0) are
+        # replaced by the selects, as tokamax's and Splash's are (no guarded divisor to build).
+        lses = [f"{m_scr}[...] + {log}({nm['total']})" for nm, (m_scr, _) in zip(nms, stat_names)]
         lses = [f"jnp.where({nm['nothing']}, -jnp.inf, " + (f"({lse}) * {LN2!r})" if base2 else f"{lse})") for nm, lse in zip(nms, lses)]
         lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", "    # The row's last step: normalise and write."]
         for nm, (_, l_scr) in zip(nms, stat_names):
-            lines += [f"    {nm['total']} = {l_scr}[...]", f"    {nm['nothing']} = {nm['total']} == 0.0",
-                      f"    {nm['safe']} = jnp.where({nm['nothing']}, 1.0, {nm['total']})"]
+            lines += [f"    {nm['total']} = {l_scr}[...]", f"    {nm['nothing']} = {nm['total']} == 0.0"]
         for c in consumers:
             ref, nm, lse, m_scr = out_refs[c.output], nms[c.point], lses[c.point], stat_names[c.point][0]
             if c.kind == "softmax_product":
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
-                norm = lanes(f"jnp.where({nm['nothing']}, 0.0, 1.0 / {nm['safe']})", self.tile[self.e_of(c)])
+                norm = lanes(f"jnp.where({nm['nothing']}, 0.0, 1.0 / {nm['total']})", self.tile[self.e_of(c)])
                 lines.append(f"    {ref}[...] = ({accs[c.output]}[...] * {norm}{scale}).astype({ref}.dtype)")
             elif c.kind == "logsumexp":
                 lines.append(f"    {ref}[...] = _row_vector({lse}).astype({ref}.dtype)")
             elif c.kind == "max":
-                lines.append(f"    {ref}[...] = _row_vector({m_scr}[...]).astype({ref}.dtype)")
+                lines.append(f"    {ref}[...] = _row_vector(jnp.where({nm['nothing']}, -jnp.inf, {m_scr}[...])).astype({ref}.dtype)")
             else:
                 lines.append(f"    {ref}[...] = _row_vector({accs[c.output]}[...]).astype({ref}.dtype)")
         for stats_ref, lse in zip(stats_refs, lses):
-            lines.append(f"    {stats_ref}[...] = _row_vector({lse})  # kept for the gradients")
+            # None in the call not differentiated (`primal_call`): nothing kept, nothing computed.
+            lines += [f"    if {stats_ref} is not None:", f"        {stats_ref}[...] = _row_vector({lse})  # kept for the gradients"]
         ins = [self.arr(o, tables) for o in self.m.operands]
         outs = []
         for c in consumers:
@@ -401,6 +498,19 @@ class KernelWriter:
         e_total = sum(self.tile[self.e_of(c)] for c in consumers if c.kind == "softmax_product")
         return CallSpec(self.n.function("_attention_kernel"), lines, scratch, ins, outs, self.statics(lines), tables,
                         f"{2 * dims * (self.score_depth() + e_total)}", f"{dims}", "the outputs", refs)
+
+    def primal_call(self, forward: CallSpec) -> CallSpec:
+        """The forward of a call not differentiated (`_run`, `_impl(..., residuals=False)`):
+        the outputs alone. Its kernel is the forward's with no logsumexp refs (None): the
+        flush neither computes nor writes what only the gradients read."""
+        n_stats = len(self.p.points)
+        outs = forward.outs[: len(forward.outs) - n_stats]
+        stats = {o.ref for o in forward.outs[len(outs):]}
+        refs = [r for r in forward.refs if r not in stats]
+        passed = ", ".join(self.tables + ["None" if r in stats else r for r in forward.refs] + [f"{v}={v}" for v in forward.statics])
+        lines = [f"{forward.kernel_fn}({passed})"]
+        return dataclasses.replace(forward, kernel_fn=self.n.function("_attention_primal_kernel"), kernel_lines=lines, outs=outs, refs=refs,
+                                   about="the outputs alone (a call not differentiated): the forward's kernel, no logsumexp kept")
 
     def score_depth(self) -> int:
         """Multiply-adds per score element: the product's summed tile (a stored score: one,
