@@ -33,6 +33,8 @@ FIXED = frozenset({
     "cta", "chunk", "run_chunk", "first", "slot", "store", "value", "_piece", "_write", "_unmasked", "_read_end", "times_end",
     "piece_smem", "pieces_gmem", "pieces", "steps_of", "ctas", "cta_first", "chunk_cell", "chunk_first", "chunk_count",
     "chunk_slot", "slot_cell",
+    # warp-specialized products: the warpgroup, the pipeline's helper, its buffers, the consumers' epilogue
+    "wg", "pipeline", "any_tile", "buffers", "_walk", "consumer", "_sum", "e", "body", "maps", "context",
 })  # fmt: skip
 
 
