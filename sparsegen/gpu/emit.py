@@ -33,7 +33,7 @@ _WORK_TABLES = ("cta_first", "chunk_cell", "chunk_first", "chunk_count", "chunk_
 _NOT_BODY = frozenset({"form", "fn", "params", "n_tables", "statics", "about", "lets", "call_fn", "call_args", "call_about",
                        "guard", "host", "raw", "raw_shape", "kernel", "grid", "kernel_args", "finish", "out_var",
                        "steps", "steps_lets", "ctas", "ctas_about", "cells", "bm", "bn", "sub_grid", "wgs", "epi",
-                       "epi_tiles", "tn", "memory_registers"})
+                       "epi_tiles", "memory_registers"})
 
 
 def _trimmed(d: dict) -> dict:
@@ -160,11 +160,6 @@ class _Emitter:
                 cols = f"pl.ds({col} * {t.tn} + e * {epi}, {epi})"
             return f"{_ds(index[0], t.tm)}, {cols}"
 
-        scoped = [f"out_smem=plgpu.SMEM(({t.tm}, {t.tn}), {p.out_dtype.jnp})"]
-        scoped_names = ["out_smem"]
-        if p.end is not None:
-            scoped += [f"end_smem=plgpu.SMEM(({t.tm}, {t.tn}), {k.operand(p.end.operand).dtype.jnp})", "barrier=plgpu.Barrier()"]
-            scoped_names += ["end_smem", "barrier"]
         if ws:
             # Each consumer's epilogue tiles, side by side (indexed by `wg`), beside the pipeline's buffers.
             scoped = [f"out_smem=plgpu.SMEM(({t.wgs}, {t.tm}, {epi}), {p.out_dtype.jnp})",
@@ -173,6 +168,12 @@ class _Emitter:
             if p.end is not None:
                 scoped += [f"end_smem=plgpu.SMEM(({t.wgs}, {t.tm}, {epi}), {k.operand(p.end.operand).dtype.jnp})",
                            f"barrier=plgpu.Barrier(num_barriers={t.wgs})"]
+                scoped_names += ["end_smem", "barrier"]
+        else:
+            scoped = [f"out_smem=plgpu.SMEM(({t.tm}, {t.tn}), {p.out_dtype.jnp})"]
+            scoped_names = ["out_smem"]
+            if p.end is not None:
+                scoped += [f"end_smem=plgpu.SMEM(({t.tm}, {t.tn}), {k.operand(p.end.operand).dtype.jnp})", "barrier=plgpu.Barrier()"]
                 scoped_names += ["end_smem", "barrier"]
         statics = list(p.statics)
         kernel = p.fn if not statics else f"functools.partial({p.fn}, " + ", ".join(f"{v}={v}" for v in statics) + ")"
@@ -255,7 +256,6 @@ class _Emitter:
             "wgs": t.wgs,
             "epi": epi,
             "epi_tiles": t.tn // epi,
-            "tn": t.tn,
             "memory_registers": MEMORY_REGISTERS,
         })
 

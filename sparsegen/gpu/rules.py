@@ -18,8 +18,8 @@ from .targets import GpuTarget
 
 DTYPES_WGMMA = ("bf16", "f16", "f32", "i8")  # f32 as tf32, i8 into s32 (both: K-major tiles only)
 MAX_ACC = 128 * 128  # accumulator elements per warpgroup: its registers
-WARPGROUPS = 2  # consumer warpgroups of a warp-specialized product CTA (and a producer)
-MEMORY_REGISTERS = 40  # the producer's registers a thread (setmaxnreg): it only issues TMA copies
+WARPGROUPS = 2  # consumer warpgroups of a warp-specialized CTA (and a producer): products, attention
+MEMORY_REGISTERS = 40  # a forward producer's registers a thread (setmaxnreg): it only issues TMA copies
 
 
 def fail(span, message: str, notes=()):
@@ -84,9 +84,9 @@ def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype
         # deepest pipeline that fits, then the widest epilogue tile (a TMA row of 16 bytes
         # or more).
         for stages in (4, 3, 2):
-            for epi in (tn, 64, 32, 16):
+            for epi in (tn, tn // 2, tn // 4, tn // 8):
                 t = Tiles(bm, bn, bk, tm, tn, tk, stages, WARPGROUPS, epi)
-                if epi <= tn and tn % epi == 0 and epi * out_dtype.itemsize >= 16 and smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end) <= target.smem_bytes:
+                if epi * out_dtype.itemsize >= 16 and smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end) <= target.smem_bytes:
                     return t
     need = 0
     for stages in (4, 3, 2):

@@ -28,9 +28,9 @@ from ...autodiff import Refusal
 from ...ir import Kernel, Read
 from ...schedule.attention import RowPlan
 from ...tpu.attention.lower import derived_outputs, gradient_refusals  # backend-neutral: which gradients the flash backward derives
+from ..rules import WARPGROUPS  # consumer warpgroups of a warp-specialized CTA, where the block holds their rows (keys)
 
 TB = 64  # rows of a dq consumer and keys of a dk/dv one (one warpgroup's WGMMA M), and a step of either
-WARPGROUPS = 2  # consumer warpgroups of a warp-specialized CTA, where the block holds their rows (keys)
 MEMORY_REGISTERS = 24  # the producer's registers a thread (setmaxnreg), FlashAttention-3's for its backward: the consumers
 # take 240 (the forward's 40 leaves them 232, and dk/dv at d = e = 128 then spills: docs/gpu-notes.md)
 ALIGN = 1024

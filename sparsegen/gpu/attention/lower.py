@@ -19,12 +19,11 @@ from ...names import ModuleNames
 from ...schedule.attention import RowPlan, read_key
 from ...source import Diagnostic
 from ..plan import GpuError
+from ..rules import MEMORY_REGISTERS, WARPGROUPS  # FlashAttention-3's shape, where the row block holds the consumers' rows
 from ..targets import GpuTarget
 from .backward import GpuBackward, plan_backward
 
 TQ = 64  # rows of a consumer warpgroup: one WGMMA M (a 128-row score tile spills: docs/gpu-notes.md)
-WARPGROUPS = 2  # consumer warpgroups of a warp-specialized CTA (FlashAttention-3), where the row block holds their rows
-MEMORY_REGISTERS = 40  # the producer warpgroup's registers a thread (setmaxnreg); it only issues TMA copies
 STAGES = 2  # pipeline steps in flight (TMA copies of the key-side tiles)
 ALIGN = 1024  # shared-memory tiles start at 1024-byte boundaries (the 128-byte swizzle's period)
 CONSUMERS = ("softmax_product", "logsumexp", "max", "sum")  # what the GPU walk computes from the rows
