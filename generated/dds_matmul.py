@@ -611,8 +611,11 @@ def _coo_steps(rows, n_rows, pad):
 
 def _coo_run(rows, n_rows, pad):
     """The steps of `_coo_steps` the grid runs: one per stored block that is not padding,
-    and one per row that none of them feeds."""
-    return jnp.sum(_coo_steps(rows, n_rows, pad)[0] != _SKIP).astype(jnp.int32)
+    and one per row that none of them feeds (rows fed: the distinct rows of the blocks).
+    """
+    fed = jnp.sort(jnp.where(pad, n_rows, rows))
+    first = jnp.concatenate([jnp.ones(1, bool), fed[1:] != fed[:-1]])
+    return (jnp.sum(~pad) + n_rows - jnp.sum(first & (fed < n_rows))).astype(jnp.int32)
 
 
 def _cut_blocks(blocks, coords, tiles, shape):

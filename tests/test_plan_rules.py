@@ -95,3 +95,17 @@ def test_padding_entries_go_last_do_nothing_and_hold_the_last_block():
     np.testing.assert_array_equal(block, [3, 1, 1, 1, 1, 1, 1])
     np.testing.assert_array_equal(row, [0, 1, 2, 2, 2, 2, 2])
     assert int(mod._coo_run(rows, 3, pad)) == 3
+
+
+def test_coo_run_counts_the_steps_the_walk_runs():
+    """`_coo_run` counts the grid's steps without the walk's sort: it must equal the number of
+    steps `_coo_steps` does not skip, for any rows, padding and empty rows."""
+    kernel, mod = build(DSD)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n_rows, nb = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+        rows = rng.integers(0, n_rows, nb).astype(np.int32)
+        pad = rng.random(nb) < 0.3
+        rows = jnp.asarray(np.where(pad, -1, rows))
+        kind, _, _ = mod._coo_steps(rows, n_rows, jnp.asarray(pad))
+        assert int(mod._coo_run(rows, n_rows, jnp.asarray(pad))) == int(np.sum(np.asarray(kind) != mod._SKIP)), (rows, pad)

@@ -20,7 +20,7 @@ from sparsegen.cli import main
 from sparsegen.compiler import compile_source, load
 from sparsegen.compiler import plans as plans_of
 from sparsegen.schedule.attention import whole_sizes
-from sparsegen.shapes import concrete, default_shapes, page_sizes
+from sparsegen.shapes import _load, concrete, default_shapes, page_sizes
 from sparsegen.source import SourceFile
 
 EXAMPLES = sorted(str(p) for p in SPECS.glob("*.spk"))
@@ -69,7 +69,8 @@ def test_every_example_compiles_for_v5e_v6e_v4(spec, target):
         m = plans[r.kernel]
         # The scalar-prefetch tables grow with the grid: they fit SMEM at verify's default sizes too.
         env, nb, _, _ = concrete(m.kernel, None, 0.1)
-        assert m.smem_entries({s.internal: env[s.symbol] for s in m.conv.sizes}, nb) * 4 <= r.smem_limit
+        namespace = vars(_load(emit_module(m, spec), f"smem_{m.name}"))  # walk lengths its functions count
+        assert m.smem_entries({s.internal: env[s.symbol] for s in m.conv.sizes}, nb, namespace) * 4 <= r.smem_limit
         assert r.flops is not None and r.flops > 0 or r.kernel == "block_slice"
         # Every derived backward compiles too, the attention kernels' dq and dk/dv included;
         # one that cannot be derived says why (masked_softmax: outputs of two scores).

@@ -11,6 +11,7 @@ phases) without deciding any of it again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..dtypes import DType
 from ..expr import Expr
@@ -233,6 +234,19 @@ class Pass:
     @property
     def inputs(self) -> tuple[Block, ...]:
         return tuple(b for b in self.blocks if not b.is_output)
+
+    def count_values(self, env: dict, namespace: dict, stored: Callable[[str], int]) -> dict:
+        """`env` (the sizes by variable) with the pass's counts: a stored or requested block
+        count (`x_blocks.shape[0]`) is `stored(x_blocks)`; a walk's length is its host
+        expression over the sizes, evaluated in `namespace` (the generated module's own
+        functions: the expression is its text)."""
+        env = dict(env)
+        for var, value in self.counts:
+            if ".shape" in value:
+                env[var] = int(stored(value.split(".shape")[0]))
+            else:
+                env[var] = int(eval(value, {**namespace, **env}))  # the module's own generated text
+        return env
 
     @property
     def out(self) -> Block:

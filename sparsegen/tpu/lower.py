@@ -138,13 +138,17 @@ class TpuModule:
         """(operand, the block shape its kernel sees) of every pass's blocks."""
         return [(s.block.operand, tuple(s.view.ref_shape)) for tp in self.passes for s in tp.specs]
 
-    def smem_entries(self, values: dict, stored_blocks: int) -> int:
+    def smem_entries(self, values: dict, stored_blocks: int, namespace: dict | None = None) -> int:
         """Int32 entries of the largest pass's scalar-prefetch tables (`values`: the sizes by
-        variable; every coo operand holding `stored_blocks` blocks)."""
+        variable; every coo operand holding `stored_blocks` blocks; `namespace`: the generated
+        module's globals, for walk lengths counted by its functions)."""
         from ..expr import evaluate
 
-        values = {**values, **{var: stored_blocks for tp in self.passes for var, _ in tp.p.counts}}
-        return max((sum(evaluate(t.length, values) or 0 for t in tp.p.tables) for tp in self.passes), default=0)
+        def entries(p) -> int:
+            env = p.count_values(values, namespace or {}, lambda _: stored_blocks)
+            return sum(evaluate(t.length, env) or 0 for t in p.tables)
+
+        return max((entries(tp.p) for tp in self.passes), default=0)
 
     @property
     def spans(self) -> tuple[tuple[str, int, int], ...]:

@@ -220,14 +220,9 @@ def simulate(plan: TpuModule, module, args: list, sizes: dict[str, int], keep_tr
 
 def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict[str, int], keep_trace: bool) -> Simulation:
     conv, p = plan.conv, tp.p
-    env = {s.internal: sizes[s.symbol] for s in conv.sizes}
     by_name = dict(zip(conv.impl_args, args))
-    for var, value in p.counts:
-        if ".shape" in value:  # `x_blocks.shape[0]`: the stored or requested blocks
-            array = by_name[value.split(".shape")[0]]
-            env[var] = int(np.shape(array)[0])
-        else:  # a condition walk's length: host code over the sizes (and the module's functions)
-            env[var] = int(eval(value, {**vars(module), **env, **by_name}))  # the module's own generated text
+    env = p.count_values({s.internal: sizes[s.symbol] for s in conv.sizes}, {**vars(module), **by_name},
+                         lambda name: np.shape(by_name[name])[0])
     k = plan.kernel
     out_bytes = block_bytes(k, tp.out_spec)
     traffic = {s.block.operand: Traffic(s.block.operand, block_bytes(k, s)) for s in tp.in_specs}

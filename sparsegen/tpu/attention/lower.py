@@ -91,7 +91,7 @@ class AttentionModule:
         compiler's error."""
         return [(o.read.operand, tuple(b for b in o.block if b is not None)) for o in self.operands]
 
-    def smem_entries(self, values: dict, stored_blocks: int) -> int:
+    def smem_entries(self, values: dict, stored_blocks: int, namespace: dict | None = None) -> int:
         """Int32 entries of the scalar-prefetch tables: sized by the walk at call time (the
         dense count when the condition reads operands), so not counted here."""
         return 0

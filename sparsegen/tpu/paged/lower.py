@@ -33,7 +33,7 @@ class PagedModule(AttentionModule):
 
     walks = ("paged walk",)
 
-    def smem_entries(self, values: dict, stored_blocks: int) -> int:
+    def smem_entries(self, values: dict, stored_blocks: int, namespace: dict | None = None) -> int:
         """Int32 entries of scalar memory for these sizes: the page bounds (two per row
         block), the scalars the condition reads, and the table (or one row of it, when it
         is read a row per step: the module decides with the same count)."""
