@@ -209,8 +209,9 @@ class ProductLowering:
         tiles = tuple(1 if i in self.coords or i in self.extra_sums else self.tile[i] for i in order)
         # The contraction's dimensions are the columns where it comes last (A; B read K-major).
         columns = len(contraction) if pair[-1] == self.kidx else 1
+        # Only TMA reads it: its ragged edges are left for TMA to fill with zeros (`clip`).
         host.append(f"{var} = _matrix({src}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))}"
-                    + (f", {columns})" if columns > 1 else ")") + why)
+                    + (f", {columns}" if columns > 1 else "") + ", clip=True)" + why)
         mvar = None
         if mask is not None:
             mvar = names.local(f"{mask.operand}_matrix")
