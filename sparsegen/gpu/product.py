@@ -607,7 +607,7 @@ class ProductLowering:
             self.step_lets.append((self.kvar if i == self.kidx else self.var_of[i], self.py(value)))
         if self.kidx not in sum_c:
             self.step_lets.append((self.kvar, self.py(block.rem(inner))))
-        self.block_products = self.block_products * cols * inner
+        self.block_products = self.cells * cols * inner  # at most: every column of a row
         return "condition", kind_t
 
     def selection(self, kind_t: str) -> Selection:
@@ -699,7 +699,7 @@ class ProductLowering:
             ncells = self.requested_cells()
         else:
             ncells = self.dense_cells()
-            self.block_products = ncells * self.KB
+            self.cells, self.block_products = ncells, ncells * self.KB
             if walk == "condition":
                 walk, cond_kinds = self.condition_walk()
             elif walk in ("rows", "cols"):
