@@ -434,25 +434,10 @@ def test_what_has_no_gpu_lowering_yet_says_so_at_the_spec(name, needle, message,
     caret_at(rendered.replace(f"{name}.spk", "bad.spk"), text, needle, line_with=line)
 
 
-@pytest.mark.parametrize("name", ["tril_matmul", "grouped_matmul"])
-def test_a_condition_on_the_terms_is_refused_at_the_statement(name, tmp_path):
-    """The schedule's condition walk (`where` on a sum's terms, language v2 section 1) has no
-    GPU lowering yet: one diagnostic at the statement, no module, no traceback."""
-    text = spec_text(name)
-    rendered = refused(text)
-    caret_at(rendered, text, "o[m, n] = ")
-    assert rendered.count("error:") == 1
-    assert "`where` conditions are not lowered for GPUs yet" in rendered and f"build '{name}' for a TPU target" in rendered
-    built = sparsegen("build", f"specs/{name}.spk", "--target", "h200", "-o", str(tmp_path / "out"))
-    line = next(n for n, t in enumerate(text.splitlines(), 1) if "o[m, n] = " in t)
-    assert built.returncode == 1 and "Traceback" not in built.stderr, built.stderr
-    assert built.stderr.startswith(f"specs/{name}.spk:{line}:5: error: `where` conditions are not lowered for GPUs yet"), built.stderr
-    assert not (tmp_path / "out").exists()
-
-
 # The GPU strategies each walk of the schedule may become (schedule.choose_walk).
 GPU_WALKS = {"dense": {"dense", "elementwise"}, "coo input": {"rows", "cols"}, "coo output": {"coo output"},
-             "masked": {"rows", "cols", "output mask", "dense", "elementwise"}}  # fmt: skip
+             "masked": {"rows", "cols", "output mask", "dense", "elementwise"},
+             "condition": {"condition", "condition output"}}  # fmt: skip
 
 
 def test_the_gpu_walks_what_the_schedule_chooses():
@@ -471,7 +456,8 @@ kernel covering {
 }
 """
     seen = set()
-    for name, text in [(name, example_text(name)) for name in EXAMPLES] + [("covering", covering)]:
+    conditions = ["tril_matmul", "grouped_matmul"]  # language v2's `where` (tests/test_gpu_conditions.py)
+    for name, text in [(name, example_text(name)) for name in EXAMPLES + conditions] + [("covering", covering)]:
         for m in lower_source(SourceFile(f"{name}.spk", text), "h200"):
             for module in (m, m.backward_module):
                 for p in module.passes if module is not None else ():
@@ -479,7 +465,7 @@ kernel covering {
                     assert p.walk in GPU_WALKS[walk.name], (name, p.statement.target.text, walk.name, p.walk)
                     assert getattr(p, "sparse", None) in {None, *(s.operand for s in walk.sources)}, (name, p.walk)
                     seen.add((walk.name, p.walk))
-    assert {"rows", "cols", "coo output", "output mask", "dense"} <= {w for _, w in seen}, seen
+    assert {"rows", "cols", "coo output", "output mask", "dense", "condition", "condition output"} <= {w for _, w in seen}, seen
 
 
 # ------------------------------------------------------------------ the command line

@@ -17,6 +17,12 @@ def _walk(p: GpuPass) -> str:
                 + ("the stored block and its " + k + ")" if p.b.stored else f"the non-empty {p.sparse} block's {k})"),
         "coo output": f"every block along {k}, for each requested block of {p.output} (padding entries: no step, zeros)",
         "output mask": f"every block along {k} where the {p.sparse} block is not empty (empty: no step, zeros; all ones: no read)",
+        "condition": f"the blocks the condition `{p.statement.condition.text if p.statement.condition else ''}` leaves, classified as on every "
+                     "target (a table per row of the condition: first step, count; per step: its column and kind); a partial step "
+                     f"zeroes the {p.a.operand if p.selection and p.selection.on == 'a' else p.b.operand} tile where the condition is false "
+                     "in shared memory before its WGMMA",
+        "condition output": f"every block along {k} where the condition `{p.statement.condition.text if p.statement.condition else ''}` "
+                            "leaves any element (empty: no step, zeros); the accumulator is zeroed where it is false",
     }[p.walk]
 
 

@@ -138,7 +138,9 @@ class _Emitter:
         out_ref = names.local(f"{p.output}_gmem")
         a_smem, b_smem = names.local(f"{p.a.operand}_smem"), names.local(f"{p.b.operand}_smem")
         tables = [*_WORK_TABLES, *(name for name, _ in p.tables)]
-        params = tables + [a_ref, b_ref] + ([end_ref] if end_ref else []) + [out_ref, "pieces_gmem"]
+        sel = p.selection
+        held = sel.held if sel is not None else []
+        params = tables + [a_ref, b_ref] + ([end_ref] if end_ref else []) + [h[0] for h in held] + [out_ref, "pieces_gmem"]
         a_block = (t.tk, t.tm) if p.a.transposed else (t.tm, t.tk)
         b_block = (t.cta_n, t.tk) if p.b.transposed else (t.tk, t.cta_n)
         maps = []
@@ -195,6 +197,18 @@ class _Emitter:
         # The piece's tile in its slot: the CTA's row tile, and its (consumer's) column tile.
         col_in = (f"ni * {t.wgs} + wg" if cols_in > 1 else "wg") if ws else ("ni" if cols_in > 1 else "0")
         piece_at = (f"slot * {rows_in} + mi" if rows_in > 1 else "slot", col_in)
+        select, acc_lines = [], []
+        if sel is not None and sel.on == "out":
+            acc_lines = ["# The condition reads the output's indices alone: absent elements are zeros."] + sel.lines
+        elif sel is not None:
+            tile = a_smem if sel.on == "a" else b_smem
+            lines = [line.replace("@TILE@", tile) for line in sel.lines]
+            what = p.a.operand if sel.on == "a" else p.b.operand
+            select = (["# The chunk's step s is step first + s of the block's walk.", "(s,) = idx", "s = first + s"]
+                      + [f"{name} = {value}" for name, value in _needed(sel.step_lets, repr([sel.kind] + lines))]
+                      + ["", f"@pl.when({sel.kind})", "def _select():",
+                         f"    # Some terms absent: the condition selects them out of {what}'s tile before the WGMMA."]
+                      + ["    " + line for line in lines])
         guard = list(p.guard)
         if guard:
             guard.append(f"    return {self.zeros(p, mod)}")
@@ -239,7 +253,11 @@ class _Emitter:
             "raw_shape": raw_shape,
             "kernel": kernel,
             "grid": py_tuple([render(p.cells, "host"), str(t.bm // t.tm), str(t.bn // t.tn)]),
-            "kernel_args": tables + [p.a.array, p.b.array] + ([p.end.array] if p.end else []),
+            "kernel_args": tables + [p.a.array, p.b.array] + ([p.end.array] if p.end else []) + [h[1] for h in held],
+            "select": select,
+            "acc_lines": acc_lines,
+            "held_scoped": [h[3] for h in held],
+            "held_names": [name for h in held for name in h[2]],
             "finish": p.finish,
             "out_var": p.out_var,
             "end_dtype": k.operand(p.end.operand).dtype.jnp if p.end else None,
@@ -288,6 +306,9 @@ class _Emitter:
             "cols": f"the blocks of {p.sparse} in its column of output blocks",
             "coo output": f"every block along {p.a.col}, for each requested block of {p.output}",
             "output mask": f"every block along {p.a.col}, where the {p.sparse} block is not empty",
+            "condition": f"the blocks the condition `{p.statement.condition.text if p.statement.condition else ''}` leaves "
+                         f"(a partial step masks its tile of {p.a.operand if p.selection and p.selection.on == 'a' else p.b.operand})",
+            "condition output": f"every block along {p.a.col} where the condition leaves any element (the accumulator masked by it)",
         }[p.walk]
         return (f"{p.statement.text}: persistent; each CTA runs its chunks of the work list, a chunk a run of the "
                 f"steps of a {t.tm}x{t.tn} tile of an output block, which walks {walk}, one WGMMA per {p.a.col} tile "

@@ -3,7 +3,8 @@
 A statement with a sum becomes a block-sparse matrix product (`product.py`), one without an
 elementwise tile copy (`elementwise.py`); either runs the walk the schedule chooses for it
 (`schedule.choose_walk`: the TPU's decision too), said in GPU terms, and refuses at the
-statement the walks it has no strategy for (a `where` condition's). The plan's vocabulary is
+statement the walks it has no strategy for; a `where` condition's (the schedule's condition
+walk) is a product whose partial steps mask a factor's tile, or whose accumulator is masked. The plan's vocabulary is
 `plan.py`, the rules on tiles and shared memory `rules.py`. Attention-like kernels are
 lowered by `attention/` (the row walk).
 """
@@ -18,7 +19,6 @@ from ..ir import Einsum, Kernel, Read
 from ..names import ModuleNames
 from ..schedule.build import operand_array
 from ..schedule.choice import choose_walk
-from ..source import Diagnostic
 from .elementwise import ElementwiseLowering
 from .plan import ElementwisePass, GpuError, GpuModule, ProductPass
 from .product import ProductLowering
@@ -35,6 +35,9 @@ FIXED = frozenset({
     "chunk_slot", "slot_cell",
     # warp-specialized products: the warpgroup, the pipeline's helper, its buffers, the consumers' epilogue
     "wg", "pipeline", "any_tile", "buffers", "_walk", "consumer", "_sum", "e", "body", "maps", "context",
+    # a condition walk: a partial step's selection (the pipeline's indices, the condition's
+    # value), the wrapper's classification (`xp`: numpy or jax.numpy)
+    "idx", "_select", "_held", "present", "xp",
 })  # fmt: skip
 
 
@@ -66,9 +69,6 @@ class _Lowering:
     def statement(self, st: Einsum) -> ProductPass | ElementwisePass:
         """The statement's pass, on the walk the schedule chooses for it (schedule.choose_walk)."""
         walk = choose_walk(self.k, st)
-        if walk.name == "condition":
-            raise GpuError([Diagnostic(st.span, "`where` conditions are not lowered for GPUs yet (the schedule's condition walk); "
-                                                f"build '{self.k.name}' for a TPU target")])
         return (ProductLowering if st.summed else ElementwiseLowering)(self, st, walk).lower()
 
     def lower(self) -> GpuModule:

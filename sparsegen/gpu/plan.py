@@ -77,12 +77,29 @@ class Matrix:
 
 
 @dataclass
+class Selection:
+    """A condition walk's terms selected out (the schedule's condition walk, `where`): at a
+    partial step, the A or B tile in shared memory zeroed where the condition is false before
+    the WGMMA (`on` "a" or "b"); or, for a condition on the output's indices alone, the
+    accumulator before it is stored (`on` "out")."""
+
+    on: str  # "a" | "b" | "out"
+    kind: str  # kernel code: the step's kind (on "a"/"b"; a step let names the step), _PARTIAL where evaluated
+    lines: list[str]  # kernel code: the condition evaluated (`present`) and the tile or accumulator masked
+    step_lets: list[tuple[str, str]]  # the step's values the lines read (a subset of the index maps')
+    held: list[tuple]  # (gmem ref, wrapper array, scoped names, their allocation): condition operand tiles copied at partial steps
+    held_bytes: int = 0
+    held_barriers: int = 0
+
+
+@dataclass
 class ProductPass:
     """A statement with a sum: a block-sparse matrix product, A (m x k) times B (k x n)."""
 
     statement: Einsum
     output: str  # the output operand
-    walk: str  # "dense" | "rows" | "cols" | "coo output" | "output mask": the schedule's walk (schedule.choose_walk) in GPU terms
+    walk: str  # "dense" | "rows" | "cols" | "coo output" | "output mask" | "condition" | "condition output":
+    # the schedule's walk (schedule.choose_walk) in GPU terms
     sparse: str | None  # the operand whose blocks decide the walk
     a: Matrix
     b: Matrix
@@ -116,12 +133,14 @@ class ProductPass:
     block_products: Expr  # block products the walk computes at most (dense: all of them)
     flops_per_product: int
     smem: int
+    selection: Selection | None = None  # a condition walk's partial steps (or blocks)
+    kind_at: str = "cell"  # the kind table's entry for the CTA's block (kernel code)
 
     @property
     def classifies(self) -> bool:
-        """Does the wrapper classify a mask's blocks (`_block_kinds`) for this walk?"""
+        """Does the wrapper classify blocks (a mask's `_block_kinds`, a condition's) for this walk?"""
         side = self.a if self.walk == "rows" else self.b
-        return self.walk == "output mask" or (self.walk in ("rows", "cols") and not side.stored)
+        return self.walk in ("output mask", "condition", "condition output") or (self.walk in ("rows", "cols") and not side.stored)
 
 
 @dataclass

@@ -39,8 +39,13 @@ from __future__ import annotations
 from ..expr import Const, Expr, Var, flat, names as expr_names, render
 from ..ir import Einsum, Read
 from ..pytext import py_tuple
+from ..schedule.attention import Point
+from ..schedule.build import ScheduleError
 from ..schedule.choice import Source, Walk
-from .plan import Coord, Matrix, ProductPass
+from ..schedule.classify import Classifier, Conditions
+from ..schedule.condition import condition_axes, select_target
+from ..terms import render_term
+from .plan import Coord, GpuError, Matrix, ProductPass, Selection
 from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -57,6 +62,10 @@ class ProductLowering:
         self.kernel_lets: list[tuple[str, str]] = []
         self.step_lets: list[tuple[str, str]] = []
         self.statics: set[str] = set()
+        # A `where` condition (the schedule's condition walk): its summed indices walked one
+        # value at a time (`g` of `gid[m] == g`) are coordinates of the matrices that hold them.
+        self.cond = st.condition if walk.name == "condition" else None
+        self.cond_sums: list[str] = []
 
     # ------------------------------------------------------------ helpers
     def py(self, e: Expr) -> str:
@@ -120,8 +129,11 @@ class ProductLowering:
         # WGMMA's k: the last summed index with a tile above 1; the others are walked one value
         # at a time, the contraction (others.., k) flattened on both sides.
         self.kidx, self.m, self.n, self.ga, self.gb = wide_sums[-1], m, n, ga, gb
-        self.extra_sums = [i for i in st.summed if i != self.kidx]
-        for i in st.summed:
+        if self.cond is not None:
+            _, _, sum_c = condition_axes(st)
+            self.cond_sums = [i for i in sum_c if i != self.kidx and self.tile[i] == 1]
+        self.extra_sums = [i for i in st.summed if i != self.kidx and i not in self.cond_sums]
+        for i in self.extra_sums + [self.kidx]:
             if i not in st.factors[ga.main].indices or i not in st.factors[gb.main].indices:
                 fail(st.span, f"the GPU backend sums over indices both factors of the product have; '{i}' is in one only")
         self.coords = [i for i in st.out_indices if i not in (m, n)]
@@ -134,7 +146,7 @@ class ProductLowering:
         op = self.k.operand(read.operand)
         out = []
         for d, s in enumerate(read.subs):
-            if s.index in self.coords:
+            if s.index in self.coords or s.index in self.cond_sums:
                 if op.sparsity == "coo" and self.tile[s.index] != 1:
                     fail(self.k.tile_span, f"'{read.text}' is coo: on GPUs its index {s.index} takes tile 1 (one block per value)")
                 out.append(Coord(s.index, s.divisor, self.conv.size(op.dims[d]), d))
@@ -147,7 +159,8 @@ class ProductLowering:
         st, k, names, host = self.st, self.k, self.names, self.host
         main = st.factors[group.main]
         op = k.operand(main.operand)
-        stray = [i for i in main.indices if i not in (row, col) and i not in self.coords and i not in self.extra_sums]
+        stray = [i for i in main.indices if i not in (row, col) and i not in self.coords and i not in self.extra_sums
+                 and i not in self.cond_sums]
         if stray:
             fail(main.span, f"'{main.text}' has '{stray[0]}', which is neither the product's rows, columns nor sum "
                             "nor an index of the output: not lowered for GPUs")
@@ -206,7 +219,7 @@ class ProductLowering:
         pair = [col, row] if transposed else [row, col]
         order = [c.index for c in mine] + [x for i in pair for x in (contraction if i == self.kidx else [i])]
         perm = tuple(main.indices.index(i) for i in order)
-        tiles = tuple(1 if i in self.coords or i in self.extra_sums else self.tile[i] for i in order)
+        tiles = tuple(1 if i in self.coords or i in self.extra_sums or i in self.cond_sums else self.tile[i] for i in order)
         # The contraction's dimensions are the columns where it comes last (A; B read K-major).
         columns = len(contraction) if pair[-1] == self.kidx else 1
         # Only TMA reads it: its ragged edges are left for TMA to fill with zeros (`clip`).
@@ -405,6 +418,213 @@ class ProductLowering:
         self.count = f"jnp.where({kinds}[cell] == _EMPTY, 0, {self.py(self.KB * self.t.ksub)})"
         return kinds
 
+    # ------------------------------------------------------------ the condition walk
+    def condition_plan(self):
+        """Where a `where` condition's absent terms are selected out (the schedule's rule,
+        `select_target`): A's or B's tile at a partial step, or the accumulator when the
+        condition reads the output's indices alone; and the operands it reads."""
+        st, k, cond = self.st, self.k, self.cond
+        for r in st.factors:
+            op = k.operand(r.operand)
+            if op.sparsity in ("coo", "mask"):
+                fail(r.span, f"a `where` condition on a statement with a {op.sparsity} operand ('{op.name}') is not lowered for GPUs yet")
+        if k.operand(st.target.operand).sparsity == "coo":
+            fail(st.target.span, "a `where` condition on a statement with a coo output is not lowered for GPUs yet")
+        self.used, self.out_c, self.sum_c = condition_axes(st)
+        try:
+            on, group = select_target(st, self.tile, self.used)
+        except ScheduleError as exc:
+            raise GpuError([exc.diagnostic]) from None
+        self.sel_on = "out" if on == "flush" else "a" if st.summed_groups[group] is self.ga else "b"
+        inner = [i for i in st.summed if i not in self.sum_c]
+        if self.extra_sums or any(i != self.kidx for i in inner):
+            fail(st.span, "the GPU backend walks a condition's blocks along one summed index; this statement sums over "
+                          f"{', '.join(st.summed)}")
+        self.held_reads = []  # integer operands the condition reads along a dimension of the masked tile
+        for r in dict.fromkeys(cond.reads):
+            spanned = [i for i in r.indices if self.tile[i] > 1]
+            if not spanned:
+                continue
+            if self.sel_on == "out" or len(r.indices) != 1 or r.subs[0].shift:
+                fail(r.span, f"the condition reads '{r.text}' along an index with a tile above 1: the GPU backend reads one "
+                             f"index of the tile it masks ({self.st.factors[self.ga.main if self.sel_on == 'a' else self.gb.main].text}"
+                             "), not shifted; not lowered for GPUs yet")
+            self.held_reads.append(r)
+
+    def mask_dims(self, t) -> tuple[tuple[str, int], tuple[str, int]]:
+        """The masked tile's dimensions (index, length) as it lies in shared memory (or the accumulator's)."""
+        if self.sel_on == "out":
+            return (self.m, t.tm), (self.n, t.tn)
+        mat = self.a if self.sel_on == "a" else self.b
+        dims = ((mat.row, t.tm), (mat.col, t.tk)) if self.sel_on == "a" else ((mat.row, t.tk), (mat.col, t.cta_n))
+        return dims[::-1] if mat.transposed else dims
+
+    def held(self, t) -> tuple[int, int]:
+        """Shared memory the condition's operand tiles take (int32, the masked tile's shape) and their barriers."""
+        (_, d0), (_, d1) = self.mask_dims(t)
+        return len(self.held_reads) * d0 * d1 * 4, len(self.held_reads)
+
+    def tile_start(self, i: str) -> Expr:
+        """The first position along `i` of the masked tile (or the output tile)."""
+        t = self.t
+        if i == self.kidx:
+            return Var(self.kvar) * t.bk + self.sub("kk", t.ksub) * t.tk
+        if i == self.m:
+            return Var(self.var_of[i]) * t.bm + self.sub("mi", t.bm // t.tm) * t.tm
+        return Var(self.var_of[i]) * t.bn + self.sub("ni", t.bn // t.cta_n) * t.cta_n
+
+    def scalar(self, i: str) -> Expr:
+        """An index walked one value at a time: a grid coordinate, or a summed index of the condition's columns."""
+        if i in self.var_of:
+            return Var(self.var_of[i])
+        fail(self.st.span, f"the condition's index '{i}' is neither a coordinate nor spanned by the tile it masks: not lowered for GPUs yet")
+
+    def condition_lines(self) -> tuple[list[str], list[tuple]]:
+        """The condition evaluated over the masked tile (`present`), and what it copies."""
+        names, cond, k = self.names, self.cond, self.k
+        dims = self.mask_dims(self.t)
+        shape = py_tuple(str(d) for _, d in dims)
+        lines, pos, held, smem_of = [], {}, [], {}
+        for r in self.held_reads:
+            op = k.operand(r.operand)
+            i = r.indices[0]
+            d = [x for x, _ in dims].index(i)
+            width = dims[1 - d][1]
+            array, ref = names.local(f"{op.name}_{'rows' if d == 0 else 'cols'}"), names.local(f"{op.name}_gmem")
+            smem, barrier = names.local(f"{op.name}_smem"), names.local(f"{op.name}_barrier")
+            padded = render(self.ctx.blocks(i) * self.tile[i], "host")
+            size = render(self.conv.size(op.dims[0]), "host")
+            src = f"jnp.pad({self.conv.param(op.name).internal}.astype(jnp.int32), (0, {padded} - {size}))"
+            self.host.append(f"{array} = jnp.broadcast_to({src}[{':, None' if d == 0 else 'None, :'}], "
+                             f"{'(' + padded + ', ' + str(width) + ')' if d == 0 else '(' + str(width) + ', ' + padded + ')'})"
+                             f"  # {r.text} along the {'rows' if d == 0 else 'columns'} of {op.name}'s tiles the condition masks")
+            start = self.py(self.tile_start(i))
+            at = f"pl.ds({start}, {dims[d][1]}), pl.ds(0, {width})" if d == 0 else f"pl.ds(0, {width}), pl.ds({start}, {dims[d][1]})"
+            lines += [f"plgpu.copy_gmem_to_smem({ref}.at[{at}], {smem}, {barrier})", f"plgpu.barrier_wait({barrier})"]
+            held.append((ref, array, (smem, barrier), f"{smem}=plgpu.SMEM({shape}, jnp.int32), {barrier}=plgpu.Barrier()"))
+            smem_of[r] = smem
+        scalar_tables = {}
+
+        def leaf(term) -> str:
+            if term.op == "index":
+                i = term.name
+                if any(i == x for x, _ in dims):
+                    if i not in pos:
+                        pos[i] = names.local(f"{i}_pos")
+                        d = [x for x, _ in dims].index(i)
+                        lines.append(f"{pos[i]} = lax.broadcasted_iota(jnp.int32, {shape}, {d}) + "
+                                     f"jnp.full({shape}, {self.py(self.tile_start(i))}, jnp.int32)")
+                    return pos[i]
+                return f"jnp.full({shape}, {self.py(self.scalar(i))}, jnp.int32)"
+            if term.op == "size":
+                v = self.conv.size_var(term.name)
+                self.statics.add(v)
+                return f"jnp.full({shape}, {v}, jnp.int32)"
+            r = term.read
+            if r in smem_of:
+                v = f"{smem_of[r]}[...]"
+            else:
+                op = k.operand(r.operand)
+                if op.name not in scalar_tables:
+                    table = names.local(f"{op.name}_flat")
+                    self.host.append(f"{table} = {self.conv.param(op.name).internal}.reshape(-1).astype(jnp.int32)")
+                    self.tables.append((table, f"{op.name}, flattened: the condition reads one element"))
+                    scalar_tables[op.name] = table
+                at = Const(0)
+                for d, sub in enumerate(r.subs):
+                    value = self.scalar(sub.index) + sub.shift if sub.shift else self.scalar(sub.index)
+                    at = at * self.conv.size(op.dims[d]) + value if d else value
+                v = f"jnp.full({shape}, {scalar_tables[op.name]}[{self.py(at)}], jnp.int32)"
+            return f"({v} != 0)" if term.op == "truth" else v
+
+        present = render_term(cond, leaf)
+        lines.append(f"present = {present}")
+        return lines, held
+
+    def condition_walk(self) -> tuple[str, str]:
+        """The schedule's classification of the condition's blocks (`Classifier`: per row, the
+        output blocks along the indices it reads; per column, the summed blocks) as the walk's
+        tables. Selecting out of A or B: an output block's steps are its row's non-empty
+        columns (each the summed blocks the condition does not read, walked inside), a
+        partial step masking the tile it reads. Selecting out of the accumulator: an output
+        block whose row is empty runs no step (zeros); the others run every step and the
+        condition masks the accumulator before it is stored."""
+        st, names, t, k, cond = self.st, self.names, self.t, self.k, self.cond
+        out_c, sum_c = self.out_c, self.sum_c
+        scope = names.scope()
+        cl = Classifier(Conditions((Point(None, None, cond),), tuple(out_c + sum_c), k), self.conv, scope.local,
+                        lambda i: self.tile[i], self.ctx.size)
+        body = cl.kinds([])
+        data = bool(cond.reads)
+        fn, kinds = names.local("classify"), names.local("cond_kinds")
+        rows, cols = Const(1), Const(1)
+        for i in out_c:
+            rows = rows * self.ctx.blocks(i)
+        for i in sum_c:
+            cols = cols * self.ctx.blocks(i)
+        R, C = render(rows, "host"), render(cols, "host")
+        self.host.append(f"# The condition's blocks, classified as on every target: per (row: output blocks along "
+                         f"{', '.join(out_c)}) x (column: blocks of the summed {', '.join(sum_c)}), _EMPTY, _PARTIAL or _FULL.")
+        self.host += [f"def {fn}(xp):", *("    " + line for line in body)]
+        self.host.append(f"{kinds} = jnp.asarray({fn}({'jnp' if data else 'np'})).reshape({R}, {C})")
+        # The CTA's row of the condition: its output block along out_c, row-major.
+        key = names.local("cond_row")
+        values, extents = [], []
+        for i in out_c:
+            v = Var(self.var_of[i])
+            values.append(v.div(self.tile[i]) if i in self.coords and self.tile[i] != 1 else v)
+            extents.append(self.ctx.blocks(i))
+        self.kernel_lets.append((key, self.py(flat(values, extents))))
+        if self.sel_on == "out":
+            row_kinds = names.local("cond_row_kinds")
+            self.host.append(f"{row_kinds} = {kinds}.max(axis=1)  # the same for every column: the condition reads no summed index")
+            self.tables.append((row_kinds, f"_EMPTY (no step: zeros), _PARTIAL or _FULL: each row of output blocks along {', '.join(out_c)}"))
+            self.count = f"jnp.where({row_kinds}[{key}] == _EMPTY, 0, {self.py(self.KB * t.ksub)})"
+            return "condition output", row_kinds
+        order_t, start_t, count_t = names.local("cond_order"), names.local("cond_start"), names.local("cond_count")
+        col_t, kind_t = names.local("cond_col"), names.local("cond_kind")
+        self.host += [f"{order_t}, {start_t}, {count_t} = _walk(jnp.where(({kinds} != _EMPTY).reshape(-1), "
+                      f"jnp.arange({R} * {C}, dtype=jnp.int32) // {C}, {R}), {R})",
+                      f"{col_t} = ({order_t} % {C}).astype(jnp.int32)  # the column of each step",
+                      f"{kind_t} = {kinds}.reshape(-1)[{order_t}].astype(jnp.int32)  # _PARTIAL: the condition is evaluated"]
+        self.tables += [(start_t, "the first step of each row of the condition"), (count_t, "the non-empty columns of each row"),
+                        (col_t, f"the column of each step: its block of {', '.join(sum_c)}"), (kind_t, "the kind of each step")]
+        inner = self.KB if self.kidx not in sum_c else Const(1)
+        self.start = f"{start_t}[{key}]"
+        self.count = f"{count_t}[{key}] * {self.py(inner * t.ksub)}"
+        block = Var("s").div(t.ksub)
+        pair = block.div(inner) if self.kidx not in sum_c else block
+        # Clamped: a pipeline may fetch ahead of its last step.
+        self.step_lets.append(("step", f"jnp.minimum(start + {self.py(pair)}, {col_t}.shape[0] - 1)"))
+        col = names.local("col_block")
+        self.step_lets.append((col, f"{col_t}[step]"))
+        for n_, i in enumerate(sum_c):
+            later = Const(1)
+            for j in sum_c[n_ + 1:]:
+                later = later * self.ctx.blocks(j)
+            value = Var(col).div(later)
+            if n_ > 0:
+                value = value.rem(self.ctx.blocks(i))
+            self.step_lets.append((self.kvar if i == self.kidx else self.var_of[i], self.py(value)))
+        if self.kidx not in sum_c:
+            self.step_lets.append((self.kvar, self.py(block.rem(inner))))
+        self.block_products = self.cells * cols * inner  # at most: every column of a row
+        return "condition", kind_t
+
+    def selection(self, kind_t: str) -> Selection:
+        """The condition at a partial step (or on the accumulator): kernel lines."""
+        lines, held = self.condition_lines()
+        if self.sel_on == "out":
+            lines.append(f"acc = jnp.where(present, acc, jnp.zeros({py_tuple(map(str, (self.t.tm, self.t.tn)))}, acc.dtype))")
+            return Selection("out", "", lines, [], [])
+        dims = self.mask_dims(self.t)
+        shape = py_tuple(str(d) for _, d in dims)
+        dtype = self.k.operand((self.a if self.sel_on == "a" else self.b).operand).dtype.jnp
+        lines.append(f"@TILE@[...] = jnp.where(present, @TILE@[...], jnp.zeros({shape}, {dtype}))")
+        lines.append("plgpu.commit_smem()  # the masked tile, visible to the WGMMA")
+        bytes_, barriers = self.held(self.t)
+        return Selection(self.sel_on, f"{kind_t}[step] == _PARTIAL", lines, list(self.step_lets), held, bytes_, barriers)
+
     # ------------------------------------------------------------ tiles each step reads
     def sub(self, name: str, count: int) -> Expr:
         """A CTA's (or step's) tile within its block: always 0 where the block is one tile."""
@@ -461,22 +681,29 @@ class ProductLowering:
             what = f"'{self.end.operand}' after the sum" if self.end is not None else "a constant factor"
             fail(st.span, f"{what} on an i8 product (s32 on the GPU): not lowered for GPUs yet; apply it to the result")
         end_dtype = k.operand(self.end.operand).dtype if self.end else None
-        self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype)
+        if self.cond is not None:
+            self.condition_plan()
+        # A condition walk keeps one warpgroup: a partial step masks the tile consumers would share.
+        self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype, one_warpgroup=self.cond is not None,
+                                   held=self.held if self.cond is not None else (lambda _: (0, 0)))
         self.KB = self.ctx.blocks(kidx)
         for i in self.extra_sums:
             self.KB = self.ctx.size(i) * self.KB
         if self.extra_sums and any(s.place == "sum" for s in self.skipped()):
             fail(st.span, f"the GPU backend skips blocks along one summed index; this statement sums over {', '.join(st.summed)}")
-        walk, sparse = self.walk_of()
-        self.var_of = {i: names.local(f"{i}_block" if i in (m, n) else i) for i in (*self.coords, m, n)}
+        walk, sparse = ("condition", None) if self.cond is not None else self.walk_of()
+        self.var_of = {i: names.local(f"{i}_block" if i in (m, n) else i) for i in (*self.coords, m, n, *self.cond_sums)}
         self.kvar = names.local(f"{kidx}_block")
         self.guard: list[str] = []
-        kind_table = None
+        kind_table = cond_kinds = None
         if walk == "coo output":
             ncells = self.requested_cells()
         else:
             ncells = self.dense_cells()
-            if walk in ("rows", "cols"):
+            self.cells, self.block_products = ncells, ncells * self.KB
+            if walk == "condition":
+                walk, cond_kinds = self.condition_walk()
+            elif walk in ("rows", "cols"):
                 self.line_walk(walk, sparse)
             elif walk == "output mask":
                 kind_table = self.output_mask(sparse)
@@ -484,6 +711,7 @@ class ProductLowering:
             self.step_lets.append((self.kvar, render(Var("s").div(t.ksub), "py")))
         if t.ksub > 1:
             self.step_lets.insert(0, ("kk", f"s % {t.ksub}"))
+        selection = self.selection(cond_kinds) if self.cond is not None else None
         a_index = self.matrix_index(self.a, t.bm // t.tm, t.ksub, "mi", "kk")
         b_index = self.matrix_index(self.b, t.ksub, t.bn // t.cta_n, "kk", "ni")  # the CTA's columns (all its consumers')
         out_coords = self.coords_of(st.target)
@@ -513,6 +741,8 @@ class ProductLowering:
             out_index=out_index, end_index=end_index, step_lets=self.step_lets, steps=self.count, kind_table=kind_table, finish=finish,
             out_var=out_var, raw=raw, statics=tuple(sorted(self.statics)), names=names,
             fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
-            block_products=ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,
-            smem=smem_bytes(t, da.itemsize, out_op.dtype.itemsize, end_dtype.itemsize if end_dtype else 0),
+            block_products=self.block_products if walk != "coo output" else ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,
+            smem=smem_bytes(t, da.itemsize, out_op.dtype.itemsize, end_dtype.itemsize if end_dtype else 0,
+                            self.held(t) if self.cond is not None else (0, 0)),
+            selection=selection,
         )

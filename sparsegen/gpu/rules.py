@@ -26,7 +26,7 @@ def fail(span, message: str, notes=()):
     raise GpuError([Diagnostic(span, message, tuple(notes))])
 
 
-def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: int = 0) -> int:
+def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: int = 0, held: tuple[int, int] = (0, 0)) -> int:
     """Shared memory of one product CTA. Scoped allocations are reused (measured), so the
     pipeline's buffers and the epilogue's tiles do not add; nor do the epilogue's two ways
     out (the output's tile, or an f32 piece of a block shared by CTAs), but a tile of the
@@ -36,14 +36,17 @@ def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: 
     Warp-specialized, the pipeline's buffers are allocated once for all of a CTA's chunks,
     beside each consumer's epilogue tiles (the output's, the f32 piece's, the factor after
     the sum's), so they add; the pipeline has two barriers a buffer (copied, consumed), and
-    the factor after the sum one a consumer."""
+    the factor after the sum one a consumer.
+
+    `held`: (bytes, barriers) a one-warpgroup CTA holds beside the pipeline's buffers while
+    it runs (a condition's operand tiles, copied at partial steps)."""
     t = tiles
     pipeline = t.stages * (t.tm * t.tk + t.tk * t.cta_n) * in_itemsize
     if t.wgs > 1:
         epilogue = t.wgs * t.tm * t.epi * (out_itemsize + 4 + end_itemsize)
         return pipeline + epilogue + 8 * (2 * t.stages + (t.wgs if end_itemsize else 0))
     epilogue = t.tm * t.tn * (max(out_itemsize, 4) + end_itemsize)
-    return max(pipeline, epilogue) + 8 * (t.stages + 1)
+    return max(pipeline + held[0], epilogue) + 8 * (t.stages + 1 + held[1])
 
 
 def elementwise_smem_bytes(tm: int, tn: int, itemsizes: int, factors: int) -> int:
@@ -51,8 +54,12 @@ def elementwise_smem_bytes(tm: int, tn: int, itemsizes: int, factors: int) -> in
     return tm * tn * itemsizes + 8 * factors
 
 
-def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype: DType, out_dtype: DType, end_dtype: DType | None) -> Tiles:
-    """The CTA tiles of a matrix product inside the spec's blocks, and its pipeline depth."""
+def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype: DType, out_dtype: DType, end_dtype: DType | None,
+                  one_warpgroup: bool = False, held=lambda t: (0, 0)) -> Tiles:
+    """The CTA tiles of a matrix product inside the spec's blocks, and its pipeline depth.
+    `one_warpgroup`: never warp-specialized (a condition walk masks the A or B tile a partial
+    step reads in shared memory, which consumers sharing it would race on); `held(tiles)`:
+    what the CTA holds beside the pipeline (`smem_bytes`)."""
     tile = {i.name: i.tile for i in k.indices}
     span = {i.name: i.tile_span for i in k.indices}
     bm, bn, bk = tile[m], tile[n], tile[kidx]
@@ -79,7 +86,7 @@ def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype
         fail(span[kidx], f"tile {kidx} = {bk}: WGMMA's K steps are multiples of {step} ({dtype.name}) in rows of {rows}; "
                          f"on {target.name} use {ok} or a multiple of {swizzle}")
     end = end_dtype.itemsize if end_dtype else 0
-    if bn % (WARPGROUPS * tn) == 0:
+    if bn % (WARPGROUPS * tn) == 0 and not one_warpgroup:
         # Warp-specialized where the block holds the consumers' tiles side by side: the
         # deepest pipeline that fits, then the widest epilogue tile (a TMA row of 16 bytes
         # or more).
@@ -91,7 +98,7 @@ def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype
     need = 0
     for stages in (4, 3, 2):
         t = Tiles(bm, bn, bk, tm, tn, tk, stages)
-        need = smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end)
+        need = smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end, held(t))
         if need <= target.smem_bytes:
             return t
     fail(k.tile_span, f"tiles need {need} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes})")

@@ -41,6 +41,34 @@ def condition_indices(cond: Term) -> list[str]:
     return out
 
 
+def condition_axes(st) -> tuple[list[str], list[str], list[str]]:
+    """The indices a statement's condition uses, and the axes it is classified over: the
+    output's it uses (rows) and the summed ones (columns). A condition on output indices
+    alone takes every summed index as its columns (each full), so an output block the
+    condition empties takes one step that writes zeros, not one per block of the sum."""
+    used = condition_indices(st.condition)
+    out_c = [i for i in st.out_indices if i in used]
+    sum_c = [i for i in st.summed if i in used]
+    if not sum_c and out_c:
+        sum_c = list(st.summed)
+    return used, out_c, sum_c
+
+
+def select_target(st, tile: dict[str, int], used: list[str]) -> tuple[str, int]:
+    """Where absent terms are selected out: the sum's group whose factors hold every index
+    of the condition that a block spans (an index walked one value at a time is a scalar),
+    else the value written when those are all the output's."""
+    spanned = {i for i in used if tile[i] > 1}
+    for g, grp in enumerate(st.summed_groups):
+        if spanned <= set(st.factors[grp.main].indices):
+            return "group", g
+    if spanned <= set(st.out_indices):
+        return "flush", 0
+    holders = ", ".join(sorted(spanned))
+    raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({holders}) "
+                                            "that a block spans; a condition on summed indices needs one factor with all of them"))
+
+
 class ConditionWalk(PassBuilder):
     walk = "condition"
 
@@ -56,14 +84,7 @@ class ConditionWalk(PassBuilder):
         st = self.st
         cond = st.condition
         self.refuse_unsupported()
-        used = condition_indices(cond)
-        out_c = [i for i in st.out_indices if i in used]
-        sum_c = [i for i in st.summed if i in used]
-        if not sum_c and out_c:
-            # A condition on output indices alone: the sum is walked as the steps' columns
-            # (every one full), so an output block the condition empties takes one step
-            # that writes zeros, not one per block of the sum.
-            sum_c = list(st.summed)
+        used, out_c, sum_c = condition_axes(st)
         for i in st.out_indices:
             if i not in out_c:
                 self.axis("blocks", i, self.blocks_along(i), True, f"output blocks along {i}")
@@ -205,19 +226,7 @@ class ConditionWalk(PassBuilder):
             raise ScheduleError(Diagnostic(st.target.span, "not supported yet: a condition on a statement with a coo output"))
 
     def select_target(self, used: list[str]) -> tuple[str, int]:
-        """Where absent terms are selected out: the sum's group whose factors hold every index
-        of the condition that a block spans (an index walked one value at a time is a scalar),
-        else the value written when those are all the output's."""
-        st = self.st
-        spanned = {i for i in used if self.tile[i] > 1}
-        for g, grp in enumerate(st.summed_groups):
-            if spanned <= set(st.factors[grp.main].indices):
-                return "group", g
-        if spanned <= set(st.out_indices):
-            return "flush", 0
-        holders = ", ".join(sorted(spanned))
-        raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({holders}) "
-                                                "that a block spans; a condition on summed indices needs one factor with all of them"))
+        return select_target(self.st, self.tile, used)
 
     def scalar_read(self, r: Read, coord) -> Expr:
         """An integer operand every index of whose read walks one value at a time: a table
@@ -363,4 +372,4 @@ class ConditionWalk(PassBuilder):
         return None
 
 
-__all__ = ["ConditionWalk", "condition_indices"]
+__all__ = ["ConditionWalk", "condition_axes", "condition_indices", "select_target"]
