@@ -41,30 +41,35 @@ ever leaves its array.
 Plan (target v5e):
 
     kernel masked_matmul_dx
-      dx[m, k] = g[m, n] * keep[m, n] * y[k, n]  (mask: a dense grid that skips the cells whose keep block is empty)
-      grid (ceil(M / 512), ceil(K / 512), ceil(N / 512))
-        m: output blocks along m [parallel]
+      dx[m, k] = g[m, n] * keep[m, n] * y[k, n]  (mask: the non-empty blocks of keep, each output block's steps in a run)
+      grid (ceil(K / 512), n_run)
+        n_run: the steps the data needs (traced), at most n_steps, the tables' length
+        n_steps = pl.cdiv(M, 512) * pl.cdiv(N, 512)
         k: output blocks along k [parallel]
-        n: the sum over n, innermost so each output block's visits are consecutive [arbitrary]
-      dimension_semantics (parallel, parallel, arbitrary)
+        step: the non-empty (m blocks x n blocks) of keep, each output block's in a run [arbitrary]
+      dimension_semantics (parallel, arbitrary)
       scalar prefetch (SMEM, int32):
-        kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its keep block
-        next_step[ceil(M / 512) * ceil(K / 512) * ceil(N / 512)]: per grid cell over m, k, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
-        next_keep[ceil(M / 512) * ceil(K / 512) * ceil(N / 512)]: per grid cell: the next cell whose keep block is partial, the only blocks the kernel reads
+        step_row[n_steps]: the output block a step writes, row-major over m
+        step_read[n_steps]: the output block whose inputs a step reads (steps that compute nothing hold the last one read)
+        step_col[n_steps]: the block of the summed n a step reads, row-major
+        step_kind[n_steps]: _EMPTY (all-zero keep block: no compute), _PARTIAL (mixed: applied), _FULL (all ones: not read)
+        step_flags[n_steps]: 1: the first step of its output block (init), 2: the last (flush)
+        next_keep[n_steps]: the next step whose keep block is partial (the last one after it), the only blocks the kernel reads
+        any_step[1]: 1 if some step computes; else every step reads block 0 along k (no copy)
       blocks:
-        in  g block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
-            Skipped steps hold the block of the next step that computes, so they start no copy.
-        in  keep block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_keep[cell]; -> (nxt // (n_k * n_n), nxt % n_n)
+        in  g block (512, 512), index map (step_read[step], step_col[step])
+            Steps that compute nothing hold the blocks of the last step that did: no copy.
+        in  keep block (512, 512), index map (step_read[next_keep[step]], step_col[next_keep[step]])
             Only partial mask blocks are read: every other step holds the next partial one.
-        in  y block (512, 512), index map cell = (m * n_k + k) * n_n + n; nxt = next_step[cell]; -> (nxt // n_n % n_k, nxt % n_n)
-            Skipped steps hold the block of the next step that computes, so they start no copy.
-        out dx block (512, 512), index map (m, k)
+        in  y block (512, 512), index map ((k if any_step[0] != 0 else 0), step_col[step])
+            Steps that compute nothing hold the blocks of the last step that did: no copy.
+        out dx block (512, 512), index map (step_row[step], k)
       body:
-        init accumulator when n == 0
-        accumulate the product of (g * keep) and y summed over n when block_kind != _EMPTY
+        init accumulator when step_flags[step] & 1 != 0
+        accumulate the product of (g * keep) and y summed over n when step_kind_here != _EMPTY
           past N along n (a partial last block) the factors are zero
-          in a full step (block_kind == _FULL) keep is all ones: not read, not multiplied
-        write output when n == n_n - 1: accumulator
+          in a full step (step_kind_here == _FULL) keep is all ones: not read, not multiplied
+        write output when step_flags[step] & 2 != 0: accumulator
       VMEM estimate: 6.1 MiB of 128 MiB on v5e
         g block: 2 x 512x512 bf16 = 1 MiB
         keep block: 2 x 512x512 bf16 = 1 MiB
@@ -75,31 +80,34 @@ Plan (target v5e):
         Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
       SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
     backward (jax.grad): 2 passes, one per derived gradient of a float input through a statement (each run only where its gradient is needed)
-      pass 1: d_g[m, n] = g_dx[m, k] * keep[m, n] * y[k, n]  (mask: a dense grid that skips the cells whose keep block is empty)
-        grid (ceil(M / 512), ceil(N / 512), ceil(K / 512))
-          m: output blocks along m [parallel]
-          n: output blocks along n [parallel]
-          k: the sum over k, innermost so each output block's visits are consecutive [arbitrary]
-        dimension_semantics (parallel, parallel, arbitrary)
+      pass 1: d_g[m, n] = g_dx[m, k] * keep[m, n] * y[k, n]  (mask: the non-empty blocks of keep, each output block's steps in a run)
+        grid (n_run)
+          n_run: the steps the data needs (traced), at most n_steps, the tables' length
+          n_steps = pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 512)
+          step: the non-empty (m blocks x n blocks x k blocks) of keep, each output block's in a run [arbitrary]
+        dimension_semantics (arbitrary)
         scalar prefetch (SMEM, int32):
-          kind[ceil(M / 512) * ceil(N / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its keep block
-          next_step[ceil(M / 512) * ceil(N / 512)]: per grid cell over m, n: the next cell that computes (the last one after it), so skipped steps fetch nothing new
-          next_keep[ceil(M / 512) * ceil(N / 512)]: per grid cell: the next cell whose keep block is partial, the only blocks the kernel reads
+          step_row[n_steps]: the output block a step writes, row-major over m, n
+          step_read[n_steps]: the output block whose inputs a step reads (steps that compute nothing hold the last one read)
+          step_col[n_steps]: the block of the summed k a step reads, row-major
+          step_kind[n_steps]: _EMPTY (all-zero keep block: no compute), _PARTIAL (mixed: applied), _FULL (all ones: not read)
+          step_flags[n_steps]: 1: the first step of its output block (init), 2: the last (flush)
+          next_keep[n_steps]: the next step whose keep block is partial (the last one after it), the only blocks the kernel reads
         blocks:
-          in  g_dx block (512, 512), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[cell] != _EMPTY; -> (nxt // n_n, (k if live else (0 if nxt > cell else n_k - 1)))
-              Skipped steps hold the block of the next step that computes, so they start no copy.
-          in  keep block (512, 512), index map cell = m * n_n + n; nxt = next_keep[cell]; -> (nxt // n_n, nxt % n_n)
+          in  g_dx block (512, 512), index map (step_read[step] // n_n, step_col[step])
+              Steps that compute nothing hold the blocks of the last step that did: no copy.
+          in  keep block (512, 512), index map (step_read[next_keep[step]] // n_n, step_read[next_keep[step]] % n_n)
               Only partial mask blocks are read: every other step holds the next partial one.
-          in  y block (512, 512), index map cell = m * n_n + n; nxt = next_step[cell]; live = kind[cell] != _EMPTY; -> ((k if live else (0 if nxt > cell else n_k - 1)), nxt % n_n)
-              Skipped steps hold the block of the next step that computes, so they start no copy.
-          out d_g block (512, 512), index map (m, n)
+          in  y block (512, 512), index map (step_col[step], step_read[step] % n_n)
+              Steps that compute nothing hold the blocks of the last step that did: no copy.
+          out d_g block (512, 512), index map (step_row[step] // n_n, step_row[step] % n_n)
         body:
-          init accumulator when k == 0
-          accumulate the product of g_dx and y summed over k when block_kind != _EMPTY
+          init accumulator when step_flags[step] & 1 != 0
+          accumulate the product of g_dx and y summed over k when step_kind_here != _EMPTY
             past K along k (a partial last block) the factors are zero
-          write output when k == n_k - 1 and block_kind == _EMPTY: zeros
-          write output when k == n_k - 1 and block_kind == _PARTIAL: accumulator * keep
-          write output when k == n_k - 1 and block_kind == _FULL: accumulator
+          write output when step_flags[step] & 2 != 0 and step_kind_here == _EMPTY: zeros
+          write output when step_flags[step] & 2 != 0 and step_kind_here == _PARTIAL: accumulator * keep
+          write output when step_flags[step] & 2 != 0 and step_kind_here == _FULL: accumulator
         VMEM estimate: 7.1 MiB of 128 MiB on v5e
           g_dx block: 2 x 512x512 bf16 = 1 MiB
           keep block: 2 x 512x512 bf16 = 1 MiB
@@ -109,30 +117,35 @@ Plan (target v5e):
           body temporaries: 2 x 512x512 f32 = 2 MiB
           Mosaic internal scratch: 1 x 32768 i32 = 128 KiB
         SMEM: 4 bytes per prefetch entry; depends on the call's sizes (limit 1016 KiB)
-      pass 2: d_y[k, n] = g_dx[m, k] * g[m, n] * keep[m, n]  (mask: a dense grid that skips the cells whose keep block is empty)
-        grid (ceil(K / 512), ceil(N / 512), ceil(M / 512))
+      pass 2: d_y[k, n] = g_dx[m, k] * g[m, n] * keep[m, n]  (mask: the non-empty blocks of keep, each output block's steps in a run)
+        grid (ceil(K / 512), n_run)
+          n_run: the steps the data needs (traced), at most n_steps, the tables' length
+          n_steps = pl.cdiv(N, 512) * pl.cdiv(M, 512)
           k: output blocks along k [parallel]
-          n: output blocks along n [parallel]
-          m: the sum over m, innermost so each output block's visits are consecutive [arbitrary]
-        dimension_semantics (parallel, parallel, arbitrary)
+          step: the non-empty (n blocks x m blocks) of keep, each output block's in a run [arbitrary]
+        dimension_semantics (parallel, arbitrary)
         scalar prefetch (SMEM, int32):
-          kind[ceil(N / 512) * ceil(M / 512)]: _EMPTY (skip), _PARTIAL, _FULL (all ones: no mask read): per cell, the kind of its keep block
-          next_step[ceil(K / 512) * ceil(N / 512) * ceil(M / 512)]: per grid cell over k, n, m: the next cell that computes (the last one after it), so skipped steps fetch nothing new
-          next_keep[ceil(K / 512) * ceil(N / 512) * ceil(M / 512)]: per grid cell: the next cell whose keep block is partial, the only blocks the kernel reads
+          step_row[n_steps]: the output block a step writes, row-major over n
+          step_read[n_steps]: the output block whose inputs a step reads (steps that compute nothing hold the last one read)
+          step_col[n_steps]: the block of the summed m a step reads, row-major
+          step_kind[n_steps]: _EMPTY (all-zero keep block: no compute), _PARTIAL (mixed: applied), _FULL (all ones: not read)
+          step_flags[n_steps]: 1: the first step of its output block (init), 2: the last (flush)
+          any_step[1]: 1 if some step computes; else every step reads block 0 along k (no copy)
+          next_keep[n_steps]: the next step whose keep block is partial (the last one after it), the only blocks the kernel reads
         blocks:
-          in  g_dx block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // (n_n * n_m))
-              Skipped steps hold the block of the next step that computes, so they start no copy.
-          in  g block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_step[cell]; -> (nxt % n_m, nxt // n_m % n_n)
-              Skipped steps hold the block of the next step that computes, so they start no copy.
-          in  keep block (512, 512), index map cell = (k * n_n + n) * n_m + m; nxt = next_keep[cell]; -> (nxt % n_m, nxt // n_m % n_n)
+          in  g_dx block (512, 512), index map (step_col[step], (k if any_step[0] != 0 else 0))
+              Steps that compute nothing hold the blocks of the last step that did: no copy.
+          in  g block (512, 512), index map (step_col[step], step_read[step])
+              Steps that compute nothing hold the blocks of the last step that did: no copy.
+          in  keep block (512, 512), index map (step_col[next_keep[step]], step_read[next_keep[step]])
               Only partial mask blocks are read: every other step holds the next partial one.
-          out d_y block (512, 512), index map (k, n)
+          out d_y block (512, 512), index map (k, step_row[step])
         body:
-          init accumulator when m == 0
-          accumulate the product of g_dx and (g * keep) summed over m when block_kind != _EMPTY
+          init accumulator when step_flags[step] & 1 != 0
+          accumulate the product of g_dx and (g * keep) summed over m when step_kind_here != _EMPTY
             past M along m (a partial last block) the factors are zero
-            in a full step (block_kind == _FULL) keep is all ones: not read, not multiplied
-          write output when m == n_m - 1: accumulator
+            in a full step (step_kind_here == _FULL) keep is all ones: not read, not multiplied
+          write output when step_flags[step] & 2 != 0: accumulator
         VMEM estimate: 6.1 MiB of 128 MiB on v5e
           g_dx block: 2 x 512x512 bf16 = 1 MiB
           g block: 2 x 512x512 bf16 = 1 MiB
@@ -524,19 +537,84 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
-def _kernel(kind, next_step, next_keep, g_ref, keep_ref, y_ref, dx_ref, acc_ref, *, N):
-    del next_step, next_keep  # unused
-    m = pl.program_id(0)
-    n = pl.program_id(2)
-    n_n = pl.num_programs(2)
-    block_kind = kind[m * n_n + n]
-    # Steps whose keep block is empty skip the compute (and their copies).
+def _row_walk(xp, kinds, bound=None):
+    """The walk's tables from block kinds (groups x row blocks x key blocks): per step, the
+    row block it writes, the key block and row block it reads, its kind, and whether it is
+    its row's first (1) or last (2). Each row visits its non-empty key blocks in order; a
+    row with none gets one empty step (its outputs are written as nothing-present). Steps
+    that compute nothing read what the last computing step read (before the first one,
+    what it reads), so they start no copy.
+    With numpy (kinds known at trace time) the walk has exactly these steps; with traced
+    kinds `bound` steps per group (default: the dense count), the extra ones empty and
+    trailing; a group that needs more loses its last steps (the caller checks `ends`).
+    """
+    groups, n_rows, n_cols = kinds.shape
+    nonempty = kinds != _EMPTY
+    count = nonempty.sum(axis=-1)
+    steps = xp.maximum(count, 1)
+    ends = xp.cumsum(steps, axis=-1)
+    starts = ends - steps
+    total = int(ends[:, -1].max()) if xp is np else (bound or n_rows * n_cols)
+    t = xp.arange(total)[None, :]
+    row = xp.minimum((starts[:, None, :] <= t[:, :, None]).sum(axis=-1) - 1, n_rows - 1)
+    pos = t - xp.take_along_axis(starts, row, axis=-1)
+    live = (pos < xp.take_along_axis(count, row, axis=-1)) & (t < ends[:, -1:])
+    if xp is np:
+        order = np.argsort(~nonempty, axis=-1, kind="stable")
+    else:
+        order = jnp.argsort(~nonempty, axis=-1, stable=True)
+    cell = row * n_cols + xp.clip(pos, 0, n_cols - 1)
+    col = xp.take_along_axis(order.reshape(groups, -1), cell, axis=-1)
+    kind = xp.where(
+        live,
+        xp.take_along_axis(kinds.reshape(groups, -1), row * n_cols + col, axis=-1),
+        _EMPTY,
+    )
+    # Steps that compute nothing read what the last computing step before them read (those
+    # before the first one, what it reads).
+    stamp = xp.where(live, t, -1)
+    source = (
+        np.maximum.accumulate(stamp, axis=-1) if xp is np else lax.cummax(stamp, axis=1)
+    )
+    source = xp.where(source < 0, xp.argmax(live, axis=-1)[:, None], source)
+    col = xp.take_along_axis(col, source, axis=-1)
+    read_row = xp.take_along_axis(row, source, axis=-1)
+    inside = t < ends[:, -1:]
+    first = (pos == 0) & inside
+    last = (pos == xp.take_along_axis(steps, row, axis=-1) - 1) & inside
+    flags = first.astype(xp.int32) + 2 * last.astype(xp.int32)
+    tables = tuple(
+        x.reshape(-1).astype(xp.int32) for x in (row, col, read_row, kind, flags)
+    )
+    return tables, total, ends[:, -1]
 
-    @pl.when(n == 0)
+
+def _kernel(
+    step_row,
+    step_read,
+    step_col,
+    step_kind,
+    step_flags,
+    next_keep,
+    any_step,
+    g_ref,
+    keep_ref,
+    y_ref,
+    dx_ref,
+    acc_ref,
+    *,
+    N,
+):
+    del step_row, step_read, next_keep, any_step  # unused
+    step = pl.program_id(1)
+    step_kind_here = step_kind[step]
+    # A run of steps accumulates one output block; an all-zero output block takes one step (zeros).
+
+    @pl.when(step_flags[step] & 1 != 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(block_kind == _PARTIAL)
+    @pl.when(step_kind_here == _PARTIAL)
     def _compute_partial():
         # keep block partial: multiply it in.
         g = (g_ref[...].astype(jnp.float32) * keep_ref[...].astype(jnp.float32)).astype(
@@ -544,176 +622,194 @@ def _kernel(kind, next_step, next_keep, g_ref, keep_ref, y_ref, dx_ref, acc_ref,
         )
         y = y_ref[...]
         if N % 512:  # a partial last block: what lies past the end is absent
-            g = _mask_tail(g, 1, N - n * 512)
-            y = _mask_tail(y, 1, N - n * 512)
+            g = _mask_tail(g, 1, N - step_col[step] * 512)
+            y = _mask_tail(y, 1, N - step_col[step] * 512)
         acc_ref[...] += lax.dot_general(
             g, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    @pl.when(block_kind == _FULL)
+    @pl.when(step_kind_here == _FULL)
     def _compute_full():
         # keep is all ones here: no need to read it.
         g = g_ref[...]
         y = y_ref[...]
         if N % 512:  # a partial last block: what lies past the end is absent
-            g = _mask_tail(g, 1, N - n * 512)
-            y = _mask_tail(y, 1, N - n * 512)
+            g = _mask_tail(g, 1, N - step_col[step] * 512)
+            y = _mask_tail(y, 1, N - step_col[step] * 512)
         acc_ref[...] += lax.dot_general(
             g, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    @pl.when(n == n_n - 1)
+    @pl.when(step_flags[step] & 2 != 0)
     def _flush():
-        # Write the block.
+        # Write the block (zeros if nothing was present).
         dx_ref[...] = acc_ref[...].astype(dx_ref.dtype)
 
 
-def _g_index_map(m, k, n, kind, next_step, *_, n_k, n_n):
-    del kind  # unused
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
-    cell = (m * n_k + k) * n_n + n
-    nxt = next_step[cell]
-    return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
+def _g_index_map(k, step, step_row, step_read, step_col, *_):
+    del k, step_row  # unused
+    # Steps that compute nothing hold the blocks of the last step that did: no copy.
+    return (step_read[step], step_col[step])
 
 
-def _keep_index_map(m, k, n, kind, next_step, next_keep, *, n_k, n_n):
-    del kind, next_step  # unused
+def _keep_index_map(
+    k, step, step_row, step_read, step_col, step_kind, step_flags, next_keep, *_
+):
+    del k, step_row, step_kind, step_flags  # unused
     # Only partial mask blocks are read: every other step holds the next partial one.
-    cell = (m * n_k + k) * n_n + n
-    nxt = next_keep[cell]
-    return (lax.div(nxt, n_k * n_n), lax.rem(nxt, n_n))
+    return (step_read[next_keep[step]], step_col[next_keep[step]])
 
 
-def _y_index_map(m, k, n, kind, next_step, *_, n_k, n_n):
-    del kind  # unused
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
-    cell = (m * n_k + k) * n_n + n
-    nxt = next_step[cell]
-    return (lax.rem(lax.div(nxt, n_n), n_k), lax.rem(nxt, n_n))
+def _y_index_map(
+    k, step, step_row, step_read, step_col, step_kind, step_flags, next_keep, any_step
+):
+    del step_row, step_read, step_kind, step_flags, next_keep  # unused
+    # Steps that compute nothing hold the blocks of the last step that did: no copy.
+    return (jnp.where(any_step[0] != 0, k, 0), step_col[step])
 
 
-def _dx_index_map(m, k, *_):
-    return (m, k)
+def _dx_index_map(k, step, step_row, *_):
+    return (step_row[step], k)
 
 
 def _prefetch(g, keep, y, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, N, K = sizes
-    # Classify the blocks of keep; skipped steps follow a map to the next step that computes.
-    kind = _block_kinds(keep, (512, 512), True)
-    next_step = _next_live(
-        jnp.broadcast_to(
-            (kind != _EMPTY).reshape((pl.cdiv(M, 512), 1, pl.cdiv(N, 512))),
-            (pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
-        ).reshape(-1)
+    n_steps = pl.cdiv(M, 512) * pl.cdiv(N, 512)
+    # The walk's steps, from the blocks of keep (traced: tables of n_steps steps; the grid runs those needed).
+    kinds = jnp.broadcast_to(
+        _block_kinds(keep, (512, 512), True), (pl.cdiv(M, 512), pl.cdiv(N, 512))
+    ).reshape((1, pl.cdiv(M, 512), pl.cdiv(N, 512)))
+    (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
+        jnp, kinds, n_steps
     )
-    next_keep = _next_live(
-        jnp.broadcast_to(
-            (kind == _PARTIAL).reshape((pl.cdiv(M, 512), 1, pl.cdiv(N, 512))),
-            (pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
-        ).reshape(-1)
-    )
-    kind = kind.reshape(-1)
-    return (kind, next_step, next_keep)
+    next_keep = _next_live(step_kind == _PARTIAL)
+    any_step = jnp.any(step_kind != _EMPTY).astype(jnp.int32).reshape(1)
+    return (step_row, step_read, step_col, step_kind, step_flags, next_keep, any_step)
 
 
 def _d_g_kernel(
-    kind, next_step, next_keep, g_dx_ref, keep_ref, y_ref, d_g_ref, acc_ref, *, K
+    step_row,
+    step_read,
+    step_col,
+    step_kind,
+    step_flags,
+    next_keep,
+    g_dx_ref,
+    keep_ref,
+    y_ref,
+    d_g_ref,
+    acc_ref,
+    *,
+    K,
 ):
-    del next_step, next_keep  # unused
-    m = pl.program_id(0)
-    n = pl.program_id(1)
-    k = pl.program_id(2)
-    n_n = pl.num_programs(1)
-    n_k = pl.num_programs(2)
-    block_kind = kind[m * n_n + n]
-    # Steps whose keep block is empty skip the compute (and their copies).
+    del step_row, step_read, next_keep  # unused
+    step = pl.program_id(0)
+    step_kind_here = step_kind[step]
+    # A run of steps accumulates one output block; an all-zero output block takes one step (zeros).
 
-    @pl.when(k == 0)
+    @pl.when(step_flags[step] & 1 != 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(block_kind != _EMPTY)
+    @pl.when(step_kind_here != _EMPTY)
     def _compute():
         g_dx = g_dx_ref[...]
         y = y_ref[...]
         if K % 512:  # a partial last block: what lies past the end is absent
-            g_dx = _mask_tail(g_dx, 1, K - k * 512)
-            y = _mask_tail(y, 0, K - k * 512)
+            g_dx = _mask_tail(g_dx, 1, K - step_col[step] * 512)
+            y = _mask_tail(y, 0, K - step_col[step] * 512)
         acc_ref[...] += jnp.dot(g_dx, y, preferred_element_type=jnp.float32)
 
-    @pl.when((k == n_k - 1) & (block_kind == _EMPTY))
+    @pl.when((step_flags[step] & 2 != 0) & (step_kind_here == _EMPTY))
     def _flush_empty():
-        # Nothing to compute here (keep block): the block is zero.
+        # An all-zero keep block: the block is zero.
         d_g_ref[...] = jnp.zeros_like(d_g_ref)
 
-    @pl.when((k == n_k - 1) & (block_kind == _PARTIAL))
+    @pl.when((step_flags[step] & 2 != 0) & (step_kind_here == _PARTIAL))
     def _flush_partial():
         # Apply keep.
         d_g_ref[...] = (acc_ref[...] * keep_ref[...].astype(jnp.float32)).astype(
             d_g_ref.dtype
         )
 
-    @pl.when((k == n_k - 1) & (block_kind == _FULL))
+    @pl.when((step_flags[step] & 2 != 0) & (step_kind_here == _FULL))
     def _flush_full():
         # keep is all ones here: no need to read it.
         d_g_ref[...] = acc_ref[...].astype(d_g_ref.dtype)
 
 
-def _d_g_g_dx_index_map(m, n, k, kind, next_step, *_, n_n, n_k):
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
-    cell = m * n_n + n
-    nxt = next_step[cell]
-    live = kind[cell] != _EMPTY
-    return (lax.div(nxt, n_n), jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)))
+def _d_g_g_dx_index_map(step, step_row, step_read, step_col, *_, n_n):
+    del step_row  # unused
+    # Steps that compute nothing hold the blocks of the last step that did: no copy.
+    return (lax.div(step_read[step], n_n), step_col[step])
 
 
-def _d_g_keep_index_map(m, n, k, kind, next_step, next_keep, *, n_n):
-    del k, kind, next_step  # unused
+def _d_g_keep_index_map(
+    step, step_row, step_read, step_col, step_kind, step_flags, next_keep, *, n_n
+):
+    del step_row, step_col, step_kind, step_flags  # unused
     # Only partial mask blocks are read: every other step holds the next partial one.
-    cell = m * n_n + n
-    nxt = next_keep[cell]
-    return (lax.div(nxt, n_n), lax.rem(nxt, n_n))
+    return (
+        lax.div(step_read[next_keep[step]], n_n),
+        lax.rem(step_read[next_keep[step]], n_n),
+    )
 
 
-def _d_g_y_index_map(m, n, k, kind, next_step, *_, n_n, n_k):
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
-    cell = m * n_n + n
-    nxt = next_step[cell]
-    live = kind[cell] != _EMPTY
-    return (jnp.where(live, k, jnp.where(nxt > cell, 0, n_k - 1)), lax.rem(nxt, n_n))
+def _d_g_y_index_map(step, step_row, step_read, step_col, *_, n_n):
+    del step_row  # unused
+    # Steps that compute nothing hold the blocks of the last step that did: no copy.
+    return (step_col[step], lax.rem(step_read[step], n_n))
 
 
-def _d_g_d_g_index_map(m, n, *_):
-    return (m, n)
+def _d_g_d_g_index_map(step, step_row, *_, n_n):
+    return (lax.div(step_row[step], n_n), lax.rem(step_row[step], n_n))
 
 
 def _d_g_prefetch(g, keep, y, g_dx, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, N, K = sizes
-    # Classify the blocks of keep; skipped steps follow a map to the next step that computes.
-    kind = _block_kinds(keep, (512, 512), True)
-    next_step = _next_live((kind != _EMPTY).reshape(-1))
-    next_keep = _next_live((kind == _PARTIAL).reshape(-1))
-    kind = kind.reshape(-1)
-    return (kind, next_step, next_keep)
+    n_steps = pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 512)
+    # The walk's steps, from the blocks of keep (traced: tables of n_steps steps; the grid runs those needed).
+    kinds = jnp.broadcast_to(
+        _block_kinds(keep, (512, 512), True).reshape(
+            (pl.cdiv(M, 512), pl.cdiv(N, 512), 1)
+        ),
+        (pl.cdiv(M, 512), pl.cdiv(N, 512), pl.cdiv(K, 512)),
+    ).reshape((1, pl.cdiv(M, 512) * pl.cdiv(N, 512), pl.cdiv(K, 512)))
+    (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
+        jnp, kinds, n_steps
+    )
+    next_keep = _next_live(step_kind == _PARTIAL)
+    return (step_row, step_read, step_col, step_kind, step_flags, next_keep)
 
 
 def _d_y_kernel(
-    kind, next_step, next_keep, g_dx_ref, g_ref, keep_ref, d_y_ref, acc_ref, *, M
+    step_row,
+    step_read,
+    step_col,
+    step_kind,
+    step_flags,
+    any_step,
+    next_keep,
+    g_dx_ref,
+    g_ref,
+    keep_ref,
+    d_y_ref,
+    acc_ref,
+    *,
+    M,
 ):
-    del next_step, next_keep  # unused
-    n = pl.program_id(1)
-    m = pl.program_id(2)
-    n_m = pl.num_programs(2)
-    block_kind = kind[n * n_m + m]
-    # Steps whose keep block is empty skip the compute (and their copies).
+    del step_row, step_read, any_step, next_keep  # unused
+    step = pl.program_id(1)
+    step_kind_here = step_kind[step]
+    # A run of steps accumulates one output block; an all-zero output block takes one step (zeros).
 
-    @pl.when(m == 0)
+    @pl.when(step_flags[step] & 1 != 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(block_kind == _PARTIAL)
+    @pl.when(step_kind_here == _PARTIAL)
     def _compute_partial():
         # keep block partial: multiply it in.
         g_dx = g_dx_ref[...]
@@ -721,77 +817,71 @@ def _d_y_kernel(
             jnp.bfloat16
         )
         if M % 512:  # a partial last block: what lies past the end is absent
-            g_dx = _mask_tail(g_dx, 0, M - m * 512)
-            g = _mask_tail(g, 0, M - m * 512)
+            g_dx = _mask_tail(g_dx, 0, M - step_col[step] * 512)
+            g = _mask_tail(g, 0, M - step_col[step] * 512)
         acc_ref[...] += lax.dot_general(
             g_dx, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    @pl.when(block_kind == _FULL)
+    @pl.when(step_kind_here == _FULL)
     def _compute_full():
         # keep is all ones here: no need to read it.
         g_dx = g_dx_ref[...]
         g = g_ref[...]
         if M % 512:  # a partial last block: what lies past the end is absent
-            g_dx = _mask_tail(g_dx, 0, M - m * 512)
-            g = _mask_tail(g, 0, M - m * 512)
+            g_dx = _mask_tail(g_dx, 0, M - step_col[step] * 512)
+            g = _mask_tail(g, 0, M - step_col[step] * 512)
         acc_ref[...] += lax.dot_general(
             g_dx, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    @pl.when(m == n_m - 1)
+    @pl.when(step_flags[step] & 2 != 0)
     def _flush():
-        # Write the block.
+        # Write the block (zeros if nothing was present).
         d_y_ref[...] = acc_ref[...].astype(d_y_ref.dtype)
 
 
-def _d_y_g_dx_index_map(k, n, m, kind, next_step, *_, n_n, n_m):
-    del kind  # unused
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
-    cell = (k * n_n + n) * n_m + m
-    nxt = next_step[cell]
-    return (lax.rem(nxt, n_m), lax.div(nxt, n_n * n_m))
+def _d_y_g_dx_index_map(
+    k, step, step_row, step_read, step_col, step_kind, step_flags, any_step, *_
+):
+    del step_row, step_read, step_kind, step_flags  # unused
+    # Steps that compute nothing hold the blocks of the last step that did: no copy.
+    return (step_col[step], jnp.where(any_step[0] != 0, k, 0))
 
 
-def _d_y_g_index_map(k, n, m, kind, next_step, *_, n_n, n_m):
-    del kind  # unused
-    # Skipped steps hold the block of the next step that computes, so they start no copy.
-    cell = (k * n_n + n) * n_m + m
-    nxt = next_step[cell]
-    return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
+def _d_y_g_index_map(k, step, step_row, step_read, step_col, *_):
+    del k, step_row  # unused
+    # Steps that compute nothing hold the blocks of the last step that did: no copy.
+    return (step_col[step], step_read[step])
 
 
-def _d_y_keep_index_map(k, n, m, kind, next_step, next_keep, *, n_n, n_m):
-    del kind, next_step  # unused
+def _d_y_keep_index_map(
+    k, step, step_row, step_read, step_col, step_kind, step_flags, any_step, next_keep
+):
+    del k, step_row, step_kind, step_flags, any_step  # unused
     # Only partial mask blocks are read: every other step holds the next partial one.
-    cell = (k * n_n + n) * n_m + m
-    nxt = next_keep[cell]
-    return (lax.rem(nxt, n_m), lax.rem(lax.div(nxt, n_m), n_n))
+    return (step_col[next_keep[step]], step_read[next_keep[step]])
 
 
-def _d_y_d_y_index_map(k, n, *_):
-    return (k, n)
+def _d_y_d_y_index_map(k, step, step_row, *_):
+    return (k, step_row[step])
 
 
 def _d_y_prefetch(g, keep, y, g_dx, sizes):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, N, K = sizes
-    # Classify the blocks of keep; skipped steps follow a map to the next step that computes.
-    kind = _block_kinds(keep, (512, 512), True).transpose((1, 0))
-    next_step = _next_live(
-        jnp.broadcast_to(
-            (kind != _EMPTY).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512))),
-            (pl.cdiv(K, 512), pl.cdiv(N, 512), pl.cdiv(M, 512)),
-        ).reshape(-1)
+    n_steps = pl.cdiv(N, 512) * pl.cdiv(M, 512)
+    # The walk's steps, from the blocks of keep (traced: tables of n_steps steps; the grid runs those needed).
+    kinds = jnp.broadcast_to(
+        _block_kinds(keep, (512, 512), True).transpose((1, 0)),
+        (pl.cdiv(N, 512), pl.cdiv(M, 512)),
+    ).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512)))
+    (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
+        jnp, kinds, n_steps
     )
-    next_keep = _next_live(
-        jnp.broadcast_to(
-            (kind == _PARTIAL).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512))),
-            (pl.cdiv(K, 512), pl.cdiv(N, 512), pl.cdiv(M, 512)),
-        ).reshape(-1)
-    )
-    kind = kind.reshape(-1)
-    return (kind, next_step, next_keep)
+    next_keep = _next_live(step_kind == _PARTIAL)
+    any_step = jnp.any(step_kind != _EMPTY).astype(jnp.int32).reshape(1)
+    return (step_row, step_read, step_col, step_kind, step_flags, any_step, next_keep)
 
 
 def _prepare(g, keep, y, M, N, K):
@@ -808,8 +898,7 @@ def _prepare(g, keep, y, M, N, K):
     _bind(size, "N", y.shape[1], "y dim 1")
     M, N, K = size["M"][0], size["N"][0], size["K"][0]
     _check_smem(
-        pl.cdiv(M, 512) * pl.cdiv(N, 512)
-        + 2 * (pl.cdiv(M, 512) * pl.cdiv(K, 512) * pl.cdiv(N, 512)),
+        6 * (pl.cdiv(M, 512) * pl.cdiv(N, 512)) + 1,
         "the scalar-prefetch tables of this call",
     )
     return g, keep, y, (M, N, K)
@@ -818,28 +907,25 @@ def _prepare(g, keep, y, M, N, K):
 @functools.partial(jax.jit, static_argnames=("sizes", "interpret"))
 def _impl(g, keep, y, sizes, interpret):
     M, N, K = sizes
+    n_steps = pl.cdiv(M, 512) * pl.cdiv(N, 512)
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    n_run = jnp.minimum(
+        _row_walk(
+            jnp,
+            jnp.broadcast_to(
+                _block_kinds(keep, (512, 512), True), (pl.cdiv(M, 512), pl.cdiv(N, 512))
+            ).reshape((1, pl.cdiv(M, 512), pl.cdiv(N, 512))),
+            1,
+        )[2][0],
+        n_steps,
+    )
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(pl.cdiv(M, 512), pl.cdiv(K, 512), pl.cdiv(N, 512)),
+        num_scalar_prefetch=7,
+        grid=(pl.cdiv(K, 512), n_run),
         in_specs=[
-            pl.BlockSpec(
-                (512, 512),
-                functools.partial(
-                    _g_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)
-                ),
-            ),
-            pl.BlockSpec(
-                (512, 512),
-                functools.partial(
-                    _keep_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)
-                ),
-            ),
-            pl.BlockSpec(
-                (512, 512),
-                functools.partial(
-                    _y_index_map, n_k=pl.cdiv(K, 512), n_n=pl.cdiv(N, 512)
-                ),
-            ),
+            pl.BlockSpec((512, 512), _g_index_map),
+            pl.BlockSpec((512, 512), _keep_index_map),
+            pl.BlockSpec((512, 512), _y_index_map),
         ],
         out_specs=pl.BlockSpec((512, 512), _dx_index_map),
         scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
@@ -849,13 +935,12 @@ def _impl(g, keep, y, sizes, interpret):
         grid_spec=grid_spec,
         out_shape=_typed(jax.ShapeDtypeStruct((M, K), jnp.bfloat16), g, keep, y),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            dimension_semantics=("parallel", "arbitrary"),
         ),
         cost_estimate=pl.CostEstimate(
-            flops=pl.cdiv(M, 512) * pl.cdiv(K, 512) * pl.cdiv(N, 512) * 268435456,
+            flops=n_steps * pl.cdiv(K, 512) * 268435456,
             transcendentals=0,
-            bytes_accessed=pl.cdiv(M, 512) * pl.cdiv(K, 512) * pl.cdiv(N, 512) * 1572864
-            + 2 * M * K,
+            bytes_accessed=n_steps * pl.cdiv(K, 512) * 1572864 + 2 * M * K,
         ),
         interpret=interpret,
     )(*_prefetch(g, keep, y, sizes), g, keep, y)
@@ -864,27 +949,38 @@ def _impl(g, keep, y, sizes, interpret):
 def _d_g_call(g, keep, y, g_dx, sizes, interpret):
     """The pass that computes d_g."""
     M, N, K = sizes
+    n_steps = pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 512)
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    n_run = jnp.minimum(
+        _row_walk(
+            jnp,
+            jnp.broadcast_to(
+                _block_kinds(keep, (512, 512), True).reshape(
+                    (pl.cdiv(M, 512), pl.cdiv(N, 512), 1)
+                ),
+                (pl.cdiv(M, 512), pl.cdiv(N, 512), pl.cdiv(K, 512)),
+            ).reshape((1, pl.cdiv(M, 512) * pl.cdiv(N, 512), pl.cdiv(K, 512))),
+            1,
+        )[2][0],
+        n_steps,
+    )
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(pl.cdiv(M, 512), pl.cdiv(N, 512), pl.cdiv(K, 512)),
+        num_scalar_prefetch=6,
+        grid=(n_run,),
         in_specs=[
             pl.BlockSpec(
-                (512, 512),
-                functools.partial(
-                    _d_g_g_dx_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(K, 512)
-                ),
+                (512, 512), functools.partial(_d_g_g_dx_index_map, n_n=pl.cdiv(N, 512))
             ),
             pl.BlockSpec(
                 (512, 512), functools.partial(_d_g_keep_index_map, n_n=pl.cdiv(N, 512))
             ),
             pl.BlockSpec(
-                (512, 512),
-                functools.partial(
-                    _d_g_y_index_map, n_n=pl.cdiv(N, 512), n_k=pl.cdiv(K, 512)
-                ),
+                (512, 512), functools.partial(_d_g_y_index_map, n_n=pl.cdiv(N, 512))
             ),
         ],
-        out_specs=pl.BlockSpec((512, 512), _d_g_d_g_index_map),
+        out_specs=pl.BlockSpec(
+            (512, 512), functools.partial(_d_g_d_g_index_map, n_n=pl.cdiv(N, 512))
+        ),
         scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
     )
     return pl.pallas_call(
@@ -892,13 +988,12 @@ def _d_g_call(g, keep, y, g_dx, sizes, interpret):
         grid_spec=grid_spec,
         out_shape=_typed(jax.ShapeDtypeStruct((M, N), jnp.bfloat16), g_dx, keep, y),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            dimension_semantics=("arbitrary",),
         ),
         cost_estimate=pl.CostEstimate(
-            flops=pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 512) * 268435456,
+            flops=n_steps * 268435456,
             transcendentals=0,
-            bytes_accessed=pl.cdiv(M, 512) * pl.cdiv(N, 512) * pl.cdiv(K, 512) * 1572864
-            + 2 * M * N,
+            bytes_accessed=n_steps * 1572864 + 2 * M * N,
         ),
         interpret=interpret,
     )(*_d_g_prefetch(g, keep, y, g_dx, sizes), g_dx, keep, y)
@@ -907,28 +1002,26 @@ def _d_g_call(g, keep, y, g_dx, sizes, interpret):
 def _d_y_call(g, keep, y, g_dx, sizes, interpret):
     """The pass that computes d_y."""
     M, N, K = sizes
+    n_steps = pl.cdiv(N, 512) * pl.cdiv(M, 512)
+    # The steps the data needs: the grid runs exactly those (a traced grid dimension).
+    n_run = jnp.minimum(
+        _row_walk(
+            jnp,
+            jnp.broadcast_to(
+                _block_kinds(keep, (512, 512), True).transpose((1, 0)),
+                (pl.cdiv(N, 512), pl.cdiv(M, 512)),
+            ).reshape((1, pl.cdiv(N, 512), pl.cdiv(M, 512))),
+            1,
+        )[2][0],
+        n_steps,
+    )
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(pl.cdiv(K, 512), pl.cdiv(N, 512), pl.cdiv(M, 512)),
+        num_scalar_prefetch=7,
+        grid=(pl.cdiv(K, 512), n_run),
         in_specs=[
-            pl.BlockSpec(
-                (512, 512),
-                functools.partial(
-                    _d_y_g_dx_index_map, n_n=pl.cdiv(N, 512), n_m=pl.cdiv(M, 512)
-                ),
-            ),
-            pl.BlockSpec(
-                (512, 512),
-                functools.partial(
-                    _d_y_g_index_map, n_n=pl.cdiv(N, 512), n_m=pl.cdiv(M, 512)
-                ),
-            ),
-            pl.BlockSpec(
-                (512, 512),
-                functools.partial(
-                    _d_y_keep_index_map, n_n=pl.cdiv(N, 512), n_m=pl.cdiv(M, 512)
-                ),
-            ),
+            pl.BlockSpec((512, 512), _d_y_g_dx_index_map),
+            pl.BlockSpec((512, 512), _d_y_g_index_map),
+            pl.BlockSpec((512, 512), _d_y_keep_index_map),
         ],
         out_specs=pl.BlockSpec((512, 512), _d_y_d_y_index_map),
         scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
@@ -938,13 +1031,12 @@ def _d_y_call(g, keep, y, g_dx, sizes, interpret):
         grid_spec=grid_spec,
         out_shape=_typed(jax.ShapeDtypeStruct((K, N), jnp.bfloat16), g_dx, g, keep),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            dimension_semantics=("parallel", "arbitrary"),
         ),
         cost_estimate=pl.CostEstimate(
-            flops=pl.cdiv(K, 512) * pl.cdiv(N, 512) * pl.cdiv(M, 512) * 268435456,
+            flops=n_steps * pl.cdiv(K, 512) * 268435456,
             transcendentals=0,
-            bytes_accessed=pl.cdiv(K, 512) * pl.cdiv(N, 512) * pl.cdiv(M, 512) * 1572864
-            + 2 * K * N,
+            bytes_accessed=n_steps * pl.cdiv(K, 512) * 1572864 + 2 * K * N,
         ),
         interpret=interpret,
     )(*_d_y_prefetch(g, keep, y, g_dx, sizes), g_dx, g, keep)

@@ -435,7 +435,8 @@ def _row_walk(xp, kinds, bound=None):
     row block it writes, the key block and row block it reads, its kind, and whether it is
     its row's first (1) or last (2). Each row visits its non-empty key blocks in order; a
     row with none gets one empty step (its outputs are written as nothing-present). Steps
-    that compute nothing read what the last computing step read, so they start no copy.
+    that compute nothing read what the last computing step read (before the first one,
+    what it reads), so they start no copy.
     With numpy (kinds known at trace time) the walk has exactly these steps; with traced
     kinds `bound` steps per group (default: the dense count), the extra ones empty and
     trailing; a group that needs more loses its last steps (the caller checks `ends`).
@@ -462,11 +463,13 @@ def _row_walk(xp, kinds, bound=None):
         xp.take_along_axis(kinds.reshape(groups, -1), row * n_cols + col, axis=-1),
         _EMPTY,
     )
-    # Steps that compute nothing read what the last computing step before them read.
-    stamp = xp.where(live, t, 0)
+    # Steps that compute nothing read what the last computing step before them read (those
+    # before the first one, what it reads).
+    stamp = xp.where(live, t, -1)
     source = (
         np.maximum.accumulate(stamp, axis=-1) if xp is np else lax.cummax(stamp, axis=1)
     )
+    source = xp.where(source < 0, xp.argmax(live, axis=-1)[:, None], source)
     col = xp.take_along_axis(col, source, axis=-1)
     read_row = xp.take_along_axis(row, source, axis=-1)
     inside = t < ends[:, -1:]

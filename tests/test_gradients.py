@@ -166,7 +166,7 @@ def test_backward_of_a_causal_masked_matmul_does_the_forward_block_products():
         one = type(backward)(**{**backward.__dict__, "passes": (tp,)})
         sim = simulate(one, module, pattern_args(one, env, "tril")[0], env)
         assert sim.block_products == forward.block_products, tp.p.statement.text
-    assert forward.block_products == 144  # of the 256 steps of the grid (8, 8, 4)
+    assert forward.block_products == 144  # of the 256 cells of the dense grid (8, 8, 4)
 
 
 # Each v1 feature on one target, the three in turn, and the features v4 refuses at build on

@@ -6,6 +6,7 @@ from __future__ import annotations
 import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_matches, build, spec_text, with_tiles
@@ -76,3 +77,42 @@ def test_tolerance_is_strict_enough_to_catch_a_missing_block():
     assert tolerance(kernel, "o")[0] < 0.1
     with pytest.raises(AssertionError):
         assert_matches(kernel, out, ref)
+
+
+def _kernel_text(spec: str, name: str) -> str:
+    """One kernel of an example spec (masked_backward.spk holds two)."""
+    chunk = next(c for c in ("\n" + spec_text(spec)).split("\nkernel ")[1:] if c.startswith(f"{name} "))
+    return "kernel " + chunk[: chunk.index("\n}") + 2]
+
+
+# (spec, kernel, the mask's position among the arguments, whether the output's block rows
+# run along the mask's second dimension)
+MASK_ROWS = [("masked_matmul", "masked_matmul", 2, False), ("masked_backward", "masked_matmul_dx", 1, False),
+             ("masked_backward", "masked_matmul_dy", 2, True)]
+
+
+@pytest.mark.parametrize("spec,name,at,columns", MASK_ROWS, ids=[m[1] for m in MASK_ROWS])
+def test_mask_walk_with_an_all_zero_and_a_full_block_row(spec, name, at, columns, interpret):
+    """The mask walk's step tables: a block row of the mask all zero (its output blocks each
+    take one step that writes zeros), one all ones (every step full: the mask unread), one
+    with a zero, a partial and a full block, the last partial. In the simulator, output
+    blocks revisited out of order or left unwritten (NaN-filled memory) would fail."""
+    kernel, mod = build(with_tiles(_kernel_text(spec, name), m=128, n=128, k=128))
+    sizes = dict(M=384, K=256, N=512) if columns else dict(M=512, K=256, N=384)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    args, keywords = example_args(kernel, sizes, "random", rng)
+    mask = np.asarray(args[at])
+    rows = mask.T.copy() if columns else mask.copy()  # the output's block rows first
+    rows[:] = (rng.random(rows.shape) < 0.5) * rng.integers(1, 3, rows.shape)
+    rows[:128] = 0
+    rows[128:256] = 1
+    rows[256:384, :128] = 0
+    rows[256:384, 256:384] = 1
+    rows[384:, ::128] = 1  # never an all-zero block
+    args = list(args)
+    args[at] = jnp.asarray(rows.T if columns else rows, mask.dtype)
+    ref = mod.reference(*args, **keywords)
+    assert_matches(kernel, ref, oracle(kernel, args, keywords))
+    out = getattr(mod, name)(*args, **keywords, interpret=interpret)
+    assert_matches(kernel, out, ref)
+    assert np.all(np.asarray(out.T if columns else out, np.float32)[:128] == 0)

@@ -62,9 +62,14 @@ def test_tutorial_masked_matmul_does_144_of_256_block_products():
     (plan,) = plans(SPECS / "masked_matmul.spk")
     report = analyse(plan, dict(M=4096, N=4096, K=4096), "tril", targets=("v4", "v5e", "v5p", "v6e"))
     assert (report.sim.block_products, report.dense.block_products) == (144, 256)
+    # The walk's steps: the 144 products, and one zero-writing step for each of the 28
+    # output blocks above the diagonal (the dense grid visited each once per k block: 112).
+    assert report.sim.steps == 144 + 28
     assert report.sim.traffic["mask"].copies == 8  # only the diagonal (partial) blocks are read
-    for estimate in report.estimates.values():
-        assert estimate["speedup"] > 1
+    # One TensorCore's chips; on v4 and v5p the dense grid's parallel axes split over two
+    # (the walk has no parallel axis: the mask covers every output index).
+    for target in ("v5e", "v6e"):
+        assert report.estimates[target]["speedup"] > 1
 
 
 def test_dense_copies_match_the_grid():
@@ -76,10 +81,24 @@ def test_dense_copies_match_the_grid():
     assert sim.traffic["x"].copies == 24 and sim.traffic["y"].copies == 24
 
 
+MASKED_SCALE = """
+kernel masked_scale {
+    in  x: bf16[M, N]
+    in  mask: i32[M, N] mask
+    out o: bf16[M, N]
+
+    o[m, n] = mask[m, n] * x[m, n]
+
+    tile m = 512, n = 512
+}
+"""
+
+
 def test_the_metric_catches_waste(tmp_path):
     """The tutorial's prefetch maps point past-the-end steps at the grid's last block: a copy
-    nobody uses. Swap that behaviour into the generated module and the simulator sees it."""
-    (plan,) = plans(SPECS / "masked_matmul.spk")
+    nobody uses. Swap that behaviour into the generated module and the simulator sees it
+    (a mask without a sum: a dense grid whose maps follow the next cell that computes)."""
+    plan = plan_of(MASKED_SCALE)
     module = load_module(plan)
     original = module._next_live
 
@@ -89,7 +108,7 @@ def test_the_metric_catches_waste(tmp_path):
         return np.where(after_last, live.shape[0] - 1, out)
 
     module._next_live = tutorial_next
-    env = dict(M=2048, K=2048, N=2048)
+    env = dict(M=2048, N=2048)
     pattern = np.zeros((4, 4), bool)
     pattern[0, 0] = True
     np.save(tmp_path / "first_block.npy", pattern)
@@ -166,12 +185,12 @@ def test_cost_estimate_in_every_pallas_call():
         assert "cost_estimate=pl.CostEstimate(" in path.read_text(), path.name
 
 
-@pytest.mark.parametrize("kernel,copies", [("masked_matmul_dx", 4), ("masked_matmul_dy", 16)])
+@pytest.mark.parametrize("kernel,copies", [("masked_matmul_dx", 16), ("masked_matmul_dy", 16)])
 def test_a_mask_inside_the_sum_is_read_at_its_partial_blocks_only(kernel, copies):
     """keep multiplies g inside the sum: its all-ones blocks are left out of a full step's
-    product, so its map follows the partial (diagonal) blocks only: dx's grid (m, k, n)
-    holds each across k (4 copies), dy's (k, n, m) reads the 4 again for each k (16); every
-    computing step copied it before (40)."""
+    product, so its map follows the partial (diagonal) blocks only: the walk's grid (k,
+    steps), dx's and dy's alike, reads the 4 again for each of the 4 blocks of k, the
+    parallel index (16); every computing step copied it before (40)."""
     plan = next(p for p in plans(SPECS / "masked_backward.spk") if p.name == kernel)
     report = analyse(plan, dict(M=2048, K=2048, N=2048), "tril")
     assert report.sim.wasted_copies == 0

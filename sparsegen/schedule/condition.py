@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..expr import Const, Expr, Load, Var, Where, render
+from ..expr import Const, Expr, Load, Var, render
 from ..ir import Read, Term
 from ..source import Diagnostic
 from .attention import Point
 from .classify import Classifier, Conditions
-from .build import PassBuilder, ScheduleError
+from .build import ScheduleError
 from .core import Block, Body, Fallback, FlushCase, HostFunction, Pass, Select
+from .steps import StepWalk
 
 
 
@@ -69,7 +70,7 @@ def select_target(st, tile: dict[str, int], used: list[str]) -> tuple[str, int]:
                                             "that a block spans; a condition on summed indices needs one factor with all of them"))
 
 
-class ConditionWalk(PassBuilder):
+class ConditionWalk(StepWalk):
     walk = "condition"
 
     def __init__(self, *args):
@@ -85,74 +86,20 @@ class ConditionWalk(PassBuilder):
         cond = st.condition
         self.refuse_unsupported()
         used, out_c, sum_c = condition_axes(st)
-        for i in st.out_indices:
-            if i not in out_c:
-                self.axis("blocks", i, self.blocks_along(i), True, f"output blocks along {i}")
-        n_steps = self.local("n_steps")
-        what = " x ".join(f"{i} blocks" for i in out_c + sum_c)
         # Traced operands in the condition: the grid runs exactly the steps the data needs.
-        self.n_run = self.local("n_run") if any(self.k.operand(r.operand).sparsity == "dense" for r in cond.reads) else None
-        step_axis = self.axis("steps", None, Var(self.n_run or n_steps), False,
-                              f"the non-empty ({what}) of the condition, each output block's in a run", var=self.local("step"))
-        step = Var(step_axis.var)
-        inner = [self.axis("reduce", i, self.blocks_along(i), False, f"the sum over {i}, which the condition does not use, inside each step")
-                 for i in st.summed if i not in sum_c]
-
-        length = Var(n_steps)
-        row = self.table("step_row", length, "the output block a step writes, row-major over " + ", ".join(out_c)) if out_c else None
-        read_row = self.table("step_read", length, "the output block whose inputs a step reads (steps that compute nothing hold the last one read)") if out_c else None
-        col = self.table("step_col", length, "the block of the summed " + ", ".join(sum_c) + " a step reads, row-major") if sum_c else None
-        kind = self.table("step_kind", length, "_EMPTY (nothing present: no compute), _PARTIAL (the condition is evaluated), _FULL")
-        flags = self.table("step_flags", length, "1: the first step of its output block (init), 2: the last (flush)")
-        self.kinds = ["_EMPTY", "_PARTIAL", "_FULL"]
-
-        statics = {}
-        for i in out_c + sum_c:
-            statics[i] = self.local(f"n_{i}")
-            self.statics[statics[i]] = self.blocks_along(i)
-
-        def decode(table: str, group: list[str], index: str, at: Expr = step) -> Expr:
-            value = Load(table, at)
-            later = Const(1)
-            for n in group[group.index(index) + 1:]:
-                later = later * Var(statics[n])
-            value = value.div(later)
-            if group.index(index) > 0:
-                value = value.rem(Var(statics[index]))
-            return value
-
-        live = Load(kind, step).ne(Var("_EMPTY"))
-
-        def read_coord(index: str) -> Expr:
-            if index in out_c:
-                return decode(read_row, out_c, index)
-            if index in sum_c:
-                return decode(col, sum_c, index)
-            axis = self.axis_of(index)
-            if axis in inner:
-                # Walked while the step computes; other steps hold the last block.
-                return Where(live, Var(axis.var), Var(axis.static) - 1)
-            return Var(axis.var)
+        traced = any(self.k.operand(r.operand).sparsity == "dense" for r in cond.reads)
+        s = self.step_walk(out_c, sum_c, "n_run" if traced else None, "the condition", "the condition does not use",
+                           "_EMPTY (nothing present: no compute), _PARTIAL (the condition is evaluated), _FULL")
+        n_steps, step, length = s.n_steps, s.step, Var(s.n_steps)
+        row, read_row, col, kind, flags = s.row, s.read_row, s.col, s.kind, s.flags
+        read_coord, compute_coord, write_coord = s.read_coord, s.compute_coord, s.write_coord
 
         def cond_coord(index: str) -> Expr:
             """A condition operand's block: read at partial steps only, so every other step
             holds the block of the next partial one (no copy where the condition is not evaluated)."""
             if self.cond_step is None:
                 self.cond_step = self.table("step_cond", length, "the next step that evaluates the condition (the last one after it)")
-            at = Load(self.cond_step, step)
-            if index in out_c:
-                return decode(read_row, out_c, index, at)
-            if index in sum_c:
-                return decode(col, sum_c, index, at)
-            return read_coord(index)
-
-        def compute_coord(index: str) -> Expr:
-            """At a step that computes (the inner axes walk)."""
-            axis = next((a for a in inner if a.index == index), None)
-            return Var(axis.var) if axis is not None else read_coord(index)
-
-        def write_coord(index: str) -> Expr:
-            return decode(row, out_c, index) if index in out_c else Var(self.axis_of(index).var)
+            return s.read_at(Load(self.cond_step, step), index)
 
         blocks: dict[str, Block] = {}
         for n in range(len(st.factors)):
@@ -175,12 +122,7 @@ class ConditionWalk(PassBuilder):
 
         # Where each of the condition's indices is at a computing step (element positions).
         coord_at = tuple((i, read_coord(i)) for i in used)
-        flag = Load(flags, step)
-        first = (flag & Const(1)).ne(0)
-        last = (flag & Const(2)).ne(0)
-        for a in inner:
-            first = first & Var(a.var).eq(0)
-            last = last & Var(a.var).eq(Var(a.static) - 1)
+        first, last = s.first, s.last
         here = self.local("step_kind_here")
         partial = Var(here).eq(Var("_PARTIAL"))
         sizes = tuple((t.name, self.conv.size_var(t.name)) for t in cond.walk() if t.op == "size")

@@ -60,10 +60,10 @@ class KindsMixin(PassBuilder):
         used = {self.source_of(i)[0].var for i in indices}
         return [a for a in self.axes if a.var in used]
 
-    def mask_source(self, n: int, applied_after_sum: bool) -> KindSource:
+    def mask_kinds(self, n: int, applied_after_sum: bool) -> tuple[str, bool]:
+        """The host expression of a mask factor's block kinds (over its indices' blocks, in
+        its order), and whether its all-ones blocks go unread (_FULL)."""
         read = self.st.factors[n]
-        axes = self.axes_of(read.indices)
-        var = self.local("kind")
         param = self.conv.param(read.operand).internal
         tiles = _tuple(str(self.tile[i]) for i in read.indices)
         # Inside the sum, an all-ones block is skipped where another factor covers the mask in
@@ -71,8 +71,14 @@ class KindsMixin(PassBuilder):
         skippable = not applied_after_sum and sum(f.operand == read.operand for f in self.st.factors) == 1 and any(
             n in g.extras for g in self.st.summed_groups)
         ones = "True" if applied_after_sum or skippable else "False"
+        return f"_block_kinds({param}, {tiles}, {ones})", skippable
+
+    def mask_source(self, n: int, applied_after_sum: bool) -> KindSource:
+        read = self.st.factors[n]
+        axes = self.axes_of(read.indices)
+        var = self.local("kind")
+        kinds, skippable = self.mask_kinds(n, applied_after_sum)
         host = [f"# Classify the blocks of {read.operand}; skipped steps follow a map to the next step that computes."]
-        kinds = f"_block_kinds({param}, {tiles}, {ones})"
         natural = [self.source_of(i)[0].var for i in read.indices]
         if all(self.source_of(i)[1] is None for i in read.indices) and len(set(natural)) == len(natural):
             order = [natural.index(a.var) for a in axes]
