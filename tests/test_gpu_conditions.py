@@ -144,3 +144,29 @@ def test_conditions_reading_an_operand_per_coordinate_or_group():
     x, w = jnp.asarray(rng.standard_normal((200, 128)), jnp.bfloat16), jnp.asarray(rng.standard_normal((3, 128, 128)), jnp.bfloat16)
     lo = jnp.asarray([0, 100, 100, 200], jnp.int32)
     assert_matches(kernel, mod.gmm_offsets(x, w, lo, interpret=True), mod.reference(x, w, lo), dict(M=200, K=128, E=3, E1=4, N=128))
+
+
+@pytest.mark.parametrize("operand,condition,needle", [
+    ("keep: i32[M, K]", "keep[m, k] != 0", "reads one index of the tile it masks (x[m, k])"),
+    ("lim: i32[N]", "m < lim[n]", "masks the accumulator by positions and by operands read one element at a time"),
+])
+def test_conditions_the_gpu_does_not_lower_are_refused_at_the_read(operand, condition, needle):
+    from sparsegen.source import SpecError
+
+    text = f"""kernel t {{
+    in  x: bf16[M, K]
+    in  y: bf16[K, N]
+    in  {operand}
+    out o: bf16[M, N]
+
+    o[m, n] = x[m, k] * y[k, n] where {condition}
+
+    tile m = 64, k = 64, n = 64
+}}
+"""
+    with pytest.raises(SpecError) as info:
+        lower_source(SourceFile("bad.spk", text), "h200")
+    rendered = info.value.render()
+    assert rendered.count("error:") == 1 and needle in rendered and "not lowered for GPUs yet" in rendered, rendered
+    read = condition.split(" ")[0] if "[" in condition.split(" ")[0] else condition.split(" ")[-1]
+    assert f"bad.spk:7:{text.splitlines()[6].index(read) + 1}: error:" in rendered, rendered

@@ -134,7 +134,6 @@ class ProductPass:
     flops_per_product: int
     smem: int
     selection: Selection | None = None  # a condition walk's partial steps (or blocks)
-    kind_at: str = "cell"  # the kind table's entry for the CTA's block (kernel code)
 
     @property
     def classifies(self) -> bool:

@@ -445,9 +445,13 @@ class ProductLowering:
             spanned = [i for i in r.indices if self.tile[i] > 1]
             if not spanned:
                 continue
-            if self.sel_on == "out" or len(r.indices) != 1 or r.subs[0].shift:
+            if self.sel_on == "out":
+                fail(r.span, f"the condition reads '{r.text}' along an index with a tile above 1, and selects in the "
+                             f"output ({st.target.text}): the GPU backend masks the accumulator by positions and by "
+                             "operands read one element at a time; not lowered for GPUs yet")
+            if len(r.indices) != 1 or r.subs[0].shift:
                 fail(r.span, f"the condition reads '{r.text}' along an index with a tile above 1: the GPU backend reads one "
-                             f"index of the tile it masks ({self.st.factors[self.ga.main if self.sel_on == 'a' else self.gb.main].text}"
+                             f"index of the tile it masks ({st.factors[self.ga.main if self.sel_on == 'a' else self.gb.main].text}"
                              "), not shifted; not lowered for GPUs yet")
             self.held_reads.append(r)
 
@@ -549,7 +553,7 @@ class ProductLowering:
         partial step masking the tile it reads. Selecting out of the accumulator: an output
         block whose row is empty runs no step (zeros); the others run every step and the
         condition masks the accumulator before it is stored."""
-        st, names, t, k, cond = self.st, self.names, self.t, self.k, self.cond
+        names, t, k, cond = self.names, self.t, self.k, self.cond
         out_c, sum_c = self.out_c, self.sum_c
         scope = names.scope()
         cl = Classifier(Conditions((Point(None, None, cond),), tuple(out_c + sum_c), k), self.conv, scope.local,
