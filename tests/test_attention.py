@@ -754,7 +754,7 @@ RANGES = {
 @pytest.mark.parametrize(*in_both_modes(sorted(RANGES), ["window"], "name"), indirect=["interpret"])
 def test_two_bounds_on_positions_are_one_unsigned_compare(name, interpret):
     cond, one = RANGES[name]
-    kernel, mod = build(condition_spec(cond))
+    kernel, mod = build(condition_spec(cond), formatted=True)  # its text is read
     code = open(mod.__file__).read()
     scores = code[code.index("def _attention_kernel("):code.index("def _attention_primal_kernel(")]
     assert ("bitcast_convert_type" in scores) == one, cond

@@ -251,7 +251,7 @@ def test_no_race_in_the_fused_walk(tmp_path):
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     from jax.experimental.pallas import tpu as pltpu
 
-    _, mod = build(SMALL)
+    _, mod = build(SMALL, formatted=True)  # its text is edited below
     rng = np.random.default_rng(5)
     args = [rand(rng, (1, 2, 384, 128), jnp.float32) for _ in range(3)]
     assert backward_kernels(mod, mod.small_causal, args) == [FUSED]

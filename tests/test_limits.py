@@ -81,14 +81,14 @@ def test_a_deep_condition_is_refused_too():
 def test_at_the_limit_the_module_imports(value, condition):
     """Python refuses 200 nested brackets and black recurses per level: at the limit the
     module is still valid, black-formatted and importable (conftest.build imports it)."""
-    kernel, mod = build(attention(value, condition))
+    kernel, mod = build(attention(value, condition), formatted=True)
     assert callable(mod.deep) and callable(mod.reference)
 
 
 @pytest.mark.parametrize("value,condition", [(long_sum(MAX_DEPTH), "i >= j"), (right_nested(MAX_DEPTH), "i >= j"),
                                              ("s[i, j]", deep_condition(MAX_DEPTH))], ids=["sum", "right_nested", "condition"])
 def test_at_the_limit_kernel_matches_reference(value, condition):
-    kernel, mod = build(attention(value, condition))
+    kernel, mod = build(attention(value, condition), formatted=True)  # the module above
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((256, 128), dtype=np.float32) for _ in range(3))
     assert_matches(kernel, mod.deep(q, k, v, interpret=True), mod.reference(q, k, v))

@@ -113,7 +113,7 @@ def test_the_race_detector_is_live(tmp_path):
     """Positive control: mark the summed axis of the dense kernel 'parallel' too. The cores
     split the grid's points in order, so with one output block and three steps of k the
     two cores both accumulate into and write back that block: a race is reported."""
-    kernel, mod = build(SPECS["dense"])
+    kernel, mod = build(SPECS["dense"], formatted=True)  # its text is edited below
     code = open(mod.__file__).read()
     honest = 'dimension_semantics=("parallel", "parallel", "arbitrary")'
     assert honest in code

@@ -376,7 +376,7 @@ def test_group_offsets_match_ragged_dot(interpret, sizes):
 
 
 def test_group_offsets_walk_is_bounded_and_reads_are_checked():
-    _, mod = build(OFFSETS)
+    _, mod = build(OFFSETS, formatted=True)  # its text is read
     assert "pl.cdiv(M, 128) + E - 1" in open(mod.__file__).read()  # the sorted bound, as for ids
     x, w = np.zeros((256, 128), jnp.bfloat16), np.zeros((4, 128, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"lo dim 0 has 4 entries, but lo\[g \+ 1\] reads entry 4"):
@@ -385,7 +385,7 @@ def test_group_offsets_walk_is_bounded_and_reads_are_checked():
 
 def test_lengths_read_from_smem(interpret):
     """`k < lens[b]`: a per-batch length, one scalar per step (SMEM), under jit too."""
-    kernel, mod = build(LENGTHS)
+    kernel, mod = build(LENGTHS, formatted=True)  # its text is read
     rng = np.random.default_rng(7)
     b, m, kk, n = 3, 128, 384, 128
     x, y = rng.standard_normal((b, m, kk), dtype=np.float32), rng.standard_normal((b, kk, n), dtype=np.float32)
