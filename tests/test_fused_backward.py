@@ -187,7 +187,7 @@ def test_the_fused_walk_compiles_at_the_most_rows_it_holds(target):
     args = [np.broadcast_to(np.zeros((), jnp.bfloat16), (1, 1, bw.max_rows, 128))] * 3
     fn = lambda *a: gradients(mod.causal_attention, list(a), 3)  # noqa: E731
     assert compile_for(fn, args, TOPOLOGIES[target]).as_text().count("tpu_custom_call") == 2
-    assert kernels_called(fn, args) == ["_attention_kernel", "_attention_fused_backward_kernel"]
+    assert backward_kernels(mod, mod.causal_attention, args) == [FUSED]
 
 
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v6e": "v6e:2x2"}
@@ -205,24 +205,7 @@ def test_fused_backward_compiles_for_tpu(topology):
     args = [np.zeros((1, 4, 1024, 128), jnp.bfloat16)] + [np.zeros((1, 1, 1024, 128), jnp.bfloat16)] * 2
     fn = lambda *a: gradients(mod.local_gqa_attention, list(a), 3)  # noqa: E731
     assert compile_for(fn, args, topology).as_text().count("tpu_custom_call") == 2  # the forward and the fused backward
-    assert kernels_called(fn, args) == ["_attention_kernel", "_attention_fused_backward_kernel"]
-
-
-def kernels_called(fn, args) -> list[str]:
-    """The kernel functions of the pallas_calls `fn` traces, in order (the compiled text
-    names no kernel: only its custom calls)."""
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                yield e.params["jaxpr"].debug_info.func_name
-            for p in e.params.values():
-                for sub in p if isinstance(p, (list, tuple)) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        yield from walk(inner)
-
-    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+    assert backward_kernels(mod, mod.local_gqa_attention, args) == [FUSED]
 
 
 SMALL = """kernel small_causal {
