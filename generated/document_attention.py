@@ -1612,11 +1612,12 @@ def _impl(
     block_kinds_ = _classify_blocks(jnp, seg, sizes, origin, keys, split=True)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
+    # The primal and the forward walk the same tables.
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
+    steps = rows.size // block_kinds_.shape[0]
     if not residuals:
-        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
-            block_kinds_, bound
-        )
-        steps = rows.size // block_kinds_.shape[0]
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(B, H, n_run),
@@ -1687,10 +1688,6 @@ def _impl(
         o = jnp.where(overflow, jnp.nan, o).astype(o.dtype)
 
         return o
-    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
-        block_kinds_, bound
-    )
-    steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(B, H, n_run),
