@@ -1449,11 +1449,12 @@ def _impl(q, k, v, sizes, bound, interpret, origin=None, residuals=True):
     block_kinds_ = _classify_blocks(np if origin is None else jnp, sizes, origin)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
+    # The primal and the forward walk the same tables.
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
+    steps = rows.size // block_kinds_.shape[0]
     if not residuals:
-        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
-            block_kinds_, bound
-        )
-        steps = rows.size // block_kinds_.shape[0]
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(B, H, n_run),
@@ -1500,10 +1501,6 @@ def _impl(q, k, v, sizes, bound, interpret, origin=None, residuals=True):
         lse = lse.reshape((B, H, S))  # the row vector's unit dimension dropped
 
         return o, lse
-    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
-        block_kinds_, bound
-    )
-    steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(B, H, n_run),

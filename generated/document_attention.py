@@ -577,9 +577,12 @@ def _to_operand(grad, src, dst, divided):
     return jnp.einsum(f"{src}->{dst}", grad)
 
 
-def _classify_blocks(xp, seg, sizes, origin=None, keys=None):
+def _classify_blocks(xp, seg, sizes, origin=None, keys=None, split=False):
     """Per block: empty, partial or full. Work in the number of blocks (operands: one pass
-    over their elements); xp is numpy when only sizes matter, jax.numpy under jit."""
+    over their elements); xp is numpy when only sizes matter, jax.numpy under jit.
+
+    split: the walk's kinds, where a partial block whose condition may fail in one part alone
+    is _PARTIAL + 2 * (the part + 1) (odd); its step evaluates that part only."""
     B, H, S, D = sizes
     seg_keys = seg if keys is None else keys[0]
     i_origin, j_origin = (0, 0) if origin is None else (origin[0], origin[1])
@@ -608,7 +611,29 @@ def _classify_blocks(xp, seg, sizes, origin=None, keys=None):
         & xp.logical_not((i_lo + 256 > S) | (j_lo + 256 > S)),
         (B, -(-S // 256), -(-S // 256)),
     )
-    return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
+    kinds = xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
+    if not split:
+        return kinds
+    # Where one part of the condition alone may fail, the step evaluates only that part.
+    fails = xp.stack(
+        (
+            xp.broadcast_to(
+                xp.logical_not(
+                    (seg_min_bi - seg_keys_max_bj >= 0)
+                    & (seg_max_bi - seg_keys_min_bj <= 0)
+                ),
+                (B, -(-S // 256), -(-S // 256)),
+            ),
+            xp.broadcast_to(
+                xp.logical_not(i_lo + i_origin - (j_hi + j_origin) >= 0),
+                (B, -(-S // 256), -(-S // 256)),
+            ),
+        )
+    )
+    alone = (kinds == 1) & (fails.sum(axis=0) == 1)
+    return xp.where(alone, 1 + 2 * (xp.argmax(fails, axis=0) + 1), kinds).astype(
+        xp.int32
+    )
 
 
 def _fused_vmem_limit(rows):
@@ -668,13 +693,20 @@ def _attention_kernel(
         raw_scores = raw_scores * 0.18033688011112042
         s = raw_scores
         if masked:
-            i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
-                jnp.int32, (256, 256), 0
-            )
-            j_at = (cols[at] * 256 + origins[1]) + lax.broadcasted_iota(
-                jnp.int32, (256, 256), 1
-            )
-            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if masked is True or masked == 5 or S % 256 != 0:
+                i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                    jnp.int32, (256, 256), 0
+                )
+                j_at = (cols[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                    jnp.int32, (256, 256), 1
+                )
+            present = None
+            if masked is True or masked == 3:
+                part = seg_blk == seg_blk_
+                present = part if present is None else present & part
+            if masked is True or masked == 5:
+                part_ = i_at >= j_at
+                present = part_ if present is None else present & part_
             if S % 256 != 0:
                 # Past the end: absent.
                 present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
@@ -702,6 +734,16 @@ def _attention_kernel(
     def _partial():
         # Some elements absent: evaluate the condition.
         _step(True)
+
+    @pl.when(kind == 3)
+    def _partial_0():
+        # Only part 0 of the condition may fail here: the others are not evaluated.
+        _step(3)
+
+    @pl.when(kind == 5)
+    def _partial_1():
+        # Only part 1 of the condition may fail here: the others are not evaluated.
+        _step(5)
 
     @pl.when(kind == _FULL)
     def _full():
@@ -827,13 +869,20 @@ def _attention_dq_kernel(
         raw_scores = raw_scores * 0.18033688011112042
         s = raw_scores
         if masked:
-            i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
-                jnp.int32, (256, 256), 0
-            )
-            j_at = (cols[at] * 256 + origins[1]) + lax.broadcasted_iota(
-                jnp.int32, (256, 256), 1
-            )
-            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if masked is True or masked == 5 or S % 256 != 0:
+                i_at = (read_rows[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                    jnp.int32, (256, 256), 0
+                )
+                j_at = (cols[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                    jnp.int32, (256, 256), 1
+                )
+            present = None
+            if masked is True or masked == 3:
+                part = seg_blk == seg_blk_
+                present = part if present is None else present & part
+            if masked is True or masked == 5:
+                part_ = i_at >= j_at
+                present = part_ if present is None else present & part_
             if S % 256 != 0:
                 # Past the end: absent.
                 present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
@@ -893,6 +942,16 @@ def _attention_dq_kernel(
     def _partial():
         # Some elements absent: evaluate the condition.
         _step(True)
+
+    @pl.when(kind == 3)
+    def _partial_0():
+        # Only part 0 of the condition may fail here: the others are not evaluated.
+        _step(3)
+
+    @pl.when(kind == 5)
+    def _partial_1():
+        # Only part 1 of the condition may fail here: the others are not evaluated.
+        _step(5)
 
     @pl.when(kind == _FULL)
     def _full():
@@ -968,13 +1027,20 @@ def _attention_dkv_kernel(
         raw_scores = raw_scores * 0.18033688011112042
         s = raw_scores
         if masked:
-            i_at = (cols[at] * 256 + origins[0]) + lax.broadcasted_iota(
-                jnp.int32, (256, 256), 1
-            )
-            j_at = (read_rows[at] * 256 + origins[1]) + lax.broadcasted_iota(
-                jnp.int32, (256, 256), 0
-            )
-            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if masked is True or masked == 5 or S % 256 != 0:
+                i_at = (cols[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                    jnp.int32, (256, 256), 1
+                )
+                j_at = (read_rows[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                    jnp.int32, (256, 256), 0
+                )
+            present = None
+            if masked is True or masked == 3:
+                part = seg_blk == seg_blk_
+                present = part if present is None else present & part
+            if masked is True or masked == 5:
+                part_ = i_at >= j_at
+                present = part_ if present is None else present & part_
             if S % 256 != 0:
                 # Past the end: absent.
                 present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
@@ -1042,6 +1108,16 @@ def _attention_dkv_kernel(
     def _partial():
         # Some elements absent: evaluate the condition.
         _step(True)
+
+    @pl.when(kind == 3)
+    def _partial_0():
+        # Only part 0 of the condition may fail here: the others are not evaluated.
+        _step(3)
+
+    @pl.when(kind == 5)
+    def _partial_1():
+        # Only part 1 of the condition may fail here: the others are not evaluated.
+        _step(5)
 
     @pl.when(kind == _FULL)
     def _full():
@@ -1125,13 +1201,20 @@ def _attention_fused_backward_kernel(
         raw_scores = raw_scores * 0.18033688011112042
         s = raw_scores
         if masked:
-            i_at = (cols[at] * 256 + origins[0]) + lax.broadcasted_iota(
-                jnp.int32, (256, 256), 1
-            )
-            j_at = (read_rows[at] * 256 + origins[1]) + lax.broadcasted_iota(
-                jnp.int32, (256, 256), 0
-            )
-            present = (seg_blk == seg_blk_) & (i_at >= j_at)
+            if masked is True or masked == 5 or S % 256 != 0:
+                i_at = (cols[at] * 256 + origins[0]) + lax.broadcasted_iota(
+                    jnp.int32, (256, 256), 1
+                )
+                j_at = (read_rows[at] * 256 + origins[1]) + lax.broadcasted_iota(
+                    jnp.int32, (256, 256), 0
+                )
+            present = None
+            if masked is True or masked == 3:
+                part = seg_blk == seg_blk_
+                present = part if present is None else present & part
+            if masked is True or masked == 5:
+                part_ = i_at >= j_at
+                present = part_ if present is None else present & part_
             if S % 256 != 0:
                 # Past the end: absent.
                 present = present & (i_at < S + origins[0]) & (j_at < S + origins[1])
@@ -1216,6 +1299,16 @@ def _attention_fused_backward_kernel(
     def _partial():
         # Some elements absent: evaluate the condition.
         _step(True)
+
+    @pl.when(kind == 3)
+    def _partial_0():
+        # Only part 0 of the condition may fail here: the others are not evaluated.
+        _step(3)
+
+    @pl.when(kind == 5)
+    def _partial_1():
+        # Only part 1 of the condition may fail here: the others are not evaluated.
+        _step(5)
 
     @pl.when(kind == _FULL)
     def _full():
@@ -1519,14 +1612,15 @@ def _impl(
     """
     B, H, S, D = sizes
     seg_keys = seg if keys is None else keys[0]
-    block_kinds_ = _classify_blocks(jnp, seg, sizes, origin, keys)
+    block_kinds_ = _classify_blocks(jnp, seg, sizes, origin, keys, split=True)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
+    # The primal and the forward walk the same tables.
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
+    steps = rows.size // block_kinds_.shape[0]
     if not residuals:
-        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
-            block_kinds_, bound
-        )
-        steps = rows.size // block_kinds_.shape[0]
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(B, H, n_run),
@@ -1597,10 +1691,6 @@ def _impl(
         o = jnp.where(overflow, jnp.nan, o).astype(o.dtype)
 
         return o
-    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
-        block_kinds_, bound
-    )
-    steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(B, H, n_run),
@@ -1693,7 +1783,7 @@ def _backward(
     block's non-empty row blocks (the key factor's and the values')."""
     B, H, S, D = sizes
     seg_keys = seg if keys is None else keys[0]
-    block_kinds_ = _classify_blocks(jnp, seg, sizes, origin, keys)
+    block_kinds_ = _classify_blocks(jnp, seg, sizes, origin, keys, split=True)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[1:])
     if -(-S // 256) * 256 <= _FUSED_MAX_ROWS:

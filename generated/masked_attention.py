@@ -1327,11 +1327,12 @@ def _impl(q, k, v, keep, sizes, bound, interpret, residuals=True):
     H, S, D, T = sizes
     block_kinds_ = _classify_blocks(jnp, keep, sizes)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
+    # The primal and the forward walk the same tables.
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
+    steps = rows.size // block_kinds_.shape[0]
     if not residuals:
-        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
-            block_kinds_, bound
-        )
-        steps = rows.size // block_kinds_.shape[0]
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(H, n_run),
@@ -1376,10 +1377,6 @@ def _impl(q, k, v, keep, sizes, bound, interpret, residuals=True):
         o = jnp.where(overflow, jnp.nan, o).astype(o.dtype)
 
         return o
-    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
-        block_kinds_, bound
-    )
-    steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(H, n_run),

@@ -39,6 +39,14 @@ class RingSides:
         self.shard_keywords = tuple(w for w, on in (("origin", self.positions), ("keys", bool(self.key_side))) if on)
 
     # -------------------------------------------------------- classification
+    # The target's kernels evaluate only the part of a condition that may fail (`Classification.parts`).
+    split_conjuncts = False
+    conjunct_parts = None
+
+    def split_keyword(self) -> list[str]:
+        """The classification's `split=True` where its kinds are split (the walk's, not `block_kinds`')."""
+        return ["split=True"] if self.conjunct_parts else []
+
     def classify(self) -> tuple[str, list[str], list[str]]:
         """The block-kind function: its name, parameters and lines."""
         p = self.p
@@ -48,7 +56,8 @@ class RingSides:
             origins = {i: Var(scope.local(f"{i}_origin")) for i in (p.query, p.key)}
         cl = Classifier(p, self.m.conv, scope.local, lambda i: self.tile[i], lambda i: self.m.conv.size(self.k.index(i).size), origins,
                         self.keyed)
-        lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)])
+        lines = cl.kinds([i for i in (p.query, p.key) if self.ragged(i)], self.split_conjuncts)
+        self.conjunct_parts = cl.split  # per conjunct of the condition, its part (None: kinds not split)
         if origins:
             first = ", ".join(v.name for v in origins.values())
             lines = [f"{first} = (0, 0) if origin is None else (origin[0], origin[1])"] + lines
@@ -66,10 +75,10 @@ class RingSides:
         read them."""
         if self.positions:
             lines = [f"{kinds_var} = {classify_fn}({xp if data else 'np if origin is None else jnp'}, "
-                     f"{', '.join(classify_reads + ['sizes', 'origin'] + (['keys'] if self.key_side else []))})",
+                     f"{', '.join(classify_reads + ['sizes', 'origin'] + (['keys'] if self.key_side else []) + self.split_keyword())})",
                      f"{self.origins} = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)"]
         else:
-            lines = [f"{kinds_var} = {classify_fn}({xp}, {', '.join(classify_reads + ['sizes'] + (['keys=keys'] if self.key_side else []))})"]
+            lines = [f"{kinds_var} = {classify_fn}({xp}, {', '.join(classify_reads + ['sizes'] + (['keys=keys'] if self.key_side else []) + self.split_keyword())})"]
         return self.key_side_lines() + lines
 
     # ------------------------------------------------------------- key sides

@@ -5,6 +5,7 @@ random conditions (SPARSEGEN_SWEEP=1 for a long sweep)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -175,6 +176,29 @@ def test_sorted_segment_classification_is_exact():
         got = np.asarray(mod.block_kinds(*args))
         want = brute_kinds(kernel, row_plan(kernel), args, sizes_of(kernel, args))
         np.testing.assert_array_equal(got, want)
+
+
+def test_split_kinds_name_the_one_part_that_may_fail():
+    """The walk's kinds (`split=True`): a partial block where only one part of the condition
+    is not true over the whole block is _PARTIAL + 2 * (part + 1), and its step evaluates that
+    part alone; element by element, per part. The forward and gradients at such blocks: the
+    examples above (S = 600 has both kinds)."""
+    kernel, mod = build(spec_text("document_attention"))
+    plan = row_plan(kernel)
+    S = 1024
+    args, _ = example("document_attention", S, np.random.default_rng(7), docs=3)
+    sizes = sizes_of(kernel, args)
+    base = brute_kinds(kernel, plan, args, sizes)
+    parts = plan.condition.args  # seg[b, i] == seg[b, j], i >= j
+    # `i >= j` alone classifies over (i, j): broadcast over b.
+    whole = [np.broadcast_to(brute_kinds(kernel, dataclasses.replace(plan, points=(dataclasses.replace(plan.points[0], condition=c),)),
+                                         args, sizes) == 2, base.shape) for c in parts]
+    alone = (base == 1) & (sum(~w for w in whole) == 1)
+    want = np.where(alone, 1 + 2 * (np.argmax(~np.stack(whole), axis=0) + 1), base)
+    got = np.asarray(mod._classify_blocks(np, np.asarray(args[3]), (2, 1, S, 64), split=True))
+    np.testing.assert_array_equal(got, want)
+    assert {3, 5} <= set(np.unique(got).tolist())
+    np.testing.assert_array_equal(np.asarray(mod.block_kinds(*args)), base)  # the public kinds stay 0, 1, 2
 
 
 def test_mask_classification_is_exact():

@@ -51,15 +51,31 @@ class Classification:
     can: Expr
     must: Expr
     shape: Expr
+    parts: tuple[Expr, ...] = ()  # a split condition's parts' `must` (see `lines`)
 
     def lines(self) -> list[str]:
         """The classification as host code over `xp`, ending in `return kinds`; the lets
-        nothing reads are dropped."""
+        nothing reads are dropped. With `parts`, the function takes `split`: when true, a
+        partial block where one part alone may fail (the others hold over the whole block)
+        has kind PARTIAL + 2 * (the part + 1), odd as PARTIAL is."""
         tail = [
             f"can = xp.broadcast_to({render(self.can, 'xp')}, {render(self.shape, 'xp')})",
             f"must = xp.broadcast_to({render(self.must, 'xp')}, {render(self.shape, 'xp')})",
-            f"return xp.where(can, xp.where(must, {FULL}, {PARTIAL}), {EMPTY}).astype(xp.int32)",
         ]
+        if self.parts:
+            shape = render(self.shape, "xp")
+            fails = ", ".join(f"xp.broadcast_to({render(negation(m), 'xp')}, {shape})" for m in self.parts)
+            tail += [
+                f"kinds = xp.where(can, xp.where(must, {FULL}, {PARTIAL}), {EMPTY}).astype(xp.int32)",
+                "if not split:",
+                "    return kinds",
+                "# Where one part of the condition alone may fail, the step evaluates only that part.",
+                f"fails = xp.stack(({fails},))",
+                f"alone = (kinds == {PARTIAL}) & (fails.sum(axis=0) == 1)",
+                f"return xp.where(alone, {PARTIAL} + 2 * (xp.argmax(fails, axis=0) + 1), kinds).astype(xp.int32)",
+            ]
+        else:
+            tail.append(f"return xp.where(can, xp.where(must, {FULL}, {PARTIAL}), {EMPTY}).astype(xp.int32)")
         lets = [f"{', '.join(names)} = {render(value, 'xp')}" for names, value in self.lets]
         return live_lines(lets, *tail) + tail
 
@@ -260,33 +276,32 @@ class Classifier:
 
     def conjunction(self, terms: list[Term]) -> tuple[Expr, Expr]:
         """and: comparisons of one affine form intersect their bounds (exact); the rest and-ed."""
-        flat: list[Term] = []
-        for t in terms:
-            if t.op == "and":
-                flat += list(t.args)
-            elif t.op == "cmp" and len(t.ops) > 1:
-                flat += [Term("cmp", (t.args[n], t.args[n + 1]), ops=(op,)) for n, op in enumerate(t.ops)]
-            else:
-                flat.append(t)
-        groups: dict[tuple, list[tuple[Expr | None, Expr | None]]] = {}
-        rest: list[Term] = []
-        for t in flat:
+        parts = self.conjunct_parts(conjuncts(Term("and", tuple(terms))))
+        return all_of([c for _, c, _ in parts]), all_of([m for _, _, m in parts])
+
+    def conjunct_parts(self, flat: list[Term]) -> list[tuple[tuple[int, ...], Expr, Expr]]:
+        """An `and`'s conjuncts (`conjuncts`) as parts: the comparisons of one affine form
+        together (their bounds intersected), each other term alone; per part, the conjuncts
+        it holds (their places in `flat`), its `can` and its `must`."""
+        groups: dict[tuple, list[tuple[int, Expr | None, Expr | None]]] = {}
+        rest: list[tuple[int, Term]] = []
+        for n, t in enumerate(flat):
             bound = self.bound(t) if t.op == "cmp" else None
             if bound is None:
-                rest.append(t)
+                rest.append((n, t))
                 continue
             key, lo, hi = bound
-            groups.setdefault(key, []).append((lo, hi))
-        cans, musts = [], []
+            groups.setdefault(key, []).append((n, lo, hi))
+        parts = []
         for key, bounds in groups.items():
+            held = tuple(n for n, _, _ in bounds)
             r = self.form_range(dict(key))
             if r is None:
-                cans.append(TRUE)
-                musts.append(FALSE)
+                parts.append((held, TRUE, FALSE))
                 continue
             lo, hi = r
-            los = [b for b, _ in bounds if b is not None]
-            his = [b for _, b in bounds if b is not None]
+            los = [b for _, b, _ in bounds if b is not None]
+            his = [b for _, _, b in bounds if b is not None]
             low = _extreme("_max_of", los) if los else None
             high = _extreme("_min_of", his) if his else None
             # Some value of the form in [low, high] lies in [lo, hi]; every value does.
@@ -294,13 +309,11 @@ class Classifier:
             must = [_le(low, lo) if low is not None else None, _le(hi, high) if high is not None else None]
             if low is not None and high is not None:
                 can.append(_le(low, high))
-            cans.append(all_of([c for c in can if c is not None]))
-            musts.append(all_of([m for m in must if m is not None]))
-        for t in rest:
+            parts.append((held, all_of([c for c in can if c is not None]), all_of([m for m in must if m is not None])))
+        for n, t in rest:
             c, m = self.truth(t) if t.op != "cmp" else self.compare(t)
-            cans.append(c)
-            musts.append(m)
-        return all_of(cans), all_of(musts)
+            parts.append(((n,), c, m))
+        return parts
 
     def bound(self, t: Term):
         """A comparison as `low <= form <= high` over an affine form without constant."""
@@ -349,22 +362,50 @@ class Classifier:
             "!=": (negation(lo.eq(0) & hi.eq(0)), lo.gt(0) | hi.lt(0)),
         }[op]
 
-    def classification(self, ragged: list[str]) -> Classification:
+    def classification(self, ragged: list[str], split: bool = False) -> Classification:
         """The block kinds: EMPTY/PARTIAL/FULL per block over the class axes; `ragged`: the
-        class axes whose last block may be partly past the end (never full)."""
+        class axes whose last block may be partly past the end (never full). `split`: for a
+        single condition, an `and` of parts (`conjunct_parts`), also which part alone may
+        fail in a partial block (`Classification.parts`, `self.split`: per conjunct, its part)."""
         # A block is visited if some point may have an element present there, and full
         # (no condition evaluated) only if every point has all of them.
-        parts = [self.truth(pt.condition) if pt.condition is not None else (TRUE, TRUE) for pt in self.p.points]
+        conds = [pt.condition for pt in self.p.points if pt.condition is not None]
+        self.split = None
+        split_musts: tuple[Expr, ...] = ()
+        if split and len(self.p.points) == 1 and len(conds) == 1 and len(conjuncts(conds[0])) > 1:
+            flat = conjuncts(conds[0])
+            got = self.conjunct_parts(flat)
+            parts = [(all_of([c for _, c, _ in got]), all_of([m for _, _, m in got]))]
+            if len(got) > 1:
+                self.split = [next(g for g, (held, _, _) in enumerate(got) if n in held) for n in range(len(flat))]
+                split_musts = tuple(m for _, _, m in got)
+        else:
+            parts = [self.truth(pt.condition) if pt.condition is not None else (TRUE, TRUE) for pt in self.p.points]
         can, must = any_of([c for c, _ in parts]), all_of([m for _, m in parts])
         tails = [(self.index_range(i)[0] + self.tile_of(i)).gt(self.size_of(i)) for i in ragged]
         if tails:
             must = all_of([must, negation(any_of(tails))])
         shape = Tup(tuple(self.blocks(a) for a in self.axes))
-        return Classification(tuple(self.lets), can, must, shape)
+        return Classification(tuple(self.lets), can, must, shape, split_musts)
 
-    def kinds(self, ragged: list[str]) -> list[str]:
+    def kinds(self, ragged: list[str], split: bool = False) -> list[str]:
         """Host lines computing the block kinds (`Classification.lines`)."""
-        return self.classification(ragged).lines()
+        return self.classification(ragged, split).lines()
+
+
+def conjuncts(t: Term) -> list[Term]:
+    """The conjuncts of a condition (itself if not an `and`): an `and`'s terms, a chain
+    `a < b < c` as its comparisons, one level deep (as the classifier intersects them)."""
+    terms = list(t.args) if t.op == "and" else [t]
+    flat: list[Term] = []
+    for x in terms:
+        if x.op == "and":
+            flat += list(x.args)
+        elif x.op == "cmp" and len(x.ops) > 1:
+            flat += [Term("cmp", (x.args[n], x.args[n + 1]), ops=(op,)) for n, op in enumerate(x.ops)]
+        else:
+            flat.append(x)
+    return flat
 
 
 def _le(a: Expr, b: Expr) -> Expr:

@@ -1440,11 +1440,12 @@ def _impl(q, k, v, sizes, bound, interpret, origin=None, residuals=True):
     block_kinds_ = _classify_blocks(np if origin is None else jnp, sizes, origin)
     origins = jnp.asarray((0, 0) if origin is None else origin, jnp.int32)
     block_kinds_ = block_kinds_.reshape((-1,) + block_kinds_.shape[0:])
+    # The primal and the forward walk the same tables.
+    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
+        block_kinds_, bound
+    )
+    steps = rows.size // block_kinds_.shape[0]
     if not residuals:
-        (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
-            block_kinds_, bound
-        )
-        steps = rows.size // block_kinds_.shape[0]
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(B, H, n_run),
@@ -1485,10 +1486,6 @@ def _impl(q, k, v, sizes, bound, interpret, origin=None, residuals=True):
         )(rows, cols, read_rows, kinds, flags, origins, q, k, v)
 
         return o
-    (rows, cols, read_rows, kinds, flags), n_run, overflow = _walk_tables(
-        block_kinds_, bound
-    )
-    steps = rows.size // block_kinds_.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(B, H, n_run),

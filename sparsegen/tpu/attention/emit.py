@@ -22,6 +22,7 @@ from .reference import ReferenceWriter
 
 class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
     origin_supported = True  # `_impl` takes the arrays' first positions (not the paged walk's)
+    split_conjuncts = True  # a partial step evaluates only the part of the condition that may fail
 
     def __init__(self, m: AttentionModule):
         self.m = m
@@ -286,6 +287,7 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             dynamic=self.dynamic,
             vmem_limit=self.m.vmem_limit(),
             class_axes=list(p.class_axes),
+            split=bool(self.conjunct_parts),
             data=data,
         )
         return format_module(text, names=(m.name,)) if formatted else text

@@ -213,18 +213,38 @@ class KernelWriter:
         def cond_leaf(x: Term) -> str:
             return spliced[x.name] if x.op == "index" and x.name in spliced else leaf(x, False)
 
-        conds = [([] if pt.condition is None else [render_term(self._ranges(pt.condition, lead_vars, spliced, cond_leaf), cond_leaf)])
+        split = self.split_parts(lead_vars, spliced, cond_leaf)
+        conds = [([] if pt.condition is None or split else [render_term(self._ranges(pt.condition, lead_vars, spliced, cond_leaf), cond_leaf)])
                  for pt in p.points]
         conds = [[f"({c[0]})"] + known if c and (known or guarded) else c + known for c in conds]
-        if any(conds) or guarded:
+        if split or any(conds) or guarded:
             out.append("    if masked:")
             if not chain_pos:
-                out += ["    " + x for x in pos_lines]
+                # Positions where a part evaluated here compares them (or a ragged end is tested).
+                kinds = sorted({k for ks, test, pos in split if pos for k in ks})
+                guard = " or ".join(dict.fromkeys(g for _, g in guarded))
+                if known or not split or all(pos for _, _, pos in split):
+                    out += ["    " + x for x in pos_lines]
+                elif kinds or guarded:
+                    tests = ([self.evaluates(kinds)] if kinds else []) + ([guard] if guarded else [])
+                    out += [f"        if {' or '.join(tests)}:"] + ["        " + x for x in pos_lines]
             guard = " or ".join(dict.fromkeys(g for _, g in guarded))
             for s, cond in zip(ss, conds):
                 present = n.local("present")
+                if split:
+                    # A step of kind _PARTIAL + 2 * (part + 1) evaluates that part of the
+                    # condition alone: the others hold over its whole block.
+                    out.append(f"        {present} = None")
+                    for ks, test, _ in split:
+                        part = n.local("part")
+                        out += [f"        if {self.evaluates(ks)}:", f"            {part} = {test}",
+                                f"            {present} = {part} if {present} is None else {present} & {part}"]
+                    if known:
+                        out.append(f"        {present} = {present} & " + " & ".join(known))
+                    cond = [present]
                 if cond:
-                    out.append(f"        {present} = " + " & ".join(cond))
+                    if not split:
+                        out.append(f"        {present} = " + " & ".join(cond))
                     if guarded:
                         out += [f"        if {guard}:", "            # Past the end: absent.",
                                 f"            {present} = {present} & " + " & ".join(t for t, _ in guarded)]
@@ -242,7 +262,37 @@ class KernelWriter:
             out.append(f"    return {', '.join(ss)}")
         return out
 
-    def _ranges(self, t: Term, lead_vars: dict, spliced: dict, leaf) -> Term:
+    def split_kinds(self) -> list[int]:
+        """The kinds of partial step that evaluate one part of the condition alone
+        (`Classification.parts`): _PARTIAL + 2 * (part + 1); none unless the kinds are split."""
+        return [1 + 2 * (g + 1) for g in range(max(self.conjunct_parts) + 1)] if self.conjunct_parts else []
+
+    def evaluates(self, kinds) -> str:
+        """The test, on `masked` (True: every part; else the step's kind), for code that
+        steps of `kinds` and plain partial ones run."""
+        return f"masked is True or masked == {kinds[0]}" if len(kinds) == 1 else f"masked is True or masked in {py_tuple(map(str, kinds))}"
+
+    def split_parts(self, lead_vars: dict, spliced: dict, leaf) -> list[tuple[list[int], str, bool]]:
+        """A split condition (`split_kinds`) as the tests the kernel evaluates: per test, the
+        kinds of step that evaluate it (those of the parts it joins: `_ranges` may make two
+        conjuncts one test), its code, and whether it compares query or key positions."""
+        from ...schedule.classify import conjuncts
+
+        p = self.p
+        if not self.conjunct_parts or len(p.points) != 1:
+            return []
+        flat = conjuncts(p.points[0].condition)
+        held: list[tuple[int, ...]] = []
+        ranged = self._ranges(Term("and", args=tuple(flat)), lead_vars, spliced, leaf, held)
+        tests = list(ranged.args) if ranged.op == "and" and len(held) > 1 else [ranged]
+        out = []
+        for conj, test in zip(held, tests):
+            kinds = sorted({1 + 2 * (self.conjunct_parts[c] + 1) for c in conj})
+            pos = any(x.op == "index" and (x.name in (p.query, p.key) or x.name in spliced) for x in test.walk())
+            out.append((kinds, render_term(test, leaf), pos))
+        return out
+
+    def _ranges(self, t: Term, lead_vars: dict, spliced: dict, leaf, held: list | None = None) -> Term:
         """A condition whose `and` bounds one affine term in the positions from below and
         above by integers (`i >= j and i - j < W`: 0 <= i - j <= W - 1) with the pair as one
         unsigned comparison, `uint32(E - lo) <= hi - lo`: a compare per score vreg instead of
@@ -258,7 +308,7 @@ class KernelWriter:
             got = self._bound(a, lead_vars)
             if got is not None:
                 bounds.setdefault(got[0], []).append((n,) + got[1:])
-        used, out = set(), []
+        used, out, pairs = set(), [], []
         for key, found in bounds.items():
             lows = [f for f in found if f[1] == "lo"]
             highs = [f for f in found if f[1] == "hi"]
@@ -275,8 +325,11 @@ class KernelWriter:
             name = f"__range{len(spliced)}"
             spliced[name] = f"(lax.bitcast_convert_type({diff}, jnp.uint32) <= {hi - lo})"
             used |= {n_lo, n_hi}
+            pairs.append((n_lo, n_hi))
             out.append(Term("index", name=name))
         rest = [a for n, a in enumerate(args) if n not in used]
+        if held is not None:  # per term of the result, the places in `t.args` it holds
+            held += [(n,) for n in range(len(args)) if n not in used] + pairs
         if not used:
             return dataclasses.replace(t, args=tuple(args))
         kept = rest + out
@@ -397,8 +450,11 @@ class KernelWriter:
         return next(i for i in self.k.statement_of(c.output).target.indices if i not in self.p.lead and i != self.p.query)
 
     def phases(self, kind: str, step: str) -> list[str]:
-        return ["", f"@pl.when({kind} == _PARTIAL)", "def _partial():", "    # Some elements absent: evaluate the condition.", f"    {step}(True)",
-                "", f"@pl.when({kind} == _FULL)", "def _full():", "    # Every element present: the condition is not evaluated.", f"    {step}(False)"]
+        lines = ["", f"@pl.when({kind} == _PARTIAL)", "def _partial():", "    # Some elements absent: evaluate the condition.", f"    {step}(True)"]
+        for g, k in enumerate(self.split_kinds()):
+            lines += ["", f"@pl.when({kind} == {k})", f"def _partial_{g}():",
+                      f"    # Only part {g} of the condition may fail here: the others are not evaluated.", f"    {step}({k})"]
+        return lines + ["", f"@pl.when({kind} == _FULL)", "def _full():", "    # Every element present: the condition is not evaluated.", f"    {step}(False)"]
 
     # -------------------------------------------------------------- forward
     def forward_call(self) -> CallSpec:
