@@ -26,7 +26,7 @@ HELPERS = frozenset(
     "_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES", "_MESH_SHIFTS", "_MESH_COO", "_placement",
     "_kernel", "_impl", "_reference", "_prepare", "_prefetch", "_init", "_compute", "_flush",
     "_RING_QUERY", "_RING_KEY", "_RING_ROLES", "_RING_DIMS", "_RING_MERGES", "_RING_ROWS", "_RING_DECLARED", "_RING_LSE",
-    "_RING_LENGTHS",
+    "_RING_LENGTHS", "_FUSED_MAX_ROWS",
 }  # fmt: skip
 MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds", "sharded"}
 # Fixed parameter and local names of the generated functions.
@@ -35,6 +35,8 @@ FIXED_LOCALS = frozenset({"_", "sizes", "compiled", "interpret", "grid_spec", "r
     # the walk's wrapper locals, the classification's locals
     "masked", "bound", "overflow", "max_steps", "xp", "can", "must", "origin",
     "_scores", "_chain", "_step", "_partial", "_full", "_write", "_empty", "_start", "_finish", "_init", "_flush",
+    "split",  # the classification's keyword (split kinds), and the phases of a split condition's parts
+    *(f"_partial_{g}" for g in range(32)),
 }  # fmt: skip
 PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | frozenset(keyword.softkwlist)
 

@@ -5,7 +5,7 @@ The generated function runs eagerly on the host with its `pallas_call`s recorded
 (`cycles.capture`): the classification and `_walk_tables` compute the real tables for the
 pattern's data (`patterns.pattern_args`: masks, segment ids), the index maps run on every
 grid step at once (`cycles.block_walks`), and the kernel's own `pl.when` conditions say
-which steps compute (`cycles.region_conditions`: its `_partial` and `_full` regions). The
+which steps compute (`cycles.region_conditions`: its `_partial*` and `_full` regions). The
 dense baseline is the same module with every block classified partial: every (row block,
 key block) pair visited, the condition evaluated everywhere.
 """
@@ -58,7 +58,7 @@ def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",
     # The dense twin: every block classified partial (visited, the condition evaluated).
     classify = next(n for n in module.block_kinds.__code__.co_names if n.startswith("_classify_blocks"))
     real = getattr(module, classify)
-    setattr(module, classify, lambda xp, *a: xp.full_like(real(xp, *a), PARTIAL))
+    setattr(module, classify, lambda xp, *a, **kw: xp.full_like(real(xp, *a), PARTIAL))
     dense = _walk(plan, capture(fn, args, keywords, False, module.pl)[0])
     parallel = bool(p.lead)
     estimates = {}
@@ -119,7 +119,7 @@ def _walk(plan, calls) -> WalkSimulation:
         regions = region_conditions(call)
         computing = np.zeros(n_steps, bool)
         for name, when in regions:
-            if name in ("_partial", "_full"):
+            if name.startswith("_partial") or name == "_full":  # a split condition's `_partial_<part>` too
                 computing |= when
         cost = call.kwargs["cost_estimate"]
         kinds = call.tables[3]
