@@ -16,30 +16,6 @@ from sparsegen.jaxenv import quiet_libtpu  # noqa: E402
 
 quiet_libtpu()  # also lets test workers share libtpu for ahead-of-time compiles
 
-
-def _cpu_without_llvm_optimisations():
-    """XLA's CPU backend in the test processes without its LLVM optimisations, as
-    tests/mesh_runner.py runs: the interpreted kernels' programs are compiled once and run
-    briefly, so compiling is most of their time (tests/test_einsum.py: 133 CPU-seconds
-    optimised, 101 not). The flag is read when jax first compiles; it is then taken out of
-    the environment, so subprocesses (the CLI's, stage 3's ptxas in .venv-gpu) compile as
-    they would. libtpu's ahead-of-time compiles are the same either way (the HLO and memory
-    figures of a v5e compile of dsd_matmul and causal_attention, with the flag and without)."""
-    import jax
-
-    before = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = ((before or "") + " --xla_backend_optimization_level=0").strip()
-    try:
-        jax.jit(lambda x: x + 1)(jax.device_put(np.float32(1), jax.local_devices(backend="cpu")[0])).block_until_ready()
-    finally:
-        if before is None:
-            del os.environ["XLA_FLAGS"]
-        else:
-            os.environ["XLA_FLAGS"] = before
-
-
-_cpu_without_llvm_optimisations()
-
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
 GENERATED = ROOT / "generated"

@@ -10,6 +10,7 @@ by lowering again (`suggest.py`, above the lowerings); a caller passes that sear
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 from ..expr import evaluate
 from ..ir import Kernel
@@ -54,8 +55,20 @@ def check_attention(m: AttentionModule, suggest: Callable[[], Kernel | None] | N
     return [problem] if problem else []
 
 
+# What a walk length's host expression may use when evaluated at build time (sizes known).
+_LENGTH_NAMES = {"__builtins__": {}, "pl": SimpleNamespace(cdiv=lambda a, b: -(-a // b))}
+
+
 def smem_entries(tp, env: dict[str, int | None]) -> int | None:
-    """Int32 entries of a pass's (lower.TpuPass) scalar-prefetch tables, or None when a size is unknown."""
+    """Int32 entries of a pass's (lower.TpuPass) scalar-prefetch tables, or None when a size is
+    unknown (a stored block count, or a walk length only the data or the module's functions give)."""
+    env = dict(env)
+    for var, value in tp.p.counts:
+        if ".shape" not in value and None not in env.values():
+            try:  # a walk length over the sizes (`pl.cdiv(M, 512) * pl.cdiv(N, 512)`)
+                env[var] = int(eval(value, _LENGTH_NAMES, dict(env)))
+            except Exception:  # noqa: BLE001 - counted by the module's own functions: unknown here
+                pass
     total = 0
     for t in tp.p.tables:
         value = evaluate(t.length, env)
