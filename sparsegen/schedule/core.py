@@ -235,17 +235,24 @@ class Pass:
     def inputs(self) -> tuple[Block, ...]:
         return tuple(b for b in self.blocks if not b.is_output)
 
-    def count_values(self, env: dict, namespace: dict, stored: Callable[[str], int]) -> dict:
+    def count_values(self, env: dict, namespace: dict, stored: Callable[[str], int | None], partial: bool = False) -> dict:
         """`env` (the sizes by variable) with the pass's counts: a stored or requested block
         count (`x_blocks.shape[0]`) is `stored(x_blocks)`; a walk's length is its host
         expression over the sizes, evaluated in `namespace` (the generated module's own
-        functions: the expression is its text)."""
+        functions: the expression is its text). `partial`: a count that cannot be had (no
+        stored count, a size or function missing) is left out instead of raising."""
         env = dict(env)
         for var, value in self.counts:
             if ".shape" in value:
-                env[var] = int(stored(value.split(".shape")[0]))
-            else:
+                n = stored(value.split(".shape")[0])
+                if n is not None:
+                    env[var] = int(n)
+                continue
+            try:
                 env[var] = int(eval(value, {**namespace, **env}))  # the module's own generated text
+            except Exception:
+                if not partial:
+                    raise
         return env
 
     @property

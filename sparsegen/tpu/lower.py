@@ -142,13 +142,9 @@ class TpuModule:
         """Int32 entries of the largest pass's scalar-prefetch tables (`values`: the sizes by
         variable; every coo operand holding `stored_blocks` blocks; `namespace`: the generated
         module's globals, for walk lengths counted by its functions)."""
-        from ..expr import evaluate
+        from .rules import smem_entries
 
-        def entries(p) -> int:
-            env = p.count_values(values, namespace or {}, lambda _: stored_blocks)
-            return sum(evaluate(t.length, env) or 0 for t in p.tables)
-
-        return max((entries(tp.p) for tp in self.passes), default=0)
+        return max((smem_entries(tp, values, namespace, stored_blocks) or 0 for tp in self.passes), default=0)
 
     @property
     def spans(self) -> tuple[tuple[str, int, int], ...]:

@@ -59,16 +59,11 @@ def check_attention(m: AttentionModule, suggest: Callable[[], Kernel | None] | N
 _LENGTH_NAMES = {"__builtins__": {}, "pl": SimpleNamespace(cdiv=lambda a, b: -(-a // b))}
 
 
-def smem_entries(tp, env: dict[str, int | None]) -> int | None:
+def smem_entries(tp, env: dict[str, int | None], namespace: dict | None = None, stored_blocks: int | None = None) -> int | None:
     """Int32 entries of a pass's (lower.TpuPass) scalar-prefetch tables, or None when a size is
-    unknown (a stored block count, or a walk length only the data or the module's functions give)."""
-    env = dict(env)
-    for var, value in tp.p.counts:
-        if ".shape" not in value and None not in env.values():
-            try:  # a walk length over the sizes (`pl.cdiv(M, 512) * pl.cdiv(N, 512)`)
-                env[var] = int(eval(value, _LENGTH_NAMES, dict(env)))
-            except Exception:  # noqa: BLE001 - counted by the module's own functions: unknown here
-                pass
+    unknown (a stored block count, or a walk length only the data or the module's functions
+    give). `namespace`: the generated module's globals (else build time's: sizes only)."""
+    env = tp.p.count_values(env, namespace or _LENGTH_NAMES, lambda _: stored_blocks, partial=True)
     total = 0
     for t in tp.p.tables:
         value = evaluate(t.length, env)
