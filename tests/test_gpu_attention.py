@@ -314,7 +314,7 @@ def refused(text: str) -> str:
 
 
 @pytest.mark.parametrize("tile,needle,message", [
-    ("i = 32", "i = 32", "a CTA takes 64 rows"),
+    ("i = 36", "i = 36", "a CTA takes 64 rows"),
     ("j = 96", "j = 96", "64 or 128 keys"),
     ("d = 24", "d = 24", "WGMMA's K steps"),
     ("e = 300", "e = 300", "multiple of 16 up to 256"),

@@ -15,7 +15,8 @@ def describe_gpu_attention(m) -> list[str]:
     wgs = m.warpgroups
     lines = [f"target: {m.target.name} (Mosaic GPU: TMA copies, WGMMA; "
              + ("warp-specialized: a producer warpgroup issues the copies)" if wgs > 1 else "one warpgroup per CTA)"),
-             f"walk: rows of '{p.score}': one CTA per {m.tq * wgs} rows of an {p.query} block of {ti} (per {lead}),"
+             f"walk: rows of '{p.score}': one CTA per {m.rows * wgs} rows of an {p.query} block of {ti} (per {lead}),"
+             + (f" padded to WGMMA's {m.tq} rows in shared memory (zeros, never stored)," if m.rows < m.tq else "")
              + (f" {wgs} consumer warpgroups of {m.tq} rows" if wgs > 1 else ""),
              f"  reducing over {p.key}: the row block's non-empty {p.key} blocks of {tj}, in order, {m.tk} keys a pipeline step",
              f"  (TMA copies of the key-side tiles, {2} in flight; each consumer's query tile copied once)"]

@@ -72,6 +72,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         x = self.keyed(o.read) or self.m.conv.param(o.read.operand).internal
         subs = o.read.subs
         pads = [f"(0, -{self.size_of(s.index)} % {self.tile[s.index]})" if s.index in (self.p.query, self.p.key) and self.ragged(s.index)
+                and s.divisor == 1
                 else "(0, 0)" for s in subs]
         if any(pad != "(0, 0)" for pad in pads):
             x = f"jnp.pad({x}, {py_tuple(pads)})"
@@ -93,7 +94,18 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
 
     def lead_coord(self, o: GpuOperand, index: str) -> str:
         d = self.divisor(o, index)
+        if index == self.p.query:  # a key-side head of grouped rows (`h // 8`): the row block's, one per block
+            return f"{self.row_block} * {self.tile[index]} // {d}"
         return self.lv[index] if d == 1 else f"{self.lv[index]} // {d}"
+
+    def fixed(self, o: GpuOperand, index: str) -> bool:
+        """Is the dimension a coordinate of the CTA (a lead index, or the row index read as a
+        key-side head through `// n`), not a tile's?"""
+        return index in self.p.lead or (index == self.p.query and self.divisor(o, index) != 1)
+
+    def free(self, o: GpuOperand) -> list[str]:
+        """The operand's tile dimensions, in the order of the array the kernel receives."""
+        return [i for i in self.dims(o) if not self.fixed(o, i)]
 
     # -------------------------------------------------------------- kernel
     def kernel_lines(self) -> tuple[list[str], list[str], list[str]]:
@@ -107,7 +119,9 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         n = self.n.scope()
         tq, tk, wgs = m.tq, m.tk, m.warpgroups
         ti, tj = self.tile[p.query], self.tile[p.key]
-        rsub, ksub = ti // (tq * wgs), tj // tk
+        rows = m.rows  # rows a CTA stores: under `tq` (decoding), its tiles padded to `tq` in shared memory
+        padded = rows < tq
+        rsub, ksub = max(ti // (tq * wgs), 1), tj // tk
         tables = [n.local("cols"), n.local("kinds"), n.local("counts")]
         ops = m.operands
         out_refs = {c.output: n.local(f"{c.output}_gmem") for c in p.consumers}
@@ -124,7 +138,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         wg, rows_at = (n.local("wg"), n.local("rows_at")) if ws else (None, row_tile)
         n_tiles = f"{self.blocks(p.query)} * {rsub}" if rsub != 1 else self.blocks(p.query)
         lines.append(f'{cell} = lax.axis_index("cell")')
-        lines.append(f"{row_tile} = {cell} % ({n_tiles})  # the CTA's {tq * wgs} rows")
+        lines.append(f"{row_tile} = {cell} % ({n_tiles})  # the CTA's {rows * wgs} rows" + (f" (padded to {tq} in shared memory)" if padded else ""))
         if ws:
             consumers = " and ".join(map(str, range(wgs))) if wgs == 2 else f"0 to {wgs - 1}"
             lines.append(f"# The warpgroup: {consumers} consumers ({tq} rows each), {wgs} the producer (TMA copies only)")
@@ -149,6 +163,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             group = term if not group else f"{term} + {group}"
             gstride = self.size_of(i) if not gstride else f"{gstride} * {self.size_of(i)}"
         row_block = f"{row_tile} // {rsub}" if rsub != 1 else row_tile
+        self.row_block = f"({row_block})" if rsub != 1 else row_block
         lines.append(f"{slot} = " + (f"({group}) * {self.blocks(p.query)} + {row_block}" if group else row_block)
                      + "  # the row block's entry in the tables")
         lines.append(f"{count} = {tables[2]}[{slot}]" + (f" * {ksub}  # pipeline steps: {ksub} per non-empty key block" if ksub != 1
@@ -168,16 +183,16 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         def at(o: GpuOperand, row: str) -> str:
             parts = []
             for i in self.dims(o):
-                if i in p.lead:
+                if self.fixed(o, i):
                     parts.append(self.lead_coord(o, i))
                 elif i == p.query:
-                    parts.append(f"pl.ds({row} * {tq}, {tq})")
+                    parts.append(f"pl.ds({row} * {rows}, {rows})")
                 else:
                     parts.append(f"pl.ds(0, {self.tile[i]})")
             return ", ".join(parts)
 
         def block(o: GpuOperand) -> str:
-            return py_tuple("None" if i in p.lead else str(tk if i == p.key else tq * wgs if i == p.query else self.tile[i]) for i in self.dims(o))
+            return py_tuple("None" if self.fixed(o, i) else str(tk if i == p.key else tq * wgs if i == p.query else self.tile[i]) for i in self.dims(o))
 
         # The walk's scope, shared by the CTA's warpgroups: per consumer its query tile, its
         # per-row operands, its probabilities' tile and its outputs' tiles (indexed by `wg`).
@@ -189,7 +204,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         probs_smem = {d: n.local("probs_smem") for d in value_dtypes}
         barrier = n.local("barrier")
         per = [str(wgs)] if ws else []  # the consumers' allocations side by side
-        q_tile = py_tuple(per + [str(tq if i == p.query else self.tile[i]) for i in self.dims(qo) if i not in p.lead])
+        q_tile = py_tuple(per + [str(tq if i == p.query else self.tile[i]) for i in self.free(qo)])
         scoped = [f"{qo.smem}=plgpu.SMEM({q_tile}, {k.operand(qo.read.operand).dtype.jnp})"]
         scoped += [f"{o.smem}=plgpu.SMEM({py_tuple(per + [str(tq)])}, {k.operand(o.read.operand).dtype.jnp})" for o in row_ops]
         scoped += [f"{probs_smem[d]}=plgpu.SMEM({py_tuple(per + [str(tq), str(tk)])}, {d})" for d in value_dtypes]
@@ -222,7 +237,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             fn = n.local(f"_{o.read.operand}_tile")
             coords = []
             for i in self.dims(o):
-                coords.append(self.lead_coord(o, i) if i in p.lead else f"{key_tile}({t})" if i == p.key else row_tile if i == p.query else "0")
+                coords.append(self.lead_coord(o, i) if self.fixed(o, i) else f"{key_tile}({t})" if i == p.key else row_tile if i == p.query else "0")
             lines += ["", f"def {fn}({t}):", f"    return ({', '.join(coords)},)"]
             maps.append(f"plgpu.BlockSpec({block(o)}, {fn})")
         body = []
@@ -242,9 +257,9 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         else:
             kind = None
         q_mine = mine(qo.smem)
-        qa = q_mine if [i for i in self.dims(qo) if i not in p.lead] == [p.query, p.summed] else f"{q_mine}.T"
+        qa = q_mine if self.free(qo) == [p.query, p.summed] else f"{q_mine}.T"
         ko = m.operand("k")
-        klive = [i for i in self.dims(ko) if i not in p.lead]
+        klive = self.free(ko)
         kb = f"{ko.smem}.T" if klive == [p.key, p.summed] else ko.smem
         score_fn, acc_ref = sn.local("_score"), sn.local("acc_ref")
         s = sn.local("s")
@@ -254,7 +269,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             step.append(f"{s} = {s} * {p.scale!r}")
         shape = f"({tq}, {tk})"
         qpos, kpos = sn.local(f"{p.query}_pos"), sn.local(f"{p.key}_pos")
-        pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {rows_at} * {tq}, jnp.int32)",
+        pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {rows_at} * {rows}, jnp.int32)",
                      f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {key_tile}({t}) * {tk}, jnp.int32)"]
         gpos = self.global_positions(sn, firsts, {p.query: qpos, p.key: kpos}, shape, pos_lines)
         by_read = {read_key(o.read): o for o in ops}
@@ -321,7 +336,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             if stored_dtype != vd:
                 step += [f"{mine(probs_smem[vd])}[...] = {probs}.astype({vd})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
                 stored_dtype = vd
-            vlive = [i for i in self.dims(vo) if i not in p.lead]
+            vlive = self.free(vo)
             vb = vo.smem if vlive == [p.key, e] else f"{vo.smem}.T"
             new_acc = sn.local(f"{c.output}_new")
             rescaled = f"{accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {self.tile[e]}), [0])"
@@ -340,7 +355,19 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         # A consumer: its tiles copied once, the walk (the pipeline's steps), its outputs.
         cn = n.scope()
         consumer, over_keys = n.local("_consumer"), cn.local("over_keys")
-        cons = [f"plgpu.copy_gmem_to_smem({o.ref}.at[{at(o, rows_at)}], {mine(o.smem)}, {mine(barrier)})" for o in [qo] + row_ops]
+        def head(ref: str) -> str:
+            """The stored rows of a padded tile (its first `rows`)."""
+            return f"{ref}.at[pl.ds(0, {rows})]" if padded else ref
+
+        cons = []
+        if padded:
+            cons += [f"# The rows past the block's {rows} (WGMMA's M is {tq}) are zeros, never stored: each output row",
+                     "# depends only on its own score row.",
+                     f"{qo.smem}[...] = jnp.zeros({q_tile}, "
+                     f"{k.operand(qo.read.operand).dtype.jnp})"]
+            cons += [f"{o.smem}[...] = jnp.zeros(({tq},), {k.operand(o.read.operand).dtype.jnp})" for o in row_ops]
+            cons.append("plgpu.commit_smem()  # before the copies into their first rows")
+        cons += [f"plgpu.copy_gmem_to_smem({o.ref}.at[{at(o, rows_at)}], {head(mine(o.smem))}, {mine(barrier)})" for o in [qo] + row_ops]
         cons.append(f"plgpu.barrier_wait({mine(barrier)})")
         init = [f"jnp.full({row}, -jnp.inf, {F32})", f"jnp.zeros({row}, {F32})"]
         init += [f"jnp.zeros(({tq}, {self.tile[self.e_of(c)]}), {F32})" for c in products]
@@ -375,21 +402,21 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             target = self.k.statement_of(c.output).target
             parts = []
             for i in target.indices:
-                parts.append(self.lv[i] if i in p.lead else f"pl.ds({rows_at} * {tq}, {tq})" if i == p.query else f"pl.ds(0, {self.tile[i]})")
+                parts.append(self.lv[i] if i in p.lead else f"pl.ds({rows_at} * {rows}, {rows})" if i == p.query else f"pl.ds(0, {self.tile[i]})")
             copies.append((out_smem[c.output], f"{finals[c.output]}.astype({out.dtype.jnp})", f"{out_refs[c.output]}.at[{', '.join(parts)}]"))
         if lse_ref:
             var = cn.local("row_lse")
             cons.append(f"{var} = jnp.where({empty}, jnp.full({row}, -jnp.inf, {F32}), {mm} + jnp.log({safe}))  # kept for the gradients")
-            parts = [self.lv[i] for i in p.lead] + [f"pl.ds({rows_at} * {tq}, {tq})"]
+            parts = [self.lv[i] for i in p.lead] + [f"pl.ds({rows_at} * {rows}, {rows})"]
             copies.append((lse_smem, var, f"{lse_ref}.at[{', '.join(parts)}]"))
         if through_q:
             cons.append(f"# '{through_q}' through the query tile: the walk has read it for the last time.")
         cons += [f"{mine(sm)}[...] = {value}" for sm, value, _ in copies]
         cons.append("plgpu.commit_smem()")
-        cons += [f"plgpu.copy_smem_to_gmem({mine(sm)}, {dst})" for sm, _, dst in copies]
+        cons += [f"plgpu.copy_smem_to_gmem({head(mine(sm))}, {dst})" for sm, _, dst in copies]
         cons.append("plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
         body += ["", f"def {consumer}({over_keys}):",
-                 f"    # A consumer warpgroup's {tq} rows: its query tile, the walk (`{over_keys}` runs the pipeline's steps), its outputs."]
+                 f"    # A consumer warpgroup's {rows} rows: its query tile, the walk (`{over_keys}` runs the pipeline's steps), its outputs."]
         body += ["    " + line for line in cons]
         if ws:
             body += ["", "plgpu.emit_pipeline_warp_specialized(", f"    {step_fn},", f"    grid=({count},),",
@@ -569,7 +596,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             ring_tables=self.ring_tables(glue, mesh.ring, "chunk, interpret", [by_output[o.name] for o in k.outputs],
                                          ("_gpu_interpret(interpret) is not None", "the Mosaic GPU interpreter")),
             positions=self.positions, shard_keywords=self.shard_keywords, kinds_lines=kinds_lines,
-            warpgroups=m.warpgroups,
+            warpgroups=m.warpgroups, rows=m.rows,
         )
         return format_module(text, names=(m.name,))
 

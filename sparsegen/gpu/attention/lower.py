@@ -23,6 +23,7 @@ from ..rules import MEMORY_REGISTERS, WARPGROUPS  # FlashAttention-3's shape, wh
 from ..targets import GpuTarget
 from .backward import GpuBackward, plan_backward
 
+PAD_ROWS = 8  # a row block under TQ rows is a multiple of this (a TMA copy into the padded tile: 8-row swizzle atoms)
 TQ = 64  # rows of a consumer warpgroup: one WGMMA M (a 128-row score tile spills: docs/gpu-notes.md)
 STAGES = 2  # pipeline steps in flight (TMA copies of the key-side tiles)
 ALIGN = 1024  # shared-memory tiles start at 1024-byte boundaries (the 128-byte swizzle's period)
@@ -58,6 +59,7 @@ class GpuAttentionModule:
     smem: int  # shared memory of one CTA (rules' estimate)
     backward: GpuBackward | None = None  # the dq and dk/dv kernels
     backward_error: str | None = None  # why jax.grad cannot go through the kernel at all
+    rows: int = TQ  # rows a CTA stores: `tq`, or a row block under 64 rows (decoding) padded to `tq` in shared memory
     walks = ("row walk",)
 
     @property
@@ -140,9 +142,14 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
     if problems:
         raise GpuError(problems)
     ti, tj = tile[p.query], tile[p.key]
-    if ti % TQ:
+    if ti % TQ and (ti > TQ or ti % PAD_ROWS):
         refuse(span[p.query], f"tile {p.query} = {ti}: a CTA takes {TQ} rows (one warpgroup's WGMMA); on {target.name} "
-                              f"the row block is a multiple of {TQ}")
+                              f"the row block is a multiple of {TQ}, or a multiple of {PAD_ROWS} under {TQ} (padded to {TQ})")
+    for r in [p.k] + [c.value for c in p.consumers if c.value is not None]:
+        for s_ in r.subs:
+            if s_.index == p.query and s_.divisor != 1 and (not isinstance(s_.divisor, int) or s_.divisor % ti):
+                refuse(r.span, f"a row block of {ti} '{p.query}' must read one '{r.operand}' head: {s_.text} needs "
+                               f"{p.query}'s tile to divide {s_.divisor}")
     tk = 128 if tj % 128 == 0 else 64 if tj % 64 == 0 else None
     if tk is None:
         refuse(span[p.key], f"tile {p.key} = {tj}: a pipeline step reads 64 or 128 keys (WGMMA's N, then P.V's K); "
@@ -164,7 +171,7 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
     ops: list[GpuOperand] = []
 
     def live_of(read: Read) -> tuple[str, ...]:
-        return tuple(s.index for s in read.subs if s.index not in p.lead)
+        return tuple(s.index for s in read.subs if s.index not in p.lead and not (s.index == p.query and s.divisor != 1))
 
     def add(read: Read, role: str, want: tuple[str, ...] | None):
         if any(read_key(o.read) == read_key(read) for o in ops):
@@ -198,11 +205,24 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
             add(c.value, "value", order(c.value, e, p.key, vd))
     for r in p.reads:
         add(r, "extra", (p.query, p.key) if p.query in r.indices and p.key in r.indices else None)
+    if ti < TQ:
+        for o in ops:
+            if o.layout == "tile" and o.role == "extra":
+                _fail(o.read.span, f"not lowered for GPUs yet: '{o.read.operand}' read along the rows and the keys in a row block of "
+                                   f"{ti} rows (under WGMMA's {TQ}); build '{k.name}' for a TPU target")
     wgs = consumer_warpgroups(ti)
     smem = smem_bytes(k, p, ops, TQ, tk, wgs)
     if smem > target.smem_bytes:
         _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
                            f"use smaller tiles of {p.summed} or the values' columns")
+    rows = min(ti, TQ)
+    if rows < TQ or any(s_.index == p.query and s_.divisor != 1 for o in ops for s_ in o.read.subs):
+        # Decoding (language v2, section 3): inference only on GPU, as the TPU's paged walk.
+        why = (f"a row block of {ti} rows padded to WGMMA's {TQ}" if rows < TQ else
+               f"the key side read through '{p.query} // n' (grouped heads packed into the rows)")
+        return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None,
+                                  f"the GPU backward walks row blocks of {TQ} rows and one key head each; '{k.name}' has {why}: "
+                                  f"it is not differentiated on {target.name} (decoding kernels are for inference)", rows)
     backward, error = plan_backward(k, p, ops, target.smem_bytes), None
     for bk, what in ((backward.dq, "dq"), (backward.dkv, "dk/dv")):
         if bk.smem > target.smem_bytes and error is None:

@@ -1,0 +1,122 @@
+"""Decoding on Mosaic GPU (issue 21; language v2, section 3): row blocks under 64 rows (the
+heads of a group packed into the rows, padded to WGMMA's M = 64 in shared memory), and the
+paged walk (keys and values read through a page table, `specs/paged_*decode.spk`).
+
+Three stages, none needs a GPU (as tests/test_gpu_attention.py):
+1. values in the Mosaic GPU interpreter against the module's `reference` (and the float64
+   oracle of tests/test_paged.py), ragged lengths, under jax.jit;
+2. lowering under an abstract H200, shared memory measured against the rules' estimate;
+3. ptxas for sm_90a (`.venv-gpu`): registers and spills.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import build
+
+from sparsegen.compiler import lower_source
+from sparsegen.source import SourceFile, SpecError
+
+# A grouped-query decode, not paged: eight query heads (a row block) per key/value head.
+DECODE = """
+kernel dec {
+    in  q: bf16[B, H, D]
+    in  k: bf16[B, G, S, D]
+    in  v: bf16[B, G, S, D]
+    in  lens: index[B]
+    out o: bf16[B, H, D]
+    s[b, h, j] = q[b, h, d] * k[b, h // 8, j, d] * 0.08838834764831845 where j < lens[b]
+    o[b, h, e] = softmax(s[b, h, j], j) * v[b, h // 8, j, e]
+    tile b = 1, h = 8, j = 128, d = 128, e = 128
+}
+"""
+
+
+def _decode_args(rng, B=3, H=16, G=2, S=300, D=128, lens=(0, 129, 300)):
+    q = jnp.asarray(rng.normal(size=(B, H, D)), jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(B, G, S, D)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(B, G, S, D)), jnp.bfloat16)
+    return q, k, v, np.asarray(lens, np.int32)
+
+
+def _close(got, want, atol=2e-2):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=atol, rtol=atol)
+
+
+# ------------------------------------------------------------------ row blocks under 64 rows
+
+def test_decode_rows_padded_to_wgmma_match_reference_in_the_gpu_interpreter():
+    """Row blocks of 8 heads (one key/value head each), lengths 0, 129 (one past a step) and
+    the whole 300 (ragged: not a multiple of the 128-key step)."""
+    kernel, mod = build(DECODE, "h200")
+    q, k, v, lens = _decode_args(np.random.default_rng(0))
+    got = mod.dec(q, k, v, lens, interpret=True)
+    _close(got, mod.reference(q, k, v, lens))
+    assert not np.asarray(got[0], np.float32).any()  # length 0: nothing attended, zeros
+    # Each row block reads its own group's keys: swapping the groups' keys changes the output.
+    swapped = mod.dec(q, k[:, ::-1], v[:, ::-1], lens, interpret=True)
+    assert np.abs(np.asarray(swapped, np.float32) - np.asarray(got, np.float32))[1:].max() > 0.1
+
+
+def test_decode_under_jit_and_gradients_refused():
+    kernel, mod = build(DECODE, "h200")
+    q, k, v, lens = _decode_args(np.random.default_rng(1), B=2, lens=(77, 256))
+    run = jax.jit(lambda *a: mod.dec(*a, interpret=True))
+    _close(run(q, k, v, lens), mod.reference(q, k, v, lens))
+    loss = lambda q: mod.dec(q, k, v, lens, interpret=True).astype(jnp.float32).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match=r"row block of 8 rows padded to WGMMA's 64: it is not differentiated on h200"):
+        jax.eval_shape(jax.grad(loss), q)
+
+
+def _refused(text: str) -> str:
+    with pytest.raises(SpecError) as info:
+        lower_source(SourceFile("bad.spk", text), "h200")
+    return info.value.render()
+
+
+@pytest.mark.parametrize("tile, col, message", [
+    ("h = 12", 21, "tile h = 12: a CTA takes 64 rows (one warpgroup's WGMMA); on h200 the row block is a multiple of 64, "
+                   "or a multiple of 8 under 64 (padded to 64)"),
+    ("h = 16", None, "a row block of 16 'h' must read one 'k' head: h // 8 needs h's tile to divide 8"),
+])  # fmt: skip
+def test_row_blocks_the_gpu_cannot_take_are_refused(tile, col, message):
+    text = DECODE.replace("h = 8", tile)
+    rendered = _refused(text)
+    lines = text.splitlines()
+    if col is None:  # at the key factor's read
+        line = next(n for n, t in enumerate(lines, 1) if t.strip().startswith("s[b, h, j]"))
+        col = lines[line - 1].index("k[b, h // 8") + 1
+    else:
+        line = next(n for n, t in enumerate(lines, 1) if t.strip().startswith("tile "))
+    assert f"bad.spk:{line}:{col}: error: {message}" in rendered, rendered
+
+
+# ------------------------------------------------------------------ stages 2 and 3
+
+def _verified(sources: list[SourceFile]):
+    """Stage 2 (shared memory measured = estimated) and, where `.venv-gpu` is, stage 3 for
+    every kernel of the sources, in one process; the results by kernel."""
+    from sparsegen.gpu.verify import verify_modules
+
+    items = [(m, s, "h200") for s in sources for m in lower_source(s, "h200")]
+    results = {r.kernel: r for r in verify_modules(items)}
+    for r in results.values():
+        assert r.lowered, (r.kernel, r.raw_error)
+        assert r.smem_used == r.smem_estimate <= r.smem_limit, (r.kernel, r.smem_used, r.smem_estimate)
+        assert r.backward.startswith("not derived"), (r.kernel, r.backward)
+        if r.compiled is not None:
+            assert r.compiled, (r.kernel, r.raw_error)
+            (kk,) = r.kernels
+            assert kk["registers"] <= 255 and kk["spill_bytes"] == 0, (r.kernel, kk)
+    return results
+
+
+def test_decode_lowers_and_compiles_for_h200():
+    results = _verified([SourceFile("dec.spk", DECODE)])
+    if results["dec"].compiled is None:
+        pytest.skip(f"stage 3 (ptxas for sm_90a) not run: {results['dec'].stage3}")
