@@ -161,6 +161,35 @@ def _gpu_emit(m, origin, formatted=True):
     return emit_gpu(m, origin)
 
 
+def _gpu_paged(kernel, chip):
+    from .gpu import GpuError
+    from .gpu.paged import lower_gpu_paged
+    from .schedule.attention import row_plan
+    from .schedule.build import ScheduleError
+    from .schedule.paged import paged_plan
+
+    try:
+        plan = row_plan(kernel, packed_rows=True)
+        return lower_gpu_paged(kernel, plan, paged_plan(kernel, plan), chip), []
+    except ScheduleError as exc:
+        return None, [exc.diagnostic]
+    except GpuError as exc:
+        return None, list(exc.diagnostics)
+
+
+def _gpu_paged_emit(m, origin, formatted=True):
+    from .gpu.paged import emit_gpu_paged
+
+    del formatted  # GPU modules are always formatted
+    return emit_gpu_paged(m, origin)
+
+
+def _gpu_paged_describe(m):
+    from .gpu.paged.describe import describe_gpu_paged
+
+    return [f"kernel {m.kernel.name}"] + ["  " + line for line in describe_gpu_paged(m)]
+
+
 def _gpu_row_emit(m, origin, formatted=True):
     from .gpu.attention import emit_gpu_attention
 
@@ -214,12 +243,11 @@ TABLE: dict[tuple[str, str], Entry] = {
     ("tpu", "paged"): Entry(_tpu_paged, _paged_emit, _paged_describe),
     ("gpu", "einsum"): Entry(_gpu_einsum, _gpu_emit, _gpu_describe),
     ("gpu", "row"): Entry(_gpu_row, _gpu_row_emit, _gpu_row_describe),
+    ("gpu", "paged"): Entry(_gpu_paged, _gpu_paged_emit, _gpu_paged_describe),
 }
 
 # Why a pair is missing, and what to do instead.
-UNSUPPORTED = {
-    ("gpu", "paged"): "attention-like kernels reading keys and values through a table (the paged walk) are not lowered for GPUs yet; build '{name}' for a TPU target",
-}
+UNSUPPORTED: dict[tuple[str, str], str] = {}
 
 
 # Language v2 forms the front end parses and checks but no schedule or target handles yet:
@@ -281,8 +309,8 @@ def lower_kernel(kernel: Kernel, target: str, chip=None) -> tuple[object | None,
     not be lowered) and every problem found. `chip`: the target's chip as given (a probe may
     pass a variant of it), default the named one."""
     # The paged walk lowers reads through tables, `%` and size divisors where it walks them
-    # (on TPU); it refuses them anywhere else itself.
-    refused = None if (backend_of(target), family_of(kernel)) == ("tpu", "paged") else not_lowered(kernel, target)
+    # (on TPU and GPU); it refuses them anywhere else itself.
+    refused = None if family_of(kernel) == "paged" else not_lowered(kernel, target)
     if refused is not None:
         return None, [refused]
     e = entry(target, kernel)

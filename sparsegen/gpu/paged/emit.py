@@ -1,0 +1,319 @@
+"""Emission of a paged walk's module on Mosaic GPU (templates/gpu/paged.py.j2): the TPU
+paged module's classification per page, page bounds, table checks and `reference` (its
+emitter, `tpu/paged/emit.py`, is backend-neutral there), with a Mosaic GPU kernel.
+
+The kernel, one CTA (one warpgroup) per (lead values, row block): the query rows copied
+once into a tile of WGMMA's 64 rows (the rest zeros, never stored); then a loop over the
+steps of `tk` keys between the first and the last page the condition reaches, the copies
+double-buffered by hand (emit_pipeline's BlockSpecs cannot gather): a step's pages land in
+one of two shared-memory buffers, one TMA copy per page and operand (a page larger than
+the step: the step's part of it), all on the slot's barrier, which expects them all (its
+arrivals are the step's copies: every copy is issued, its page clamped into the bounds, so
+that no page past the length is read). The next step's copies are issued before this step
+waits for its own. Per step the score tile (WGMMA), the chain, the condition with the
+bounds (keys outside them were not fetched from their own pages), the online softmax, the
+probabilities through shared memory into a WGMMA per value.
+"""
+
+from __future__ import annotations
+
+from ...expr import Var, flat, render
+from ...formatting import format_module
+from ...ir import Term
+from ...pytext import py_tuple
+from ...terms import render_term
+from ...wrapper import Glue
+from ...tpu.paged.emit import PagedEmitter
+from ..attention.lower import out_through_q
+from .describe import describe_gpu_paged
+from .lower import GpuPagedModule
+
+F32 = "jnp.float32"
+
+
+class GpuPagedEmitter(PagedEmitter):
+    def __init__(self, m: GpuPagedModule):
+        super().__init__(m)
+
+    # ------------------------------------------------------------- the kernel
+    def kernel(self) -> tuple[list[str], list[str], list[str]]:
+        """The kernel's parameters, its lines and the arrays passed (after the tables)."""
+        m, p, pg, k = self.m, self.p, self.pg, self.k
+        n = self.n.scope()
+        tq, tk, rows, ti = m.tq, m.tk, m.rows, self.ti
+        page = self.page
+        first_ref, end_ref, table_ref = n.local("first_page"), n.local("end_page"), n.local(f"{pg.table}_gmem")
+        scalar_refs = {r.operand: n.local(f"{r.operand}_gmem") for r in pg.scalars}
+        qo = m.operands[0]
+        gathers = list(zip(pg.gathers, m.operands[1:]))
+        products = [c for c in p.consumers if c.kind == "softmax_product"]
+        out_refs = {c.output: n.local(f"{c.output}_gmem") for c in products}
+        params = [first_ref, end_ref, table_ref] + list(scalar_refs.values()) + [qo.ref] + [o.ref for _, o in gathers] + list(out_refs.values())
+        lines = []
+        if self.sizes:
+            lines.append(f"{', '.join(self.sizes)}{',' if len(self.sizes) == 1 else ''} = sizes")
+        lead_vars = {i: n.local(i) for i in p.lead}
+        cell, row = n.local("cell"), n.local("row")
+        n_rows = self.size_expr(p.query).cdiv(ti)
+        lines += [f'{cell} = lax.axis_index("cell")', f"{row} = {cell} % ({render(n_rows, 'py')})  # the row block: {rows} rows, padded to {tq}"]
+        stride = n_rows
+        for d in reversed(range(len(p.lead))):
+            i = p.lead[d]
+            value = f"{cell} // ({render(stride, 'py')})" + (f" % {self.size_of(i)}" if d else "")
+            lines.append(f"{lead_vars[i]} = {value}")
+            stride = stride * self.size_expr(i)
+        groups = list(p.class_axes[:-2])
+        at = render(flat([Var(lead_vars[i]) for i in groups] + [Var(row)], [self.size_expr(i) for i in groups] + [n_rows]), "py")
+        lo, hi, first, last = (n.local(x) for x in ("lo", "hi", "first", "last"))
+        lines += [f"{lo}, {hi} = {first_ref}[{at}], {end_ref}[{at}]  # the pages [lo, hi) the condition reaches in the row block",
+                  f"{first}, {last} = {lo} * {page} // {tk}, ({hi} * {page} + {tk - 1}) // {tk}  # the steps of {tk} keys holding them"]
+        table = pg.gathers[0].table
+        table_op = k.operand(table.operand)
+        row_coords = [lead_vars[s.index] for s in table.subs[:-1]]
+        base = n.local("base")
+        flat_row = render(flat([Var(c) for c in row_coords], [self.m.conv.size(dim) for dim in table_op.dims[:-1]]), "py") if row_coords else "0"
+        lines.append(f"{base} = {flat_row} * {render(self.m.conv.size(table_op.dims[-1]), 'py')}  # the row of '{pg.table}'")
+        scalars = {}
+        for r in pg.scalars:
+            var = n.local(f"{r.operand}_value")
+            lines.append(f"{var} = {scalar_refs[r.operand]}[{self.flat_read(r, lead_vars)}]")
+            scalars[r.operand] = var
+
+        def heads(g) -> list[str]:
+            out = []
+            for s_ in g.heads:
+                if s_.index in p.lead:
+                    out.append(f"{lead_vars[s_.index]} // {s_.divisor}" if s_.divisor != 1 else lead_vars[s_.index])
+                else:  # the row block's heads share one (the tile divides the divisor)
+                    out.append(f"{row} * {ti} // {s_.divisor}")
+            return out
+
+        # Shared memory: the row walk's layout (gpu/attention/lower.py `smem_bytes`): the
+        # query tile, probabilities and outputs with one barrier; then the pages' buffers
+        # with a barrier per slot.
+        dtype = k.operand(qo.read.operand).dtype.jnp
+        q_tile = py_tuple([str(tq), str(self.tile[p.summed])])
+        q_smem, probs_smem, barrier = qo.smem, n.local("probs_smem"), n.local("barrier")
+        through_q = out_through_q(k, p, m.operands)
+        out_smem = {}
+        scoped = [f"{q_smem}=plgpu.SMEM({q_tile}, {dtype})", f"{probs_smem}=plgpu.SMEM(({tq}, {tk}), {dtype})"]
+        for c in products:
+            if c.output == through_q:
+                out_smem[c.output] = q_smem
+            else:
+                out_smem[c.output] = n.local(f"{c.output}_smem")
+                e = self.tile[next(g.inner.index for g in pg.gathers if g.read == c.value)]
+                scoped.append(f"{out_smem[c.output]}=plgpu.SMEM(({tq}, {e}), {k.operand(c.output).dtype.jnp})")
+        scoped.append(f"{barrier}=plgpu.Barrier()")
+        copies = n.local("copies")
+        per_step = n.local("per_step")
+        bufs = [f"{o.smem}=plgpu.SMEM((2, {tk}, {self.tile[g.inner.index]}), {k.operand(g.read.operand).dtype.jnp})" for g, o in gathers]
+        bufs.append(f"{copies}=plgpu.Barrier(num_arrivals={len(gathers)} * {per_step}, num_barriers=2)")
+        lines += [f"{per_step} = max({tk} // {page}, 1)  # copies a step per operand: its pages (or its part of one page)"]
+
+        # The copies of a step's pages.
+        sn = n.scope()
+        t, slot, pi, pg_var, entry = sn.local("t"), sn.local("slot"), sn.local("p"), sn.local("page"), sn.local("entry")
+        issue = ["", f"def _fetch({t}, {slot}):",
+                 f"    # Step {t}'s keys into buffer {slot}: one TMA copy per page and operand, each page clamped into",
+                 f"    # [{lo}, {hi}) (a page past the length is never read; keys outside the bounds are masked).",
+                 f"    if {page} >= {tk}:  # the step is a part of one page",
+                 f"        {pg_var} = jnp.clip({t} * {tk} // {page}, {lo}, {hi} - 1)",
+                 f"        {entry} = {table_ref}[{base} + {pg_var}]"]
+        for g, o in gathers:
+            src = ", ".join(heads(g) + [entry, f"pl.ds({t} * {tk} % {page}, {tk})"])
+            issue.append(f"        plgpu.copy_gmem_to_smem({o.ref}.at[{src}], {o.smem}.at[{slot}], {copies}.at[{slot}])")
+        issue += ["    else:  # whole pages",
+                  f"        for {pi} in range({per_step}):",
+                  f"            {pg_var} = jnp.clip({t} * {per_step} + {pi}, {lo}, {hi} - 1)",
+                  f"            {entry} = {table_ref}[{base} + {pg_var}]"]
+        for g, o in gathers:
+            src = ", ".join(heads(g) + [entry])
+            issue.append(f"            plgpu.copy_gmem_to_smem({o.ref}.at[{src}], {o.smem}.at[{slot}, pl.ds({pi} * {page}, {page})], "
+                         f"{copies}.at[{slot}])")
+
+        # The step.
+        carry, m_prev, l_prev = sn.local("carry"), sn.local("m_prev"), sn.local("l_prev")
+        accs = {c.output: sn.local(f"{c.output}_acc") for c in products}
+        carried = [m_prev, l_prev] + list(accs.values())
+        step = ["", f"def _step({t}, {carry}):", f"    {', '.join(carried)} = {carry}", f"    {slot} = lax.rem({t} - {first}, 2)", "",
+                f"    @pl.when({t} + 1 < {last})", "    def _next():", "        # The next step's pages are copied while this one is computed.",
+                f"        _fetch({t} + 1, 1 - {slot})", "", f"    plgpu.barrier_wait({copies}.at[{slot}])  # this step's pages have arrived"]
+        kg, ko = gathers[0]
+        score_fn, acc_ref, s = sn.local("_score"), sn.local("acc_ref"), sn.local("s")
+        shape = f"({tq}, {tk})"
+        body = ["", f"def {score_fn}({acc_ref}):", f"    plgpu.wgmma({acc_ref}, {q_smem}, {ko.smem}.at[{slot}].T)", f"    return {acc_ref}[...]", "",
+                f"{s} = pl.run_scoped({score_fn}, plgpu.ACC({shape}, {F32}))"]
+        if p.scale is not None:
+            body.append(f"{s} = {s} * {p.scale!r}")
+        qpos, kpos = sn.local(f"{p.query}_pos"), sn.local(f"{p.key}_pos")
+        body += [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {row} * {ti}, jnp.int32)",
+                 f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {t} * {tk}, jnp.int32)"]
+        vals = {p.score: s}
+
+        def leaf(term: Term, float_ctx: bool) -> str:
+            if term.op == "index":
+                v = qpos if term.name == p.query else kpos if term.name == p.key else f"jnp.full({shape}, {lead_vars[term.name]}, jnp.int32)"
+            elif term.op == "size":
+                v = self.m.conv.size_var(term.name)
+                return f"float({v})" if float_ctx else v
+            elif term.op == "local":
+                return vals[term.read.operand]
+            else:
+                v = f"jnp.full({shape}, {scalars[term.read.operand]}, jnp.int32)"
+                if term.op == "truth":
+                    return f"({v} != 0)"
+            return f"{v}.astype({F32})" if float_ctx else v
+
+        for name, term in p.chain:
+            var = sn.local(name)
+            body.append(f"{var} = {render_term(term, lambda x: leaf(x, True))}")
+            vals[name] = var
+        sv = vals[p.points[0].local]
+        conds = [f"({kpos} >= jnp.full({shape}, {lo} * {page}, jnp.int32))", f"({kpos} < jnp.full({shape}, {hi} * {page}, jnp.int32))"]
+        if p.points[0].condition is not None:
+            conds.append(f"({render_term(p.points[0].condition, lambda x: leaf(x, False))})")
+        if self.ragged(p.query):
+            conds.append(f"({qpos} < {self.size_of(p.query)})")
+        present = sn.local("present")
+        body += ["# Keys outside the bounds were not read from their own pages: absent, as the condition's.",
+                 f"{present} = {' & '.join(conds)}", f"{s} = jnp.where({present}, {sv}, jnp.full({shape}, -jnp.inf, {F32}))"]
+        row_shape = f"({tq},)"
+        m_new, m_safe, alpha, probs, l_new = (sn.local(x) for x in ("m_new", "m_safe", "alpha", "probs", "l_new"))
+        body += [f"{m_new} = jnp.maximum({m_prev}, {s}.max(axis=1))",
+                 "# A row with nothing present yet keeps minus infinity; exp then gives zeros.",
+                 f"{m_safe} = jnp.where({m_new} == jnp.full({row_shape}, -jnp.inf, {F32}), jnp.full({row_shape}, 0.0, {F32}), {m_new})",
+                 f"{alpha} = jnp.exp({m_prev} - {m_safe})",
+                 f"{probs} = jnp.exp({s} - lax.broadcast_in_dim({m_safe}, {shape}, [0]))",
+                 f"{l_new} = {l_prev} * {alpha} + {probs}.sum(axis=1)",
+                 f"{probs_smem}[...] = {probs}.astype({dtype})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
+        news = []
+        for c in products:
+            g, o = next((g, o) for g, o in gathers if g.read == c.value)
+            e = self.tile[g.inner.index]
+            new = sn.local(f"{c.output}_new")
+            body.append(f"{new} = _mma_add({accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {e}), [0]), {probs_smem}, "
+                        f"{o.smem}.at[{slot}], compiled)  # acc * alpha + P . V")
+            news.append(new)
+        body.append(f"return {', '.join([m_new, l_new] + news)}")
+        step += ["    " + line for line in body]
+
+        walk = issue + ["", f"@pl.when({first} < {last})", "def _prefetch():", f"    _fetch({first}, 0)"] + step
+        init = [f"jnp.full({row_shape}, -jnp.inf, {F32})", f"jnp.zeros({row_shape}, {F32})"]
+        for c in products:
+            e = self.tile[next(g.inner.index for g in pg.gathers if g.read == c.value)]
+            init.append(f"jnp.zeros(({tq}, {e}), {F32})")
+        mm, ll = sn.local("m"), sn.local("l")
+        res = [mm, ll] + [sn.local(f"{c.output}_sum") for c in products]
+        walk += ["", f"return lax.fori_loop({first}, {last}, _step, ({', '.join(init)}))"]
+
+        def rows_of(o_read_subs_indices, ref) -> str:
+            parts = []
+            for i in o_read_subs_indices:
+                parts.append(lead_vars[i] if i in p.lead else f"pl.ds({row} * {ti}, {rows})" if i == p.query else f"pl.ds(0, {self.tile[i]})")
+            return f"{ref}.at[{', '.join(parts)}]"
+
+        inner = ["# The rows past the block's "
+                 f"{rows} (WGMMA's M is {tq}) are zeros, never stored: each output row depends only on its own score row.",
+                 f"{q_smem}[...] = jnp.zeros({q_tile}, {dtype})",
+                 "plgpu.commit_smem()  # before the copy into its first rows",
+                 f"plgpu.copy_gmem_to_smem({rows_of([s_.index for s_ in qo.read.subs], qo.ref)}, {q_smem}.at[pl.ds(0, {rows})], {barrier})",
+                 f"plgpu.barrier_wait({barrier})", "",
+                 f"@functools.partial(pl.run_scoped, {', '.join(bufs)})",
+                 f"def _walk({', '.join([o.smem for _, o in gathers] + [copies])}):"]
+        inner += ["    " + line for line in walk]
+        safe = sn.local("l_safe")
+        inner += ["", f"{', '.join(res)} = _walk", f"{safe} = jnp.where({ll} == jnp.full({row_shape}, 0.0, {F32}), "
+                  f"jnp.full({row_shape}, 1.0, {F32}), {ll})  # a row with nothing present: outputs 0"]
+        for c, acc in zip(products, res[2:]):
+            e = self.tile[next(g.inner.index for g in pg.gathers if g.read == c.value)]
+            value = f"{acc} / lax.broadcast_in_dim({safe}, ({tq}, {e}), [0])" + (f" * {c.scale!r}" if c.scale is not None else "")
+            inner.append(f"{out_smem[c.output]}[...] = ({value}).astype({k.operand(c.output).dtype.jnp})")
+        inner.append("plgpu.commit_smem()")
+        for c in products:
+            target = k.statement_of(c.output).target.indices
+            inner.append(f"plgpu.copy_smem_to_gmem({out_smem[c.output]}.at[pl.ds(0, {rows})], {rows_of(target, out_refs[c.output])})")
+        inner.append("plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
+        lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)})",
+                  f"def _shared({', '.join(s_.split('=')[0] for s_ in scoped)}):"]
+        lines += ["    " + line for line in inner]
+        self.n_rows = render(n_rows, "host")
+        arrays = [self.host_q(qo)] + [self.m.conv.param(g.read.operand).internal for g, _ in gathers]
+        return params, lines, arrays
+
+    def host_q(self, o) -> str:
+        """The query rows, padded with zeros to whole row blocks where ragged (a copy never
+        reads past the array's end)."""
+        x = self.m.conv.param(o.read.operand).internal
+        if not self.ragged(self.p.query):
+            return x
+        pads = [f"(0, -{self.size_of(s.index)} % {self.tile[s.index]})" if s.index == self.p.query else "(0, 0)" for s in o.read.subs]
+        return f"jnp.pad({x}, {py_tuple(pads)})"
+
+    # ------------------------------------------------------------------ module
+    def module(self, source_name: str, formatted: bool = True) -> str:
+        m, k, p, pg, conv = self.m, self.k, self.p, self.pg, self.m.conv
+        classify_fn, classify_reads, classify_lines = self.classify()
+        self.classify_fn, self.classify_reads = classify_fn, classify_reads
+        params, lines, arrays = self.kernel()
+        products = [c for c in p.consumers if c.kind == "softmax_product"]
+        outs, finish = [], []
+        for c in products:
+            target = k.statement_of(c.output).target.indices
+            shape = [f"-(-{self.size_of(i)} // {self.ti}) * {self.ti}" if i == p.query and self.ragged(i) else self.size_of(i) for i in target]
+            var = self.n.local(c.output)
+            outs.append((var, py_tuple(shape), k.operand(c.output).dtype.jnp))
+            if self.ragged(p.query):
+                cut = ", ".join(f":{self.size_of(i)}" if i == p.query else ":" for i in target)
+                finish.append(f"{var} = {var}[{cut}]  # the rows past the end (padding) dropped")
+        grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.n_rows})"])
+        table_param = conv.param(pg.table).internal
+        sizes_of_page = [self.dim_size(g.read, g.page_dim) for g in pg.gathers]
+        clamp = sizes_of_page[0] if len(set(sizes_of_page)) == 1 else f"min({', '.join(sizes_of_page)})"
+        scalar_args = [f"{conv.param(r.operand).internal}.reshape(-1).astype(jnp.int32)" for r in pg.scalars]
+        lead = list(p.lead)
+        letters = {i: chr(97 + x) for x, i in enumerate(lead)}
+        table_read = pg.gathers[0].table
+        check = {
+            "groups": "".join(letters[i] for i in p.class_axes[:-2]) + "z",
+            "table": "".join(letters[s.index] for s in table_read.subs[:-1]) + "z",
+            "lead": "".join(letters[i] for i in lead) + "z",
+            "param": table_param, "name": conv.param(pg.table).public, "size": clamp, "text": table_read.text,
+        }
+        page_checks = []
+        for g in pg.gathers:
+            dim = k.operand(g.read.operand).dims[g.page_dim + 1]
+            line = f'_check_page_size({self.page}, {self.tj}, "{g.read.operand} dim {g.page_dim + 1} ({dim.text})")'
+            gpu_line = f'_check_gpu_page({self.page}, {m.tk}, "{g.read.operand} dim {g.page_dim + 1} ({dim.text})")'
+            if not isinstance(pg.page, int):
+                for x in (line, gpu_line):
+                    if x not in page_checks:
+                        page_checks.append(x)
+        signature = self.wrapper.signature()[0]
+        doc, call_doc = self.wrapper.docstrings(
+            "a Pallas Mosaic GPU kernel (Hopper: TMA, WGMMA)",
+            ["    interpret: False compiles for the GPU; True runs the Mosaic GPU interpreter",
+             "        on the CPU (or pass plgpu.InterpretGPUParams(...))."],
+            "Bad shapes and dtypes raise a ValueError naming the argument and dimension; a table entry "
+            "a present element reaches outside its dimension too (clamped under jax.jit).",
+            describe_gpu_paged(m), m.target.name, signature)
+        glue = Glue(
+            args=list(conv.impl_args), statics=["sizes", "interpret"], tables=self.gradient_tables({}, []),
+            n_outputs=len(k.outputs), cotangents=[], residuals_about=["The residuals: the arguments, with which are differentiated."],
+            residuals=list(conv.impl_args), derived=False, bargs=[], partials=[], returns=[], prelude=[], wanted=False,
+            kept=[], declared=[], zeros=False,
+        )
+        prepare = self.prepare_lines()
+        prepare = prepare[:-1] + page_checks + prepare[-1:]
+        text = self.wrapper.module(
+            "gpu/paged.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare, self.reference_lines(),
+            classify_fn=classify_fn, classify_params=classify_reads, classify_lines=classify_lines,
+            kernel_fn=self.n.function("_paged_kernel"), kernel_params=params, kernel_lines=lines, arrays=arrays,
+            outs=outs, finish=finish, grid=grid, table_param=table_param, clamp=clamp, check=check,
+            scalar_args=scalar_args, rows=m.rows, tk=m.tk, data=p.data_dependent,
+        )
+        return format_module(text, names=(m.name,))
+
+
+def emit_gpu_paged(m: GpuPagedModule, source_name: str) -> str:
+    return GpuPagedEmitter(m).module(source_name)

@@ -1,0 +1,133 @@
+"""GPU lowering of the paged walk (schedule/paged.py): one CTA per (lead values, row block),
+its rows padded to WGMMA's M = 64 in shared memory (as the row walk's decoding row blocks);
+a loop over steps of `tk` keys between the first and the last page the condition reaches,
+each step gathering its pages with one TMA copy per page and operand into one of two
+shared-memory buffers (the next step's copies issued before this step is computed).
+
+The rules are the row walk's (`gpu/attention/lower.py`: WGMMA's dtypes and shapes, the key
+step, the shared-memory estimate `smem_bytes`, whose layout this kernel keeps); the paged
+walk's own (one table, softmax products only) are `schedule/paged.py`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...autodiff import Refusal
+from ...callconv import Convention, convention
+from ...ir import Kernel
+from ...names import ModuleNames
+from ...schedule.attention import RowPlan
+from ...schedule.paged import PagedPlan
+from ...schedule.row import RowWalk, row_walk
+from ...source import Diagnostic
+from ..attention.lower import PAD_ROWS, TQ, WGMMA_FLOATS, GpuOperand, _k_step, smem_bytes
+from ..plan import GpuError
+from ..targets import GpuTarget
+
+GRADIENT_REFUSED = ("the gradient through a read through a table ('{read}') is not derived on GPU targets "
+                    "(a scatter-add at the addressed pages; issue 19): paged kernels are for inference")
+
+
+@dataclass(frozen=True)
+class GpuPagedModule:
+    kernel: Kernel
+    target: GpuTarget
+    conv: Convention
+    names: ModuleNames
+    plan: RowPlan
+    walk: RowWalk  # its names only (the lead axes), as the TPU's paged module
+    paged: PagedPlan
+    operands: tuple[GpuOperand, ...]  # q, then the gathered key factor and values (their tiles: a step's keys x inner)
+    rows: int  # rows of a row block (packed heads included): under TQ, padded to TQ in shared memory
+    tk: int  # keys a step (64 or 128: the row walk's rule)
+    smem: int
+    refused: tuple = ()
+    backward_error: str | None = None
+    tq = TQ
+    walks = ("paged walk",)
+    has_backward = False
+    backward_smem: tuple = ()
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.smem
+
+    @property
+    def tile(self) -> dict[str, int]:
+        return {i.name: i.tile for i in self.kernel.indices}
+
+
+def lower_gpu_paged(kernel: Kernel, plan: RowPlan, paged: PagedPlan, target: GpuTarget) -> GpuPagedModule:
+    """The GPU plan of a paged walk, or a GpuError at every part of the spec it cannot take."""
+    k, p, pg = kernel, plan, paged
+    problems: list[Diagnostic] = []
+
+    def refuse(span, message):
+        problems.append(Diagnostic(span, message))
+
+    tile = {i.name: i.tile for i in k.indices}
+    span = {i.name: i.tile_span for i in k.indices}
+    for r in [p.q] + [g.read for g in pg.gathers]:
+        d = k.operand(r.operand).dtype
+        if d.name not in WGMMA_FLOATS:
+            refuse(k.operand(r.operand).dtype_span, f"WGMMA multiplies bf16, f16 or f32 (tf32) tiles; '{r.operand}' is {d.name} "
+                                                    f"(on {target.name}, declare it bf16, f16 or f32)")
+    qd = k.operand(p.q.operand).dtype
+    if any(k.operand(r.operand).dtype != qd for r in [g.read for g in pg.gathers]) and not problems:
+        refuse(k.operand(p.k.operand).dtype_span, f"a paged walk's query, keys and values have one dtype on {target.name} (WGMMA)")
+    if qd.name == "f32":
+        refuse(k.operand(p.q.operand).dtype_span, f"not lowered for GPUs yet: a paged walk over f32 (tf32 WGMMA reads K-major tiles "
+                                                  f"only: the pages' values would be transposed); declare bf16 or f16")
+    if k.accumulate.name != "f32":
+        refuse(k.accumulate_span or k.name_span, f"a GPU attention kernel accumulates in f32 (WGMMA's accumulator), not {k.accumulate.name}")
+    if pg.packed:
+        i = pg.packed[0]
+        refuse(span[i], f"not lowered for GPUs yet: '{i}' packed into the rows with '{p.query}' (tile {i} = {tile[i]}); on "
+                        f"{target.name} a paged row block is one lead value's '{p.query}' block: tile {i} = 1, or build for a TPU target")
+    ti, tj = tile[p.query], pg.key_tile
+    rows = ti
+    if rows > TQ or rows % PAD_ROWS:
+        refuse(span[p.query], f"tile {p.query} = {ti}: a paged row block on {target.name} is a multiple of {PAD_ROWS} up to {TQ} rows "
+                              f"(one warpgroup's WGMMA, padded to {TQ})")
+    tk = 128 if tj % 128 == 0 else 64 if tj % 64 == 0 else None
+    if tk is None:
+        refuse(span[p.key], f"tile {p.key} = {tj}: a step reads 64 or 128 keys (WGMMA's N, then P.V's K); "
+                            f"on {target.name} the key block is a multiple of 64")
+    try:
+        _k_step(qd, tile[p.summed], span[p.summed], f"tile {p.summed}", target)
+    except GpuError as exc:
+        problems += exc.diagnostics
+    for g in pg.gathers[1:]:
+        e = g.inner.index
+        if tile[e] % 16 or tile[e] > 256:
+            refuse(span[e], f"tile {e} = {tile[e]}: WGMMA's N (the values' columns) is a multiple of 16 up to 256 on {target.name}")
+    if isinstance(pg.page, int) and (pg.page % PAD_ROWS or (pg.page < tk and tk % pg.page) or (pg.page > tk and pg.page % tk)):
+        refuse(pg.gathers[0].table.span, f"pages of {pg.page}: on {target.name} a page is a multiple of {PAD_ROWS} rows (a TMA copy "
+                                         f"into the step's buffer) that divides the step of {tk} keys, or a multiple of it")
+    if problems:
+        raise GpuError(problems)
+
+    names = ModuleNames(k)
+    conv = convention(k, names)
+    walk = row_walk(k, p, conv, names)  # its names only: the lead axes
+    ops = [GpuOperand(p.q, "q", "tile", names.local(f"{p.q.operand}_gmem"), names.local(f"{p.q.operand}_smem"),
+                      (p.query, p.summed), False)]
+    for g in pg.gathers:
+        role = "k" if g.read is p.k else "value"
+        ops.append(GpuOperand(g.read, role, "tile", names.local(f"{g.read.operand}_gmem"), names.local(f"{g.read.operand}_pages"),
+                              (p.key, g.inner.index), False))
+    smem = smem_bytes(k, p, ops, TQ, tk, 1)
+    if smem > target.smem_bytes:
+        raise GpuError([Diagnostic(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} "
+                                                f"(limit {target.smem_bytes}): use smaller tiles of {p.summed} or the values' columns")])
+    refused = tuple(Refusal(op.name, None, GRADIENT_REFUSED.format(read=g.read.text))
+                    for g in pg.gathers for op in [k.operand(g.read.operand)] if op.dtype.is_float)
+    refused += tuple(Refusal(op.name, None, f"the gradient of '{op.name}' in a paged walk is not derived on GPU targets (issue 19)")
+                     for op in k.inputs if op.dtype.is_float and op.name not in {g.read.operand for g in pg.gathers})
+    error = "gradients through reads through tables are not derived on GPU targets (issue 19): paged kernels are for inference"
+    return GpuPagedModule(k, target, conv, names, p, walk, pg, tuple(ops), rows, tk, smem, refused, error)
