@@ -147,20 +147,30 @@ class GpuPagedEmitter(PagedEmitter):
         if p.scale is not None:
             body.append(f"{s} = {s} * {p.scale!r}")
         qpos, kpos = sn.local(f"{p.query}_pos"), sn.local(f"{p.key}_pos")
-        body += [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {row} * {ti}, jnp.int32)",
-                 f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {t} * {tk}, jnp.int32)"]
+        cond = p.points[0].condition
+        by_row = any(t_.op == "index" and t_.name == p.query for t_ in cond.walk()) if cond is not None else False
+        in_chain = any(t_.op == "index" for _, term in p.chain for t_ in term.walk())
+        # The condition over the keys alone (no query position: decoding) is evaluated on a
+        # vector of the step's keys and added to the scores as 0 or minus infinity (a tile of
+        # positions would take 64 registers a thread); else on the tile.
+        cshape = f"({tq}, {tk})" if by_row or in_chain else f"({tk},)"
+        if cshape == shape:
+            body += [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {row} * {ti}, jnp.int32)",
+                     f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {t} * {tk}, jnp.int32)"]
+        else:
+            body.append(f"{kpos} = lax.broadcasted_iota(jnp.int32, {cshape}, 0) + jnp.full({cshape}, {t} * {tk}, jnp.int32)")
         vals = {p.score: s}
 
         def leaf(term: Term, float_ctx: bool) -> str:
             if term.op == "index":
-                v = qpos if term.name == p.query else kpos if term.name == p.key else f"jnp.full({shape}, {lead_vars[term.name]}, jnp.int32)"
+                v = qpos if term.name == p.query else kpos if term.name == p.key else f"jnp.full({cshape}, {lead_vars[term.name]}, jnp.int32)"
             elif term.op == "size":
                 v = self.m.conv.size_var(term.name)
                 return f"float({v})" if float_ctx else v
             elif term.op == "local":
                 return vals[term.read.operand]
             else:
-                v = f"jnp.full({shape}, {scalars[term.read.operand]}, jnp.int32)"
+                v = f"jnp.full({cshape}, {scalars[term.read.operand]}, jnp.int32)"
                 if term.op == "truth":
                     return f"({v} != 0)"
             return f"{v}.astype({F32})" if float_ctx else v
@@ -170,14 +180,18 @@ class GpuPagedEmitter(PagedEmitter):
             body.append(f"{var} = {render_term(term, lambda x: leaf(x, True))}")
             vals[name] = var
         sv = vals[p.points[0].local]
-        conds = [f"({kpos} >= jnp.full({shape}, {lo} * {page}, jnp.int32))", f"({kpos} < jnp.full({shape}, {hi} * {page}, jnp.int32))"]
-        if p.points[0].condition is not None:
-            conds.append(f"({render_term(p.points[0].condition, lambda x: leaf(x, False))})")
-        if self.ragged(p.query):
-            conds.append(f"({qpos} < {self.size_of(p.query)})")
+        # The keys of the pages inside the bounds (a step may run past the last: its copies
+        # repeat that page), and the condition; the rows past the block are never stored.
+        conds = [f"({kpos} >= jnp.full({cshape}, {lo} * {page}, jnp.int32))", f"({kpos} < jnp.full({cshape}, {hi} * {page}, jnp.int32))"]
+        if cond is not None:
+            conds.append(f"({render_term(cond, lambda x: leaf(x, False))})")
         present = sn.local("present")
-        body += ["# Keys outside the bounds were not read from their own pages: absent, as the condition's.",
-                 f"{present} = {' & '.join(conds)}", f"{s} = jnp.where({present}, {sv}, jnp.full({shape}, -jnp.inf, {F32}))"]
+        body.append(f"{present} = {' & '.join(conds)}")
+        if cshape == shape:
+            body.append(f"{s} = jnp.where({present}, {sv}, jnp.full({shape}, -jnp.inf, {F32}))")
+        else:
+            body.append(f"{s} = {sv} + lax.broadcast_in_dim(jnp.where({present}, jnp.full({cshape}, 0.0, {F32}), "
+                        f"jnp.full({cshape}, -jnp.inf, {F32})), {shape}, [1])")
         row_shape = f"({tq},)"
         m_new, m_safe, alpha, probs, l_new = (sn.local(x) for x in ("m_new", "m_safe", "alpha", "probs", "l_new"))
         body += [f"{m_new} = jnp.maximum({m_prev}, {s}.max(axis=1))",
