@@ -173,13 +173,30 @@ def test_a_page_the_gpu_cannot_copy_is_a_value_error():
         mod.paged_decode(q, kc, vc, pages, lens, interpret=True)
 
 
-def test_heads_packed_with_new_tokens_are_refused_at_the_tile_line():
-    text = (SPECS / "paged_gqa_speculative_decode.spk").read_text()
+def test_heads_packed_with_new_tokens_in_the_gpu_interpreter():
+    """paged_gqa_speculative_decode: 8 heads x 4 new tokens in one block of 32 rows (merged
+    into one dimension of rows on the host), padded to 64."""
+    kernel, mod = _module("paged_gqa_speculative_decode.spk")
+    rng = np.random.default_rng(9)
+    q, kc, vc, pages, lens = _cache(rng, 2, 16, 2, 128, 64, 12, 40, [530, 9], poison=True)
+    q = jnp.asarray(rng.normal(size=(2, 16, 4, 128)), jnp.bfloat16)
+    got = mod.paged_gqa_speculative_decode(q, kc, vc, pages, lens, interpret=True)
+    _close(got, _oracle(q, kc, vc, pages, lens, new=4))
+
+
+@pytest.mark.parametrize("tiles, needle, message", [
+    ("h = 8, i = 2", "h = 8", "not lowered for GPUs yet: 'h' packed into the rows with 'i' on h200 takes one packed index just before "
+                              "'i' in the query and the outputs, and 'i' whole (tile i = its literal size); build for a TPU target"),
+    ("h = 32, i = 4", "i = 4", "tile i = 4: a paged row block on h200 is a multiple of 8 up to 64 rows (one warpgroup's WGMMA, "
+                               "padded to 64); here 32 'h' x 4 'i' = 128"),
+])  # fmt: skip
+def test_paged_row_blocks_the_gpu_cannot_take_are_refused_at_the_tile_line(tiles, needle, message):
+    text = (SPECS / "paged_gqa_speculative_decode.spk").read_text().replace("h = 8, i = 4", tiles).replace("h // 8", "h // 32")
     rendered = _refused(text)
-    line = next(n for n, t in enumerate(text.splitlines(), 1) if t.strip().startswith("tile "))
-    col = text.splitlines()[line - 1].index("h = 8") + 5
-    assert (f"bad.spk:{line}:{col}: error: not lowered for GPUs yet: 'h' packed into the rows with 'i' (tile h = 8)"
-            in rendered), rendered
+    lines = text.splitlines()
+    line = next(n for n, t in enumerate(lines, 1) if t.strip().startswith("tile "))
+    col = lines[line - 1].index(needle) + len(needle.split(" = ")[0]) + 4
+    assert f"bad.spk:{line}:{col}: error: {message}" in rendered, rendered
 
 
 # ------------------------------------------------------------------ stages 2 and 3
@@ -202,7 +219,8 @@ def _verified(sources: list[SourceFile]):
     return results
 
 
-PAGED = ["paged_decode", "paged_mqa_decode", "paged_softcap_decode", "paged_window_decode", "paged_speculative_decode"]
+PAGED = ["paged_decode", "paged_mqa_decode", "paged_softcap_decode", "paged_window_decode", "paged_speculative_decode",
+         "paged_gqa_speculative_decode"]
 
 
 def test_decoding_kernels_lower_and_compile_for_h200():

@@ -59,9 +59,9 @@ class GpuPagedEmitter(PagedEmitter):
         stride = n_rows
         for d in reversed(range(len(p.lead))):
             i = p.lead[d]
-            value = f"{cell} // ({render(stride, 'py')})" + (f" % {self.size_of(i)}" if d else "")
-            lines.append(f"{lead_vars[i]} = {value}")
-            stride = stride * self.size_expr(i)
+            value = f"{cell} // ({render(stride, 'py')})" + (f" % ({render(self.extent(i), 'py')})" if d else "")
+            lines.append(f"{lead_vars[i]} = {value}" + (f"  # a block of {self.tile[i]} '{i}', packed into the rows" if i in self.packed else ""))
+            stride = stride * self.extent(i)
         groups = list(p.class_axes[:-2])
         at = render(flat([Var(lead_vars[i]) for i in groups] + [Var(row)], [self.size_expr(i) for i in groups] + [n_rows]), "py")
         lo, hi, first, last = (n.local(x) for x in ("lo", "hi", "first", "last"))
@@ -82,7 +82,10 @@ class GpuPagedEmitter(PagedEmitter):
         def heads(g) -> list[str]:
             out = []
             for s_ in g.heads:
-                if s_.index in p.lead:
+                if s_.index in self.packed:  # a block of heads packed into the rows shares one
+                    t_ = self.tile[s_.index]
+                    out.append(lead_vars[s_.index] if s_.divisor == t_ else f"{lead_vars[s_.index]} * {t_} // {s_.divisor}")
+                elif s_.index in p.lead:
                     out.append(f"{lead_vars[s_.index]} // {s_.divisor}" if s_.divisor != 1 else lead_vars[s_.index])
                 else:  # the row block's heads share one (the tile divides the divisor)
                     out.append(f"{row} * {ti} // {s_.divisor}")
@@ -154,7 +157,25 @@ class GpuPagedEmitter(PagedEmitter):
         # vector of the step's keys and added to the scores as 0 or minus infinity (a tile of
         # positions would take 64 registers a thread); else on the tile.
         cshape = f"({tq}, {tk})" if by_row or in_chain else f"({tk},)"
-        if cshape == shape:
+        ppos = {}
+        if cshape == shape and self.packed:
+            # Rows (packed heads, query) in order: row r is head r // ti of the block, position r % ti.
+            lane = sn.local("r")
+            body += [f"{lane} = lax.broadcasted_iota(jnp.int32, {shape}, 0)",
+                     f"{qpos} = jnp.full({shape}, {row} * {ti}, jnp.int32) + {lane} % jnp.full({shape}, {ti}, jnp.int32)",
+                     f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {t} * {tk}, jnp.int32)"]
+            stride_ = ti
+            used = {t_.name for term in [cond] + [tm for _, tm in p.chain] if term is not None for t_ in term.walk() if t_.op == "index"}
+            for i in reversed(self.packed):
+                t_ = self.tile[i]
+                if i not in used:
+                    stride_ *= t_
+                    continue
+                ppos[i] = sn.local(f"{i}_pos")
+                body.append(f"{ppos[i]} = jnp.full({shape}, {lead_vars[i]} * {t_}, jnp.int32) + {lane} // jnp.full({shape}, {stride_}, jnp.int32) "
+                            f"% jnp.full({shape}, {t_}, jnp.int32)")
+                stride_ *= t_
+        elif cshape == shape:
             body += [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {row} * {ti}, jnp.int32)",
                      f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {t} * {tk}, jnp.int32)"]
         else:
@@ -163,7 +184,8 @@ class GpuPagedEmitter(PagedEmitter):
 
         def leaf(term: Term, float_ctx: bool) -> str:
             if term.op == "index":
-                v = qpos if term.name == p.query else kpos if term.name == p.key else f"jnp.full({cshape}, {lead_vars[term.name]}, jnp.int32)"
+                v = (qpos if term.name == p.query else kpos if term.name == p.key else ppos[term.name] if term.name in ppos
+                     else f"jnp.full({cshape}, {lead_vars[term.name]}, jnp.int32)")
             elif term.op == "size":
                 v = self.m.conv.size_var(term.name)
                 return f"float({v})" if float_ctx else v
@@ -222,9 +244,15 @@ class GpuPagedEmitter(PagedEmitter):
         walk += ["", f"return lax.fori_loop({first}, {last}, _step, ({', '.join(init)}))"]
 
         def rows_of(o_read_subs_indices, ref) -> str:
+            """The row block of an array (packed heads merged with the query's rows on the host)."""
             parts = []
+            start = f"{row} * {ti}"
+            for i in self.packed:
+                start = f"{lead_vars[i]} * {self.tile[i] * ti} + {start}"
             for i in o_read_subs_indices:
-                parts.append(lead_vars[i] if i in p.lead else f"pl.ds({row} * {ti}, {rows})" if i == p.query else f"pl.ds(0, {self.tile[i]})")
+                if i in self.packed:
+                    continue
+                parts.append(lead_vars[i] if i in p.lead else f"pl.ds({start}, {rows})" if i == p.query else f"pl.ds(0, {self.tile[i]})")
             return f"{ref}.at[{', '.join(parts)}]"
 
         inner = ["# The rows past the block's "
@@ -259,6 +287,15 @@ class GpuPagedEmitter(PagedEmitter):
         """The query rows, padded with zeros to whole row blocks where ragged (a copy never
         reads past the array's end)."""
         x = self.m.conv.param(o.read.operand).internal
+        if self.packed:
+            (i,) = self.packed
+            a = [s_.index for s_ in o.read.subs].index(i)
+            if self.ragged(i):
+                pads = [f"(0, -{self.size_of(i)} % {self.tile[i]})" if s_.index == i else "(0, 0)" for s_ in o.read.subs]
+                x = f"jnp.pad({x}, {py_tuple(pads)})"
+            # ('i', query) merged: one dimension of rows
+            dims = [self.size_of(s_.index) for s_ in o.read.subs]
+            return f"{x}.reshape({py_tuple(dims[:a] + ['-1'] + dims[a + 2:])})"
         if not self.ragged(self.p.query):
             return x
         pads = [f"(0, -{self.size_of(s.index)} % {self.tile[s.index]})" if s.index == self.p.query else "(0, 0)" for s in o.read.subs]
@@ -276,11 +313,22 @@ class GpuPagedEmitter(PagedEmitter):
             target = k.statement_of(c.output).target.indices
             shape = [f"-(-{self.size_of(i)} // {self.ti}) * {self.ti}" if i == p.query and self.ragged(i) else self.size_of(i) for i in target]
             var = self.n.local(c.output)
+            if self.packed:
+                (i,) = self.packed
+                a = list(target).index(i)
+                whole = [f"-(-{self.size_of(i)} // {self.tile[i]}) * {self.tile[i]}" if x == i else s_ for x, s_ in zip(target, shape)]
+                merged = whole[:a] + [f"{whole[a]} * {whole[a + 1]}"] + whole[a + 2:]
+                outs.append((var, py_tuple(merged), k.operand(c.output).dtype.jnp))
+                finish.append(f"{var} = {var}.reshape({py_tuple(whole)})  # the rows back as ('{i}', '{p.query}')")
+                if self.ragged(i):
+                    cut = ", ".join(f":{self.size_of(x)}" if x == i else ":" for x in target)
+                    finish.append(f"{var} = {var}[{cut}]  # the heads past the end (padding) dropped")
+                continue
             outs.append((var, py_tuple(shape), k.operand(c.output).dtype.jnp))
             if self.ragged(p.query):
                 cut = ", ".join(f":{self.size_of(i)}" if i == p.query else ":" for i in target)
                 finish.append(f"{var} = {var}[{cut}]  # the rows past the end (padding) dropped")
-        grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.n_rows})"])
+        grid = " * ".join([f"({render(self.extent(i), 'host')})" if i in self.packed else self.size_of(i) for i in p.lead] + [f"({self.n_rows})"])
         table_param = conv.param(pg.table).internal
         sizes_of_page = [self.dim_size(g.read, g.page_dim) for g in pg.gathers]
         clamp = sizes_of_page[0] if len(set(sizes_of_page)) == 1 else f"min({', '.join(sizes_of_page)})"

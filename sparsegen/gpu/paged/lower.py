@@ -85,15 +85,25 @@ def lower_gpu_paged(kernel: Kernel, plan: RowPlan, paged: PagedPlan, target: Gpu
                                                   f"only: the pages' values would be transposed); declare bf16 or f16")
     if k.accumulate.name != "f32":
         refuse(k.accumulate_span or k.name_span, f"a GPU attention kernel accumulates in f32 (WGMMA's accumulator), not {k.accumulate.name}")
-    if pg.packed:
-        i = pg.packed[0]
-        refuse(span[i], f"not lowered for GPUs yet: '{i}' packed into the rows with '{p.query}' (tile {i} = {tile[i]}); on "
-                        f"{target.name} a paged row block is one lead value's '{p.query}' block: tile {i} = 1, or build for a TPU target")
     ti, tj = tile[p.query], pg.key_tile
     rows = ti
+    for i in pg.packed:
+        rows *= tile[i]
+    if pg.packed:
+        # Heads packed with the query's rows (language v2, section 3): the arrays' two
+        # dimensions merged into one of rows, each row block a run of them (the query whole).
+        (i,) = pg.packed[-1:] if len(pg.packed) == 1 else (None,)
+        size = k.index(p.query).size.literal
+        reads = [p.q.indices] + [k.statement_of(c.output).target.indices for c in p.consumers]
+        adjacent = i is not None and all(list(ix).index(p.query) == list(ix).index(i) + 1 for ix in reads if i in ix and p.query in ix)
+        if not adjacent or size != ti or not all(i in ix for ix in reads):
+            refuse(span[pg.packed[0]], f"not lowered for GPUs yet: '{pg.packed[0]}' packed into the rows with '{p.query}' on {target.name} "
+                                       f"takes one packed index just before '{p.query}' in the query and the outputs, and '{p.query}' "
+                                       f"whole (tile {p.query} = its literal size); build for a TPU target")
     if rows > TQ or rows % PAD_ROWS:
+        what = " x ".join(f"{tile[i]} '{i}'" for i in (*pg.packed, p.query))
         refuse(span[p.query], f"tile {p.query} = {ti}: a paged row block on {target.name} is a multiple of {PAD_ROWS} up to {TQ} rows "
-                              f"(one warpgroup's WGMMA, padded to {TQ})")
+                              f"(one warpgroup's WGMMA, padded to {TQ}); here {what} = {rows}")
     tk = 128 if tj % 128 == 0 else 64 if tj % 64 == 0 else None
     if tk is None:
         refuse(span[p.key], f"tile {p.key} = {tj}: a step reads 64 or 128 keys (WGMMA's N, then P.V's K); "
