@@ -231,3 +231,12 @@ def test_decoding_kernels_lower_and_compile_for_h200():
     assert sorted(results) == sorted(["dec"] + PAGED)
     if results["dec"].compiled is None:
         pytest.skip(f"stage 3 (ptxas for sm_90a) not run: {results['dec'].stage3}")
+
+
+def test_pages_larger_than_a_step_lower_for_h200():
+    """Pages of 256 (a 128-key step copies half a page): stage 2, shared memory as estimated."""
+    from sparsegen.gpu.verify import verify_modules
+
+    source = SourceFile("paged_decode.spk", (SPECS / "paged_decode.spk").read_text())
+    (r,) = verify_modules([(m, source, "h200") for m in lower_source(source, "h200")], shapes={"T": 256, "NP": 16}, stage3=False)
+    assert r.lowered and r.shapes["T"] == 256 and r.smem_used == r.smem_estimate, (r.raw_error, r.smem_used, r.smem_estimate)

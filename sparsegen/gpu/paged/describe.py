@@ -10,11 +10,12 @@ def describe_gpu_paged(m) -> list[str]:
     p, pg, k = m.plan, m.paged, m.kernel
     tile = m.tile
     page = pg.page
-    one = [i for i in p.lead]
+    one = [i for i in p.lead if i not in pg.packed]
     per = f" per {', '.join(one)}" if one else ""
+    what = " x ".join(f"{tile[i]} '{i}'" for i in (*pg.packed, p.query))
     lines = [
         f"target: {m.target.name} (Mosaic GPU: TMA copies, WGMMA; one warpgroup per CTA)",
-        f"walk: rows of '{p.score}': one CTA per {m.rows} rows (a '{p.query}' block of {tile[p.query]}){per}, padded to WGMMA's "
+        f"walk: rows of '{p.score}': one CTA per {m.rows} rows ({what}){per}, padded to WGMMA's "
         f"{m.tq} rows in shared memory (zeros, never stored)",
         f"  keys: '{p.key}' read through the table '{pg.table}' ({pg.gathers[0].table.text}), pages of {page}; a loop over the",
         f"  steps of {m.tk} keys between the first and the last page the condition reaches in the row block;",
