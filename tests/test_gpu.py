@@ -423,11 +423,10 @@ kernel narrow {
 
 @pytest.mark.parametrize("name,needle,message,line", [
     ("masked_softmax", "lower[i, j] = x", "not lowered for GPUs yet: scores read from stored operands", None),
-    ("paged_decode", "pages[b, j // T]", "not lowered for GPU targets", "s[b, h, j] ="),
 ])  # fmt: skip
 def test_what_has_no_gpu_lowering_yet_says_so_at_the_spec(name, needle, message, line):
-    """Attention-like kernels lower for GPUs (tests/test_gpu_attention.py), except a stored
-    score's walk and the paged walk."""
+    """Attention-like kernels lower for GPUs (tests/test_gpu_attention.py; the paged walk:
+    tests/test_gpu_decode.py), except a stored score's walk."""
     text = spec_text(name)
     rendered = refused(text.replace(f"{SPECS}", ""))
     assert message in rendered
