@@ -137,7 +137,7 @@ def main(only: set[str] | None = None, targets: tuple[str, ...] = TARGETS) -> in
 
 
 def run_gpu(only: set[str] | None = None) -> int:
-    """The examples built for h200 (those the GPU rules refuse left out: the paged walk, a
+    """The examples built for h200 (those the GPU rules refuse left out: a stored score, a
     kernel over the shared-memory budget), one block along each symbolic index, in the
     Mosaic GPU interpreter; lowering and ptxas."""
     import importlib.util as util
