@@ -117,7 +117,8 @@ class GpuPagedEmitter(PagedEmitter):
         # The copies of a step's pages.
         sn = n.scope()
         t, slot, pi, pg_var, entry = sn.local("t"), sn.local("slot"), sn.local("p"), sn.local("page"), sn.local("entry")
-        issue = ["", f"def _fetch({t}, {slot}):",
+        fetch, step_fn, walk_fn, shared_fn = n.local("_fetch"), n.local("_key_step"), n.local("_over_steps"), n.local("_shared")
+        issue = ["", f"def {fetch}({t}, {slot}):",
                  f"    # Step {t}'s keys into buffer {slot}: one TMA copy per page and operand, each page clamped into",
                  f"    # [{lo}, {hi}) (a page past the length is never read; keys outside the bounds are masked).",
                  f"    if {page} >= {tk}:  # the step is a part of one page",
@@ -139,9 +140,9 @@ class GpuPagedEmitter(PagedEmitter):
         carry, m_prev, l_prev = sn.local("carry"), sn.local("m_prev"), sn.local("l_prev")
         accs = {c.output: sn.local(f"{c.output}_acc") for c in products}
         carried = [m_prev, l_prev] + list(accs.values())
-        step = ["", f"def _step({t}, {carry}):", f"    {', '.join(carried)} = {carry}", f"    {slot} = lax.rem({t} - {first}, 2)", "",
+        step = ["", f"def {step_fn}({t}, {carry}):", f"    {', '.join(carried)} = {carry}", f"    {slot} = lax.rem({t} - {first}, 2)", "",
                 f"    @pl.when({t} + 1 < {last})", "    def _next():", "        # The next step's pages are copied while this one is computed.",
-                f"        _fetch({t} + 1, 1 - {slot})", "", f"    plgpu.barrier_wait({copies}.at[{slot}])  # this step's pages have arrived"]
+                f"        {fetch}({t} + 1, 1 - {slot})", "", f"    plgpu.barrier_wait({copies}.at[{slot}])  # this step's pages have arrived"]
         kg, ko = gathers[0]
         score_fn, acc_ref, s = sn.local("_score"), sn.local("acc_ref"), sn.local("s")
         shape = f"({tq}, {tk})"
@@ -234,14 +235,14 @@ class GpuPagedEmitter(PagedEmitter):
         body.append(f"return {', '.join([m_new, l_new] + news)}")
         step += ["    " + line for line in body]
 
-        walk = issue + ["", f"@pl.when({first} < {last})", "def _prefetch():", f"    _fetch({first}, 0)"] + step
+        walk = issue + ["", f"@pl.when({first} < {last})", "def _prefetch():", f"    {fetch}({first}, 0)"] + step
         init = [f"jnp.full({row_shape}, -jnp.inf, {F32})", f"jnp.zeros({row_shape}, {F32})"]
         for c in products:
             e = self.tile[next(g.inner.index for g in pg.gathers if g.read == c.value)]
             init.append(f"jnp.zeros(({tq}, {e}), {F32})")
         mm, ll = sn.local("m"), sn.local("l")
         res = [mm, ll] + [sn.local(f"{c.output}_sum") for c in products]
-        walk += ["", f"return lax.fori_loop({first}, {last}, _step, ({', '.join(init)}))"]
+        walk += ["", f"return lax.fori_loop({first}, {last}, {step_fn}, ({', '.join(init)}))"]
 
         def rows_of(o_read_subs_indices, ref) -> str:
             """The row block of an array (packed heads merged with the query's rows on the host)."""
@@ -262,10 +263,10 @@ class GpuPagedEmitter(PagedEmitter):
                  f"plgpu.copy_gmem_to_smem({rows_of([s_.index for s_ in qo.read.subs], qo.ref)}, {q_smem}.at[pl.ds(0, {rows})], {barrier})",
                  f"plgpu.barrier_wait({barrier})", "",
                  f"@functools.partial(pl.run_scoped, {', '.join(bufs)})",
-                 f"def _walk({', '.join([o.smem for _, o in gathers] + [copies])}):"]
+                 f"def {walk_fn}({', '.join([o.smem for _, o in gathers] + [copies])}):"]
         inner += ["    " + line for line in walk]
         safe = sn.local("l_safe")
-        inner += ["", f"{', '.join(res)} = _walk", f"{safe} = jnp.where({ll} == jnp.full({row_shape}, 0.0, {F32}), "
+        inner += ["", f"{', '.join(res)} = {walk_fn}", f"{safe} = jnp.where({ll} == jnp.full({row_shape}, 0.0, {F32}), "
                   f"jnp.full({row_shape}, 1.0, {F32}), {ll})  # a row with nothing present: outputs 0"]
         for c, acc in zip(products, res[2:]):
             e = self.tile[next(g.inner.index for g in pg.gathers if g.read == c.value)]
@@ -277,7 +278,7 @@ class GpuPagedEmitter(PagedEmitter):
             inner.append(f"plgpu.copy_smem_to_gmem({out_smem[c.output]}.at[pl.ds(0, {rows})], {rows_of(target, out_refs[c.output])})")
         inner.append("plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
         lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)})",
-                  f"def _shared({', '.join(s_.split('=')[0] for s_ in scoped)}):"]
+                  f"def {shared_fn}({', '.join(s_.split('=')[0] for s_ in scoped)}):"]
         lines += ["    " + line for line in inner]
         self.n_rows = render(n_rows, "host")
         arrays = [self.host_q(qo)] + [self.m.conv.param(g.read.operand).internal for g, _ in gathers]
