@@ -182,10 +182,7 @@ class _Emitter:
         if p.walk == "coo output":
             raw_shape = f"({render(p.cells, 'host')} * {t.bm}, {t.bn})"
         else:
-            rows = Const(1)
-            for i, e in p.cell_coords[:-1]:
-                rows = rows * e
-            raw_shape = py_tuple([render(rows * t.bm, "host"), render(p.cell_coords[-1][1] * t.bn, "host")])
+            raw_shape = py_tuple(p.raw_shape)
         call_args = list(mod.conv.impl_args) + [dict(mod.outputs)[o] for o in self.reads(p, mod)]
         # The persistent grid: as many CTAs as the chip runs at once (describe.persistent_ctas),
         # never more than the steps there can be.

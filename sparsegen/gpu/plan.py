@@ -126,6 +126,7 @@ class ProductPass:
     finish: list[str]  # wrapper lines turning the kernel's 2-D output into the operand
     out_var: str
     raw: str  # the kernel's 2-D result, in the wrapper
+    raw_shape: tuple[str, str] | None  # its shape (wrapper code); None: a coo output's, (cells * bm, bn)
     statics: tuple[str, ...]  # size variables the kernel reads
     names: ModuleNames
     fn: str

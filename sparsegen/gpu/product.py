@@ -28,7 +28,9 @@ the operand whose blocks decide it, and `walk_of` says it in GPU terms, or refus
   its all-ones blocks are not read.
 
 The wrapper hands the kernel 2-D arrays: an operand with its grid coordinates leading,
-padded to whole blocks (ragged sizes), flattened; factors a covering factor multiplies are
+flattened, padded to whole blocks inside the flattening only (its edges are left for TMA:
+`_rows`, `_width`); the kernel writes its output the same way, TMA clipping the edge
+tiles' stores. Factors a covering factor multiplies are
 formed by the wrapper (XLA fuses them into one pass). A matrix stored (k, m) rather than
 (m, k) is not copied: WGMMA reads its shared-memory tile MN-major (16-bit types; tf32
 WGMMA takes K-major tiles only, so 32-bit matrices the other way are copied transposed).
@@ -728,22 +730,32 @@ class ProductLowering:
 
         # The wrapper's result: the kernel's 2-D output as the operand.
         out_var, raw = names.local(st.target.operand), names.local(f"{st.target.operand}_matrix")
+        raw_shape = None
         if walk == "coo output":
             rows_first = st.target.indices.index(m) < st.target.indices.index(n)
             finish = [f"{out_var} = {raw}.reshape(-1, {t.bm}, {t.bn})" + ("" if rows_first else ".transpose(0, 2, 1)")]
         else:
+            # The kernel writes the output through TMA stores, which clip a tile at the 2-D
+            # array's edges: its rows are m's own where m alone makes them (`_rows`; else m is
+            # padded to whole blocks: rows of a batch), its columns n's own where `_width`
+            # allows for the tiles the epilogue stores, so the wrapper slices nothing there.
             order = [c.index for c in out_coords] + [m, n]
-            padded = [self.ctx.size(i) if i in self.coords else self.ctx.blocks(i) * self.tile[i] for i in order]
+            host = {i: render(self.ctx.size(i), "host") for i in order}
+            dims = [host[i] if i in self.coords else render(self.ctx.blocks(i) * self.tile[i], "host") for i in order[:-1]]
+            if not out_coords:
+                dims = [f"_rows({host[m]}, {self.tile[m]})"]
+            stored = t.epi if t.wgs > 1 else t.tn
+            dims.append(f"_width({host[n]}, {stored}, {out_op.dtype.itemsize})")
+            raw_shape = (" * ".join(d if d.isidentifier() or d.startswith("_") else f"({d})" for d in dims[:-1]), dims[-1])
             inv = tuple(order.index(i) for i in st.target.indices)
-            finish = [f"{out_var} = _unmatrix({raw}, {py_tuple(render(e, 'host') for e in padded)}, "
-                      f"{py_tuple(render(self.ctx.size(i), 'host') for i in order)}, {py_tuple(map(str, inv))})"]
+            finish = [f"{out_var} = _unmatrix({raw}, {py_tuple(dims)}, {py_tuple(host[i] for i in order)}, {py_tuple(map(str, inv))})"]
         return ProductPass(
             statement=st, output=out_op.name, walk=walk, sparse=sparse, a=self.a, b=self.b, end=self.end,
             end_mask=self.end_mask, tiles=t, in_dtype=da, acc_dtype=k.accumulate, out_dtype=out_op.dtype, scale=st.scale,
             cell_coords=tuple((i, self.cell_extent(i)) for i in (*self.coords, m, n)), cells=ncells, host=self.host,
             guard=self.guard, tables=self.tables, kernel_lets=self.kernel_lets, a_index=a_index, b_index=b_index,
             out_index=out_index, end_index=end_index, step_lets=self.step_lets, steps=self.count, kind_table=kind_table, finish=finish,
-            out_var=out_var, raw=raw, statics=tuple(sorted(self.statics)), names=names,
+            out_var=out_var, raw=raw, raw_shape=raw_shape, statics=tuple(sorted(self.statics)), names=names,
             fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
             block_products=self.block_products if walk != "coo output" else ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,
             smem=smem_bytes(t, da.itemsize, out_op.dtype.itemsize, end_dtype.itemsize if end_dtype else 0,
