@@ -6,7 +6,9 @@ output's own rows and columns, TMA clipping the last tiles' stores, so the wrapp
 nothing. What Mosaic GPU's lowering requires of a GMEM array TMA copies through swizzled
 shared memory (checked here at stage 2): rows a multiple of 8 (`_rows`), columns a multiple
 of the swizzle width (`_width`: 128 bytes, or the tile copied where narrower, the epilogue's
-store tile for the output); anything else is padded to that, and no further."""
+store tile for the output); anything else is padded to that, and no further. A batch index
+before the ragged rows stays a leading dimension, copied by N-D TMA copies that squeeze it,
+so rows clip per batch."""
 
 from __future__ import annotations
 
@@ -86,6 +88,72 @@ def test_unpadded_operands_and_outputs_lower_for_h200():
     source = SourceFile("masked_matmul.spk", spec_text("masked_matmul"))
     items = [(m, source, "h200") for m in lower_source(source, "h200")]
     (result,) = verify_modules(items, shapes=dict(M=1000, K=1004, N=992), stage3=SWEEP)
+    assert result.lowered, result.raw_error
+    assert result.backward == "lowers", result.backward
+    if SWEEP and result.compiled is not None:
+        assert result.compiled and result.spill_bytes == 0, result.raw_error
+
+
+# A batch index before the ragged rows: each operand and the output keep the batch as a
+# leading dimension (`_matrix(..., lead=1)`), read and stored by 3-D TMA copies with the batch
+# squeezed, so rows are clipped (zero-filled, or dropped) per batch instead of padded.
+BATCHED = """
+kernel batched {
+    in  x: bf16[B, M, K]
+    in  y: bf16[B, K, N]
+    out o: bf16[B, M, N]
+    o[b, m, n] = x[b, m, k] * y[b, k, n]
+    tile b = 1, m = 64, n = 128, k = 128
+}"""
+BATCHED_SIZES = dict(B=2, M=200, K=192, N=320)
+
+
+def test_rows_ragged_per_batch_are_clipped_per_batch():
+    """x (2, 200, 192), y (2, 192, 320) and o (2, 200, 320) are neither padded nor sliced. y's
+    rows past K = 192 in batch 0 are zeros, not batch 1's first rows: an infinity there would
+    make batch 0's output NaN (0 * inf) were they read."""
+    kernel, mod = build(BATCHED, "h200")
+    args, keywords = example_args(kernel, BATCHED_SIZES, "random", np.random.default_rng(2))
+    x, y = args
+    y = np.array(y)
+    y[1, 0, :] = np.inf
+    found = edits(mod.batched, x, y, **keywords, interpret=True)
+    assert not [e for e in found if e[0] == "pad" and e[1] in (x.shape, y.shape)], found
+    assert not [e for e in found if e[0] == "slice" and e[2] == (2, 200, 320)], found
+    got = np.asarray(mod.batched(x, y, **keywords, interpret=True), np.float32)
+    want = np.asarray(mod.reference(x, y, **keywords), np.float32)
+    assert np.isfinite(got[0]).all()
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.isfinite(got[1]), np.isfinite(want[1]))
+
+
+def test_gradients_with_rows_ragged_per_batch():
+    """The backward kernels (dx (2, 200, 192), dy (2, 192, 320): N-D outputs too) against
+    JAX's gradient of `reference`."""
+    import jax.numpy as jnp
+
+    kernel, mod = build(BATCHED, "h200")
+    args, keywords = example_args(kernel, BATCHED_SIZES, "random", np.random.default_rng(3))
+    weights = np.random.default_rng(4).standard_normal((2, 200, 320)).astype(np.float32)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a, **keywords).astype(jnp.float32) * weights)
+
+    got = jax.grad(loss(lambda *a, **k: mod.batched(*a, **k, interpret=True)), argnums=(0, 1))(*args)
+    want = jax.grad(loss(mod.reference), argnums=(0, 1))(*args)
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        np.testing.assert_allclose(g, w, rtol=0.02, atol=0.02 * max(1.0, float(np.sqrt(np.mean(w**2)))))
+
+
+def test_rows_ragged_per_batch_lower_for_h200():
+    """Stage 2 (stage 3 too under SPARSEGEN_SWEEP=1) with 3-D TMA copies at ragged sizes, the
+    backward too: batched_dsd (its dense y, the output, the backward's g and y)."""
+    from sparsegen.gpu.verify import verify_modules
+
+    source = SourceFile("batched_dsd.spk", spec_text("batched_dsd"))
+    items = [(m, source, "h200") for m in lower_source(source, "h200")]
+    (result,) = verify_modules(items, shapes=dict(B=2, M=1000, K=1004, N=992), stage3=SWEEP)
     assert result.lowered, result.raw_error
     assert result.backward == "lowers", result.backward
     if SWEEP and result.compiled is not None:

@@ -27,10 +27,12 @@ the operand whose blocks decide it, and `walk_of` says it in GPU terms, or refus
 - output mask (masked, by a factor applied after the sum): its empty blocks run no step,
   its all-ones blocks are not read.
 
-The wrapper hands the kernel 2-D arrays: an operand with its grid coordinates leading,
-flattened, padded to whole blocks inside the flattening only (its edges are left for TMA:
-`_rows`, `_width`); the kernel writes its output the same way, TMA clipping the edge
-tiles' stores. Factors a covering factor multiplies are
+The wrapper hands the kernel an operand only TMA reads as (coords.., rows, columns): its
+grid coordinates leading dimensions (TMA copies squeeze them), its rows and columns at
+their own sizes (`_rows`, `_width`: TMA fills a read past an edge with zeros, per
+coordinate), a dimension inside a flattening (several summed indices) padded to whole
+blocks; the kernel writes its output the same way, TMA clipping the edge tiles' stores.
+Masks and a factor after the sum are 2-D, padded to whole blocks. Factors a covering factor multiplies are
 formed by the wrapper (XLA fuses them into one pass). A matrix stored (k, m) rather than
 (m, k) is not copied: WGMMA reads its shared-memory tile MN-major (16-bit types; tf32
 WGMMA takes K-major tiles only, so 32-bit matrices the other way are copied transposed).
@@ -224,9 +226,11 @@ class ProductLowering:
         tiles = tuple(1 if i in self.coords or i in self.extra_sums or i in self.cond_sums else self.tile[i] for i in order)
         # The contraction's dimensions are the columns where it comes last (A; B read K-major).
         columns = len(contraction) if pair[-1] == self.kidx else 1
-        # Only TMA reads it: its ragged edges are left for TMA to fill with zeros (`clip`).
+        # Only TMA reads it: its ragged edges are left for TMA to fill with zeros (`clip`), its
+        # coordinates kept as leading dimensions (`lead`: a row ragged per batch clips too).
+        lead = f", lead={len(mine)}" if mine else ""
         host.append(f"{var} = _matrix({src}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))}"
-                    + (f", {columns}" if columns > 1 else "") + ", clip=True)" + why)
+                    + (f", {columns}" if columns > 1 else "") + f", clip=True{lead})" + why)
         mvar = None
         if mask is not None:
             mvar = names.local(f"{mask.operand}_matrix")
@@ -243,7 +247,7 @@ class ProductLowering:
                 mindices = mask.indices
             mperm = tuple(mindices.index(i) for i in order)
             host.append(f"{mvar} = _matrix({msrc}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, tiles))})")
-        return Matrix(op.name, var, mine, row, col, transposed, False, copied), mvar
+        return Matrix(op.name, var, mine, row, col, transposed, False, copied, bool(mine)), mvar
 
     def after_sum(self):
         """The factor applied after the sum (a dense or mask operand on the output's indices), read per output tile."""
@@ -644,11 +648,15 @@ class ProductLowering:
             first, second = Var("stored"), Const(0)
         else:
             value = {i: Var(self.kvar) if i == self.kidx else Var(self.var_of[i]) for i in (mat.row, mat.col)}
-            first, second = self.rows_of(mat.coords, value[lead], self.blocks(lead)), value[other]
+            first, second = self.rows_of(() if mat.lead else mat.coords, value[lead], self.blocks(lead)), value[other]
         r, c = (second, first) if mat.transposed else (first, second)
         rr = self.py(r * row_tiles + self.sub(row_sub, row_tiles))
         cc = self.py(c * col_tiles + self.sub(col_sub, col_tiles))
-        return (cc, rr) if mat.transposed else (rr, cc)
+        return self.leading(mat) + ((cc, rr) if mat.transposed else (rr, cc))
+
+    def leading(self, mat: Matrix) -> tuple[str, ...]:
+        """A matrix's coordinates where they are leading dimensions (`lead`): their values."""
+        return tuple(self.py(self.coord_value(c)) for c in mat.coords) if mat.lead else ()
 
     def col_tile(self) -> Expr:
         """The output's column tile (of tn) inside its block: the CTA's (`ni`), or, warp-specialized,
@@ -658,11 +666,11 @@ class ProductLowering:
             return self.sub("ni", t.bn // t.tn)
         return self.sub("ni", t.bn // t.cta_n) * t.wgs + Var("wg")
 
-    def out_tile(self, mat: Matrix) -> tuple[str, str]:
+    def out_tile(self, mat: Matrix) -> tuple[str, ...]:
         t = self.t
-        r = self.rows_of(mat.coords, Var(self.var_of[self.m]), self.ctx.blocks(self.m))
-        return (self.py(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)),
-                self.py(Var(self.var_of[self.n]) * (t.bn // t.tn) + self.col_tile()))
+        r = self.rows_of(() if mat.lead else mat.coords, Var(self.var_of[self.m]), self.ctx.blocks(self.m))
+        return self.leading(mat) + (self.py(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)),
+                                    self.py(Var(self.var_of[self.n]) * (t.bn // t.tn) + self.col_tile()))
 
     # ------------------------------------------------------------ the pass
     def lower(self) -> ProductPass:
@@ -724,7 +732,7 @@ class ProductLowering:
         if walk == "coo output":
             out_index = (self.py(Var("cell") * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)), self.py(self.col_tile()))
         else:
-            out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False))
+            out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False, lead=bool(out_coords)))
         end_index = self.out_tile(self.end) if self.end is not None else None
         self.kernel_lets.append(("start", self.start))  # the count is the chunk's: the work list's (`steps` per block)
 
@@ -735,18 +743,16 @@ class ProductLowering:
             rows_first = st.target.indices.index(m) < st.target.indices.index(n)
             finish = [f"{out_var} = {raw}.reshape(-1, {t.bm}, {t.bn})" + ("" if rows_first else ".transpose(0, 2, 1)")]
         else:
-            # The kernel writes the output through TMA stores, which clip a tile at the 2-D
-            # array's edges: its rows are m's own where m alone makes them (`_rows`; else m is
-            # padded to whole blocks: rows of a batch), its columns n's own where `_width`
-            # allows for the tiles the epilogue stores, so the wrapper slices nothing there.
+            # The kernel writes the output through TMA stores, which clip a tile at the array's
+            # edges: its coordinates leading dimensions (a store clips per batch), its rows m's
+            # own (`_rows`), its columns n's own where `_width` allows for the tiles the
+            # epilogue stores, so the wrapper slices nothing there.
             order = [c.index for c in out_coords] + [m, n]
             host = {i: render(self.ctx.size(i), "host") for i in order}
-            dims = [host[i] if i in self.coords else render(self.ctx.blocks(i) * self.tile[i], "host") for i in order[:-1]]
-            if not out_coords:
-                dims = [f"_rows({host[m]}, {self.tile[m]})"]
             stored = t.epi if t.wgs > 1 else t.tn
-            dims.append(f"_width({host[n]}, {stored}, {out_op.dtype.itemsize})")
-            raw_shape = (" * ".join(d if d.isidentifier() or d.startswith("_") else f"({d})" for d in dims[:-1]), dims[-1])
+            dims = [host[i] for i in order[:-2]] + [f"_rows({host[m]}, {self.tile[m]})",
+                                                    f"_width({host[n]}, {stored}, {out_op.dtype.itemsize})"]
+            raw_shape = tuple(dims)
             inv = tuple(order.index(i) for i in st.target.indices)
             finish = [f"{out_var} = _unmatrix({raw}, {py_tuple(dims)}, {py_tuple(host[i] for i in order)}, {py_tuple(map(str, inv))})"]
         return ProductPass(
