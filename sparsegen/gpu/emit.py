@@ -141,8 +141,9 @@ class _Emitter:
         sel = p.selection
         held = sel.held if sel is not None else []
         params = tables + [a_ref, b_ref] + ([end_ref] if end_ref else []) + [h[0] for h in held] + [out_ref, "pieces_gmem"]
-        a_block = (t.tk, t.tm) if p.a.transposed else (t.tm, t.tk)
-        b_block = (t.cta_n, t.tk) if p.b.transposed else (t.tk, t.cta_n)
+        # A matrix's coordinates kept as leading dimensions are squeezed: one value a copy.
+        a_block = ("pl.Squeezed()",) * (len(p.a_index) - 2) + ((t.tk, t.tm) if p.a.transposed else (t.tm, t.tk))
+        b_block = ("pl.Squeezed()",) * (len(p.b_index) - 2) + ((t.cta_n, t.tk) if p.b.transposed else (t.tk, t.cta_n))
         maps = []
         for mat, index, fn in ((p.a, p.a_index, names.local(f"{p.a.operand}_tile")), (p.b, p.b_index, names.local(f"{p.b.operand}_tile"))):
             text = py_tuple(index)
@@ -182,10 +183,7 @@ class _Emitter:
         if p.walk == "coo output":
             raw_shape = f"({render(p.cells, 'host')} * {t.bm}, {t.bn})"
         else:
-            rows = Const(1)
-            for i, e in p.cell_coords[:-1]:
-                rows = rows * e
-            raw_shape = py_tuple([render(rows * t.bm, "host"), render(p.cell_coords[-1][1] * t.bn, "host")])
+            raw_shape = py_tuple(p.raw_shape)
         call_args = list(mod.conv.impl_args) + [dict(mod.outputs)[o] for o in self.reads(p, mod)]
         # The persistent grid: as many CTAs as the chip runs at once (describe.persistent_ctas),
         # never more than the steps there can be.
@@ -230,10 +228,11 @@ class _Emitter:
             "a_ref": a_ref,
             "b_ref": b_ref,
             "stages": t.stages,
+            "any_maps": ", ".join("any_tile" if len(i) == 2 else f"lambda s: (s,) * {len(i)}" for i in (p.a_index, p.b_index)),
             "tile": f"({t.tm}, {t.tn})",
             "acc": p.acc_dtype.jnp,  # WGMMA's accumulator: f32, or s32 for s8 products
             "scale": _number(p.scale) if p.scale is not None else None,
-            "out_index": ", ".join(p.out_index),
+            "out_index": ", ".join(p.out_index[-2:]),
             "scoped": ", ".join(scoped),
             "scoped_names": ", ".join(scoped_names),
             "end": p.end.operand if p.end else None,
@@ -242,7 +241,7 @@ class _Emitter:
             "end_ref": end_ref,
             "end_at": at(p.end_index) if p.end_index else None,
             "out_ref": out_ref,
-            "out_at": at(("row", "col")),
+            "out_at": ", ".join([*p.out_index[:-2], at(("row", "col"))]),  # the coordinates, where leading dimensions
             "out_dtype": p.out_dtype.jnp,
             "call_fn": p.call_fn,
             "call_args": list(dict.fromkeys(call_args)),

@@ -64,7 +64,9 @@ class Coord:
 
 @dataclass(frozen=True)
 class Matrix:
-    """An operand as the kernel sees it: a 2-D array of (coords.., row) x col, or its transpose."""
+    """An operand as the kernel sees it: a 2-D array of (coords.., row) x col, or its transpose;
+    with `lead`, its coordinates kept as leading dimensions (coords.., row, col), read by TMA
+    copies with those dimensions squeezed, so a ragged row clips per coordinate."""
 
     operand: str
     array: str  # the wrapper's variable
@@ -74,6 +76,7 @@ class Matrix:
     transposed: bool  # stored (coords.., col) x row: WGMMA reads the shared-memory tile MN-major
     stored: bool  # a coo operand's blocks: stored block s is rows s*tile.. of the matrix
     copied: bool = False  # the wrapper copies it transposed (tf32 WGMMA reads K-major tiles only)
+    lead: bool = False  # coordinates as leading dimensions, not flattened into the rows
 
 
 @dataclass
@@ -126,6 +129,7 @@ class ProductPass:
     finish: list[str]  # wrapper lines turning the kernel's 2-D output into the operand
     out_var: str
     raw: str  # the kernel's 2-D result, in the wrapper
+    raw_shape: tuple[str, ...] | None  # its shape (wrapper code: coords.., rows, columns); None: a coo output's, (cells * bm, bn)
     statics: tuple[str, ...]  # size variables the kernel reads
     names: ModuleNames
     fn: str

@@ -27,8 +27,12 @@ the operand whose blocks decide it, and `walk_of` says it in GPU terms, or refus
 - output mask (masked, by a factor applied after the sum): its empty blocks run no step,
   its all-ones blocks are not read.
 
-The wrapper hands the kernel 2-D arrays: an operand with its grid coordinates leading,
-padded to whole blocks (ragged sizes), flattened; factors a covering factor multiplies are
+The wrapper hands the kernel an operand only TMA reads as (coords.., rows, columns): its
+grid coordinates leading dimensions (TMA copies squeeze them), its rows and columns at
+their own sizes (`_rows`, `_width`: TMA fills a read past an edge with zeros, per
+coordinate), a dimension inside a flattening (several summed indices) padded to whole
+blocks; the kernel writes its output the same way, TMA clipping the edge tiles' stores.
+Masks and a factor after the sum are 2-D, padded to whole blocks. Factors a covering factor multiplies are
 formed by the wrapper (XLA fuses them into one pass). A matrix stored (k, m) rather than
 (m, k) is not copied: WGMMA reads its shared-memory tile MN-major (16-bit types; tf32
 WGMMA takes K-major tiles only, so 32-bit matrices the other way are copied transposed).
@@ -222,9 +226,11 @@ class ProductLowering:
         tiles = tuple(1 if i in self.coords or i in self.extra_sums or i in self.cond_sums else self.tile[i] for i in order)
         # The contraction's dimensions are the columns where it comes last (A; B read K-major).
         columns = len(contraction) if pair[-1] == self.kidx else 1
-        # Only TMA reads it: its ragged edges are left for TMA to fill with zeros (`clip`).
+        # Only TMA reads it: its ragged edges are left for TMA to fill with zeros (`clip`), its
+        # coordinates kept as leading dimensions (`lead`: a row ragged per batch clips too).
+        lead = f", lead={len(mine)}" if mine else ""
         host.append(f"{var} = _matrix({src}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))}"
-                    + (f", {columns}" if columns > 1 else "") + ", clip=True)" + why)
+                    + (f", {columns}" if columns > 1 else "") + f", clip=True{lead})" + why)
         mvar = None
         if mask is not None:
             mvar = names.local(f"{mask.operand}_matrix")
@@ -241,7 +247,7 @@ class ProductLowering:
                 mindices = mask.indices
             mperm = tuple(mindices.index(i) for i in order)
             host.append(f"{mvar} = _matrix({msrc}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, tiles))})")
-        return Matrix(op.name, var, mine, row, col, transposed, False, copied), mvar
+        return Matrix(op.name, var, mine, row, col, transposed, False, copied, bool(mine)), mvar
 
     def after_sum(self):
         """The factor applied after the sum (a dense or mask operand on the output's indices), read per output tile."""
@@ -642,11 +648,15 @@ class ProductLowering:
             first, second = Var("stored"), Const(0)
         else:
             value = {i: Var(self.kvar) if i == self.kidx else Var(self.var_of[i]) for i in (mat.row, mat.col)}
-            first, second = self.rows_of(mat.coords, value[lead], self.blocks(lead)), value[other]
+            first, second = self.rows_of(() if mat.lead else mat.coords, value[lead], self.blocks(lead)), value[other]
         r, c = (second, first) if mat.transposed else (first, second)
         rr = self.py(r * row_tiles + self.sub(row_sub, row_tiles))
         cc = self.py(c * col_tiles + self.sub(col_sub, col_tiles))
-        return (cc, rr) if mat.transposed else (rr, cc)
+        return self.leading(mat) + ((cc, rr) if mat.transposed else (rr, cc))
+
+    def leading(self, mat: Matrix) -> tuple[str, ...]:
+        """A matrix's coordinates where they are leading dimensions (`lead`): their values."""
+        return tuple(self.py(self.coord_value(c)) for c in mat.coords) if mat.lead else ()
 
     def col_tile(self) -> Expr:
         """The output's column tile (of tn) inside its block: the CTA's (`ni`), or, warp-specialized,
@@ -656,11 +666,11 @@ class ProductLowering:
             return self.sub("ni", t.bn // t.tn)
         return self.sub("ni", t.bn // t.cta_n) * t.wgs + Var("wg")
 
-    def out_tile(self, mat: Matrix) -> tuple[str, str]:
+    def out_tile(self, mat: Matrix) -> tuple[str, ...]:
         t = self.t
-        r = self.rows_of(mat.coords, Var(self.var_of[self.m]), self.ctx.blocks(self.m))
-        return (self.py(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)),
-                self.py(Var(self.var_of[self.n]) * (t.bn // t.tn) + self.col_tile()))
+        r = self.rows_of(() if mat.lead else mat.coords, Var(self.var_of[self.m]), self.ctx.blocks(self.m))
+        return self.leading(mat) + (self.py(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)),
+                                    self.py(Var(self.var_of[self.n]) * (t.bn // t.tn) + self.col_tile()))
 
     # ------------------------------------------------------------ the pass
     def lower(self) -> ProductPass:
@@ -722,28 +732,36 @@ class ProductLowering:
         if walk == "coo output":
             out_index = (self.py(Var("cell") * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)), self.py(self.col_tile()))
         else:
-            out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False))
+            out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False, lead=bool(out_coords)))
         end_index = self.out_tile(self.end) if self.end is not None else None
         self.kernel_lets.append(("start", self.start))  # the count is the chunk's: the work list's (`steps` per block)
 
         # The wrapper's result: the kernel's 2-D output as the operand.
         out_var, raw = names.local(st.target.operand), names.local(f"{st.target.operand}_matrix")
+        raw_shape = None
         if walk == "coo output":
             rows_first = st.target.indices.index(m) < st.target.indices.index(n)
             finish = [f"{out_var} = {raw}.reshape(-1, {t.bm}, {t.bn})" + ("" if rows_first else ".transpose(0, 2, 1)")]
         else:
+            # The kernel writes the output through TMA stores, which clip a tile at the array's
+            # edges: its coordinates leading dimensions (a store clips per batch), its rows m's
+            # own (`_rows`), its columns n's own where `_width` allows for the tiles the
+            # epilogue stores, so the wrapper slices nothing there.
             order = [c.index for c in out_coords] + [m, n]
-            padded = [self.ctx.size(i) if i in self.coords else self.ctx.blocks(i) * self.tile[i] for i in order]
+            host = {i: render(self.ctx.size(i), "host") for i in order}
+            stored = t.epi if t.wgs > 1 else t.tn
+            dims = [host[i] for i in order[:-2]] + [f"_rows({host[m]}, {self.tile[m]})",
+                                                    f"_width({host[n]}, {stored}, {out_op.dtype.itemsize})"]
+            raw_shape = tuple(dims)
             inv = tuple(order.index(i) for i in st.target.indices)
-            finish = [f"{out_var} = _unmatrix({raw}, {py_tuple(render(e, 'host') for e in padded)}, "
-                      f"{py_tuple(render(self.ctx.size(i), 'host') for i in order)}, {py_tuple(map(str, inv))})"]
+            finish = [f"{out_var} = _unmatrix({raw}, {py_tuple(dims)}, {py_tuple(host[i] for i in order)}, {py_tuple(map(str, inv))})"]
         return ProductPass(
             statement=st, output=out_op.name, walk=walk, sparse=sparse, a=self.a, b=self.b, end=self.end,
             end_mask=self.end_mask, tiles=t, in_dtype=da, acc_dtype=k.accumulate, out_dtype=out_op.dtype, scale=st.scale,
             cell_coords=tuple((i, self.cell_extent(i)) for i in (*self.coords, m, n)), cells=ncells, host=self.host,
             guard=self.guard, tables=self.tables, kernel_lets=self.kernel_lets, a_index=a_index, b_index=b_index,
             out_index=out_index, end_index=end_index, step_lets=self.step_lets, steps=self.count, kind_table=kind_table, finish=finish,
-            out_var=out_var, raw=raw, statics=tuple(sorted(self.statics)), names=names,
+            out_var=out_var, raw=raw, raw_shape=raw_shape, statics=tuple(sorted(self.statics)), names=names,
             fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
             block_products=self.block_products if walk != "coo output" else ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,
             smem=smem_bytes(t, da.itemsize, out_op.dtype.itemsize, end_dtype.itemsize if end_dtype else 0,
