@@ -356,12 +356,16 @@ LENGTHS = """kernel ragged_sum {
 """
 
 
-@pytest.mark.parametrize("sizes", [GROUPS["empty groups"], GROUPS["a block straddling three groups"]], ids=["empty", "straddling"])
-def test_group_offsets_match_ragged_dot(interpret, sizes):
+# Both in the CPU interpreter, a block straddling groups in the simulator (both under
+# SPARSEGEN_SWEEP=1; test_grouped_matches_ragged_dot runs both groupings there).
+@pytest.mark.parametrize(*in_both_modes(["empty groups", "a block straddling three groups"], ["a block straddling three groups"], "group"),
+                         indirect=["interpret"])
+def test_group_offsets_match_ragged_dot(interpret, group):
     """`lo[g] <= m < lo[g + 1]`: the offsets form; `lo` has E + 1 entries (its own size), read
     one entry per step from SMEM."""
     kernel, mod = build(OFFSETS)
     rng = np.random.default_rng(6)
+    sizes = GROUPS[group]
     m, e = sum(sizes), len(sizes)
     x, w = bf16(rng, (m, 128)), bf16(rng, (e, 128, 128))
     lo = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
