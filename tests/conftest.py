@@ -118,6 +118,11 @@ def in_both_modes(cases, simulated, names: str | None = None):
 # is asked for): the CPU interpreter, and the simulator too under SPARSEGEN_SWEEP=1.
 cpu_unless_sweep = pytest.mark.parametrize("interpret", ["cpu", "sim"] if SWEEP else ["cpu"], indirect=True)
 
+# For a test the simulator checks more of than the CPU interpreter (a traced walk's revisits,
+# memory no step writes), where other tests run the same walk in the CPU interpreter: the
+# simulator, and the CPU interpreter too under SPARSEGEN_SWEEP=1.
+sim_unless_sweep = pytest.mark.parametrize("interpret", ["cpu", "sim"] if SWEEP else ["sim"], indirect=True)
+
 
 @pytest.fixture(params=["cpu", "sim"])
 def interpret(request):
