@@ -464,18 +464,15 @@ def test_an_index_operand_in_a_condition(interpret):
         np.testing.assert_allclose(np.asarray(got), np.asarray(jax.grad(lambda a: mod.reference(a, y, lens).sum())(x)), rtol=1e-4, atol=1e-4)
 
 
-def test_plan_pattern_reads_an_index_operand_in_a_condition(tmp_path):
+def test_plan_pattern_reads_an_index_operand_in_a_condition(tmp_path, capsys):
     """An index operand only a condition reads is an integer array in the IR (as an i32 one
     is), so `plan --pattern` draws it as it draws ids (it crashed: the simulator passed no
     array for it)."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from sparsegen.cli import main
 
     spec = tmp_path / "lens.spk"
     spec.write_text(INDEX_LENGTHS)
-    result = subprocess.run([sys.executable, "-m", "sparsegen", "plan", str(spec), "--pattern", "density=0.5", "--shape", "B=2,M=256,K=384,N=128"],
-                            cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    assert "block products" in result.stdout
+    code = main(["plan", str(spec), "--pattern", "density=0.5", "--shape", "B=2,M=256,K=384,N=128"])  # in this process
+    out = capsys.readouterr()
+    assert code == 0 and "Traceback" not in out.err, out.err
+    assert "block products" in out.out
