@@ -118,7 +118,19 @@ CASES = ["causal_attention", "document_attention", "local_gqa_attention", "maske
 LENGTHS = {"causal_attention": 700, "document_attention": 600, "local_gqa_attention": 700, "masked_attention": 384}
 
 
-@pytest.mark.parametrize("name", CASES)
+def test_every_example_walks_its_backward_fused():
+    """Every attention example's backward is the one fused walk (recorded: nothing runs)."""
+    for name in CASES:
+        _, mod = build(spec_text(name))
+        args, _ = example(name, LENGTHS[name], np.random.default_rng(11))
+        assert backward_kernels(mod, getattr(mod, name), args) == [FUSED], name
+
+
+# causal_attention and document_attention (a traced walk) in both modes; local_gqa_attention's
+# and masked_attention's are tests/test_attention.py's test_example_gradients (the same
+# arguments and lengths, the same fused walk: CPU interpreter and simulator), here under
+# SPARSEGEN_SWEEP=1.
+@pytest.mark.parametrize("name", CASES if SWEEP else ["causal_attention", "document_attention"])
 def test_fused_gradients_match_reference(name, interpret):
     """Ragged lengths, a traced walk (documents), grouped heads with a window and soft-capping,
     a mask whose first row block sees nothing (f32): each through the fused walk, against
