@@ -126,11 +126,16 @@ def test_every_example_walks_its_backward_fused():
         assert backward_kernels(mod, getattr(mod, name), args) == [FUSED], name
 
 
-# causal_attention and document_attention (a traced walk) in both modes; local_gqa_attention's
-# and masked_attention's are tests/test_attention.py's test_example_gradients (the same
-# arguments and lengths, the same fused walk: CPU interpreter and simulator), here under
+# causal_attention (S = 700) in both modes, document_attention (a traced walk) in the
+# simulator; the others are tests/test_attention.py's test_example_gradients (the same
+# arguments and lengths, the same fused walk: document_attention's, local_gqa_attention's
+# and masked_attention's in the CPU interpreter, the last two in the simulator), here under
 # SPARSEGEN_SWEEP=1.
-@pytest.mark.parametrize("name", CASES if SWEEP else ["causal_attention", "document_attention"])
+FUSED_RUNS = [(name, mode) for mode in ("cpu", "sim") for name in CASES
+              if SWEEP or name == "causal_attention" or (name, mode) == ("document_attention", "sim")]
+
+
+@pytest.mark.parametrize("name,interpret", FUSED_RUNS, ids=[f"{m}-{n}" for n, m in FUSED_RUNS], indirect=["interpret"])
 def test_fused_gradients_match_reference(name, interpret):
     """Ragged lengths, a traced walk (documents), grouped heads with a window and soft-capping,
     a mask whose first row block sees nothing (f32): each through the fused walk, against
