@@ -145,8 +145,8 @@ def interpret(request):
 # suite in this order and rebalances by taking tests from the end of the other's queue, so
 # what is left at the end is short tests, not a long one holding one worker while the
 # other idles.
-LONG_FIRST = ["test_sharded.py", "test_sharded_gpu.py", "test_cycles.py", "test_moe_example.py", "test_sharded_sweep.py",
-              "test_gpu.py", "test_run_examples.py", "test_sharded_typed.py"]
+LONG_FIRST = ["test_sharded.py", "test_sharded_gpu.py", "test_cycles.py", "test_moe_example.py",
+              "test_sharded_sweep.py", "test_gpu.py", "test_run_examples.py", "test_sharded_typed.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):
