@@ -23,6 +23,28 @@ def sparsegen(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "sparsegen", *map(str, args)], cwd=cwd, capture_output=True, text=True)
 
 
+def in_process(*args, cwd=ROOT):
+    """`sparsegen ARGS` as `sparsegen` runs it, by `main` in this process (a subprocess costs
+    about 3 CPU-seconds of start-up): for the tests whose point is what check and build
+    report, not the process (no jax, byte-identical builds, exit codes of bad usage)."""
+    import contextlib
+    import io
+
+    from sparsegen.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as exc:
+                code = exc.code
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def test_generated_is_current_and_build_check_and_plan_never_import_jax(tmp_path):
     """generated/ matches specs/ (what `sparsegen check` tells CI and pre-commit hooks); and
     check (which compiles every example as build does), build and plan never import jax. One
@@ -110,7 +132,7 @@ def test_check_does_not_depend_on_how_the_spec_is_spelled(tmp_path):
         ([tmp_path / e for e in FEW], tmp_path, "generated"),
         ([f"../{e}" for e in FEW], tmp_path / "tests", "../generated"),
     ]:
-        result = sparsegen("check", *specs, "-o", out, cwd=cwd)
+        result = in_process("check", *specs, "-o", out, cwd=cwd)
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout == f"{len(FEW_MODULES)} modules up to date in {out}\n", result.stdout + result.stderr
 
@@ -131,7 +153,7 @@ def _few_modules(folder, source=ROOT / "generated"):
 def few_built(tmp_path_factory):
     """FEW built once outside any project (headers name the spec file alone)."""
     out = tmp_path_factory.mktemp("few")
-    assert sparsegen("build", *FEW, "-o", out).returncode == 0
+    assert in_process("build", *FEW, "-o", out).returncode == 0
     return out
 
 
@@ -139,7 +161,7 @@ def test_check_reports_stale_and_missing(tmp_path, few_built):
     _few_modules(tmp_path, few_built)
     (tmp_path / "dsd_matmul.py").write_text("# edited\n")
     (tmp_path / "sdd_matmul.py").unlink()
-    result = sparsegen("check", *FEW, "-o", tmp_path)
+    result = in_process("check", *FEW, "-o", tmp_path)
     assert result.returncode == 1
     assert f"stale: {tmp_path / 'dsd_matmul.py'}" in result.stdout
     assert f"missing: {tmp_path / 'sdd_matmul.py'}" in result.stdout
@@ -150,19 +172,19 @@ def test_check_compares_with_the_target_a_module_records(tmp_path):
     """A module built for h200 records it; `check` without --target compares it with an h200
     build (not v5e, which would call it stale and advise replacing the GPU kernel by a TPU
     one), and a stale module's advice keeps its target."""
-    result = sparsegen("build", "specs/dsd_matmul.spk", "--target", "H200", "-o", tmp_path)  # any case
+    result = in_process("build", "specs/dsd_matmul.spk", "--target", "H200", "-o", tmp_path)  # any case
     assert result.returncode == 0, result.stderr
     lines = (tmp_path / "dsd_matmul.py").read_text().splitlines()
     assert lines[0].endswith(") for h200. Do not edit:") and lines[1] == "# change the spec and run `sparsegen build --target h200`."
-    result = sparsegen("check", "specs/dsd_matmul.spk", "-o", tmp_path)
+    result = in_process("check", "specs/dsd_matmul.spk", "-o", tmp_path)
     assert result.returncode == 0 and result.stdout == f"1 module up to date in {tmp_path}\n", result.stdout + result.stderr
     # Asked for v5e: stale, saying which target the module was built for.
-    result = sparsegen("check", "specs/dsd_matmul.spk", "-o", tmp_path, "--target", "v5e")
+    result = in_process("check", "specs/dsd_matmul.spk", "-o", tmp_path, "--target", "v5e")
     assert result.returncode == 1 and "(from specs/dsd_matmul.spk; built for h200, checked for v5e)" in result.stdout
     # Edited, next to a missing TPU module: one build command per target.
     with (tmp_path / "dsd_matmul.py").open("a") as f:
         f.write("# edited\n")
-    result = sparsegen("check", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "-o", tmp_path)
+    result = in_process("check", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "-o", tmp_path)
     assert result.returncode == 1
     assert result.stdout.splitlines()[-1] == (f"2 modules out of date; run: sparsegen build specs/dsd_matmul.spk -o {tmp_path} --target h200"
                                               f" && sparsegen build specs/sdd_matmul.spk -o {tmp_path}")
@@ -179,7 +201,7 @@ def test_check_reports_orphans_and_leaves_other_files_alone(tmp_path, few_built)
     for name, text in others.items():
         (tmp_path / name).write_text(text)
     (tmp_path / "binary.py").write_bytes(b"\xff\xfe")
-    result = sparsegen("check", *FEW, "-o", tmp_path)
+    result = in_process("check", *FEW, "-o", tmp_path)
     assert result.returncode == 1, result.stdout
     assert result.stdout.splitlines() == [
         f"orphan: {tmp_path / 'old_kernel.py'} (no spec defines kernel 'old_kernel')",
@@ -188,7 +210,7 @@ def test_check_reports_orphans_and_leaves_other_files_alone(tmp_path, few_built)
     for name, text in others.items():
         assert (tmp_path / name).read_text() == text
     assert (tmp_path / "old_kernel.py").exists(), "check must not delete"
-    result = sparsegen("check", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "-o", "generated")
+    result = in_process("check", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "-o", "generated")
     assert result.returncode == 1
     assert [line for line in result.stdout.splitlines() if line.startswith("orphan: ")] == [
         f"orphan: generated/{name}.py (no spec defines kernel '{name}')"
