@@ -118,6 +118,11 @@ def in_both_modes(cases, simulated, names: str | None = None):
 # is asked for): the CPU interpreter, and the simulator too under SPARSEGEN_SWEEP=1.
 cpu_unless_sweep = pytest.mark.parametrize("interpret", ["cpu", "sim"] if SWEEP else ["cpu"], indirect=True)
 
+# For a test the simulator checks more of than the CPU interpreter (a traced walk's revisits,
+# memory no step writes), where other tests run the same walk in the CPU interpreter: the
+# simulator, and the CPU interpreter too under SPARSEGEN_SWEEP=1.
+sim_unless_sweep = pytest.mark.parametrize("interpret", ["cpu", "sim"] if SWEEP else ["sim"], indirect=True)
+
 
 @pytest.fixture(params=["cpu", "sim"])
 def interpret(request):
@@ -131,3 +136,19 @@ def interpret(request):
         yield pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
         jax.effects_barrier()  # a kernel whose result nobody awaited (a forward under grad) may still run
         pltpu.reset_tpu_interpret_mode_state()
+
+
+# Modules whose tests wait on one long piece of work (a mesh runner process, the MoE
+# example's training, the cycle estimates' helper process, run_examples.py, test_gpu.py's
+# every-example ptxas compile: 25 to 100 CPU-seconds each, none divisible) run first, each
+# module's tests together and in their order: `--dist worksteal` hands each worker half the
+# suite in this order and rebalances by taking tests from the end of the other's queue, so
+# what is left at the end is short tests, not a long one holding one worker while the
+# other idles.
+LONG_FIRST = ["test_sharded.py", "test_sharded_gpu.py", "test_cycles.py", "test_moe_example.py",
+              "test_sharded_sweep.py", "test_gpu.py", "test_run_examples.py", "test_sharded_typed.py"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: n for n, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's tests keep their order

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from aot import across_targets
 from attention_oracle import brute_kinds, run
-from conftest import SPECS, build, cpu_unless_sweep, in_both_modes, spec_text
+from conftest import SPECS, build, cpu_unless_sweep, in_both_modes, sim_unless_sweep, spec_text
 
 from sparsegen.schedule.attention import row_plan
 
@@ -94,7 +94,9 @@ def test_examples_are_the_shared_ones_verbatim():
             assert text == (shared / f"{name}.spk").read_bytes()
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+# Every example in the CPU interpreter; in the simulator causal_attention and the segment
+# ids of document_attention (test_example_gradients runs the other two forward there).
+@pytest.mark.parametrize(*in_both_modes(EXAMPLES, ["causal_attention", "document_attention"], "name"), indirect=["interpret"])
 def test_example_matches_numpy(name, interpret):
     kernel, mod = build(spec_text(name))
     rng = np.random.default_rng(0)
@@ -384,7 +386,9 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("which", sorted(VARIANTS))
+# Both in the CPU interpreter; alibi_sum (a sum and a logsumexp, no softmax product) in the
+# simulator too (multi_query's shared key head: test_example_gradients' local_gqa_attention).
+@pytest.mark.parametrize(*in_both_modes(sorted(VARIANTS), ["alibi_sum"], "which"), indirect=["interpret"])
 def test_variant_forward_and_gradients(which, interpret):
     kernel, mod = build(VARIANTS[which])
     rng = np.random.default_rng(12)
@@ -546,7 +550,7 @@ def test_max_steps_bounds_a_traced_walk():
     assert np.isnan(np.asarray(cut, np.float32)).all()
 
 
-@pytest.mark.parametrize("interpret", ["cpu", "sim"], indirect=True)
+@sim_unless_sweep  # the CPU interpreter's traced walks: test_traced_segment_ids_under_jit, test_max_steps_...
 def test_traced_walk_runs_the_steps_the_data_needs(interpret):
     """Segment ids traced under jit: the grid's step axis is a traced extent, the most steps
     any group needs (here the two batch rows' documents differ), not the tables' dense
@@ -612,6 +616,7 @@ BIASED = """kernel biased {
 """
 
 
+@cpu_unless_sweep  # every one of these gradients in the simulator: test_sums_over_a_traced_walk_finish_at_its_last_step
 def test_bias_slope_and_per_row_and_per_key_terms_get_gradients(interpret):
     """Every float input gets its gradient: a per-head bias block (shared over the batch,
     placed per step), an ALiBi slope (summed over the walk), a per-row and a per-key term."""
@@ -627,7 +632,7 @@ def test_bias_slope_and_per_row_and_per_key_terms_get_gradients(interpret):
     assert_gradients_match(got, want, bf16=False)
 
 
-@pytest.mark.parametrize("interpret", ["cpu", "sim"], indirect=True)
+@sim_unless_sweep  # the CPU interpreter's bias gradients: test_bias_slope_and_per_row_and_per_key_terms_get_gradients
 def test_sums_over_a_traced_walk_finish_at_its_last_step(interpret):
     """The slope's gradient, summed over the whole dq walk, is written at the grid's last
     step: with segment ids traced under jit that is the traced extent's, not the tables'."""
@@ -655,20 +660,22 @@ def test_biased_backward_compiles_for_tpu(target):
     assert compiled.as_text().count("tpu_custom_call") >= 3
 
 
-def test_cli_walks_attention_kernels():
+def test_cli_walks_attention_kernels(capsys, monkeypatch):
     """plan --pattern and variants take attention-like kernels (tests/test_plan_attention.py
-    and test_variants.py check their figures); --png, which draws einsum walks, says so."""
-    import subprocess
-    import sys
-
+    and test_variants.py check their figures); --png, which draws einsum walks, says so.
+    In this process (`main`; tests/test_cli.py runs the command in subprocesses)."""
     from conftest import ROOT
 
+    from sparsegen.cli import main
+
+    monkeypatch.chdir(ROOT)
     for argv, said in ((["plan", "specs/causal_attention.spk", "--pattern", "tril", "--shape", "B=1,H=2,S=2048"], "blocks visited (computing steps)"),
-                       (["variants", "specs/causal_attention.spk", "--tile", "i=256,512", "--shape", "B=1,H=2,S=2048", "--no-compile"], "variants ranked by the model")):
-        result = subprocess.run([sys.executable, "-m", "sparsegen", *argv], cwd=ROOT, capture_output=True, text=True)
-        assert result.returncode == 0 and said in result.stdout and "Traceback" not in result.stderr, result.stderr
-    result = subprocess.run([sys.executable, "-m", "sparsegen", "plan", "specs/document_attention.spk"], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0 and "traced operands" in result.stdout and "key-side walk" in result.stdout
+                       (["variants", "specs/causal_attention.spk", "--tile", "i=256,512", "--shape", "B=1,H=2,S=2048", "--no-compile"], "variants ranked by the model"),
+                       (["plan", "specs/document_attention.spk"], "key-side walk")):
+        code = main(argv)
+        out = capsys.readouterr()
+        assert code == 0 and said in out.out and "Traceback" not in out.err, out.err
+    assert "traced operands" in out.out
 
 
 # Spec names that are the generated code's own names (tables, steps, kinds, the kernel's locals).

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import run
-from conftest import build
+from conftest import build, in_both_modes
 from test_attention import F32_TOL, TOPOLOGIES, assert_gradients_match, gradients, sizes_of
 
 
@@ -71,10 +71,16 @@ def test_int8_attention_over_several_blocks(interpret):
     assert_cast_once(mod.dtypes_attention(*args, interpret=interpret), mod.reference(*args), exact)
 
 
-@pytest.mark.parametrize("dtypes", [("f32", "f32", "i8"), ("i8", "f32", "i16"), ("bf16", "i8", "f32"), ("i16", "i16", "f32")])
-def test_integer_operands_are_widened(dtypes, interpret):
+# Every mix in the CPU interpreter; in the simulator one with two integer dtypes (every mix
+# under SPARSEGEN_SWEEP=1).
+DTYPE_MIXES = ["f32-f32-i8", "i8-f32-i16", "bf16-i8-f32", "i16-i16-f32"]  # q, k and v's
+
+
+@pytest.mark.parametrize(*in_both_modes(DTYPE_MIXES, ["i8-f32-i16"], "mix"), indirect=["interpret"])
+def test_integer_operands_are_widened(mix, interpret):
     """An integer value (quantised) or score factor by float ones: f32 outputs as the f64
     oracle's, and the gradients of the float factors as `reference`'s."""
+    dtypes = mix.split("-")
     kernel, mod = build(softmax_spec(*dtypes))
     rng = np.random.default_rng(2)
     S = 260
@@ -115,7 +121,10 @@ def nan_case(pos: int, cond: str = "i >= j"):
     return mod, (q, k, v)
 
 
-@pytest.mark.parametrize("pos, nan_rows", [(200, range(128, 256)), (100, range(256))])
+# Both in the CPU interpreter; in the simulator the NaN in a block never visited (both under
+# SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes([(200, range(128, 256)), (100, range(256))], lambda case: case[0] == 200, "pos,nan_rows"),
+                         indirect=["interpret"])
 def test_reference_skips_by_block_as_the_kernel_does(pos, nan_rows, interpret):
     """Causal, tiles of 128: a NaN in v at key 200 lies in key block 1, which row block 0
     never visits: rows 0-127 stay finite in the kernel and in `reference`. At key 100 it lies

@@ -118,7 +118,24 @@ CASES = ["causal_attention", "document_attention", "local_gqa_attention", "maske
 LENGTHS = {"causal_attention": 700, "document_attention": 600, "local_gqa_attention": 700, "masked_attention": 384}
 
 
-@pytest.mark.parametrize("name", CASES)
+def test_every_example_walks_its_backward_fused():
+    """Every attention example's backward is the one fused walk (recorded: nothing runs)."""
+    for name in CASES:
+        _, mod = build(spec_text(name))
+        args, _ = example(name, LENGTHS[name], np.random.default_rng(11))
+        assert backward_kernels(mod, getattr(mod, name), args) == [FUSED], name
+
+
+# causal_attention (S = 700) in both modes, document_attention (a traced walk) in the
+# simulator; the others are tests/test_attention.py's test_example_gradients (the same
+# arguments and lengths, the same fused walk: document_attention's, local_gqa_attention's
+# and masked_attention's in the CPU interpreter, the last two in the simulator), here under
+# SPARSEGEN_SWEEP=1.
+FUSED_RUNS = [(name, mode) for mode in ("cpu", "sim") for name in CASES
+              if SWEEP or name == "causal_attention" or (name, mode) == ("document_attention", "sim")]
+
+
+@pytest.mark.parametrize("name,interpret", FUSED_RUNS, ids=[f"{m}-{n}" for n, m in FUSED_RUNS], indirect=["interpret"])
 def test_fused_gradients_match_reference(name, interpret):
     """Ragged lengths, a traced walk (documents), grouped heads with a window and soft-capping,
     a mask whose first row block sees nothing (f32): each through the fused walk, against

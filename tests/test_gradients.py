@@ -98,12 +98,15 @@ def setup(name, pattern="random"):
     return kernel, mod, args, keywords, weights, resolve_sizes(kernel, sizes)
 
 
-# Every example and feature with random blocks, and with padding entries where it has a
-# coo operand (elsewhere "padded" draws the same kind of blocks as "random"), in the CPU
-# interpreter; in the simulator one of each walk: a dense batch, a coo input (padded too), a
+# Every example and feature with random blocks in the CPU interpreter, and with padding
+# entries a coo input (dsd_matmul), a coo output (sdd_matmul) and both (coo_join) (every
+# case under SPARSEGEN_SWEEP=1; without a coo operand "padded" draws the same kind of blocks
+# as "random"); in the simulator one of each walk: a dense batch, a coo input (padded too), a
 # coo output, a coo input and output, a mask, the masked example's backward kernel (every
 # case under SPARSEGEN_SWEEP=1).
-GRAD_CASES = [(n, p) for n in sorted(TEXTS) for p in ("random", "padded") if p == "random" or " coo" in TEXTS[n][0] or SWEEP]
+PADDED = ("dsd_matmul", "sdd_matmul", "coo_join")
+GRAD_CASES = [(n, p) for n in sorted(TEXTS) for p in ("random", "padded")
+              if p == "random" or SWEEP or n in PADDED]
 GRAD_SIMULATED = [("batched_mm", "random"), ("dsd_matmul", "random"), ("dsd_matmul", "padded"), ("sdd_matmul", "padded"),
                   ("coo_join", "padded"), ("masked_matmul", "random"), ("masked_matmul_dx", "random")]
 

@@ -9,7 +9,8 @@ import zlib
 import numpy as np
 import pytest
 from aot import compile_for
-from conftest import assert_matches, build
+from aot import across_targets
+from conftest import assert_matches, build, in_both_modes
 from oracle import oracle
 
 from sparsegen.compiler import compile_source
@@ -131,8 +132,10 @@ def test_integer_matmuls_the_mxu_cannot_take_are_refused_at_the_operand(name):
         build(REFUSED[name])
 
 
-@pytest.mark.parametrize("pattern", ["random", "empty_lines"])
-@pytest.mark.parametrize("name", sorted(SPECS))
+# Both patterns in the CPU interpreter, the random one in the simulator (both under
+# SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes([(n, p) for n in sorted(SPECS) for p in ("random", "empty_lines")], lambda case: case[1] == "random",
+                                        "name,pattern"), indirect=["interpret"])
 def test_integer_kernel_is_exact(name, pattern, interpret):
     kernel, mod = build(SPECS[name])
     assert kernel.accumulate.name == "i32"
@@ -162,7 +165,8 @@ def test_integer_comparison_is_exact():
 # Mosaic has no unsigned matmul (dot_general reads integers as signed) and no i16 x i16
 # matmul; sparsegen builds such kernels anyway.
 
-AOT_CASES = [pytest.param(name, target, id=f"{name}-{target}") for name in sorted(SPECS) for target in ("v5e", "v6e")]
+# Each kernel for one of v5e and v6e in turn (both under SPARSEGEN_SWEEP=1: `across_targets`).
+AOT_CASES = [pytest.param(name, target, id=f"{name}-{target}") for name, target in across_targets(sorted(SPECS), ["v5e", "v6e"])]
 
 
 @pytest.mark.parametrize("name,target", AOT_CASES)

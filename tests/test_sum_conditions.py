@@ -356,12 +356,16 @@ LENGTHS = """kernel ragged_sum {
 """
 
 
-@pytest.mark.parametrize("sizes", [GROUPS["empty groups"], GROUPS["a block straddling three groups"]], ids=["empty", "straddling"])
-def test_group_offsets_match_ragged_dot(interpret, sizes):
+# Both in the CPU interpreter, a block straddling groups in the simulator (both under
+# SPARSEGEN_SWEEP=1; test_grouped_matches_ragged_dot runs both groupings there).
+@pytest.mark.parametrize(*in_both_modes(["empty groups", "a block straddling three groups"], ["a block straddling three groups"], "group"),
+                         indirect=["interpret"])
+def test_group_offsets_match_ragged_dot(interpret, group):
     """`lo[g] <= m < lo[g + 1]`: the offsets form; `lo` has E + 1 entries (its own size), read
     one entry per step from SMEM."""
     kernel, mod = build(OFFSETS)
     rng = np.random.default_rng(6)
+    sizes = GROUPS[group]
     m, e = sum(sizes), len(sizes)
     x, w = bf16(rng, (m, 128)), bf16(rng, (e, 128, 128))
     lo = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)]), jnp.int32)
@@ -460,18 +464,15 @@ def test_an_index_operand_in_a_condition(interpret):
         np.testing.assert_allclose(np.asarray(got), np.asarray(jax.grad(lambda a: mod.reference(a, y, lens).sum())(x)), rtol=1e-4, atol=1e-4)
 
 
-def test_plan_pattern_reads_an_index_operand_in_a_condition(tmp_path):
+def test_plan_pattern_reads_an_index_operand_in_a_condition(tmp_path, capsys):
     """An index operand only a condition reads is an integer array in the IR (as an i32 one
     is), so `plan --pattern` draws it as it draws ids (it crashed: the simulator passed no
     array for it)."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from sparsegen.cli import main
 
     spec = tmp_path / "lens.spk"
     spec.write_text(INDEX_LENGTHS)
-    result = subprocess.run([sys.executable, "-m", "sparsegen", "plan", str(spec), "--pattern", "density=0.5", "--shape", "B=2,M=256,K=384,N=128"],
-                            cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    assert "block products" in result.stdout
+    code = main(["plan", str(spec), "--pattern", "density=0.5", "--shape", "B=2,M=256,K=384,N=128"])  # in this process
+    out = capsys.readouterr()
+    assert code == 0 and "Traceback" not in out.err, out.err
+    assert "block products" in out.out

@@ -26,14 +26,13 @@ from sparsegen.source import SourceFile
 EXAMPLES = sorted(str(p) for p in SPECS.glob("*.spk"))
 
 
-# One example of each walk on all three targets: a coo input, a coo output, a mask, a
-# condition on the terms (affine, and on group ids), an offset read, two kernels of one file (the masked backward's),
-# the row walk (attention), the paged walk. The others share one of those kernel shapes (the
-# paged serving variants paged_decode's, the other attention examples causal_attention's,
-# dds_matmul and batched_dsd dsd_matmul's ...): one target each, in turn (all three under
-# SPARSEGEN_SWEEP=1). Every example is compiled, forward and backward, on some target.
-ON_EVERY_TARGET = ["dsd_matmul", "sdd_matmul", "masked_matmul", "tril_matmul", "grouped_matmul", "block_slice", "masked_backward", "causal_attention",
-                   "paged_decode"]
+# A coo input (bf16), a mask and the row walk (attention) on all three targets; every other
+# example (a coo output, a condition on the terms, an offset read, two kernels of one file,
+# the paged walk, and those sharing a kernel shape: dds_matmul and batched_dsd dsd_matmul's,
+# the other attention examples causal_attention's ...) on one target each, in turn (every
+# example on all three under SPARSEGEN_SWEEP=1). Every example is compiled, forward and
+# backward, on some target; every target compiles each kind of walk among them.
+ON_EVERY_TARGET = ["dsd_matmul", "masked_matmul", "causal_attention"]
 VARIANTS = [e for e in EXAMPLES if Path(e).stem not in ON_EVERY_TARGET]
 PAIRS = [(e, t) for e in EXAMPLES for t in ("v5e", "v6e", "v4")
          if e not in VARIANTS or SWEEP or t == ("v5e", "v6e", "v4")[VARIANTS.index(e) % 3]]
@@ -81,9 +80,10 @@ def test_every_example_compiles_for_v5e_v6e_v4(spec, target):
     assert sum(r.backward == "compiles" for r in results) >= (0 if no_backward else 1)
 
 
-# Each example at its spec's tiles, dsd_matmul at a larger tiling too; the other tilings
-# (smaller and larger blocks of each walk: a probe compiles each three times or more) under
-# SPARSEGEN_SWEEP=1.
+# An example of each walk at its spec's tiles, dsd_matmul at a larger tiling too; the other
+# tilings (smaller and larger blocks of each walk: a probe compiles each three times or
+# more), batched_dsd (dsd_matmul's walk with a batch) and masked_backward (masked_matmul's
+# walk, transposed: 30 CPU-seconds) under SPARSEGEN_SWEEP=1.
 TILINGS = [
     ("dsd_matmul", None),
     *([("dsd_matmul", dict(m=256, n=256, k=256))] if SWEEP else []),
@@ -95,8 +95,7 @@ TILINGS = [
     ("sdd_matmul", None),
     *([("sdd_matmul", dict(m=512, n=512, k=512))] if SWEEP else []),
     ("block_slice", None),
-    ("batched_dsd", None),
-    ("masked_backward", None),
+    *([("batched_dsd", None), ("masked_backward", None)] if SWEEP else []),
 ]
 
 

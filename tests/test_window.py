@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches, build
+from conftest import assert_matches, build, in_both_modes
 from oracle import oracle
 
 from sparsegen.testing import example_args
@@ -44,7 +44,8 @@ kernel window_copy {
 }
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# Three draws in the CPU interpreter, one in the simulator (three under SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes([0, 1, 2], [0], "seed"), indirect=["interpret"])
 def test_window_with_literal_sizes(seed, interpret):
     kernel, mod = build(LITERAL)
     args, keywords = example_args(kernel, {}, "random", np.random.default_rng(seed))
