@@ -143,8 +143,8 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
     if ti % TQ:
         refuse(span[p.query], f"tile {p.query} = {ti}: a CTA takes {TQ} rows (one warpgroup's WGMMA); on {target.name} "
                               f"the row block is a multiple of {TQ}")
-    tk = 128 if tj % 128 == 0 else 64 if tj % 64 == 0 else None
-    if tk is None:
+    steps = [t for t in (128, 64) if tj % t == 0]  # keys a step, widest first: shared memory decides (below)
+    if not steps:
         refuse(span[p.key], f"tile {p.key} = {tj}: a pipeline step reads 64 or 128 keys (WGMMA's N, then P.V's K); "
                             f"on {target.name} the key block is a multiple of 64")
     try:
@@ -198,20 +198,29 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
             add(c.value, "value", order(c.value, e, p.key, vd))
     for r in p.reads:
         add(r, "extra", (p.query, p.key) if p.query in r.indices and p.key in r.indices else None)
-    wgs = consumer_warpgroups(ti)
-    smem = smem_bytes(k, p, ops, TQ, tk, wgs)
-    if smem > target.smem_bytes:
-        _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
-                           f"use smaller tiles of {p.summed} or the values' columns")
     backward, error = plan_backward(k, p, ops, target.smem_bytes), None
     for bk, what in ((backward.dq, "dq"), (backward.dkv, "dk/dv")):
         if bk.smem > target.smem_bytes and error is None:
             error = (f"the backward's {what} kernel needs {bk.smem} bytes of shared memory per CTA on {target.name} (limit "
                      f"{target.smem_bytes}): use smaller tiles of {p.summed} or the values' columns to differentiate '{k.name}'")
+    # The CTA's shape: the widest that fits shared memory. Two consumer warpgroups before
+    # one (where the row block holds them), then 128 keys a step before 64 (64 halve the
+    # key-side buffers: f32 at d = 128 fits one warpgroup). With a backward the forward
+    # also keeps each row's logsumexp (its residual); where only the forward without it
+    # fits, the gradients are refused and the forward runs.
+    shapes = [(w, t) for w in dict.fromkeys((consumer_warpgroups(ti), 1)) for t in steps]
+    fits = lambda shape, lse: smem_bytes(k, p, ops, TQ, shape[1], shape[0], row_lse=lse) <= target.smem_bytes
+    if error is None and not any(fits(s, True) for s in shapes) and any(fits(s, False) for s in shapes):
+        error = (f"the forward with each row's logsumexp needs more than {target.smem_bytes} bytes of shared memory per CTA on "
+                 f"{target.name}: use smaller tiles of {p.summed} or the values' columns to differentiate '{k.name}'")
+    lse = error is None
+    wgs, tk = next((s for s in shapes if fits(s, lse)), shapes[0])
+    smem = smem_bytes(k, p, ops, TQ, tk, wgs, row_lse=lse)
+    if smem > target.smem_bytes:
+        _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
+                           f"use smaller tiles of {p.summed} or the values' columns")
     if error is not None:
         return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None, error)
-    # The forward also writes each row's logsumexp (a residual of the backward).
-    smem = smem_bytes(k, p, ops, TQ, tk, wgs, row_lse=True)
     return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, backward)
 
 
