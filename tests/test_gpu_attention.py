@@ -261,6 +261,31 @@ def test_backward_refused_where_its_shared_memory_exceeds_the_chip():
     assert any(r.operand == "q" and r.output is None and r.reason == m.backward_error for r in m.refused)
 
 
+def test_masked_attention_verbatim_takes_the_shape_that_fits():
+    """The v1 example as written (f32, 128 x 128 blocks, d = e = 128): two consumers at 128
+    keys a step need 428,080 bytes, 64 keys still 247,856; one warpgroup a CTA of 64 rows at
+    64 keys a step fits (the widest shape that does). Its values in the interpreter, its
+    shared memory measured under an abstract H200, and ptxas; the backward is refused by
+    name (dq alone needs more than the chip has)."""
+    from sparsegen.gpu.verify import verify_modules
+
+    text = spec_text("masked_attention")
+    (m,) = lower_source(SourceFile("masked_attention.spk", text), "h200")
+    assert (m.warpgroups, m.tk) == (1, 64) and m.smem <= m.target.smem_bytes, (m.warpgroups, m.tk, m.smem)
+    assert m.backward is None and "to differentiate 'masked_attention'" in m.backward_error
+    kernel, mod = build(text, "h200")
+    sizes = dict(H=1, S=200, T=150, D=128)
+    args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(3))
+    out = mod.masked_attention(*args, **keywords, interpret=True)
+    assert_matches(kernel, out, mod.reference(*args, **keywords), resolve_sizes(kernel, sizes))
+    (r,) = verify_modules([(m, SourceFile("masked_attention.spk", text), "h200")])
+    assert r.lowered and r.smem_used == r.smem_estimate == m.smem, (r.raw_error, r.smem_used, r.smem_estimate)
+    if r.compiled is None:
+        pytest.skip(f"stage 3 (ptxas for sm_90a) not run: {r.stage3}")
+    (kk,) = r.kernels
+    assert kk["registers"] <= 255 and kk["spill_bytes"] == 0, kk
+
+
 # ------------------------------------------------------------------ stages 2 and 3
 
 # Tiles that fill a CTA as the examples would on an H200 (128-row blocks of 64-row CTAs,
@@ -339,7 +364,8 @@ def test_tiles_a_cta_cannot_take_are_refused_at_the_tile_line(tile, needle, mess
 
 
 def test_shared_memory_beyond_the_chip_is_refused_at_the_tile_line():
-    text = with_tiles(spec_text("causal_attention"), b=1, h=1, i=128, j=128, d=256, e=256)
+    # f32 at d = e = 256: not even one warpgroup at 64 keys a step fits (causal's bf16 does).
+    text = with_tiles(spec_text("masked_attention"), h=1, i=128, j=128, d=256, e=256)
     rendered = refused(text)
     assert "bytes of shared memory per CTA on h200 (limit 232448)" in rendered and re.search(r"bad.spk:\d+:5: error", rendered), rendered
 

@@ -150,8 +150,8 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
             if s_.index == p.query and s_.divisor != 1 and (not isinstance(s_.divisor, int) or s_.divisor % ti):
                 refuse(r.span, f"a row block of {ti} '{p.query}' must read one '{r.operand}' head: {s_.text} needs "
                                f"{p.query}'s tile to divide {s_.divisor}")
-    tk = 128 if tj % 128 == 0 else 64 if tj % 64 == 0 else None
-    if tk is None:
+    steps = [t for t in (128, 64) if tj % t == 0]  # keys a step, widest first: shared memory decides (below)
+    if not steps:
         refuse(span[p.key], f"tile {p.key} = {tj}: a pipeline step reads 64 or 128 keys (WGMMA's N, then P.V's K); "
                             f"on {target.name} the key block is a multiple of 64")
     try:
@@ -210,16 +210,28 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
             if o.layout == "tile" and o.role == "extra":
                 _fail(o.read.span, f"not lowered for GPUs yet: '{o.read.operand}' read along the rows and the keys in a row block of "
                                    f"{ti} rows (under WGMMA's {TQ}); build '{k.name}' for a TPU target")
-    wgs = consumer_warpgroups(ti)
-    smem = smem_bytes(k, p, ops, TQ, tk, wgs)
-    if smem > target.smem_bytes:
-        _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
-                           f"use smaller tiles of {p.summed} or the values' columns")
+    # The CTA's shape: the widest that fits shared memory. Two consumer warpgroups before
+    # one (where the row block holds them), then 128 keys a step before 64 (64 halve the
+    # key-side buffers: f32 at d = 128 fits one warpgroup). With a backward the forward
+    # also keeps each row's logsumexp (its residual); where only the forward without it
+    # fits, the gradients are refused and the forward runs.
+    shapes = [(w, t) for w in dict.fromkeys((consumer_warpgroups(ti), 1)) for t in steps]
+    fits = lambda shape, lse: smem_bytes(k, p, ops, TQ, shape[1], shape[0], row_lse=lse) <= target.smem_bytes
+
+    def shaped(lse: bool) -> tuple[int, int, int]:
+        wgs, tk = next((s for s in shapes if fits(s, lse)), shapes[0])
+        smem = smem_bytes(k, p, ops, TQ, tk, wgs, row_lse=lse)
+        if smem > target.smem_bytes:
+            _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
+                               f"use smaller tiles of {p.summed} or the values' columns")
+        return wgs, tk, smem
+
     rows = min(ti, TQ)
     if rows < TQ or any(s_.index == p.query and s_.divisor != 1 for o in ops for s_ in o.read.subs):
         # Decoding (language v2, section 3): inference only on GPU, as the TPU's paged walk.
         why = (f"a row block of {ti} rows padded to WGMMA's {TQ}" if rows < TQ else
                f"the key side read through '{p.query} // n' (grouped heads packed into the rows)")
+        wgs, tk, smem = shaped(False)
         return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None,
                                   f"the GPU backward walks row blocks of {TQ} rows and one key head each; '{k.name}' has {why}: "
                                   f"it is not differentiated on {target.name} (decoding kernels are for inference)", rows)
@@ -228,10 +240,12 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
         if bk.smem > target.smem_bytes and error is None:
             error = (f"the backward's {what} kernel needs {bk.smem} bytes of shared memory per CTA on {target.name} (limit "
                      f"{target.smem_bytes}): use smaller tiles of {p.summed} or the values' columns to differentiate '{k.name}'")
+    if error is None and not any(fits(s, True) for s in shapes) and any(fits(s, False) for s in shapes):
+        error = (f"the forward with each row's logsumexp needs more than {target.smem_bytes} bytes of shared memory per CTA on "
+                 f"{target.name}: use smaller tiles of {p.summed} or the values' columns to differentiate '{k.name}'")
+    wgs, tk, smem = shaped(error is None)
     if error is not None:
         return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None, error)
-    # The forward also writes each row's logsumexp (a residual of the backward).
-    smem = smem_bytes(k, p, ops, TQ, tk, wgs, row_lse=True)
     return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, backward)
 
 
