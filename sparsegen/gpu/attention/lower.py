@@ -150,7 +150,7 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
             if s_.index == p.query and s_.divisor != 1 and (not isinstance(s_.divisor, int) or s_.divisor % ti):
                 refuse(r.span, f"a row block of {ti} '{p.query}' must read one '{r.operand}' head: {s_.text} needs "
                                f"{p.query}'s tile to divide {s_.divisor}")
-    steps = [t for t in (128, 64) if tj % t == 0]  # keys a step, widest first: shared memory decides (below)
+    steps = key_steps(tj)  # shared memory decides (below)
     if not steps:
         refuse(span[p.key], f"tile {p.key} = {tj}: a pipeline step reads 64 or 128 keys (WGMMA's N, then P.V's K); "
                             f"on {target.name} the key block is a multiple of 64")
@@ -247,6 +247,12 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
     if error is not None:
         return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None, error)
     return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, backward)
+
+
+def key_steps(tj: int) -> list[int]:
+    """The keys a pipeline step may read in a key block of `tj` (WGMMA's N, then P.V's K),
+    widest first; none where the block is not a multiple of 64."""
+    return [t for t in (128, 64) if tj % t == 0]
 
 
 def _free_index(k: Kernel, p: RowPlan, c) -> str:

@@ -21,7 +21,7 @@ from ...schedule.attention import RowPlan
 from ...schedule.paged import PagedPlan
 from ...schedule.row import RowWalk, row_walk
 from ...source import Diagnostic
-from ..attention.lower import PAD_ROWS, TQ, WGMMA_FLOATS, GpuOperand, _k_step, smem_bytes
+from ..attention.lower import PAD_ROWS, TQ, WGMMA_FLOATS, GpuOperand, _k_step, key_steps, smem_bytes
 from ..plan import GpuError
 from ..targets import GpuTarget
 
@@ -104,7 +104,7 @@ def lower_gpu_paged(kernel: Kernel, plan: RowPlan, paged: PagedPlan, target: Gpu
         what = " x ".join(f"{tile[i]} '{i}'" for i in (*pg.packed, p.query))
         refuse(span[p.query], f"tile {p.query} = {ti}: a paged row block on {target.name} is a multiple of {PAD_ROWS} up to {TQ} rows "
                               f"(one warpgroup's WGMMA, padded to {TQ}); here {what} = {rows}")
-    tk = 128 if tj % 128 == 0 else 64 if tj % 64 == 0 else None
+    tk = next(iter(key_steps(tj)), None)  # the widest step: a paged CTA's buffers fit at 128 keys
     if tk is None:
         refuse(span[p.key], f"tile {p.key} = {tj}: a step reads 64 or 128 keys (WGMMA's N, then P.V's K); "
                             f"on {target.name} the key block is a multiple of 64")
