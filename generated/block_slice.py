@@ -478,11 +478,11 @@ def reference(x, start):
 _MESH_RULES = {
     "i": (
         None,
-        "x[start[0] + i, start[1] + j] reads it at an offset or through a table, which a slice would move",
+        "x[start[0] + i, start[1] + j] reads it at an offset (start[0] + i), which a slice would move",
     ),
     "j": (
         None,
-        "x[start[0] + i, start[1] + j] reads it at an offset or through a table, which a slice would move",
+        "x[start[0] + i, start[1] + j] reads it at an offset (start[1] + j), which a slice would move",
     ),
 }
 # The index along each dimension of the positional arguments and of the outputs (() where
@@ -509,10 +509,10 @@ def sharded(mesh, /, **axes):
     flow through it as through the kernel. A split index's size must be divisible by its
     mesh axis's size. Per index of the spec:
 
-        i: cannot be split: x[start[0] + i, start[1] + j] reads it at an offset or
-            through a table, which a slice would move
-        j: cannot be split: x[start[0] + i, start[1] + j] reads it at an offset or
-            through a table, which a slice would move
+        i: cannot be split: x[start[0] + i, start[1] + j] reads it at an offset
+            (start[0] + i), which a slice would move
+        j: cannot be split: x[start[0] + i, start[1] + j] reads it at an offset
+            (start[1] + j), which a slice would move
 
     Mapping an index the spec lacks, to an axis the mesh lacks, or two indices to one
     axis, raises a ValueError.

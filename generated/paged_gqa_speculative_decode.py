@@ -963,10 +963,7 @@ def reference(
 # axis's size; ("sum", sizes): the same, and the outputs whose statement sums the index
 # are added across the axis (psum); (None, why): it cannot be split.
 _MESH_RULES = {
-    "b": (
-        None,
-        "kc[h // 8, pages[b, j // T], j % T, d] reads it at an offset or through a table, which a slice would move",
-    ),
+    "b": ("split", ("B",)),
     "h": ("split", ("H", "G")),
     "i": (None, "its size is fixed by the spec (4), so a shard's slice cannot have it"),
     "j": (
@@ -989,9 +986,9 @@ _MESH_RULES = {
 # of its slice's first element (where that index is split).
 _MESH_ARGS = (
     ("b", "h", "i", "d"),
-    ("h", "b", "j", "d"),
-    ("h", "b", "j", "e"),
-    (),
+    ("h", None, "j", "d"),
+    ("h", None, "j", "e"),
+    ("b", "j"),
     ("b",),
 )
 _MESH_OUTPUTS = (("b", "h", "i", "e"),)
@@ -1006,14 +1003,13 @@ def sharded(mesh, /, **axes):
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
 
-        paged_gqa_speculative_decode_on_mesh = sharded(mesh, h="data")
+        paged_gqa_speculative_decode_on_mesh = sharded(mesh, b="data", h="model")
 
     Arrays may arrive sharded or not (each is laid out as the mapping says); gradients
     flow through it as through the kernel. A split index's size must be divisible by its
     mesh axis's size. Per index of the spec:
 
-        b: cannot be split: kc[h // 8, pages[b, j // T], j % T, d] reads it at an offset
-            or through a table, which a slice would move
+        b: split: each device runs the kernel on its slice, with no communication
         h: split: each device runs the kernel on its slice, with no communication
         i: cannot be split: its size is fixed by the spec (4), so a shard's slice cannot
             have it

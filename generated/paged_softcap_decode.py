@@ -930,10 +930,7 @@ def reference(
 # axis's size; ("sum", sizes): the same, and the outputs whose statement sums the index
 # are added across the axis (psum); (None, why): it cannot be split.
 _MESH_RULES = {
-    "b": (
-        None,
-        "kc[h // 8, pages[b, j // T], j % T, d] reads it at an offset or through a table, which a slice would move",
-    ),
+    "b": ("split", ("B",)),
     "h": ("split", ("H", "G")),
     "j": (
         None,
@@ -953,7 +950,13 @@ _MESH_RULES = {
 # statement sums; the sizes `_prepare` returns, in order; (argument, index): integers a
 # condition compares with the index's position, given to a device less the global position
 # of its slice's first element (where that index is split).
-_MESH_ARGS = (("b", "h", "d"), ("h", "b", "j", "d"), ("h", "b", "j", "e"), (), ("b",))
+_MESH_ARGS = (
+    ("b", "h", "d"),
+    ("h", None, "j", "d"),
+    ("h", None, "j", "e"),
+    ("b", "j"),
+    ("b",),
+)
 _MESH_OUTPUTS = (("b", "h", "e"),)
 _MESH_SUMS = ((),)
 _MESH_SIZES = ("B", "H", "D", "G", "P", "T", "NP")
@@ -966,14 +969,13 @@ def sharded(mesh, /, **axes):
     Returns a function with the kernel's arguments and results; each index given as an
     axis of `mesh` is split over it:
 
-        paged_softcap_decode_on_mesh = sharded(mesh, h="data")
+        paged_softcap_decode_on_mesh = sharded(mesh, b="data", h="model")
 
     Arrays may arrive sharded or not (each is laid out as the mapping says); gradients
     flow through it as through the kernel. A split index's size must be divisible by its
     mesh axis's size. Per index of the spec:
 
-        b: cannot be split: kc[h // 8, pages[b, j // T], j % T, d] reads it at an offset
-            or through a table, which a slice would move
+        b: split: each device runs the kernel on its slice, with no communication
         h: split: each device runs the kernel on its slice, with no communication
         j: cannot be split: it is the key index of an attention-like kernel (softmax
             over it in `o[b, h, e] = softmax(s[b, h, j], j) * vc[h // 8, pages[b, j //

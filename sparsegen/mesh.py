@@ -11,10 +11,15 @@ split over a mesh axis, and how, decided once from the IR for every target.
   the statements that sum it are added across the axis with `psum`.
 - refused, with the reason (`MeshPlan.rules[index].why`): summed under a nonlinear step,
   the key index of an attention-like kernel that cannot travel as a ring, read by a `coo`
-  output, or by a `coo` input other than alone and plain, read at an offset or through a
-  table, a size fixed by the spec or shared with an index that is not split with it, a
+  output, or by a `coo` input other than alone and plain, read at an offset, shifted, divided
+  by a size or with a modulus, a size fixed by the spec or shared with an index that is not split with it, a
   position or size a condition reads (each shard's offset is not passed to the kernels
   yet), a summed result a later statement reads.
+
+A dimension addressed through a table (`kc[h // 8, pages[b, j // T], j % T, d]`'s second) is
+whole on every device: the table's entries address it. The table is split like any other
+operand by the indices of its own read (`pages[b, ..]` by b), so a batch split of a paged
+decode cuts `pages`, `lens`, `q` and `o` and leaves the cache whole.
 
 A `coo` input's dimension read by a split (or summed) index alone, plainly (`x[m, k]`), is
 split by its stored blocks' coordinates: each device gets the blocks whose coordinate falls
@@ -98,10 +103,18 @@ def _terms(kernel: Kernel):
 
 
 def _reads(kernel: Kernel):
-    """Every access of an operand or local: targets, factors, conditions' and expressions' reads."""
+    """Every access of an operand or local: targets, factors, conditions' and expressions' reads,
+    and the reads of tables inside subscripts (`pages[b, j // T]` in `kc[.., pages[b, j // T], ..]`)."""
+
+    def with_tables(r):
+        yield r
+        for sub in r.subs:
+            if sub.table is not None:
+                yield from with_tables(sub.table)
+
     for st in kernel.statements:
-        yield st.target
-        yield from _reads_of(st)
+        for r in (st.target, *_reads_of(st)):
+            yield from with_tables(r)
 
 
 def _statement(st) -> str:
@@ -137,6 +150,8 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool | str = Fal
     for r in _reads(k):
         if r.operand in operands:
             for d, sub in enumerate(r.subs):
+                if sub.table is not None:
+                    continue  # a dimension addressed through a table is whole: the table's own read is split
                 for i in sub.indices:
                     if i not in dim_reads.setdefault((r.operand, d), []):
                         dim_reads[(r.operand, d)].append(i)
@@ -170,7 +185,7 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool | str = Fal
 
     args = []
     for p in conv.params:
-        if p.kind in ("dense", "mask"):
+        if p.kind in ("dense", "mask", "table"):
             args.append(dims(p.operand))
         else:  # a coo operand's blocks and coordinates (a coo input's dealt where `coo` says), offsets: whole
             args.append(())
@@ -302,8 +317,14 @@ def _rule(k: Kernel, index, local_names, operands, read_later, dim_reads, whole)
                                   "by coordinates read plainly only")
                 if op.name not in coo:
                     coo.append(op.name)
-            if sub.offset is not None or sub.shift or sub.modulus is not None or sub.table is not None:
-                return refuse(f"{r.text} reads it at an offset or through a table, which a slice would move")
+            if sub.table is not None:
+                # The dimension is addressed by the table's entries (`kc[.., pages[b, j // T], ..]`): it
+                # stays whole on every device, and the table's own read (visited as one) is what a split cuts.
+                continue
+            form = ("at an offset" if sub.offset is not None else "shifted" if sub.shift else
+                    "with a modulus" if sub.modulus is not None else "divided by a size" if isinstance(sub.divisor, str) else None)
+            if form:
+                return refuse(f"{r.text} reads it {form} ({sub.text}), which a slice would move")
             if op is not None:
                 others = [i for i in dim_reads.get((op.name, d), []) if i != name]
                 if others:

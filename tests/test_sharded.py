@@ -476,8 +476,8 @@ REFUSALS = [
     ("sdd_matmul", {"n": "data"}, "index n cannot be split: the sparse coo output o is indexed by it (o[m, n]): "
      "splitting a coo output's requested blocks is not supported yet (a coo input's stored blocks are split by their "
      "coordinates)"),
-    ("block_slice", {"i": "data"}, "index i cannot be split: x[start[0] + i, start[1] + j] reads it at an offset or through a "
-     "table, which a slice would move"),
+    ("block_slice", {"i": "data"}, "index i cannot be split: x[start[0] + i, start[1] + j] reads it at an offset "
+     "(start[0] + i), which a slice would move"),
     (WINDOW, {"i": "data"}, "index i cannot be split: `s[i, j] = x[i, j] where ((i - j) < 64) and (j <= i)` reads its "
      "position other than compared with an integer input's values, and adding each shard's offset to a position is not "
      "supported yet"),

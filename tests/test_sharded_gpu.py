@@ -88,6 +88,21 @@ def test_gpu_ring_attention_document_causal_and_zigzag(mesh_results):
         assert assert_gpu_case(k2, env2, res2, 1, ["P('data', 'model', 'seq')"] * 2) == 3
 
 
+# paged_decode built for H200 (its hand-written double-buffered page walk) split over the
+# batch and the heads at once (2 x 2 devices): `pages` and `lens` are cut with the batch,
+# the cache with the heads' key heads (G = H / 8) and whole along its pages (the table's
+# entries address them). Values only: a paged walk derives no gradient (issue 19).
+MESH_JOBS.add("gpu_paged", (spec_text("paged_decode"), dict(B=2, H=16, D=128, T=16, NP=8), [
+    {"mesh": [2, 2], "names": ["data", "model"], "axes": {"b": "data", "h": "model"}}], "random", 0, "h200"))
+
+
+def test_gpu_paged_decode_split_over_batch_and_heads(mesh_results):
+    """paged_decode's GPU module on a 2 x 2 mesh, its batch over one axis and its heads over
+    the other, equals the kernel unsplit and `reference` (ragged lengths drawn per sequence)."""
+    (kernel, env, res), = mesh_results["gpu_paged"]
+    assert assert_gpu_case(kernel, env, res, 0, ["P('data', 'model')"]) == 0
+
+
 # Cross attention at GPU tiles (f32: tf32 WGMMA tiles), rows and keys of their own sizes:
 # the key index alone, and as a ring; under SPARSEGEN_SWEEP=1 only (10 CPU-seconds: the
 # merge across the axis is templates/ring.py.j2's, the TPU modules' too, whose key index
