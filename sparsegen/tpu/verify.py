@@ -206,6 +206,18 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
     module = _load(emit(plan, source.name), f"verify_{plan.name}")
     # A walk's length may be counted by the module's own functions (a condition's blocks).
     smem = plan.smem_entries(values, nb, vars(module)) * 4
+    # What the forward's calls allocate, as the module itself counts it (`_check_smem`, given
+    # each call's scalar-prefetch entries while it is traced): a row walk's tables are sized
+    # by its classification at these sizes (the dense count where the condition reads traced
+    # operands), which only the module knows.
+    counted: list[int] = []
+    check = getattr(module, "_check_smem", None)
+    if check is not None:
+        def counting(entries, what):
+            counted.append(int(entries))
+            return check(entries, what)
+
+        module._check_smem = counting
     result = Result(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, plan.vmem_bytes, vmem_limit=chip.vmem_bytes, smem_used=smem, smem_limit=chip.smem_bytes)
     start = time.perf_counter()
     try:
@@ -217,6 +229,9 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
         return result
     result.compile_seconds = time.perf_counter() - start
     result.compiled = True
+    if check is not None:
+        module._check_smem = check
+        result.smem_used = max([smem, *(4 * n for n in counted)])
     if plan.backward_error:
         result.backward = f"not derived: {plan.backward_error}"
     elif plan.has_backward:

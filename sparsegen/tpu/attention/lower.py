@@ -93,7 +93,8 @@ class AttentionModule:
 
     def smem_entries(self, values: dict, stored_blocks: int, namespace: dict | None = None) -> int:
         """Int32 entries of the scalar-prefetch tables: sized by the walk at call time (the
-        dense count when the condition reads operands), so not counted here."""
+        dense count when the condition reads operands), so not counted here: `verify` takes
+        the count the module gives its own `_check_smem` as it traces the call."""
         return 0
 
 
