@@ -67,3 +67,59 @@ def as_read(array: str, read: Read, dims: list[str], sizes: list[str]) -> str:
     parts = [(f"{sub.shift}:{sub.shift} + {sizes[d]}" if sub.shift else f":{sizes[d]}") if c else ":"
              for d, (sub, c) in enumerate(zip(read.subs, cut))]
     return f"{array}[{', '.join(parts)}]"
+
+
+class ScoreTerms:
+    """The leaves of a row walk's elementwise chain and condition inside a kernel, one rule
+    on every target (the TPU's row and paged walks, the GPU's row walk, its backward and
+    its paged walk) and in `reference`: what differs is how a target reads a position and
+    a scalar, and its operands.
+
+    An index is its positions where the walk lays them out (`positions`: a block, tile or
+    vector of int32), else a lead index's scalar (`lead`) as `scalar` makes it a term's
+    operand (the TPU broadcasts a scalar itself; Mosaic GPU takes a tile of it); a size is
+    its static; a local the variable it was rendered into (`values`); a read its value
+    (`read`, per target), a truth value `!= 0`. In the chain (a float context) integers
+    are cast to `floats` (a size: `float(...)`); a condition compares them as they are."""
+
+    def __init__(self, positions: dict[str, str], lead: dict[str, str], scalar, read, floats: str, size_var,
+                 values: dict[str, str] | None = None):
+        self.positions, self.lead, self.scalar, self.read = positions, lead, scalar, read
+        self.floats, self.size_var = floats, size_var
+        self.values = {} if values is None else values
+
+    def leaf(self, t: Term, float_ctx: bool) -> str:
+        if t.op == "index":
+            v = self.positions[t.name] if t.name in self.positions else self.scalar(self.lead[t.name])
+        elif t.op == "size":
+            v = self.size_var(t.name)
+            return f"float({v})" if float_ctx else v
+        elif t.op == "local":
+            return self.values[t.read.operand]
+        else:
+            v = self.read(t.read)
+            if t.op == "truth":
+                return f"({v} != 0)"
+        return f"{v}.astype({self.floats})" if float_ctx else v
+
+    def value(self, t: Term) -> str:
+        """A term of the chain (floats)."""
+        return render_term(t, lambda x: self.leaf(x, True))
+
+    def test(self, t: Term) -> str:
+        """A condition."""
+        return render_term(t, lambda x: self.leaf(x, False))
+
+    def chain(self, chain, local, indent: str = "") -> list[str]:
+        """The chain's steps (`(name, term)` in order), each into its variable (`local(name)`),
+        which later terms (and `point`) read."""
+        lines = []
+        for name, term in chain:
+            var = local(name)
+            lines.append(f"{indent}{var} = {self.value(term)}")
+            self.values[name] = var
+        return lines
+
+    def point(self, pt) -> str:
+        """The scores a reduction reads: the chain's local, or an operand read directly."""
+        return self.values[pt.local] if pt.local is not None else self.leaf(Term("read", read=pt.read), True)

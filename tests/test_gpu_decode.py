@@ -199,6 +199,21 @@ def test_paged_row_blocks_the_gpu_cannot_take_are_refused_at_the_tile_line(tiles
     assert f"bad.spk:{line}:{col}: error: {message}" in rendered, rendered
 
 
+
+def test_a_key_block_the_gpu_cannot_step_is_refused_with_pages_of_a_literal_size():
+    """Key blocks of 32 over pages of 16 (a literal): the step rule's refusal at the tile line
+    (the page check waits for a step: it compared the page with none, a TypeError)."""
+    text = (SPECS / "paged_decode.spk").read_text().replace("j // T", "j // 16").replace("j % T", "j % 16").replace("T, D]", "16, D]")
+    text = text.replace("j = 512", "j = 32")
+    rendered = _refused(text)
+    lines = text.splitlines()
+    line = next(n for n, t in enumerate(lines, 1) if t.strip().startswith("tile "))
+    col = lines[line - 1].index("j = 32") + 5  # at the tile's value
+    message = "tile j = 32: a step reads 64 or 128 keys (WGMMA's N, then P.V's K); on h200 the key block is a multiple of 64"
+    assert f"bad.spk:{line}:{col}: error: {message}" in rendered, rendered
+    assert "pages of 16" not in rendered, rendered
+
+
 # ------------------------------------------------------------------ stages 2 and 3
 
 def _verified(sources: list[SourceFile]):
@@ -240,3 +255,17 @@ def test_pages_larger_than_a_step_lower_for_h200():
     source = SourceFile("paged_decode.spk", (SPECS / "paged_decode.spk").read_text())
     (r,) = verify_modules([(m, source, "h200") for m in lower_source(source, "h200")], shapes={"T": 256, "NP": 16}, stage3=False)
     assert r.lowered and r.shapes["T"] == 256 and r.smem_used == r.smem_estimate, (r.raw_error, r.smem_used, r.smem_estimate)
+
+
+def test_a_paged_walk_whose_128_key_steps_overflow_shared_memory_steps_64_keys():
+    """d = e = 256 (bf16): steps of 128 keys would need 313,368 bytes of shared memory per
+    CTA (h200: 232,448); the CTA's shape is the row walk's rule (`cta_shape`: the widest
+    that fits), 64 keys a step. Stage 2: it lowers, shared memory as estimated."""
+    from sparsegen.gpu.verify import verify_modules
+
+    text = (SPECS / "paged_decode.spk").read_text().replace("d = 128, e = 128", "d = 256, e = 256")
+    source = SourceFile("wide.spk", text)
+    (m,) = lower_source(source, "h200")
+    assert (m.tk, m.smem_bytes) == (64, 174104), (m.tk, m.smem_bytes)
+    (r,) = verify_modules([(m, source, "h200")], shapes={"D": 256}, stage3=False)
+    assert r.lowered and r.smem_used == r.smem_estimate <= r.smem_limit, (r.raw_error, r.smem_used, r.smem_estimate)

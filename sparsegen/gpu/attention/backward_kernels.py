@@ -9,10 +9,9 @@ carried sums; the epilogue writes each gradient's tile through shared memory.
 
 from __future__ import annotations
 
-from ...ir import Term
 from ...pytext import py_tuple
 from ...schedule.attention import read_key
-from ...terms import render_term
+from ...terms import ScoreTerms
 from .backward import MEMORY_REGISTERS, STAGES, TB, BArray, BKernel
 
 F32 = "jnp.float32"
@@ -219,29 +218,17 @@ class BackwardWriter:
             value = vec[a.key] if a.scoped else f"{smems[a.key]}[...]"
             return f"lax.broadcast_in_dim({value}, {shape}, [{axis}])"
 
-        def leaf(term: Term, float_ctx: bool) -> str:
-            if term.op == "index":
-                v = gpos[term.name] if term.name in gpos else f"jnp.full({shape}, {self.lv[term.name]}, jnp.int32)"
-                return f"{v}.astype({F32})" if float_ctx else v
-            if term.op == "size":
-                v = self.m.conv.size_var(term.name)
-                return f"float({v})" if float_ctx else v
-            if term.op == "local":
-                return values[term.read.operand]
-            a = by_read[read_key(term.read)]
+        def read(r) -> str:
+            a = by_read[read_key(r)]
             if a.layout == "tile" and ws and along in a.dims:
                 # The pipeline's tile spans the CTA's rows (keys): this consumer's part.
                 assert a.dims[0] == along and not a.scoped, a
-                v = f"{smems[a.key]}.at[pl.ds({wg} * {TB}, {TB})][...]"
-            elif a.layout == "tile":
-                v = f"{mine(smems[a.key]) if a.scoped else smems[a.key]}[...]"
-            elif a.layout in ("rows", "cols"):
-                v = vector(a)
-            else:
-                v = f"jnp.full({shape}, {scalars[read_key(a.read)]}, {a.dtype})"
-            if term.op == "truth":
-                return f"({v} != 0)"
-            return f"{v}.astype({F32})" if float_ctx else v
+                return f"{smems[a.key]}.at[pl.ds({wg} * {TB}, {TB})][...]"
+            if a.layout == "tile":
+                return f"{mine(smems[a.key]) if a.scoped else smems[a.key]}[...]"
+            if a.layout in ("rows", "cols"):
+                return vector(a)
+            return f"jnp.full({shape}, {scalars[read_key(a.read)]}, {a.dtype})"
 
         def tile_of(a: BArray) -> str:
             return mine(smems[a.key]) if a.scoped else smems[a.key]
@@ -273,23 +260,19 @@ class BackwardWriter:
         uses_pos = any(t_.op == "index" and t_.name in (p.query, p.key) for _, term in p.chain for t_ in term.walk())
         if uses_pos:
             step += pos_lines
-        values = {p.score: raw}
+        terms = ScoreTerms(gpos, self.lv, lambda v: f"jnp.full({shape}, {v}, jnp.int32)", read, F32, self.m.conv.size_var, {p.score: raw})
         pt = p.points[0]
         if self.has_chain():
             chain, arg = sn.local("_chain"), sn.local(p.score)
-            inner = {p.score: arg}
-            values = inner
+            terms.values = {p.score: arg}  # inside the chain's function, its argument
             step += ["", f"def {chain}({arg}):", "    # The elementwise steps after the product: their derivative is jax.vjp's."]
-            for name, term in p.chain:
-                var = sn.local(name)
-                step.append(f"    {var} = {render_term(term, lambda x: leaf(x, True))}")
-                inner[name] = var
-            step += [f"    return {inner[pt.local] if pt.local is not None else leaf(Term('read', read=pt.read), True)}", ""]
+            step += terms.chain(p.chain, sn.local, "    ")
+            step += [f"    return {terms.point(pt)}", ""]
             s, pull = sn.local("s"), sn.local("pull")
             step.append(f"{s}, {pull} = jax.vjp({chain}, {raw})")
         else:
             s = raw
-        conds = [render_term(pt.condition, lambda x: leaf(x, False))] if pt.condition is not None else []
+        conds = [terms.test(pt.condition)] if pt.condition is not None else []
         conds += [f"{pos} < {self.size_of(i)}" for i, pos in ((p.query, qpos), (p.key, kpos)) if self.ragged(i)]
         if conds:
             masked, x = sn.local("_masked"), sn.local("x")

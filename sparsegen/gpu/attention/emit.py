@@ -19,12 +19,11 @@ from __future__ import annotations
 
 from ...expr import render
 from ...formatting import format_module
-from ...ir import Term
 from ...mesh import mesh_plan
 from ...pytext import py_tuple
 from ...ring import RingSides
 from ...schedule.attention import read_key
-from ...terms import render_term
+from ...terms import ScoreTerms
 from ...wrapper import Glue, Wrapper, vjp_tables
 from ...tpu.attention.reference import ReferenceWriter  # backend-neutral: jax.numpy over whole arrays
 from .backward_kernels import BackwardWriter
@@ -273,41 +272,25 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                      f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {key_tile}({t}) * {tk}, jnp.int32)"]
         gpos = self.global_positions(sn, firsts, {p.query: qpos, p.key: kpos}, shape, pos_lines)
         by_read = {read_key(o.read): o for o in ops}
-        values = {p.score: s}
-
-        def leaf(term: Term, float_ctx: bool) -> str:
-            if term.op == "index":
-                v = gpos[term.name] if term.name in gpos else f"jnp.full({shape}, {self.lv[term.name]}, jnp.int32)"
-                return f"{v}.astype({F32})" if float_ctx else v
-            if term.op == "size":
-                v = self.m.conv.size_var(term.name)
-                return f"float({v})" if float_ctx else v
-            if term.op == "local":
-                return values[term.read.operand]
-            o = by_read[read_key(term.read)]
+        def read(r) -> str:
+            o = by_read[read_key(r)]
             if o.layout == "tile":
                 # The CTA's tile spans every consumer's rows: this consumer's part.
-                v = f"{o.smem}.at[pl.ds({wg} * {tq}, {tq})][...]" if ws else f"{o.smem}[...]"
-            elif o.layout == "rows":
-                v = f"lax.broadcast_in_dim({mine(o.smem)}[...], {shape}, [0])"
-            elif o.layout == "cols":
-                v = f"lax.broadcast_in_dim({o.smem}[...], {shape}, [1])"
-            else:
-                v = f"jnp.full({shape}, {scalars[read_key(o.read)]}, {k.operand(o.read.operand).dtype.jnp})"
-            if term.op == "truth":
-                return f"({v} != 0)"
-            return f"{v}.astype({F32})" if float_ctx else v
+                return f"{o.smem}.at[pl.ds({wg} * {tq}, {tq})][...]" if ws else f"{o.smem}[...]"
+            if o.layout == "rows":
+                return f"lax.broadcast_in_dim({mine(o.smem)}[...], {shape}, [0])"
+            if o.layout == "cols":
+                return f"lax.broadcast_in_dim({o.smem}[...], {shape}, [1])"
+            return f"jnp.full({shape}, {scalars[read_key(o.read)]}, {k.operand(o.read.operand).dtype.jnp})"
 
+        terms = ScoreTerms(gpos, self.lv, lambda v: f"jnp.full({shape}, {v}, jnp.int32)", read, F32, self.m.conv.size_var, {p.score: s})
         uses_pos = any(t_.op == "index" and t_.name in (p.query, p.key) for _, term in p.chain for t_ in term.walk())
         if uses_pos:
             step += pos_lines
-        for name, term in p.chain:
-            var = sn.local(name)
-            step.append(f"{var} = {render_term(term, lambda x: leaf(x, True))}")
-            values[name] = var
+        step += terms.chain(p.chain, sn.local)
         pt = p.points[0]
-        sv = values[pt.local] if pt.local is not None else leaf(Term("read", read=pt.read), True)
-        conds = [render_term(pt.condition, lambda x: leaf(x, False))] if pt.condition is not None else []
+        sv = terms.point(pt)
+        conds = [terms.test(pt.condition)] if pt.condition is not None else []
         conds += [f"{pos} < {self.size_of(i)}" for i, pos in ((p.query, qpos), (p.key, kpos)) if self.ragged(i)]
         if conds:
             masked, x = sn.local("_masked"), sn.local("x")

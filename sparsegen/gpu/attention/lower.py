@@ -45,8 +45,40 @@ class GpuOperand:
     swapped: bool  # the wrapper swaps its two tile dimensions (tf32 WGMMA reads K-major tiles only; a mask stored key-major)
 
 
+class GpuWalkModule:
+    """What a GPU walk's module answers alike (the compiler, `verify`, `describe`): the row
+    walk's here, the paged walk's (gpu/paged/lower.py). Its `kernel`, `smem` (one CTA's
+    shared memory), `operands` and `backward` (the paged walk: none) are its own."""
+
+    backward = None
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.smem
+
+    @property
+    def tile(self) -> dict[str, int]:
+        return {i.name: i.tile for i in self.kernel.indices}
+
+    @property
+    def has_backward(self) -> bool:
+        return self.backward is not None
+
+    @property
+    def backward_smem(self) -> list[int]:
+        """Shared memory of a dq CTA and of a dk/dv CTA (rules' estimate)."""
+        return [self.backward.dq.smem, self.backward.dkv.smem] if self.backward is not None else []
+
+    def operand(self, role: str) -> GpuOperand:
+        return next(o for o in self.operands if o.role == role)
+
+
 @dataclass(frozen=True)
-class GpuAttentionModule:
+class GpuAttentionModule(GpuWalkModule):
     kernel: Kernel
     target: GpuTarget
     conv: Convention
@@ -63,32 +95,8 @@ class GpuAttentionModule:
     walks = ("row walk",)
 
     @property
-    def has_backward(self) -> bool:
-        return self.backward is not None
-
-    @property
-    def backward_smem(self) -> list[int]:
-        """Shared memory of a dq CTA and of a dk/dv CTA (rules' estimate)."""
-        return [self.backward.dq.smem, self.backward.dkv.smem] if self.backward is not None else []
-
-    @property
-    def name(self) -> str:
-        return self.kernel.name
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.smem
-
-    @property
     def refused(self) -> tuple:
         return refusals(self.kernel, None, self.backward_error) + (self.backward.refused if self.backward is not None else ())
-
-    @property
-    def tile(self) -> dict[str, int]:
-        return {i.name: i.tile for i in self.kernel.indices}
-
-    def operand(self, role: str) -> GpuOperand:
-        return next(o for o in self.operands if o.role == role)
 
 
 def _fail(span, message: str, notes=()):
@@ -210,21 +218,14 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
             if o.layout == "tile" and o.role == "extra":
                 _fail(o.read.span, f"not lowered for GPUs yet: '{o.read.operand}' read along the rows and the keys in a row block of "
                                    f"{ti} rows (under WGMMA's {TQ}); build '{k.name}' for a TPU target")
-    # The CTA's shape: the widest that fits shared memory. Two consumer warpgroups before
-    # one (where the row block holds them), then 128 keys a step before 64 (64 halve the
-    # key-side buffers: f32 at d = 128 fits one warpgroup). With a backward the forward
-    # also keeps each row's logsumexp (its residual); where only the forward without it
-    # fits, the gradients are refused and the forward runs.
-    shapes = [(w, t) for w in dict.fromkeys((consumer_warpgroups(ti), 1)) for t in steps]
-    fits = lambda shape, lse: smem_bytes(k, p, ops, TQ, shape[1], shape[0], row_lse=lse) <= target.smem_bytes
 
+    # The CTA's shape (`cta_shape`). With a backward the forward also keeps each row's
+    # logsumexp (its residual); where only the forward without it fits, the gradients are
+    # refused and the forward runs.
     def shaped(lse: bool) -> tuple[int, int, int]:
-        wgs, tk = next((s for s in shapes if fits(s, lse)), shapes[0])
-        smem = smem_bytes(k, p, ops, TQ, tk, wgs, row_lse=lse)
-        if smem > target.smem_bytes:
-            _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
-                               f"use smaller tiles of {p.summed} or the values' columns")
-        return wgs, tk, smem
+        shape = cta_shape(k, p, ops, ti, steps, target, row_lse=lse)
+        fitting(k, p, shape[2], target)
+        return shape
 
     rows = min(ti, TQ)
     if rows < TQ or any(s_.index == p.query and s_.divisor != 1 for o in ops for s_ in o.read.subs):
@@ -240,13 +241,38 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
         if bk.smem > target.smem_bytes and error is None:
             error = (f"the backward's {what} kernel needs {bk.smem} bytes of shared memory per CTA on {target.name} (limit "
                      f"{target.smem_bytes}): use smaller tiles of {p.summed} or the values' columns to differentiate '{k.name}'")
-    if error is None and not any(fits(s, True) for s in shapes) and any(fits(s, False) for s in shapes):
+    if error is None and not fits(cta_shape(k, p, ops, ti, steps, target, row_lse=True), target) and \
+            fits(cta_shape(k, p, ops, ti, steps, target), target):
         error = (f"the forward with each row's logsumexp needs more than {target.smem_bytes} bytes of shared memory per CTA on "
                  f"{target.name}: use smaller tiles of {p.summed} or the values' columns to differentiate '{k.name}'")
     wgs, tk, smem = shaped(error is None)
     if error is not None:
         return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None, error)
     return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, backward)
+
+
+def cta_shape(k: Kernel, p: RowPlan, ops, rows: int, steps: list[int], target: GpuTarget, row_lse: bool = False) -> tuple[int, int, int]:
+    """A CTA's shape: its consumer warpgroups, the keys a step reads (of `steps`, `key_steps`'),
+    and its shared memory (`smem_bytes`); the widest that fits shared memory (the first, where
+    none does: `fitting` says so). Two consumer warpgroups before one where the row block of
+    `rows` holds them (`consumer_warpgroups`: a paged walk's row block, at most 64 rows, takes
+    one), then 128 keys a step before 64 (64 halve the key-side buffers: f32 at d = 128 fits
+    one warpgroup). `row_lse`: the forward also keeps each row's logsumexp (the backward's
+    residual)."""
+    shapes = [(w, t) for w in dict.fromkeys((consumer_warpgroups(rows), 1)) for t in steps]
+    sized = [(w, t, smem_bytes(k, p, ops, TQ, t, w, row_lse=row_lse)) for w, t in shapes]
+    return next((s for s in sized if fits(s, target)), sized[0])
+
+
+def fits(shape: tuple[int, int, int], target: GpuTarget) -> bool:
+    return shape[2] <= target.smem_bytes
+
+
+def fitting(k: Kernel, p: RowPlan, smem: int, target: GpuTarget) -> None:
+    """A CTA's shared memory within the target's, or a GpuError at the tiles."""
+    if smem > target.smem_bytes:
+        _fail(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes}): "
+                           f"use smaller tiles of {p.summed} or the values' columns")
 
 
 def key_steps(tj: int) -> list[int]:

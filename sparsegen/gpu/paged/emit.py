@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from ...expr import Var, flat, render
 from ...formatting import format_module
-from ...ir import Term
 from ...pytext import py_tuple
-from ...terms import render_term
+from ...terms import ScoreTerms
 from ...wrapper import Glue
 from ...tpu.paged.emit import PagedEmitter
 from ..attention.lower import out_through_q
@@ -181,33 +180,16 @@ class GpuPagedEmitter(PagedEmitter):
                      f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {t} * {tk}, jnp.int32)"]
         else:
             body.append(f"{kpos} = lax.broadcasted_iota(jnp.int32, {cshape}, 0) + jnp.full({cshape}, {t} * {tk}, jnp.int32)")
-        vals = {p.score: s}
-
-        def leaf(term: Term, float_ctx: bool) -> str:
-            if term.op == "index":
-                v = (qpos if term.name == p.query else kpos if term.name == p.key else ppos[term.name] if term.name in ppos
-                     else f"jnp.full({cshape}, {lead_vars[term.name]}, jnp.int32)")
-            elif term.op == "size":
-                v = self.m.conv.size_var(term.name)
-                return f"float({v})" if float_ctx else v
-            elif term.op == "local":
-                return vals[term.read.operand]
-            else:
-                v = f"jnp.full({cshape}, {scalars[term.read.operand]}, jnp.int32)"
-                if term.op == "truth":
-                    return f"({v} != 0)"
-            return f"{v}.astype({F32})" if float_ctx else v
-
-        for name, term in p.chain:
-            var = sn.local(name)
-            body.append(f"{var} = {render_term(term, lambda x: leaf(x, True))}")
-            vals[name] = var
-        sv = vals[p.points[0].local]
+        tiled = lambda v: f"jnp.full({cshape}, {v}, jnp.int32)"  # noqa: E731  (a scalar as the terms' operand)
+        terms = ScoreTerms({p.query: qpos, p.key: kpos, **ppos}, lead_vars, tiled, lambda r: tiled(scalars[r.operand]), F32,
+                           self.m.conv.size_var, {p.score: s})
+        body += terms.chain(p.chain, sn.local)
+        sv = terms.values[p.points[0].local]
         # The keys of the pages inside the bounds (a step may run past the last: its copies
         # repeat that page), and the condition; the rows past the block are never stored.
-        conds = [f"({kpos} >= jnp.full({cshape}, {lo} * {page}, jnp.int32))", f"({kpos} < jnp.full({cshape}, {hi} * {page}, jnp.int32))"]
+        conds = self.inside_pages(kpos, lo, hi, tiled)
         if cond is not None:
-            conds.append(f"({render_term(cond, lambda x: leaf(x, False))})")
+            conds.append(f"({terms.test(cond)})")
         present = sn.local("present")
         body.append(f"{present} = {' & '.join(conds)}")
         if cshape == shape:

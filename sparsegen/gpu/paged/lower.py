@@ -21,7 +21,7 @@ from ...schedule.attention import RowPlan
 from ...schedule.paged import PagedPlan
 from ...schedule.row import RowWalk, row_walk
 from ...source import Diagnostic
-from ..attention.lower import PAD_ROWS, TQ, WGMMA_FLOATS, GpuOperand, _k_step, key_steps, smem_bytes
+from ..attention.lower import PAD_ROWS, TQ, WGMMA_FLOATS, GpuOperand, GpuWalkModule, _k_step, cta_shape, fitting, key_steps
 from ..plan import GpuError
 from ..targets import GpuTarget
 
@@ -30,7 +30,7 @@ GRADIENT_REFUSED = ("the gradient through a read through a table ('{read}') is n
 
 
 @dataclass(frozen=True)
-class GpuPagedModule:
+class GpuPagedModule(GpuWalkModule):
     kernel: Kernel
     target: GpuTarget
     conv: Convention
@@ -40,26 +40,12 @@ class GpuPagedModule:
     paged: PagedPlan
     operands: tuple[GpuOperand, ...]  # q, then the gathered key factor and values (their tiles: a step's keys x inner)
     rows: int  # rows of a row block (packed heads included): under TQ, padded to TQ in shared memory
-    tk: int  # keys a step (64 or 128: the row walk's rule)
+    tk: int  # keys a step (64 or 128: the row walk's rule, `cta_shape`)
     smem: int
     refused: tuple = ()
     backward_error: str | None = None
     tq = TQ
     walks = ("paged walk",)
-    has_backward = False
-    backward_smem: tuple = ()
-
-    @property
-    def name(self) -> str:
-        return self.kernel.name
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.smem
-
-    @property
-    def tile(self) -> dict[str, int]:
-        return {i.name: i.tile for i in self.kernel.indices}
 
 
 def lower_gpu_paged(kernel: Kernel, plan: RowPlan, paged: PagedPlan, target: GpuTarget) -> GpuPagedModule:
@@ -104,7 +90,19 @@ def lower_gpu_paged(kernel: Kernel, plan: RowPlan, paged: PagedPlan, target: Gpu
         what = " x ".join(f"{tile[i]} '{i}'" for i in (*pg.packed, p.query))
         refuse(span[p.query], f"tile {p.query} = {ti}: a paged row block on {target.name} is a multiple of {PAD_ROWS} up to {TQ} rows "
                               f"(one warpgroup's WGMMA, padded to {TQ}); here {what} = {rows}")
-    tk = next(iter(key_steps(tj)), None)  # the widest step: a paged CTA's buffers fit at 128 keys
+    names = ModuleNames(k)
+    conv = convention(k, names)
+    walk = row_walk(k, p, conv, names)  # its names only: the lead axes
+    ops = [GpuOperand(p.q, "q", "tile", names.local(f"{p.q.operand}_gmem"), names.local(f"{p.q.operand}_smem"),
+                      (p.query, p.summed), False)]
+    for g in pg.gathers:
+        role = "k" if g.read is p.k else "value"
+        ops.append(GpuOperand(g.read, role, "tile", names.local(f"{g.read.operand}_gmem"), names.local(f"{g.read.operand}_pages"),
+                              (p.key, g.inner.index), False))
+    # The CTA's shape: the row walk's rule, for a row block of `rows` (at most 64, one
+    # consumer warpgroup: the kernel copies and computes in it).
+    steps = key_steps(tj)
+    tk, smem = cta_shape(k, p, ops, rows, steps, target)[1:] if steps else (None, 0)
     if tk is None:
         refuse(span[p.key], f"tile {p.key} = {tj}: a step reads 64 or 128 keys (WGMMA's N, then P.V's K); "
                             f"on {target.name} the key block is a multiple of 64")
@@ -116,25 +114,12 @@ def lower_gpu_paged(kernel: Kernel, plan: RowPlan, paged: PagedPlan, target: Gpu
         e = g.inner.index
         if tile[e] % 16 or tile[e] > 256:
             refuse(span[e], f"tile {e} = {tile[e]}: WGMMA's N (the values' columns) is a multiple of 16 up to 256 on {target.name}")
-    if isinstance(pg.page, int) and (pg.page % PAD_ROWS or (pg.page < tk and tk % pg.page) or (pg.page > tk and pg.page % tk)):
+    if isinstance(pg.page, int) and tk is not None and (pg.page % PAD_ROWS or (pg.page < tk and tk % pg.page) or (pg.page > tk and pg.page % tk)):
         refuse(pg.gathers[0].table.span, f"pages of {pg.page}: on {target.name} a page is a multiple of {PAD_ROWS} rows (a TMA copy "
                                          f"into the step's buffer) that divides the step of {tk} keys, or a multiple of it")
     if problems:
         raise GpuError(problems)
-
-    names = ModuleNames(k)
-    conv = convention(k, names)
-    walk = row_walk(k, p, conv, names)  # its names only: the lead axes
-    ops = [GpuOperand(p.q, "q", "tile", names.local(f"{p.q.operand}_gmem"), names.local(f"{p.q.operand}_smem"),
-                      (p.query, p.summed), False)]
-    for g in pg.gathers:
-        role = "k" if g.read is p.k else "value"
-        ops.append(GpuOperand(g.read, role, "tile", names.local(f"{g.read.operand}_gmem"), names.local(f"{g.read.operand}_pages"),
-                              (p.key, g.inner.index), False))
-    smem = smem_bytes(k, p, ops, TQ, tk, 1)
-    if smem > target.smem_bytes:
-        raise GpuError([Diagnostic(k.tile_span, f"the tiles need {smem} bytes of shared memory per CTA on {target.name} "
-                                                f"(limit {target.smem_bytes}): use smaller tiles of {p.summed} or the values' columns")])
+    fitting(k, p, smem, target)
     refused = tuple(Refusal(op.name, None, GRADIENT_REFUSED.format(read=g.read.text))
                     for g in pg.gathers for op in [k.operand(g.read.operand)] if op.dtype.is_float)
     refused += tuple(Refusal(op.name, None, f"the gradient of '{op.name}' in a paged walk is not derived on GPU targets (issue 19)")

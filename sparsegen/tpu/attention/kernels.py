@@ -17,7 +17,7 @@ from ...pytext import py_tuple
 from ...expr import Const
 from ...schedule.attention import read_key
 from ...schedule.row import Direction
-from ...terms import render_term
+from ...terms import ScoreTerms, render_term
 from .lower import LANES, SUBLANES, Operand, gradient_dtype
 
 
@@ -166,35 +166,17 @@ class KernelWriter:
         if chain_pos:
             out += pos_lines
         block_of = {read_key(o.read): o.var for o in operands}
-        values = {} if raw is None else {p.score: raw}  # a local's variable, by its name
-
-        def leaf(term: Term, float_ctx: bool) -> str:
-            if term.op == "index":
-                v = gpos[term.name] if term.name in gpos else lead_vars[term.name]
-                return f"{v}.astype({acc.jnp})" if float_ctx else v
-            if term.op == "size":
-                v = self.m.conv.size_var(term.name)
-                return f"float({v})" if float_ctx else v
-            if term.op == "local":
-                return values[term.read.operand]
-            if term.op == "truth":
-                return f"({block_of[read_key(term.read)]} != 0)"
-            v = block_of[read_key(term.read)]
-            return f"{v}.astype({acc.jnp})" if float_ctx else v
-
-        def point_value(pt) -> str:
-            return values[pt.local] if pt.local is not None else leaf(Term("read", read=pt.read), True)
+        terms = ScoreTerms(gpos, lead_vars, str, lambda r: block_of[read_key(r)], acc.jnp, self.m.conv.size_var,
+                           {} if raw is None else {p.score: raw})
+        leaf = terms.leaf
 
         fvars = [block_of[read_key(r)] for r in p.float_reads()]
         args = ([raw] if raw is not None else []) + fvars
         if self.has_chain():
             # The elementwise steps (after the product), one function: its derivative is jax.vjp's.
             out += ["", f"    def _chain({', '.join(args)}):"]
-            for name, term in p.chain:
-                var = n.local(name)
-                out.append(f"        {var} = {render_term(term, lambda x: leaf(x, True))}")
-                values[name] = var
-            out.append(f"        return {', '.join(point_value(pt) for pt in p.points)}")
+            out += terms.chain(p.chain, n.local, "        ")
+            out.append(f"        return {', '.join(terms.point(pt) for pt in p.points)}")
             out.append("")
             ss = [n.local("s") for _ in p.points]
             out.append(f"    {', '.join(ss)} = _chain({', '.join(args)})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...ir import Read, Term
 from ...pytext import py_tuple
-from ...terms import render_term
+from ...terms import ScoreTerms, render_term
 
 
 class ReferenceWriter:
@@ -48,24 +48,12 @@ class ReferenceWriter:
             if p.scale is not None:
                 lines.append(f"{s} = {s} * {p.scale!r}")
 
-        def leaf(t: Term, float_ctx: bool) -> str:
-            if t.op == "index":
-                shape = py_tuple("-1" if i == t.name else "1" for i in rows)
-                v = f"jnp.arange({self.size_of(t.name)}).reshape({shape})"
-                return f"{v}.astype({acc.jnp})" if float_ctx else v
-            if t.op == "size":
-                v = conv.size_var(t.name)
-                return f"float({v})" if float_ctx else v
-            if t.op == "local":
-                return values[t.read.operand]
-            v = f'_expand({view(t.read)}, "{spec(t.read)}", "{dst}")'
-            if t.op == "truth":
-                return f"({v} != 0)"
-            return f"{v}.astype({acc.jnp})" if float_ctx else v
-
-        for name, term in p.chain:
-            var = values[name] = scope.local(name)
-            lines.append(f"{var} = {render_term(term, lambda x: leaf(x, True))}")
+        # An index's positions: a range along its axis of the scores.
+        positions = {x.name: f"jnp.arange({self.size_of(x.name)}).reshape({py_tuple('-1' if i == x.name else '1' for i in rows)})"
+                     for x in k.indices}
+        terms = ScoreTerms(positions, {}, str, lambda r: f'_expand({view(r)}, "{spec(r)}", "{dst}")', acc.jnp, conv.size_var, values)
+        leaf = terms.leaf
+        lines += terms.chain(p.chain, scope.local)
         finals = []  # per point: its scores, minus infinity where absent
         for pt in p.points:
             if pt.local is None:

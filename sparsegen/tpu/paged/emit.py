@@ -8,10 +8,10 @@ reference of the scores, the chain and softmax products."""
 from __future__ import annotations
 
 from ...expr import Const, Var, flat, render
-from ...ir import Read, Term
+from ...ir import Read
 from ...pytext import py_tuple, words
 from ...schedule.classify import Classifier
-from ...terms import render_term
+from ...terms import ScoreTerms
 from ...wrapper import Glue
 from ..attention.emit import AttentionEmitter
 from .describe import describe_paged
@@ -100,6 +100,11 @@ class PagedEmitter(AttentionEmitter):
         """A read over lead indices as a position in its flattened array."""
         op = self.k.operand(r.operand)
         return render(flat([Var(lead_vars[s.index]) for s in r.subs], [self.m.conv.size(dim) for dim in op.dims]), "py")
+
+    def inside_pages(self, kpos: str, lo: str, hi: str, scalar) -> list[str]:
+        """The keys inside the pages [lo, hi) a row block's step copied (the others' buffer rows
+        hold anything, or repeat a page): `scalar` makes a scalar the comparisons' operand."""
+        return [f"({kpos} >= {scalar(f'{lo} * {self.page}')})", f"({kpos} < {scalar(f'{hi} * {self.page}')})"]
 
     def kernel_lines(self, n, refs: dict) -> list[str]:
         p, pg, acc = self.p, self.pg, self.acc
@@ -296,33 +301,16 @@ class PagedEmitter(AttentionEmitter):
         else:
             body.append(f"    {qpos} = {row} * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0)")
         body.append(f"    {kpos} = {kb} * {tj} + lax.broadcasted_iota(jnp.int32, (1, {tj}), 1)")
-        vals = {p.score: raw}
-
-        def leaf(term: Term, float_ctx: bool) -> str:
-            if term.op == "index":
-                v = qpos if term.name == p.query else kpos if term.name == p.key else ppos.get(term.name, lead_vars.get(term.name))
-            elif term.op == "size":
-                v = self.m.conv.size_var(term.name)
-                return f"float({v})" if float_ctx else v
-            elif term.op == "local":
-                return vals[term.read.operand]
-            else:
-                v = f"{refs['scalars'][term.read.operand]}[{self.flat_read(term.read, lead_vars)}]"
-                if term.op == "truth":
-                    return f"({v} != 0)"
-            return f"{v}.astype({acc.jnp})" if float_ctx else v
-
-        for name, term in p.chain:
-            var = n.local(name)
-            body.append(f"    {var} = {render_term(term, lambda x: leaf(x, True))}")
-            vals[name] = var
-        s = vals[p.points[0].local]
+        terms = ScoreTerms({p.query: qpos, p.key: kpos, **ppos}, lead_vars, str, lambda r: f"{refs['scalars'][r.operand]}[{self.flat_read(r, lead_vars)}]",
+                           acc.jnp, self.m.conv.size_var, {p.score: raw})
+        body += terms.chain(p.chain, n.local, "    ")
+        s = terms.values[p.points[0].local]
         # Pages outside the bounds were not copied: their buffer rows hold anything.
         inside = n.local("copied")
-        body.append(f"    {inside} = ({kpos} >= {lo} * {page}) & ({kpos} < {hi} * {page})")
+        body.append(f"    {inside} = {' & '.join(self.inside_pages(kpos, lo, hi, str))}")
         conds = [inside]
         if p.points[0].condition is not None:
-            conds.append(f"({render_term(p.points[0].condition, lambda x: leaf(x, False))})")
+            conds.append(f"({terms.test(p.points[0].condition)})")
         if self.ragged(p.query):
             conds.append(f"({qpos} < {self.size_of(p.query)})")
         conds += [f"({ppos[i]} < {self.size_of(i)})" for i in self.packed if self.ragged(i)]
