@@ -22,6 +22,9 @@ def describe_gpu_paged(m) -> list[str]:
         f"  a step gathers its pages ({m.tk} / {page}, or its part of one page), one TMA copy per page and operand",
         f"  ({', '.join(g.read.operand for g in pg.gathers)}), into one of two shared-memory buffers: the next step's copies are",
         "  issued before this one waits for its own; pages are clamped into the bounds: none past them is read",
+        f"  flash decoding: where the row blocks' CTAs are fewer than the {m.target.sms} SMs, each row block's steps are",
+        "  walked in parts (chosen at call time: enough CTAs to fill the SMs once, each part at least 4 steps), a CTA",
+        "  each, merged by their rows' logsumexps (each part stores its rows' outputs and logsumexps)",
         f"  tables in GMEM: the page bounds per row block, '{pg.table}'" + "".join(f", '{r.operand}'" for r in pg.scalars),
     ]
     if p.condition is not None:

@@ -12,7 +12,10 @@ arrivals are the step's copies: every copy is issued, its page clamped into the 
 that no page past the length is read). The next step's copies are issued before this step
 waits for its own. Per step the score tile (WGMMA), the chain, the condition with the
 bounds (keys outside them were not fetched from their own pages), the online softmax, the
-probabilities through shared memory into a WGMMA per value.
+probabilities through shared memory into a WGMMA per value. Where the row blocks are too
+few to fill the SMs, each walks its steps in parts, a CTA each (flash decoding: `splits`,
+chosen at call time by the template's `_key_splits`); a part stores its rows' outputs and
+logsumexps, merged on the host (`_merge_splits`).
 """
 
 from __future__ import annotations
@@ -47,14 +50,19 @@ class GpuPagedEmitter(PagedEmitter):
         gathers = list(zip(pg.gathers, m.operands[1:]))
         products = [c for c in p.consumers if c.kind == "softmax_product"]
         out_refs = {c.output: n.local(f"{c.output}_gmem") for c in products}
-        params = [first_ref, end_ref, table_ref] + list(scalar_refs.values()) + [qo.ref] + [o.ref for _, o in gathers] + list(out_refs.values())
+        lse_ref = n.local("row_lse_gmem")
+        params = ([first_ref, end_ref, table_ref] + list(scalar_refs.values()) + [qo.ref] + [o.ref for _, o in gathers]
+                  + list(out_refs.values()) + [lse_ref])
         lines = []
         if self.sizes:
             lines.append(f"{', '.join(self.sizes)}{',' if len(self.sizes) == 1 else ''} = sizes")
         lead_vars = {i: n.local(i) for i in p.lead}
-        cell, row = n.local("cell"), n.local("row")
+        cell, row, part = n.local("cell"), n.local("row"), n.local("part")
         n_rows = self.size_expr(p.query).cdiv(ti)
-        lines += [f'{cell} = lax.axis_index("cell")', f"{row} = {cell} % ({render(n_rows, 'py')})  # the row block: {rows} rows, padded to {tq}"]
+        lines += [f'{cell} = lax.axis_index("cell")',
+                  f"{part} = {cell} % splits  # which part of the row block's keys (flash decoding)",
+                  f"{cell} = {cell} // splits",
+                  f"{row} = {cell} % ({render(n_rows, 'py')})  # the row block: {rows} rows, padded to {tq}"]
         stride = n_rows
         for d in reversed(range(len(p.lead))):
             i = p.lead[d]
@@ -64,8 +72,13 @@ class GpuPagedEmitter(PagedEmitter):
         groups = list(p.class_axes[:-2])
         at = render(flat([Var(lead_vars[i]) for i in groups] + [Var(row)], [self.size_expr(i) for i in groups] + [n_rows]), "py")
         lo, hi, first, last = (n.local(x) for x in ("lo", "hi", "first", "last"))
+        chunk = n.local("chunk")
         lines += [f"{lo}, {hi} = {first_ref}[{at}], {end_ref}[{at}]  # the pages [lo, hi) the condition reaches in the row block",
-                  f"{first}, {last} = {lo} * {page} // {tk}, ({hi} * {page} + {tk - 1}) // {tk}  # the steps of {tk} keys holding them"]
+                  f"{first}, {last} = {lo} * {page} // {tk}, ({hi} * {page} + {tk - 1}) // {tk}  # the steps of {tk} keys holding them",
+                  "# This CTA's part of those steps (flash decoding: the parts are merged by their rows' logsumexps).",
+                  f"{chunk} = ({last} - {first} + splits - 1) // splits",
+                  f"{first} = {first} + {part} * {chunk}",
+                  f"{last} = jnp.minimum({last}, {first} + {chunk})"]
         table = pg.gathers[0].table
         table_op = k.operand(table.operand)
         row_coords = [lead_vars[s.index] for s in table.subs[:-1]]
@@ -106,7 +119,8 @@ class GpuPagedEmitter(PagedEmitter):
                 out_smem[c.output] = n.local(f"{c.output}_smem")
                 e = self.tile[next(g.inner.index for g in pg.gathers if g.read == c.value)]
                 scoped.append(f"{out_smem[c.output]}=plgpu.SMEM(({tq}, {e}), {k.operand(c.output).dtype.jnp})")
-        scoped.append(f"{barrier}=plgpu.Barrier()")
+        lse_smem = n.local("row_lse_smem")
+        scoped += [f"{lse_smem}=plgpu.SMEM(({tq},), {F32})", f"{barrier}=plgpu.Barrier()"]
         copies = n.local("copies")
         per_step = n.local("per_step")
         bufs = [f"{o.smem}=plgpu.SMEM((2, {tk}, {self.tile[g.inner.index]}), {k.operand(g.read.operand).dtype.jnp})" for g, o in gathers]
@@ -226,9 +240,9 @@ class GpuPagedEmitter(PagedEmitter):
         res = [mm, ll] + [sn.local(f"{c.output}_sum") for c in products]
         walk += ["", f"return lax.fori_loop({first}, {last}, {step_fn}, ({', '.join(init)}))"]
 
-        def rows_of(o_read_subs_indices, ref) -> str:
+        def rows_of(o_read_subs_indices, ref, lead=()) -> str:
             """The row block of an array (packed heads merged with the query's rows on the host)."""
-            parts = []
+            parts = list(lead)
             start = f"{row} * {ti}"
             for i in self.packed:
                 start = f"{lead_vars[i]} * {self.tile[i] * ti} + {start}"
@@ -254,10 +268,14 @@ class GpuPagedEmitter(PagedEmitter):
             e = self.tile[next(g.inner.index for g in pg.gathers if g.read == c.value)]
             value = f"{acc} / lax.broadcast_in_dim({safe}, ({tq}, {e}), [0])" + (f" * {c.scale!r}" if c.scale is not None else "")
             inner.append(f"{out_smem[c.output]}[...] = ({value}).astype({k.operand(c.output).dtype.jnp})")
+        inner.append(f"{lse_smem}[...] = jnp.where({ll} == jnp.full({row_shape}, 0.0, {F32}), jnp.full({row_shape}, -jnp.inf, {F32}), "
+                     f"{mm} + jnp.log({safe}))  # the part's logsumexp per row, for the merge")
         inner.append("plgpu.commit_smem()")
         for c in products:
             target = k.statement_of(c.output).target.indices
-            inner.append(f"plgpu.copy_smem_to_gmem({out_smem[c.output]}.at[pl.ds(0, {rows})], {rows_of(target, out_refs[c.output])})")
+            inner.append(f"plgpu.copy_smem_to_gmem({out_smem[c.output]}.at[pl.ds(0, {rows})], {rows_of(target, out_refs[c.output], [part])})")
+        inner.append(f"plgpu.copy_smem_to_gmem({lse_smem}.at[pl.ds(0, {rows})], "
+                     f"{rows_of([i for i in self.lse_indices()], lse_ref, [part])})")
         inner.append("plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
         lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)})",
                   f"def {shared_fn}({', '.join(s_.split('=')[0] for s_ in scoped)}):"]
@@ -265,6 +283,16 @@ class GpuPagedEmitter(PagedEmitter):
         self.n_rows = render(n_rows, "host")
         arrays = [self.host_q(qo)] + [self.m.conv.param(g.read.operand).internal for g, _ in gathers]
         return params, lines, arrays
+
+    def value_index(self, c) -> str:
+        """The index of a softmax product's output that its values carry (`e`)."""
+        return next(g.inner.index for g in self.pg.gathers if g.read == c.value)
+
+    def lse_indices(self) -> list[str]:
+        """The indices of the rows' logsumexps (each key part's, for the merge): a softmax
+        product's output's but its values' (every product's alike: the lowering's rule)."""
+        c = next(c for c in self.p.consumers if c.kind == "softmax_product")
+        return [i for i in self.k.statement_of(c.output).target.indices if i != self.value_index(c)]
 
     def host_q(self, o) -> str:
         """The query rows, padded with zeros to whole row blocks where ragged (a copy never
@@ -291,27 +319,33 @@ class GpuPagedEmitter(PagedEmitter):
         self.classify_fn, self.classify_reads = classify_fn, classify_reads
         params, lines, arrays = self.kernel()
         products = [c for c in p.consumers if c.kind == "softmax_product"]
-        outs, finish = [], []
+        outs, merges, finish = [], [], []
+        lse_var, lse_shape = self.n.local("row_lse"), None
         for c in products:
             target = k.statement_of(c.output).target.indices
             shape = [f"-(-{self.size_of(i)} // {self.ti}) * {self.ti}" if i == p.query and self.ragged(i) else self.size_of(i) for i in target]
             var = self.n.local(c.output)
+            kept = list(target)  # the kernel's output: each dimension's index (packed heads merged with the rows)
             if self.packed:
                 (i,) = self.packed
                 a = list(target).index(i)
                 whole = [f"-(-{self.size_of(i)} // {self.tile[i]}) * {self.tile[i]}" if x == i else s_ for x, s_ in zip(target, shape)]
-                merged = whole[:a] + [f"{whole[a]} * {whole[a + 1]}"] + whole[a + 2:]
-                outs.append((var, py_tuple(merged), k.operand(c.output).dtype.jnp))
+                shape = whole[:a] + [f"{whole[a]} * {whole[a + 1]}"] + whole[a + 2:]
+                kept = kept[:a] + kept[a + 1:]
                 finish.append(f"{var} = {var}.reshape({py_tuple(whole)})  # the rows back as ('{i}', '{p.query}')")
                 if self.ragged(i):
                     cut = ", ".join(f":{self.size_of(x)}" if x == i else ":" for x in target)
                     finish.append(f"{var} = {var}[{cut}]  # the heads past the end (padding) dropped")
-                continue
-            outs.append((var, py_tuple(shape), k.operand(c.output).dtype.jnp))
-            if self.ragged(p.query):
+            elif self.ragged(p.query):
                 cut = ", ".join(f":{self.size_of(i)}" if i == p.query else ":" for i in target)
                 finish.append(f"{var} = {var}[{cut}]  # the rows past the end (padding) dropped")
-        grid = " * ".join([f"({render(self.extent(i), 'host')})" if i in self.packed else self.size_of(i) for i in p.lead] + [f"({self.n_rows})"])
+            e = kept.index(self.value_index(c))
+            outs.append((var, py_tuple(["splits"] + shape), k.operand(c.output).dtype.jnp))
+            lse_shape = lse_shape or ["splits"] + shape[:e] + shape[e + 1:]
+            merges.append(f"{var} = _merge_splits({var}, {lse_var}, {e}) if splits > 1 else {var}[0]")
+        outs.append((lse_var, py_tuple(lse_shape), F32))
+        finish = merges + finish
+        ctas = " * ".join([f"({render(self.extent(i), 'host')})" if i in self.packed else self.size_of(i) for i in p.lead] + [f"({self.n_rows})"])
         table_param = conv.param(pg.table).internal
         sizes_of_page = [self.dim_size(g.read, g.page_dim) for g in pg.gathers]
         clamp = sizes_of_page[0] if len(set(sizes_of_page)) == 1 else f"min({', '.join(sizes_of_page)})"
@@ -354,7 +388,8 @@ class GpuPagedEmitter(PagedEmitter):
             "gpu/paged.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare, self.reference_lines(),
             classify_fn=classify_fn, classify_params=classify_reads, classify_lines=classify_lines,
             kernel_fn=self.n.function("_paged_kernel"), kernel_params=params, kernel_lines=lines, arrays=arrays,
-            outs=outs, finish=finish, grid=grid, table_param=table_param, clamp=clamp, check=check,
+            outs=outs, results=[v for v, _, _ in outs[:-1]], finish=finish, ctas=ctas, steps=f"-(-{self.size_of(p.key)} // {m.tk})", sms=m.target.sms,
+            table_param=table_param, clamp=clamp, check=check,
             scalar_args=scalar_args, rows=m.rows, tk=m.tk, data=p.data_dependent,
         )
         return format_module(text, names=(m.name,))
