@@ -686,21 +686,16 @@ def _attention_kernel(
         o_ref[...] = (o_acc[...] * jnp.where(nothing, 0.0, 1.0 / total)).astype(
             o_ref.dtype
         )
-        lse_ref[...] = _row_vector(
+        lse_row = _row_vector(
             jnp.where(
                 nothing,
                 -jnp.inf,
                 (m_scratch[...] + jnp.log2(total)) * 0.6931471805599453,
             )
-        ).astype(lse_ref.dtype)
+        )
+        lse_ref[...] = lse_row.astype(lse_ref.dtype)
         if row_lse_ref is not None:
-            row_lse_ref[...] = _row_vector(
-                jnp.where(
-                    nothing,
-                    -jnp.inf,
-                    (m_scratch[...] + jnp.log2(total)) * 0.6931471805599453,
-                )
-            )  # kept for the gradients
+            row_lse_ref[...] = lse_row  # kept for the gradients
 
 
 def _attention_primal_kernel(

@@ -272,7 +272,9 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                      f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {key_tile}({t}) * {tk}, jnp.int32)"]
         gpos = self.global_positions(sn, firsts, {p.query: qpos, p.key: kpos}, shape, pos_lines)
         by_read = {read_key(o.read): o for o in ops}
+
         def read(r) -> str:
+            """An operand a term reads, as this consumer's tile."""
             o = by_read[read_key(r)]
             if o.layout == "tile":
                 # The CTA's tile spans every consumer's rows: this consumer's part.

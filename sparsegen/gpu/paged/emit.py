@@ -198,7 +198,7 @@ class GpuPagedEmitter(PagedEmitter):
         terms = ScoreTerms({p.query: qpos, p.key: kpos, **ppos}, lead_vars, tiled, lambda r: tiled(scalars[r.operand]), F32,
                            self.m.conv.size_var, {p.score: s})
         body += terms.chain(p.chain, sn.local)
-        sv = terms.values[p.points[0].local]
+        sv = terms.point(p.points[0])
         # The keys of the pages inside the bounds (a step may run past the last: its copies
         # repeat that page), and the condition; the rows past the block are never stored.
         conds = self.inside_pages(kpos, lo, hi, tiled)

@@ -4,9 +4,10 @@ a loop over steps of `tk` keys between the first and the last page the condition
 each step gathering its pages with one TMA copy per page and operand into one of two
 shared-memory buffers (the next step's copies issued before this step is computed).
 
-The rules are the row walk's (`gpu/attention/lower.py`: WGMMA's dtypes and shapes, the key
-step, the shared-memory estimate `smem_bytes`, whose layout this kernel keeps); the paged
-walk's own (one table, softmax products only) are `schedule/paged.py`'s.
+The rules are the row walk's (`gpu/attention/lower.py`: WGMMA's dtypes and shapes, the
+CTA's shape `cta_shape` (the key step) and the shared-memory estimate `smem_bytes`, whose
+layout this kernel keeps); the paged walk's own (one table, softmax products only) are
+`schedule/paged.py`'s.
 """
 
 from __future__ import annotations

@@ -499,6 +499,7 @@ class KernelWriter:
         lines += ["", f"@pl.when({flag} & 2 != 0)", "def _flush():", "    # The row's last step: normalise and write."]
         for nm, (_, l_scr) in zip(nms, stat_names):
             lines += [f"    {nm['total']} = {l_scr}[...]", f"    {nm['nothing']} = {nm['total']} == 0.0"]
+        lse_rows = {}  # a point's logsumexp as a row vector, where an output is it
         for c in consumers:
             ref, nm, lse, m_scr = out_refs[c.output], nms[c.point], lses[c.point], stat_names[c.point][0]
             if c.kind == "softmax_product":
@@ -506,14 +507,17 @@ class KernelWriter:
                 norm = lanes(f"jnp.where({nm['nothing']}, 0.0, 1.0 / {nm['total']})", self.tile[self.e_of(c)])
                 lines.append(f"    {ref}[...] = ({accs[c.output]}[...] * {norm}{scale}).astype({ref}.dtype)")
             elif c.kind == "logsumexp":
-                lines.append(f"    {ref}[...] = _row_vector({lse}).astype({ref}.dtype)")
+                if c.point not in lse_rows:  # computed once: the gradients keep it too
+                    lse_rows[c.point] = n.local("lse_row")
+                    lines.append(f"    {lse_rows[c.point]} = _row_vector({lse})")
+                lines.append(f"    {ref}[...] = {lse_rows[c.point]}.astype({ref}.dtype)")
             elif c.kind == "max":
                 lines.append(f"    {ref}[...] = _row_vector(jnp.where({nm['nothing']}, -jnp.inf, {m_scr}[...])).astype({ref}.dtype)")
             else:
                 lines.append(f"    {ref}[...] = _row_vector({accs[c.output]}[...]).astype({ref}.dtype)")
-        for stats_ref, lse in zip(stats_refs, lses):
+        for pt, (stats_ref, lse) in enumerate(zip(stats_refs, lses)):
             # None in the call not differentiated (`primal_call`): nothing kept, nothing computed.
-            lines += [f"    if {stats_ref} is not None:", f"        {stats_ref}[...] = _row_vector({lse})  # kept for the gradients"]
+            lines += [f"    if {stats_ref} is not None:", f"        {stats_ref}[...] = {lse_rows.get(pt, f'_row_vector({lse})')}  # kept for the gradients"]
         ins = [self.arr(o, tables) for o in self.m.operands]
         outs = []
         for c in consumers:

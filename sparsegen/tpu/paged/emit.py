@@ -301,10 +301,10 @@ class PagedEmitter(AttentionEmitter):
         else:
             body.append(f"    {qpos} = {row} * {ti} + lax.broadcasted_iota(jnp.int32, ({ti}, 1), 0)")
         body.append(f"    {kpos} = {kb} * {tj} + lax.broadcasted_iota(jnp.int32, (1, {tj}), 1)")
-        terms = ScoreTerms({p.query: qpos, p.key: kpos, **ppos}, lead_vars, str, lambda r: f"{refs['scalars'][r.operand]}[{self.flat_read(r, lead_vars)}]",
-                           acc.jnp, self.m.conv.size_var, {p.score: raw})
+        scalar = lambda r: f"{refs['scalars'][r.operand]}[{self.flat_read(r, lead_vars)}]"  # noqa: E731  (from scalar memory)
+        terms = ScoreTerms({p.query: qpos, p.key: kpos, **ppos}, lead_vars, str, scalar, acc.jnp, self.m.conv.size_var, {p.score: raw})
         body += terms.chain(p.chain, n.local, "    ")
-        s = terms.values[p.points[0].local]
+        s = terms.point(p.points[0])
         # Pages outside the bounds were not copied: their buffer rows hold anything.
         inside = n.local("copied")
         body.append(f"    {inside} = {' & '.join(self.inside_pages(kpos, lo, hi, str))}")
