@@ -258,7 +258,7 @@ def test_pages_larger_than_a_step_lower_for_h200():
 
 
 def test_a_paged_walk_whose_128_key_steps_overflow_shared_memory_steps_64_keys():
-    """d = e = 256 (bf16): steps of 128 keys would need 313,368 bytes of shared memory per
+    """d = e = 256 (bf16): steps of 128 keys would need 314,392 bytes of shared memory per
     CTA (h200: 232,448); the CTA's shape is the row walk's rule (`cta_shape`: the widest
     that fits), 64 keys a step. Stage 2: it lowers, shared memory as estimated; in the
     interpreter (pages of 16: a step gathers 4) it matches the oracle."""
