@@ -32,7 +32,9 @@ grid coordinates leading dimensions (TMA copies squeeze them), its rows and colu
 their own sizes (`_rows`, `_width`: TMA fills a read past an edge with zeros, per
 coordinate), a dimension inside a flattening (several summed indices) padded to whole
 blocks; the kernel writes its output the same way, TMA clipping the edge tiles' stores.
-Masks and a factor after the sum are 2-D, padded to whole blocks. Factors a covering factor multiplies are
+Masks and a factor after the sum are 2-D, padded to whole blocks; a factor after the sum
+along the rows or columns alone (`r[m]`, `c[n]`) is a vector, padded to whole blocks, read
+per tile in the epilogue (`EndVector`). Factors a covering factor multiplies are
 formed by the wrapper (XLA fuses them into one pass). A matrix stored (k, m) rather than
 (m, k) is not copied: WGMMA reads its shared-memory tile MN-major (16-bit types; tf32
 WGMMA takes K-major tiles only, so 32-bit matrices the other way are copied transposed).
