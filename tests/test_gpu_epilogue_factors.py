@@ -11,6 +11,10 @@ where the sum runs over its index (dy sums m) it is covered, multiplied in by th
 In the Mosaic GPU interpreter against `reference`: values and gradients, ragged rows, a
 warp-specialized CTA, with a mask after the sum, i8 into s32; lowered under an abstract
 H200 with shared memory exactly as `rules.smem_bytes` says; one kernel through ptxas.
+
+The factor after the sum with the output's rows and columns (a tile) is no padded copy
+either: read by TMA as A and B are (`_matrix(..., clip=True, lead=..)`), its batch a
+leading dimension, a mask's block kinds classified on whole blocks by `_block_kinds`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 import pytest
 from conftest import assert_matches, build
 from test_gpu import refused
+from test_gpu_ragged import edits
 
 from sparsegen.compiler import lower_source
 from sparsegen.gpu.rules import WARPGROUPS
@@ -78,6 +83,17 @@ INT8 = """kernel int8_scaled {
     o[m, n] = s[m] * x[m, k] * y[k, n] * c[n]
     tile m = 128, n = 128, k = 128
     accumulate i32
+}"""
+
+
+# A tile factor after the sum, ragged rows per batch (M = 200).
+TILE_AFTER = """kernel tile_after {
+    in  w: f32[B, M, N]
+    in  x: bf16[B, M, K]
+    in  y: bf16[B, K, N]
+    out o: bf16[B, M, N]
+    o[b, m, n] = w[b, m, n] * x[b, m, k] * y[b, k, n]
+    tile b = 1, m = 64, n = 128, k = 64
 }"""
 
 
@@ -184,6 +200,37 @@ def test_with_a_mask_after_the_sum():
     grads_match(mod, "masked_scaled", args, keywords, (0, 1), (128, 384), seed=7)
 
 
+def test_a_tile_after_the_sum_is_clipped_per_batch_not_padded():
+    """w (2, 200, 256) reaches the kernel as it is: no pad in the traced wrapper, its rows
+    past M = 200 zeros per batch (an infinity in batch 1's first row never meets batch 0's
+    last row tile, which it would were the batches flattened unpadded)."""
+    sizes = dict(B=2, M=200, K=128, N=256)
+    kernel, mod, args, keywords = run(TILE_AFTER, sizes, seed=9)
+    w = np.array(args[0])
+    w[1, 0, :] = np.inf
+    args = [w, *args[1:]]
+    found = edits(mod.tile_after, *args, **keywords, interpret=True)
+    assert not [e for e in found if e[0] == "pad" and e[1] == w.shape], found
+    out = np.asarray(mod.tile_after(*args, **keywords, interpret=True), np.float32)
+    ref = np.asarray(mod.reference(*args, **keywords), np.float32)
+    assert np.isfinite(out[0]).all() and not np.isfinite(out[1, 0]).all()
+    np.testing.assert_array_equal(np.isfinite(out), np.isfinite(ref))
+    finite = np.isfinite(ref)
+    assert_matches(kernel, jnp.asarray(np.where(finite, out, 0), jnp.bfloat16), jnp.asarray(np.where(finite, ref, 0), jnp.bfloat16),
+                   resolve_sizes(kernel, sizes))
+
+
+def test_a_mask_after_the_sum_is_padded_only_to_classify_its_blocks():
+    """At ragged sizes the mask is padded once, inside `_block_kinds` (whole blocks), and
+    the kernel reads the unpadded one."""
+    sizes = dict(M=200, K=128, N=320)
+    kernel, mod, args, keywords = run(MASKED, sizes, "tril", seed=10)
+    found = edits(mod.masked_scaled, *args, **keywords, interpret=True)
+    assert [e for e in found if e[0] == "pad" and e[1] == (200, 320)] == [("pad", (200, 320), (256, 384))], found
+    out = mod.masked_scaled(*args, **keywords, interpret=True)
+    assert_matches(kernel, out, mod.reference(*args, **keywords), resolve_sizes(kernel, sizes))
+
+
 def test_int8_rows_and_columns_are_exact_in_s32():
     kernel, mod = build(INT8, "h200")
     rng = np.random.default_rng(8)
@@ -215,7 +262,7 @@ def test_lowered_for_an_abstract_h200_with_the_shared_memory_the_rules_say():
     mask, i8. Stage 3 (ptxas for sm_90a) on the warp-specialized one: no spills."""
     from sparsegen.gpu.verify import verify_modules
 
-    texts = {"row": ROW, "batched": BATCHED, "masked": MASKED, "int8": INT8}
+    texts = {"row": ROW, "batched": BATCHED, "masked": MASKED, "int8": INT8, "tile after": TILE_AFTER}
     items = []
     for name, text in texts.items():
         source = SourceFile(f"{name}.spk", text)

@@ -250,7 +250,7 @@ class _Emitter:
             "end_mask": p.end_mask,
             "kind": f"{p.kind_table}[cell]" if p.kind_table else None,
             "end_ref": end_ref,
-            "end_at": at(p.end_index) if p.end_index else None,
+            "end_at": ", ".join([*p.end_index[:-2], at(p.end_index[-2:])]) if p.end_index else None,  # coordinates leading, where they are
             "out_ref": out_ref,
             "out_at": ", ".join([*p.out_index[:-2], at(("row", "col"))]),  # the coordinates, where leading dimensions
             "out_dtype": p.out_dtype.jnp,

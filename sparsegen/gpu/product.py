@@ -32,7 +32,8 @@ grid coordinates leading dimensions (TMA copies squeeze them), its rows and colu
 their own sizes (`_rows`, `_width`: TMA fills a read past an edge with zeros, per
 coordinate), a dimension inside a flattening (several summed indices) padded to whole
 blocks; the kernel writes its output the same way, TMA clipping the edge tiles' stores.
-Masks and a factor after the sum are 2-D, padded to whole blocks; a factor after the sum
+A mask factor (its blocks classified) is 2-D, padded to whole blocks; a factor after the
+sum is read as A and B are (clipped; its block kinds classified on whole blocks); one
 along the rows or columns alone (`r[m]`, `c[n]`) is a vector, padded to whole blocks, read
 per tile in the epilogue (`EndVector`). Factors a covering factor multiplies are
 formed by the wrapper (XLA fuses them into one pass). A matrix stored (k, m) rather than
@@ -298,8 +299,13 @@ class ProductLowering:
         order = [c.index for c in ecoords] + [self.m, self.n]
         perm = tuple(e.indices.index(i) for i in order)
         tiles = tuple(1 if i in self.coords else self.tile[i] for i in order)
-        self.host.append(f"{evar} = _matrix({self.ctx.source(e)}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))})")
-        self.end = Matrix(eop.name, evar, ecoords, self.m, self.n, False, False)
+        # Only TMA reads it, as A and B: its ragged edges are left for TMA to fill with zeros
+        # (`clip`), its coordinates kept as leading dimensions (`lead`: rows clip per batch).
+        # A mask's block kinds are classified on whole blocks (`_block_kinds` pads them).
+        lead = f", lead={len(ecoords)}" if ecoords else ""
+        self.host.append(f"{evar} = _matrix({self.ctx.source(e)}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))}, "
+                         f"clip=True{lead})")
+        self.end = Matrix(eop.name, evar, ecoords, self.m, self.n, False, False, lead=bool(ecoords))
         self.end_mask = eop.sparsity == "mask"
 
     def vector(self, e: Read, axis: str) -> EndVector:
@@ -452,14 +458,15 @@ class ProductLowering:
         kinds = self.names.local(f"{sparse}_kinds")
         self.host.append(f"# The blocks of {sparse}: empty ones run no step, all-ones ones are not read.")
         mine = [c.index for c in self.end.coords]
+        tiles = py_tuple(["1"] * len(mine) + [str(self.t.bm), str(self.t.bn)])
         if len(mine) == len(self.coords):
-            self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True).reshape(-1)")
+            self.host.append(f"{kinds} = _block_kinds({self.end.array}, {tiles}, True).reshape(-1)")
         else:
             lacked = ", ".join(i for i in self.coords if i not in mine)
             blocks = [render(self.ctx.blocks(i), "host") for i in (self.m, self.n)]
             cells = [render(self.cell_extent(i), "host") if i in mine else "1" for i in self.coords]
             full = [render(self.cell_extent(i), "host") for i in (*self.coords, self.m, self.n)]
-            self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True)"
+            self.host.append(f"{kinds} = _block_kinds({self.end.array}, {tiles}, True)"
                              f".reshape({', '.join(cells + blocks)})")
             self.host.append(f"{kinds} = jnp.broadcast_to({kinds}, ({', '.join(full)})).reshape(-1)  # the same for every {lacked}")
         self.tables.append((kinds, f"_EMPTY, _PARTIAL or _FULL: each output block's {sparse} block"))
