@@ -4,8 +4,9 @@ dense or mask factor with the output's indices only"). Now a factor after the su
 output coordinates (the grid's batch and head indices): its tile is read for every value
 of them, and a mask's block kinds (which blocks run no step) are broadcast over them; in
 the backward, the same mask multiplies the cotangent inside the sum (a mask read with a
-subset of its factor's indices). What it must still have is the product's rows and
-columns: a row scale `r[b, s]` after the sum is refused, saying so.
+subset of its factor's indices). What it must still have is the product's rows or
+columns (a row scale `r[b, s]` is a vector read in the epilogue:
+tests/test_gpu_epilogue_factors.py): a factor `w[b]` with neither is refused, saying so.
 
 In the Mosaic GPU interpreter against `reference`, values and gradients; lowered under an
 abstract H200 with its backward.
@@ -88,8 +89,8 @@ def test_lowered_for_an_abstract_h200_with_the_backward():
         assert result.backward == "lowers", (result.kernel, result.backward)
 
 
-@pytest.mark.parametrize("factor,lacking", [("r[b, s]", "t, the product's columns"), ("c[b, t]", "s, the product's rows")])
-def test_a_factor_after_the_sum_lacking_rows_or_columns_is_refused(factor, lacking):
+@pytest.mark.parametrize("factor,lacking", [("w[b]", "s and t, the product's rows and columns")])
+def test_a_factor_after_the_sum_lacking_rows_and_columns_is_refused(factor, lacking):
     name, dims = factor.split("[")
     symbols = {"b": "B", "s": "S", "t": "T"}
     text = f"""kernel scaled {{
@@ -101,5 +102,5 @@ def test_a_factor_after_the_sum_lacking_rows_or_columns_is_refused(factor, lacki
     tile b = 1, s = 128, t = 128, d = 128
 }}"""
     rendered = refused(text)
-    assert f"'{factor}' after the sum lacks {lacking}" in rendered and "broadcast it to [b, s, t] first" in rendered
+    assert f"'{factor}' after the sum lacks {lacking}" in rendered and "broadcast it to [b, s] first" in rendered
     assert rendered.startswith("bad.spk:6:18: error:")

@@ -63,6 +63,8 @@ def describe_pass(p: GpuPass, target) -> list[str]:
         f"  per step: TMA copies of a {t.tm}x{t.tk} tile of {mat(p.a)} and a {t.tk}x{t.cta_n} tile of {mat(p.b)} into shared memory "
         f"({t.stages} in flight), one WGMMA{' per consumer' if t.wgs > 1 else ''} into an {p.acc_dtype.name} accumulator in registers",
         "  flush: the accumulator" + (f" times {p.scale}" if p.scale is not None else "")
+        + "".join(f" times {v.operand} along the tile's {'rows' if v.axis == 'rows' else 'columns'} ({v.length} elements, broadcast)"
+                  for v in p.vectors)
         + (f" times the {p.end.operand} tile" + (" where its block is partial" if p.end_mask else "") if p.end else "")
         + f", as {p.out_dtype.name}, through shared memory to {p.output} (TMA)",
         f"  shared memory: {p.smem} bytes per CTA (limit {target.smem_bytes} on {target.name})",

@@ -140,7 +140,14 @@ class _Emitter:
         tables = [*_WORK_TABLES, *(name for name, _ in p.tables)]
         sel = p.selection
         held = sel.held if sel is not None else []
-        params = tables + [a_ref, b_ref] + ([end_ref] if end_ref else []) + [h[0] for h in held] + [out_ref, "pieces_gmem"]
+        # Factors after the sum along the rows or columns alone: each CTA (consumer) copies its
+        # tile's vector into shared memory and multiplies the accumulator by it, broadcast.
+        vectors = [{"ref": names.local(f"{v.operand}_gmem"), "smem": names.local(f"{v.operand}_smem"),
+                    "barrier": names.local(f"{v.operand}_barrier"), "array": v.array, "dtype": v.dtype.jnp,
+                    "at": _ds(v.index, v.length), "dim": 0 if v.axis == "rows" else 1, "length": v.length,
+                    "about": f"{v.operand} along the tile's {'rows' if v.axis == 'rows' else 'columns'}"} for v in p.vectors]
+        params = (tables + [a_ref, b_ref] + ([end_ref] if end_ref else []) + [v["ref"] for v in vectors] + [h[0] for h in held]
+                  + [out_ref, "pieces_gmem"])
         # A matrix's coordinates kept as leading dimensions are squeezed: one value a copy.
         a_block = ("pl.Squeezed()",) * (len(p.a_index) - 2) + ((t.tk, t.tm) if p.a.transposed else (t.tm, t.tk))
         b_block = ("pl.Squeezed()",) * (len(p.b_index) - 2) + ((t.cta_n, t.tk) if p.b.transposed else (t.tk, t.cta_n))
@@ -172,6 +179,10 @@ class _Emitter:
                 scoped += [f"end_smem=plgpu.SMEM(({t.wgs}, {t.tm}, {epi}), {k.operand(p.end.operand).dtype.jnp})",
                            f"barrier=plgpu.Barrier(num_barriers={t.wgs})"]
                 scoped_names += ["end_smem", "barrier"]
+            for v in vectors:
+                scoped += [f"{v['smem']}=plgpu.SMEM(({t.wgs}, {v['length']}), {v['dtype']})",
+                           f"{v['barrier']}=plgpu.Barrier(num_barriers={t.wgs})"]
+                scoped_names += [v["smem"], v["barrier"]]
         else:
             scoped = [f"out_smem=plgpu.SMEM(({t.tm}, {t.tn}), {p.out_dtype.jnp})"]
             scoped_names = ["out_smem"]
@@ -239,7 +250,7 @@ class _Emitter:
             "end_mask": p.end_mask,
             "kind": f"{p.kind_table}[cell]" if p.kind_table else None,
             "end_ref": end_ref,
-            "end_at": at(p.end_index) if p.end_index else None,
+            "end_at": ", ".join([*p.end_index[:-2], at(p.end_index[-2:])]) if p.end_index else None,  # coordinates leading, where they are
             "out_ref": out_ref,
             "out_at": ", ".join([*p.out_index[:-2], at(("row", "col"))]),  # the coordinates, where leading dimensions
             "out_dtype": p.out_dtype.jnp,
@@ -252,7 +263,13 @@ class _Emitter:
             "raw_shape": raw_shape,
             "kernel": kernel,
             "grid": py_tuple([render(p.cells, "host"), str(t.bm // t.tm), str(t.bn // t.tn)]),
-            "kernel_args": tables + [p.a.array, p.b.array] + ([p.end.array] if p.end else []) + [h[1] for h in held],
+            "kernel_args": tables + [p.a.array, p.b.array] + ([p.end.array] if p.end else []) + [v["array"] for v in vectors]
+            + [h[1] for h in held],
+            "vectors": vectors,
+            "tile_rows": t.tm,
+            "vector_scoped": ", ".join(f"{v['smem']}=plgpu.SMEM(({v['length']},), {v['dtype']}), {v['barrier']}=plgpu.Barrier()"
+                                       for v in vectors),
+            "vector_names": ", ".join(f"{v['smem']}, {v['barrier']}" for v in vectors),
             "select": select,
             "acc_lines": acc_lines,
             "held_scoped": [h[3] for h in held],

@@ -30,7 +30,7 @@ FIXED = frozenset({
     "cell", "mi", "ni", "start", "count", "s", "kk", "step", "stored", "acc", "acc_ref", "multiply", "product",
     "out_smem", "end_smem", "barrier", "kind", "row", "col", "_store", "_masked", "_whole", "_inside", "_outside",
     # the persistent grid: the work list (`_deal`), a chunk's values, the pieces of shared blocks
-    "cta", "chunk", "run_chunk", "first", "slot", "store", "value", "_piece", "_write", "_unmasked", "_read_end", "times_end",
+    "cta", "chunk", "run_chunk", "first", "slot", "store", "value", "_piece", "_write", "_unmasked", "_read_end", "times_end", "times_vectors", "_empty", "_full",
     "piece_smem", "pieces_gmem", "pieces", "steps_of", "ctas", "cta_first", "chunk_cell", "chunk_first", "chunk_count",
     "chunk_slot", "slot_cell",
     # warp-specialized products: the warpgroup, the pipeline's helper, its buffers, the consumers' epilogue

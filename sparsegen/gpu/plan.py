@@ -79,6 +79,22 @@ class Matrix:
     lead: bool = False  # coordinates as leading dimensions, not flattened into the rows
 
 
+@dataclass(frozen=True)
+class EndVector:
+    """A factor after the sum with the output's rows but not its columns (`r[m]`, `r[b, m]`) or
+    its columns but not its rows (`c[n]`): read per CTA tile as a vector of `length` elements
+    (the tile's rows, or its columns), broadcast over the accumulator and multiplied in before
+    the cast and store, as the factor after the sum is; the wrapper never forms its product."""
+
+    operand: str
+    array: str  # the wrapper's variable: the vector, padded to whole blocks, its coordinates flattened in front
+    axis: str  # "rows" | "cols": the accumulator's dimension it runs along
+    coords: tuple[Coord, ...]  # its grid coordinates, in the output's order
+    dtype: DType
+    index: str = ""  # kernel code: the tile (of `length` elements) a CTA reads
+    length: int = 0
+
+
 @dataclass
 class Selection:
     """A condition walk's terms selected out (the schedule's condition walk, `where`): at a
@@ -138,6 +154,7 @@ class ProductPass:
     flops_per_product: int
     smem: int
     selection: Selection | None = None  # a condition walk's partial steps (or blocks)
+    vectors: tuple[EndVector, ...] = ()  # factors after the sum along the rows or the columns alone
 
     @property
     def classifies(self) -> bool:

@@ -32,13 +32,18 @@ grid coordinates leading dimensions (TMA copies squeeze them), its rows and colu
 their own sizes (`_rows`, `_width`: TMA fills a read past an edge with zeros, per
 coordinate), a dimension inside a flattening (several summed indices) padded to whole
 blocks; the kernel writes its output the same way, TMA clipping the edge tiles' stores.
-Masks and a factor after the sum are 2-D, padded to whole blocks. Factors a covering factor multiplies are
+A mask factor (its blocks classified) is 2-D, padded to whole blocks; a factor after the
+sum is read as A and B are (clipped; its block kinds classified on whole blocks); one
+along the rows or columns alone (`r[m]`, `c[n]`) is a vector, padded to whole blocks, read
+per tile in the epilogue (`EndVector`). Factors a covering factor multiplies are
 formed by the wrapper (XLA fuses them into one pass). A matrix stored (k, m) rather than
 (m, k) is not copied: WGMMA reads its shared-memory tile MN-major (16-bit types; tf32
 WGMMA takes K-major tiles only, so 32-bit matrices the other way are copied transposed).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from ..expr import Const, Expr, Var, flat, names as expr_names, render
 from ..ir import Einsum, Read
@@ -49,7 +54,7 @@ from ..schedule.choice import Source, Walk
 from ..schedule.classify import Classifier, Conditions
 from ..schedule.condition import condition_axes, select_target
 from ..terms import render_term
-from .plan import Coord, GpuError, Matrix, ProductPass, Selection
+from .plan import Coord, EndVector, GpuError, Matrix, ProductPass, Selection
 from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -250,35 +255,78 @@ class ProductLowering:
         return Matrix(op.name, var, mine, row, col, transposed, False, copied, bool(mine)), mvar
 
     def after_sum(self):
-        """The factor applied after the sum (a dense or mask operand on the output's indices), read per output tile."""
+        """The factors applied after the sum: one with the output's rows and columns (a dense
+        or mask operand, read per output tile), and any dense ones with its rows but not its
+        columns (`r[m]`, a per-row scale) or its columns but not its rows (`c[n]`), read per
+        tile as vectors (`EndVector`). Neither depends on the summed index, so each leaves
+        the sum: the accumulator is multiplied by it in the epilogue, never the wrapper an
+        operand."""
         st, k = self.st, self.k
         out_op = k.operand(st.target.operand)
-        self.end, self.end_mask = None, False
-        if len(st.end_groups) > 1 or any(g.extras for g in st.end_groups):
-            fail(st.span, "the GPU backend applies at most one factor after the sum")
-        if not st.end_groups:
+        self.end, self.end_mask, self.vectors = None, False, []
+        tiles = []
+        for g in st.end_groups:
+            e = st.factors[g.main]
+            eop = k.operand(e.operand)
+            if eop.sparsity == "coo" or out_op.sparsity == "coo":
+                what = f"'{e.text}' is coo" if eop.sparsity == "coo" else f"the output '{out_op.name}' is coo"
+                fail(e.span, f"'{e.text}' after the sum: {what}; the GPU backend applies a dense or mask factor after the sum, "
+                             "tile by tile of a dense output")
+            lacking = [i for i in (self.m, self.n) if i not in e.indices]
+            if len(lacking) == 2:
+                fail(e.span, f"'{e.text}' after the sum lacks {self.m} and {self.n}, the product's rows and columns: the GPU "
+                             "backend multiplies a factor after the sum in tile by tile of the output, or along its rows "
+                             f"or columns (broadcast it to [{', '.join(i for i in st.out_indices if i in e.indices or i == self.m)}] first)")
+            if lacking and eop.sparsity == "mask":
+                fail(e.span, f"'{e.text}' after the sum is a mask lacking {lacking[0]}, the product's "
+                             f"{'rows' if lacking[0] == self.m else 'columns'}: the GPU backend skips a mask's empty blocks "
+                             "tile by tile of the output; declare it dense to multiply it in, or broadcast it to "
+                             f"[{', '.join(st.out_indices)}]")
+            if lacking:
+                self.vectors.append(self.vector(e, "cols" if lacking[0] == self.m else "rows"))
+            else:
+                tiles.append(e)
+        if len(tiles) > 1:
+            fail(tiles[1].span, f"the GPU backend applies at most one factor after the sum with the product's rows and columns; "
+                                f"'{tiles[0].text}' and '{tiles[1].text}' both are (multiply them into one first)")
+        if not tiles:
             return
-        e = st.factors[st.end_groups[0].main]
+        e = tiles[0]
         eop = k.operand(e.operand)
-        if eop.sparsity == "coo" or out_op.sparsity == "coo":
-            what = f"'{e.text}' is coo" if eop.sparsity == "coo" else f"the output '{out_op.name}' is coo"
-            fail(e.span, f"'{e.text}' after the sum: {what}; the GPU backend applies a dense or mask factor after the sum, "
-                         "tile by tile of a dense output")
-        lacking = [i for i in (self.m, self.n) if i not in e.indices]
-        if lacking:
-            fail(e.span, f"'{e.text}' after the sum lacks {' and '.join(lacking)}, the product's "
-                         f"{'rows and columns' if len(lacking) == 2 else 'rows' if lacking[0] == self.m else 'columns'}: "
-                         "the GPU backend multiplies a factor after the sum in tile by tile of the output "
-                         f"(broadcast it to [{', '.join(st.out_indices)}] first)")
         evar = self.names.local(f"{e.operand}_matrix")
         # In the output's order: its block kinds are read per cell, and cells are in that order.
         ecoords = tuple(sorted(self.coords_of(e), key=lambda c: self.coords.index(c.index)))
         order = [c.index for c in ecoords] + [self.m, self.n]
         perm = tuple(e.indices.index(i) for i in order)
         tiles = tuple(1 if i in self.coords else self.tile[i] for i in order)
-        self.host.append(f"{evar} = _matrix({self.ctx.source(e)}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))})")
-        self.end = Matrix(eop.name, evar, ecoords, self.m, self.n, False, False)
+        # Only TMA reads it, as A and B: its ragged edges are left for TMA to fill with zeros
+        # (`clip`), its coordinates kept as leading dimensions (`lead`: rows clip per batch).
+        # A mask's block kinds are classified on whole blocks (`_block_kinds` pads them).
+        lead = f", lead={len(ecoords)}" if ecoords else ""
+        self.host.append(f"{evar} = _matrix({self.ctx.source(e)}, {py_tuple(map(str, perm))}, {py_tuple(map(str, tiles))}, "
+                         f"clip=True{lead})")
+        self.end = Matrix(eop.name, evar, ecoords, self.m, self.n, False, False, lead=bool(ecoords))
         self.end_mask = eop.sparsity == "mask"
+
+    def vector(self, e: Read, axis: str) -> EndVector:
+        """A factor after the sum along the output's rows (or columns) alone, as the wrapper
+        hands it to the kernel: its coordinates first (in the output's order), then that
+        index, padded to whole blocks (a vector's pad costs nothing, and each CTA's read of a
+        tile's rows or columns stays inside it), flattened."""
+        i = self.m if axis == "rows" else self.n
+        eop = self.k.operand(e.operand)
+        vcoords = tuple(sorted(self.coords_of(e), key=lambda c: self.coords.index(c.index)))
+        order = [c.index for c in vcoords] + [i]
+        perm = tuple(e.indices.index(x) for x in order)
+        var = self.names.local(f"{e.operand}_vector")
+        src = self.ctx.source(e)
+        if perm != tuple(range(len(perm))):
+            src = f"{src}.transpose({py_tuple(map(str, perm))})"
+        pads = ["(0, 0)"] * (len(order) - 1) + [f"(0, -{render(self.ctx.size(i), 'host')} % {self.tile[i]})"]
+        self.host.append(f"# {e.text} along the {'rows' if axis == 'rows' else 'columns'}, padded to whole blocks of {i} "
+                         "(a vector: its pad costs nothing)")
+        self.host.append(f"{var} = jnp.pad({src}, {py_tuple(pads)}).reshape(-1)")
+        return EndVector(eop.name, var, axis, vcoords, eop.dtype)
 
     # ------------------------------------------------------------ walks
     def skipped(self) -> list[Source]:
@@ -410,14 +458,15 @@ class ProductLowering:
         kinds = self.names.local(f"{sparse}_kinds")
         self.host.append(f"# The blocks of {sparse}: empty ones run no step, all-ones ones are not read.")
         mine = [c.index for c in self.end.coords]
+        tiles = py_tuple(["1"] * len(mine) + [str(self.t.bm), str(self.t.bn)])
         if len(mine) == len(self.coords):
-            self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True).reshape(-1)")
+            self.host.append(f"{kinds} = _block_kinds({self.end.array}, {tiles}, True).reshape(-1)")
         else:
             lacked = ", ".join(i for i in self.coords if i not in mine)
             blocks = [render(self.ctx.blocks(i), "host") for i in (self.m, self.n)]
             cells = [render(self.cell_extent(i), "host") if i in mine else "1" for i in self.coords]
             full = [render(self.cell_extent(i), "host") for i in (*self.coords, self.m, self.n)]
-            self.host.append(f"{kinds} = _block_kinds({self.end.array}, ({self.t.bm}, {self.t.bn}), True)"
+            self.host.append(f"{kinds} = _block_kinds({self.end.array}, {tiles}, True)"
                              f".reshape({', '.join(cells + blocks)})")
             self.host.append(f"{kinds} = jnp.broadcast_to({kinds}, ({', '.join(full)})).reshape(-1)  # the same for every {lacked}")
         self.tables.append((kinds, f"_EMPTY, _PARTIAL or _FULL: each output block's {sparse} block"))
@@ -698,8 +747,9 @@ class ProductLowering:
         if self.cond is not None:
             self.condition_plan()
         # A condition walk keeps one warpgroup: a partial step masks the tile consumers would share.
+        vectors = tuple((v.axis, v.dtype.itemsize) for v in self.vectors)
         self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype, one_warpgroup=self.cond is not None,
-                                   held=self.held if self.cond is not None else (lambda _: (0, 0)))
+                                   held=self.held if self.cond is not None else (lambda _: (0, 0)), vectors=vectors)
         self.KB = self.ctx.blocks(kidx)
         for i in self.extra_sums:
             self.KB = self.ctx.size(i) * self.KB
@@ -734,6 +784,7 @@ class ProductLowering:
         else:
             out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False, lead=bool(out_coords)))
         end_index = self.out_tile(self.end) if self.end is not None else None
+        vecs = tuple(self.vector_tile(v) for v in self.vectors)
         self.kernel_lets.append(("start", self.start))  # the count is the chunk's: the work list's (`steps` per block)
 
         # The wrapper's result: the kernel's 2-D output as the operand.
@@ -765,6 +816,16 @@ class ProductLowering:
             fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
             block_products=self.block_products if walk != "coo output" else ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,
             smem=smem_bytes(t, da.itemsize, out_op.dtype.itemsize, end_dtype.itemsize if end_dtype else 0,
-                            self.held(t) if self.cond is not None else (0, 0)),
-            selection=selection,
+                            self.held(t) if self.cond is not None else (0, 0), vectors),
+            selection=selection, vectors=vecs,
         )
+
+    def vector_tile(self, v: EndVector) -> EndVector:
+        """The vector's tile a CTA (a consumer, warp-specialized) reads: its coordinates, then
+        the tile's rows (of tm) or columns (of tn) within the output block."""
+        t = self.t
+        if v.axis == "rows":
+            r = self.rows_of(v.coords, Var(self.var_of[self.m]), self.ctx.blocks(self.m))
+            return dataclasses.replace(v, index=self.py(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)), length=t.tm)
+        c = self.rows_of(v.coords, Var(self.var_of[self.n]), self.ctx.blocks(self.n))
+        return dataclasses.replace(v, index=self.py(c * (t.bn // t.tn) + self.col_tile()), length=t.tn)

@@ -26,7 +26,8 @@ def fail(span, message: str, notes=()):
     raise GpuError([Diagnostic(span, message, tuple(notes))])
 
 
-def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: int = 0, held: tuple[int, int] = (0, 0)) -> int:
+def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: int = 0, held: tuple[int, int] = (0, 0),
+               vectors: tuple[tuple[str, int], ...] = ()) -> int:
     """Shared memory of one product CTA. Scoped allocations are reused (measured), so the
     pipeline's buffers and the epilogue's tiles do not add; nor do the epilogue's two ways
     out (the output's tile, or an f32 piece of a block shared by CTAs), but a tile of the
@@ -39,14 +40,24 @@ def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: 
     the factor after the sum one a consumer.
 
     `held`: (bytes, barriers) a one-warpgroup CTA holds beside the pipeline's buffers while
-    it runs (a condition's operand tiles, copied at partial steps)."""
+    it runs (a condition's operand tiles, copied at partial steps).
+
+    `vectors`: (axis, itemsize) of each factor after the sum along the rows ("rows": `tm`
+    elements a tile) or the columns alone ("cols": `tn`), with a barrier each. Warp-specialized,
+    each consumer's sit beside its epilogue tiles; else they are read in a scope of their own
+    between the pipeline's and the store's, whose memory they reuse, and their barriers the
+    epilogue's (measured: a 64x128 product with one vector takes the plain one's 98,344
+    bytes; with three, 16 more)."""
     t = tiles
     pipeline = t.stages * (t.tm * t.tk + t.tk * t.cta_n) * in_itemsize
+    # Each vector's allocation from a 1,024-byte boundary (measured: a (2, 128) bf16 vector
+    # beside the epilogue tiles takes 1,024 bytes and its barriers 16; two take 2,048 and 32).
+    vector = sum(-(-t.wgs * (t.tm if axis == "rows" else t.tn) * itemsize // 1024) * 1024 for axis, itemsize in vectors)
     if t.wgs > 1:
-        epilogue = t.wgs * t.tm * t.epi * (out_itemsize + 4 + end_itemsize)
-        return pipeline + epilogue + 8 * (2 * t.stages + (t.wgs if end_itemsize else 0))
+        epilogue = t.wgs * t.tm * t.epi * (out_itemsize + 4 + end_itemsize) + vector
+        return pipeline + epilogue + 8 * (2 * t.stages + (t.wgs if end_itemsize else 0) + t.wgs * len(vectors))
     epilogue = t.tm * t.tn * (max(out_itemsize, 4) + end_itemsize)
-    return max(pipeline + held[0], epilogue) + 8 * (t.stages + 1 + held[1])
+    return max(pipeline + held[0], epilogue, vector) + 8 * (t.stages + max(1, len(vectors)) + held[1])
 
 
 def elementwise_smem_bytes(tm: int, tn: int, itemsizes: int, factors: int) -> int:
@@ -55,11 +66,12 @@ def elementwise_smem_bytes(tm: int, tn: int, itemsizes: int, factors: int) -> in
 
 
 def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype: DType, out_dtype: DType, end_dtype: DType | None,
-                  one_warpgroup: bool = False, held=lambda t: (0, 0)) -> Tiles:
+                  one_warpgroup: bool = False, held=lambda t: (0, 0), vectors: tuple[tuple[str, int], ...] = ()) -> Tiles:
     """The CTA tiles of a matrix product inside the spec's blocks, and its pipeline depth.
     `one_warpgroup`: never warp-specialized (a condition walk masks the A or B tile a partial
     step reads in shared memory, which consumers sharing it would race on); `held(tiles)`:
-    what the CTA holds beside the pipeline (`smem_bytes`)."""
+    what the CTA holds beside the pipeline, and `vectors` the factors after the sum along
+    the rows or columns alone (`smem_bytes`)."""
     tile = {i.name: i.tile for i in k.indices}
     span = {i.name: i.tile_span for i in k.indices}
     bm, bn, bk = tile[m], tile[n], tile[kidx]
@@ -93,12 +105,12 @@ def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype
         for stages in (4, 3, 2):
             for epi in (tn, tn // 2, tn // 4, tn // 8):
                 t = Tiles(bm, bn, bk, tm, tn, tk, stages, WARPGROUPS, epi)
-                if epi * out_dtype.itemsize >= 16 and smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end) <= target.smem_bytes:
+                if epi * out_dtype.itemsize >= 16 and smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end, vectors=vectors) <= target.smem_bytes:
                     return t
     need = 0
     for stages in (4, 3, 2):
         t = Tiles(bm, bn, bk, tm, tn, tk, stages)
-        need = smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end, held(t))
+        need = smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end, held(t), vectors)
         if need <= target.smem_bytes:
             return t
     fail(k.tile_span, f"tiles need {need} bytes of shared memory per CTA on {target.name} (limit {target.smem_bytes})")
