@@ -64,17 +64,42 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         return f"(-(-{self.size_of(index)} // {self.tile[index]}))"
 
     # -------------------------------------------------------------- arrays
+    def clipped(self, index: str) -> str | None:
+        """The length of an array TMA alone reads or writes along `index` as its second-minor
+        dimension (the rows of its shared-memory tiles): its size where that is a multiple of
+        8 (TMA fills the last tile's rows past the end with zeros, and drops a store's), else
+        padded to a multiple of 8 only (`_rows`: Mosaic GPU tiles swizzled shared memory in
+        8-row atoms and refuses other sizes). None where that is the size itself, known now."""
+        size, tile = self.k.index(index).size, self.tile[index]
+        if size.literal is not None:
+            rows = size.literal + -size.literal % min(tile, 8)
+            return None if rows == size.literal else str(rows)
+        return f"_rows({self.size_of(index)}, {tile})"
+
+    def clips(self, o: GpuOperand, d: int) -> bool:
+        """Is dimension `d` of the operand (the rows or keys) read unpadded? Where it is the
+        second-minor of a query or key-side tile TMA copies (q, k, a value), not swapped:
+        the kernel's ragged-row and ragged-key conditions mask what lies past the end.
+        Elsewhere (a dimension TMA tiles otherwise, a swapped copy, a mask or per-row or
+        per-key vector the condition reads) it is padded to whole blocks."""
+        return o.role in ("q", "k", "value") and not o.swapped and d == len(o.read.subs) - 2
+
     def host_array(self, o: GpuOperand) -> str:
-        """The array the kernel receives: the argument, its ragged rows and keys padded with
-        zeros to whole blocks (a tile never reads past an array's end), its two tile
-        dimensions swapped where WGMMA or the condition wants them the other way."""
+        """The array the kernel receives: the argument, its two tile dimensions swapped where
+        WGMMA or the condition wants them the other way; its ragged rows and keys as they are
+        where TMA reads them past the end as zeros (`clips`; to a multiple of 8 only), else
+        padded with zeros to whole blocks (a tile never reads past an array's end)."""
         x = self.keyed(o.read) or self.m.conv.param(o.read.operand).internal
         subs = o.read.subs
-        pads = [f"(0, -{self.size_of(s.index)} % {self.tile[s.index]})" if s.index in (self.p.query, self.p.key) and self.ragged(s.index)
-                and s.divisor == 1
-                else "(0, 0)" for s in subs]
+        ragged = [d for d, s in enumerate(subs) if s.index in (self.p.query, self.p.key) and self.ragged(s.index) and s.divisor == 1]
+        pads = [f"(0, -{self.size_of(s.index)} % {self.tile[s.index]})" if d in ragged and not self.clips(o, d)
+                else "(0, 0)" for d, s in enumerate(subs)]
         if any(pad != "(0, 0)" for pad in pads):
             x = f"jnp.pad({x}, {py_tuple(pads)})"
+        for d in ragged:
+            rows = self.clipped(subs[d].index) if self.clips(o, d) else None
+            if rows is not None:
+                x = f"_pad_to({x}, {d}, {rows})"
         if o.swapped:
             a, b = [d for d, s in enumerate(subs) if s.index in o.live]
             x = f"jnp.swapaxes({x}, {a}, {b})"
@@ -517,20 +542,27 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         for c in p.consumers:
             out = k.operand(c.output)
             target = k.statement_of(c.output).target
-            shape = [f"{self.blocks(i)} * {self.tile[i]}" if i == p.query and self.ragged(i) else self.size_of(i) for i in target.indices]
+            # Stored by TMA, which drops the rows past the array's end: a tile's rows (the
+            # second-minor dimension) or a vector's (the minor) at the size itself, to a
+            # multiple of 8 (`clipped`); elsewhere to whole blocks, the rows past the end dropped.
+            at = target.indices.index(p.query)
+            clips = at == len(target.indices) - (2 if c.kind == "softmax_product" else 1)
+            rows = (self.clipped(p.query) if clips else f"{self.blocks(p.query)} * {self.tile[p.query]}") if self.ragged(p.query) else None
+            shape = [rows if i == p.query and rows is not None else self.size_of(i) for i in target.indices]
             var = self.n.local(c.output)
             outs.append((var, py_tuple(shape), out.dtype.jnp))
-            if self.ragged(p.query):
+            if rows is not None:
                 cut = ", ".join(f":{self.size_of(i)}" if i == p.query else ":" for i in target.indices)
-                finish.append(f"{var} = {var}[{cut}]  # the rows past the end (padding) dropped")
+                finish.append(f"{var} = {var}[{cut}]  # the rows past the end " + ("(to a multiple of 8) dropped" if clips else "(padding) dropped"))
         declared = [dict((c.output, v) for c, (v, _, _) in zip(p.consumers, outs))[o.name] for o in k.outputs]
         if m.backward:
             row_lse = self.n.local("row_lse")
-            outs.append((row_lse, py_tuple([self.size_of(i) for i in p.lead] + [f"{self.blocks(p.query)} * {self.tile[p.query]}"]), F32))
-            if self.ragged(p.query):
+            rows = self.clipped(p.query) if self.ragged(p.query) else None
+            outs.append((row_lse, py_tuple([self.size_of(i) for i in p.lead] + [rows or self.size_of(p.query)]), F32))
+            if rows is not None:
                 # Dropped too (the backward pads it again): laid out as the outputs' rows, as
                 # `sharded`'s ring merges it with them.
-                finish.append(f"{row_lse} = {row_lse}[..., :{self.size_of(p.query)}]  # the rows past the end dropped")
+                finish.append(f"{row_lse} = {row_lse}[..., :{self.size_of(p.query)}]  # the rows past the end (to a multiple of 8) dropped")
         grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.n_tiles})"])
         reference_lines = self.reference_lines()
         doc, call_doc = self.wrapper.docstrings(

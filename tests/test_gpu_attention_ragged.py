@@ -1,0 +1,122 @@
+"""The GPU row walk at ragged sizes without padded copies (issue 21): q, k and v are passed
+as they are (TMA fills the rows and keys past an array's end with zeros; the kernel's
+ragged-key condition masks those keys) and the outputs are stored at their own size (TMA
+drops a store's rows past the end). Mosaic GPU tiles swizzled shared memory in 8-row atoms:
+a length that is not a multiple of 8 is padded to one, no further (docs/gpu-notes.md,
+"Attention: ragged sizes").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_matches, build, spec_text, with_tiles
+
+from sparsegen.compiler import lower_source
+from sparsegen.source import SourceFile
+from sparsegen.testing import example_args, resolve_sizes
+
+# tests/test_gpu_attention.py's GPU tiles: row blocks of 128 (two consumer warpgroups of 64
+# rows and a producer), key blocks of 256 (two 128-key steps).
+TILES = dict(b=1, h=1, i=128, j=256, d=64, e=64)
+# 64-row blocks (one warpgroup), 64-key blocks.
+TILES_64 = dict(b=1, h=1, i=64, j=64, d=64, e=64)
+
+
+def causal(tiles: dict) -> str:
+    return with_tiles(spec_text("causal_attention"), **tiles)
+
+
+def top_level(mod, S: int):
+    """What `_impl` runs around its kernel at sequence length S (traced for the GPU, not
+    compiled): the other steps (a jitted helper by its name: `_pad`), the pads' widths, and
+    the kernel's array arguments' and results' shapes."""
+    q = jax.ShapeDtypeStruct((1, 2, S, 64), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: mod._impl(q, k, v, (1, 2, S, 64), False))(q, q, q)
+    (impl,) = jaxpr.eqns  # `_impl` is jitted: its body
+    eqns = impl.params["jaxpr"].eqns
+    (kernel,) = [e for e in eqns if e.primitive.name == "custom_vmap_call"]  # plgpu.kernel
+    steps = [e.params["name"] if e.primitive.name == "jit" else e.primitive.name for e in eqns if e is not kernel]
+    pads = [[tuple(int(x) for x in c) for c in p.params["padding_config"]]
+            for e in eqns if e.primitive.name == "jit" for p in e.params["jaxpr"].eqns if p.primitive.name == "pad"]
+    arrays = [v.aval.shape for v in kernel.invars if len(v.aval.shape) == 4]
+    return steps, pads, arrays, [v.aval.shape for v in kernel.outvars]
+
+
+@pytest.mark.parametrize("S", [200, 256])
+def test_the_wrapper_passes_q_k_v_unpadded_and_outputs_unsliced(S):
+    """At S a multiple of 8, `_impl` runs no pad and no slice: the kernel takes q, k and v at
+    (1, 2, S, 64) and returns o (1, 2, S, 64), lse and the rows' logsumexps (1, 2, S).
+    (Before issue 21's change, S = 200 gave three pads to 256 rows and three slices.)"""
+    _, mod = build(causal(TILES), "h200")
+    steps, pads, arrays, outs = top_level(mod, S)
+    assert steps == [] and pads == [], steps
+    assert arrays == [(1, 2, S, 64)] * 3, arrays
+    assert outs == [(1, 2, S, 64), (1, 2, S), (1, 2, S)], outs
+
+
+def test_a_length_not_a_multiple_of_8_is_padded_to_one_only():
+    """S = 197: q, k and v padded by 3 rows (to 200, not to 256), the outputs sliced from 200."""
+    _, mod = build(causal(TILES), "h200")
+    steps, pads, arrays, outs = top_level(mod, 197)
+    assert steps == ["_pad"] * 3 + ["slice"] * 3, steps
+    assert pads == [[(0, 0, 0), (0, 0, 0), (0, 3, 0), (0, 0, 0)]] * 3, pads
+    assert arrays == [(1, 2, 200, 64)] * 3 and outs == [(1, 2, 200, 64), (1, 2, 200), (1, 2, 200)], (arrays, outs)
+
+
+def test_the_source_pads_no_operand_to_whole_blocks():
+    """The generated wrapper's forward: no `jnp.pad` of q, k or v to whole blocks."""
+    _, mod = build(causal(TILES), "h200")
+    import inspect
+
+    source = inspect.getsource(mod._impl)
+    assert "jnp.pad" not in source and "% 128" not in source, source
+
+
+@pytest.mark.parametrize("tiles,S", [(TILES, 200), (TILES, 197), (TILES_64, 200)])
+def test_ragged_causal_matches_reference_in_the_gpu_interpreter(tiles, S):
+    """Values at a ragged S: the last row block's rows and the last key block's keys past S
+    are TMA's zeros, masked by the ragged-key condition (unmasked, a zero key scores 0 and
+    takes a share of every row's softmax: lse and o would differ). With 128-row blocks at
+    S = 200 the second consumer's 64 rows of row block 1 start at 192: 8 in the array."""
+    kernel, mod = build(causal(tiles), "h200")
+    sizes = dict(B=1, H=2, S=S, D=64)
+    args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(S))
+    out = mod.causal_attention(*args, **keywords, interpret=True)
+    assert [o.shape for o in out] == [(1, 2, S, 64), (1, 2, S)]
+    ref = mod.reference(*args, **keywords)
+    assert_matches(kernel, out, ref, resolve_sizes(kernel, sizes))
+
+
+def test_gradients_at_a_ragged_size_match_those_of_reference():
+    """jax.grad through the unpadded forward (its rows' logsumexps stored at their own
+    size) and the backward kernels, at S = 200."""
+    kernel, mod = build(causal(TILES_64), "h200")
+    args, keywords = example_args(kernel, dict(B=1, H=1, S=200, D=64), "random", np.random.default_rng(7))
+    w = [jnp.asarray(np.random.default_rng(8).standard_normal(s), jnp.float32) for s in ((1, 1, 200, 64), (1, 1, 200))]
+
+    def loss(f):
+        return lambda *a: sum(jnp.sum(o.astype(jnp.float32) * x) for o, x in zip(f(*a), w))
+
+    got = jax.grad(loss(lambda *a: mod.causal_attention(*a, **keywords, interpret=True)), argnums=(0, 1, 2))(*args)
+    want = jax.grad(loss(lambda *a: mod.reference(*a, **keywords)), argnums=(0, 1, 2))(*args)
+    for g, r in zip(got, want):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert g.shape == r.shape == (1, 1, 200, 64)
+        np.testing.assert_allclose(g, r, atol=0.05 * np.abs(r).max() + 0.02)
+
+
+@pytest.mark.parametrize("S", [200, 197])
+def test_ragged_causal_lowers_for_h200_with_the_estimated_shared_memory(S):
+    """Lowering under an abstract H200 at the ragged S (the forward and its gradient), the
+    shared memory Mosaic GPU allocates equal to the rules' estimate."""
+    from sparsegen.gpu.verify import verify_modules
+
+    source = SourceFile("causal_attention.spk", causal(TILES))
+    (m,) = lower_source(source, "h200")
+    (r,) = verify_modules([(m, source, "h200")], shapes=dict(B=1, H=2, S=S, D=64), stage3=False)
+    assert r.lowered, r.raw_error
+    assert r.smem_used == r.smem_estimate <= r.smem_limit, (r.smem_used, r.smem_estimate)
+    assert r.backward == "lowers", r.backward
