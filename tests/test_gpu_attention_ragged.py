@@ -90,6 +90,38 @@ def test_ragged_causal_matches_reference_in_the_gpu_interpreter(tiles, S):
     assert_matches(kernel, out, ref, resolve_sizes(kernel, sizes))
 
 
+# Every key present (no condition): only the ragged-key condition keeps the keys past T out.
+FULL = """
+kernel full_attention {
+    in  q: bf16[H, S, D]
+    in  k: bf16[H, T, D]
+    in  v: bf16[H, T, D]
+    out o: bf16[H, S, D]
+    out lse: f32[H, S]
+
+    s[h, i, j] = q[h, i, d] * k[h, j, d] * 0.125
+    o[h, i, e] = softmax(s[h, i, j], j) * v[h, j, e]
+    lse[h, i] = logsumexp(s[h, i, j], j)
+
+    tile h = 1, i = 64, j = 128, d = 64, e = 64
+}
+"""
+
+
+def test_keys_past_the_end_are_masked_not_only_zero():
+    """Without a condition, the last key block (T = 150: keys 128 to 255, 22 in the array)
+    is partial only by its ragged end: TMA's zero keys past T score 0, and only the
+    ragged-key condition keeps them out of every row's softmax (dropping it fails this:
+    each row's sum gains 106 terms of exp(-m))."""
+    kernel, mod = build(FULL, "h200")
+    sizes = dict(H=2, S=100, T=150, D=64)
+    args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(3))
+    assert (np.asarray(mod.block_kinds(*args, **keywords))[..., 1] == 1).all()  # the last key block: partial
+    out = mod.full_attention(*args, **keywords, interpret=True)
+    assert [o.shape for o in out] == [(2, 100, 64), (2, 100)]
+    assert_matches(kernel, out, mod.reference(*args, **keywords), resolve_sizes(kernel, sizes))
+
+
 def test_gradients_at_a_ragged_size_match_those_of_reference():
     """jax.grad through the unpadded forward (its rows' logsumexps stored at their own
     size) and the backward kernels, at S = 200."""
