@@ -29,50 +29,71 @@ def causal(tiles: dict) -> str:
     return with_tiles(spec_text("causal_attention"), **tiles)
 
 
-def top_level(mod, S: int):
-    """What `_impl` runs around its kernel at sequence length S (traced for the GPU, not
-    compiled): the other steps (a jitted helper by its name: `_pad`), the pads' widths, and
-    the kernel's array arguments' and results' shapes."""
+def traced(mod, S: int):
+    """What the gradient of the causal example (forward and backward) runs around its three
+    kernels at sequence length S, traced for the GPU (not compiled): the pads, slices and
+    dynamic slices (a pad by its widths) in order, and each kernel as ("kernel", its arrays'
+    shapes, its results' shapes)."""
     q = jax.ShapeDtypeStruct((1, 2, S, 64), jnp.bfloat16)
-    jaxpr = jax.make_jaxpr(lambda q, k, v: mod._impl(q, k, v, (1, 2, S, 64), False))(q, q, q)
-    (impl,) = jaxpr.eqns  # `_impl` is jitted: its body
-    eqns = impl.params["jaxpr"].eqns
-    (kernel,) = [e for e in eqns if e.primitive.name == "custom_vmap_call"]  # plgpu.kernel
-    steps = [e.params["name"] if e.primitive.name == "jit" else e.primitive.name for e in eqns if e is not kernel]
-    pads = [[tuple(int(x) for x in c) for c in p.params["padding_config"]]
-            for e in eqns if e.primitive.name == "jit" for p in e.params["jaxpr"].eqns if p.primitive.name == "pad"]
-    arrays = [v.aval.shape for v in kernel.invars if len(v.aval.shape) == 4]
-    return steps, pads, arrays, [v.aval.shape for v in kernel.outvars]
+
+    def loss(q, k, v):
+        return sum(jnp.sum(o.astype(jnp.float32)) for o in mod.causal_attention(q, k, v, interpret=False))
+
+    steps = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "custom_vmap_call":  # plgpu.kernel
+                steps.append(("kernel", [v.aval.shape for v in e.invars if len(v.aval.shape) >= 3],
+                              [v.aval.shape for v in e.outvars]))
+                continue
+            inner = [getattr(x, "jaxpr", x) for x in e.params.values() if hasattr(x, "eqns") or hasattr(x, "jaxpr")]
+            for j in inner:
+                walk(j)
+            if e.primitive.name == "pad":
+                steps.append([tuple(int(x) for x in c) for c in e.params["padding_config"]])
+            elif e.primitive.name in ("slice", "dynamic_slice"):
+                steps.append(e.primitive.name)
+
+    walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q).jaxpr)
+    return steps
 
 
 @pytest.mark.parametrize("S", [200, 256])
-def test_the_wrapper_passes_q_k_v_unpadded_and_outputs_unsliced(S):
-    """At S a multiple of 8, `_impl` runs no pad and no slice: the kernel takes q, k and v at
-    (1, 2, S, 64) and returns o (1, 2, S, 64), lse and the rows' logsumexps (1, 2, S).
-    (Before issue 21's change, S = 200 gave three pads to 256 rows and three slices.)"""
+def test_q_k_v_and_cotangents_reach_the_kernels_unpadded_and_results_unsliced(S):
+    """At S a multiple of 8 the gradient runs no pad and no slice: the forward takes q, k
+    and v at (1, 2, S, 64) and returns o, lse and the rows' logsumexps at S rows; dq's kernel
+    takes q, do, the logsumexps, delta, k and v at S and returns dq at S; dk/dv's returns dk
+    and dv at S. (Before this change, S = 200 gave 15 pads to 256 rows and 6 slices.)"""
     _, mod = build(causal(TILES), "h200")
-    steps, pads, arrays, outs = top_level(mod, S)
-    assert steps == [] and pads == [], steps
-    assert arrays == [(1, 2, S, 64)] * 3, arrays
-    assert outs == [(1, 2, S, 64), (1, 2, S), (1, 2, S)], outs
+    four, three = (1, 2, S, 64), (1, 2, S)
+    assert traced(mod, S) == [
+        ("kernel", [four] * 3, [four, three, three]),
+        ("kernel", [four, four, three, three, four, four], [four]),
+        ("kernel", [four, four, four, four, three, three], [four, four]),
+    ]
 
 
 def test_a_length_not_a_multiple_of_8_is_padded_to_one_only():
-    """S = 197: q, k and v padded by 3 rows (to 200, not to 256), the outputs sliced from 200."""
+    """S = 197: every array a kernel reads padded by 3 rows (to 200, not to 256), every
+    result sliced from 200."""
     _, mod = build(causal(TILES), "h200")
-    steps, pads, arrays, outs = top_level(mod, 197)
-    assert steps == ["_pad"] * 3 + ["slice"] * 3, steps
-    assert pads == [[(0, 0, 0), (0, 0, 0), (0, 3, 0), (0, 0, 0)]] * 3, pads
-    assert arrays == [(1, 2, 200, 64)] * 3 and outs == [(1, 2, 200, 64), (1, 2, 200), (1, 2, 200)], (arrays, outs)
+    four, three = (1, 2, 200, 64), (1, 2, 200)
+    by4, by3 = [(0, 0, 0), (0, 0, 0), (0, 3, 0), (0, 0, 0)], [(0, 0, 0), (0, 0, 0), (0, 3, 0)]
+    assert traced(mod, 197) == (
+        [by4] * 3 + [("kernel", [four] * 3, [four, three, three])] + ["slice"] * 3
+        + [by4, by4, by3, by3, by4, by4] + [("kernel", [four, four, three, three, four, four], [four])] + ["slice"]
+        + [by4, by4, by4, by4, by3, by3] + [("kernel", [four, four, four, four, three, three], [four, four])] + ["slice"] * 2)
 
 
 def test_the_source_pads_no_operand_to_whole_blocks():
-    """The generated wrapper's forward: no `jnp.pad` of q, k or v to whole blocks."""
+    """The generated wrapper (forward and backward): no `jnp.pad` to whole blocks."""
     _, mod = build(causal(TILES), "h200")
     import inspect
 
-    source = inspect.getsource(mod._impl)
-    assert "jnp.pad" not in source and "% 128" not in source, source
+    for fn in (mod._impl, mod._backward):
+        source = inspect.getsource(fn)
+        assert "jnp.pad" not in source and "% 128" not in source and "% 256" not in source, source
 
 
 @pytest.mark.parametrize("tiles,S", [(TILES, 200), (TILES, 197), (TILES_64, 200)])
@@ -122,12 +143,14 @@ def test_keys_past_the_end_are_masked_not_only_zero():
     assert_matches(kernel, out, mod.reference(*args, **keywords), resolve_sizes(kernel, sizes))
 
 
-def test_gradients_at_a_ragged_size_match_those_of_reference():
+@pytest.mark.parametrize("tiles,S", [(TILES_64, 200), (TILES, 197)])
+def test_gradients_at_a_ragged_size_match_those_of_reference(tiles, S):
     """jax.grad through the unpadded forward (its rows' logsumexps stored at their own
-    size) and the backward kernels, at S = 200."""
-    kernel, mod = build(causal(TILES_64), "h200")
-    args, keywords = example_args(kernel, dict(B=1, H=1, S=200, D=64), "random", np.random.default_rng(7))
-    w = [jnp.asarray(np.random.default_rng(8).standard_normal(s), jnp.float32) for s in ((1, 1, 200, 64), (1, 1, 200))]
+    size) and the backward kernels (q, k, v, the cotangent, the logsumexps and delta read
+    unpadded; dq, dk and dv stored at their own size), against jax.grad of `reference`."""
+    kernel, mod = build(causal(tiles), "h200")
+    args, keywords = example_args(kernel, dict(B=1, H=1, S=S, D=64), "random", np.random.default_rng(7))
+    w = [jnp.asarray(np.random.default_rng(8).standard_normal(s), jnp.float32) for s in ((1, 1, S, 64), (1, 1, S))]
 
     def loss(f):
         return lambda *a: sum(jnp.sum(o.astype(jnp.float32) * x) for o, x in zip(f(*a), w))
@@ -136,14 +159,15 @@ def test_gradients_at_a_ragged_size_match_those_of_reference():
     want = jax.grad(loss(lambda *a: mod.reference(*a, **keywords)), argnums=(0, 1, 2))(*args)
     for g, r in zip(got, want):
         g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
-        assert g.shape == r.shape == (1, 1, 200, 64)
+        assert g.shape == r.shape == (1, 1, S, 64)
         np.testing.assert_allclose(g, r, atol=0.05 * np.abs(r).max() + 0.02)
 
 
 @pytest.mark.parametrize("S", [200, 197])
 def test_ragged_causal_lowers_for_h200_with_the_estimated_shared_memory(S):
-    """Lowering under an abstract H200 at the ragged S (the forward and its gradient), the
-    shared memory Mosaic GPU allocates equal to the rules' estimate."""
+    """Lowering under an abstract H200 at the ragged S (the forward and its gradient: Mosaic
+    GPU takes the unpadded arrays, 200 rows a multiple of 8), each kernel's shared memory as
+    Mosaic GPU allocates it equal to the rules' estimate."""
     from sparsegen.gpu.verify import verify_modules
 
     source = SourceFile("causal_attention.spk", causal(TILES))
@@ -152,3 +176,4 @@ def test_ragged_causal_lowers_for_h200_with_the_estimated_shared_memory(S):
     assert r.lowered, r.raw_error
     assert r.smem_used == r.smem_estimate <= r.smem_limit, (r.smem_used, r.smem_estimate)
     assert r.backward == "lowers", r.backward
+    assert r.backward_smem_used == r.backward_smem_estimate, (r.backward_smem_used, r.backward_smem_estimate)

@@ -499,10 +499,14 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         reads.update({f"dv:{c.value.operand}": c.value for c in p.consumers if c.kind == "softmax_product"})
         for name, over, dtype in bk.outs:
             var = self.n.local(f"{name.replace(':', '_')}_full")
-            shape = [self.size_of(i) for i in p.lead] + [f"{self.blocks(along)} * {self.tile[along]}", self.size_of(over[1])]
+            # Stored by TMA at its own size (to a multiple of 8: `clipped`), which drops the
+            # rows (keys) past the end.
+            rows = self.clipped(along) if self.ragged(along) else None
+            shape = [self.size_of(i) for i in p.lead] + [rows or self.size_of(along), self.size_of(over[1])]
             outs.append((var, py_tuple(shape), dtype))
-            if self.ragged(along):
-                finish.append(f"{var} = {var}[..., :{self.size_of(along)}, :]  # the {'rows' if along == p.query else 'keys'} past the end dropped")
+            if rows is not None:
+                finish.append(f"{var} = {var}[..., :{self.size_of(along)}, :]  # the {'rows' if along == p.query else 'keys'} "
+                              "past the end (to a multiple of 8) dropped")
             results.append(var)
             read = reads[name]
             src = "".join(letters[i] for i in p.lead + over)
