@@ -186,3 +186,53 @@ def test_ragged_causal_lowers_for_h200_with_the_estimated_shared_memory(S):
     assert r.compiled and len(r.kernels) == 3, (r.raw_error, r.kernels)
     for kk in r.kernels:
         assert kk["registers"] <= 255 and kk["spill_bytes"] == 0, kk
+
+
+# q, k and v stored (batch, sequence, head, d): the ragged index is not the second-minor
+# dimension; TMA clips it as well (the key-side tiles read k[b, j-tile, h, :]).
+BSHD = """
+kernel bshd_attention {
+    in  q: bf16[B, S, H, D]
+    in  k: bf16[B, S, H, D]
+    in  v: bf16[B, S, H, D]
+    out o: bf16[B, H, S, D]
+
+    s[b, h, i, j] = q[b, i, h, d] * k[b, j, h, d] * 0.125 where i >= j
+    o[b, h, i, e] = softmax(s[b, h, i, j], j) * v[b, j, h, e]
+
+    tile b = 1, h = 1, i = 64, j = 64, d = 64, e = 64
+}
+"""
+
+
+def test_a_ragged_index_outside_the_last_two_dimensions_is_read_unpadded():
+    """q, k, v as (B, S, H, D) at S = 200: passed as they are (forward and backward: no
+    `jnp.pad` in the wrapper), values and gradients match `reference`'s, and the kernels
+    lower under an abstract H200 at S = 197 with the estimated shared memory."""
+    import inspect
+
+    from sparsegen.gpu.verify import verify_modules
+
+    kernel, mod = build(BSHD, "h200")
+    for fn in (mod._impl, mod._backward):
+        assert "jnp.pad" not in inspect.getsource(fn)
+    sizes = dict(B=1, H=2, S=200, D=64)
+    args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(5))
+    out = mod.bshd_attention(*args, **keywords, interpret=True)
+    assert_matches(kernel, out, mod.reference(*args, **keywords), resolve_sizes(kernel, sizes))
+    w = jnp.asarray(np.random.default_rng(6).standard_normal((1, 2, 200, 64)), jnp.float32)
+
+    def loss(f):
+        return lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w)
+
+    got = jax.grad(loss(lambda *a: mod.bshd_attention(*a, **keywords, interpret=True)), argnums=(0, 1, 2))(*args)
+    want = jax.grad(loss(lambda *a: mod.reference(*a, **keywords)), argnums=(0, 1, 2))(*args)
+    for g, r in zip(got, want):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert g.shape == (1, 200, 2, 64)
+        np.testing.assert_allclose(g, r, atol=0.05 * np.abs(r).max() + 0.02)
+    source = SourceFile("bshd.spk", BSHD)
+    (m,) = lower_source(source, "h200")
+    (r,) = verify_modules([(m, source, "h200")], shapes=dict(B=1, H=2, S=197, D=64), stage3=False)
+    assert r.lowered and r.backward == "lowers", (r.raw_error, r.backward)
+    assert r.smem_used == r.smem_estimate and r.backward_smem_used == r.backward_smem_estimate

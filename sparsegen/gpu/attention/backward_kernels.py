@@ -44,8 +44,8 @@ class BackwardWriter:
         """The array a backward kernel receives: cast (a cotangent to its values' dtype), its
         tile dimensions swapped; its ragged rows and keys as they are where TMA reads them
         past the end as zeros (as the forward's, `clips`: q, k, a value, a cotangent tile
-        along their second-minor dimension, the per-row vectors along their last; to a
-        multiple of 8 only), else padded with zeros to whole blocks (a swapped copy, the
+        along a dimension other than their minor, the per-row vectors along their last; to
+        a multiple of 8 only), else padded with zeros to whole blocks (a swapped copy, the
         condition's operands)."""
         p = self.p
         if a.source == "read":
@@ -62,7 +62,7 @@ class BackwardWriter:
             clip = True  # a vector along the rows: its last dimension
         else:
             tiles = a.source == "cotangent" or a.key in ("q", "k") or a.key.startswith("v:")
-            clip = tiles and len(ragged) == 1 and ragged[0] == len(idx) - 2
+            clip = tiles and len(ragged) == 1 and ragged[0] < len(idx) - 1
         pads = [f"(0, -{self.size_of(idx[d])} % {self.tile[idx[d]]})" if d in ragged and not clip else "(0, 0)" for d in range(len(idx))]
         if any(pad != "(0, 0)" for pad in pads):
             x = f"jnp.pad({x}, {py_tuple(pads)})"

@@ -65,11 +65,11 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
 
     # -------------------------------------------------------------- arrays
     def clipped(self, index: str) -> str | None:
-        """The length of an array TMA alone reads or writes along `index` as its second-minor
-        dimension (the rows of its shared-memory tiles): its size where that is a multiple of
-        8 (TMA fills the last tile's rows past the end with zeros, and drops a store's), else
-        padded to a multiple of 8 only (`_rows`: Mosaic GPU tiles swizzled shared memory in
-        8-row atoms and refuses other sizes). None where that is the size itself, known now."""
+        """The length of an array TMA alone reads or writes along `index`, a dimension other
+        than its minor: its size where that is a multiple of 8 (TMA fills the last tile's rows
+        past the end with zeros, and drops a store's), else padded to a multiple of 8 only
+        (`_rows`: Mosaic GPU tiles swizzled shared memory in 8-row atoms and refuses a
+        second-minor dimension of another size). None where that is the size itself, known now."""
         size, tile = self.k.index(index).size, self.tile[index]
         if size.literal is not None:
             rows = size.literal + -size.literal % min(tile, 8)
@@ -77,12 +77,13 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         return f"_rows({self.size_of(index)}, {tile})"
 
     def clips(self, o: GpuOperand, d: int) -> bool:
-        """Is dimension `d` of the operand (the rows or keys) read unpadded? Where it is the
-        second-minor of a query or key-side tile TMA copies (q, k, a value), not swapped:
-        the kernel's ragged-row and ragged-key conditions mask what lies past the end.
-        Elsewhere (a dimension TMA tiles otherwise, a swapped copy, a mask or per-row or
-        per-key vector the condition reads) it is padded to whole blocks."""
-        return o.role in ("q", "k", "value") and not o.swapped and d == len(o.read.subs) - 2
+        """Is dimension `d` of the operand (the rows or keys) read unpadded? Where it is not
+        the minor dimension of a query or key-side tile TMA copies (q, k, a value; the
+        second-minor, or further out as in q[b, i, h, d]), not swapped: the kernel's
+        ragged-row and ragged-key conditions mask what lies past the end. Elsewhere (the
+        minor dimension, which TMA tiles by the swizzle width; a swapped copy; a mask, a
+        per-row or per-key vector the condition reads) it is padded to whole blocks."""
+        return o.role in ("q", "k", "value") and not o.swapped and d < len(o.read.subs) - 1
 
     def host_array(self, o: GpuOperand) -> str:
         """The array the kernel receives: the argument, its two tile dimensions swapped where
