@@ -547,26 +547,24 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         for c in p.consumers:
             out = k.operand(c.output)
             target = k.statement_of(c.output).target
-            # Stored by TMA, which drops the rows past the array's end: a tile's rows (the
-            # second-minor dimension) or a vector's (the minor) at the size itself, to a
-            # multiple of 8 (`clipped`); elsewhere to whole blocks, the rows past the end dropped.
-            at = target.indices.index(p.query)
-            clips = at == len(target.indices) - (2 if c.kind == "softmax_product" else 1)
-            rows = (self.clipped(p.query) if clips else f"{self.blocks(p.query)} * {self.tile[p.query]}") if self.ragged(p.query) else None
+            # Stored by TMA, which drops the rows past the array's end: at the size itself, to
+            # a multiple of 8 (`clipped`; an output is the score's lead indices, the rows and
+            # a softmax product's columns, in that order: its rows are never the minor of a tile).
+            rows = self.clipped(p.query) if self.ragged(p.query) else None
             shape = [rows if i == p.query and rows is not None else self.size_of(i) for i in target.indices]
             var = self.n.local(c.output)
             outs.append((var, py_tuple(shape), out.dtype.jnp))
             if rows is not None:
                 cut = ", ".join(f":{self.size_of(i)}" if i == p.query else ":" for i in target.indices)
-                finish.append(f"{var} = {var}[{cut}]  # the rows past the end " + ("(to a multiple of 8) dropped" if clips else "(padding) dropped"))
+                finish.append(f"{var} = {var}[{cut}]  # the rows past the end (to a multiple of 8) dropped")
         declared = [dict((c.output, v) for c, (v, _, _) in zip(p.consumers, outs))[o.name] for o in k.outputs]
         if m.backward:
             row_lse = self.n.local("row_lse")
             rows = self.clipped(p.query) if self.ragged(p.query) else None
             outs.append((row_lse, py_tuple([self.size_of(i) for i in p.lead] + [rows or self.size_of(p.query)]), F32))
             if rows is not None:
-                # Dropped too (the backward pads it again): laid out as the outputs' rows, as
-                # `sharded`'s ring merges it with them.
+                # Cut too (the backward takes it at its own size): laid out as the outputs'
+                # rows, as `sharded`'s ring merges it with them.
                 finish.append(f"{row_lse} = {row_lse}[..., :{self.size_of(p.query)}]  # the rows past the end (to a multiple of 8) dropped")
         grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.n_tiles})"])
         reference_lines = self.reference_lines()
