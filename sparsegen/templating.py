@@ -46,7 +46,7 @@ _OPTIONAL = {
     "row_walk": "_row_walk", "block_min_max": "_block_min_max", "block_any_all": "_block_any_all", "extremes": "_max_of", "extremes_min": "_min_of",
     "floordiv": "_floordiv", "mod": "_mod", "whole": "_check_whole", "to_operand": "_to_operand", "scatter_blocks": "_scatter_blocks", "row_vector": "_row_vector", "softmax_rows": "_softmax_rows",
     "visited_product": "_visited_product", "page_bounds": "_page_bounds", "page_size": "_check_page_size",
-    "matrix": "_matrix", "rows": "_rows", "width": "_width", "unmatrix": "_unmatrix", "walk": "_walk", "deal": "_deal", "add_pieces": "_add_pieces", "gpu_interpret": "_gpu_interpret", "ring": "_ring_device",
+    "matrix": "_matrix", "rows": "_rows", "width": "_width", "pad_to": "_pad_to", "unmatrix": "_unmatrix", "walk": "_walk", "deal": "_deal", "add_pieces": "_add_pieces", "gpu_interpret": "_gpu_interpret", "ring": "_ring_device",
     "coo_mesh": "_on_mesh_coo", "typed": "_typed", "typed_gradients": "_typed_gradients",
 }  # fmt: skip
 

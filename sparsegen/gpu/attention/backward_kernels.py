@@ -41,8 +41,12 @@ class BackwardWriter:
         return idx
 
     def b_host(self, a: BArray, cotangents: dict[str, str], vectors: dict[str, str]) -> str:
-        """The array a backward kernel receives: ragged rows and keys padded with zeros to
-        whole blocks, cast (a cotangent to its values' dtype), its tile dimensions swapped."""
+        """The array a backward kernel receives: cast (a cotangent to its values' dtype), its
+        tile dimensions swapped; its ragged rows and keys as they are where TMA reads them
+        past the end as zeros (as the forward's, `clips`: q, k, a value, a cotangent tile
+        along a dimension other than their minor, the per-row vectors along their last; to
+        a multiple of 8 only), else padded with zeros to whole blocks (a swapped copy, the
+        condition's operands)."""
         p = self.p
         if a.source == "read":
             x, idx = self.keyed(a.read) or self.m.conv.param(a.read.operand).internal, [s.index for s in a.read.subs]
@@ -50,9 +54,22 @@ class BackwardWriter:
             x, idx = cotangents[a.output], list(self.k.statement_of(a.output).target.indices)
         else:
             x, idx = vectors[a.key], list(p.lead) + [p.query]
-        pads = [f"(0, -{self.size_of(i)} % {self.tile[i]})" if i in (p.query, p.key) and self.ragged(i) else "(0, 0)" for i in idx]
+        divided = {s.index for s in a.read.subs if s.divisor != 1} if a.read is not None else set()
+        ragged = [d for d, i in enumerate(idx) if i in (p.query, p.key) and self.ragged(i) and i not in divided]
+        if a.swapped:
+            clip = False
+        elif a.source in ("lse", "delta", "dsum"):
+            clip = True  # a vector along the rows: its last dimension
+        else:
+            tiles = a.source == "cotangent" or a.key in ("q", "k") or a.key.startswith("v:")
+            clip = tiles and len(ragged) == 1 and ragged[0] < len(idx) - 1
+        pads = [f"(0, -{self.size_of(idx[d])} % {self.tile[idx[d]]})" if d in ragged and not clip else "(0, 0)" for d in range(len(idx))]
         if any(pad != "(0, 0)" for pad in pads):
             x = f"jnp.pad({x}, {py_tuple(pads)})"
+        for d in ragged if clip else ():
+            rows = self.clipped(idx[d])
+            if rows is not None:
+                x = f"_pad_to({x}, {d}, {rows})"
         if a.source == "cotangent" and self.k.operand(a.output).dtype.jnp != a.dtype:
             x = f"{x}.astype({a.dtype})"
         if a.swapped:

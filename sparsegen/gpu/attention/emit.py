@@ -64,17 +64,43 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         return f"(-(-{self.size_of(index)} // {self.tile[index]}))"
 
     # -------------------------------------------------------------- arrays
+    def clipped(self, index: str) -> str | None:
+        """The length of an array TMA alone reads or writes along `index`, a dimension other
+        than its minor: its size where that is a multiple of 8 (TMA fills the last tile's rows
+        past the end with zeros, and drops a store's), else padded to a multiple of 8 only
+        (`_rows`: Mosaic GPU tiles swizzled shared memory in 8-row atoms and refuses a
+        second-minor dimension of another size). None where that is the size itself, known now."""
+        size, tile = self.k.index(index).size, self.tile[index]
+        if size.literal is not None:
+            rows = size.literal + -size.literal % min(tile, 8)
+            return None if rows == size.literal else str(rows)
+        return f"_rows({self.size_of(index)}, {tile})"
+
+    def clips(self, o: GpuOperand, d: int) -> bool:
+        """Is dimension `d` of the operand (the rows or keys) read unpadded? Where it is not
+        the minor dimension of a query or key-side tile TMA copies (q, k, a value; the
+        second-minor, or further out as in q[b, i, h, d]), not swapped: the kernel's
+        ragged-row and ragged-key conditions mask what lies past the end. Elsewhere (the
+        minor dimension, which TMA tiles by the swizzle width; a swapped copy; a mask, a
+        per-row or per-key vector the condition reads) it is padded to whole blocks."""
+        return o.role in ("q", "k", "value") and not o.swapped and d < len(o.read.subs) - 1
+
     def host_array(self, o: GpuOperand) -> str:
-        """The array the kernel receives: the argument, its ragged rows and keys padded with
-        zeros to whole blocks (a tile never reads past an array's end), its two tile
-        dimensions swapped where WGMMA or the condition wants them the other way."""
+        """The array the kernel receives: the argument, its two tile dimensions swapped where
+        WGMMA or the condition wants them the other way; its ragged rows and keys as they are
+        where TMA reads them past the end as zeros (`clips`; to a multiple of 8 only), else
+        padded with zeros to whole blocks (a tile never reads past an array's end)."""
         x = self.keyed(o.read) or self.m.conv.param(o.read.operand).internal
         subs = o.read.subs
-        pads = [f"(0, -{self.size_of(s.index)} % {self.tile[s.index]})" if s.index in (self.p.query, self.p.key) and self.ragged(s.index)
-                and s.divisor == 1
-                else "(0, 0)" for s in subs]
+        ragged = [d for d, s in enumerate(subs) if s.index in (self.p.query, self.p.key) and self.ragged(s.index) and s.divisor == 1]
+        pads = [f"(0, -{self.size_of(s.index)} % {self.tile[s.index]})" if d in ragged and not self.clips(o, d)
+                else "(0, 0)" for d, s in enumerate(subs)]
         if any(pad != "(0, 0)" for pad in pads):
             x = f"jnp.pad({x}, {py_tuple(pads)})"
+        for d in ragged:
+            rows = self.clipped(subs[d].index) if self.clips(o, d) else None
+            if rows is not None:
+                x = f"_pad_to({x}, {d}, {rows})"
         if o.swapped:
             a, b = [d for d, s in enumerate(subs) if s.index in o.live]
             x = f"jnp.swapaxes({x}, {a}, {b})"
@@ -474,10 +500,14 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         reads.update({f"dv:{c.value.operand}": c.value for c in p.consumers if c.kind == "softmax_product"})
         for name, over, dtype in bk.outs:
             var = self.n.local(f"{name.replace(':', '_')}_full")
-            shape = [self.size_of(i) for i in p.lead] + [f"{self.blocks(along)} * {self.tile[along]}", self.size_of(over[1])]
+            # Stored by TMA at its own size (to a multiple of 8: `clipped`), which drops the
+            # rows (keys) past the end.
+            rows = self.clipped(along) if self.ragged(along) else None
+            shape = [self.size_of(i) for i in p.lead] + [rows or self.size_of(along), self.size_of(over[1])]
             outs.append((var, py_tuple(shape), dtype))
-            if self.ragged(along):
-                finish.append(f"{var} = {var}[..., :{self.size_of(along)}, :]  # the {'rows' if along == p.query else 'keys'} past the end dropped")
+            if rows is not None:
+                finish.append(f"{var} = {var}[..., :{self.size_of(along)}, :]  # the {'rows' if along == p.query else 'keys'} "
+                              "past the end (to a multiple of 8) dropped")
             results.append(var)
             read = reads[name]
             src = "".join(letters[i] for i in p.lead + over)
@@ -517,20 +547,25 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         for c in p.consumers:
             out = k.operand(c.output)
             target = k.statement_of(c.output).target
-            shape = [f"{self.blocks(i)} * {self.tile[i]}" if i == p.query and self.ragged(i) else self.size_of(i) for i in target.indices]
+            # Stored by TMA, which drops the rows past the array's end: at the size itself, to
+            # a multiple of 8 (`clipped`; an output is the score's lead indices, the rows and
+            # a softmax product's columns, in that order: its rows are never the minor of a tile).
+            rows = self.clipped(p.query) if self.ragged(p.query) else None
+            shape = [rows if i == p.query and rows is not None else self.size_of(i) for i in target.indices]
             var = self.n.local(c.output)
             outs.append((var, py_tuple(shape), out.dtype.jnp))
-            if self.ragged(p.query):
+            if rows is not None:
                 cut = ", ".join(f":{self.size_of(i)}" if i == p.query else ":" for i in target.indices)
-                finish.append(f"{var} = {var}[{cut}]  # the rows past the end (padding) dropped")
+                finish.append(f"{var} = {var}[{cut}]  # the rows past the end (to a multiple of 8) dropped")
         declared = [dict((c.output, v) for c, (v, _, _) in zip(p.consumers, outs))[o.name] for o in k.outputs]
         if m.backward:
             row_lse = self.n.local("row_lse")
-            outs.append((row_lse, py_tuple([self.size_of(i) for i in p.lead] + [f"{self.blocks(p.query)} * {self.tile[p.query]}"]), F32))
-            if self.ragged(p.query):
-                # Dropped too (the backward pads it again): laid out as the outputs' rows, as
-                # `sharded`'s ring merges it with them.
-                finish.append(f"{row_lse} = {row_lse}[..., :{self.size_of(p.query)}]  # the rows past the end dropped")
+            rows = self.clipped(p.query) if self.ragged(p.query) else None
+            outs.append((row_lse, py_tuple([self.size_of(i) for i in p.lead] + [rows or self.size_of(p.query)]), F32))
+            if rows is not None:
+                # Cut too (the backward takes it at its own size): laid out as the outputs'
+                # rows, as `sharded`'s ring merges it with them.
+                finish.append(f"{row_lse} = {row_lse}[..., :{self.size_of(p.query)}]  # the rows past the end (to a multiple of 8) dropped")
         grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.n_tiles})"])
         reference_lines = self.reference_lines()
         doc, call_doc = self.wrapper.docstrings(
