@@ -93,20 +93,24 @@ def assert_matches(kernel, out, ref, env=None):
 SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
 
 
-def in_both_modes(cases, simulated, names: str | None = None):
+def in_both_modes(cases, simulated, names: str | None = None, interpreted=None):
     """Parameters for a test taking `interpret` beside its own: every case in the CPU
     interpreter, and in the simulator the representative ones (`simulated`: a list of cases,
     or a predicate on a case), every case under SPARSEGEN_SWEEP=1. The simulator traces and
     runs each kernel op by op (seconds to minutes a case), and what it adds to the CPU
     interpreter (NaN-filled memory, revisit and bounds checks) depends on a walk's kind, not
-    on which example of that kind runs it. Use as
+    on which example of that kind runs it. `interpreted` (a predicate on a case), where
+    given, leaves the other cases out of the CPU interpreter but under SPARSEGEN_SWEEP=1 (a
+    case another one covers there: "random" blocks where "padded" draws them and padding
+    entries too). Use as
     `@pytest.mark.parametrize(*in_both_modes(CASES, [...], "name"), indirect=["interpret"])`;
     a case that is a tuple fills several names ("name,pattern")."""
     keep = simulated if callable(simulated) else (lambda case, chosen=list(simulated): case in chosen)
+    interpret = interpreted or (lambda case: True)
     params, ids = [], []
     for mode in ("cpu", "sim"):
         for case in cases:
-            if mode == "cpu" or SWEEP or keep(case):
+            if SWEEP or (interpret(case) if mode == "cpu" else keep(case)):
                 values = case if isinstance(case, tuple) else (case,)
                 params.append((*values, mode))
                 ids.append("-".join([mode, *map(str, values)]))
