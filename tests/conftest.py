@@ -93,7 +93,7 @@ def assert_matches(kernel, out, ref, env=None):
 SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
 
 
-def in_both_modes(cases, simulated, names: str | None = None, interpreted=None):
+def in_both_modes(cases, simulated, names: str | None = None, interpreted=None, *, alone: bool = False):
     """Parameters for a test taking `interpret` beside its own: every case in the CPU
     interpreter, and in the simulator the representative ones (`simulated`: a list of cases,
     or a predicate on a case), every case under SPARSEGEN_SWEEP=1. The simulator traces and
@@ -102,11 +102,13 @@ def in_both_modes(cases, simulated, names: str | None = None, interpreted=None):
     on which example of that kind runs it. `interpreted` (a predicate on a case), where
     given, leaves the other cases out of the CPU interpreter but under SPARSEGEN_SWEEP=1 (a
     case another one covers there: "random" blocks where "padded" draws them and padding
-    entries too). Use as
+    entries too). `alone`: the simulated cases run in the simulator alone, the others in the
+    CPU interpreter (every case in both under SPARSEGEN_SWEEP=1): the simulator makes the
+    interpreter's call, with NaN-filled memory and revisit and bounds checks besides. Use as
     `@pytest.mark.parametrize(*in_both_modes(CASES, [...], "name"), indirect=["interpret"])`;
     a case that is a tuple fills several names ("name,pattern")."""
     keep = simulated if callable(simulated) else (lambda case, chosen=list(simulated): case in chosen)
-    interpret = interpreted or (lambda case: True)
+    interpret = interpreted or ((lambda case: not keep(case)) if alone else (lambda case: True))
     params, ids = [], []
     for mode in ("cpu", "sim"):
         for case in cases:

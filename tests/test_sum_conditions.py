@@ -79,8 +79,9 @@ def test_grouped_classification_against_brute_force_and_the_bound():
 # ------------------------------------------------------------------ tril
 
 
-# The simulator at ragged sizes (both under SPARSEGEN_SWEEP=1).
-@pytest.mark.parametrize(*in_both_modes([(256, 128), (300, 200)], [(300, 200)], "m,n"), indirect=["interpret"])
+# The simulator at ragged sizes, the CPU interpreter at whole blocks (both in both under
+# SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes([(256, 128), (300, 200)], [(300, 200)], "m,n", alone=True), indirect=["interpret"])
 def test_tril_matches_the_oracle(interpret, m, n):
     kernel, mod = build(TRIL)
     rng = np.random.default_rng(m)
@@ -153,9 +154,10 @@ GROUPS = {
 }
 
 
-# The simulator where groups are empty and where a block straddles three (every case under
-# SPARSEGEN_SWEEP=1).
-@pytest.mark.parametrize(*in_both_modes(list(GROUPS), ["empty groups", "a block straddling three groups"], "group"), indirect=["interpret"])
+# The simulator where groups are empty and where a block straddles three, the CPU
+# interpreter the others (every case in both under SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes(list(GROUPS), ["empty groups", "a block straddling three groups"], "group", alone=True),
+                         indirect=["interpret"])
 def test_grouped_matches_ragged_dot(interpret, group):
     sizes = GROUPS[group]
     kernel, mod = build(GROUPED)
@@ -356,10 +358,10 @@ LENGTHS = """kernel ragged_sum {
 """
 
 
-# Both in the CPU interpreter, a block straddling groups in the simulator (both under
-# SPARSEGEN_SWEEP=1; test_grouped_matches_ragged_dot runs both groupings there).
-@pytest.mark.parametrize(*in_both_modes(["empty groups", "a block straddling three groups"], ["a block straddling three groups"], "group"),
-                         indirect=["interpret"])
+# Empty groups in the CPU interpreter, a block straddling groups in the simulator (both in
+# both under SPARSEGEN_SWEEP=1; test_grouped_matches_ragged_dot runs both groupings there).
+@pytest.mark.parametrize(*in_both_modes(["empty groups", "a block straddling three groups"], ["a block straddling three groups"], "group",
+                                        alone=True), indirect=["interpret"])
 def test_group_offsets_match_ragged_dot(interpret, group):
     """`lo[g] <= m < lo[g + 1]`: the offsets form; `lo` has E + 1 entries (its own size), read
     one entry per step from SMEM."""
