@@ -130,9 +130,19 @@ cpu_unless_sweep = pytest.mark.parametrize("interpret", ["cpu", "sim"] if SWEEP 
 sim_unless_sweep = pytest.mark.parametrize("interpret", ["cpu", "sim"] if SWEEP else ["sim"], indirect=True)
 
 
-@pytest.fixture(params=["cpu", "sim"])
+# For a test whose checks differ between the modes (a step only one of them takes): both.
+both_modes = pytest.mark.parametrize("interpret", ["cpu", "sim"], indirect=True)
+
+
+@pytest.fixture(params=["cpu", "sim"] if SWEEP else ["sim"])
 def interpret(request):
-    """The CPU interpreter and the TPU simulator (NaN-filled memory, revisit and bounds checks)."""
+    """The TPU simulator (NaN-filled memory, revisit and bounds checks), and the CPU
+    interpreter too under SPARSEGEN_SWEEP=1: for a test taking `interpret` unparametrized, the
+    simulator makes the interpreter's call and checks more (the generated wrappers pass
+    `interpret` through to pallas_call), so by default the CPU interpreter's twin adds only
+    time; every test file runs kernels in the CPU interpreter elsewhere (interpret=True, and
+    in_both_modes' and cpu_unless_sweep's cases). Parametrize `interpret` (indirect) for
+    other modes: in_both_modes, cpu_unless_sweep, sim_unless_sweep, both_modes."""
     import jax
     from jax.experimental.pallas import tpu as pltpu
 

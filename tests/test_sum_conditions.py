@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from aot import across_targets, compile_for
-from conftest import SPECS, assert_matches, build, in_both_modes, spec_text, with_tiles
+from conftest import SPECS, assert_matches, both_modes, build, in_both_modes, spec_text, with_tiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -445,6 +445,7 @@ INDEX_LENGTHS = """kernel lens_matmul {
 """
 
 
+@both_modes  # jit and gradients in the CPU interpreter
 def test_an_index_operand_in_a_condition(interpret):
     """`lens: index[B]` read by a condition (issue 18: index operands in conditions): an
     int32 array the classification and the kernel read, as an i32 operand is; under jit the
