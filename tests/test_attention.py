@@ -288,7 +288,8 @@ def random_condition(rng) -> str:
 # Seeds 1: a mask, 6: a modulo. The simulator runs the kernel for the first three, the CPU
 # interpreter for the others (both for every seed under SPARSEGEN_SWEEP=1); the
 # classification is checked in either mode, for every seed.
-@pytest.mark.parametrize(*in_both_modes(range(24) if SWEEP else (0, 1, 2, 6, 9), lambda seed: seed < 3, "seed", alone=True), indirect=["interpret"])
+@pytest.mark.parametrize(*in_both_modes(range(24) if SWEEP else (0, 1, 2, 6, 9), lambda seed: seed < 3, "seed", alone=True),
+                         indirect=["interpret"])
 def test_random_conditions(seed, interpret):
     rng = np.random.default_rng(100 + seed)
     cond = random_condition(rng)

@@ -145,10 +145,10 @@ kernel ragged_sdd {
 PATTERNS = ("random", "padded", "duplicates", "all_empty")
 
 
-# Every feature with every pattern in the CPU interpreter ("random" or "padded": feature_interpreted); in the simulator every feature
-# with random blocks, and with none stored where a coo or mask operand drives the walk (its
-# outputs must then be written as zeros, which the simulator's NaN-filled memory shows);
-# every pair under SPARSEGEN_SWEEP=1.
+# Every feature with every pattern in the CPU interpreter ("random" or "padded":
+# feature_interpreted); in the simulator every feature with random blocks, and with none
+# stored where a coo or mask operand drives the walk (its outputs must then be written as
+# zeros, which the simulator's NaN-filled memory shows); every pair under SPARSEGEN_SWEEP=1.
 # Every pattern where the feature has a coo or mask operand; a dense feature's arguments
 # do not depend on the pattern (sparsegen.testing.example_args: the same seed, the same
 # arrays), so the random one alone (every pair under SPARSEGEN_SWEEP=1).
