@@ -93,20 +93,26 @@ def assert_matches(kernel, out, ref, env=None):
 SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
 
 
-def in_both_modes(cases, simulated, names: str | None = None):
+def in_both_modes(cases, simulated, names: str | None = None, interpreted=None, *, alone: bool = False):
     """Parameters for a test taking `interpret` beside its own: every case in the CPU
     interpreter, and in the simulator the representative ones (`simulated`: a list of cases,
     or a predicate on a case), every case under SPARSEGEN_SWEEP=1. The simulator traces and
     runs each kernel op by op (seconds to minutes a case), and what it adds to the CPU
     interpreter (NaN-filled memory, revisit and bounds checks) depends on a walk's kind, not
-    on which example of that kind runs it. Use as
+    on which example of that kind runs it. `interpreted` (a predicate on a case), where
+    given, leaves the other cases out of the CPU interpreter but under SPARSEGEN_SWEEP=1 (a
+    case another one covers there: "random" blocks where "padded" draws them and padding
+    entries too). `alone`: the simulated cases run in the simulator alone, the others in the
+    CPU interpreter (every case in both under SPARSEGEN_SWEEP=1): the simulator makes the
+    interpreter's call, with NaN-filled memory and revisit and bounds checks besides. Use as
     `@pytest.mark.parametrize(*in_both_modes(CASES, [...], "name"), indirect=["interpret"])`;
     a case that is a tuple fills several names ("name,pattern")."""
     keep = simulated if callable(simulated) else (lambda case, chosen=list(simulated): case in chosen)
+    interpret = interpreted or ((lambda case: not keep(case)) if alone else (lambda case: True))
     params, ids = [], []
     for mode in ("cpu", "sim"):
         for case in cases:
-            if mode == "cpu" or SWEEP or keep(case):
+            if SWEEP or (interpret(case) if mode == "cpu" else keep(case)):
                 values = case if isinstance(case, tuple) else (case,)
                 params.append((*values, mode))
                 ids.append("-".join([mode, *map(str, values)]))
@@ -124,9 +130,19 @@ cpu_unless_sweep = pytest.mark.parametrize("interpret", ["cpu", "sim"] if SWEEP 
 sim_unless_sweep = pytest.mark.parametrize("interpret", ["cpu", "sim"] if SWEEP else ["sim"], indirect=True)
 
 
-@pytest.fixture(params=["cpu", "sim"])
+# For a test whose checks differ between the modes (a step only one of them takes): both.
+both_modes = pytest.mark.parametrize("interpret", ["cpu", "sim"], indirect=True)
+
+
+@pytest.fixture(params=["cpu", "sim"] if SWEEP else ["sim"])
 def interpret(request):
-    """The CPU interpreter and the TPU simulator (NaN-filled memory, revisit and bounds checks)."""
+    """The TPU simulator (NaN-filled memory, revisit and bounds checks), and the CPU
+    interpreter too under SPARSEGEN_SWEEP=1: for a test taking `interpret` unparametrized, the
+    simulator makes the interpreter's call and checks more (the generated wrappers pass
+    `interpret` through to pallas_call), so by default the CPU interpreter's twin adds only
+    time; every test file runs kernels in the CPU interpreter elsewhere (interpret=True, and
+    in_both_modes' and cpu_unless_sweep's cases). Parametrize `interpret` (indirect) for
+    other modes: in_both_modes, cpu_unless_sweep, sim_unless_sweep, both_modes."""
     import jax
     from jax.experimental.pallas import tpu as pltpu
 

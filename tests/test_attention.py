@@ -94,9 +94,14 @@ def test_examples_are_the_shared_ones_verbatim():
             assert text == (shared / f"{name}.spk").read_bytes()
 
 
-# Every example in the CPU interpreter; in the simulator causal_attention and the segment
-# ids of document_attention (test_example_gradients runs the other two forward there).
-@pytest.mark.parametrize(*in_both_modes(EXAMPLES, ["causal_attention", "document_attention"], "name"), indirect=["interpret"])
+# In the simulator causal_attention and the segment ids of document_attention
+# (test_example_gradients runs the other two forward there), the other two in the CPU
+# interpreter; every example in both under SPARSEGEN_SWEEP=1. The simulator runs the same
+# call as the interpreter, its memory NaN-filled and its revisits checked.
+EXAMPLES_SIMULATED = ["causal_attention", "document_attention"]
+
+
+@pytest.mark.parametrize(*in_both_modes(EXAMPLES, EXAMPLES_SIMULATED, "name", alone=True), indirect=["interpret"])
 def test_example_matches_numpy(name, interpret):
     kernel, mod = build(spec_text(name))
     rng = np.random.default_rng(0)
@@ -280,9 +285,11 @@ def random_condition(rng) -> str:
     return text
 
 
-# Seeds 1: a mask, 6: a modulo. The simulator runs the kernel for the first three (its
-# classification check is the CPU interpreter's, which every seed has).
-@pytest.mark.parametrize(*in_both_modes(range(24) if SWEEP else (0, 1, 2, 6, 9), lambda seed: seed < 3, "seed"), indirect=["interpret"])
+# Seeds 1: a mask, 6: a modulo. The simulator runs the kernel for the first three, the CPU
+# interpreter for the others (both for every seed under SPARSEGEN_SWEEP=1); the
+# classification is checked in either mode, for every seed.
+@pytest.mark.parametrize(*in_both_modes(range(24) if SWEEP else (0, 1, 2, 6, 9), lambda seed: seed < 3, "seed", alone=True),
+                         indirect=["interpret"])
 def test_random_conditions(seed, interpret):
     rng = np.random.default_rng(100 + seed)
     cond = random_condition(rng)
@@ -340,10 +347,13 @@ def assert_gradients_match(got, want, bf16: bool):
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale)
 
 
-# Every example in the CPU interpreter; in the simulator grouped heads with a window and
-# soft-capping (bf16), and a mask whose first row block sees nothing (f32): the backward's
-# walks are those of every example (every example under SPARSEGEN_SWEEP=1).
-@pytest.mark.parametrize(*in_both_modes(EXAMPLES, ["local_gqa_attention", "masked_attention"], "name"), indirect=["interpret"])
+# In the simulator grouped heads with a window and soft-capping (bf16), and a mask whose
+# first row block sees nothing (f32): the backward's walks are those of every example; the
+# other two in the CPU interpreter (every example in both under SPARSEGEN_SWEEP=1).
+GRADIENTS_SIMULATED = ["local_gqa_attention", "masked_attention"]
+
+
+@pytest.mark.parametrize(*in_both_modes(EXAMPLES, GRADIENTS_SIMULATED, "name", alone=True), indirect=["interpret"])
 def test_example_gradients(name, interpret):
     """grad through the kernel (dq over rows, dk and dv over key blocks) equals JAX's
     gradient of `reference`, ragged lengths and grouped heads included."""
@@ -386,9 +396,10 @@ VARIANTS = {
 }
 
 
-# Both in the CPU interpreter; alibi_sum (a sum and a logsumexp, no softmax product) in the
-# simulator too (multi_query's shared key head: test_example_gradients' local_gqa_attention).
-@pytest.mark.parametrize(*in_both_modes(sorted(VARIANTS), ["alibi_sum"], "which"), indirect=["interpret"])
+# multi_query in the CPU interpreter; alibi_sum (a sum and a logsumexp, no softmax product)
+# in the simulator (multi_query's shared key head: test_example_gradients' local_gqa_attention);
+# both in both under SPARSEGEN_SWEEP=1.
+@pytest.mark.parametrize(*in_both_modes(sorted(VARIANTS), ["alibi_sum"], "which", alone=True), indirect=["interpret"])
 def test_variant_forward_and_gradients(which, interpret):
     kernel, mod = build(VARIANTS[which])
     rng = np.random.default_rng(12)
@@ -747,6 +758,7 @@ def _pallas_calls(jaxpr) -> list:
     return found
 
 
+@sim_unless_sweep  # the same call as the CPU interpreter's, with unwritten memory NaN
 def test_a_call_not_differentiated_keeps_no_logsumexp(interpret):
     """The primal call (no gradient asked) runs a forward with the outputs alone: no row
     logsumexp written (nor computed in the flush); the same values as the forward a gradient
@@ -782,7 +794,7 @@ RANGES = {
 }
 
 
-@pytest.mark.parametrize(*in_both_modes(sorted(RANGES), ["window"], "name"), indirect=["interpret"])
+@pytest.mark.parametrize(*in_both_modes(sorted(RANGES), ["window"], "name", alone=True), indirect=["interpret"])
 def test_two_bounds_on_positions_are_one_unsigned_compare(name, interpret):
     cond, one = RANGES[name]
     kernel, mod = build(condition_spec(cond), formatted=True)  # its text is read

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches, build
+from conftest import assert_matches, both_modes, build
 from oracle import oracle
 
 
@@ -63,6 +63,7 @@ def diagonal_args(kernel, xs, outs, rng):
         for w in SPECS
     ],
 )
+@both_modes  # this file's walks in the CPU interpreter too
 def test_end_factor_is_read_at_the_flushed_block(walk, interpret):
     xs, outs, _ = SPECS[walk]
     kernel, mod = build(spec(xs, outs))

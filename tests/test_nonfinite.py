@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from conftest import build
+from conftest import both_modes, build
 
 COO = """
 kernel nan_coo {
@@ -51,6 +51,7 @@ def assert_same(got, want):
     np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=1e-5, atol=1e-4)
 
 
+@both_modes  # the interpreter's memory holds no NaN of its own: what reaches an output is the operands'
 def test_a_nan_no_stored_block_meets_stays_out(interpret):
     _, mod = build(COO)
     rng = np.random.default_rng(0)
@@ -66,6 +67,7 @@ def test_a_nan_no_stored_block_meets_stays_out(interpret):
     assert_same(out, ref)
 
 
+@both_modes  # the interpreter's memory holds no NaN of its own: what reaches an output is the operands'
 def test_a_nan_in_a_stored_block_reaches_its_output_block(interpret):
     _, mod = build(COO)
     rng = np.random.default_rng(1)
@@ -79,6 +81,7 @@ def test_a_nan_in_a_stored_block_reaches_its_output_block(interpret):
     assert_same(out, ref)
 
 
+@both_modes  # the interpreter's memory holds no NaN of its own: what reaches an output is the operands'
 def test_a_mask_after_the_sum_skips_its_empty_blocks_and_multiplies_its_zeros(interpret):
     _, mod = build(MASK_AFTER_SUM)
     rng = np.random.default_rng(2)
@@ -95,6 +98,7 @@ def test_a_mask_after_the_sum_skips_its_empty_blocks_and_multiplies_its_zeros(in
     assert_same(out, ref)
 
 
+@both_modes  # the interpreter's memory holds no NaN of its own: what reaches an output is the operands'
 def test_a_mask_in_the_sum_skips_its_empty_blocks(interpret):
     _, mod = build(MASK_IN_SUM)
     rng = np.random.default_rng(3)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from aot import across_targets, compile_for
-from conftest import SPECS, assert_matches, build, in_both_modes, spec_text, with_tiles
+from conftest import SPECS, assert_matches, both_modes, build, in_both_modes, spec_text, with_tiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,8 +79,9 @@ def test_grouped_classification_against_brute_force_and_the_bound():
 # ------------------------------------------------------------------ tril
 
 
-# The simulator at ragged sizes (both under SPARSEGEN_SWEEP=1).
-@pytest.mark.parametrize(*in_both_modes([(256, 128), (300, 200)], [(300, 200)], "m,n"), indirect=["interpret"])
+# The simulator at ragged sizes, the CPU interpreter at whole blocks (both in both under
+# SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes([(256, 128), (300, 200)], [(300, 200)], "m,n", alone=True), indirect=["interpret"])
 def test_tril_matches_the_oracle(interpret, m, n):
     kernel, mod = build(TRIL)
     rng = np.random.default_rng(m)
@@ -153,9 +154,10 @@ GROUPS = {
 }
 
 
-# The simulator where groups are empty and where a block straddles three (every case under
-# SPARSEGEN_SWEEP=1).
-@pytest.mark.parametrize(*in_both_modes(list(GROUPS), ["empty groups", "a block straddling three groups"], "group"), indirect=["interpret"])
+# The simulator where groups are empty and where a block straddles three, the CPU
+# interpreter the others (every case in both under SPARSEGEN_SWEEP=1).
+@pytest.mark.parametrize(*in_both_modes(list(GROUPS), ["empty groups", "a block straddling three groups"], "group", alone=True),
+                         indirect=["interpret"])
 def test_grouped_matches_ragged_dot(interpret, group):
     sizes = GROUPS[group]
     kernel, mod = build(GROUPED)
@@ -356,10 +358,10 @@ LENGTHS = """kernel ragged_sum {
 """
 
 
-# Both in the CPU interpreter, a block straddling groups in the simulator (both under
-# SPARSEGEN_SWEEP=1; test_grouped_matches_ragged_dot runs both groupings there).
-@pytest.mark.parametrize(*in_both_modes(["empty groups", "a block straddling three groups"], ["a block straddling three groups"], "group"),
-                         indirect=["interpret"])
+# Empty groups in the CPU interpreter, a block straddling groups in the simulator (both in
+# both under SPARSEGEN_SWEEP=1; test_grouped_matches_ragged_dot runs both groupings there).
+@pytest.mark.parametrize(*in_both_modes(["empty groups", "a block straddling three groups"], ["a block straddling three groups"], "group",
+                                        alone=True), indirect=["interpret"])
 def test_group_offsets_match_ragged_dot(interpret, group):
     """`lo[g] <= m < lo[g + 1]`: the offsets form; `lo` has E + 1 entries (its own size), read
     one entry per step from SMEM."""
@@ -443,6 +445,7 @@ INDEX_LENGTHS = """kernel lens_matmul {
 """
 
 
+@both_modes  # jit and gradients in the CPU interpreter
 def test_an_index_operand_in_a_condition(interpret):
     """`lens: index[B]` read by a condition (issue 18: index operands in conditions): an
     int32 array the classification and the kernel read, as an i32 operand is; under jit the
