@@ -534,6 +534,33 @@ def test_gradients_equal_those_of_reference(name):
         np.testing.assert_allclose(g, w, rtol=0.02, atol=0.02 * scale, err_msg=f"argument {n}")
 
 
+def test_an_f32_output_of_bf16_factors_is_differentiated_its_cotangent_read_as_bf16():
+    """bf16 x bf16 -> f32 (logits): WGMMA multiplies two factors of one dtype, so the backward
+    kernels read the f32 cotangent as bf16, cast by the wrapper (the gradients are bf16
+    anyway); jax.grad equals JAX's gradient of `reference` to bf16 rounding. Refused before."""
+    text = """kernel logits {
+    in  x: bf16[M, K]
+    in  y: bf16[K, N]
+    out o: f32[M, N]
+    o[m, n] = x[m, k] * y[k, n]
+    tile m = 64, n = 128, k = 64
+}
+"""
+    kernel, mod = build(text, "h200")
+    assert mod._REFUSED == ()
+    assert mod.__file__ and open(mod.__file__).read().count("_matrix(g_o.astype(jnp.bfloat16)") == 2  # dx's and dy's calls
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((100, 128)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((128, 128)), jnp.bfloat16)
+    w = rng.standard_normal((100, 128)).astype(np.float32)
+    got = jax.grad(lambda x, y: jnp.sum(mod.logits(x, y, interpret=True) * w), argnums=(0, 1))(x, y)
+    want = jax.grad(lambda x, y: jnp.sum(mod.reference(x, y) * w), argnums=(0, 1))(x, y)
+    for g, r in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        np.testing.assert_allclose(g, r, rtol=2**-7, atol=2**-7 * float(np.abs(r).max()))
+
+
 def test_what_lies_past_a_ragged_end_of_a_stored_block_is_absent():
     """A stored block at a ragged end holds values past the array's end: they are not part of
     the operand (as in `reference` and on the TPU), so not even a NaN there reaches the output."""

@@ -15,6 +15,7 @@ import dataclasses
 
 from ..callconv import Convention, convention
 from ..expr import Expr
+from ..dtypes import DType
 from ..ir import Einsum, Kernel, Read
 from ..names import ModuleNames
 from ..schedule.build import operand_array
@@ -45,8 +46,10 @@ class _Lowering:
     """What every statement's lowering reads: the kernel, its names and calling convention,
     and the wrapper variables of the outputs lowered so far."""
 
-    def __init__(self, kernel: Kernel, target: GpuTarget, names: ModuleNames | None = None, conv: Convention | None = None):
+    def __init__(self, kernel: Kernel, target: GpuTarget, names: ModuleNames | None = None, conv: Convention | None = None,
+                 casts: dict[str, DType] | None = None):
         self.k = kernel
+        self.casts = casts or {}  # operands the wrapper hands the kernels in another dtype (`_cotangents_as_partners`)
         self.target = target
         if names is None:
             names = ModuleNames(kernel)
@@ -64,7 +67,9 @@ class _Lowering:
 
     def source(self, read: Read) -> str:
         """The wrapper variable an operand is read from: an argument, or an earlier output."""
-        return operand_array(self.k, self.conv, self.outputs, read)
+        array = operand_array(self.k, self.conv, self.outputs, read)
+        cast = self.casts.get(read.operand)
+        return f"{array}.astype({cast.jnp})" if cast is not None else array
 
     def statement(self, st: Einsum) -> ProductPass | ElementwisePass:
         """The statement's pass, on the walk the schedule chooses for it (schedule.choose_walk)."""
@@ -97,8 +102,33 @@ def lower_gpu(kernel: Kernel, target: GpuTarget, backward: bool = True) -> GpuMo
     b = derive(m.kernel, m.conv, m.names, densify="which is not lowered for GPUs yet")
     if b.error or b.kernel is None:
         return dataclasses.replace(m, backward=b, backward_error=b.error)
+    kernel, casts = _cotangents_as_partners(b)
     try:
-        bm = _Lowering(b.kernel, target, m.names, b.conv).lower()
+        bm = _Lowering(kernel, target, m.names, b.conv, casts).lower()
     except GpuError as exc:
         return dataclasses.replace(m, backward=b, backward_error=f"the backward kernel has no GPU lowering: {exc.diagnostics[0].message}")
     return dataclasses.replace(m, backward=b, backward_module=bm)
+
+
+def _cotangents_as_partners(b) -> tuple[Kernel, dict[str, DType]]:
+    """The backward kernel as the GPU reads it. WGMMA multiplies two factors of one dtype, so
+    a float cotangent wider than every factor it meets in the backward's statements, those
+    all of one 16-bit dtype (an f32 output of bf16 inputs: `g_o * y`, `x * g_o`), is read in
+    that dtype: the wrapper casts it before the kernels. The gradients of 16-bit inputs are
+    rounded to that dtype anyway (and FlashAttention reads dO so); the TPU's kernels take the
+    cotangent as it is."""
+    k = b.kernel
+    arrays = {array for _, array in b.cotangents}
+    casts = {}
+    for name in sorted({p.operand for p in b.conv.params if p.internal in arrays}):
+        op = k.operand(name)
+        partners = {k.operand(f.operand).dtype for st in k.statements if any(f.operand == name for f in st.factors)
+                    for f in st.factors if f.operand != name}
+        if op.dtype.is_float and op.dtype.itemsize > 2 and len(partners) == 1:
+            (d,) = partners
+            if d.is_float and d.itemsize == 2:
+                casts[name] = d
+    if not casts:
+        return k, {}
+    operands = tuple(dataclasses.replace(o, dtype=casts[o.name]) if o.name in casts else o for o in k.operands)
+    return dataclasses.replace(k, operands=operands), casts
