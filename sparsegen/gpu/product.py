@@ -161,6 +161,11 @@ class ProductLowering:
                 out.append(Coord(s.index, s.divisor, self.conv.size(op.dims[d]), d))
         return tuple(out)
 
+    def coords_in_output_order(self, read: Read) -> tuple[Coord, ...]:
+        """A factor after the sum's coordinates in the output's order: its tiles are read per
+        cell (its block kinds too), and cells are in that order."""
+        return tuple(sorted(self.coords_of(read), key=lambda c: self.coords.index(c.index)))
+
     # ------------------------------------------------------------ the two sides
     def side(self, group, row: str, col: str, is_b: bool) -> tuple[Matrix, str | None]:
         """A group of factors as a matrix: its covering factor, the factors it covers multiplied
@@ -294,8 +299,7 @@ class ProductLowering:
         e = tiles[0]
         eop = k.operand(e.operand)
         evar = self.names.local(f"{e.operand}_matrix")
-        # In the output's order: its block kinds are read per cell, and cells are in that order.
-        ecoords = tuple(sorted(self.coords_of(e), key=lambda c: self.coords.index(c.index)))
+        ecoords = self.coords_in_output_order(e)
         order = [c.index for c in ecoords] + [self.m, self.n]
         perm = tuple(e.indices.index(i) for i in order)
         tiles = tuple(1 if i in self.coords else self.tile[i] for i in order)
@@ -315,7 +319,7 @@ class ProductLowering:
         tile's rows or columns stays inside it), flattened."""
         i = self.m if axis == "rows" else self.n
         eop = self.k.operand(e.operand)
-        vcoords = tuple(sorted(self.coords_of(e), key=lambda c: self.coords.index(c.index)))
+        vcoords = self.coords_in_output_order(e)
         order = [c.index for c in vcoords] + [i]
         perm = tuple(e.indices.index(x) for x in order)
         var = self.names.local(f"{e.operand}_vector")
