@@ -75,6 +75,18 @@ def test_causal_attention_split_over_batch_and_heads(mesh_results):
     assert assert_case(kernel, env, res, 2 if SWEEP else 1, ["P('data', 'model')", "P('data', 'model')"]) == 3
 
 
+# A paged decode over batch and heads, in the TPU simulator (memory no step writes is NaN):
+# the page table and lengths are cut with the batch, the cache with its key heads (h // 8),
+# whole along its pages. Values only: a paged walk derives no gradient.
+MESH_JOBS.add("paged", (spec_text("paged_decode"), dict(B=4, H=32, D=128, T=16, NP=8),
+                        [{**MESH, "axes": {"b": "data", "h": "model"}, "interpret": "simulator"}]))
+
+
+def test_paged_decode_split_over_batch_and_heads_in_the_simulator(mesh_results):
+    kernel, env, res = run_on_mesh(mesh_results, "paged")
+    assert assert_case(kernel, env, res, 0, ["P('data', 'model')"]) == 0
+
+
 # The mask is cut with the rows: each device classifies its own blocks.
 MESH_JOBS.add("masked", (spec_text("masked_attention"), dict(H=2, S=256, T=128, D=128), [{**MESH, "axes": {"h": "data", "i": "model"}}]))
 

@@ -269,3 +269,25 @@ def test_collectives_parser_reads_axes_and_permutes():
     assert sorted((op, ",".join(a)) for op, a, _ in found) == [
         ("all-gather", "data"), (AR, "data,model"), (AR, "model"), ("collective-permute", "model")]
     assert [s for op, _, s in found if op == "all-gather"] == [[(16, 128)]]  # 8 rows of each of 2 devices
+
+
+def test_a_paged_decode_split_over_batch_and_heads_compiles_with_no_collective():
+    """paged_decode (forward only: a paged walk derives no gradient) with its batch over data
+    and its heads over model, compiled for v5e 2x4: the page table and lengths are cut with
+    the batch, the cache with its key heads (h // 8) and whole along its pages (the table's
+    entries address them). Nothing moves between devices, and the kernel computes one
+    device's slice of o."""
+    mesh = topology_mesh("v5e")
+    kernel, mod = build(spec_text("paged_decode"), target="v5e", formatted=False)
+    axes = dict(b="data", h="model")
+    args, keywords = example_args(kernel, dict(B=4, H=32, D=128, T=16, NP=8), "random", np.random.default_rng(0))
+    spec = lambda dims: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(axes.get(i) for i in dims)))  # noqa: E731
+    structs = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=spec(dims)) for a, dims in zip(args, mod._MESH_ARGS)]
+    fn = mod.sharded(mesh, **axes)
+    with jax.default_device(mesh.devices.flat[0]):
+        hlo = jax.jit(lambda *a: fn(*a, **keywords)).lower(*structs).compile().as_text()
+    assert "tpu_custom_call" in hlo
+    assert collectives(hlo, mesh) == []
+    (dims,) = mod._MESH_OUTPUTS
+    assert (2, 8, 128) == local((4, 32, 128), dims, axes, mesh)
+    assert (2, 8, 128) in kernel_results(hlo), kernel_results(hlo)
