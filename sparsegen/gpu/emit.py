@@ -183,6 +183,10 @@ class _Emitter:
                 scoped += [f"{v['smem']}=plgpu.SMEM(({t.wgs}, {v['length']}), {v['dtype']})",
                            f"{v['barrier']}=plgpu.Barrier(num_barriers={t.wgs})"]
                 scoped_names += [v["smem"], v["barrier"]]
+            # Tiles a partial step copies, each consumer's.
+            for h in held:
+                scoped.append(h[3])
+                scoped_names += list(h[2])
         else:
             scoped = [f"out_smem=plgpu.SMEM(({t.tm}, {t.tn}), {p.out_dtype.jnp})"]
             scoped_names = ["out_smem"]
@@ -210,13 +214,15 @@ class _Emitter:
         if sel is not None and sel.on == "out":
             acc_lines = ["# The condition reads the output's indices alone: absent elements are zeros."] + sel.lines
         elif sel is not None:
-            tile = a_smem if sel.on == "a" else b_smem
+            # The tile a partial step rewrites: A's, or B's (warp-specialized, the consumer's columns).
+            cols = f"pl.ds(wg * {t.tn}, {t.tn})"
+            tile = a_smem if sel.on == "a" else (f"{b_smem}.at[{cols}]" if p.b.transposed else f"{b_smem}.at[:, {cols}]") if ws else b_smem
             lines = [line.replace("@TILE@", tile) for line in sel.lines]
             what = p.a.operand if sel.on == "a" else p.b.operand
+            about = sel.about or f"Some terms absent: the condition selects them out of {what}'s tile before the WGMMA."
             select = (["# The chunk's step s is step first + s of the block's walk.", "(s,) = idx", "s = first + s"]
                       + [f"{name} = {value}" for name, value in _needed(sel.step_lets, repr([sel.kind] + lines))]
-                      + ["", f"@pl.when({sel.kind})", "def _select():",
-                         f"    # Some terms absent: the condition selects them out of {what}'s tile before the WGMMA."]
+                      + ["", f"@pl.when({sel.kind})", "def _select():", f"    # {about}"]
                       + ["    " + line for line in lines])
         guard = list(p.guard)
         if guard:
@@ -272,7 +278,7 @@ class _Emitter:
             "vector_names": ", ".join(f"{v['smem']}, {v['barrier']}" for v in vectors),
             "select": select,
             "acc_lines": acc_lines,
-            "held_scoped": [h[3] for h in held],
+            "held_scoped": [h[3] for h in held] if not ws else [],
             "held_names": [name for h in held for name in h[2]],
             "finish": p.finish,
             "out_var": p.out_var,

@@ -97,10 +97,11 @@ class EndVector:
 
 @dataclass
 class Selection:
-    """A condition walk's terms selected out (the schedule's condition walk, `where`): at a
-    partial step, the A or B tile in shared memory zeroed where the condition is false before
-    the WGMMA (`on` "a" or "b"); or, for a condition on the output's indices alone, the
-    accumulator before it is stored (`on` "out")."""
+    """A partial step's tile rewritten in shared memory before its WGMMA (`on` "a" or "b"): a
+    condition walk's absent terms selected out (the schedule's condition walk, `where`: zeroed
+    where the condition is false), or a covered mask's partial block multiplied in. Or, for a
+    condition on the output's indices alone, the accumulator masked before it is stored (`on`
+    "out")."""
 
     on: str  # "a" | "b" | "out"
     kind: str  # kernel code: the step's kind (on "a"/"b"; a step let names the step), _PARTIAL where evaluated
@@ -109,6 +110,7 @@ class Selection:
     held: list[tuple]  # (gmem ref, wrapper array, scoped names, their allocation): condition operand tiles copied at partial steps
     held_bytes: int = 0
     held_barriers: int = 0
+    about: str = ""  # what a partial step does, for its comment (a condition's: the emitter says)
 
 
 @dataclass

@@ -58,6 +58,9 @@ from .plan import Coord, EndVector, GpuError, Matrix, ProductPass, Selection
 from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# Elements of a covered mask's tile a warpgroup multiplies in at once (64 a thread), in
+# slices of 64 rows or more (Mosaic GPU's layout inference finds no layout for fewer).
+_FUSED_ELEMENTS = 8192
 
 
 class ProductLowering:
@@ -75,6 +78,7 @@ class ProductLowering:
         # value at a time (`g` of `gid[m] == g`) are coordinates of the matrices that hold them.
         self.cond = st.condition if walk.name == "condition" else None
         self.cond_sums: list[str] = []
+        self.fused: tuple[str, Read] | None = None  # ("a" | "b", a covered mask multiplied in by the kernel)
 
     # ------------------------------------------------------------ helpers
     def py(self, e: Expr) -> str:
@@ -221,7 +225,14 @@ class ProductLowering:
             host.append(f"{var} = {blocks}.reshape(-1, {blocks}.shape[-1])  # stored block s: rows s*tile..")
             return Matrix(op.name, var, mine, row, col, transposed, True, copied), None
         src = self.ctx.source(main)
-        if extras:
+        # A mask the walk follows, alone in the group and laid out as the covering factor, is
+        # multiplied into the covering factor's tile in the kernel, at its partial blocks only
+        # (`fused`): empty blocks are never walked, all-ones blocks need no read, and the
+        # wrapper forms no product over the whole operand.
+        fused = mask is not None and extras == [mask] and sorted(mask.indices) == sorted(main.indices)
+        if fused:
+            self.fused = (("b" if is_b else "a"), mask)
+        if extras and not fused:
             letters = {i: _LETTERS[n] for n, i in enumerate(main.indices)}
             terms = ", ".join([src] + [f"{self.ctx.source(e)}.astype({src}.dtype)" for e in extras])
             spec = ",".join("".join(letters[i] for i in r.indices) for r in (main, *extras))
@@ -257,6 +268,8 @@ class ProductLowering:
                 mindices = mask.indices
             mperm = tuple(mindices.index(i) for i in order)
             host.append(f"{mvar} = _matrix({msrc}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, tiles))})")
+            if fused:
+                self.mask_var = mvar
         return Matrix(op.name, var, mine, row, col, transposed, False, copied, bool(mine)), mvar
 
     def after_sum(self):
@@ -435,7 +448,8 @@ class ProductLowering:
                 lead = lead * c.extent
             tb = (self.tile[first], self.tile[second])
             self.host.append(f"# The non-empty blocks of {sparse}: the only steps, grouped by the {line} of output blocks.")
-            self.host.append(f"{kinds} = _block_kinds({mvar}, {py_tuple(map(str, tb))}, False).reshape("
+            fused = self.fused is not None and self.fused[0] == ("a" if walk == "rows" else "b")
+            self.host.append(f"{kinds} = _block_kinds({mvar}, {py_tuple(map(str, tb))}, {fused}).reshape("
                              f"{render(lead, 'host')}, {render(self.ctx.blocks(first), 'host')}, {render(self.ctx.blocks(second), 'host')})")
             if first == kidx:  # bring the key index next to the coordinates, k last
                 self.host.append(f"{kinds} = {kinds}.transpose(0, 2, 1)")
@@ -444,6 +458,11 @@ class ProductLowering:
             self.host.append(f"{order_t}, {start_t}, {count_t} = _walk(jnp.where({live}, {pos} // {KB}, {render(nkeys, 'host')}), "
                              f"{render(nkeys, 'host')})")
             self.host.append(f"{k_t} = {order_t} % {KB}  # block {kidx} of each step")
+            if fused:
+                kind_t = names.local(f"{sparse}_kind")
+                self.host.append(f"{kind_t} = {kinds}.reshape(-1)[{order_t}]  # _PARTIAL: {sparse}'s tile is multiplied in")
+                self.tables.append((kind_t, f"the kind of each step's {sparse} block"))
+                self.fused_kinds = kind_t
         self.tables += [(start_t, f"the first step of each output {line}"), (count_t, f"the steps of each output {line}"),
                         (k_t, f"block {kidx} of each step")]
         key = names.local("key")
@@ -526,6 +545,61 @@ class ProductLowering:
         """Shared memory the condition's operand tiles take (int32, the masked tile's shape) and their barriers."""
         (_, d0), (_, d1) = self.mask_dims(t)
         return len(self.held_reads) * d0 * d1 * 4, len(self.held_reads)
+
+    # ------------------------------------------------------------ a covered mask, in the kernel
+    def fused_dims(self, t) -> tuple[int, int]:
+        """The tile of the covered mask a consumer multiplies in, as it lies in shared memory:
+        A's (tm x tk), or B's (tk x the consumer's columns); transposed where the factor is."""
+        on, _ = self.fused
+        mat = self.a if on == "a" else self.b
+        dims = (t.tm, t.tk) if on == "a" else (t.tk, t.tn if t.wgs > 1 else t.cta_n)
+        return dims[::-1] if mat.transposed else dims
+
+    def fused_held(self, t) -> tuple[int, int]:
+        """Shared memory (and barriers) the covered mask takes beside the pipeline: a tile of it per consumer."""
+        _, mask = self.fused
+        d0, d1 = self.fused_dims(t)
+        return t.wgs * d0 * d1 * self.k.operand(mask.operand).dtype.itemsize, t.wgs
+
+    def fused_selection(self) -> Selection:
+        """The covered mask at a partial step: its tile copied into shared memory and multiplied
+        into the covering factor's in place before the WGMMA (warp-specialized, B's: each
+        consumer its own columns). An all-ones block's steps read no mask."""
+        on, mask = self.fused
+        t, names = self.t, self.names
+        ws = t.wgs > 1
+        mat = self.a if on == "a" else self.b
+        mop = self.k.operand(mask.operand)
+        mmat = Matrix(mop.name, self.mask_var, mat.coords, mat.row, mat.col, mat.transposed, False)
+        if on == "a":
+            index = self.matrix_index(mmat, t.bm // t.tm, t.ksub, "mi", "kk")
+        else:  # the consumer's columns (the CTA's, one warpgroup)
+            index = self.matrix_index(mmat, t.ksub, t.bn // t.tn, "kk", self.col_tile())
+        d0, d1 = self.fused_dims(t)
+        at = ", ".join(f"pl.ds({i if i.isidentifier() or i.isdigit() else f'({i})'} * {d}, {d})" for i, d in zip(index, (d0, d1)))
+        ref, smem, barrier = names.local(f"{mop.name}_gmem"), names.local(f"{mop.name}_smem"), names.local(f"{mop.name}_barrier")
+        mine = ".at[wg]" if ws else ""
+        dtype = self.k.operand(mat.operand).dtype.jnp
+        if ws:
+            alloc = f"{smem}=plgpu.SMEM(({t.wgs}, {d0}, {d1}), {mop.dtype.jnp}), {barrier}=plgpu.Barrier(num_barriers={t.wgs})"
+        else:
+            alloc = f"{smem}=plgpu.SMEM(({d0}, {d1}), {mop.dtype.jnp}), {barrier}=plgpu.Barrier()"
+        target = "@TILE@"
+        lines = [f"plgpu.copy_gmem_to_smem({ref}.at[{at}], {smem}{mine}, {barrier}{mine})",
+                 f"plgpu.barrier_wait({barrier}{mine})"]
+        chunk = max(64, min(d0, _FUSED_ELEMENTS // d1))
+        if chunk == d0:
+            lines.append(f"{target}[...] = @TILE@[...] * {smem}{mine}[...].astype({dtype})")
+        else:
+            lines += [f"for r in range(0, {d0}, {chunk}):",
+                      f"    # {chunk} rows at a time: the tiles' registers beside the accumulator's stay in the budget",
+                      f"    rows = pl.ds(r, {chunk})",
+                      f"    {target}.at[rows][...] = @TILE@.at[rows][...] * {smem}{mine}.at[rows][...].astype({dtype})"]
+        lines.append("plgpu.commit_smem()  # the product, visible to the WGMMA")
+        bytes_, barriers = self.fused_held(t)
+        return Selection(on, f"{self.fused_kinds}[step] == _PARTIAL", lines, list(self.step_lets),
+                         [(ref, self.mask_var, (smem, barrier), alloc)], bytes_, barriers,
+                         about=f"{mask.text} multiplies {mat.operand}'s tile (a partial block of {mop.name}; an all-ones one is not read)")
 
     def tile_start(self, i: str) -> Expr:
         """The first position along `i` of the masked tile (or the output tile)."""
@@ -693,8 +767,9 @@ class ProductLowering:
         """A CTA's (or step's) tile within its block: always 0 where the block is one tile."""
         return Var(name) if count > 1 else Const(0)
 
-    def matrix_index(self, mat: Matrix, row_tiles: int, col_tiles: int, row_sub: str, col_sub: str) -> tuple[str, str]:
-        """The tile a step reads: block coordinates times tiles per block, plus the tile inside."""
+    def matrix_index(self, mat: Matrix, row_tiles: int, col_tiles: int, row_sub: str, col_sub: "str | Expr") -> tuple[str, str]:
+        """The tile a step reads: block coordinates times tiles per block, plus the tile inside
+        (`col_sub` a name, or the expression of it)."""
         lead, other = (mat.col, mat.row) if mat.transposed else (mat.row, mat.col)
         if mat.stored:
             # Stored block s is rows s*tile.. of the matrix, along `lead`.
@@ -704,7 +779,7 @@ class ProductLowering:
             first, second = self.rows_of(() if mat.lead else mat.coords, value[lead], self.blocks(lead)), value[other]
         r, c = (second, first) if mat.transposed else (first, second)
         rr = self.py(r * row_tiles + self.sub(row_sub, row_tiles))
-        cc = self.py(c * col_tiles + self.sub(col_sub, col_tiles))
+        cc = self.py(c * col_tiles + (col_sub if isinstance(col_sub, Expr) else self.sub(col_sub, col_tiles)))
         return self.leading(mat) + ((cc, rr) if mat.transposed else (rr, cc))
 
     def leading(self, mat: Matrix) -> tuple[str, ...]:
@@ -750,10 +825,15 @@ class ProductLowering:
         end_dtype = k.operand(self.end.operand).dtype if self.end else None
         if self.cond is not None:
             self.condition_plan()
-        # A condition walk keeps one warpgroup: a partial step masks the tile consumers would share.
+        # A condition walk keeps one warpgroup: a partial step masks the tile consumers would
+        # share; so does a covered mask on A's side (warp-specialized consumers split B's columns).
+        # Each consumer multiplying into its own copy of A instead needs a WGMMA in either branch
+        # of the partial step's test, which spilled (28 bytes at 64 x 128 a consumer, measured).
+        one_wg = self.cond is not None or (self.fused is not None and self.fused[0] == "a")
         vectors = tuple((v.axis, v.dtype.itemsize) for v in self.vectors)
-        self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype, one_warpgroup=self.cond is not None,
-                                   held=self.held if self.cond is not None else (lambda _: (0, 0)), vectors=vectors)
+        held = self.held if self.cond is not None else self.fused_held if self.fused is not None else (lambda _: (0, 0))
+        self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype, one_warpgroup=one_wg,
+                                   held=held, vectors=vectors, multiplies=self.fused is not None)
         self.KB = self.ctx.blocks(kidx)
         for i in self.extra_sums:
             self.KB = self.ctx.size(i) * self.KB
@@ -779,7 +859,7 @@ class ProductLowering:
             self.step_lets.append((self.kvar, render(Var("s").div(t.ksub), "py")))
         if t.ksub > 1:
             self.step_lets.insert(0, ("kk", f"s % {t.ksub}"))
-        selection = self.selection(cond_kinds) if self.cond is not None else None
+        selection = self.selection(cond_kinds) if self.cond is not None else self.fused_selection() if self.fused else None
         a_index = self.matrix_index(self.a, t.bm // t.tm, t.ksub, "mi", "kk")
         b_index = self.matrix_index(self.b, t.ksub, t.bn // t.cta_n, "kk", "ni")  # the CTA's columns (all its consumers')
         out_coords = self.coords_of(st.target)
@@ -820,7 +900,7 @@ class ProductLowering:
             fn=names.function(f"_{st.target.operand}_kernel"), call_fn=names.function(f"_{st.target.operand}_call"),
             block_products=self.block_products if walk != "coo output" else ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,
             smem=smem_bytes(t, da.itemsize, out_op.dtype.itemsize, end_dtype.itemsize if end_dtype else 0,
-                            self.held(t) if self.cond is not None else (0, 0), vectors),
+                            held(t), vectors),
             selection=selection, vectors=vecs,
         )
 

@@ -18,6 +18,10 @@ from .targets import GpuTarget
 
 DTYPES_WGMMA = ("bf16", "f16", "f32", "i8")  # f32 as tf32, i8 into s32 (both: K-major tiles only)
 MAX_ACC = 128 * 128  # accumulator elements per warpgroup: its registers
+# A warp-specialized consumer that also multiplies a covered mask's tile into its operand's
+# (registers: the two tiles beside the accumulator) keeps at most 64 x 128 (measured under
+# its 168 registers: a 128 x 128 accumulator spilled 248 to 320 bytes, 64 x 128 none).
+MAX_ACC_MULTIPLYING = 64 * 128
 WARPGROUPS = 2  # consumer warpgroups of a warp-specialized CTA (and a producer): products, attention
 MEMORY_REGISTERS = 40  # a forward producer's registers a thread (setmaxnreg): it only issues TMA copies
 
@@ -32,15 +36,16 @@ def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: 
     pipeline's buffers and the epilogue's tiles do not add; nor do the epilogue's two ways
     out (the output's tile, or an f32 piece of a block shared by CTAs), but a tile of the
     factor after the sum is held under either. A barrier takes 8 bytes (one per buffer, and
-    the epilogue's).
+    the epilogue's where it reads a factor).
 
     Warp-specialized, the pipeline's buffers are allocated once for all of a CTA's chunks,
     beside each consumer's epilogue tiles (the output's, the f32 piece's, the factor after
     the sum's), so they add; the pipeline has two barriers a buffer (copied, consumed), and
     the factor after the sum one a consumer.
 
-    `held`: (bytes, barriers) a one-warpgroup CTA holds beside the pipeline's buffers while
-    it runs (a condition's operand tiles, copied at partial steps).
+    `held`: (bytes, barriers) a CTA holds beside the pipeline's buffers while it runs (a
+    condition's operand tiles, or a covered mask's, copied at partial steps; warp-specialized,
+    each consumer's, beside its epilogue tiles).
 
     `vectors`: (axis, itemsize) of each factor after the sum along the rows ("rows": `tm`
     elements a tile) or the columns alone ("cols": `tn`), with a barrier each. Warp-specialized,
@@ -55,9 +60,11 @@ def smem_bytes(tiles: Tiles, in_itemsize: int, out_itemsize: int, end_itemsize: 
     vector = sum(-(-t.wgs * (t.tm if axis == "rows" else t.tn) * itemsize // 1024) * 1024 for axis, itemsize in vectors)
     if t.wgs > 1:
         epilogue = t.wgs * t.tm * t.epi * (out_itemsize + 4 + end_itemsize) + vector
-        return pipeline + epilogue + 8 * (2 * t.stages + (t.wgs if end_itemsize else 0) + t.wgs * len(vectors))
+        return pipeline + epilogue + held[0] + 8 * (2 * t.stages + (t.wgs if end_itemsize else 0) + t.wgs * len(vectors) + held[1])
     epilogue = t.tm * t.tn * (max(out_itemsize, 4) + end_itemsize)
-    return max(pipeline + held[0], epilogue, vector) + 8 * (t.stages + max(1, len(vectors)) + held[1])
+    # The epilogue's barriers: the vectors', or the factor after the sum's (measured: a plain
+    # 64x128 product takes 98,336 bytes, with a factor after the sum or one vector 98,344).
+    return max(pipeline + held[0], epilogue, vector) + 8 * (t.stages + max(len(vectors), 1 if end_itemsize else 0) + held[1])
 
 
 def elementwise_smem_bytes(tm: int, tn: int, itemsizes: int, factors: int) -> int:
@@ -66,12 +73,14 @@ def elementwise_smem_bytes(tm: int, tn: int, itemsizes: int, factors: int) -> in
 
 
 def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype: DType, out_dtype: DType, end_dtype: DType | None,
-                  one_warpgroup: bool = False, held=lambda t: (0, 0), vectors: tuple[tuple[str, int], ...] = ()) -> Tiles:
+                  one_warpgroup: bool = False, held=lambda t: (0, 0), vectors: tuple[tuple[str, int], ...] = (),
+                  multiplies: bool = False) -> Tiles:
     """The CTA tiles of a matrix product inside the spec's blocks, and its pipeline depth.
     `one_warpgroup`: never warp-specialized (a condition walk masks the A or B tile a partial
     step reads in shared memory, which consumers sharing it would race on); `held(tiles)`:
     what the CTA holds beside the pipeline, and `vectors` the factors after the sum along
-    the rows or columns alone (`smem_bytes`)."""
+    the rows or columns alone (`smem_bytes`); `multiplies`: a partial step multiplies a
+    covered mask's tile into its operand's in registers (`MAX_ACC_MULTIPLYING`)."""
     tile = {i.name: i.tile for i in k.indices}
     span = {i.name: i.tile_span for i in k.indices}
     bm, bn, bk = tile[m], tile[n], tile[kidx]
@@ -102,10 +111,11 @@ def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype
         # Warp-specialized where the block holds the consumers' tiles side by side: the
         # deepest pipeline that fits, then the widest epilogue tile (a TMA row of 16 bytes
         # or more).
+        wm = 64 if multiplies and tm * tn > MAX_ACC_MULTIPLYING else tm
         for stages in (4, 3, 2):
             for epi in (tn, tn // 2, tn // 4, tn // 8):
-                t = Tiles(bm, bn, bk, tm, tn, tk, stages, WARPGROUPS, epi)
-                if epi * out_dtype.itemsize >= 16 and smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end, vectors=vectors) <= target.smem_bytes:
+                t = Tiles(bm, bn, bk, wm, tn, tk, stages, WARPGROUPS, epi)
+                if epi * out_dtype.itemsize >= 16 and smem_bytes(t, dtype.itemsize, out_dtype.itemsize, end, held(t), vectors) <= target.smem_bytes:
                     return t
     need = 0
     for stages in (4, 3, 2):
