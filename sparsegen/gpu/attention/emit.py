@@ -203,18 +203,23 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         self.row_block = f"({row_block})" if rsub != 1 else row_block
         lines.append(f"{slot} = " + (f"({group}) * {self.blocks(p.query)} + {row_block}" if group else row_block)
                      + "  # the row block's entry in the tables")
-        lines.append(f"{count} = {tables[2]}[{slot}]" + (f" * {ksub}  # pipeline steps: {ksub} per non-empty key block" if ksub != 1
-                                                         else "  # pipeline steps: one per non-empty key block"))
         n_cols = self.blocks(p.key)
-        step_at = lambda t_: t_  # noqa: E731  (the row block's step a pipeline step is)
+        col_at = f"{slot} * {n_cols}"  # the row block's first entry in `cols`
         if part:
             chunk, start = n.local("chunk"), n.local("start")
-            lines += ["# This CTA's part of those steps (flash decoding: the parts are merged by their rows' logsumexps;",
-                      "# a part past the row block's steps walks none: its rows' logsumexps are minus infinity, weight 0).",
+            col_at = n.local("col_at")
+            lines += [f"{count} = {tables[2]}[{slot}]  # the row block's non-empty key blocks",
+                      "# This CTA's part of them (flash decoding: the parts are merged by their rows' logsumexps; a part",
+                      "# past the row block's blocks walks none: its rows' logsumexps are minus infinity, weight 0).",
                       f"{chunk} = ({count} + splits - 1) // splits",
                       f"{start} = {part} * {chunk}",
-                      f"{count} = jnp.maximum(jnp.minimum({count} - {start}, {chunk}), 0)"]
-            step_at = lambda t_: f"({t_} + {start})"  # noqa: E731
+                      # Once, not an offset per step (that cost 8 spilled bytes at d = 128).
+                      f"{col_at} = {slot} * {n_cols} + {start}  # the part's first entry in `cols`",
+                      f"{count} = jnp.maximum(jnp.minimum({count} - {start}, {chunk}), 0)"
+                      + (f" * {ksub}  # pipeline steps: {ksub} per key block" if ksub != 1 else "  # pipeline steps: one per key block")]
+        else:
+            lines.append(f"{count} = {tables[2]}[{slot}]" + (f" * {ksub}  # pipeline steps: {ksub} per non-empty key block" if ksub != 1
+                                                             else "  # pipeline steps: one per non-empty key block"))
         firsts = self.origin_lines(n, origins, lines)
 
         # Scalars (operands read with lead indices only), read once.
@@ -275,9 +280,9 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         key_block, key_tile = n.local("key_block"), n.local("key_tile")
         t = n.local("t")
         lines += ["", f"def {key_block}({t}):", f"    # The key block of step {t} (the row block's non-empty ones, in order)",
-                  f"    return {tables[0]}[{slot} * {n_cols} + {step_at(t)}" + (f" // {ksub}]" if ksub != 1 else "]"),
+                  f"    return {tables[0]}[{col_at} + {t}" + (f" // {ksub}]" if ksub != 1 else "]"),
                   "", f"def {key_tile}({t}):", f"    # The {tk} keys step {t} reads",
-                  f"    return {key_block}({t}) * {ksub} + {step_at(t)} % {ksub}" if ksub != 1 else f"    return {key_block}({t})"]
+                  f"    return {key_block}({t}) * {ksub} + {t} % {ksub}" if ksub != 1 else f"    return {key_block}({t})"]
         maps = []
         for o in pipe:
             fn = n.local(f"_{o.read.operand}_tile")
@@ -438,7 +443,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             copies.append((out_smem[c.output], f"{finals[c.output]}.astype({out.dtype.jnp})", f"{out_refs[c.output]}.at[{', '.join(parts)}]"))
         if lse_ref:
             var = cn.local("row_lse")
-            why = "the part's weight in the merge" if m.backward is None else "kept for the gradients"
+            why = "the part's weight in the merge" if part else "kept for the gradients"
             cons.append(f"{var} = {row_lse(mm, ll, safe, row)}  # {why}")
             parts = ([part] if part else []) + [self.lv[i] for i in p.lead] + [f"pl.ds({rows_at} * {rows}, {rows})"]
             copies.append((lse_smem, var, f"{lse_ref}.at[{', '.join(parts)}]"))
