@@ -2121,23 +2121,21 @@ def _ring_steps(arrays, sizes, ring):
 
 
 def _ring_merge(acc, part):
-    """Two partial results over disjoint keys as one: softmax products weighted by their
-    rows' share of the total (exp of their logsumexp less the merged one's)."""
+    """Two partial results over disjoint keys as one (`_lse_weights` over the pair):
+    softmax products weighted by their rows' share of the total."""
     part = [x.astype(jnp.float32) for x in part]
     if acc is None:
         return part
-    lse = jnp.logaddexp(acc[_RING_LSE], part[_RING_LSE])
-    safe = jnp.where(
-        jnp.isneginf(lse), 0.0, lse
-    )  # rows with nothing visible yet stay zero
+    pair = jnp.stack([acc[_RING_LSE], part[_RING_LSE]])
+    share, lse = _lse_weights(pair, lambda x: x.max(axis=0), lambda x: x.sum(axis=0))
     merged = []
     for x, y, how, d in zip(acc, part, _RING_MERGES, _RING_ROWS):
         if how == "logsumexp":
             merged.append(lse)
             continue
         wx, wy = (
-            jnp.exp(w - safe).reshape(w.shape + (1,) * (x.ndim - d - 1))
-            for w in (acc[_RING_LSE], part[_RING_LSE])
+            share[n].reshape(share.shape[1:] + (1,) * (x.ndim - d - 1))
+            for n in range(2)
         )
         merged.append(x * wx + y * wy)
     return merged
