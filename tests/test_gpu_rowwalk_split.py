@@ -176,3 +176,14 @@ def test_split_kernel_lowers_for_h200_with_shared_memory_as_estimated():
 def _parts_compiled(mod, splits, *args):
     *prepared, sizes = mod._prepare(*args, *(None for _ in mod._MESH_SIZES))
     return mod._impl(*prepared, sizes, False, splits=splits)
+
+
+def test_two_consumer_warpgroups_split_their_keys_too():
+    """128 heads a key/value head (`h // 128`, a row block of 128: two consumer warpgroups
+    and a producer) in three parts, one of them empty for the shorter sequence."""
+    text = DECODE.replace("h // 8", "h // 128").replace("h = 8", "h = 128")
+    (m,) = lower_source(SourceFile("ws.spk", text), "h200")
+    assert m.splits and m.warpgroups == 2
+    kernel, mod = build(text, "h200")
+    q, k, v, lens = _decode_args(np.random.default_rng(8), B=2, H=128, G=1, S=640, lens=(129, 640))
+    _close(_parts(mod, 3, q, k, v, lens), _oracle(q, k, v, lens, 0.08838834764831845)[0])
