@@ -22,8 +22,8 @@ from test_gpu_decode import DECODE, _close, _decode_args
 from sparsegen.compiler import lower_source
 from sparsegen.source import SourceFile
 
-# A grouped decode with a per-row condition and three reductions: a row whose `ok` is 0
-# sees nothing in any part (output 0, logsumexp and max minus infinity).
+# A grouped decode with a per-row condition and four reductions: a row whose `ok` is 0
+# sees nothing in any part (output 0, logsumexp and max minus infinity, sum 0).
 STATS = """
 kernel stats {
     in  q: bf16[B, H, D]
@@ -34,10 +34,12 @@ kernel stats {
     out o: bf16[B, H, D]
     out lse: f32[B, H]
     out top: f32[B, H]
+    out tot: f32[B, H]
     s[b, h, j] = q[b, h, d] * k[b, h // 8, j, d] * 0.125 where j < lens[b] and ok[h] != 0
     o[b, h, e] = softmax(s[b, h, j], j) * v[b, h // 8, j, e]
     lse[b, h] = logsumexp(s[b, h, j], j)
     top[b, h] = max(s[b, h, j], j)
+    tot[b, h] = sum(s[b, h, j], j)
     tile b = 1, h = 8, j = 128, d = 64, e = 64
 }
 """
@@ -57,7 +59,7 @@ kernel full {
 
 def _oracle(q, k, v, lens, scale, ok=None):
     """float64: per (batch, head) the softmax over the keys under its length (and `ok`), the
-    output, logsumexp and max (0, -inf, -inf where nothing is present)."""
+    output, logsumexp, max and sum of the scores (0, -inf, -inf, 0 where nothing is present)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     B, H, _ = q.shape
     group = H // k.shape[1]
@@ -72,7 +74,7 @@ def _oracle(q, k, v, lens, scale, ok=None):
     total = e.sum(axis=-1)
     o = np.einsum("bhj,bhje->bhe", e / np.where(total == 0, 1.0, total)[..., None], vv)
     lse = np.where(total == 0, -np.inf, np.log(np.where(total == 0, 1.0, total)) + np.where(np.isneginf(top), 0.0, top))
-    return o, lse, top
+    return o, lse, top, np.where(present, s, 0.0).sum(axis=-1)
 
 
 def _parts(mod, splits, *args):
@@ -128,22 +130,25 @@ def test_merge_replaced_by_part_zero_fails(monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [2, 5])
-def test_logsumexp_and_max_merge_across_parts_with_a_masked_row(splits):
-    """o, lse and top of each part merged: logsumexp over the parts' logsumexps, the max of
-    their maxima; head 3 (ok = 0) is masked in every part, as are the rows of length 0."""
+def test_logsumexp_max_and_sum_merge_across_parts_with_a_masked_row(splits):
+    """o, lse, top and tot of each part merged: logsumexp over the parts' logsumexps, the
+    max of their maxima, the sum of their sums; head 3 (ok = 0) is masked in every part, as
+    are the rows of length 0."""
     kernel, mod = build(STATS, "h200")
     rng = np.random.default_rng(10 + splits)
     q, k, v, lens = _decode_args(rng, B=2, H=8, G=1, S=640, D=64, lens=(0, 600))
     ok = np.ones(8, np.int32)
     ok[3] = 0
-    o, lse, top = (np.asarray(x, np.float64) for x in _parts(mod, splits, q, k, v, lens, ok))
-    want_o, want_lse, want_top = _oracle(q, k, v, lens, 0.125, ok)
+    o, lse, top, tot = (np.asarray(x, np.float64) for x in _parts(mod, splits, q, k, v, lens, ok))
+    want_o, want_lse, want_top, want_tot = _oracle(q, k, v, lens, 0.125, ok)
     _close(o, want_o)
     assert not o[0].any() and not o[1, 3].any()
     seen = np.isfinite(want_lse)
     assert (np.isneginf(lse) == ~seen).all() and (np.isneginf(top) == ~seen).all()
     np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(top[seen], want_top[seen], rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(tot, want_tot, rtol=1e-3, atol=1e-2)
+    assert not tot[0].any() and tot[1, 3] == 0
     whole = _parts(mod, 1, q, k, v, lens, ok)
     np.testing.assert_allclose(lse[seen], np.asarray(whole[1], np.float64)[seen], rtol=1e-5, atol=1e-5)
 
