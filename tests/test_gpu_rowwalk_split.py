@@ -192,3 +192,23 @@ def test_two_consumer_warpgroups_split_their_keys_too():
     kernel, mod = build(text, "h200")
     q, k, v, lens = _decode_args(np.random.default_rng(8), B=2, H=128, G=1, S=640, lens=(129, 640))
     _close(_parts(mod, 3, q, k, v, lens), _oracle(q, k, v, lens, 0.08838834764831845)[0])
+
+
+def test_a_decode_whose_shape_the_logsumexp_tile_would_change_keeps_its_walk_whole(monkeypatch):
+    """On a GPU whose shared memory holds the grouped decode's CTA (128 keys a step, 165,912
+    bytes) but not with the parts' logsumexp tile (1,024 bytes more: 64 keys a step), the
+    decode keeps its walk whole, as before: nothing that built is refused or reshaped."""
+    import dataclasses
+
+    from sparsegen.gpu import targets
+
+    (m,) = lower_source(SourceFile("dec.spk", DECODE), "h200")
+    assert (m.tk, m.smem_bytes, m.splits) == (128, 166936, True)
+    monkeypatch.setitem(targets.GPU_TARGETS, "h200", dataclasses.replace(targets.GPU_TARGETS["h200"], smem_bytes=166935))
+    (m,) = lower_source(SourceFile("dec.spk", DECODE), "h200")
+    assert (m.tk, m.smem_bytes, m.splits) == (128, 165912, False)
+    from sparsegen.backends import emit_module
+
+    code = emit_module(m, "dec.spk")
+    assert "_key_splits" not in code and "row_lse" not in code
+    compile(code, "dec.py", "exec")
