@@ -572,6 +572,21 @@ def _to_operand(grad, src, dst, divided):
     return jnp.einsum(f"{src}->{dst}", grad)
 
 
+def _lse_weights(lse, max_of, sum_of):
+    """Partial results over disjoint keys, each normalised over its own: each part's weight
+    in the softmax over all the keys, exp(its rows' logsumexp less the merged one), and the
+    merged logsumexp. `max_of`, `sum_of`: the reductions over the parts (an axis of stacked
+    parts, or a mesh axis's collectives). A part that saw nothing (minus infinity) weighs
+    0; a row no part saw: every weight 0, the logsumexp minus infinity."""
+    top = max_of(lse)
+    top = jnp.where(jnp.isneginf(top), 0.0, top)
+    total = sum_of(jnp.exp(lse - top))
+    merged = jnp.where(
+        total == 0, -jnp.inf, top + jnp.log(jnp.where(total == 0, 1.0, total))
+    )
+    return jnp.exp(lse - jnp.where(jnp.isneginf(merged), 0.0, merged)), merged
+
+
 def _classify_blocks(xp, sizes, origin=None):
     """Per block: empty, partial or full. Work in the number of blocks (operands: one pass
     over their elements); xp is numpy when only sizes matter, jax.numpy under jit."""
@@ -2076,37 +2091,32 @@ def _ring_steps(arrays, sizes, ring):
 
 
 def _ring_merge(acc, part):
-    """Two partial results over disjoint keys as one: softmax products weighted by their
-    rows' share of the total (exp of their logsumexp less the merged one's)."""
+    """Two partial results over disjoint keys as one (`_lse_weights` over the pair):
+    softmax products weighted by their rows' share of the total."""
     part = [x.astype(jnp.float32) for x in part]
     if acc is None:
         return part
-    lse = jnp.logaddexp(acc[_RING_LSE], part[_RING_LSE])
-    safe = jnp.where(
-        jnp.isneginf(lse), 0.0, lse
-    )  # rows with nothing visible yet stay zero
+    pair = jnp.stack([acc[_RING_LSE], part[_RING_LSE]])
+    share, lse = _lse_weights(pair, lambda x: x.max(axis=0), lambda x: x.sum(axis=0))
     merged = []
     for x, y, how, d in zip(acc, part, _RING_MERGES, _RING_ROWS):
         if how == "logsumexp":
             merged.append(lse)
             continue
         wx, wy = (
-            jnp.exp(w - safe).reshape(w.shape + (1,) * (x.ndim - d - 1))
-            for w in (acc[_RING_LSE], part[_RING_LSE])
+            share[n].reshape(share.shape[1:] + (1,) * (x.ndim - d - 1))
+            for n in range(2)
         )
         merged.append(x * wx + y * wy)
     return merged
 
 
 def _ring_merge_across(part, axis):
-    """Every device's partial results over its keys as one, on every device of the axis."""
-    top = lax.pmax(part[_RING_LSE], axis)
-    top = jnp.where(jnp.isneginf(top), 0.0, top)
-    total = lax.psum(jnp.exp(part[_RING_LSE] - top), axis)
-    lse = jnp.where(
-        total == 0, -jnp.inf, top + jnp.log(jnp.where(total == 0, 1.0, total))
+    """Every device's partial results over its keys as one, on every device of the axis
+    (`_lse_weights` over the axis's collectives)."""
+    share, lse = _lse_weights(
+        part[_RING_LSE], lambda x: lax.pmax(x, axis), lambda x: lax.psum(x, axis)
     )
-    share = jnp.exp(part[_RING_LSE] - jnp.where(jnp.isneginf(lse), 0.0, lse))
     return [
         (
             lse

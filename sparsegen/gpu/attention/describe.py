@@ -20,6 +20,10 @@ def describe_gpu_attention(m) -> list[str]:
              + (f" {wgs} consumer warpgroups of {m.tq} rows" if wgs > 1 else ""),
              f"  reducing over {p.key}: the row block's non-empty {p.key} blocks of {tj}, in order, {m.tk} keys a pipeline step",
              f"  (TMA copies of the key-side tiles, {2} in flight; each consumer's query tile copied once)"]
+    if m.splits:
+        lines += [f"  flash decoding: where the row blocks' CTAs are fewer than the {m.target.sms} SMs, each row block's steps are",
+                  "  walked in parts (chosen at call time: enough CTAs to fill the SMs once, each part at least 4 steps), a CTA",
+                  "  each, merged by their rows' logsumexps (each part stores its rows' outputs and logsumexps)"]
     if not p.conditions:
         lines.append("blocks: every block is full (no condition)")
     else:

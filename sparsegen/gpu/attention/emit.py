@@ -33,6 +33,14 @@ from .lower import MEMORY_REGISTERS, STAGES, GpuAttentionModule, GpuOperand, _fr
 F32 = "jnp.float32"
 
 
+def row_lse(m: str, l: str, safe: str, row: str) -> str:
+    """Each row's logsumexp from a walk's running max `m` and sum `l` (`safe`: `l`, 1 where
+    it is 0), minus infinity for a row with nothing present: the row walk's `logsumexp`
+    output and the residual its gradients read, and the weight of a key part's rows in
+    flash decoding's merge (the row walk's and the paged walk's)."""
+    return f"jnp.where({l} == jnp.full({row}, 0.0, {F32}), jnp.full({row}, -jnp.inf, {F32}), {m} + jnp.log({safe}))"
+
+
 class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
     def __init__(self, m: GpuAttentionModule):
         self.m = m
@@ -152,7 +160,8 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         out_refs = {c.output: n.local(f"{c.output}_gmem") for c in p.consumers}
         origins = n.local("origins_gmem") if self.positions else None
         params = tables + ([origins] if origins else []) + [o.ref for o in ops] + [out_refs[c.output] for c in p.consumers]
-        lse_ref = n.local("row_lse_gmem") if m.backward is not None else None
+        # Each row's logsumexp: the gradients' residual, or a key part's weight in the merge.
+        lse_ref = n.local("row_lse_gmem") if m.backward is not None or m.splits else None
         if lse_ref:
             params.append(lse_ref)
         lines = []
@@ -163,6 +172,9 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         wg, rows_at = (n.local("wg"), n.local("rows_at")) if ws else (None, row_tile)
         n_tiles = f"{self.blocks(p.query)} * {rsub}" if rsub != 1 else self.blocks(p.query)
         lines.append(f'{cell} = lax.axis_index("cell")')
+        part = n.local("part") if m.splits else None
+        if part:
+            lines += [f"{part} = {cell} % splits  # which part of the row block's keys (flash decoding)", f"{cell} = {cell} // splits"]
         lines.append(f"{row_tile} = {cell} % ({n_tiles})  # the CTA's {rows * wgs} rows" + (f" (padded to {tq} in shared memory)" if padded else ""))
         if ws:
             consumers = " and ".join(map(str, range(wgs))) if wgs == 2 else f"0 to {wgs - 1}"
@@ -191,9 +203,23 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         self.row_block = f"({row_block})" if rsub != 1 else row_block
         lines.append(f"{slot} = " + (f"({group}) * {self.blocks(p.query)} + {row_block}" if group else row_block)
                      + "  # the row block's entry in the tables")
-        lines.append(f"{count} = {tables[2]}[{slot}]" + (f" * {ksub}  # pipeline steps: {ksub} per non-empty key block" if ksub != 1
-                                                         else "  # pipeline steps: one per non-empty key block"))
         n_cols = self.blocks(p.key)
+        col_at = f"{slot} * {n_cols}"  # the row block's first entry in `cols`
+        if part:
+            chunk, start = n.local("chunk"), n.local("start")
+            col_at = n.local("col_at")
+            lines += [f"{count} = {tables[2]}[{slot}]  # the row block's non-empty key blocks",
+                      "# This CTA's part of them (flash decoding: the parts are merged by their rows' logsumexps; a part",
+                      "# past the row block's blocks walks none: its rows' logsumexps are minus infinity, weight 0).",
+                      f"{chunk} = ({count} + splits - 1) // splits",
+                      f"{start} = {part} * {chunk}",
+                      # Once, not an offset per step (that cost 8 spilled bytes at d = 128).
+                      f"{col_at} = {slot} * {n_cols} + {start}  # the part's first entry in `cols`",
+                      f"{count} = jnp.maximum(jnp.minimum({count} - {start}, {chunk}), 0)"
+                      + (f" * {ksub}  # pipeline steps: {ksub} per key block" if ksub != 1 else "  # pipeline steps: one per key block")]
+        else:
+            lines.append(f"{count} = {tables[2]}[{slot}]" + (f" * {ksub}  # pipeline steps: {ksub} per non-empty key block" if ksub != 1
+                                                             else "  # pipeline steps: one per non-empty key block"))
         firsts = self.origin_lines(n, origins, lines)
 
         # Scalars (operands read with lead indices only), read once.
@@ -254,7 +280,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         key_block, key_tile = n.local("key_block"), n.local("key_tile")
         t = n.local("t")
         lines += ["", f"def {key_block}({t}):", f"    # The key block of step {t} (the row block's non-empty ones, in order)",
-                  f"    return {tables[0]}[{slot} * {n_cols} + {t}" + (f" // {ksub}]" if ksub != 1 else "]"),
+                  f"    return {tables[0]}[{col_at} + {t}" + (f" // {ksub}]" if ksub != 1 else "]"),
                   "", f"def {key_tile}({t}):", f"    # The {tk} keys step {t} reads",
                   f"    return {key_block}({t}) * {ksub} + {t} % {ksub}" if ksub != 1 else f"    return {key_block}({t})"]
         maps = []
@@ -400,7 +426,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                 if c.scale is not None:
                     value += f" * {c.scale!r}"
             elif c.kind == "logsumexp":
-                value = f"jnp.where({empty}, jnp.full({row}, -jnp.inf, {F32}), {mm} + jnp.log({safe}))"
+                value = row_lse(mm, ll, safe, row)
             elif c.kind == "max":
                 value = mm
             else:
@@ -411,14 +437,15 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         for c in p.consumers:
             out = k.operand(c.output)
             target = self.k.statement_of(c.output).target
-            parts = []
+            parts = [part] if part else []
             for i in target.indices:
                 parts.append(self.lv[i] if i in p.lead else f"pl.ds({rows_at} * {rows}, {rows})" if i == p.query else f"pl.ds(0, {self.tile[i]})")
             copies.append((out_smem[c.output], f"{finals[c.output]}.astype({out.dtype.jnp})", f"{out_refs[c.output]}.at[{', '.join(parts)}]"))
         if lse_ref:
             var = cn.local("row_lse")
-            cons.append(f"{var} = jnp.where({empty}, jnp.full({row}, -jnp.inf, {F32}), {mm} + jnp.log({safe}))  # kept for the gradients")
-            parts = [self.lv[i] for i in p.lead] + [f"pl.ds({rows_at} * {rows}, {rows})"]
+            why = "the part's weight in the merge" if part else "kept for the gradients"
+            cons.append(f"{var} = {row_lse(mm, ll, safe, row)}  # {why}")
+            parts = ([part] if part else []) + [self.lv[i] for i in p.lead] + [f"pl.ds({rows_at} * {rows}, {rows})"]
             copies.append((lse_smem, var, f"{lse_ref}.at[{', '.join(parts)}]"))
         if through_q:
             cons.append(f"# '{through_q}' through the query tile: the walk has read it for the last time.")
@@ -553,11 +580,29 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             rows = self.clipped(p.query) if self.ragged(p.query) else None
             shape = [rows if i == p.query and rows is not None else self.size_of(i) for i in target.indices]
             var = self.n.local(c.output)
-            outs.append((var, py_tuple(shape), out.dtype.jnp))
+            outs.append((var, py_tuple((["splits"] if m.splits else []) + shape), out.dtype.jnp))
             if rows is not None:
                 cut = ", ".join(f":{self.size_of(i)}" if i == p.query else ":" for i in target.indices)
                 finish.append(f"{var} = {var}[{cut}]  # the rows past the end (to a multiple of 8) dropped")
         declared = [dict((c.output, v) for c, (v, _, _) in zip(p.consumers, outs))[o.name] for o in k.outputs]
+        if m.splits:
+            # Flash decoding: each key part's outputs and its rows' logsumexps, merged.
+            split_lse = self.n.local("row_lse")
+            rows = self.clipped(p.query) if self.ragged(p.query) else None
+            merges = []
+            for c, (var, _, _) in zip(p.consumers, list(outs)):
+                target = k.statement_of(c.output).target
+                if c.kind == "softmax_product":
+                    value = f"_merge_splits({var}, {split_lse}, {list(target.indices).index(self.e_of(c))})"
+                elif c.kind == "logsumexp":
+                    value = f"_split_lse({split_lse}).astype({var}.dtype)"
+                elif c.kind == "max":
+                    value = f"{var}.max(axis=0)"
+                else:
+                    value = f"{var}.astype({F32}).sum(axis=0).astype({var}.dtype)"
+                merges.append(f"{var} = {value} if splits > 1 else {var}[0]")
+            outs.append((split_lse, py_tuple(["splits"] + [self.size_of(i) for i in p.lead] + [rows or self.size_of(p.query)]), F32))
+            finish = merges + finish
         if m.backward:
             row_lse = self.n.local("row_lse")
             rows = self.clipped(p.query) if self.ragged(p.query) else None
@@ -567,6 +612,8 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                 # rows, as `sharded`'s ring merges it with them.
                 finish.append(f"{row_lse} = {row_lse}[..., :{self.size_of(p.query)}]  # the rows past the end (to a multiple of 8) dropped")
         grid = " * ".join([self.size_of(i) for i in p.lead] + [f"({self.n_tiles})"])
+        ksub = self.tile[p.key] // m.tk
+        steps = self.blocks(p.key) + (f" * {ksub}" if ksub != 1 else "")  # the most steps a row block walks
         reference_lines = self.reference_lines()
         doc, call_doc = self.wrapper.docstrings(
             "a Pallas Mosaic GPU kernel (Hopper: TMA, WGMMA)",
@@ -616,7 +663,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             ring_tables=self.ring_tables(glue, mesh.ring, "chunk, interpret", [by_output[o.name] for o in k.outputs],
                                          ("_gpu_interpret(interpret) is not None", "the Mosaic GPU interpreter")),
             positions=self.positions, shard_keywords=self.shard_keywords, kinds_lines=kinds_lines,
-            warpgroups=m.warpgroups, rows=m.rows,
+            warpgroups=m.warpgroups, rows=m.rows, splits=m.splits, sms=m.target.sms, steps=steps,
         )
         return format_module(text, names=(m.name,))
 

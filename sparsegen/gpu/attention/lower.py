@@ -92,6 +92,7 @@ class GpuAttentionModule(GpuWalkModule):
     backward: GpuBackward | None = None  # the dq and dk/dv kernels
     backward_error: str | None = None  # why jax.grad cannot go through the kernel at all
     rows: int = TQ  # rows a CTA stores: `tq`, or a row block under 64 rows (decoding) padded to `tq` in shared memory
+    splits: bool = False  # flash decoding: the forward walks each row block's key steps in parts (chosen at call time)
     walks = ("row walk",)
 
     @property
@@ -232,10 +233,16 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
         # Decoding (language v2, section 3): inference only on GPU, as the TPU's paged walk.
         why = (f"a row block of {ti} rows padded to WGMMA's {TQ}" if rows < TQ else
                f"the key side read through '{p.query} // n' (grouped heads packed into the rows)")
+        # Flash decoding: each key part also stores its rows' logsumexps (their weights in
+        # the merge), where the CTA keeps its shape with them; else the walk stays whole.
         wgs, tk, smem = shaped(False)
+        split = cta_shape(k, p, ops, ti, steps, target, row_lse=True)
+        splits = fits(split, target) and split[:2] == (wgs, tk)
+        if splits:
+            smem = split[2]
         return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None,
                                   f"the GPU backward walks row blocks of {TQ} rows and one key head each; '{k.name}' has {why}: "
-                                  f"it is not differentiated on {target.name} (decoding kernels are for inference)", rows)
+                                  f"it is not differentiated on {target.name} (decoding kernels are for inference)", rows, splits)
     backward, error = plan_backward(k, p, ops, target.smem_bytes), None
     for bk, what in ((backward.dq, "dq"), (backward.dkv, "dk/dv")):
         if bk.smem > target.smem_bytes and error is None:

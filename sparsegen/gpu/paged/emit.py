@@ -14,8 +14,8 @@ waits for its own. Per step the score tile (WGMMA), the chain, the condition wit
 bounds (keys outside them were not fetched from their own pages), the online softmax, the
 probabilities through shared memory into a WGMMA per value. Where the row blocks are too
 few to fill the SMs, each walks its steps in parts, a CTA each (flash decoding: `splits`,
-chosen at call time by the template's `_key_splits`); a part stores its rows' outputs and
-logsumexps, merged on the host (`_merge_splits`).
+chosen at call time by `_key_splits`, templates/helpers.py.j2, as the row walk's); a part
+stores its rows' outputs and logsumexps, merged on the host (`_merge_splits`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ...pytext import py_tuple
 from ...terms import ScoreTerms
 from ...wrapper import Glue
 from ...tpu.paged.emit import PagedEmitter
+from ..attention.emit import row_lse
 from ..attention.lower import out_through_q
 from .describe import describe_gpu_paged
 from .lower import GpuPagedModule
@@ -268,8 +269,7 @@ class GpuPagedEmitter(PagedEmitter):
             e = self.tile[next(g.inner.index for g in pg.gathers if g.read == c.value)]
             value = f"{acc} / lax.broadcast_in_dim({safe}, ({tq}, {e}), [0])" + (f" * {c.scale!r}" if c.scale is not None else "")
             inner.append(f"{out_smem[c.output]}[...] = ({value}).astype({k.operand(c.output).dtype.jnp})")
-        inner.append(f"{lse_smem}[...] = jnp.where({ll} == jnp.full({row_shape}, 0.0, {F32}), jnp.full({row_shape}, -jnp.inf, {F32}), "
-                     f"{mm} + jnp.log({safe}))  # the part's logsumexp per row, for the merge")
+        inner.append(f"{lse_smem}[...] = {row_lse(mm, ll, safe, row_shape)}  # the part's logsumexp per row, for the merge")
         inner.append("plgpu.commit_smem()")
         for c in products:
             target = k.statement_of(c.output).target.indices
