@@ -115,9 +115,10 @@ def test_lowers_with_the_shared_memory_the_rules_say():
     them without spills where stage 3 runs."""
     from sparsegen.gpu.verify import verify_modules
 
+    texts = [with_tiles(example_text(name), **tiles) for name, tiles, _, _ in CASES]
+    texts += [example_text(DX), example_text(DY), *BATCHED.values()]  # the examples as written; a mask lacking b
     items = []
-    for name, tiles, _, _ in CASES + [(DX, {}, None, None), (DY, {}, None, None)]:  # and the examples as written
-        text = with_tiles(example_text(name), **tiles) if tiles else example_text(name)
+    for text in texts:
         source = SourceFile("fused.spk", text)
         (m,) = lower_source(source, "h200")
         items.append((m, source, "h200"))
@@ -130,3 +131,60 @@ def test_lowers_with_the_shared_memory_the_rules_say():
     for r in results:
         assert r.compiled, r.raw_error
         assert r.spill_bytes == 0, (r.kernel, r.registers, r.spill_bytes)
+
+
+
+BATCHED = {
+    "batched_dx": """
+kernel batched_dx {
+    in  g: bf16[B, M, N]
+    in  keep: bf16[M, N] mask
+    in  y: bf16[B, K, N]
+    out dx: bf16[B, M, K]
+
+    dx[b, m, k] = g[b, m, n] * keep[m, n] * y[b, k, n]
+
+    tile b = 1, m = 64, n = 64, k = 64
+}
+""",
+    "batched_dy": """
+kernel batched_dy {
+    in  x: bf16[B, M, K]
+    in  g: bf16[B, M, N]
+    in  keep: bf16[M, N] mask
+    out dy: bf16[B, K, N]
+
+    dy[b, k, n] = x[b, m, k] * g[b, m, n] * keep[m, n]
+
+    tile b = 1, m = 64, n = 256, k = 64
+}
+""",
+}
+
+
+@pytest.mark.parametrize("which", sorted(BATCHED))
+def test_a_mask_lacking_the_batch_index_is_read_once_per_batch(which):
+    """keep[m, n] multiplies g[b, m, n]: each batch's steps read the same mask tiles; only its
+    block kinds (one per block) are broadcast over b, not the mask (the wrapper used to
+    broadcast it to g's shape and multiply). Batch 1's blocks differ from batch 0's values."""
+    text = BATCHED[which]
+    p = product_pass(text)
+    assert p.selection is not None and not any("broadcast_to(_expand" in line or "einsum" in line for line in p.host), p.host
+    assert p.tiles.wgs == (1 if which == "batched_dx" else WARPGROUPS)
+    kernel, mod = build(text, "h200")
+    B, M, K, N = 2, 128, 128, 256
+    rng = np.random.default_rng(11)
+    keep = keep_mask(M, N, 64, 64 if which == "batched_dx" else 256, seed=12)
+    g = rng.standard_normal((B, M, N)).astype(np.float32)
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)  # noqa: E731
+    if which == "batched_dx":
+        y = rng.standard_normal((B, K, N)).astype(np.float32)
+        args = [jnp.asarray(a, jnp.bfloat16) for a in (g, keep, y)]
+        want = np.einsum("bmn,mn,bkn->bmk", bf(g), keep, bf(y))
+    else:
+        x = rng.standard_normal((B, M, K)).astype(np.float32)
+        args = [jnp.asarray(a, jnp.bfloat16) for a in (x, g, keep)]
+        want = np.einsum("bmk,bmn,mn->bkn", bf(x), bf(g), keep)
+    out = getattr(mod, which)(*args, interpret=True)
+    assert_matches(kernel, out, mod.reference(*args), dict(B=B, M=M, K=K, N=N))
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-2, atol=0.1 * max(1.0, np.abs(want).std()))

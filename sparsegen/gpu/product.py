@@ -35,7 +35,9 @@ blocks; the kernel writes its output the same way, TMA clipping the edge tiles' 
 A mask factor (its blocks classified) is 2-D, padded to whole blocks; a factor after the
 sum is read as A and B are (clipped; its block kinds classified on whole blocks); one
 along the rows or columns alone (`r[m]`, `c[n]`) is a vector, padded to whole blocks, read
-per tile in the epilogue (`EndVector`). Factors a covering factor multiplies are
+per tile in the epilogue (`EndVector`). A mask the walk follows, covered by its group's
+factor (`g * keep` in a masked product's backward), is multiplied into that factor's tile
+by the kernel at the mask's partial blocks (`fused_selection`); other covered factors are
 formed by the wrapper (XLA fuses them into one pass). A matrix stored (k, m) rather than
 (m, k) is not copied: WGMMA reads its shared-memory tile MN-major (16-bit types; tf32
 WGMMA takes K-major tiles only, so 32-bit matrices the other way are copied transposed).
@@ -229,7 +231,9 @@ class ProductLowering:
         # multiplied into the covering factor's tile in the kernel, at its partial blocks only
         # (`fused`): empty blocks are never walked, all-ones blocks need no read, and the
         # wrapper forms no product over the whole operand.
-        fused = mask is not None and extras == [mask] and sorted(mask.indices) == sorted(main.indices)
+        # A mask lacking some of the factor's coordinates (a batch index) is read by each of
+        # their values, its block kinds broadcast along them.
+        fused = mask is not None and extras == [mask] and set(main.indices) - set(mask.indices) <= set(self.coords)
         if fused:
             self.fused = (("b" if is_b else "a"), mask)
         if extras and not fused:
@@ -256,6 +260,14 @@ class ProductLowering:
         if mask is not None:
             mvar = names.local(f"{mask.operand}_matrix")
             msrc = self.ctx.source(mask)
+            if fused:
+                own = tuple(c for c in mine if c.index in mask.indices)
+                morder = [c.index for c in own] + order[len(mine):]
+                mperm = tuple(mask.indices.index(i) for i in morder)
+                mtiles = (1,) * len(own) + tiles[len(mine):]
+                host.append(f"{mvar} = _matrix({msrc}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, mtiles))})")
+                self.mask_var, self.mask_coords = mvar, own
+                return Matrix(op.name, var, mine, row, col, transposed, False, copied, bool(mine)), mvar
             if len(mask.indices) < len(main.indices):
                 # The mask lacks some of the factor's indices (a batch index): its blocks are
                 # the same along them; laid out as the factor for the walk's tables.
@@ -268,8 +280,6 @@ class ProductLowering:
                 mindices = mask.indices
             mperm = tuple(mindices.index(i) for i in order)
             host.append(f"{mvar} = _matrix({msrc}, {py_tuple(map(str, mperm))}, {py_tuple(map(str, tiles))})")
-            if fused:
-                self.mask_var = mvar
         return Matrix(op.name, var, mine, row, col, transposed, False, copied, bool(mine)), mvar
 
     def after_sum(self):
@@ -449,8 +459,17 @@ class ProductLowering:
             tb = (self.tile[first], self.tile[second])
             self.host.append(f"# The non-empty blocks of {sparse}: the only steps, grouped by the {line} of output blocks.")
             fused = self.fused is not None and self.fused[0] == ("a" if walk == "rows" else "b")
-            self.host.append(f"{kinds} = _block_kinds({mvar}, {py_tuple(map(str, tb))}, {fused}).reshape("
-                             f"{render(lead, 'host')}, {render(self.ctx.blocks(first), 'host')}, {render(self.ctx.blocks(second), 'host')})")
+            blocks = f"{render(self.ctx.blocks(first), 'host')}, {render(self.ctx.blocks(second), 'host')}"
+            if fused and len(self.mask_coords) < len(mat.coords):
+                # The mask lacks some coordinates: its blocks' kinds, the same for each of their values.
+                own = [render(c.extent, "host") if c in self.mask_coords else "1" for c in mat.coords]
+                full = [render(c.extent, "host") for c in mat.coords]
+                lacked = ", ".join(c.index for c in mat.coords if c not in self.mask_coords)
+                self.host.append(f"{kinds} = _block_kinds({mvar}, {py_tuple(map(str, tb))}, True).reshape({', '.join(own)}, {blocks})")
+                flat_ = f".reshape({render(lead, 'host')}, {blocks})" if len(full) > 1 else ""
+                self.host.append(f"{kinds} = jnp.broadcast_to({kinds}, ({', '.join(full)}, {blocks})){flat_}  # the same for every {lacked}")
+            else:
+                self.host.append(f"{kinds} = _block_kinds({mvar}, {py_tuple(map(str, tb))}, {fused}).reshape({render(lead, 'host')}, {blocks})")
             if first == kidx:  # bring the key index next to the coordinates, k last
                 self.host.append(f"{kinds} = {kinds}.transpose(0, 2, 1)")
             self.host.append(f"{live} = ({kinds} != _EMPTY).reshape(-1)")
@@ -570,7 +589,7 @@ class ProductLowering:
         ws = t.wgs > 1
         mat = self.a if on == "a" else self.b
         mop = self.k.operand(mask.operand)
-        mmat = Matrix(mop.name, self.mask_var, mat.coords, mat.row, mat.col, mat.transposed, False)
+        mmat = Matrix(mop.name, self.mask_var, self.mask_coords, mat.row, mat.col, mat.transposed, False)
         if on == "a":
             index = self.matrix_index(mmat, t.bm // t.tm, t.ksub, "mi", "kk")
         else:  # the consumer's columns (the CTA's, one warpgroup)
