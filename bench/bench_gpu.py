@@ -12,6 +12,10 @@
    (SDDMM at the same topology, element level).
 3. DSD with every block stored: the kernel against cuBLAS on the same work, which says how
    much of the speed-up is the kernel and how much the sparsity.
+3b. A masked product's backward, dx = (g * keep) @ y^T, keep causal (lower-triangular
+   element mask: its blocks empty, all ones, or partial on the diagonal), bf16, 8192^3: the
+   kernel multiplies keep's partial blocks into g's tiles itself; against `jnp.dot` of the
+   product XLA forms (what the kernel's wrapper did before it fused the mask).
 Blocks of 128 and 256 (the spec's tiles; the kernels' CTA tiles are 128 x 128 inside them).
 4. Attention (`--suite attention`): causal, local (a causal window of 1024 keys) and
    document (packed sequences: a query sees its own document's keys, causally) masks, bf16,
@@ -163,6 +167,41 @@ def sdd_case(size: int, b: int, smoke: bool, repeats: int) -> dict:
         flops = 2.0 * len(r) * b * b * size
         row.update({"sparsegen ms": t_ours * 1e3, "jnp.dot ms": t_dense * 1e3, "BCOO sampled ms": t_sampled * 1e3,
                     "vs dense": t_dense / t_ours, "vs sampled": t_sampled / t_ours, "TFLOP/s": flops / t_ours / 1e12})
+    return row
+
+
+MASKED_DX = """
+kernel bench_masked_dx {{
+    in  g: bf16[M, N]
+    in  keep: bf16[M, N] mask
+    in  y: bf16[K, N]
+    out dx: bf16[M, K]
+    dx[m, k] = g[m, n] * keep[m, n] * y[k, n]
+    tile m = {b}, n = {b}, k = 512
+    accumulate f32
+}}
+"""
+
+
+def masked_dx_case(size: int, b: int, smoke: bool, repeats: int) -> dict:
+    rng = np.random.default_rng(2)
+    g = jnp.asarray(rng.standard_normal((size, size)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((size, size)), jnp.bfloat16)
+    keep = jnp.tril(jnp.ones((size, size), jnp.bfloat16))
+    kernel = load(MASKED_DX.format(b=b))
+    ours = jax.jit(lambda *a: kernel(*a, interpret=smoke))
+    xla = jax.jit(lambda a, mk, c: jnp.dot(a * mk, c.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    got = np.asarray(ours(g, keep, y), np.float32)
+    want = np.asarray(xla(g, keep, y), np.float32)
+    err = float(np.abs(got - want).max() / max(1.0, np.abs(want).max()))
+    grid = size // b
+    row = {"case": f"masked dx {size}^3, blocks {b}, causal keep", "stored blocks": grid * (grid + 1) // 2, "max rel err": err}
+    if not smoke:
+        t_ours = timed(ours, g, keep, y, repeats=repeats)
+        t_dense = timed(xla, g, keep, y, repeats=repeats)
+        flops = 2.0 * (grid * (grid + 1) // 2) * b * b * size
+        row.update({"sparsegen ms": t_ours * 1e3, "jnp.dot ms": t_dense * 1e3, "vs dense": t_dense / t_ours,
+                    "TFLOP/s": flops / t_ours / 1e12})
     return row
 
 
@@ -371,6 +410,7 @@ def main() -> int:
             rows.append(sdd_case(size, b, args.smoke, args.repeats))
         # Every block stored: the kernel's own efficiency against cuBLAS, apart from what sparsity saves.
         rows.append(dsd_case(size, blocks[-1], 1.0, args.smoke, args.repeats))
+        rows.append(masked_dx_case(size, blocks[-1], args.smoke, args.repeats))
         tables["matmul"] = rows
         print_table("block-sparse products", rows)
     if args.suite in ("attention", "all"):
