@@ -7,6 +7,9 @@ same module; the calls it makes; the AOT compile on v5e and v6e."""
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,6 +170,11 @@ def test_a_per_key_operand_gets_its_gradient_in_the_fused_walk(interpret):
     B, H, S = 2, 2, 300
     args = [rand(rng, (B, H, S, 128), jnp.float32) for _ in range(3)] + [rand(rng, (B, S), jnp.float32)]
     assert backward_kernels(mod, mod.biased, args) == [FUSED]
+    # The backward returns each gradient once (kpad's came back twice: the key walk's output
+    # and the float operand's entry).
+    returns = [node for node in ast.walk(ast.parse(inspect.getsource(mod._backward))) if isinstance(node, ast.Return)]
+    names = [[e.id for e in r.value.elts] for r in returns]
+    assert names and all(len(set(n)) == len(n) == 4 for n in names), names  # dq, dk, dv, dkpad
     got = gradients(lambda *a: mod.biased(*a, interpret=interpret), args, len(args))
     assert_gradients_match(got, gradients(mod.reference, args, len(args)), bf16=False)
 

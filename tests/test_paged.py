@@ -204,6 +204,29 @@ def test_paged_forms_it_does_not_walk_are_refused(text, message):
         compile_source(SourceFile("k.spk", src))
 
 
+@pytest.mark.parametrize("target", ["v5e", "h200"])
+@pytest.mark.parametrize("condition, lengths, at, message", [
+    ("j <= lens[b] - 4 + i - h", "lens: index[B]", "q[b, h, i, d]",
+     "not supported yet: a paged walk's condition compares 'h', packed into the rows (tile h = 8): the page bounds are kept "
+     "per value of each batch or head index, and a block of rows holds 8 'h'; compare 'i' (its positions), sizes, or "
+     "operands at indices walked one at a time"),
+    ("j <= hl[b, h] - 4 + i", "hl: index[B, H]", "hl[b, h]",
+     "not supported yet: a paged walk's condition reads 'hl[b, h]' at 'h', packed into the rows (tile h = 8): it is read "
+     "once per step, and a block of rows holds 8 'h'; compare 'i' (its positions), sizes, or operands at indices walked "
+     "one at a time"),
+])  # fmt: skip
+def test_a_condition_over_heads_packed_into_the_rows_is_refused_saying_why(condition, lengths, at, message, target):
+    """paged_gqa_speculative_decode with its condition over the packed heads: the diagnostic
+    users see (at the query read, or at the operand read), the same on TPU and GPU."""
+    text = (SPECS / "paged_gqa_speculative_decode.spk").read_text()
+    text = text.replace("j <= lens[b] - 4 + i", condition).replace("lens: index[B]", lengths)
+    with pytest.raises(SpecError) as info:
+        compile_source(SourceFile("bad.spk", text), target)
+    lines = text.splitlines()
+    line = next(n for n, t in enumerate(lines, 1) if condition in t)
+    assert info.value.render().splitlines()[0] == f"bad.spk:{line}:{lines[line - 1].index(at) + 1}: error: {message}"
+
+
 def _mqa_oracle(q, kc, vc, pages, lens):
     return _oracle(q, np.asarray(kc)[None], np.asarray(vc)[None], pages, lens, heads_per_kv=q.shape[1])
 

@@ -132,14 +132,24 @@ def paged_plan(kernel: Kernel, row: RowPlan) -> PagedPlan:
         for t in term.walk():
             if t.read is not None and t.op != "local":
                 fail(t.read.span, "not supported yet: an elementwise step of a paged walk reads no operand (numbers, sizes, indices)")
+    # A condition over a packed index: the page bounds are kept per value of each lead index
+    # (and row block), and the condition's operands are read at one value of each per step,
+    # while a block of rows holds `tile` values of a packed one.
     packed = [i for i in p.lead if kernel.index(i).tile != 1]
+    instead = f"compare '{p.query}' (its positions), sizes, or operands at indices walked one at a time"
     for cond in p.conditions:
         for t in cond.walk():
             if t.op == "index" and t.name in packed:
-                fail(p.q.span, f"not supported yet: a paged walk's condition compares '{t.name}', a row index packed into the rows")
+                tile = kernel.index(t.name).tile
+                fail(p.q.span, f"not supported yet: a paged walk's condition compares '{t.name}', packed into the rows "
+                               f"(tile {t.name} = {tile}): the page bounds are kept per value of each batch or head index, "
+                               f"and a block of rows holds {tile} '{t.name}'; {instead}")
             if t.read is not None and any(i in packed for i in t.read.indices):
-                fail(t.read.span, f"not supported yet: a paged walk's condition reads an operand at a row index packed into "
-                                  f"the rows ({', '.join(packed)}); it may compare their positions")
+                i = next(i for i in t.read.indices if i in packed)
+                tile = kernel.index(i).tile
+                fail(t.read.span, f"not supported yet: a paged walk's condition reads '{t.read.text}' at '{i}', packed into "
+                                  f"the rows (tile {i} = {tile}): it is read once per step, and a block of rows holds "
+                                  f"{tile} '{i}'; {instead}")
     scalars = []
     for cond in p.conditions:
         for r in cond.reads:

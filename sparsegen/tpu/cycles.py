@@ -181,7 +181,14 @@ class Call:
 
 def capture(fn, args: list, keywords: dict, backward: bool, pl_module) -> tuple[list[Call], list[Call]]:
     """The `pallas_call`s the generated function `fn` makes for these concrete arguments, and
-    those of its backward, run eagerly on the CPU; each call returns zeros, nothing runs."""
+    those of its backward, run eagerly on the CPU; each call returns zeros, nothing runs.
+
+    Intercepted at the call, not read from the traced program as verify's SMEM count is
+    (`tpu.verify.scalar_memory`): a traced `pallas_call` holds its kernel as a jaxpr (and a
+    source location) and its arguments as variables, while the estimate needs the kernel's
+    Python function (run on the host with its `pl`, `jnp` and `lax` swapped, and re-traced
+    with conditions replaced by lookups) and the tables' concrete values the wrapper computed
+    for these arguments (the regions' conditions, the index maps' walk, a traced grid extent)."""
     import jax
     import jax.numpy as jnp
 

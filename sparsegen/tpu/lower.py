@@ -138,14 +138,6 @@ class TpuModule:
         """(operand, the block shape its kernel sees) of every pass's blocks."""
         return [(s.block.operand, tuple(s.view.ref_shape)) for tp in self.passes for s in tp.specs]
 
-    def smem_entries(self, values: dict, stored_blocks: int, namespace: dict | None = None) -> int:
-        """Int32 entries of the largest pass's scalar-prefetch tables (`values`: the sizes by
-        variable; every coo operand holding `stored_blocks` blocks; `namespace`: the generated
-        module's globals, for walk lengths counted by its functions)."""
-        from .rules import smem_entries
-
-        return max((smem_entries(tp, values, namespace, stored_blocks) or 0 for tp in self.passes), default=0)
-
     @property
     def spans(self) -> tuple[tuple[str, int, int], ...]:
         """(operand, dim, tile): tiles that must span a symbolic dimension, checked at call time."""

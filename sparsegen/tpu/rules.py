@@ -59,11 +59,11 @@ def check_attention(m: AttentionModule, suggest: Callable[[], Kernel | None] | N
 _LENGTH_NAMES = {"__builtins__": {}, "pl": SimpleNamespace(cdiv=lambda a, b: -(-a // b))}
 
 
-def smem_entries(tp, env: dict[str, int | None], namespace: dict | None = None, stored_blocks: int | None = None) -> int | None:
-    """Int32 entries of a pass's (lower.TpuPass) scalar-prefetch tables, or None when a size is
-    unknown (a stored block count, or a walk length only the data or the module's functions
-    give). `namespace`: the generated module's globals (else build time's: sizes only)."""
-    env = tp.p.count_values(env, namespace or _LENGTH_NAMES, lambda _: stored_blocks, partial=True)
+def smem_entries(tp, env: dict[str, int | None]) -> int | None:
+    """Int32 entries of a pass's (lower.TpuPass) scalar-prefetch tables at build time, or None
+    when a size is unknown (a stored block count, or a walk length only the data or the
+    module's functions give: `verify` reads what the traced program allocates)."""
+    env = tp.p.count_values(env, _LENGTH_NAMES, lambda _: None, partial=True)
     total = 0
     for t in tp.p.tables:
         value = evaluate(t.length, env)

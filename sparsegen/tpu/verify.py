@@ -88,6 +88,14 @@ class Result:
 
 
 def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, emit, vmem_limit=None, backward: bool = False, module=None):
+    """The module's call (`backward`: its gradient's) compiled for `target_name` (`_trace`)."""
+    return _lower(_trace(plan, source, target_name, args, keywords, emit, vmem_limit, backward, module), target_name)
+
+
+def _trace(plan: TpuModule, source: SourceFile, target_name: str, args, keywords, emit, vmem_limit=None, backward: bool = False, module=None):
+    """The module's call traced under jit for `target_name` with arguments of these shapes
+    and dtypes (`args`) and `keywords`: the program `_lower` compiles, whose kernels
+    `scalar_memory` reads. `module`: the plan's generated module, loaded (else emitted here)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
@@ -107,9 +115,41 @@ def _compile(plan: TpuModule, source: SourceFile, target_name: str, args, keywor
         if not floats:
             raise _NothingDerived("every float input's gradient is refused")
         call = jax.grad(lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in _tuple_of(fn(*a, **keywords))), argnums=floats)
-    # Some Mosaic lowerings ask which TPU they target: the default device tells them.
     with jax.default_device(device):
-        return jax.jit(call).trace(*structs).lower().compile()
+        return jax.jit(call).trace(*structs)
+
+
+def _lower(traced, target_name: str):
+    import jax
+
+    # Some Mosaic lowerings ask which TPU they target: the default device tells them.
+    with jax.default_device(_device(TARGETS[target_name].topology)):
+        return traced.lower().compile()
+
+
+def scalar_memory(jaxpr) -> int:
+    """Bytes of scalar memory (SMEM) the largest kernel of a traced program takes: a
+    pallas_call's scalar-prefetch operands (a walk's tables, first positions, page bounds)
+    and its SMEM scratch, as the program hands them to Mosaic: what the generated module
+    allocates, counted from the program itself (the module checks the same tables against
+    `_SMEM_BYTES` as it builds them). `jaxpr`: `Traced.jaxpr`, or any jaxpr within it.
+    The pallas_call's parameters are jax's own (0.12): test_verify's
+    test_scalar_memory_is_what_the_module_checks holds this count to the module's."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    most = 0
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if eqn.primitive.name == "pallas_call":
+            grid = eqn.params["grid_mapping"]  # its operands: dynamic grid bounds, scalar prefetch, inputs
+            start = grid.num_dynamic_grid_bounds
+            prefetch = [v.aval for v in eqn.invars[start : start + grid.num_index_operands]]
+            scratch = [a for a in grid.scratch_avals if getattr(a, "memory_space", None) == pltpu.SMEM]
+            most = max(most, sum(a.size * a.dtype.itemsize for a in prefetch + scratch))
+        for value in eqn.params.values():  # jit, custom_vjp and control flow bodies
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    most = max(most, scalar_memory(sub))
+    return most
 
 
 class _NothingDerived(Exception):
@@ -202,26 +242,16 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
     k = plan.kernel
     env, nb, args, keywords = concrete(k, shapes, nnz)
     chip = TARGETS[target]
-    values = {s.internal: env[s.symbol] for s in plan.conv.sizes}
     module = _load(emit(plan, source.name), f"verify_{plan.name}")
-    # A walk's length may be counted by the module's own functions (a condition's blocks).
-    smem = plan.smem_entries(values, nb, vars(module)) * 4
-    # What the forward's calls allocate, as the module itself counts it (`_check_smem`, given
-    # each call's scalar-prefetch entries while it is traced): a row walk's tables are sized
-    # by its classification at these sizes (the dense count where the condition reads traced
-    # operands), which only the module knows.
-    counted: list[int] = []
-    check = getattr(module, "_check_smem", None)
-    if check is not None:
-        def counting(entries, what):
-            counted.append(int(entries))
-            return check(entries, what)
-
-        module._check_smem = counting
-    result = Result(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, plan.vmem_bytes, vmem_limit=chip.vmem_bytes, smem_used=smem, smem_limit=chip.smem_bytes)
+    result = Result(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, plan.vmem_bytes, vmem_limit=chip.vmem_bytes, smem_limit=chip.smem_bytes)
     start = time.perf_counter()
     try:
-        compiled = _compile(plan, source, target, args, keywords, emit, module=module)
+        traced = _trace(plan, source, target, args, keywords, emit, module=module)
+        # What the forward's kernels take of SMEM at these sizes, from the traced program: a
+        # row walk's tables are sized by its classification (the dense count where the
+        # condition reads traced operands), which only the module's code computes.
+        result.smem_used = scalar_memory(traced.jaxpr)
+        compiled = _lower(traced, target)
     except Exception as exc:
         result.compile_seconds = time.perf_counter() - start
         result.raw_error = str(exc)
@@ -229,9 +259,6 @@ def verify_plan(plan: TpuModule, source: SourceFile, target: str, shapes: dict[s
         return result
     result.compile_seconds = time.perf_counter() - start
     result.compiled = True
-    if check is not None:
-        module._check_smem = check
-        result.smem_used = max([smem, *(4 * n for n in counted)])
     if plan.backward_error:
         result.backward = f"not derived: {plan.backward_error}"
     elif plan.has_backward:

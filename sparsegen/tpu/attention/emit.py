@@ -201,27 +201,31 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
         backward = {}
         outputs = [c.output for c in p.consumers]
         derived = derived_outputs(p) if error is None else []
-        fused_dict, fused_rows, fused_vmem = None, None, None
+        fused_dict, fused_rows, fused_vmem, calls_b = None, None, None, []
+        dq = dkv = fused = None
         if derived:
             self.cotangents = {o.name: self.n.local(f"g_{o.name}") for o in k.outputs}
-            dq, dkv = self.dq_call(), self.dkv_call() if self.needs_key_walk() else None
-            backward = self.backward_glue(dq, dkv, outputs)
-            calls_b = [self.call_dict(dq, kinds_var)] + ([self.call_dict(dkv, f"{kinds_var}.transpose(0, 2, 1)")] if dkv else [])
             bw = m.backward_walk
-            if bw.fused:  # lower.backward_walk: one walk over key blocks (and, past max_rows, the two passes)
+            # lower.backward_walk: two walks (over rows, over key blocks), or one over key
+            # blocks, or (the query size known only at trace time) one, and past max_rows two.
+            if not bw.fused or bw.max_rows is not None:
+                dq, dkv = self.dq_call(), self.dkv_call() if self.needs_key_walk() else None
+                backward = self.backward_glue(dq.outs, dkv.outs if dkv else [], outputs)
+                calls_b = [self.call_dict(dq, kinds_var)] + ([self.call_dict(dkv, f"{kinds_var}.transpose(0, 2, 1)")] if dkv else [])
+            if bw.fused:
                 fused = self.dkv_call(fused=True)
+                if dq is None:  # the gradients of the one walk: dq's, then the key side's
+                    dq_var = self.grad_vars["dq_full"]
+                    backward = self.backward_glue([o for o in fused.outs if o.var == dq_var], [o for o in fused.outs if o.var != dq_var], outputs)
                 fused_dict = self.call_dict(fused, f"{kinds_var}.transpose(0, 2, 1)")
                 if bw.max_rows is None:
                     limits = [x for x in (bw.limit, m.vmem_limit()) if x is not None]
                     fused_dict["vmem_limit"] = max(limits) if limits else None
-                    calls_b = []
                 else:  # the size is known at trace time: so is the limit (`_fused_vmem_limit`)
                     fused_rows = (self.padded_rows(), bw.max_rows)
                     fused_dict["vmem_limit"] = f"_fused_vmem_limit({self.padded_rows()})"
                     fused_vmem = {"static": bw.static_bytes, "row": bw.row_bytes, "floor": m.vmem_limit() or m.target.scoped_vmem_bytes,
                                   "vmem": m.target.vmem_bytes}
-        else:
-            calls_b = []
         doc, call_doc = self.docstring()
         forward_dict = self.call_dict(forward, kinds_var)
         # `_run` (no gradients) calls the forward without the logsumexp the gradients read;
@@ -229,8 +233,7 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
         primal = None if stored else self.primal_call(forward)
         primal_dict = self.call_dict(primal, kinds_var) if primal else None
         stored_dict = self.call_dict(stored, kinds_var, walk="_dense_tables") if stored else None
-        maps = self.all_maps([forward] + ([stored] if stored else []) + ([c for c in (dq, dkv) if c] if calls_b else [])
-                             + ([fused] if fused_dict else []))
+        maps = self.all_maps([forward] + ([stored] if stored else []) + [c for c in (dq, dkv, fused) if c])
         prepare_lines = self.prepare_lines()
         reference_lines = self.reference_lines()
         outputs = [self.out_var[c.output] for c in p.consumers]
@@ -312,8 +315,9 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
                 out[d["fn"]] = d
         return list(out.values())
 
-    def backward_glue(self, dq: CallSpec, dkv: CallSpec, outputs) -> dict:
-        """`_run_backward`'s lines: the per-row inputs, the two calls' results, and each
+    def backward_glue(self, row_outs: list[OutArr], key_outs: list[OutArr], outputs) -> dict:
+        """`_run_backward`'s lines: the per-row inputs, the backward's results (`row_outs`: dq
+        and the row walk's gradients; `key_outs`: the key walk's, dk's first), and each
         gradient reduced to its operand (`h // n` reads sum their group, a lead index the
         operand lacks sums away)."""
         p, k, conv = self.p, self.k, self.m.conv
@@ -340,15 +344,14 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             if c.kind == "sum":
                 lines.append(f"{self.row_hosts['dsum']} = jnp.broadcast_to({self.cotangents[c.output]}.astype({f32})[..., None], {row_shape})")
                 lines.append(f"{self.col_hosts['dsum']} = jnp.broadcast_to({self.cotangents[c.output]}.astype({f32})[..., None, :], {col_shape})")
-        dkv_outs = dkv.outs if dkv is not None else []
-        results = [o.var for o in dq.outs] + [o.var for o in dkv_outs]
+        results = [o.var for o in row_outs + key_outs]
         # Per operand: the gradients its reads get, laid out as the operand.
         grads: dict[str, list[str]] = {}
         std = {}
         if not p.stored_score:
-            std = {dq.outs[0].var: (p.q, p.lead + (p.query, p.summed)), dkv.outs[0].var: (p.k, p.lead + (p.key, p.summed))}
+            std = {row_outs[0].var: (p.q, p.lead + (p.query, p.summed)), key_outs[0].var: (p.k, p.lead + (p.key, p.summed))}
         vals = [c for c in p.consumers if c.kind == "softmax_product"]
-        for c, o in zip(vals, dkv_outs[0 if p.stored_score else 1:]):
+        for c, o in zip(vals, key_outs[0 if p.stored_score else 1:]):
             std[o.var] = (c.value, p.lead + (p.key, self.e_of(c)))
         letters = {i: chr(97 + n) for n, i in enumerate(x.name for x in k.indices)}
         for var, (read, order) in std.items():
@@ -360,8 +363,7 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             src = "".join(letters[i] for i in order)
             dst = "".join(letters[s.index] for s in r.subs)
             divided = py_tuple(f'("{letters[s.index]}", {s.divisor})' for s in r.subs if s.divisor != 1)
-            grads.setdefault(r.operand, []).append(f'_to_operand({var}, "{src}", "{dst}", {divided})')
-            results.append(var)
+            grads.setdefault(r.operand, []).append(f'_to_operand({var}, "{src}", "{dst}", {divided})')  # `var` is a call's output: in `results`
         returns = []
         for a in conv.impl_args:
             param = next((q for q in conv.params if q.internal == a), None)

@@ -875,7 +875,7 @@ class KernelWriter:
                                self.fn(f"_d{r.operand}_keys_map", key=("keys", r)), "", f"the gradient of {r.text}, per key", shape, shape, "jnp.float32", var))
             scratch.append(f"pltpu.VMEM(({self.tile[p.key]}, 1), {acc.jnp})")
             post.append(f"{var} = {var}[..., 0]")
-            if not fused:  # the fused walk returns the same variables
+            if (r, var, p.lead + (p.key,)) not in self.float_grads:  # the fused walk and the key walk return the same variable
                 self.float_grads.append((r, var, p.lead + (p.key,)))
         accs = ([] if p.stored_score else [dk_acc]) + [a for a, _ in dv.values()] + key_accs
         start, finish, group_accs = [], [], []

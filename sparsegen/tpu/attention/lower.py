@@ -91,12 +91,6 @@ class AttentionModule:
         compiler's error."""
         return [(o.read.operand, tuple(b for b in o.block if b is not None)) for o in self.operands]
 
-    def smem_entries(self, values: dict, stored_blocks: int, namespace: dict | None = None) -> int:
-        """Int32 entries of the scalar-prefetch tables: sized by the walk at call time (the
-        dense count when the condition reads operands), so not counted here: `verify` takes
-        the count the module gives its own `_check_smem` as it traces the call."""
-        return 0
-
 
 def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionModule:
     for r in [plan.k] + [c.value for c in plan.consumers if c.value is not None]:

@@ -33,28 +33,6 @@ class PagedModule(AttentionModule):
 
     walks = ("paged walk",)
 
-    def smem_entries(self, values: dict, stored_blocks: int, namespace: dict | None = None) -> int:
-        """Int32 entries of scalar memory for these sizes: the page bounds (two per row
-        block), the scalars the condition reads, and the table (or one row of it, when it
-        is read a row per step: the module decides with the same count)."""
-        from ...expr import evaluate
-
-        def count(dims) -> int:
-            n = 1
-            for d in dims:
-                n *= evaluate(self.conv.size(d), values) or 0
-            return n
-
-        k, p = self.kernel, self.plan
-        rows = evaluate(self.conv.size(k.index(p.query).size).cdiv(k.index(p.query).tile), values) or 0
-        bounds = 2 * rows * count([k.index(i).size for i in p.class_axes[:-2]])
-        scalars = sum(count(k.operand(r.operand).dims) for r in self.paged.scalars)
-        table = k.operand(self.paged.table).dims
-        whole = count(table)
-        if (bounds + scalars + whole) * 4 > self.target.smem_bytes * 3 // 4:
-            whole = count(table[-1:])
-        return bounds + scalars + whole
-
 
 def lower_paged(kernel: Kernel, plan: RowPlan, paged: PagedPlan, target: Target) -> PagedModule:
     names = ModuleNames(kernel)
