@@ -11,7 +11,18 @@
    rule) at H = 8, against Splash's grid, from both sides' tables.
 3. Ahead-of-time compiles for v5e and v6e at H = 8, D = 128 (S = 4096; 8192 for the
    window), forward and forward+backward, and the scoped VMEM each compiled kernel uses
-   (from the compiled HLO), against Splash at the same block sizes.
+   (from the compiled HLO), against Splash at the same block sizes. Each kernel is named by
+   what it computes (fwd, dq, dk/dv, or dq+dk/dv for the fused backward walk), told apart by
+   its name (Splash) or its outputs in the HLO (sparsegen's backward: one array, two, three).
+   `--backward-walk`: the generated module as built (`fused`: its one backward walk while
+   S's padded rows fit `_FUSED_MAX_ROWS`), with `_FUSED_MAX_ROWS = 0` set on this script's
+   own fresh copy of the module (`two-passes`: the backward it keeps beyond that bound, dq
+   then dk/dv; the package is untouched), or `both`, beside one Splash compile.
+
+    .venv/bin/python bench/bench_attention.py --aot-only [--backward-walk fused|two-passes|both]
+        [--aot-masks causal,local,document] [--aot-chips v5e,v6e] [--aot-S 1024,2048]
+
+   runs section 3 alone (`--aot-S`: these sequence lengths for every mask instead).
 4. On a TPU (none here): wall time of both, forward and forward+backward.
 
     .venv/bin/python bench/bench_attention.py --cycles [--forward-only] [--cycles-chips v5e,v6e] [--no-bundles]
@@ -83,10 +94,15 @@ def spec(kind: str, block: int = BLOCK) -> str:
 
 
 _modules: dict = {}
+WALKS = ("fused", "two-passes")
 
 
-def module(kind: str, block: int = BLOCK):
-    key = (kind, block)
+def module(kind: str, block: int = BLOCK, walk: str = "fused"):
+    """The generated module, built from `spec` and imported fresh (its own copy per walk).
+    `walk="two-passes"` sets `_FUSED_MAX_ROWS = 0` on that copy only: its backward then takes
+    the two passes (dq, then dk/dv) it keeps for S past the bound; "fused" is the module as
+    built, which fuses while S's padded rows fit `_FUSED_MAX_ROWS`."""
+    key = (kind, block, walk)
     if key not in _modules:
         (m,) = compile_source(SourceFile(f"{kind}.spk", spec(kind, block)))
         path = Path(tempfile.mkdtemp()) / f"{m.kernel}.py"
@@ -94,6 +110,10 @@ def module(kind: str, block: int = BLOCK):
         imp = importlib.util.spec_from_file_location(m.kernel, path)
         mod = importlib.util.module_from_spec(imp)
         imp.loader.exec_module(mod)
+        if walk == "two-passes":
+            mod._FUSED_MAX_ROWS = 0  # read when the backward is traced: this copy's backward takes two passes
+        elif walk != "fused":
+            raise ValueError(f"walk {walk!r}: one of {', '.join(WALKS)}")
         _modules[key] = mod
     return _modules[key]
 
@@ -200,8 +220,39 @@ def walks(S: int) -> list[dict]:
 # --------------------------------------------------------------------- 3. AOT
 
 
-def our_aot(kind: str, S: int, chip: str, backward: bool) -> dict:
-    mod = module(kind)
+def _outputs(hlo: str, name: str) -> int:
+    """How many arrays the custom call `name` returns in the compiled HLO (a tuple's members)."""
+    head = hlo[hlo.index(f"%{name} = ") + len(name) + 4:]
+    if not head.startswith("("):
+        return 1
+    depth, count = 0, 1
+    for ch in head:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if depth == 0:
+            return count
+        count += ch == "," and depth == 1
+    raise ValueError(f"unbalanced result shape of %{name}")
+
+
+def _our_kernels(report) -> list[list]:
+    """[what, bytes] per generated kernel: the backward's by its outputs (dq; dk, dv; all three)."""
+    hlo = report.compiled.as_text()
+    what = {1: "dq", 2: "dk/dv", 3: "dq+dk/dv"}
+    return [["fwd" if not name.startswith("transpose") else what.get(_outputs(hlo, name), name), v]
+            for name, v in report.kernel_vmem.items()]
+
+
+def _splash_kernels(report) -> list[list]:
+    """[what, bytes] per Splash kernel, by name, in the order forward, dq, dk/dv."""
+    order = {"fwd": 0, "dq": 1, "dk/dv": 2}
+    named = [["fwd" if "_fwd" in n else "dq" if "_dq_" in n else "dk/dv" if "_dkv_" in n else n, v]
+             for n, v in report.kernel_vmem.items()]
+    return sorted(named, key=lambda kv: order.get(kv[0], 3))
+
+
+def our_aot(kind: str, S: int, chip: str, backward: bool, walk: str = "fused") -> dict:
+    mod = module(kind, walk=walk)
     fn = getattr(mod, f"{kind}_bench")
     shapes = structs(kind, 8, S)
 
@@ -215,27 +266,41 @@ def our_aot(kind: str, S: int, chip: str, backward: bool) -> dict:
         return jax.grad(loss, argnums=(0, 1, 2))(*a[:3])
 
     report = splash.aot_compile(both if backward else forward, shapes, chip)
-    return {"compile_s": report.compile_s, "vmem": report.kernel_vmem}
+    return {"compile_s": report.compile_s, "vmem": report.kernel_vmem, "kernels": _our_kernels(report),
+            "fused_max_rows": mod._FUSED_MAX_ROWS}
 
 
 def splash_aot(kind: str, S: int, chip: str, backward: bool) -> dict:
     fn = splash.splash_kernel(8, S, 128, BLOCK, kind)
     shapes = splash.splash_arg_shapes(8, S, 128, kind)
     report = splash.aot_compile(splash.fwd_bwd(fn) if backward else fn, shapes, chip)
-    return {"compile_s": report.compile_s, "vmem": report.kernel_vmem}
+    return {"compile_s": report.compile_s, "vmem": report.kernel_vmem, "kernels": _splash_kernels(report)}
 
 
-def aot(chips, quick: bool) -> list[dict]:
+def aot(chips, kinds, walks=("fused",), sizes=None) -> list[dict]:
+    """Forward, then forward+backward per walk beside one Splash compile of each; `sizes`: these
+    S for every mask, else 4096 (8192 for the window)."""
     rows = []
-    kinds = ["causal", "local"] if quick else ["causal", "local", "document"]
     for kind in kinds:
-        S = 8192 if kind == "local" else 4096
-        for chip in chips:
-            for backward in (False, True):
-                ours, theirs = our_aot(kind, S, chip, backward), splash_aot(kind, S, chip, backward)
-                rows.append({"mask": kind, "S": S, "chip": chip, "backward": backward, "sparsegen": ours, "splash": theirs,
-                             "max_vmem_ratio": max(ours["vmem"].values()) / max(theirs["vmem"].values())})
+        for S in sizes or [8192 if kind == "local" else 4096]:
+            for chip in chips:
+                for backward in (False, True):
+                    theirs = splash_aot(kind, S, chip, backward)
+                    for walk in walks if backward else ("fused",):
+                        ours = our_aot(kind, S, chip, backward, walk)
+                        rows.append({"mask": kind, "S": S, "chip": chip, "backward": backward,
+                                     "walk": walk if backward else None, "sparsegen": ours, "splash": theirs,
+                                     "max_vmem_ratio": max(ours["vmem"].values()) / max(theirs["vmem"].values())})
     return rows
+
+
+def print_aot(rows: list[dict]) -> None:
+    print("3. Ahead-of-time compiles (scoped VMEM per kernel, MiB; sparsegen's backward as `--backward-walk` says)")
+    mib = lambda ks: ", ".join(f"{w} {v / 2**20:.2f}" for w, v in ks)  # noqa: E731
+    for r in rows:
+        what = f"fwd+bwd {r['walk']:10s}" if r["backward"] else f"{'fwd':18s}"
+        print(f"   {r['mask']:9s} S={r['S']:5d} {r['chip']} {what}  sparsegen [{mib(r['sparsegen']['kernels'])}]"
+              f"  Splash [{mib(r['splash']['kernels'])}]  max ratio {r['max_vmem_ratio']:.2f}", flush=True)
 
 
 # ------------------------------------------------------------ 5. static cycle estimates
@@ -461,7 +526,32 @@ def main() -> int:
     parser.add_argument("--cycles-reuse", metavar="FILES", default="",
                         help="section 5: Splash's and tokamax's figures from earlier runs' JSON (comma-separated); only sparsegen is measured")
     parser.add_argument("--cycles-json", metavar="FILE", default=str(ROOT / "bench" / "results" / "attention_cycles.json"))
+    parser.add_argument("--aot-only", action="store_true", help="only section 3: AOT compiles, scoped VMEM per kernel")
+    parser.add_argument("--backward-walk", choices=(*WALKS, "both"), default="fused",
+                        help="section 3: the generated backward as built (fused while S fits _FUSED_MAX_ROWS), "
+                             "its two passes (_FUSED_MAX_ROWS = 0 on this script's copy of the module), or both")
+    parser.add_argument("--aot-masks", default="", help="section 3's masks (comma-separated; default causal,local,document, "
+                                                        "--quick causal,local)")
+    parser.add_argument("--aot-chips", default="", help="section 3's chips (default v5e,v6e, --quick v5e)")
+    parser.add_argument("--aot-S", default="", help="section 3 at these S for every mask (comma-separated; "
+                                                    "default 4096, 8192 for the window)")
     a = parser.parse_args()
+    aot_chips = a.aot_chips.split(",") if a.aot_chips else ["v5e"] if a.quick else ["v5e", "v6e"]
+    aot_kinds = a.aot_masks.split(",") if a.aot_masks else ["causal", "local"] if a.quick else ["causal", "local", "document"]
+    unknown = [k for k in aot_kinds if k not in CONDITIONS]
+    if unknown:
+        parser.error(f"--aot-masks: {', '.join(unknown)}: not one of {', '.join(CONDITIONS)}")
+    try:
+        aot_sizes = [int(x) for x in a.aot_S.split(",")] if a.aot_S else None
+    except ValueError:
+        parser.error(f"--aot-S {a.aot_S!r}: comma-separated integers")
+    aot_walks = WALKS if a.backward_walk == "both" else (a.backward_walk,)
+    if a.aot_only:
+        rows = aot(aot_chips, aot_kinds, aot_walks, aot_sizes)
+        print_aot(rows)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"aot": rows}, indent=1, default=str))
+        return 0
     if a.cycles:
         c = static_cycles(a.cycles_masks.split(","), a.cycles_S, a.cycles_chips.split(","), not a.forward_only, a.tokamax_variant,
                           reuse=[x for x in a.cycles_reuse.split(",") if x])
@@ -476,7 +566,7 @@ def main() -> int:
         return 0
     S = 8192 if a.quick else 32768
     result = {"classification": classification(S, 2 if a.quick else 3), "walk": walks(S),
-              "aot": aot(["v5e"] if a.quick else ["v5e", "v6e"], a.quick), "tpu": timings()}
+              "aot": aot(aot_chips, aot_kinds, aot_walks, aot_sizes), "tpu": timings()}
     print(f"1. Classification at S = {S}, blocks of {BLOCK} (sparsegen: kinds + walk tables; Splash: MaskInfo)")
     for r in result["classification"]:
         print(f"   {r['mask']:9s} sparsegen {r['sparsegen_s'] * 1e3:8.2f} ms   Splash {r['splash_s']:7.2f} s   ratio {r['ratio']:8.0f}x")
@@ -486,11 +576,7 @@ def main() -> int:
         note = f"  (a traced grid extent; tables of {o['table_steps']} steps)" if "table_steps" in o else ""
         print(f"   {r['mask']:9s} steps {o['steps']:6d} vs {t['steps']:6d}   computed {o['computed']:6d} vs {t['computed']:6d}"
               f"   K/V copies {o['kv_copies']:6d} vs {t['streamed_copies']:6d}{note}")
-    print("3. Ahead-of-time compiles (scoped VMEM per kernel, MiB)")
-    for r in result["aot"]:
-        mib = lambda d: ", ".join(f"{v / 2**20:.2f}" for v in d.values())  # noqa: E731
-        print(f"   {r['mask']:9s} S={r['S']:5d} {r['chip']} {'fwd+bwd' if r['backward'] else 'fwd    '}"
-              f"  sparsegen [{mib(r['sparsegen']['vmem'])}]  Splash [{mib(r['splash']['vmem'])}]  max ratio {r['max_vmem_ratio']:.2f}")
+    print_aot(result["aot"])
     print("4. On a TPU: " + ("no TPU on this machine (run this script on one)" if result["tpu"] is None else ""))
     for r in result["tpu"] or []:
         print(f"   {r['mask']:9s} sparsegen {r['sparsegen_s'] * 1e3:.3f} ms  Splash {r['splash_s'] * 1e3:.3f} ms  speedup {r['speedup']:.2f}x")
