@@ -482,9 +482,21 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         if origins is None:
             return {}
         p = self.p
-        firsts = {i: n.local(f"{i}_origin") for i in (p.query, p.key)}
-        lines.append(f"{firsts[p.query]}, {firsts[p.key]} = {origins}[0], {origins}[1]  # the first global positions of the rows and keys given")
+        read = self.positions_read()
+        firsts = {i: n.local(f"{i}_origin") for i in read}
+        what = " and ".join({p.query: "rows", p.key: "keys"}[i] for i in read)
+        lines.append(", ".join(firsts.values()) + " = " + ", ".join(f"{origins}[{(p.query, p.key).index(i)}]" for i in read)
+                     + f"  # the first global position{'s' if len(read) > 1 else ''} of the {what} given")
         return firsts
+
+    def positions_read(self) -> list[str]:
+        """The indices (of the rows and the keys) whose positions a condition or the chain
+        compares: only these are made global (a position no term reads would be a local
+        assigned and never read)."""
+        p = self.p
+        terms = [term for _, term in p.chain] + list(p.conditions)
+        named = {t.name for term in terms for t in term.walk() if t.op == "index"}
+        return [i for i in (p.query, p.key) if i in named]
 
     def global_positions(self, scope, firsts: dict[str, str], local: dict[str, str], shape: str, pos_lines: list[str]) -> dict[str, str]:
         """The positions a condition or the chain compares (global: the local ones plus the
