@@ -4,7 +4,9 @@ No local assigned and never read, no unused import, no redefinition, no undefine
 index map's or kernel's parameter `del`-ed and then read would show as one). Checked on
 every checked-in module, on the examples built for the GPU, and on the spec texts the
 tests use widely (the language features, the hostile names, the attention variants, the
-end-factor walks) and on random einsums of every sparse kind, for TPU and GPU.
+end-factor walks) and on random einsums of every sparse kind, for TPU and GPU; and on the
+GPU's attention and decode modules (a decode's condition reads the key positions only: its
+row positions made global were once a local never read, in no checked-in spec's module).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from test_attention import BIASED, HOSTILE, HOSTILE_WALK, WITH_MAX
 from test_einsum import SPECS as FEATURES
 from test_end_factors import SPECS as END_FACTORS
 from test_end_factors import spec as end_factor_spec
+from test_gpu_attention_ragged import BSHD
+from test_gpu_decode import DECODE
+from test_gpu_rowwalk_split import STATS, TRAINED
 
 from sparsegen.source import SpecError
 
@@ -107,6 +112,23 @@ def test_language_features_built_for_the_gpu_are_pyflakes_clean(name):
         assert "GPU" in first and first.startswith("test.spk:"), first
         return
     assert_clean(path)
+
+
+GPU_ATTENTION = {
+    "decode": DECODE,  # `j < lens[b]`: the key positions global, the rows' local
+    "decode_stats": STATS,
+    "decode_trained": TRAINED,
+    "ragged_bshd": BSHD,
+    "with_max": WITH_MAX,
+    "biased": BIASED,
+    "hostile": HOSTILE,
+    "hostile_walk": HOSTILE_WALK,
+}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_ATTENTION))
+def test_attention_and_decode_built_for_the_gpu_are_pyflakes_clean(name):
+    assert_clean(built(GPU_ATTENTION[name], "h200"))
 
 
 COMMON = dict(deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],

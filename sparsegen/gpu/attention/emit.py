@@ -17,6 +17,8 @@ takes): sparsegen/ring.py.
 
 from __future__ import annotations
 
+import re
+
 from ...expr import render
 from ...formatting import format_module
 from ...mesh import mesh_plan
@@ -482,9 +484,21 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         if origins is None:
             return {}
         p = self.p
-        firsts = {i: n.local(f"{i}_origin") for i in (p.query, p.key)}
-        lines.append(f"{firsts[p.query]}, {firsts[p.key]} = {origins}[0], {origins}[1]  # the first global positions of the rows and keys given")
+        read = self.positions_read()
+        firsts = {i: n.local(f"{i}_origin") for i in read}
+        what = " and ".join({p.query: "rows", p.key: "keys"}[i] for i in read)
+        lines.append(", ".join(firsts.values()) + " = " + ", ".join(f"{origins}[{(p.query, p.key).index(i)}]" for i in read)
+                     + f"  # the first global position{'s' if len(read) > 1 else ''} of the {what} given")
         return firsts
+
+    def positions_read(self) -> list[str]:
+        """The indices (of the rows and the keys) whose positions a condition or the chain
+        compares: only these are made global (a position no term reads would be a local
+        assigned and never read)."""
+        p = self.p
+        terms = [term for _, term in p.chain] + list(p.conditions)
+        named = {t.name for term in terms for t in term.walk() if t.op == "index"}
+        return [i for i in (p.query, p.key) if i in named]
 
     def global_positions(self, scope, firsts: dict[str, str], local: dict[str, str], shape: str, pos_lines: list[str]) -> dict[str, str]:
         """The positions a condition or the chain compares (global: the local ones plus the
@@ -512,7 +526,27 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         args = list(conv.impl_args) + [cot[c.output] for c in products] + [row_lse, delta] + [cot[c.output] for c in sums]
         vectors = {"lse": row_lse, "delta": delta}
         vectors.update({f"dsum:{c.output}": f"{cot[c.output]}.astype({F32})" for c in sums})
-        return {"lines": lines, "args": args, "vectors": vectors, "cot": cot, "grads": {}, "returns": []}
+        return {"lines": lines, "args": args, "vectors": vectors, "cot": cot, "grads": {}, "returns": [], "made": {}}
+
+    def made_once(self, arrays: list[str], made: dict[str, str]) -> tuple[list[str], list[str]]:
+        """The backward kernels' arrays, each made once in `_backward` (`made`: expression ->
+        its variable, across both kernels): a pad, cast or swap that dq's kernel and dk/dv's
+        read alike (q, k, v, the cotangents, the logsumexps and delta to a multiple of 8 rows)
+        is one array, not two. Returns the arrays as the call passes them and the lines
+        that make the new ones."""
+        out, lines, first = [], [], not made
+        for x in arrays:
+            if x.isidentifier():
+                out.append(x)
+                continue
+            if x not in made:
+                inner = re.search(r"(?<=\()[A-Za-z_]\w*(?=[,)])", x) or re.match(r"[A-Za-z_]\w*", x)
+                made[x] = self.n.local(f"{inner.group(0)}_{'rows' if x.startswith('_pad_to(') else 'in'}")
+                lines.append(f"{made[x]} = {x}")
+            out.append(made[x])
+        if first and lines:
+            lines.insert(0, "# Each array the kernels read made once (a pad to a multiple of 8 rows, a cast, a swap): dq's and dk/dv's alike.")
+        return out, lines
 
     def backward_call(self, bk, fn: str, glue: dict) -> dict:
         """One backward kernel's call in `_backward`: its tables, arrays, outputs and the gradients it adds."""
@@ -520,7 +554,8 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         self.b_tiles = getattr(self, "b_tiles", {})
         params, lines = self.backward_kernel(bk)
         along = p.query if bk.which == "dq" else p.key
-        arrays = ([self.origins] if self.positions else []) + [self.b_host(a, glue["cot"], glue["vectors"]) for a in bk.arrays]
+        arrays, before = self.made_once(([self.origins] if self.positions else [])
+                                        + [self.b_host(a, glue["cot"], glue["vectors"]) for a in bk.arrays], glue["made"])
         outs, finish, results = [], [], []
         letters = {i.name: chr(97 + n) for n, i in enumerate(k.indices)}
         reads = {"dq": p.q, "dk": p.k}
@@ -554,7 +589,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         cta = f"{64 * wgs} {'rows' if bk.which == 'dq' else 'keys'}" + (f" ({wgs} consumer warpgroups of 64 and a producer)" if wgs > 1 else "")
         about = (f"dq over the rows walk: a CTA per {cta}, its row block's non-empty key blocks" if bk.which == "dq" else
                  f"dk and dv over the transposed classification: a CTA per {cta}, its key block's non-empty row blocks")
-        return {"kernel_fn": fn, "params": params, "lines": lines, "arrays": arrays, "outs": outs, "finish": finish,
+        return {"kernel_fn": fn, "params": params, "lines": lines, "before": before, "arrays": arrays, "outs": outs, "finish": finish,
                 "results": results, "grid": grid, "transposed": bk.which == "dkv", "about": about, "warpgroups": wgs}
 
     # ------------------------------------------------------------------ module
