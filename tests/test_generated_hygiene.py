@@ -24,6 +24,7 @@ from test_einsum import SPECS as FEATURES
 from test_end_factors import SPECS as END_FACTORS
 from test_end_factors import spec as end_factor_spec
 from test_gpu_attention_ragged import BSHD
+from test_gpu import HOSTILE_EINSUM
 from test_gpu_decode import DECODE
 from test_gpu_rowwalk_split import STATS, TRAINED
 
@@ -123,6 +124,7 @@ GPU_ATTENTION = {
     "biased": BIASED,
     "hostile": HOSTILE,
     "hostile_walk": HOSTILE_WALK,
+    "hostile_einsum": HOSTILE_EINSUM,  # indices named `mi`, `ni` (its comments name them; its code must not bind them)
 }
 
 

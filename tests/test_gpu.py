@@ -242,9 +242,8 @@ kernel scaled {
     run(text, dict(H=2, M=200, N=256), "random")
 
 
-def test_hostile_names():
-    """Spec names that are the GPU kernels' own locals, or module names, stay apart."""
-    text = """
+# Spec names that are the GPU einsum kernels' own locals (indices `mi`, `ni`: the CTA's tile).
+HOSTILE_EINSUM = """
 kernel barrier_ {
     in  cell: bf16[acc, count] coo
     in  barrier: bf16[count, step]
@@ -254,6 +253,11 @@ kernel barrier_ {
     accumulate f32
 }
 """
+
+
+def test_hostile_names():
+    """Spec names that are the GPU kernels' own locals, or module names, stay apart."""
+    text = HOSTILE_EINSUM
     run(text, dict(acc=128, count=192, step=64), "random")
     assert "plgpu" in refused(text.replace("kernel barrier_", "kernel plgpu"))
 

@@ -36,11 +36,23 @@ _NOT_BODY = frozenset({"form", "fn", "params", "n_tables", "statics", "about", "
                        "epi_tiles", "memory_registers"})
 
 
+def _code(value):
+    """A pass's field as the code it renders, its comments left out (they name the spec's
+    indices, which may be the kernel's own locals: `mi`, `ni`)."""
+    if isinstance(value, dict):
+        return [_code(v) for k, v in value.items() if k != "about"]
+    if isinstance(value, (list, tuple)):
+        return [_code(v) for v in value]
+    if isinstance(value, str):
+        return "" if value.lstrip().startswith("#") else value.split("  # ")[0]
+    return value
+
+
 def _trimmed(d: dict) -> dict:
     """The pass with its kernel's head cut to what the body reads: the CTA coordinates and
     lets nothing reads are not bound, and the tables nothing reads are `del`-ed. A product
     kernel's lets are bound per chunk, inside its loop (`chunk_lets`)."""
-    body = repr([v for key, v in d.items() if key not in _NOT_BODY])
+    body = repr(_code([v for key, v in d.items() if key not in _NOT_BODY]))
     head = _HEAD
     lets = list(d["lets"])
     if d["form"] == "product":
