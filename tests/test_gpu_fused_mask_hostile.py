@@ -104,14 +104,30 @@ def check(text: str, sizes: dict, equation: str, values=FRACTIONS, fused: str | 
 
 def dx_text(gd="bf16", kd="bf16", g="m, n", keep="m, n", y="k, n", tiles="m = 64, n = 64, k = 64"):
     od = "i32" if gd == "i8" else gd
-    return spec([f"in  g: {gd}[{g.upper()}]", f"in  keep: {kd}[{keep.upper()}] mask", f"in  y: {gd}[{y.upper()}]",
-                 f"out dx: {od}[M, K]"], f"dx[m, k] = g[{g}] * keep[{keep}] * y[{y}]", tiles)
+    return spec(
+        [
+            f"in  g: {gd}[{g.upper()}]",
+            f"in  keep: {kd}[{keep.upper()}] mask",
+            f"in  y: {gd}[{y.upper()}]",
+            f"out dx: {od}[M, K]",
+        ],
+        f"dx[m, k] = g[{g}] * keep[{keep}] * y[{y}]",
+        tiles,
+    )
 
 
 def dy_text(gd="bf16", kd="bf16", g="m, n", keep="m, n", tiles="m = 64, n = 256, k = 64"):
     od = "i32" if gd == "i8" else gd
-    return spec([f"in  x: {gd}[M, K]", f"in  g: {gd}[{g.upper()}]", f"in  keep: {kd}[{keep.upper()}] mask",
-                 f"out dy: {od}[K, N]"], f"dy[k, n] = x[m, k] * g[{g}] * keep[{keep}]", tiles)
+    return spec(
+        [
+            f"in  x: {gd}[M, K]",
+            f"in  g: {gd}[{g.upper()}]",
+            f"in  keep: {kd}[{keep.upper()}] mask",
+            f"out dy: {od}[K, N]",
+        ],
+        f"dy[k, n] = x[m, k] * g[{g}] * keep[{keep}]",
+        tiles,
+    )
 
 
 def eq(*operands: str, out: str) -> str:
@@ -122,40 +138,153 @@ RAGGED = dict(M=100, K=72, N=150)
 
 # (id, spec, sizes, einsum, mask values, side fused)
 PASSING = [
-    ("dx-g-and-y-transposed-ragged", dx_text(g="n, m", keep="n, m", y="n, k"), RAGGED, eq("n, m", "n, m", "n, k", out="mk"), FRACTIONS, "a"),
+    (
+        "dx-g-and-y-transposed-ragged",
+        dx_text(g="n, m", keep="n, m", y="n, k"),
+        RAGGED,
+        eq("n, m", "n, m", "n, k", out="mk"),
+        FRACTIONS,
+        "a",
+    ),
     ("dx-keep-transposed-to-g", dx_text(keep="n, m"), RAGGED, eq("m, n", "n, m", "k, n", out="mk"), FRACTIONS, "a"),
-    ("dx-f32-g-transposed-ragged", dx_text("f32", "f32", g="n, m", keep="n, m"), RAGGED, eq("n, m", "n, m", "k, n", out="mk"), FRACTIONS, "a"),
+    (
+        "dx-f32-g-transposed-ragged",
+        dx_text("f32", "f32", g="n, m", keep="n, m"),
+        RAGGED,
+        eq("n, m", "n, m", "k, n", out="mk"),
+        FRACTIONS,
+        "a",
+    ),
     ("dx-bf16-mask-i32", dx_text(kd="i32"), RAGGED, eq("m, n", "m, n", "k, n", out="mk"), (0, 1, 3, -2), "a"),
-    ("dx-big-blocks-ragged", dx_text(tiles="m = 256, n = 128, k = 64"), dict(M=300, K=64, N=200),
-     eq("m, n", "m, n", "k, n", out="mk"), FRACTIONS, "a"),
-    ("dy-ws-g-transposed-ragged", dy_text(g="n, m", keep="n, m"), dict(M=100, K=72, N=300), eq("m, k", "n, m", "n, m", out="kn"), FRACTIONS, "b"),
-    ("dy-ws-f32-mask-bf16", dy_text("f32", "bf16"), dict(M=100, K=72, N=300), eq("m, k", "m, n", "m, n", out="kn"), FRACTIONS, "b"),
-    ("batched-mask-lacks-b-not-h",
-     spec(["in  g: bf16[B, H, M, N]", "in  keep: bf16[H, M, N] mask", "in  y: bf16[B, H, K, N]", "out dx: bf16[B, H, M, K]"],
-          "dx[b, h, m, k] = g[b, h, m, n] * keep[h, m, n] * y[b, h, k, n]", "b = 1, h = 1, m = 64, n = 64, k = 64"),
-     dict(B=2, H=2, M=100, K=64, N=150), "bhmn,hmn,bhkn->bhmk", FRACTIONS, "a"),
-    ("batched-mask-transposed-lacks-b-h",
-     spec(["in  g: bf16[B, H, M, N]", "in  keep: bf16[N, M] mask", "in  y: bf16[B, H, K, N]", "out dx: bf16[B, H, M, K]"],
-          "dx[b, h, m, k] = g[b, h, m, n] * keep[n, m] * y[b, h, k, n]", "b = 1, h = 1, m = 64, n = 64, k = 64"),
-     dict(B=2, H=2, M=100, K=64, N=150), "bhmn,nm,bhkn->bhmk", FRACTIONS, "a"),
-    ("batched-dy-ws-keep-transposed",
-     spec(["in  x: bf16[B, M, K]", "in  g: bf16[B, M, N]", "in  keep: bf16[N, M] mask", "out dy: bf16[B, K, N]"],
-          "dy[b, k, n] = x[b, m, k] * g[b, m, n] * keep[n, m]", "b = 1, m = 64, n = 256, k = 64"),
-     dict(B=2, M=100, K=72, N=300), "bmk,bmn,nm->bkn", FRACTIONS, "b"),
+    (
+        "dx-big-blocks-ragged",
+        dx_text(tiles="m = 256, n = 128, k = 64"),
+        dict(M=300, K=64, N=200),
+        eq("m, n", "m, n", "k, n", out="mk"),
+        FRACTIONS,
+        "a",
+    ),
+    (
+        "dy-ws-g-transposed-ragged",
+        dy_text(g="n, m", keep="n, m"),
+        dict(M=100, K=72, N=300),
+        eq("m, k", "n, m", "n, m", out="kn"),
+        FRACTIONS,
+        "b",
+    ),
+    (
+        "dy-ws-f32-mask-bf16",
+        dy_text("f32", "bf16"),
+        dict(M=100, K=72, N=300),
+        eq("m, k", "m, n", "m, n", out="kn"),
+        FRACTIONS,
+        "b",
+    ),
+    (
+        "batched-mask-lacks-b-not-h",
+        spec(
+            [
+                "in  g: bf16[B, H, M, N]",
+                "in  keep: bf16[H, M, N] mask",
+                "in  y: bf16[B, H, K, N]",
+                "out dx: bf16[B, H, M, K]",
+            ],
+            "dx[b, h, m, k] = g[b, h, m, n] * keep[h, m, n] * y[b, h, k, n]",
+            "b = 1, h = 1, m = 64, n = 64, k = 64",
+        ),
+        dict(B=2, H=2, M=100, K=64, N=150),
+        "bhmn,hmn,bhkn->bhmk",
+        FRACTIONS,
+        "a",
+    ),
+    (
+        "batched-mask-transposed-lacks-b-h",
+        spec(
+            [
+                "in  g: bf16[B, H, M, N]",
+                "in  keep: bf16[N, M] mask",
+                "in  y: bf16[B, H, K, N]",
+                "out dx: bf16[B, H, M, K]",
+            ],
+            "dx[b, h, m, k] = g[b, h, m, n] * keep[n, m] * y[b, h, k, n]",
+            "b = 1, h = 1, m = 64, n = 64, k = 64",
+        ),
+        dict(B=2, H=2, M=100, K=64, N=150),
+        "bhmn,nm,bhkn->bhmk",
+        FRACTIONS,
+        "a",
+    ),
+    (
+        "batched-dy-ws-keep-transposed",
+        spec(
+            ["in  x: bf16[B, M, K]", "in  g: bf16[B, M, N]", "in  keep: bf16[N, M] mask", "out dy: bf16[B, K, N]"],
+            "dy[b, k, n] = x[b, m, k] * g[b, m, n] * keep[n, m]",
+            "b = 1, m = 64, n = 256, k = 64",
+        ),
+        dict(B=2, M=100, K=72, N=300),
+        "bmk,bmn,nm->bkn",
+        FRACTIONS,
+        "b",
+    ),
     # A second covered factor beside the mask: the wrapper's XLA pass forms the product.
-    ("mask-and-dense-factor-fall-back",
-     spec(["in  g: bf16[M, N]", "in  keep: bf16[M, N] mask", "in  s: bf16[M, N]", "in  y: bf16[K, N]", "out dx: bf16[M, K]"],
-          "dx[m, k] = g[m, n] * keep[m, n] * s[m, n] * y[k, n]"), RAGGED, "mn,mn,mn,kn->mk", FRACTIONS, None),
-    ("mask-and-factor-after-the-sum",
-     spec(["in  s: bf16[M, K]", "in  g: bf16[M, N]", "in  keep: bf16[M, N] mask", "in  y: bf16[K, N]", "out dx: bf16[M, K]"],
-          "dx[m, k] = s[m, k] * g[m, n] * keep[m, n] * y[k, n]"), RAGGED, "mk,mn,mn,kn->mk", FRACTIONS, "a"),
+    (
+        "mask-and-dense-factor-fall-back",
+        spec(
+            [
+                "in  g: bf16[M, N]",
+                "in  keep: bf16[M, N] mask",
+                "in  s: bf16[M, N]",
+                "in  y: bf16[K, N]",
+                "out dx: bf16[M, K]",
+            ],
+            "dx[m, k] = g[m, n] * keep[m, n] * s[m, n] * y[k, n]",
+        ),
+        RAGGED,
+        "mn,mn,mn,kn->mk",
+        FRACTIONS,
+        None,
+    ),
+    (
+        "mask-and-factor-after-the-sum",
+        spec(
+            [
+                "in  s: bf16[M, K]",
+                "in  g: bf16[M, N]",
+                "in  keep: bf16[M, N] mask",
+                "in  y: bf16[K, N]",
+                "out dx: bf16[M, K]",
+            ],
+            "dx[m, k] = s[m, k] * g[m, n] * keep[m, n] * y[k, n]",
+        ),
+        RAGGED,
+        "mk,mn,mn,kn->mk",
+        FRACTIONS,
+        "a",
+    ),
     # The forward product with a masked input (masked_matmul's mask moved inside the sum).
-    ("forward-masked-x",
-     spec(["in  x: bf16[M, K]", "in  keep: bf16[M, K] mask", "in  y: bf16[K, N]", "out o: bf16[M, N]"],
-          "o[m, n] = keep[m, k] * x[m, k] * y[k, n]"), dict(M=100, K=150, N=72), "mk,mk,kn->mn", FRACTIONS, "a"),
-    ("forward-masked-y-ws",
-     spec(["in  x: bf16[M, K]", "in  keep: bf16[K, N] mask", "in  y: bf16[K, N]", "out o: bf16[M, N]"],
-          "o[m, n] = x[m, k] * keep[k, n] * y[k, n]", "m = 64, n = 256, k = 64"), dict(M=100, K=150, N=300), "mk,kn,kn->mn", FRACTIONS, "b"),
+    (
+        "forward-masked-x",
+        spec(
+            ["in  x: bf16[M, K]", "in  keep: bf16[M, K] mask", "in  y: bf16[K, N]", "out o: bf16[M, N]"],
+            "o[m, n] = keep[m, k] * x[m, k] * y[k, n]",
+        ),
+        dict(M=100, K=150, N=72),
+        "mk,mk,kn->mn",
+        FRACTIONS,
+        "a",
+    ),
+    (
+        "forward-masked-y-ws",
+        spec(
+            ["in  x: bf16[M, K]", "in  keep: bf16[K, N] mask", "in  y: bf16[K, N]", "out o: bf16[M, N]"],
+            "o[m, n] = x[m, k] * keep[k, n] * y[k, n]",
+            "m = 64, n = 256, k = 64",
+        ),
+        dict(M=100, K=150, N=300),
+        "mk,kn,kn->mn",
+        FRACTIONS,
+        "b",
+    ),
 ]
 
 # The chunked multiply: `fused_selection` multiplies the tile in slices of
@@ -165,12 +294,34 @@ PASSING = [
 # (192), the slice runs past the tile: at the call, `ValueError: Out of bound slice`
 # (interpreter) and the same under stage 2's lowering. The XLA pass (before 42950ac) was right.
 SLICED = [
-    ("dx-g-transposed-sum-tile-32", dx_text(g="n, m", tiles="m = 64, n = 32, k = 64"), dict(M=128, K=64, N=96),
-     eq("n, m", "m, n", "k, n", out="mk"), "a"),
-    ("dy-sum-tile-32", dy_text(tiles="m = 32, n = 64, k = 64"), dict(M=96, K=64, N=128), eq("m, k", "m, n", "m, n", out="kn"), "b"),
-    ("dy-ws-sum-tile-32", dy_text(tiles="m = 32, n = 256, k = 64"), dict(M=96, K=64, N=256), eq("m, k", "m, n", "m, n", out="kn"), "b"),
-    ("dy-g-transposed-n-192", dy_text(g="n, m", tiles="m = 64, n = 192, k = 64"), dict(M=128, K=64, N=384),
-     eq("m, k", "n, m", "m, n", out="kn"), "b"),
+    (
+        "dx-g-transposed-sum-tile-32",
+        dx_text(g="n, m", tiles="m = 64, n = 32, k = 64"),
+        dict(M=128, K=64, N=96),
+        eq("n, m", "m, n", "k, n", out="mk"),
+        "a",
+    ),
+    (
+        "dy-sum-tile-32",
+        dy_text(tiles="m = 32, n = 64, k = 64"),
+        dict(M=96, K=64, N=128),
+        eq("m, k", "m, n", "m, n", out="kn"),
+        "b",
+    ),
+    (
+        "dy-ws-sum-tile-32",
+        dy_text(tiles="m = 32, n = 256, k = 64"),
+        dict(M=96, K=64, N=256),
+        eq("m, k", "m, n", "m, n", out="kn"),
+        "b",
+    ),
+    (
+        "dy-g-transposed-n-192",
+        dy_text(g="n, m", tiles="m = 64, n = 192, k = 64"),
+        dict(M=128, K=64, N=384),
+        eq("m, k", "n, m", "m, n", out="kn"),
+        "b",
+    ),
 ]
 
 
@@ -184,8 +335,11 @@ def test_an_i8_product_with_a_small_integer_mask_is_exact():
     check(dx_text("i8", "i8", g="n, m", keep="n, m"), RAGGED, eq("n, m", "n, m", "k, n", out="mk"), INTEGERS, "a")
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, AssertionError),
-                   reason="fused_selection slices the tile in 64-row chunks past its end (d0 < 64, or chunk not dividing d0)")
+@pytest.mark.xfail(
+    strict=True,
+    raises=(ValueError, AssertionError),
+    reason="fused_selection slices the tile in 64-row chunks past its end (d0 < 64, or chunk not dividing d0)",
+)
 @pytest.mark.parametrize("text,sizes,equation", [c[1:4] for c in SLICED], ids=[c[0] for c in SLICED])
 def test_a_tile_the_chunks_do_not_divide_is_multiplied_whole_or_refused(text, sizes, equation):
     try:
@@ -195,11 +349,17 @@ def test_a_tile_the_chunks_do_not_divide_is_multiplied_whole_or_refused(text, si
     check(text, sizes, equation, FRACTIONS, p.selection.on if p.selection is not None else None)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="an i8 factor's tile times the mask is a pointwise i8 multiply, which Mosaic GPU does not lower "
-                          "('Pointwise operations on 8-bit types are unsupported'); the interpreter runs it")
-@pytest.mark.parametrize("text", [dx_text("i8", "i8", tiles="m = 128, n = 128, k = 128"),
-                                  dy_text("i8", "i8", tiles="m = 128, n = 512, k = 128")], ids=["dx", "dy-ws"])
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="an i8 factor's tile times the mask is a pointwise i8 multiply, which Mosaic GPU does not lower "
+    "('Pointwise operations on 8-bit types are unsupported'); the interpreter runs it",
+)
+@pytest.mark.parametrize(
+    "text",
+    [dx_text("i8", "i8", tiles="m = 128, n = 128, k = 128"), dy_text("i8", "i8", tiles="m = 128, n = 512, k = 128")],
+    ids=["dx", "dy-ws"],
+)
 def test_an_i8_factor_with_a_covered_mask_lowers_for_the_gpu(text):
     """Stage 2 (lowering under an abstract H200, no ptxas): the kernel lowers, or the spec is refused clearly."""
     from sparsegen.gpu.verify import verify_modules
@@ -213,8 +373,11 @@ def test_an_i8_factor_with_a_covered_mask_lowers_for_the_gpu(text):
     assert r.lowered, r.raw_error
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="before 42950ac too: g * keep is formed in i8 (wrapping) where reference multiplies in i32")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="before 42950ac too: g * keep is formed in i8 (wrapping) where reference multiplies in i32",
+)
 def test_an_i8_factor_times_a_mask_past_i8_is_not_wrapped():
     """keep of i32 holding 100 and 300 times an i8 g: `reference` says g * keep in i32; the
     kernel casts keep to i8 and multiplies in i8. A fix may also refuse such masks clearly
@@ -222,14 +385,33 @@ def test_an_i8_factor_times_a_mask_past_i8_is_not_wrapped():
     check(dx_text("i8", "i32"), dict(M=128, K=64, N=128), eq("m, n", "m, n", "k, n", out="mk"), (0, 1, 100, 300), "a")
 
 
-@pytest.mark.parametrize("decls,stmt,words", [
-    (["in  g: bf16[M, N]", "in  keep: bf16[M, N] mask", "in  keep2: bf16[M, N] mask", "in  y: bf16[K, N]", "out dx: bf16[M, K]"],
-     "dx[m, k] = g[m, n] * keep[m, n] * keep2[m, n] * y[k, n]", "second sparse input"),
-    (["in  g: bf16[M, N]", "in  keep: bf16[M, N] mask", "in  y: bf16[K, N]", "out dx: bf16[M, K] coo"],
-     "dx[m, k] = g[m, n] * keep[m, n] * y[k, n]", "one sparse operand per statement"),
-    (["in  g: bf16[M, N]", "in  keep: bf16[M, N] mask", "in  y: bf16[K, N]", "out dx: bf16[M, K]"],
-     "dx[m, k] = g[m, n] * keep[m, n] * y[k, n] where n <= m", "not lowered for GPUs"),
-], ids=["two-masks", "coo-output", "where"])
+@pytest.mark.parametrize(
+    "decls,stmt,words",
+    [
+        (
+            [
+                "in  g: bf16[M, N]",
+                "in  keep: bf16[M, N] mask",
+                "in  keep2: bf16[M, N] mask",
+                "in  y: bf16[K, N]",
+                "out dx: bf16[M, K]",
+            ],
+            "dx[m, k] = g[m, n] * keep[m, n] * keep2[m, n] * y[k, n]",
+            "second sparse input",
+        ),
+        (
+            ["in  g: bf16[M, N]", "in  keep: bf16[M, N] mask", "in  y: bf16[K, N]", "out dx: bf16[M, K] coo"],
+            "dx[m, k] = g[m, n] * keep[m, n] * y[k, n]",
+            "one sparse operand per statement",
+        ),
+        (
+            ["in  g: bf16[M, N]", "in  keep: bf16[M, N] mask", "in  y: bf16[K, N]", "out dx: bf16[M, K]"],
+            "dx[m, k] = g[m, n] * keep[m, n] * y[k, n] where n <= m",
+            "not lowered for GPUs",
+        ),
+    ],
+    ids=["two-masks", "coo-output", "where"],
+)
 def test_what_the_fused_path_cannot_meet_is_refused_clearly(decls, stmt, words):
     with pytest.raises(SpecError, match=words):
         lower_source(SourceFile("hostile.spk", spec(decls, stmt)), "h200")
@@ -237,9 +419,15 @@ def test_what_the_fused_path_cannot_meet_is_refused_clearly(decls, stmt, words):
 
 GRADS = [
     ("dx-f32-transposed", dx_text("f32", "f32", g="n, m", y="n, k"), RAGGED),
-    ("dy-ws-batched-keep-transposed",
-     spec(["in  x: bf16[B, M, K]", "in  g: bf16[B, M, N]", "in  keep: bf16[N, M] mask", "out dy: bf16[B, K, N]"],
-          "dy[b, k, n] = x[b, m, k] * g[b, m, n] * keep[n, m]", "b = 1, m = 64, n = 256, k = 64"), dict(B=2, M=100, K=72, N=300)),
+    (
+        "dy-ws-batched-keep-transposed",
+        spec(
+            ["in  x: bf16[B, M, K]", "in  g: bf16[B, M, N]", "in  keep: bf16[N, M] mask", "out dy: bf16[B, K, N]"],
+            "dy[b, k, n] = x[b, m, k] * g[b, m, n] * keep[n, m]",
+            "b = 1, m = 64, n = 256, k = 64",
+        ),
+        dict(B=2, M=100, K=72, N=300),
+    ),
     ("forward-masked-x", PASSING[-2][1], PASSING[-2][2]),
 ]
 
@@ -259,4 +447,6 @@ def test_gradients_through_a_fused_mask_kernel(text, sizes):
     for i, a, b in zip(floats, got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.abs(b).max() > 0, kernel.inputs[i].name
-        np.testing.assert_allclose(a, b, rtol=2e-2, atol=0.02 * max(1.0, np.abs(b).std()), err_msg=kernel.inputs[i].name)
+        np.testing.assert_allclose(
+            a, b, rtol=2e-2, atol=0.02 * max(1.0, np.abs(b).std()), err_msg=kernel.inputs[i].name
+        )
