@@ -335,11 +335,8 @@ def test_an_i8_product_with_a_small_integer_mask_is_exact():
     check(dx_text("i8", "i8", g="n, m", keep="n, m"), RAGGED, eq("n, m", "n, m", "k, n", out="mk"), INTEGERS, "a")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(ValueError, AssertionError),
-    reason="fused_selection slices the tile in 64-row chunks past its end (d0 < 64, or chunk not dividing d0)",
-)
+# A tile of 32 rows is multiplied in by the wrapper (Mosaic GPU lays out no slice of fewer
+# than 64 rows); 192 rows in chunks of 64 (the chunks divide the tile).
 @pytest.mark.parametrize("text,sizes,equation", [c[1:4] for c in SLICED], ids=[c[0] for c in SLICED])
 def test_a_tile_the_chunks_do_not_divide_is_multiplied_whole_or_refused(text, sizes, equation):
     try:
@@ -349,12 +346,8 @@ def test_a_tile_the_chunks_do_not_divide_is_multiplied_whole_or_refused(text, si
     check(text, sizes, equation, FRACTIONS, p.selection.on if p.selection is not None else None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="an i8 factor's tile times the mask is a pointwise i8 multiply, which Mosaic GPU does not lower "
-    "('Pointwise operations on 8-bit types are unsupported'); the interpreter runs it",
-)
+# Mosaic GPU has no pointwise 8-bit arithmetic ('Pointwise operations on 8-bit types are
+# unsupported'; the interpreter runs it): the kernel multiplies an i8 tile in int32.
 @pytest.mark.parametrize(
     "text",
     [dx_text("i8", "i8", tiles="m = 128, n = 128, k = 128"), dy_text("i8", "i8", tiles="m = 128, n = 512, k = 128")],
@@ -376,7 +369,8 @@ def test_an_i8_factor_with_a_covered_mask_lowers_for_the_gpu(text):
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="before 42950ac too: g * keep is formed in i8 (wrapping) where reference multiplies in i32",
+    reason="known, on every target (the TPU's kernels too): the covered product g * keep is formed in i8, the "
+    "operand WGMMA (the MXU) multiplies, and wraps where reference multiplies in i32 (docs/limits.md)",
 )
 def test_an_i8_factor_times_a_mask_past_i8_is_not_wrapped():
     """keep of i32 holding 100 and 300 times an i8 g: `reference` says g * keep in i32; the

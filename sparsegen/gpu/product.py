@@ -61,13 +61,26 @@ from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 # Elements of a covered mask's tile a warpgroup multiplies in at once (64 a thread), in
-# slices of 64 rows or more (Mosaic GPU's layout inference finds no layout for fewer).
+# slices of a multiple of 64 rows (Mosaic GPU's layout inference finds no layout for fewer,
+# nor for a whole tile of 32 rows: such a tile's mask is multiplied in by the wrapper).
 _FUSED_ELEMENTS = 8192
 
 
+def _fused_chunk(rows: int, cols: int) -> int | None:
+    """The rows of a covered mask's tile multiplied at once: the most under _FUSED_ELEMENTS
+    that divide the tile (64 at least), None where the tile is no multiple of 64 rows."""
+    if rows % 64:
+        return None
+    chunk = min(rows, max(64, _FUSED_ELEMENTS // cols) // 64 * 64)
+    while rows % chunk:
+        chunk -= 64
+    return chunk
+
+
 class ProductLowering:
-    def __init__(self, ctx, st: Einsum, walk: Walk):
+    def __init__(self, ctx, st: Einsum, walk: Walk, fuse: bool = True):
         self.ctx, self.st, self.k = ctx, st, ctx.k
+        self.fuse = fuse  # a covered mask may be multiplied in by the kernel (`fused_selection`)
         self.choice = walk  # the schedule's walk (schedule.choose_walk)
         self.conv, self.tile = ctx.conv, ctx.tile
         self.names = ctx.names.scope()
@@ -233,7 +246,7 @@ class ProductLowering:
         # wrapper forms no product over the whole operand.
         # A mask lacking some of the factor's coordinates (a batch index) is read by each of
         # their values, its block kinds broadcast along them.
-        fused = mask is not None and extras == [mask] and set(main.indices) - set(mask.indices) <= set(self.coords)
+        fused = self.fuse and mask is not None and extras == [mask] and set(main.indices) - set(mask.indices) <= set(self.coords)
         if fused:
             self.fused = (("b" if is_b else "a"), mask)
         if extras and not fused:
@@ -606,14 +619,20 @@ class ProductLowering:
         target = "@TILE@"
         lines = [f"plgpu.copy_gmem_to_smem({ref}.at[{at}], {smem}{mine}, {barrier}{mine})",
                  f"plgpu.barrier_wait({barrier}{mine})"]
-        chunk = max(64, min(d0, _FUSED_ELEMENTS // d1))
+        chunk = _fused_chunk(d0, d1)
+        at_rows = "" if chunk == d0 else ".at[rows]"
+        if self.k.operand(mat.operand).dtype.itemsize == 1:
+            # Mosaic GPU has no 8-bit arithmetic: in int32, rounded back (an i8 product wraps, as the operand must be i8).
+            value = f"(@TILE@{at_rows}[...].astype(jnp.int32) * {smem}{mine}{at_rows}[...].astype(jnp.int32)).astype({dtype})"
+        else:
+            value = f"@TILE@{at_rows}[...] * {smem}{mine}{at_rows}[...].astype({dtype})"
         if chunk == d0:
-            lines.append(f"{target}[...] = @TILE@[...] * {smem}{mine}[...].astype({dtype})")
+            lines.append(f"{target}[...] = {value}")
         else:
             lines += [f"for r in range(0, {d0}, {chunk}):",
                       f"    # {chunk} rows at a time: the tiles' registers beside the accumulator's stay in the budget",
                       f"    rows = pl.ds(r, {chunk})",
-                      f"    {target}.at[rows][...] = @TILE@.at[rows][...] * {smem}{mine}.at[rows][...].astype({dtype})"]
+                      f"    {target}{at_rows}[...] = {value}"]
         lines.append("plgpu.commit_smem()  # the product, visible to the WGMMA")
         bytes_, barriers = self.fused_held(t)
         return Selection(on, f"{self.fused_kinds}[step] == _PARTIAL", lines, list(self.step_lets),
@@ -853,6 +872,9 @@ class ProductLowering:
         held = self.held if self.cond is not None else self.fused_held if self.fused is not None else (lambda _: (0, 0))
         self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype, one_warpgroup=one_wg,
                                    held=held, vectors=vectors, multiplies=self.fused is not None)
+        if self.fused is not None and _fused_chunk(*self.fused_dims(t)) is None:
+            # A tile the kernel cannot multiply (under 64 rows): the wrapper forms the product, as before.
+            return ProductLowering(self.ctx, self.st, self.choice, fuse=False).lower()
         self.KB = self.ctx.blocks(kidx)
         for i in self.extra_sums:
             self.KB = self.ctx.size(i) * self.KB
