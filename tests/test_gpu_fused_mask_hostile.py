@@ -18,6 +18,7 @@ and strict xfail then asks for the marker to be removed.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 
 import jax
@@ -30,6 +31,18 @@ from sparsegen.compiler import lower_source
 from sparsegen.gpu.plan import GpuError
 from sparsegen.source import SourceFile, SpecError
 from sparsegen.testing import dims, resolve_sizes
+
+SWEEP = os.environ.get("SPARSEGEN_SWEEP") == "1"
+# The cases run by default (one of each kind: A's side, B's warp-specialized, a batched mask,
+# the fallback, a forward); every case with SPARSEGEN_SWEEP=1.
+DEFAULT = {"dx-g-and-y-transposed-ragged", "dy-ws-f32-mask-bf16", "batched-mask-transposed-lacks-b-h",
+           "mask-and-dense-factor-fall-back", "forward-masked-y-ws", "dx-g-transposed-sum-tile-32",
+           "dy-g-transposed-n-192", "dy-ws-batched-keep-transposed"}
+
+
+def chosen(cases):
+    return [c for c in cases if SWEEP or c[0] in DEFAULT]
+
 
 DT = {"bf16": jnp.bfloat16, "f32": jnp.float32, "i8": jnp.int8, "i32": jnp.int32}
 FRACTIONS = (0.0, 1.0, 2.0, 0.5)
@@ -325,7 +338,7 @@ SLICED = [
 ]
 
 
-@pytest.mark.parametrize("text,sizes,equation,values,fused", [c[1:] for c in PASSING], ids=[c[0] for c in PASSING])
+@pytest.mark.parametrize("text,sizes,equation,values,fused", [c[1:] for c in chosen(PASSING)], ids=[c[0] for c in chosen(PASSING)])
 def test_a_covered_mask_multiplies_right(text, sizes, equation, values, fused):
     check(text, sizes, equation, values, fused)
 
@@ -337,7 +350,7 @@ def test_an_i8_product_with_a_small_integer_mask_is_exact():
 
 # A tile of 32 rows is multiplied in by the wrapper (Mosaic GPU lays out no slice of fewer
 # than 64 rows); 192 rows in chunks of 64 (the chunks divide the tile).
-@pytest.mark.parametrize("text,sizes,equation", [c[1:4] for c in SLICED], ids=[c[0] for c in SLICED])
+@pytest.mark.parametrize("text,sizes,equation", [c[1:4] for c in chosen(SLICED)], ids=[c[0] for c in chosen(SLICED)])
 def test_a_tile_the_chunks_do_not_divide_is_multiplied_whole_or_refused(text, sizes, equation):
     try:
         p = fused_pass(text)
@@ -426,7 +439,7 @@ GRADS = [
 ]
 
 
-@pytest.mark.parametrize("text,sizes", [c[1:] for c in GRADS], ids=[c[0] for c in GRADS])
+@pytest.mark.parametrize("text,sizes", [c[1:] for c in chosen(GRADS)], ids=[c[0] for c in chosen(GRADS)])
 def test_gradients_through_a_fused_mask_kernel(text, sizes):
     """jax.grad through the kernel (its backward kernels: the mask covered on A's or B's
     side, or outside the sum) against jax.grad of `reference`."""
