@@ -563,12 +563,13 @@ def _to_operand(grad, src, dst, divided):
     return jnp.einsum(f"{src}->{dst}", grad)
 
 
-def _lse_weights(lse, max_of, sum_of):
+def _lse_weights(lse, max_of=lambda x: x.max(axis=0), sum_of=lambda x: x.sum(axis=0)):
     """Partial results over disjoint keys, each normalised over its own: each part's weight
     in the softmax over all the keys, exp(its rows' logsumexp less the merged one), and the
-    merged logsumexp. `max_of`, `sum_of`: the reductions over the parts (an axis of stacked
-    parts, or a mesh axis's collectives). A part that saw nothing (minus infinity) weighs
-    0; a row no part saw: every weight 0, the logsumexp minus infinity."""
+    merged logsumexp. `max_of`, `sum_of`: the reductions over the parts (by default the
+    first axis, the parts stacked; or a mesh axis's collectives). A part that saw nothing
+    (minus infinity) weighs 0; a row no part saw: every weight 0, the logsumexp minus
+    infinity."""
     top = max_of(lse)
     top = jnp.where(jnp.isneginf(top), 0.0, top)
     total = sum_of(jnp.exp(lse - top))
@@ -2121,7 +2122,7 @@ def _ring_merge(acc, part):
     if acc is None:
         return part
     pair = jnp.stack([acc[_RING_LSE], part[_RING_LSE]])
-    share, lse = _lse_weights(pair, lambda x: x.max(axis=0), lambda x: x.sum(axis=0))
+    share, lse = _lse_weights(pair)
     merged = []
     for x, y, how, d in zip(acc, part, _RING_MERGES, _RING_ROWS):
         if how == "logsumexp":

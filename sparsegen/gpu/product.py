@@ -616,7 +616,6 @@ class ProductLowering:
             alloc = f"{smem}=plgpu.SMEM(({t.wgs}, {d0}, {d1}), {mop.dtype.jnp}), {barrier}=plgpu.Barrier(num_barriers={t.wgs})"
         else:
             alloc = f"{smem}=plgpu.SMEM(({d0}, {d1}), {mop.dtype.jnp}), {barrier}=plgpu.Barrier()"
-        target = "@TILE@"
         lines = [f"plgpu.copy_gmem_to_smem({ref}.at[{at}], {smem}{mine}, {barrier}{mine})",
                  f"plgpu.barrier_wait({barrier}{mine})"]
         chunk = _fused_chunk(d0, d1)
@@ -627,12 +626,12 @@ class ProductLowering:
         else:
             value = f"@TILE@{at_rows}[...] * {smem}{mine}{at_rows}[...].astype({dtype})"
         if chunk == d0:
-            lines.append(f"{target}[...] = {value}")
+            lines.append(f"@TILE@[...] = {value}")
         else:
             lines += [f"for r in range(0, {d0}, {chunk}):",
                       f"    # {chunk} rows at a time: the tiles' registers beside the accumulator's stay in the budget",
                       f"    rows = pl.ds(r, {chunk})",
-                      f"    {target}{at_rows}[...] = {value}"]
+                      f"    @TILE@{at_rows}[...] = {value}"]
         lines.append("plgpu.commit_smem()  # the product, visible to the WGMMA")
         bytes_, barriers = self.fused_held(t)
         return Selection(on, f"{self.fused_kinds}[step] == _PARTIAL", lines, list(self.step_lets),
