@@ -224,9 +224,13 @@ class _Emitter:
         # The piece's tile in its slot: the CTA's row tile, and its (consumer's) column tile.
         col_in = (Var("ni") * t.wgs + Var("wg") if cols_in > 1 else Var("wg")) if ws else (Var("ni") if cols_in > 1 else Const(0))
         piece_at = (Var("slot") * rows_in + Var("mi") if rows_in > 1 else Var("slot"), col_in)
-        select, acc_lines = [], []
+        select, acc_lines, step_select = [], [], None
+        head = ["# The chunk's step s is step first + s of the block's walk.", "(s,) = idx", "s = first + s"]
         if sel is not None and sel.on == "out":
             acc_lines = ["# The condition reads the output's indices alone: absent elements are zeros."] + sel.lines
+        elif sel is not None and sel.on == "step":
+            lets = [f"{name} = {value}" for name, value in _needed(sel.step_lets, repr([sel.kind] + sel.lines))]
+            step_select = {"head": head + lets, "kind": sel.kind, "lines": sel.lines}
         elif sel is not None:
             # The tile a partial step rewrites: A's, or B's (warp-specialized, the consumer's columns).
             cols = _ds(Var("wg"), t.tn)
@@ -234,8 +238,7 @@ class _Emitter:
             lines = [line.replace("@TILE@", tile) for line in sel.lines]
             what = p.a.operand if sel.on == "a" else p.b.operand
             about = sel.about or f"Some terms absent: the condition selects them out of {what}'s tile before the WGMMA."
-            select = (["# The chunk's step s is step first + s of the block's walk.", "(s,) = idx", "s = first + s"]
-                      + [f"{name} = {value}" for name, value in _needed(sel.step_lets, repr([sel.kind] + lines))]
+            select = (head + [f"{name} = {value}" for name, value in _needed(sel.step_lets, repr([sel.kind] + lines))]
                       + ["", f"@pl.when({sel.kind})", "def _select():", f"    # {about}"]
                       + ["    " + line for line in lines])
         guard = list(p.guard)
@@ -292,6 +295,7 @@ class _Emitter:
             "vector_names": ", ".join(f"{v['smem']}, {v['barrier']}" for v in vectors),
             "select": select,
             "acc_lines": acc_lines,
+            "step_select": step_select,
             "held_scoped": [h[3] for h in held] if not ws else [],
             "held_names": [name for h in held for name in h[2]],
             "finish": p.finish,
@@ -343,7 +347,8 @@ class _Emitter:
             "coo output": f"every block along {p.a.col}, for each requested block of {p.output}",
             "output mask": f"every block along {p.a.col}, where the {p.sparse} block is not empty",
             "condition": f"the blocks the condition `{p.statement.condition.text if p.statement.condition else ''}` leaves "
-                         f"(a partial step masks its tile of {p.a.operand if p.selection and p.selection.on == 'a' else p.b.operand})",
+                         + ("(a partial step selects out of its own product)" if p.selection and p.selection.on == "step" else
+                            f"(a partial step masks its tile of {p.a.operand if p.selection and p.selection.on == 'a' else p.b.operand})"),
             "condition output": f"every block along {p.a.col} where the condition leaves any element (the accumulator masked by it)",
         }[p.walk]
         return (f"{p.statement.text}: persistent; each CTA runs its chunks of the work list, a chunk a run of the "

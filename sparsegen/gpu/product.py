@@ -538,8 +538,14 @@ class ProductLowering:
     # ------------------------------------------------------------ the condition walk
     def condition_plan(self):
         """Where a `where` condition's absent terms are selected out (the schedule's rule,
-        `select_target`): A's or B's tile at a partial step, or the accumulator when the
-        condition reads the output's indices alone; and the operands it reads."""
+        `select_target`), and the operands it reads:
+        - "a" / "b": a factor holds every index of the condition a block spans: its tile at a
+          partial step;
+        - "out": the condition reads no summed index: the accumulator, once, before the store;
+        - "step": the indices it spans are the output's, but a summed index is walked one value
+          at a time beside it (read: `n < width[g]`, `m < rows[b]`; or not: then the walk's
+          columns): each step's product, computed apart and selected at a partial step before
+          it is added, as the value of the summed index changes from step to step."""
         st, k, cond = self.st, self.k, self.cond
         for r in st.factors:
             op = k.operand(r.operand)
@@ -552,7 +558,10 @@ class ProductLowering:
             on, group = select_target(st, self.tile, self.used)
         except ScheduleError as exc:
             raise GpuError([exc.diagnostic]) from None
-        self.sel_on = "out" if on == "flush" else "a" if st.summed_groups[group] is self.ga else "b"
+        if on == "flush":
+            self.sel_on = "step" if self.cond_sums else "out"
+        else:
+            self.sel_on = "a" if st.summed_groups[group] is self.ga else "b"
         inner = [i for i in st.summed if i not in self.sum_c]
         if self.extra_sums or any(i != self.kidx for i in inner):
             fail(st.span, "the GPU backend walks a condition's blocks along one summed index; this statement sums over "
@@ -567,14 +576,14 @@ class ProductLowering:
                              f"output ({st.target.text}): the GPU backend masks the accumulator by positions and by "
                              "operands read one element at a time; not lowered for GPUs yet")
             if len(r.indices) != 1 or r.subs[0].shift:
+                masked = st.target.text if self.sel_on == "step" else st.factors[self.ga.main if self.sel_on == "a" else self.gb.main].text
                 fail(r.span, f"the condition reads '{r.text}' along an index with a tile above 1: the GPU backend reads one "
-                             f"index of the tile it masks ({st.factors[self.ga.main if self.sel_on == 'a' else self.gb.main].text}"
-                             "), not shifted; not lowered for GPUs yet")
+                             f"index of the tile it masks ({masked}), not shifted; not lowered for GPUs yet")
             self.held_reads.append(r)
 
     def mask_dims(self, t) -> tuple[tuple[str, int], tuple[str, int]]:
         """The masked tile's dimensions (index, length) as it lies in shared memory (or the accumulator's)."""
-        if self.sel_on == "out":
+        if self.sel_on in ("out", "step"):
             return (self.m, t.tm), (self.n, t.tn)
         mat = self.a if self.sel_on == "a" else self.b
         dims = ((mat.row, t.tm), (mat.col, t.tk)) if self.sel_on == "a" else ((mat.row, t.tk), (mat.col, t.cta_n))
@@ -801,11 +810,17 @@ class ProductLowering:
             return Selection("out", "", lines, [], [])
         dims = self.mask_dims(self.t)
         shape = py_tuple(str(d) for _, d in dims)
+        bytes_, barriers = self.held(self.t)
+        kind = f"{kind_t}[step] == _PARTIAL"
+        if self.sel_on == "step":
+            lines.append(f"return jnp.where(present, value, jnp.zeros({shape}, value.dtype))")
+            return Selection("step", kind, lines, list(self.step_lets), held, bytes_, barriers,
+                             about="its product (every step's is computed apart, in a second accumulator, then added to the running "
+                                   "one) zeroed where the condition is false before it is added")
         dtype = self.k.operand((self.a if self.sel_on == "a" else self.b).operand).dtype.jnp
         lines.append(f"@TILE@[...] = jnp.where(present, @TILE@[...], jnp.zeros({shape}, {dtype}))")
         lines.append("plgpu.commit_smem()  # the masked tile, visible to the WGMMA")
-        bytes_, barriers = self.held(self.t)
-        return Selection(self.sel_on, f"{kind_t}[step] == _PARTIAL", lines, list(self.step_lets), held, bytes_, barriers)
+        return Selection(self.sel_on, kind, lines, list(self.step_lets), held, bytes_, barriers)
 
     # ------------------------------------------------------------ tiles each step reads
     def sub(self, name: str, count: int) -> Expr:
@@ -878,7 +893,8 @@ class ProductLowering:
         vectors = tuple((v.axis, v.dtype.itemsize) for v in self.vectors)
         held = self.held if self.cond is not None else self.fused_held if self.fused is not None else (lambda _: (0, 0))
         self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype, one_warpgroup=one_wg,
-                                   held=held, vectors=vectors, multiplies=self.fused is not None)
+                                   held=held, vectors=vectors, multiplies=self.fused is not None,
+                                   step_product=self.cond is not None and self.sel_on == "step")
         if self.fused is not None and _fused_chunk(*self.fused_dims(t)) is None:
             # A tile the kernel cannot multiply (under 64 rows): the wrapper forms the product, as before.
             return ProductLowering(self.ctx, self.st, self.choice, fuse=False).lower()
