@@ -224,3 +224,30 @@ def test_step_selections_lower_and_compile_for_h200_without_spilling():
         pytest.skip(f"stage 3 (ptxas for sm_90a) not run: {results[0].stage3}")
     assert results[0].compiled, results[0].raw_error
     assert results[0].spill_bytes == 0 and max(results[0].registers) <= 255, (results[0].registers, results[0].spill_bytes)
+
+
+def test_step_selection_modules_are_pyflakes_clean():
+    """Nothing bound and unread, nothing read and unbound (the ragged sum's `b` was) in the
+    modules selecting each step's product, forward and backward."""
+    from pathlib import Path
+
+    from pyflakes import api
+
+    class Collect:
+        def __init__(self):
+            self.messages = []
+
+        def unexpectedError(self, filename, msg):
+            self.messages.append(f"{filename}: {msg}")
+
+        def syntaxError(self, filename, msg, lineno, offset, text):
+            self.messages.append(f"{filename}:{lineno}: {msg}")
+
+        def flake(self, message):
+            self.messages.append(str(message))
+
+    for text in (WIDTH, RAGGED, PREFIX, BATCH_SUM):
+        path = Path(build(text, "h200")[1].__file__)
+        reporter = Collect()
+        api.check(path.read_text(), str(path), reporter)
+        assert not reporter.messages, "\n".join(reporter.messages)

@@ -558,10 +558,10 @@ class ProductLowering:
             on, group = select_target(st, self.tile, self.used)
         except ScheduleError as exc:
             raise GpuError([exc.diagnostic]) from None
-        if on == "flush":
-            self.sel_on = "step" if self.cond_sums else "out"
-        else:
+        if on == "group":
             self.sel_on = "a" if st.summed_groups[group] is self.ga else "b"
+        else:  # the value written: once, or per step where a summed index is walked one value at a time
+            self.sel_on = "step" if self.cond_sums else "out"
         inner = [i for i in st.summed if i not in self.sum_c]
         if self.extra_sums or any(i != self.kidx for i in inner):
             fail(st.span, "the GPU backend walks a condition's blocks along one summed index; this statement sums over "
@@ -736,7 +736,8 @@ class ProductLowering:
         output blocks along the indices it reads; per column, the summed blocks) as the walk's
         tables. Selecting out of A or B: an output block's steps are its row's non-empty
         columns (each the summed blocks the condition does not read, walked inside), a
-        partial step masking the tile it reads. Selecting out of the accumulator: an output
+        partial step masking the tile it reads (or, selecting per step, its own product).
+        Selecting out of the accumulator: an output
         block whose row is empty runs no step (zeros); the others run every step and the
         condition masks the accumulator before it is stored."""
         names, t, k, cond = self.names, self.t, self.k, self.cond
