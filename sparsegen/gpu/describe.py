@@ -19,8 +19,10 @@ def _walk(p: GpuPass) -> str:
         "output mask": f"every block along {k} where the {p.sparse} block is not empty (empty: no step, zeros; all ones: no read)",
         "condition": f"the blocks the condition `{p.statement.condition.text if p.statement.condition else ''}` leaves, classified as on every "
                      "target (a table per row of the condition: first step, count; per step: its column and kind); a partial step "
-                     f"zeroes the {p.a.operand if p.selection and p.selection.on == 'a' else p.b.operand} tile where the condition is false "
-                     "in shared memory before its WGMMA",
+                     + ("computes its product apart and zeroes it where the condition is false before adding it"
+                        if p.selection and p.selection.on == "step" else
+                        f"zeroes the {p.a.operand if p.selection and p.selection.on == 'a' else p.b.operand} tile where the condition is false "
+                        "in shared memory before its WGMMA"),
         "condition output": f"every block along {k} where the condition `{p.statement.condition.text if p.statement.condition else ''}` "
                             "leaves any element (empty: no step, zeros); the accumulator is zeroed where it is false",
     }[p.walk]
@@ -62,7 +64,7 @@ def describe_pass(p: GpuPass, target) -> list[str]:
         f"a block shared by several CTAs stores each piece's {p.acc_dtype.name} partial sum, added in a fixed order by the wrapper",
         f"  per step: TMA copies of a {t.tm}x{t.tk} tile of {mat(p.a)} and a {t.tk}x{t.cta_n} tile of {mat(p.b)} into shared memory "
         f"({t.stages} in flight), one WGMMA{' per consumer' if t.wgs > 1 else ''} into an {p.acc_dtype.name} accumulator in registers",
-        *([f"  a partial step: {p.selection.about}, in shared memory before its WGMMA"]
+        *([f"  a partial step: {p.selection.about}" + ("" if p.selection.on == "step" else ", in shared memory before its WGMMA")]
           if p.selection is not None and p.selection.about else []),
         "  flush: the accumulator" + (f" times {p.scale}" if p.scale is not None else "")
         + "".join(f" times {v.operand} along the tile's {'rows' if v.axis == 'rows' else 'columns'} ({v.length} elements, broadcast)"

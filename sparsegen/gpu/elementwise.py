@@ -63,9 +63,13 @@ class ElementwiseLowering:
         host: list[str] = []
         statics: set[str] = set()
 
-        def py(e: Expr) -> str:
+        def used(e: Expr) -> Expr:
+            """Kernel code: the size variables it reads become the kernel's statics."""
             statics.update(x for x in expr_names(e) if x in {s.internal for s in self.conv.sizes})
-            return render(e, "py")
+            return e
+
+        def py(e: Expr) -> str:
+            return render(used(e), "py")
 
         bm, bn = self.tile[r], self.tile[c]
         dtypes = [out_op.dtype] + [k.operand(f.operand).dtype for f in st.factors]
@@ -110,11 +114,11 @@ class ElementwiseLowering:
                 return value
 
             lead = flat([at(d) for d in forder[:-1]], [self.conv.size(op.dims[d]).cdiv(unit(f.indices[d])) for d in forder[:-1]])
-            index = (py(lead * (bm // tm) + (Var("mi") if bm > tm else Const(0))), py(at(forder[-1]) * (bn // tn) + (Var("ni") if bn > tn else Const(0))))
+            index = (used(lead * (bm // tm) + (Var("mi") if bm > tm else Const(0))), used(at(forder[-1]) * (bn // tn) + (Var("ni") if bn > tn else Const(0))))
             factors.append({"operand": f.operand, "array": var, "dtype": op.dtype, "index": index, "ref": names.local(f"{f.operand}_gmem"),
                             "smem": names.local(f"{f.operand}_smem"), "barrier": names.local(f"{f.operand}_barrier")})
         out_rows = flat([blocks_at[d] for d in order[:-1]], extents[:-1])
-        out_index = (py(out_rows * (bm // tm) + (Var("mi") if bm > tm else Const(0))), py(blocks_at[order[-1]] * (bn // tn) + (Var("ni") if bn > tn else Const(0))))
+        out_index = (used(out_rows * (bm // tm) + (Var("mi") if bm > tm else Const(0))), used(blocks_at[order[-1]] * (bn // tn) + (Var("ni") if bn > tn else Const(0))))
         out_var, raw = names.local(target.operand), names.local(f"{target.operand}_matrix")
         padded = [self.conv.size(out_op.dims[d]).cdiv(unit(target.indices[d])) * unit(target.indices[d]) for d in order]
         inv = tuple(order.index(d) for d in range(len(order)))

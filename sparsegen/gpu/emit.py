@@ -6,12 +6,12 @@ TPU modules' own (`sparsegen.wrapper`): a spec has one calling convention on eve
 
 from __future__ import annotations
 
-from ..expr import Const, render
+from ..expr import Call, Const, Expr, Var, render
 from ..formatting import format_module
 from ..pytext import needed as _needed, parameters, py_tuple, words
 from ..wrapper import Glue, Wrapper, einsum_glue
 from .describe import describe, persistent_ctas
-from .plan import ElementwisePass, GpuModule, GpuPass
+from .plan import ElementwisePass, GpuModule, GpuPass, ds
 from .rules import MEMORY_REGISTERS
 
 
@@ -71,11 +71,14 @@ def _trimmed(d: dict) -> dict:
                 signature=signature, deleted=deleted)
 
 
-def _ds(index: str, tile: int) -> str:
+def _ds(index: Expr, tile: int) -> str:
     """The slice of tile `index` (in tiles) of a dimension."""
-    if index == "0":
-        return f"pl.ds(0, {tile})"
-    return f"pl.ds({index if index.isidentifier() else f'({index})'} * {tile}, {tile})"
+    return render(ds(index, tile), "py")
+
+
+def _py(index) -> list[str]:
+    """Kernel code of each expression."""
+    return [render(e, "py") for e in index]
 
 
 def _number(value) -> str:
@@ -165,7 +168,7 @@ class _Emitter:
         b_block = ("pl.Squeezed()",) * (len(p.b_index) - 2) + ((t.cta_n, t.tk) if p.b.transposed else (t.tk, t.cta_n))
         maps = []
         for mat, index, fn in ((p.a, p.a_index, names.local(f"{p.a.operand}_tile")), (p.b, p.b_index, names.local(f"{p.b.operand}_tile"))):
-            text = py_tuple(index)
+            text = py_tuple(_py(index))
             what = "its stored block" if mat.stored else "its block"
             about = f"Step s reads this tile of {mat.operand} ({what}, then the {p.a.col} tile inside it)"
             if mat.transposed:
@@ -178,8 +181,7 @@ class _Emitter:
             """The tile `index` (in tiles of tm x tn); warp-specialized, its epilogue tile `e` (of epi columns)."""
             cols = _ds(index[1], t.tn)
             if ws and epi != t.tn:
-                col = index[1] if index[1].isidentifier() else f"({index[1]})"
-                cols = f"pl.ds({col} * {t.tn} + e * {epi}, {epi})"
+                cols = render(Call("pl.ds", (index[1] * t.tn + Var("e") * epi, Const(epi))), "py")
             return f"{_ds(index[0], t.tm)}, {cols}"
 
         if ws:
@@ -208,7 +210,7 @@ class _Emitter:
         statics = list(p.statics)
         kernel = p.fn if not statics else f"functools.partial({p.fn}, " + ", ".join(f"{v}={v}" for v in statics) + ")"
         if p.walk == "coo output":
-            raw_shape = f"({render(p.cells, 'host')} * {t.bm}, {t.bn})"
+            raw_shape = py_tuple([render(p.cells * t.bm, "host"), str(t.bn)])
         else:
             raw_shape = py_tuple(p.raw_shape)
         call_args = list(mod.conv.impl_args) + [dict(mod.outputs)[o] for o in self.reads(p, mod)]
@@ -220,20 +222,23 @@ class _Emitter:
         bound = (p.block_products * t.ksub).cdiv(t.stages)  # runs of a pipeline's depth (`_deal`)
         ctas = str(min(cap, bound.value)) if isinstance(bound, Const) else f"min({cap}, {render(bound, 'host')})"
         # The piece's tile in its slot: the CTA's row tile, and its (consumer's) column tile.
-        col_in = (f"ni * {t.wgs} + wg" if cols_in > 1 else "wg") if ws else ("ni" if cols_in > 1 else "0")
-        piece_at = (f"slot * {rows_in} + mi" if rows_in > 1 else "slot", col_in)
-        select, acc_lines = [], []
+        col_in = (Var("ni") * t.wgs + Var("wg") if cols_in > 1 else Var("wg")) if ws else (Var("ni") if cols_in > 1 else Const(0))
+        piece_at = (Var("slot") * rows_in + Var("mi") if rows_in > 1 else Var("slot"), col_in)
+        select, acc_lines, step_select = [], [], None
+        head = ["# The chunk's step s is step first + s of the block's walk.", "(s,) = idx", "s = first + s"]
         if sel is not None and sel.on == "out":
             acc_lines = ["# The condition reads the output's indices alone: absent elements are zeros."] + sel.lines
+        elif sel is not None and sel.on == "step":
+            lets = [f"{name} = {value}" for name, value in _needed(sel.step_lets, repr([sel.kind] + sel.lines))]
+            step_select = {"head": head + lets, "kind": sel.kind, "lines": sel.lines}
         elif sel is not None:
             # The tile a partial step rewrites: A's, or B's (warp-specialized, the consumer's columns).
-            cols = f"pl.ds(wg * {t.tn}, {t.tn})"
+            cols = _ds(Var("wg"), t.tn)
             tile = a_smem if sel.on == "a" else (f"{b_smem}.at[{cols}]" if p.b.transposed else f"{b_smem}.at[:, {cols}]") if ws else b_smem
             lines = [line.replace("@TILE@", tile) for line in sel.lines]
             what = p.a.operand if sel.on == "a" else p.b.operand
             about = sel.about or f"Some terms absent: the condition selects them out of {what}'s tile before the WGMMA."
-            select = (["# The chunk's step s is step first + s of the block's walk.", "(s,) = idx", "s = first + s"]
-                      + [f"{name} = {value}" for name, value in _needed(sel.step_lets, repr([sel.kind] + lines))]
+            select = (head + [f"{name} = {value}" for name, value in _needed(sel.step_lets, repr([sel.kind] + lines))]
                       + ["", f"@pl.when({sel.kind})", "def _select():", f"    # {about}"]
                       + ["    " + line for line in lines])
         guard = list(p.guard)
@@ -261,16 +266,16 @@ class _Emitter:
             "tile": f"({t.tm}, {t.tn})",
             "acc": p.acc_dtype.jnp,  # WGMMA's accumulator: f32, or s32 for s8 products
             "scale": _number(p.scale) if p.scale is not None else None,
-            "out_index": ", ".join(p.out_index[-2:]),
+            "out_index": ", ".join(_py(p.out_index[-2:])),
             "scoped": ", ".join(scoped),
             "scoped_names": ", ".join(scoped_names),
             "end": p.end.operand if p.end else None,
             "end_mask": p.end_mask,
             "kind": f"{p.kind_table}[cell]" if p.kind_table else None,
             "end_ref": end_ref,
-            "end_at": ", ".join([*p.end_index[:-2], at(p.end_index[-2:])]) if p.end_index else None,  # coordinates leading, where they are
+            "end_at": ", ".join([*_py(p.end_index[:-2]), at(p.end_index[-2:])]) if p.end_index else None,  # coordinates leading, where they are
             "out_ref": out_ref,
-            "out_at": ", ".join([*p.out_index[:-2], at(("row", "col"))]),  # the coordinates, where leading dimensions
+            "out_at": ", ".join([*_py(p.out_index[:-2]), at((Var("row"), Var("col")))]),  # the coordinates, where leading dimensions
             "out_dtype": p.out_dtype.jnp,
             "call_fn": p.call_fn,
             "call_args": list(dict.fromkeys(call_args)),
@@ -290,6 +295,7 @@ class _Emitter:
             "vector_names": ", ".join(f"{v['smem']}, {v['barrier']}" for v in vectors),
             "select": select,
             "acc_lines": acc_lines,
+            "step_select": step_select,
             "held_scoped": [h[3] for h in held] if not ws else [],
             "held_names": [name for h in held for name in h[2]],
             "finish": p.finish,
@@ -315,7 +321,7 @@ class _Emitter:
     def b_operand(b_smem: str, transposed: bool, t) -> str:
         """B's shared-memory tile as WGMMA reads it; warp-specialized, the consumer's columns of the CTA's tile."""
         if t.wgs > 1:
-            cols = f"pl.ds(wg * {t.tn}, {t.tn})"
+            cols = _ds(Var("wg"), t.tn)
             return f"{b_smem}.at[{cols}].transpose((1, 0))" if transposed else f"{b_smem}.at[:, {cols}]"
         return f"{b_smem}.transpose((1, 0))" if transposed else b_smem
 
@@ -341,7 +347,8 @@ class _Emitter:
             "coo output": f"every block along {p.a.col}, for each requested block of {p.output}",
             "output mask": f"every block along {p.a.col}, where the {p.sparse} block is not empty",
             "condition": f"the blocks the condition `{p.statement.condition.text if p.statement.condition else ''}` leaves "
-                         f"(a partial step masks its tile of {p.a.operand if p.selection and p.selection.on == 'a' else p.b.operand})",
+                         + ("(a partial step selects out of its own product)" if p.selection and p.selection.on == "step" else
+                            f"(a partial step masks its tile of {p.a.operand if p.selection and p.selection.on == 'a' else p.b.operand})"),
             "condition output": f"every block along {p.a.col} where the condition leaves any element (the accumulator masked by it)",
         }[p.walk]
         return (f"{p.statement.text}: persistent; each CTA runs its chunks of the work list, a chunk a run of the "

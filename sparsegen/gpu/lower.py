@@ -39,6 +39,8 @@ FIXED = frozenset({
     # a condition walk: a partial step's selection (the pipeline's indices, the condition's
     # value), the wrapper's classification (`xp`: numpy or jax.numpy)
     "idx", "_select", "_held", "present", "xp",
+    # a condition selecting each step's product: its accumulator apart
+    "_step", "step_ref",
 })  # fmt: skip
 
 

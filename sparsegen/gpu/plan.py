@@ -12,11 +12,16 @@ from dataclasses import dataclass
 
 from ..callconv import Convention
 from ..dtypes import DType
-from ..expr import Expr
+from ..expr import Call, Expr, lift
 from ..ir import Einsum, Kernel
 from ..names import ModuleNames
 from ..source import Diagnostic
 from .targets import GpuTarget
+
+
+def ds(index: Expr, tile: int) -> Expr:
+    """The slice of tile `index` (counted in tiles of `tile`) of a dimension: `pl.ds(index * tile, tile)`."""
+    return Call("pl.ds", (lift(index) * tile, lift(tile)))
 
 
 class GpuError(Exception):
@@ -91,7 +96,7 @@ class EndVector:
     axis: str  # "rows" | "cols": the accumulator's dimension it runs along
     coords: tuple[Coord, ...]  # its grid coordinates, in the output's order
     dtype: DType
-    index: str = ""  # kernel code: the tile (of `length` elements) a CTA reads
+    index: Expr | None = None  # the tile (of `length` elements) a CTA reads
     length: int = 0
 
 
@@ -137,10 +142,10 @@ class ProductPass:
     guard: list[str]  # wrapper lines returning zeros early (nothing stored or requested)
     tables: list[tuple[str, str]]  # (name, about): int32 vectors the kernel reads from GMEM
     kernel_lets: list[tuple[str, str]]  # per-CTA values in the kernel: cell coordinates, start, count
-    a_index: tuple[str, str]
-    b_index: tuple[str, str]
-    out_index: tuple[str, str]
-    end_index: tuple[str, str] | None
+    a_index: tuple[Expr, ...]  # the tile each step reads (its coordinates first, where leading dimensions)
+    b_index: tuple[Expr, ...]
+    out_index: tuple[Expr, ...]
+    end_index: tuple[Expr, ...] | None
     step_lets: list[tuple[str, str]]  # per-step values the index maps read
     steps: str  # an output block's steps (kernel code over `cell` and the kernel lets): what the work list deals
     kind_table: str | None  # output mask: the kind of each cell's block
@@ -179,7 +184,7 @@ class ElementwisePass:
     cells: Expr
     lets: list[tuple[str, str]]  # per CTA: the statement's block coordinates
     factors: list[dict]
-    out_index: tuple[str, str]
+    out_index: tuple[Expr, Expr]
     inside: str | None  # a window written at offsets: tiles outside it are zeros
     scale: float | int | None
     host: list[str]

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..expr import Const, Expr, Var, flat, names as expr_names, render
+from ..expr import Const, Expr, Lit, Load, Min, Neg, Var, Where, flat, names as expr_names, render
 from ..ir import Einsum, Read
 from ..pytext import py_tuple
 from ..schedule.attention import Point
@@ -56,7 +56,7 @@ from ..schedule.choice import Source, Walk
 from ..schedule.classify import Classifier, Conditions
 from ..schedule.condition import condition_axes, select_target
 from ..terms import render_term
-from .plan import Coord, EndVector, GpuError, Matrix, ProductPass, Selection
+from .plan import Coord, EndVector, GpuError, Matrix, ProductPass, Selection, ds
 from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -96,10 +96,19 @@ class ProductLowering:
         self.fused: tuple[str, Read] | None = None  # ("a" | "b", a covered mask multiplied in by the kernel)
 
     # ------------------------------------------------------------ helpers
-    def py(self, e: Expr) -> str:
-        """Kernel code for an expression; the size variables it reads become the kernel's statics."""
+    def kernel_expr(self, e: Expr) -> Expr:
+        """An expression of kernel code; the size variables it reads become the kernel's statics."""
         self.statics.update(x for x in expr_names(e) if x in {s.internal for s in self.conv.sizes})
-        return render(e, "py")
+        return e
+
+    def py(self, e: Expr) -> str:
+        """Kernel code for an expression (its size variables the kernel's statics)."""
+        return render(self.kernel_expr(e), "py")
+
+    def clamped_step(self, pair: Expr, table: str) -> str:
+        """The walk's entry of the chunk's step `s` (`pair`: its offset from the block's first),
+        clamped: a pipeline may fetch ahead of its last step."""
+        return self.py(Min(Var("start") + pair, Lit(f"{table}.shape[0]") - 1))
 
     def cell_extent(self, i: str) -> Expr:
         """Values of a grid coordinate; blocks along the product's rows and columns."""
@@ -362,7 +371,7 @@ class ProductLowering:
         src = self.ctx.source(e)
         if perm != tuple(range(len(perm))):
             src = f"{src}.transpose({py_tuple(map(str, perm))})"
-        pads = ["(0, 0)"] * (len(order) - 1) + [f"(0, -{render(self.ctx.size(i), 'host')} % {self.tile[i]})"]
+        pads = ["(0, 0)"] * (len(order) - 1) + [f"(0, {render(Neg(self.ctx.size(i)).rem(self.tile[i]), 'host')})"]
         self.host.append(f"# {e.text} along the {'rows' if axis == 'rows' else 'columns'}, padded to whole blocks of {i} "
                          "(a vector: its pad costs nothing)")
         self.host.append(f"{var} = jnp.pad({src}, {py_tuple(pads)}).reshape(-1)")
@@ -418,7 +427,7 @@ class ProductLowering:
         self.host.append(f"{counts} = jnp.where({self.conv.pad(out_op.name)}, 0, {render(self.KB, 'host')}).astype(jnp.int32)"
                          "  # padding entries: no step, zeros")
         self.tables.append((counts, f"steps of each requested block: every block along {self.kidx} (none for padding)"))
-        self.start, self.count = "0", f"{counts}[cell] * {t.ksub}"
+        self.start, self.count = "0", self.py(Load(counts, Var("cell")) * t.ksub)
         self.guard = [f"{ncells.name} = {stored_idx[self.m]}.shape[0]", f"if {ncells.name} == 0:", "    # Nothing is requested."]
         return ncells
 
@@ -450,7 +459,6 @@ class ProductLowering:
         order_t, start_t, count_t = names.local(f"{sparse}_order"), names.local(f"{sparse}_start"), names.local(f"{sparse}_count")
         k_t = names.local(f"{sparse}_{kidx}")
         line = "row" if walk == "rows" else "column"
-        KB = render(self.KB, "host")
         if mat.stored:
             op = k.operand(sparse)
             read = next(r for r in st.factors if r.operand == sparse)
@@ -486,10 +494,10 @@ class ProductLowering:
             if first == kidx:  # bring the key index next to the coordinates, k last
                 self.host.append(f"{kinds} = {kinds}.transpose(0, 2, 1)")
             self.host.append(f"{live} = ({kinds} != _EMPTY).reshape(-1)")
-            pos = f"jnp.arange({live}.shape[0], dtype=jnp.int32)"
-            self.host.append(f"{order_t}, {start_t}, {count_t} = _walk(jnp.where({live}, {pos} // {KB}, {render(nkeys, 'host')}), "
-                             f"{render(nkeys, 'host')})")
-            self.host.append(f"{k_t} = {order_t} % {KB}  # block {kidx} of each step")
+            pos = Lit(f"jnp.arange({live}.shape[0], dtype=jnp.int32)")
+            self.host.append(f"{order_t}, {start_t}, {count_t} = _walk(jnp.where({live}, {render(pos.div(self.KB), 'host')}, "
+                             f"{render(nkeys, 'host')}), {render(nkeys, 'host')})")
+            self.host.append(f"{k_t} = {render(Var(order_t).rem(self.KB), 'host')}  # block {kidx} of each step")
             if fused:
                 kind_t = names.local(f"{sparse}_kind")
                 self.host.append(f"{kind_t} = {kinds}.reshape(-1)[{order_t}]  # _PARTIAL: {sparse}'s tile is multiplied in")
@@ -499,9 +507,8 @@ class ProductLowering:
                         (k_t, f"block {kidx} of each step")]
         key = names.local("key")
         self.kernel_lets.append((key, self.py(self.rows_of(mat.coords, Var(self.var_of[key_index]), self.ctx.blocks(key_index)))))
-        self.start, self.count = f"{start_t}[{key}]", f"{count_t}[{key}] * {t.ksub}"
-        # Clamped: a pipeline may fetch ahead of its last step.
-        self.step_lets.append(("step", f"jnp.minimum(start + {render(Var('s').div(t.ksub), 'py')}, {k_t}.shape[0] - 1)"))
+        self.start, self.count = render(Load(start_t, Var(key)), "py"), self.py(Load(count_t, Var(key)) * t.ksub)
+        self.step_lets.append(("step", self.clamped_step(Var("s").div(t.ksub), k_t)))
         self.step_lets.append((self.kvar, f"{k_t}[step]"))
         if mat.stored:
             self.step_lets.append(("stored", f"{order_t}[step]"))
@@ -525,14 +532,20 @@ class ProductLowering:
                              f".reshape({', '.join(cells + blocks)})")
             self.host.append(f"{kinds} = jnp.broadcast_to({kinds}, ({', '.join(full)})).reshape(-1)  # the same for every {lacked}")
         self.tables.append((kinds, f"_EMPTY, _PARTIAL or _FULL: each output block's {sparse} block"))
-        self.count = f"jnp.where({kinds}[cell] == _EMPTY, 0, {self.py(self.KB * self.t.ksub)})"
+        self.count = self.py(Where(Load(kinds, Var("cell")).eq(Var("_EMPTY")), 0, self.KB * self.t.ksub))
         return kinds
 
     # ------------------------------------------------------------ the condition walk
     def condition_plan(self):
         """Where a `where` condition's absent terms are selected out (the schedule's rule,
-        `select_target`): A's or B's tile at a partial step, or the accumulator when the
-        condition reads the output's indices alone; and the operands it reads."""
+        `select_target`), and the operands it reads:
+        - "a" / "b": a factor holds every index of the condition a block spans: its tile at a
+          partial step;
+        - "out": the condition reads no summed index: the accumulator, once, before the store;
+        - "step": the indices it spans are the output's, but a summed index is walked one value
+          at a time beside it (read: `n < width[g]`, `m < rows[b]`; or not: then the walk's
+          columns): each step's product, computed apart and selected at a partial step before
+          it is added, as the value of the summed index changes from step to step."""
         st, k, cond = self.st, self.k, self.cond
         for r in st.factors:
             op = k.operand(r.operand)
@@ -545,7 +558,10 @@ class ProductLowering:
             on, group = select_target(st, self.tile, self.used)
         except ScheduleError as exc:
             raise GpuError([exc.diagnostic]) from None
-        self.sel_on = "out" if on == "flush" else "a" if st.summed_groups[group] is self.ga else "b"
+        if on == "group":
+            self.sel_on = "a" if st.summed_groups[group] is self.ga else "b"
+        else:  # the value written: once, or per step where a summed index is walked one value at a time
+            self.sel_on = "step" if self.cond_sums else "out"
         inner = [i for i in st.summed if i not in self.sum_c]
         if self.extra_sums or any(i != self.kidx for i in inner):
             fail(st.span, "the GPU backend walks a condition's blocks along one summed index; this statement sums over "
@@ -560,14 +576,14 @@ class ProductLowering:
                              f"output ({st.target.text}): the GPU backend masks the accumulator by positions and by "
                              "operands read one element at a time; not lowered for GPUs yet")
             if len(r.indices) != 1 or r.subs[0].shift:
+                masked = st.target.text if self.sel_on == "step" else st.factors[self.ga.main if self.sel_on == "a" else self.gb.main].text
                 fail(r.span, f"the condition reads '{r.text}' along an index with a tile above 1: the GPU backend reads one "
-                             f"index of the tile it masks ({st.factors[self.ga.main if self.sel_on == 'a' else self.gb.main].text}"
-                             "), not shifted; not lowered for GPUs yet")
+                             f"index of the tile it masks ({masked}), not shifted; not lowered for GPUs yet")
             self.held_reads.append(r)
 
     def mask_dims(self, t) -> tuple[tuple[str, int], tuple[str, int]]:
         """The masked tile's dimensions (index, length) as it lies in shared memory (or the accumulator's)."""
-        if self.sel_on == "out":
+        if self.sel_on in ("out", "step"):
             return (self.m, t.tm), (self.n, t.tn)
         mat = self.a if self.sel_on == "a" else self.b
         dims = ((mat.row, t.tm), (mat.col, t.tk)) if self.sel_on == "a" else ((mat.row, t.tk), (mat.col, t.cta_n))
@@ -608,7 +624,7 @@ class ProductLowering:
         else:  # the consumer's columns (the CTA's, one warpgroup)
             index = self.matrix_index(mmat, t.ksub, t.bn // t.tn, "kk", self.col_tile())
         d0, d1 = self.fused_dims(t)
-        at = ", ".join(f"pl.ds({i if i.isidentifier() or i.isdigit() else f'({i})'} * {d}, {d})" for i, d in zip(index, (d0, d1)))
+        at = ", ".join(render(ds(i, d), "py") for i, d in zip(index, (d0, d1)))
         ref, smem, barrier = names.local(f"{mop.name}_gmem"), names.local(f"{mop.name}_smem"), names.local(f"{mop.name}_barrier")
         mine = ".at[wg]" if ws else ""
         dtype = self.k.operand(mat.operand).dtype.jnp
@@ -666,9 +682,9 @@ class ProductLowering:
             width = dims[1 - d][1]
             array, ref = names.local(f"{op.name}_{'rows' if d == 0 else 'cols'}"), names.local(f"{op.name}_gmem")
             smem, barrier = names.local(f"{op.name}_smem"), names.local(f"{op.name}_barrier")
-            padded = render(self.ctx.blocks(i) * self.tile[i], "host")
-            size = render(self.conv.size(op.dims[0]), "host")
-            src = f"jnp.pad({self.conv.param(op.name).internal}.astype(jnp.int32), (0, {padded} - {size}))"
+            whole = self.ctx.blocks(i) * self.tile[i]
+            padded = render(whole, "host")
+            src = f"jnp.pad({self.conv.param(op.name).internal}.astype(jnp.int32), (0, {render(whole - self.conv.size(op.dims[0]), 'host')}))"
             self.host.append(f"{array} = jnp.broadcast_to({src}[{':, None' if d == 0 else 'None, :'}], "
                              f"{'(' + padded + ', ' + str(width) + ')' if d == 0 else '(' + str(width) + ', ' + padded + ')'})"
                              f"  # {r.text} along the {'rows' if d == 0 else 'columns'} of {op.name}'s tiles the condition masks")
@@ -720,7 +736,8 @@ class ProductLowering:
         output blocks along the indices it reads; per column, the summed blocks) as the walk's
         tables. Selecting out of A or B: an output block's steps are its row's non-empty
         columns (each the summed blocks the condition does not read, walked inside), a
-        partial step masking the tile it reads. Selecting out of the accumulator: an output
+        partial step masking the tile it reads (or, selecting per step, its own product).
+        Selecting out of the accumulator: an output
         block whose row is empty runs no step (zeros); the others run every step and the
         condition masks the accumulator before it is stored."""
         names, t, k, cond = self.names, self.t, self.k, self.cond
@@ -753,23 +770,24 @@ class ProductLowering:
             row_kinds = names.local("cond_row_kinds")
             self.host.append(f"{row_kinds} = {kinds}.max(axis=1)  # the same for every column: the condition reads no summed index")
             self.tables.append((row_kinds, f"_EMPTY (no step: zeros), _PARTIAL or _FULL: each row of output blocks along {', '.join(out_c)}"))
-            self.count = f"jnp.where({row_kinds}[{key}] == _EMPTY, 0, {self.py(self.KB * t.ksub)})"
+            self.count = self.py(Where(Load(row_kinds, Var(key)).eq(Var("_EMPTY")), 0, self.KB * t.ksub))
             return "condition output", row_kinds
         order_t, start_t, count_t = names.local("cond_order"), names.local("cond_start"), names.local("cond_count")
         col_t, kind_t = names.local("cond_col"), names.local("cond_kind")
+        # Each (row, column) pair's position, row-major: its row is position // columns.
+        pos = Lit(f"jnp.arange({render(rows * cols, 'host')}, dtype=jnp.int32)")
         self.host += [f"{order_t}, {start_t}, {count_t} = _walk(jnp.where(({kinds} != _EMPTY).reshape(-1), "
-                      f"jnp.arange({R} * {C}, dtype=jnp.int32) // {C}, {R}), {R})",
-                      f"{col_t} = ({order_t} % {C}).astype(jnp.int32)  # the column of each step",
+                      f"{render(pos.div(cols), 'host')}, {R}), {R})",
+                      f"{col_t} = ({render(Var(order_t).rem(cols), 'host')}).astype(jnp.int32)  # the column of each step",
                       f"{kind_t} = {kinds}.reshape(-1)[{order_t}].astype(jnp.int32)  # _PARTIAL: the condition is evaluated"]
         self.tables += [(start_t, "the first step of each row of the condition"), (count_t, "the non-empty columns of each row"),
                         (col_t, f"the column of each step: its block of {', '.join(sum_c)}"), (kind_t, "the kind of each step")]
         inner = self.KB if self.kidx not in sum_c else Const(1)
-        self.start = f"{start_t}[{key}]"
-        self.count = f"{count_t}[{key}] * {self.py(inner * t.ksub)}"
+        self.start = render(Load(start_t, Var(key)), "py")
+        self.count = self.py(Load(count_t, Var(key)) * (inner * t.ksub))
         block = Var("s").div(t.ksub)
         pair = block.div(inner) if self.kidx not in sum_c else block
-        # Clamped: a pipeline may fetch ahead of its last step.
-        self.step_lets.append(("step", f"jnp.minimum(start + {self.py(pair)}, {col_t}.shape[0] - 1)"))
+        self.step_lets.append(("step", self.clamped_step(pair, col_t)))
         col = names.local("col_block")
         self.step_lets.append((col, f"{col_t}[step]"))
         for n_, i in enumerate(sum_c):
@@ -793,18 +811,24 @@ class ProductLowering:
             return Selection("out", "", lines, [], [])
         dims = self.mask_dims(self.t)
         shape = py_tuple(str(d) for _, d in dims)
+        bytes_, barriers = self.held(self.t)
+        kind = f"{kind_t}[step] == _PARTIAL"
+        if self.sel_on == "step":
+            lines.append(f"return jnp.where(present, value, jnp.zeros({shape}, value.dtype))")
+            return Selection("step", kind, lines, list(self.step_lets), held, bytes_, barriers,
+                             about="its product (every step's is computed apart, in a second accumulator, then added to the running "
+                                   "one) zeroed where the condition is false before it is added")
         dtype = self.k.operand((self.a if self.sel_on == "a" else self.b).operand).dtype.jnp
         lines.append(f"@TILE@[...] = jnp.where(present, @TILE@[...], jnp.zeros({shape}, {dtype}))")
         lines.append("plgpu.commit_smem()  # the masked tile, visible to the WGMMA")
-        bytes_, barriers = self.held(self.t)
-        return Selection(self.sel_on, f"{kind_t}[step] == _PARTIAL", lines, list(self.step_lets), held, bytes_, barriers)
+        return Selection(self.sel_on, kind, lines, list(self.step_lets), held, bytes_, barriers)
 
     # ------------------------------------------------------------ tiles each step reads
     def sub(self, name: str, count: int) -> Expr:
         """A CTA's (or step's) tile within its block: always 0 where the block is one tile."""
         return Var(name) if count > 1 else Const(0)
 
-    def matrix_index(self, mat: Matrix, row_tiles: int, col_tiles: int, row_sub: str, col_sub: "str | Expr") -> tuple[str, str]:
+    def matrix_index(self, mat: Matrix, row_tiles: int, col_tiles: int, row_sub: str, col_sub: "str | Expr") -> tuple[Expr, ...]:
         """The tile a step reads: block coordinates times tiles per block, plus the tile inside
         (`col_sub` a name, or the expression of it)."""
         lead, other = (mat.col, mat.row) if mat.transposed else (mat.row, mat.col)
@@ -815,13 +839,13 @@ class ProductLowering:
             value = {i: Var(self.kvar) if i == self.kidx else Var(self.var_of[i]) for i in (mat.row, mat.col)}
             first, second = self.rows_of(() if mat.lead else mat.coords, value[lead], self.blocks(lead)), value[other]
         r, c = (second, first) if mat.transposed else (first, second)
-        rr = self.py(r * row_tiles + self.sub(row_sub, row_tiles))
-        cc = self.py(c * col_tiles + (col_sub if isinstance(col_sub, Expr) else self.sub(col_sub, col_tiles)))
+        rr = self.kernel_expr(r * row_tiles + self.sub(row_sub, row_tiles))
+        cc = self.kernel_expr(c * col_tiles + (col_sub if isinstance(col_sub, Expr) else self.sub(col_sub, col_tiles)))
         return self.leading(mat) + ((cc, rr) if mat.transposed else (rr, cc))
 
-    def leading(self, mat: Matrix) -> tuple[str, ...]:
+    def leading(self, mat: Matrix) -> tuple[Expr, ...]:
         """A matrix's coordinates where they are leading dimensions (`lead`): their values."""
-        return tuple(self.py(self.coord_value(c)) for c in mat.coords) if mat.lead else ()
+        return tuple(self.kernel_expr(self.coord_value(c)) for c in mat.coords) if mat.lead else ()
 
     def col_tile(self) -> Expr:
         """The output's column tile (of tn) inside its block: the CTA's (`ni`), or, warp-specialized,
@@ -831,11 +855,11 @@ class ProductLowering:
             return self.sub("ni", t.bn // t.tn)
         return self.sub("ni", t.bn // t.cta_n) * t.wgs + Var("wg")
 
-    def out_tile(self, mat: Matrix) -> tuple[str, ...]:
+    def out_tile(self, mat: Matrix) -> tuple[Expr, ...]:
         t = self.t
         r = self.rows_of(() if mat.lead else mat.coords, Var(self.var_of[self.m]), self.ctx.blocks(self.m))
-        return self.leading(mat) + (self.py(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)),
-                                    self.py(Var(self.var_of[self.n]) * (t.bn // t.tn) + self.col_tile()))
+        return self.leading(mat) + (self.kernel_expr(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)),
+                                    self.kernel_expr(Var(self.var_of[self.n]) * (t.bn // t.tn) + self.col_tile()))
 
     # ------------------------------------------------------------ the pass
     def lower(self) -> ProductPass:
@@ -870,7 +894,8 @@ class ProductLowering:
         vectors = tuple((v.axis, v.dtype.itemsize) for v in self.vectors)
         held = self.held if self.cond is not None else self.fused_held if self.fused is not None else (lambda _: (0, 0))
         self.t = t = product_tiles(k, self.ctx.target, m, n, kidx, da, out_op.dtype, end_dtype, one_warpgroup=one_wg,
-                                   held=held, vectors=vectors, multiplies=self.fused is not None)
+                                   held=held, vectors=vectors, multiplies=self.fused is not None,
+                                   step_product=self.cond is not None and self.sel_on == "step")
         if self.fused is not None and _fused_chunk(*self.fused_dims(t)) is None:
             # A tile the kernel cannot multiply (under 64 rows): the wrapper forms the product, as before.
             return ProductLowering(self.ctx, self.st, self.choice, fuse=False).lower()
@@ -904,7 +929,7 @@ class ProductLowering:
         b_index = self.matrix_index(self.b, t.ksub, t.bn // t.cta_n, "kk", "ni")  # the CTA's columns (all its consumers')
         out_coords = self.coords_of(st.target)
         if walk == "coo output":
-            out_index = (self.py(Var("cell") * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)), self.py(self.col_tile()))
+            out_index = (Var("cell") * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm), self.col_tile())
         else:
             out_index = self.out_tile(Matrix(out_op.name, "", out_coords, m, n, False, False, lead=bool(out_coords)))
         end_index = self.out_tile(self.end) if self.end is not None else None
@@ -950,6 +975,6 @@ class ProductLowering:
         t = self.t
         if v.axis == "rows":
             r = self.rows_of(v.coords, Var(self.var_of[self.m]), self.ctx.blocks(self.m))
-            return dataclasses.replace(v, index=self.py(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)), length=t.tm)
+            return dataclasses.replace(v, index=self.kernel_expr(r * (t.bm // t.tm) + self.sub("mi", t.bm // t.tm)), length=t.tm)
         c = self.rows_of(v.coords, Var(self.var_of[self.n]), self.ctx.blocks(self.n))
-        return dataclasses.replace(v, index=self.py(c * (t.bn // t.tn) + self.col_tile()), length=t.tn)
+        return dataclasses.replace(v, index=self.kernel_expr(c * (t.bn // t.tn) + self.col_tile()), length=t.tn)

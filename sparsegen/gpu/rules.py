@@ -22,6 +22,9 @@ MAX_ACC = 128 * 128  # accumulator elements per warpgroup: its registers
 # (registers: the two tiles beside the accumulator) keeps at most 64 x 128 (measured under
 # its 168 registers: a 128 x 128 accumulator spilled 248 to 320 bytes, 64 x 128 none).
 MAX_ACC_MULTIPLYING = 64 * 128
+# A condition selecting each step's product (`Selection` "step") holds a second accumulator
+# beside the running one (the step's, selected before it is added).
+MAX_ACC_STEP = 64 * 128
 WARPGROUPS = 2  # consumer warpgroups of a warp-specialized CTA (and a producer): products, attention
 MEMORY_REGISTERS = 40  # a forward producer's registers a thread (setmaxnreg): it only issues TMA copies
 
@@ -74,13 +77,14 @@ def elementwise_smem_bytes(tm: int, tn: int, itemsizes: int, factors: int) -> in
 
 def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype: DType, out_dtype: DType, end_dtype: DType | None,
                   one_warpgroup: bool = False, held=lambda t: (0, 0), vectors: tuple[tuple[str, int], ...] = (),
-                  multiplies: bool = False) -> Tiles:
+                  multiplies: bool = False, step_product: bool = False) -> Tiles:
     """The CTA tiles of a matrix product inside the spec's blocks, and its pipeline depth.
     `one_warpgroup`: never warp-specialized (a condition walk masks the A or B tile a partial
     step reads in shared memory, which consumers sharing it would race on); `held(tiles)`:
     what the CTA holds beside the pipeline, and `vectors` the factors after the sum along
     the rows or columns alone (`smem_bytes`); `multiplies`: a partial step multiplies a
-    covered mask's tile into its operand's in registers (`MAX_ACC_MULTIPLYING`)."""
+    covered mask's tile into its operand's in registers (`MAX_ACC_MULTIPLYING`); `step_product`:
+    each step's product is computed apart and selected before it is added (`MAX_ACC_STEP`)."""
     tile = {i.name: i.tile for i in k.indices}
     span = {i.name: i.tile_span for i in k.indices}
     bm, bn, bk = tile[m], tile[n], tile[kidx]
@@ -94,7 +98,7 @@ def product_tiles(k: Kernel, target: GpuTarget, m: str, n: str, kidx: str, dtype
     else:
         fail(span[n], f"tile {n} = {bn}: WGMMA's N is a multiple of 16 up to 256 (or the block a multiple of 128, "
                       f"split into 128-wide tiles); on {target.name} use 16, 32, ..., 256, or a multiple of 128")
-    tm = 128 if bm % 128 == 0 and 128 * tn <= MAX_ACC else 64
+    tm = 128 if bm % 128 == 0 and 128 * tn <= (MAX_ACC_STEP if step_product else MAX_ACC) else 64
     swizzle = 128 // dtype.itemsize  # elements per 128-byte row: the widest swizzle
     step = 32 // dtype.itemsize  # WGMMA's K: 16 for 16-bit factors, 8 for tf32
     if bk % swizzle == 0:
