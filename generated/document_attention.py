@@ -2200,9 +2200,16 @@ def document_attention(
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
+    return _run(
+        *_checked(q, k, v, seg, B, H, S, D, max_steps), _check_interpret(interpret)
+    )
+
+
+def _checked(q, k, v, seg, B, H, S, D, max_steps):
+    """`_prepare`, and the check of `max_steps` on concrete arguments: the kernel's call and
+    `sharded`'s (on the whole arrays, before they are split) make both."""
     q, k, v, seg, sizes = _prepare(q, k, v, seg, B, H, S, D)
-    bound = _check_bound(max_steps, _classify_blocks, (seg,), sizes)
-    return _run(q, k, v, seg, sizes, bound, _check_interpret(interpret))
+    return q, k, v, seg, sizes, _check_bound(max_steps, _classify_blocks, (seg,), sizes)
 
 
 def _check_bound(max_steps, classify, reads, sizes):
@@ -2311,7 +2318,7 @@ def sharded(mesh, /, **axes):
         return _on_mesh(
             (q, k, v, seg),
             _placement,
-            _local_sizes(_placement, _prepare(q, k, v, seg, B, H, S, D)[-1])
+            _local_sizes(_placement, _checked(q, k, v, seg, B, H, S, D, max_steps)[-2])
             + (("max_steps", max_steps),),
             _check_interpret(interpret),
         )

@@ -1738,9 +1738,23 @@ def masked_attention(
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
+    return _run(
+        *_checked(q, k, v, keep, H, S, D, T, max_steps), _check_interpret(interpret)
+    )
+
+
+def _checked(q, k, v, keep, H, S, D, T, max_steps):
+    """`_prepare`, and the check of `max_steps` on concrete arguments: the kernel's call and
+    `sharded`'s (on the whole arrays, before they are split) make both."""
     q, k, v, keep, sizes = _prepare(q, k, v, keep, H, S, D, T)
-    bound = _check_bound(max_steps, _classify_blocks, (keep,), sizes)
-    return _run(q, k, v, keep, sizes, bound, _check_interpret(interpret))
+    return (
+        q,
+        k,
+        v,
+        keep,
+        sizes,
+        _check_bound(max_steps, _classify_blocks, (keep,), sizes),
+    )
 
 
 def _check_bound(max_steps, classify, reads, sizes):
@@ -1852,7 +1866,7 @@ def sharded(mesh, /, **axes):
         return _on_mesh(
             (q, k, v, keep),
             _placement,
-            _local_sizes(_placement, _prepare(q, k, v, keep, H, S, D, T)[-1])
+            _local_sizes(_placement, _checked(q, k, v, keep, H, S, D, T, max_steps)[-2])
             + (("max_steps", max_steps),),
             _check_interpret(interpret),
         )

@@ -888,11 +888,20 @@ def paged_softcap_decode(
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
+    return _run(
+        *_checked(q, kc, vc, pages, lens, B, H, D, G, P, T, NP),
+        _check_interpret(interpret),
+    )
+
+
+def _checked(q, kc, vc, pages, lens, B, H, D, G, P, T, NP):
+    """`_prepare`, and the check of the table on concrete arguments: the kernel's call and
+    `sharded`'s (on the whole arrays, before they are split) make both."""
     q, kc, vc, pages, lens, sizes = _prepare(
         q, kc, vc, pages, lens, B, H, D, G, P, T, NP
     )
     _check_table(lens, pages, sizes)
-    return _run(q, kc, vc, pages, lens, sizes, _check_interpret(interpret))
+    return q, kc, vc, pages, lens, sizes
 
 
 def _check_table(lens, table, sizes):
@@ -1014,7 +1023,7 @@ def sharded(mesh, /, **axes):
             (q, kc, vc, pages, lens),
             _placement,
             _local_sizes(
-                _placement, _prepare(q, kc, vc, pages, lens, B, H, D, G, P, T, NP)[-1]
+                _placement, _checked(q, kc, vc, pages, lens, B, H, D, G, P, T, NP)[-1]
             ),
             _check_interpret(interpret),
         )
