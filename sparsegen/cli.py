@@ -270,6 +270,8 @@ def cmd_plan(args) -> int:
     except ValueError as exc:
         print(f"sparsegen plan: {exc}", file=sys.stderr)
         return 2
+    if not _shape_names_ok("plan", shapes, {args.spec: [p.kernel for p in found]}):
+        return 2
     reports = []
     for p in found:
         sizes = {**default_shapes(p.kernel), **shapes}
@@ -302,8 +304,24 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _shape_names_ok(command: str, shapes: dict[str, int], kernels: dict) -> bool:
+    """Every `--shape` name is a size of a kernel the command takes (`kernels`: per spec, its
+    kernels; a misspelt name would be ignored): False after printing the usage error."""
+    known = list(dict.fromkeys(s for found in kernels.values() for k in found for s, _ in k.symbols))
+    unknown = [name for name in shapes if name not in known]
+    if not unknown:
+        return True
+    name = unknown[0]
+    specs = list(kernels)
+    where = f"{specs[0]} has no size {name} (its" if len(specs) == 1 else f"none of {', '.join(map(str, specs))} has a size {name} (their"
+    print(f"sparsegen {command}: --shape {name}={shapes[name]}: {where} sizes: {', '.join(known) or 'none'})", file=sys.stderr)
+    return False
+
+
 def _verify_options(args) -> dict[str, int] | None:
-    """`--shape` and `--nnz`, checked (None after printing the usage error)."""
+    """`--shape` and `--nnz`, checked (None after printing the usage error). The specs are
+    checked here for their sizes' names; one with an error is reported by the run."""
+    from .compiler import check_source
     from .shapes import parse_shapes
 
     try:
@@ -311,6 +329,15 @@ def _verify_options(args) -> dict[str, int] | None:
     except ValueError as exc:
         print(f"sparsegen verify: {exc}", file=sys.stderr)
         return None
+    if shapes:
+        kernels = {}
+        for spec in args.specs:
+            try:
+                kernels[spec] = check_source(SourceFile.read(spec))
+            except (SpecError, OSError):
+                kernels[spec] = []
+        if not _shape_names_ok("verify", shapes, kernels):
+            return None
     if not 0 < args.nnz <= 1:
         print("sparsegen verify: --nnz is a fraction of the blocks, in (0, 1]", file=sys.stderr)
         return None
@@ -568,9 +595,12 @@ def cmd_variants(args) -> int:
 
     try:
         options = vs.parse_tile_options(args.tile, kernel)
-        sizes = {**vs.default_sizes(kernel, options), **parse_shapes(args.shape)}
+        shapes = parse_shapes(args.shape)
+        sizes = {**vs.default_sizes(kernel, options), **shapes}
     except ValueError as exc:
         print(f"sparsegen variants: {exc}", file=sys.stderr)
+        return 2
+    if not _shape_names_ok("variants", shapes, {args.spec: [kernel]}):
         return 2
     candidates = vs.expand(kernel, args.spec, options)
     for v in candidates:

@@ -377,3 +377,24 @@ def test_version():
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     result = sparsegen("--version")
     assert result.returncode == 0 and result.stdout == f"sparsegen {version}\n", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("argv,said", [
+    # a size the spec lacks (a lower-case typo) was ignored, exit 0
+    (["verify", "specs/dsd_matmul.spk", "--quick", "--shape", "M=512,k=512"],
+     "sparsegen verify: --shape k=512: specs/dsd_matmul.spk has no size k (its sizes: M, K, N)"),
+    (["verify", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "--quick", "--shape", "Q=5"],
+     "sparsegen verify: --shape Q=5: none of specs/dsd_matmul.spk, specs/sdd_matmul.spk has a size Q (their sizes: M, K, N)"),
+    (["verify", "specs/dsd_matmul.spk", "--target", "h200", "--lower-only", "--shape", "Q=5"],
+     "sparsegen verify: --shape Q=5: specs/dsd_matmul.spk has no size Q (its sizes: M, K, N)"),
+    (["plan", "specs/masked_matmul.spk", "--pattern", "tril", "--shape", "M=256,n=256"],
+     "sparsegen plan: --shape n=256: specs/masked_matmul.spk has no size n (its sizes: M, K, N)"),
+    (["variants", "specs/dsd_matmul.spk", "--tile", "m=128", "--shape", "Q=5", "--no-compile"],
+     "sparsegen variants: --shape Q=5: specs/dsd_matmul.spk has no size Q (its sizes: M, K, N)"),
+    # a size of zero was reported as "does not compile for v5e", exit 1
+    (["verify", "specs/dsd_matmul.spk", "--quick", "--shape", "M=0"], "sparsegen verify: --shape M=0: sizes must be positive"),
+    (["plan", "specs/masked_matmul.spk", "--pattern", "tril", "--shape", "M=0"], "sparsegen plan: --shape M=0: sizes must be positive"),
+])
+def test_shape_names_a_size_of_the_spec_and_is_positive(argv, said):
+    result = in_process(*argv)
+    assert (result.returncode, result.stderr.strip()) == (2, said)
