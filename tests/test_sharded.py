@@ -468,6 +468,9 @@ kernel float_both {
     tile i = 128, j = 128, d = 128, e = 128
 }"""
 
+# Unsigned ids: a shard would be given them less its offset, in their type.
+GROUPED_U32 = spec_text("grouped_matmul").replace("gid: i32", "gid: u32")
+
 REFUSALS = [
     (BATCHED, {"q": "data"}, "the spec has no index 'q' (its indices: b, m, n, k)"),
     (BATCHED, {"b": "rows"}, "index b is mapped to 'rows', which is not an axis of the mesh (its axes: data, model)"),
@@ -476,8 +479,14 @@ REFUSALS = [
      "(sharded(mesh, i=AXIS, j=AXIS)); alone it would need i to have a size of its own"),
     ("causal_attention", {"i": "data", "j": "model"}, "the key index j is split with the query index i, as a ring: map both to "
      "one mesh axis (sharded(mesh, i=AXIS, j=AXIS))"),
-    ("causal_attention", {"b": ("data", "zigzag")}, "index b is mapped to ('data', 'zigzag'), which is not an axis of the mesh "
-     "(its axes: data, model)"),
+    ("causal_attention", {"b": ("data", "zigzag")}, "only a ring's query index i may be split in zigzag order"),
+    # The reason was "reads its position other than compared with an integer input's values".
+    (GROUPED_U32, {"g": "data"}, "index g cannot be split: `o[m, n] = x[m, k] * w[g, k, n] where gid[m] == g` compares its "
+     "position with gid, an unsigned input (u32): each shard is given it less the shard's offset, which would wrap below "
+     "zero (declare it i32 or index)"),
+    # A tuple of mesh axes was "not an axis of the mesh".
+    (BATCHED, {"b": ("data", "model")}, "index b is mapped to ('data', 'model'), several mesh axes: an index is split over "
+     "one axis of the mesh (its axes: data, model)"),
     ("masked_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting "
      "it (a ring, with i) is not supported yet: keep is read along both i and j, so it can neither travel nor stay"),
     ("causal_attention", {"d": "data"}, "index d cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i, d] * "
