@@ -398,3 +398,27 @@ def test_version():
 def test_shape_names_a_size_of_the_spec_and_is_positive(argv, said):
     result = in_process(*argv)
     assert (result.returncode, result.stderr.strip()) == (2, said)
+
+
+def test_check_says_a_module_comes_from_another_spec_with_the_same_kernel(tmp_path):
+    """Two specs define a kernel of one name: the module another spec built (its header names
+    it) is not stale, and rebuilding it from this spec would overwrite it; `check` says
+    where it comes from and advises no build of it (it advised `sparsegen build` of this spec)."""
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "other").mkdir()
+    shutil.copy(SPECS / "dsd_matmul.spk", tmp_path / "specs" / "dsd_matmul.spk")
+    shutil.copy(SPECS / "sdd_matmul.spk", tmp_path / "specs" / "sdd_matmul.spk")
+    (tmp_path / "other" / "mine.spk").write_text((SPECS / "dsd_matmul.spk").read_text().replace("tile m = 512", "tile m = 256"))
+    assert in_process("build", "other/mine.spk", "specs/sdd_matmul.spk", "-o", "generated", cwd=tmp_path).returncode == 0
+    result = in_process("check", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "-o", "generated", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        "other spec: generated/dsd_matmul.py (built from other/mine.spk, which also defines kernel 'dsd_matmul'; not from specs/dsd_matmul.spk)",
+        "1 module built from another spec with a kernel of the same name: rename one of the kernels, or build them into different folders",
+    ]
+    # A module whose spec has moved (its header names a file that is gone) is stale: rebuilt from where it is now.
+    (tmp_path / "other" / "mine.spk").unlink()
+    result = in_process("check", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "-o", "generated", cwd=tmp_path)
+    assert result.stdout.splitlines() == ["stale: generated/dsd_matmul.py (from specs/dsd_matmul.spk)",
+                                          "1 module out of date; run: sparsegen build specs/dsd_matmul.spk -o generated"]
