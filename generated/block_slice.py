@@ -221,8 +221,13 @@ def _mesh_placement(kernel, mesh, axes):
         how, why = _MESH_RULES[index]
         if how is None:
             _fail(f"sharded: index {index} cannot be split: {why}")
+        known = ", ".join(mesh.axis_names)
+        if isinstance(axis, (tuple, list)):
+            _fail(
+                f"sharded: index {index} is mapped to {axis!r}, several mesh axes: an index is split over one axis of "
+                f"the mesh (its axes: {known})"
+            )
         if not isinstance(axis, str) or axis not in mesh.axis_names:
-            known = ", ".join(mesh.axis_names)
             _fail(
                 f"sharded: index {index} is mapped to {axis!r}, which is not an axis of the mesh (its axes: {known})"
             )

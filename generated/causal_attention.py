@@ -263,8 +263,17 @@ def _mesh_placement(kernel, mesh, axes):
         ):
             axis = axis[0]  # chunks r and 2n-1-r on device r: causal work even
             zigzag = True
+        known = ", ".join(mesh.axis_names)
+        if isinstance(axis, tuple) and len(axis) == 2 and axis[1] == "zigzag":
+            _fail(
+                f"sharded: only a ring's query index {_RING_QUERY} may be split in zigzag order"
+            )
+        if isinstance(axis, (tuple, list)):
+            _fail(
+                f"sharded: index {index} is mapped to {axis!r}, several mesh axes: an index is split over one axis of "
+                f"the mesh (its axes: {known})"
+            )
         if not isinstance(axis, str) or axis not in mesh.axis_names:
-            known = ", ".join(mesh.axis_names)
             _fail(
                 f"sharded: index {index} is mapped to {axis!r}, which is not an axis of the mesh (its axes: {known})"
             )

@@ -266,8 +266,17 @@ def _mesh_placement(kernel, mesh, axes):
         ):
             axis = axis[0]  # chunks r and 2n-1-r on device r: causal work even
             zigzag = True
+        known = ", ".join(mesh.axis_names)
+        if isinstance(axis, tuple) and len(axis) == 2 and axis[1] == "zigzag":
+            _fail(
+                f"sharded: only a ring's query index {_RING_QUERY} may be split in zigzag order"
+            )
+        if isinstance(axis, (tuple, list)):
+            _fail(
+                f"sharded: index {index} is mapped to {axis!r}, several mesh axes: an index is split over one axis of "
+                f"the mesh (its axes: {known})"
+            )
         if not isinstance(axis, str) or axis not in mesh.axis_names:
-            known = ", ".join(mesh.axis_names)
             _fail(
                 f"sharded: index {index} is mapped to {axis!r}, which is not an axis of the mesh (its axes: {known})"
             )
@@ -2200,9 +2209,16 @@ def document_attention(
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
+    return _run(
+        *_checked(q, k, v, seg, B, H, S, D, max_steps), _check_interpret(interpret)
+    )
+
+
+def _checked(q, k, v, seg, B, H, S, D, max_steps):
+    """`_prepare`, and the check of `max_steps` on concrete arguments: the kernel's call and
+    `sharded`'s (on the whole arrays, before they are split) make both."""
     q, k, v, seg, sizes = _prepare(q, k, v, seg, B, H, S, D)
-    bound = _check_bound(max_steps, _classify_blocks, (seg,), sizes)
-    return _run(q, k, v, seg, sizes, bound, _check_interpret(interpret))
+    return q, k, v, seg, sizes, _check_bound(max_steps, _classify_blocks, (seg,), sizes)
 
 
 def _check_bound(max_steps, classify, reads, sizes):
@@ -2311,7 +2327,7 @@ def sharded(mesh, /, **axes):
         return _on_mesh(
             (q, k, v, seg),
             _placement,
-            _local_sizes(_placement, _prepare(q, k, v, seg, B, H, S, D)[-1])
+            _local_sizes(_placement, _checked(q, k, v, seg, B, H, S, D, max_steps)[-2])
             + (("max_steps", max_steps),),
             _check_interpret(interpret),
         )

@@ -256,8 +256,13 @@ def _mesh_placement(kernel, mesh, axes):
         how, why = _MESH_RULES[index]
         if how is None:
             _fail(f"sharded: index {index} cannot be split: {why}")
+        known = ", ".join(mesh.axis_names)
+        if isinstance(axis, (tuple, list)):
+            _fail(
+                f"sharded: index {index} is mapped to {axis!r}, several mesh axes: an index is split over one axis of "
+                f"the mesh (its axes: {known})"
+            )
         if not isinstance(axis, str) or axis not in mesh.axis_names:
-            known = ", ".join(mesh.axis_names)
             _fail(
                 f"sharded: index {index} is mapped to {axis!r}, which is not an axis of the mesh (its axes: {known})"
             )
@@ -1738,9 +1743,23 @@ def masked_attention(
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
+    return _run(
+        *_checked(q, k, v, keep, H, S, D, T, max_steps), _check_interpret(interpret)
+    )
+
+
+def _checked(q, k, v, keep, H, S, D, T, max_steps):
+    """`_prepare`, and the check of `max_steps` on concrete arguments: the kernel's call and
+    `sharded`'s (on the whole arrays, before they are split) make both."""
     q, k, v, keep, sizes = _prepare(q, k, v, keep, H, S, D, T)
-    bound = _check_bound(max_steps, _classify_blocks, (keep,), sizes)
-    return _run(q, k, v, keep, sizes, bound, _check_interpret(interpret))
+    return (
+        q,
+        k,
+        v,
+        keep,
+        sizes,
+        _check_bound(max_steps, _classify_blocks, (keep,), sizes),
+    )
 
 
 def _check_bound(max_steps, classify, reads, sizes):
@@ -1852,7 +1871,7 @@ def sharded(mesh, /, **axes):
         return _on_mesh(
             (q, k, v, keep),
             _placement,
-            _local_sizes(_placement, _prepare(q, k, v, keep, H, S, D, T)[-1])
+            _local_sizes(_placement, _checked(q, k, v, keep, H, S, D, T, max_steps)[-2])
             + (("max_steps", max_steps),),
             _check_interpret(interpret),
         )

@@ -239,8 +239,13 @@ def _mesh_placement(kernel, mesh, axes):
         how, why = _MESH_RULES[index]
         if how is None:
             _fail(f"sharded: index {index} cannot be split: {why}")
+        known = ", ".join(mesh.axis_names)
+        if isinstance(axis, (tuple, list)):
+            _fail(
+                f"sharded: index {index} is mapped to {axis!r}, several mesh axes: an index is split over one axis of "
+                f"the mesh (its axes: {known})"
+            )
         if not isinstance(axis, str) or axis not in mesh.axis_names:
-            known = ", ".join(mesh.axis_names)
             _fail(
                 f"sharded: index {index} is mapped to {axis!r}, which is not an axis of the mesh (its axes: {known})"
             )
@@ -673,7 +678,7 @@ def _prepare(q, kc, vc, pages, lens, B, H, D, P, T, NP):
     pages = _as_array("pages", pages, 2, None)
     _bind(size, "B", pages.shape[0], "pages dim 0")
     _bind(size, "NP", pages.shape[1], "pages dim 1")
-    lens = _as_array("lens", lens, 1, jnp.int32)
+    lens = _as_array("lens", lens, 1, None)
     _bind(size, "B", lens.shape[0], "lens dim 0")
     B, H, D, P, T, NP = (
         size["B"][0],
@@ -880,9 +885,18 @@ def paged_mqa_decode(
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
+    return _run(
+        *_checked(q, kc, vc, pages, lens, B, H, D, P, T, NP),
+        _check_interpret(interpret),
+    )
+
+
+def _checked(q, kc, vc, pages, lens, B, H, D, P, T, NP):
+    """`_prepare`, and the check of the table on concrete arguments: the kernel's call and
+    `sharded`'s (on the whole arrays, before they are split) make both."""
     q, kc, vc, pages, lens, sizes = _prepare(q, kc, vc, pages, lens, B, H, D, P, T, NP)
     _check_table(lens, pages, sizes)
-    return _run(q, kc, vc, pages, lens, sizes, _check_interpret(interpret))
+    return q, kc, vc, pages, lens, sizes
 
 
 def _check_table(lens, table, sizes):
@@ -996,7 +1010,7 @@ def sharded(mesh, /, **axes):
             (q, kc, vc, pages, lens),
             _placement,
             _local_sizes(
-                _placement, _prepare(q, kc, vc, pages, lens, B, H, D, P, T, NP)[-1]
+                _placement, _checked(q, kc, vc, pages, lens, B, H, D, P, T, NP)[-1]
             ),
             _check_interpret(interpret),
         )

@@ -240,8 +240,13 @@ def _mesh_placement(kernel, mesh, axes):
         how, why = _MESH_RULES[index]
         if how is None:
             _fail(f"sharded: index {index} cannot be split: {why}")
+        known = ", ".join(mesh.axis_names)
+        if isinstance(axis, (tuple, list)):
+            _fail(
+                f"sharded: index {index} is mapped to {axis!r}, several mesh axes: an index is split over one axis of "
+                f"the mesh (its axes: {known})"
+            )
         if not isinstance(axis, str) or axis not in mesh.axis_names:
-            known = ", ".join(mesh.axis_names)
             _fail(
                 f"sharded: index {index} is mapped to {axis!r}, which is not an axis of the mesh (its axes: {known})"
             )
@@ -337,7 +342,14 @@ def _relate(size, big, small, divisor, what):
             _fail(
                 f"{big} = {size[big][0]} is not a multiple of {divisor}, as {what} needs"
             )
-        _bind(size, small, size[big][0] // divisor, f"{what} ({big} / {divisor})")
+        need = size[big][0] // divisor
+        if size[small] is not None and size[small][0] != need:
+            # The two dimensions that disagree, each where it came from.
+            _fail(
+                f"{big} = {size[big][0]} from {size[big][1]} needs {small} = {big} / {divisor} = {need} ({what}), "
+                f"but {small} = {size[small][0]} from {size[small][1]}"
+            )
+        _bind(size, small, need, f"{what} ({big} / {divisor})")
 
 
 def _check_smem(entries, what):
@@ -673,7 +685,7 @@ def _prepare(q, kc, vc, pages, lens, B, H, D, G, P, T, NP):
     pages = _as_array("pages", pages, 2, None)
     _bind(size, "B", pages.shape[0], "pages dim 0")
     _bind(size, "NP", pages.shape[1], "pages dim 1")
-    lens = _as_array("lens", lens, 1, jnp.int32)
+    lens = _as_array("lens", lens, 1, None)
     _bind(size, "B", lens.shape[0], "lens dim 0")
     _relate(size, "H", "G", 8, "kc dim 0, read as h // 8")
     _relate(size, "H", "G", 8, "vc dim 0, read as h // 8")
@@ -900,11 +912,20 @@ def paged_window_decode(
 
     Arguments are the inputs in declaration order (see the module docstring).
     """
+    return _run(
+        *_checked(q, kc, vc, pages, lens, B, H, D, G, P, T, NP),
+        _check_interpret(interpret),
+    )
+
+
+def _checked(q, kc, vc, pages, lens, B, H, D, G, P, T, NP):
+    """`_prepare`, and the check of the table on concrete arguments: the kernel's call and
+    `sharded`'s (on the whole arrays, before they are split) make both."""
     q, kc, vc, pages, lens, sizes = _prepare(
         q, kc, vc, pages, lens, B, H, D, G, P, T, NP
     )
     _check_table(lens, pages, sizes)
-    return _run(q, kc, vc, pages, lens, sizes, _check_interpret(interpret))
+    return q, kc, vc, pages, lens, sizes
 
 
 def _check_table(lens, table, sizes):
@@ -1026,7 +1047,7 @@ def sharded(mesh, /, **axes):
             (q, kc, vc, pages, lens),
             _placement,
             _local_sizes(
-                _placement, _prepare(q, kc, vc, pages, lens, B, H, D, G, P, T, NP)[-1]
+                _placement, _checked(q, kc, vc, pages, lens, B, H, D, G, P, T, NP)[-1]
             ),
             _check_interpret(interpret),
         )

@@ -126,9 +126,11 @@ class _KernelChecker:
                     self.error(op.sparsity.span, f"an index operand cannot be {s}: it is a small array of scalars")
                 elif op.direction == "out" and s == "mask":
                     self.error(op.sparsity.span, "an output cannot be 'mask' sparse; a sparse output is 'coo' (only given blocks are computed)")
-            if dtype == "index" and (op.name.text in self.offset_operands or op.name.text not in self.read_operands):
+            if dtype == "index" and op.name.text in self.offset_operands:
                 # An index operand that offsets subscripts (`s[0] + i`) is a vector of offsets;
-                # one read as a table or in a condition (language v2) may have any shape.
+                # one read as a table or in a condition (language v2) may have any shape. One
+                # read nowhere is "never used" (a misspelt read, in a `where` say, is the
+                # error to report, not this operand's shape).
                 if len(op.dims) != 1:
                     self.error(op.span, f"index operand '{op.name.text}' must have one dimension (a vector of offsets)")
                 elif not isinstance(op.dims[0].value, int):
@@ -236,6 +238,12 @@ class _KernelChecker:
         # Tables (language v2, section 2) and condition reads of index operands are uses too.
         tables = {t.operand.text for st, accesses, _ in self.parsed for a in (st.target, *accesses) for t in _nested(a)[1:]}
         self.addressing = offsets_used | self.offset_operands | tables  # index operands read as offsets or tables
+        self.check_local_names()
+        self.size_symbols = {d.value for op in self.k.operands for d in op.dims if isinstance(d.value, str)}
+        self.index_names = set(self.all_indices())
+        for st, factors, _ in self.parsed:
+            self.check_accesses(st, factors)
+        self.stop_if_errors()  # a misspelt read makes the operand it meant look unused: that is the error
         for op in self.k.operands:
             if op.direction != "in":
                 continue
@@ -244,12 +252,6 @@ class _KernelChecker:
                     self.error(op.name.span, f"index operand '{op.name.text}' is never used; read it in a subscript, as in `x[{op.name.text}[0] + i]`")
             elif op.name.text not in used | tables:  # a non-index table is refused where it is read
                 self.error(op.name.span, f"input '{op.name.text}' is not used in any statement")
-        self.stop_if_errors()
-        self.check_local_names()
-        self.size_symbols = {d.value for op in self.k.operands for d in op.dims if isinstance(d.value, str)}
-        self.index_names = set(self.all_indices())
-        for st, factors, _ in self.parsed:
-            self.check_accesses(st, factors)
         self.stop_if_errors()
 
     def check_local_names(self) -> None:

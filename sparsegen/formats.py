@@ -520,8 +520,9 @@ def group_ids(group_sizes, num_rows: int | None = None):
     """Row m's group, rows sorted by group: `[0]*sizes[0] + [1]*sizes[1] + ...` (int32).
 
     `num_rows` fixes the length (needed under `jit`, where the sizes are traced); rows past
-    the sizes' total get the last group (they hold padding, so any group serves). On
-    concrete sizes it defaults to their total and is checked against it."""
+    the sizes' total are in no group: their id is E, the group count (ids stay sorted, and
+    `gid[m] == g` holds for no g: the offsets form's rows past `lo[E]`, `route`'s dropped
+    choices). On concrete sizes it defaults to their total and is checked against it."""
     xp, sizes = _integers("group_sizes", group_sizes, (1,))
     if not _is_traced(sizes):
         concrete = np.asarray(sizes)
@@ -535,9 +536,9 @@ def group_ids(group_sizes, num_rows: int | None = None):
     elif num_rows is None:
         raise ValueError("group_ids: pass num_rows when group_sizes is traced (the row count must be static under jit)")
     ends = xp.cumsum(sizes)
-    # searchsorted with side="right": row m belongs to the first group whose end exceeds m.
-    ids = xp.searchsorted(ends, xp.arange(num_rows), side="right")
-    return xp.minimum(ids, sizes.shape[0] - 1).astype(xp.int32)
+    # searchsorted with side="right": row m belongs to the first group whose end exceeds m
+    # (past the total: E, no group).
+    return xp.searchsorted(ends, xp.arange(num_rows), side="right").astype(xp.int32)
 
 
 def group_offsets(group_sizes):
@@ -551,7 +552,10 @@ class Routing(NamedTuple):
 
     `order[r]` is the flat (token * top_k + choice) slot at sorted row r: gather the tokens
     with `x[order // top_k]`, scatter results back with `out.at[order].set(y)` or by
-    `inverse`. `ids` are the sorted rows' experts, `sizes` the rows per expert."""
+    `inverse`. `ids` are the sorted rows' experts, `sizes` the rows per expert. Dropped
+    choices (-1) come last, with id E (no expert) and counted in no size, so both forms
+    (`gid[m] == g` with `ids`, `lo[g] <= m < lo[g + 1]` with `group_offsets(sizes)`) leave
+    their rows out."""
 
     order: object
     inverse: object
@@ -563,17 +567,27 @@ def route(choices, num_experts: int) -> Routing:
     """Sort per-token expert choices (`choices[t, c]`, an expert per token and choice, or a
     1-D array of one choice per token) by expert, stably (tokens keep their order within an
     expert): the permutation, its inverse, the sorted ids and the group sizes (all int32).
+    A choice of -1 is dropped (capacity routers drop tokens so): it sorts after every
+    expert, its id is `num_experts` and no size counts it. Other choices outside
+    [0, num_experts) raise on concrete arguments and are dropped under `jit`.
     jit-able: shapes depend only on `choices.shape`."""
     xp, flat = _integers("choices", choices, (1, 2))
     flat = flat.reshape(-1)
     if not _is_traced(flat) and flat.size:
         concrete = np.asarray(flat)
-        bad = np.flatnonzero((concrete < 0) | (concrete >= num_experts))
+        bad = np.flatnonzero((concrete < -1) | (concrete >= num_experts))
         if bad.size:
-            raise ValueError(f"choices: expert {int(concrete[bad[0]])} at slot {int(bad[0])} is outside [0, {num_experts})")
+            raise ValueError(f"choices: expert {int(concrete[bad[0]])} at slot {int(bad[0])} is outside [0, {num_experts}) (-1 drops a choice)")
+    # Dropped choices take the id one past the last expert: they sort last (the rows past
+    # `lo[E]` of the offsets form) and match no expert in the ids form.
+    key = xp.where((flat >= 0) & (flat < num_experts), flat, num_experts).astype(xp.int32)
     stable = {"kind": "stable"} if xp is np else {"stable": True}  # numpy 1.26 has no stable=
-    order = xp.argsort(flat, **stable).astype(xp.int32)
+    order = xp.argsort(key, **stable).astype(xp.int32)
     inverse = xp.argsort(order, **stable).astype(xp.int32)
-    ids = flat[order].astype(xp.int32)
-    sizes = xp.bincount(flat, length=num_experts).astype(xp.int32) if xp is not np else np.bincount(flat, minlength=num_experts).astype(np.int32)
+    ids = key[order]
+    # Counted over E + 1 bins, the last (the dropped) left out.
+    if xp is np:
+        sizes = np.bincount(key, minlength=num_experts + 1)[:num_experts].astype(np.int32)
+    else:
+        sizes = xp.bincount(key, length=num_experts + 1)[:num_experts].astype(xp.int32)
     return Routing(order, inverse, ids, sizes)

@@ -385,9 +385,14 @@ def _shifted(k: Kernel, name: str, operands) -> tuple[str, ...] | str:
                 if a.op == "index" and a.name == name:
                     beside += [t.args[m] for m in (n - 1, n + 1) if 0 <= m < len(t.args)]
         counted = sum(1 for t in term.walk() if t.op == "cmp" for a in t.args if a.op == "index" and a.name == name)
-        if counted != len(positions) or not all(b.op == "read" and _signed_input(operands.get(b.read.operand)) for b in beside):
+        if counted != len(positions) or not all(b.op == "read" and _integer_input(operands.get(b.read.operand)) for b in beside):
             return (f"{_statement(st)} reads its position other than compared with an integer input's values, and "
                     "adding each shard's offset to a position is not supported yet")
+        unsigned = next((operands[b.read.operand] for b in beside if not _signed_input(operands[b.read.operand])), None)
+        if unsigned is not None:
+            return (f"{_statement(st)} compares its position with {unsigned.name}, an unsigned input "
+                    f"({unsigned.dtype.name}): each shard is given it less the shard's offset, which would wrap "
+                    f"below zero (declare it i32 or index)")
         for b in beside:
             if b.read.operand not in shifted:
                 shifted.append(b.read.operand)
@@ -416,5 +421,9 @@ def _shifted(k: Kernel, name: str, operands) -> tuple[str, ...] | str:
     return tuple(shifted)
 
 
+def _integer_input(op) -> bool:
+    return op is not None and op.direction == "in" and op.sparsity == "dense" and op.dtype.kind in ("int", "uint", "index")
+
+
 def _signed_input(op) -> bool:
-    return op is not None and op.direction == "in" and op.sparsity == "dense" and op.dtype.kind in ("int", "index")
+    return _integer_input(op) and op.dtype.kind != "uint"

@@ -18,7 +18,7 @@ IMPORTS = frozenset({"functools", "jax", "jnp", "np", "lax", "pl", "pltpu", "plg
 # Every helper the templates define (read from them, so a new helper is reserved the day it
 # is written), the module's constants, and its fixed functions.
 HELPERS = frozenset(
-    name for template in ("helpers.py.j2", "module.py.j2", "tpu/module.py.j2", "tpu/attention.py.j2", "gpu/module.py.j2",
+    name for template in ("helpers.py.j2", "module.py.j2", "tpu/module.py.j2", "tpu/attention.py.j2", "tpu/paged.py.j2", "gpu/module.py.j2",
                      "gpu/attention.py.j2", "gpu/paged.py.j2")
     for name in re.findall(r"^def (_\w+)\(", read_resource("templates", template), re.M)
 ) | {
@@ -62,7 +62,7 @@ class ModuleNames:
         symbols = [s for s, _ in kernel.symbols]
         # The public functions' bodies use only these names besides their parameters.
         # (`sharded`'s inner function also reads `_placement`, `_on_mesh` (`_on_mesh_coo`) and `_local_sizes`.)
-        self.public = NameTable({"_prepare", "_impl", "_run", "_reference", "_check_interpret", "_check_bound", "interpret", "max_steps",
+        self.public = NameTable({"_prepare", "_impl", "_run", "_reference", "_check_interpret", "_check_bound", "_checked", "interpret", "max_steps",
                                  "_placement", "_on_mesh", "_on_mesh_coo", "_local_sizes"} | set(symbols))
         self.internal = NameTable(MODULE_NAMES | PYTHON_NAMES | FIXED_LOCALS | {kernel.name})
         self.functions = NameTable(MODULE_NAMES | {kernel.name})

@@ -69,12 +69,15 @@ def page_sizes(kernel: Kernel) -> dict[str, int]:
 
 
 def parse_shapes(text: str | None) -> dict[str, int]:
-    """`M=4096,K=4096` -> {"M": 4096, "K": 4096}; ValueError on a malformed item."""
+    """`M=4096,K=4096` -> {"M": 4096, "K": 4096}; ValueError on a malformed item or a size
+    that is not positive."""
     out: dict[str, int] = {}
     for item in filter(None, (text or "").split(",")):
         name, sep, value = item.partition("=")
         if not sep or not name.strip().isidentifier() or not value.strip().isdigit():
             raise ValueError(f"--shape takes NAME=INT items separated by commas, got {item!r}")
+        if int(value) <= 0:
+            raise ValueError(f"--shape {item.strip()}: sizes must be positive")
         out[name.strip()] = int(value)
     return out
 

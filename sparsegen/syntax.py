@@ -479,6 +479,24 @@ def _end_of(source: SourceFile) -> Span:
     return Span(line, col, line, col + 1)
 
 
+def _unexpected_character(char: str, hint: str) -> str:
+    """The lexer's refusal of `char`. A character outside ASCII is named by its code point
+    (an invisible one shows nothing else); a letter there was meant to start or continue
+    a name, and a space-like one to separate tokens, so what the parser expected instead
+    would mislead."""
+    if char.isascii() and char.isprintable():
+        return f"unexpected character '{char}'{hint}"
+    import unicodedata
+
+    code = " ".join(filter(None, (f"U+{ord(char):04X}", unicodedata.name(char, ""))))  # control characters have no name
+    if char.isspace() or unicodedata.category(char) in ("Cf", "Cc", "Zs", "Zl", "Zp"):
+        return f"unexpected invisible character {code}: only ASCII spaces, tabs and line breaks separate tokens"
+    if ("_" + char).isidentifier():
+        return (f"unexpected character '{char}' ({code}): names are ASCII identifiers (a letter or '_', then "
+                "letters, digits or '_')")
+    return f"unexpected character '{char}' ({code}){hint}"
+
+
 def _syntax_error(source: SourceFile, exc: lark.exceptions.LarkError) -> Diagnostic:
     if isinstance(exc, lark.exceptions.UnexpectedToken):
         tok = exc.token
@@ -497,7 +515,7 @@ def _syntax_error(source: SourceFile, exc: lark.exceptions.LarkError) -> Diagnos
         span = Span(exc.line, exc.column, exc.line, exc.column + 1)
         allowed = getattr(exc, "allowed", None) or ()
         hint = f": expected {_expected(allowed)}" if allowed else ""
-        return Diagnostic(span, f"unexpected character '{char}'{hint}")
+        return Diagnostic(span, _unexpected_character(char, hint))
     if isinstance(exc, lark.exceptions.UnexpectedEOF):
         return Diagnostic(_end_of(source), f"unexpected end of file: expected {_expected(exc.expected)}")
     return Diagnostic(None, f"cannot parse: {exc}")

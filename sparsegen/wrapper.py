@@ -61,7 +61,9 @@ class Wrapper:
             op = k.operand(p.operand)
             name = p.internal
             if p.kind in ("dense", "mask"):
-                lines.append(f'{name} = _as_array("{p.public}", {name}, {op.rank}, {op.dtype.jnp})')
+                # An `index` operand takes any integer dtype, as a table or offsets do.
+                dtype = "None" if op.dtype.kind == "index" else op.dtype.jnp
+                lines.append(f'{name} = _as_array("{p.public}", {name}, {op.rank}, {dtype})')
                 for d, dim in enumerate(op.dims):
                     what = f"{p.public} dim {d}"
                     if dim.symbol is not None:

@@ -12,7 +12,8 @@ exception its traceback (as does a job whose unsplit run fails): one broken case
 own test, not every test of the session. Each case's seconds are saved too, wall and CPU
 (`case{c}_seconds`, `case{c}_cpu`; the unsplit runs' `job_seconds`, `job_cpu`): where the
 time goes. A case's "typed": shard_map typed by the mesh axes values vary over, as
-`sharded` runs compiled (`_on_mesh(typed=True)`).
+`sharded` runs compiled (`_on_mesh(typed=True)`); its "fill" ({argument: value}): bad input,
+those arguments filled with the value, for the unsplit call and the sharded one to refuse.
 
     python tests/mesh_runner.py JOB.json...
 """
@@ -81,6 +82,15 @@ def save(saved: dict, tag: str, outs, grads, argnums):
 
 def run_case(mod, job, case, args, weights, saved: dict, tag: str):
     keywords = dict(job["keywords"])
+    if case.get("fill"):
+        # Bad input for this case alone: arguments filled with one value; the message of the
+        # kernel's unsplit call on them is saved to compare with the sharded call's.
+        args = [np.full_like(a, case["fill"][str(n)]) if str(n) in case["fill"] else a for n, a in enumerate(args)]
+        try:
+            getattr(mod, job["kernel"])(*args, **keywords, interpret=True)
+            saved[f"{tag}unsplit_error"] = np.array("")
+        except ValueError as e:
+            saved[f"{tag}unsplit_error"] = np.array(str(e))
     kind = jax.sharding.AxisType.Explicit if case.get("explicit") else jax.sharding.AxisType.Auto
     mesh = jax.make_mesh(tuple(case["mesh"]), tuple(case["names"]), axis_types=(kind,) * len(case["mesh"]))
     try:

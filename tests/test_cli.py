@@ -377,3 +377,48 @@ def test_version():
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     result = sparsegen("--version")
     assert result.returncode == 0 and result.stdout == f"sparsegen {version}\n", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("argv,said", [
+    # a size the spec lacks (a lower-case typo) was ignored, exit 0
+    (["verify", "specs/dsd_matmul.spk", "--quick", "--shape", "M=512,k=512"],
+     "sparsegen verify: --shape k=512: specs/dsd_matmul.spk has no size k (its sizes: M, K, N)"),
+    (["verify", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "--quick", "--shape", "Q=5"],
+     "sparsegen verify: --shape Q=5: none of specs/dsd_matmul.spk, specs/sdd_matmul.spk has a size Q (their sizes: M, K, N)"),
+    (["verify", "specs/dsd_matmul.spk", "--target", "h200", "--lower-only", "--shape", "Q=5"],
+     "sparsegen verify: --shape Q=5: specs/dsd_matmul.spk has no size Q (its sizes: M, K, N)"),
+    (["plan", "specs/masked_matmul.spk", "--pattern", "tril", "--shape", "M=256,n=256"],
+     "sparsegen plan: --shape n=256: specs/masked_matmul.spk has no size n (its sizes: M, K, N)"),
+    (["variants", "specs/dsd_matmul.spk", "--tile", "m=128", "--shape", "Q=5", "--no-compile"],
+     "sparsegen variants: --shape Q=5: specs/dsd_matmul.spk has no size Q (its sizes: M, K, N)"),
+    # a size of zero was reported as "does not compile for v5e", exit 1
+    (["verify", "specs/dsd_matmul.spk", "--quick", "--shape", "M=0"], "sparsegen verify: --shape M=0: sizes must be positive"),
+    (["plan", "specs/masked_matmul.spk", "--pattern", "tril", "--shape", "M=0"], "sparsegen plan: --shape M=0: sizes must be positive"),
+])
+def test_shape_names_a_size_of_the_spec_and_is_positive(argv, said):
+    result = in_process(*argv)
+    assert (result.returncode, result.stderr.strip()) == (2, said)
+
+
+def test_check_says_a_module_comes_from_another_spec_with_the_same_kernel(tmp_path):
+    """Two specs define a kernel of one name: the module another spec built (its header names
+    it) is not stale, and rebuilding it from this spec would overwrite it; `check` says
+    where it comes from and advises no build of it (it advised `sparsegen build` of this spec)."""
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "other").mkdir()
+    shutil.copy(SPECS / "dsd_matmul.spk", tmp_path / "specs" / "dsd_matmul.spk")
+    shutil.copy(SPECS / "sdd_matmul.spk", tmp_path / "specs" / "sdd_matmul.spk")
+    (tmp_path / "other" / "mine.spk").write_text((SPECS / "dsd_matmul.spk").read_text().replace("tile m = 512", "tile m = 256"))
+    assert in_process("build", "other/mine.spk", "specs/sdd_matmul.spk", "-o", "generated", cwd=tmp_path).returncode == 0
+    result = in_process("check", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "-o", "generated", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        "other spec: generated/dsd_matmul.py (built from other/mine.spk, which also defines kernel 'dsd_matmul'; not from specs/dsd_matmul.spk)",
+        "1 module built from another spec with a kernel of the same name: rename one of the kernels, or build them into different folders",
+    ]
+    # A module whose spec has moved (its header names a file that is gone) is stale: rebuilt from where it is now.
+    (tmp_path / "other" / "mine.spk").unlink()
+    result = in_process("check", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "-o", "generated", cwd=tmp_path)
+    assert result.stdout.splitlines() == ["stale: generated/dsd_matmul.py (from specs/dsd_matmul.spk)",
+                                          "1 module out of date; run: sparsegen build specs/dsd_matmul.spk -o generated"]

@@ -121,3 +121,14 @@ def test_an_error_in_a_scores_where_is_reported_once():
     with pytest.raises(SpecError) as info:
         compile_file(path)
     assert len(info.value.diagnostics) == 1, info.value.render()
+
+
+@pytest.mark.parametrize("name", ["condition_misspelt_operand", "condition_misread_operand"])
+def test_a_misread_operand_in_a_where_is_the_only_error(name):
+    """A `where` that misspells (or misreads) the operand it meant is the one error reported:
+    not also, nor instead, that operand's shape or that it is never used (both consequences)."""
+    path = Path(__file__).parent / "bad" / f"{name}.spk"
+    with pytest.raises(SpecError) as info:
+        compile_file(path)
+    heads = [line for line in info.value.render().splitlines() if ": error: " in line]
+    assert heads == [f"{path}:{expectation(path)[0]}: error: " + heads[0].split(": error: ", 1)[1]] and len(heads) == 1

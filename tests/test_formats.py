@@ -312,14 +312,17 @@ def test_group_ids_and_offsets_match_repeat(sizes):
     assert ((offsets[ids] <= m) & (m < offsets[ids + 1])).all()
 
 
-def test_group_ids_under_jit_pads_with_the_last_group():
+def test_group_ids_puts_rows_past_the_sizes_in_no_group():
+    """Rows past the sizes' total are in no group (id E), as the offsets form leaves rows
+    past lo[E] out: a dropped or padding row runs through no expert in either form."""
     import jax
     import jax.numpy as jnp
 
     from sparsegen.formats import group_ids
 
     ids = jax.jit(lambda s: group_ids(s, num_rows=10))(jnp.array([2, 0, 3], jnp.int32))
-    assert np.asarray(ids).tolist() == [0, 0, 2, 2, 2, 2, 2, 2, 2, 2]
+    assert np.asarray(ids).tolist() == [0, 0, 2, 2, 2, 3, 3, 3, 3, 3]
+    assert group_ids(np.array([2, 0, 3]), num_rows=7).tolist() == [0, 0, 2, 2, 2, 3, 3]
     with pytest.raises(ValueError, match="num_rows"):
         jax.jit(group_ids)(jnp.array([1, 2], jnp.int32))
 
@@ -335,6 +338,8 @@ def test_group_helpers_refuse_bad_sizes():
         group_ids(np.array([1.0, 2.0]))
     with pytest.raises(ValueError, match=r"choices: expert 4 at slot 3 is outside \[0, 4\)"):
         route(np.array([[0, 1], [2, 4]]), 4)
+    with pytest.raises(ValueError, match=r"choices: expert -2 at slot 1 is outside \[0, 4\) \(-1 drops a choice\)"):
+        route(np.array([[0, -2], [2, 1]]), 4)
 
 
 @pytest.mark.parametrize("use_jax", [False, True])
@@ -364,3 +369,85 @@ def test_route_sorts_tokens_by_expert_stably(use_jax):
     x = rng.normal(size=(13, 3))
     rows = x[r.order // 2]
     assert np.allclose(rows[r.inverse], np.repeat(x, 2, axis=0))
+
+
+# Capacity routers drop a token's choice as -1: it counts for no expert, in the ids form and
+# in the offsets form, on concrete arguments and under jit (where jnp.bincount counted -1 for
+# expert 0, and the sorted -1 rows came first, inside expert 0's offsets).
+DROPPED = np.array([[0, -1], [2, 1], [-1, 0], [1, -1], [2, 2]], np.int32)
+
+
+@pytest.mark.parametrize("use_jax", [False, True])
+def test_route_drops_minus_one_in_both_forms(use_jax):
+    from sparsegen.formats import group_ids, group_offsets, route
+
+    if use_jax:
+        r = jax.jit(lambda c: route(c, 3))(jnp.asarray(DROPPED))
+        r = type(r)(*(np.asarray(a) for a in r))
+    else:
+        r = route(DROPPED, 3)
+    flat = DROPPED.reshape(-1)
+    kept = flat[flat >= 0]
+    assert r.sizes.tolist() == np.bincount(kept, minlength=3).tolist() == [2, 2, 3]
+    # The kept choices sorted, stably, then the dropped ones (id E = 3: no expert).
+    assert r.ids.tolist() == [0, 0, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert r.order.tolist() == [0, 5, 3, 6, 2, 8, 9, 1, 4, 7]
+    assert (r.order[r.inverse] == np.arange(flat.size)).all()
+    # Both forms agree on every row: the ids group_ids makes, and the offsets' ranges.
+    m = np.arange(flat.size)
+    assert group_ids(r.sizes, num_rows=flat.size).tolist() == r.ids.tolist()
+    lo = np.asarray(group_offsets(r.sizes))
+    in_offsets = [[lo[g] <= i < lo[g + 1] for g in range(3)] for i in m]
+    assert in_offsets == [[r.ids[i] == g for g in range(3)] for i in m]
+    # Under jit a choice outside [0, E) other than -1 is dropped too (not clamped to an expert).
+    r = jax.jit(lambda c: route(c, 3))(jnp.array([[0, 7], [-5, 1]], jnp.int32))
+    assert np.asarray(r.sizes).tolist() == [1, 1, 0] and np.asarray(r.ids).tolist() == [0, 1, 3, 3]
+
+
+GMM_OFFSETS = """kernel gmm_offsets {
+    in  x: bf16[M, K]
+    in  w: bf16[E, K, N]
+    in  lo: i32[E1]
+    out o: bf16[M, N]
+
+    o[m, n] = x[m, k] * w[g, k, n] where lo[g] <= m < lo[g + 1]
+
+    tile m = 128, k = 128, n = 128, g = 1
+}
+"""
+
+
+@pytest.mark.parametrize("form", ["ids", "offsets"])
+@pytest.mark.parametrize("interpret", ["cpu", "sim"], indirect=True)
+def test_routed_grouped_matmul_leaves_dropped_choices_out(form, interpret):
+    """Tokens routed under jit with dropped choices, through the grouped matmul: each kept
+    slot gets its expert's product, a dropped slot zero (before the fix, the offsets form
+    ran it through expert 0 and shifted expert 0's rows)."""
+    from sparsegen.formats import group_offsets, route
+
+    rng = np.random.default_rng(3)
+    tokens, top_k, experts, d = 150, 2, 4, 128
+    choices = rng.integers(0, experts, size=(tokens, top_k)).astype(np.int32)
+    choices[rng.random(choices.shape) < 0.3] = -1
+    x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, d, d)), jnp.bfloat16)
+    if form == "ids":
+        kernel, mod = build(with_tiles(spec_text("grouped_matmul"), m=128, k=128, n=128, g=1))
+        call = lambda rows, r: mod.grouped_matmul(rows, w, r.ids, interpret=interpret)  # noqa: E731
+    else:
+        kernel, mod = build(GMM_OFFSETS)
+        call = lambda rows, r: mod.gmm_offsets(rows, w, group_offsets(r.sizes), interpret=interpret)  # noqa: E731
+
+    @jax.jit
+    def moe(choices, x):
+        r = route(choices, experts)
+        out = call(x[r.order // top_k], r)
+        return out[r.inverse].reshape(tokens, top_k, d)
+
+    got = np.asarray(moe(jnp.asarray(choices), x), np.float32)
+    xf, wf = np.asarray(x, np.float32), np.asarray(w, np.float32)
+    want = np.zeros((tokens, top_k, d), np.float32)
+    for t, c in zip(*np.nonzero(choices >= 0)):
+        want[t, c] = xf[t] @ wf[choices[t, c]]
+    assert (got[choices < 0] == 0).all()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=0.1 * np.sqrt(d))

@@ -369,3 +369,30 @@ def test_paged_decode_equals_jax_paged_attention(tmp_path):
     with pltpu.force_tpu_interpret_mode():
         want = paged_attention(scaled, kc, vc, jnp.asarray(lens), jnp.asarray(pages), pages_per_compute_block=512 // T)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+
+
+def test_an_index_operand_takes_any_integer_dtype(tmp_path):
+    """`lens: index[B]` takes any integer dtype, as `pages: index[B, NP]` does (int64 was
+    refused: "lens has dtype int64, but the spec declares int32")."""
+    mod, _ = _load("paged_decode.spk", tmp_path)
+    rng = np.random.default_rng(4)
+    q, kc, vc, pages, lens = _cache(rng, 2, 8, 1, 128, 64, 4, 12, [100, 5])
+    want = np.asarray(mod.paged_decode(q, kc, vc, pages, lens, interpret=True), np.float32)
+    for dtype in (np.int64, np.uint8, np.int16):
+        got = mod.paged_decode(q, kc, vc, pages.astype(np.int64), lens.astype(dtype), interpret=True)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    np.testing.assert_array_equal(np.asarray(mod.reference(q, kc, vc, pages, lens.astype(np.int64)), np.float32),
+                                  np.asarray(mod.reference(q, kc, vc, pages, lens), np.float32))
+    with pytest.raises(ValueError, match="lens must hold integers, got dtype float32"):
+        mod.paged_decode(q, kc, vc, pages, lens.astype(np.float32), interpret=True)
+
+
+def test_heads_that_disagree_with_the_cache_name_both_places(tmp_path):
+    """H = 16 query heads over a cache of G = 1 key/value heads read as h // 8: the message
+    names q dim 1 (H) and kc dim 0 (G), not kc dim 0 twice."""
+    mod, _ = _load("paged_decode.spk", tmp_path)
+    q, kc, vc, pages, lens = _cache(np.random.default_rng(5), 2, 16, 1, 128, 64, 4, 12, [100, 5])
+    with pytest.raises(ValueError) as info:
+        mod.paged_decode(q, kc, vc, pages, lens, interpret=True)
+    assert str(info.value) == ("paged_decode: H = 16 from q dim 1 needs G = H / 8 = 2 (kc dim 0, read as h // 8), "
+                               "but G = 1 from kc dim 0")

@@ -78,13 +78,18 @@ def test_causal_attention_split_over_batch_and_heads(mesh_results):
 # A paged decode over batch and heads, in the TPU simulator (memory no step writes is NaN):
 # the page table and lengths are cut with the batch, the cache with its key heads (h // 8),
 # whole along its pages. Values only: a paged walk derives no gradient.
+# A table whose entries all lie past the cache's pages is refused as the unsplit call refuses
+# it (it checked the table, the sharded call clamped the entries on each device).
 MESH_JOBS.add("paged", (spec_text("paged_decode"), dict(B=4, H=32, D=128, T=16, NP=8),
-                        [{**MESH, "axes": {"b": "data", "h": "model"}, "interpret": "simulator"}]))
+                        [{**MESH, "axes": {"b": "data", "h": "model"}, "interpret": "simulator"},
+                         {**MESH, "axes": {"b": "data", "h": "model"}, "fill": {"3": 4096}}]))
 
 
 def test_paged_decode_split_over_batch_and_heads_in_the_simulator(mesh_results):
     kernel, env, res = run_on_mesh(mesh_results, "paged")
     assert assert_case(kernel, env, res, 0, ["P('data', 'model')"]) == 0
+    message = "paged_decode: pages entry (0, 0) is 4096, outside the 1024 pages (read as pages[b, j // T])"
+    assert str(res["case1_unsplit_error"]) == str(res["case1_error"]) == message
 
 
 # The mask is cut with the rows: each device classifies its own blocks.
@@ -463,6 +468,9 @@ kernel float_both {
     tile i = 128, j = 128, d = 128, e = 128
 }"""
 
+# Unsigned ids: a shard would be given them less its offset, in their type.
+GROUPED_U32 = spec_text("grouped_matmul").replace("gid: i32", "gid: u32")
+
 REFUSALS = [
     (BATCHED, {"q": "data"}, "the spec has no index 'q' (its indices: b, m, n, k)"),
     (BATCHED, {"b": "rows"}, "index b is mapped to 'rows', which is not an axis of the mesh (its axes: data, model)"),
@@ -471,8 +479,14 @@ REFUSALS = [
      "(sharded(mesh, i=AXIS, j=AXIS)); alone it would need i to have a size of its own"),
     ("causal_attention", {"i": "data", "j": "model"}, "the key index j is split with the query index i, as a ring: map both to "
      "one mesh axis (sharded(mesh, i=AXIS, j=AXIS))"),
-    ("causal_attention", {"b": ("data", "zigzag")}, "index b is mapped to ('data', 'zigzag'), which is not an axis of the mesh "
-     "(its axes: data, model)"),
+    ("causal_attention", {"b": ("data", "zigzag")}, "only a ring's query index i may be split in zigzag order"),
+    # The reason was "reads its position other than compared with an integer input's values".
+    (GROUPED_U32, {"g": "data"}, "index g cannot be split: `o[m, n] = x[m, k] * w[g, k, n] where gid[m] == g` compares its "
+     "position with gid, an unsigned input (u32): each shard is given it less the shard's offset, which would wrap below "
+     "zero (declare it i32 or index)"),
+    # A tuple of mesh axes was "not an axis of the mesh".
+    (BATCHED, {"b": ("data", "model")}, "index b is mapped to ('data', 'model'), several mesh axes: an index is split over "
+     "one axis of the mesh (its axes: data, model)"),
     ("masked_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting "
      "it (a ring, with i) is not supported yet: keep is read along both i and j, so it can neither travel nor stay"),
     ("causal_attention", {"d": "data"}, "index d cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i, d] * "
@@ -584,3 +598,54 @@ def test_keywords_besides_sizes_pass_through():
     np.testing.assert_array_equal(np.asarray(fn(q, k, v, seg, max_steps=1, interpret=True), np.float32), np.asarray(want, np.float32))
     with pytest.raises(ValueError, match="max_steps must be a positive int"):
         fn(q, k, v, seg, max_steps=0, interpret=True)
+
+
+PAGED_SMALL = dict(B=2, H=8, D=128, G=1, P=4, T=16, NP=2)
+
+
+@pytest.mark.parametrize("target", ["v5e", "h200"])
+def test_sharded_checks_the_page_table_as_the_unsplit_call(target):
+    """On concrete arguments `sharded` makes the unsplit call's checks, on the whole arrays
+    before they are split: a table entry a present key reaches that addresses no page is
+    refused (the sharded call clamped it on each device: a wrong answer, off by 0.19 on
+    paged_decode's example). Here on a one-device mesh; on eight devices, the "paged" job."""
+    kernel, mod = build(spec_text("paged_decode"), target)
+    args, keywords = example_args(kernel, PAGED_SMALL, "random", np.random.default_rng(0))
+    q, kc, vc, pages, lens = args
+    lens, pages = np.array([20, 3], np.int32), np.array([[1, 2], [7, 0]], np.int32)  # (1, 0): page 7 of 4
+    with pytest.raises(ValueError) as unsplit:
+        mod.paged_decode(q, kc, vc, pages, lens, **keywords, interpret=True)
+    assert str(unsplit.value) == "paged_decode: pages entry (1, 0) is 7, outside the 4 pages (read as pages[b, j // T])"
+    with pytest.raises(ValueError) as split:
+        mod.sharded(one_device_mesh(), b="data", h="model")(q, kc, vc, pages, lens, **keywords, interpret=True)
+    assert str(split.value) == str(unsplit.value)
+
+
+def test_sharded_checks_max_steps_as_the_unsplit_call():
+    """document_attention's `max_steps` below what the walk needs, on concrete arguments:
+    refused by the sharded call as by the unsplit one (each device's call sees it traced)."""
+    kernel, mod = build(spec_text("document_attention"), formatted=False)
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 1, 512, 64)), jnp.bfloat16) for _ in range(3))
+    seg = np.zeros((1, 512), np.int32)  # one document: the second row block sees two key blocks
+    with pytest.raises(ValueError) as unsplit:
+        mod.document_attention(q, k, v, seg, max_steps=1, interpret=True)
+    assert "max_steps=1 is below the" in str(unsplit.value)
+    with pytest.raises(ValueError) as split:
+        mod.sharded(one_device_mesh(), b="data", h="model")(q, k, v, seg, max_steps=1, interpret=True)
+    assert str(split.value) == str(unsplit.value)
+
+
+def test_operands_named_after_the_checks_are_safe():
+    """A paged spec whose operands are named `_checked` and `_check_table` (what the kernel's
+    call and `sharded` call): the parameters keep the names, the calls still work."""
+    text = spec_text("paged_decode").replace(" q:", " _checked:").replace("q[", "_checked[").replace("pages", "_check_table")
+    kernel, mod = build(text)
+    args, keywords = example_args(kernel, PAGED_SMALL, "random", np.random.default_rng(0))
+    want = mod.reference(*args, **keywords)
+    got = mod.sharded(one_device_mesh(), b="data")(*args, **keywords, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    args[3] = np.full_like(args[3], 9)
+    for call in (mod.paged_decode, mod.sharded(one_device_mesh(), b="data")):
+        with pytest.raises(ValueError, match=r"_check_table entry \(\d, 0\) is 9, outside the 4 pages"):
+            call(*args, **keywords, interpret=True)

@@ -260,8 +260,17 @@ def _mesh_placement(kernel, mesh, axes):
         ):
             axis = axis[0]  # chunks r and 2n-1-r on device r: causal work even
             zigzag = True
+        known = ", ".join(mesh.axis_names)
+        if isinstance(axis, tuple) and len(axis) == 2 and axis[1] == "zigzag":
+            _fail(
+                f"sharded: only a ring's query index {_RING_QUERY} may be split in zigzag order"
+            )
+        if isinstance(axis, (tuple, list)):
+            _fail(
+                f"sharded: index {index} is mapped to {axis!r}, several mesh axes: an index is split over one axis of "
+                f"the mesh (its axes: {known})"
+            )
         if not isinstance(axis, str) or axis not in mesh.axis_names:
-            known = ", ".join(mesh.axis_names)
             _fail(
                 f"sharded: index {index} is mapped to {axis!r}, which is not an axis of the mesh (its axes: {known})"
             )
@@ -433,7 +442,14 @@ def _relate(size, big, small, divisor, what):
             _fail(
                 f"{big} = {size[big][0]} is not a multiple of {divisor}, as {what} needs"
             )
-        _bind(size, small, size[big][0] // divisor, f"{what} ({big} / {divisor})")
+        need = size[big][0] // divisor
+        if size[small] is not None and size[small][0] != need:
+            # The two dimensions that disagree, each where it came from.
+            _fail(
+                f"{big} = {size[big][0]} from {size[big][1]} needs {small} = {big} / {divisor} = {need} ({what}), "
+                f"but {small} = {size[small][0]} from {size[small][1]}"
+            )
+        _bind(size, small, need, f"{what} ({big} / {divisor})")
 
 
 def _check_smem(entries, what):
