@@ -313,6 +313,74 @@ def test_key_index_alone_merges_across_the_axis(mesh_results):
     assert assert_case(kernel, env, res, 1, ["P(None, 'seq')", "P(None, 'seq')"], parts=4) == 3
 
 
+# Self-attention's key index split alone (language v2, section 4; issue 37, item 10): the
+# rows share the keys' size, so each device runs its whole rows in chunks of its keys'
+# length against its keys, and the partial results merge across the axis. S = 384: over 2
+# devices chunks of 192 and over 4 of 96 positions, neither a multiple of the 128-tile.
+def _packed_documents(rng):
+    """document_attention's arguments (B=2, S=384): batch 0 packs four documents (one
+    crossing every device boundary over 2 and 4), batch 1 holds one."""
+    q, k, v = (rng.standard_normal((2, 1, 384, 64)).astype(np.float32).astype(jnp.bfloat16) for _ in range(3))
+    seg = np.stack([np.repeat(np.arange(4, dtype=np.int32), [50, 150, 100, 84]), np.zeros(384, np.int32)])
+    return [q, k, v, seg]
+
+
+def _masked_with_holes(rng, S, T):
+    """masked_attention's arguments (H=2): a random mask with a row that sees no key (its
+    merged logsumexp is minus infinity on every device), a row that sees keys of the last
+    device only, and a 128 x 128 block (the first rows against the second key block) empty."""
+    q = rng.standard_normal((2, S, 128)).astype(np.float32)
+    k, v = (rng.standard_normal((2, T, 128)).astype(np.float32) for _ in range(2))
+    keep = (rng.random((S, T)) < 0.3).astype(np.int8)
+    keep[:128, 128:256] = 0
+    keep[5] = 0
+    keep[S - 1, : T - T // 4] = 0
+    return [q, k, v, keep]
+
+
+ONE_AXIS = {"mesh": [2], "names": ["seq"]}
+FOUR = {"mesh": [4], "names": ["seq"]}
+MESH_JOBS.add("key_alone",
+              (with_tiles(spec_text("causal_attention"), **RING_TILES), dict(B=2, H=1, S=384, D=128),
+               [{**ONE_AXIS, "axes": {"j": "seq"}}, {**RING, "axes": {"b": "data", "j": "seq"}}]),
+              (with_tiles(spec_text("document_attention"), b=1, h=1, i=128, j=128, d=64, e=64), dict(B=2, H=1, S=384, D=64),
+               [{**FOUR, "axes": {"j": "seq"}}, *([{**ONE_AXIS, "axes": {"j": "seq"}}] if SWEEP else [])],
+               _packed_documents(np.random.default_rng(8))),
+              (WINDOWED, dict(B=1, H=4, S=512, D=128), [{**FOUR, "axes": {"j": "seq"}}]),
+              (spec_text("masked_attention"), dict(H=2, S=256, T=256, D=128), [{**ONE_AXIS, "axes": {"j": "seq"}}],
+               _masked_with_holes(np.random.default_rng(9), 256, 256)),
+              *([(spec_text("masked_attention"), dict(H=2, S=128, T=512, D=128), [{**FOUR, "axes": {"j": "seq"}}],
+                  _masked_with_holes(np.random.default_rng(10), 128, 512))] if SWEEP else []))
+
+
+def test_self_attention_key_index_alone(mesh_results):
+    """The key index split alone where the rows share its size: each device attends every
+    row over its keys (the rows in chunks of the keys' length, whose first positions the
+    kernels take: causal and window conditions compare global positions), the partial
+    results merged by their logsumexp across the axis: causal (its `lse` output merged as a
+    logsumexp) over 2 and 4 devices, packed documents (segment ids: the rows' whole, the
+    keys' side this device's slice), a sliding window with grouped heads, and a mask with a
+    row no device sees anything of (minus infinity merged without NaN) and an empty block,
+    rows and keys of equal sizes (and under SPARSEGEN_SWEEP=1 unequal). Values and every
+    gradient, against the kernel unsplit and `reference`."""
+    causal, document, windowed, masked, *unequal = run_on_mesh(mesh_results, "key_alone")
+    kernel, env, res = causal
+    assert assert_case(kernel, env, res, 0, ["P()", "P()"], parts=2) == 3
+    assert assert_case(kernel, env, res, 1, ["P('data',)", "P('data',)"], parts=4) == 3
+    kernel, env, res = document
+    for c in range(1 + SWEEP):
+        assert assert_case(kernel, env, res, c, ["P()"], parts=4 // (c + 1)) == 3
+    kernel, env, res = windowed
+    assert assert_case(kernel, env, res, 0, ["P()"], parts=4) == 3
+    kernel, env, res = masked
+    assert assert_case(kernel, env, res, 0, ["P()"], parts=2) == 3
+    assert all(np.isfinite(res[f"case0_{x}"]).all() for x in ("out0", "grad0", "grad1", "grad2"))
+    assert not res["case0_out0"][:, 5].any()  # the row that sees nothing
+    assert len(unequal) == SWEEP
+    for kernel, env, res in unequal:
+        assert assert_case(kernel, env, res, 0, ["P()"], parts=4) == 3
+
+
 def test_ring_pairs_that_see_nothing_exchange_and_compute_nothing():
     """Causal over 8 shards in order: 36 of the 64 (rows, keys) shard pairs see something,
     and the keys travel only to those (step t: the 8 - t devices whose keys are t behind).
@@ -376,7 +444,7 @@ def plan_of(name: str):
 @pytest.mark.parametrize("name,expected", [
     ("causal_attention", {"causal_attention": dict(b="split", h="split", i="ring", j="ring", d=None, e=None)}),
     ("document_attention", {"document_attention": dict(b="split", h="split", i="ring", j="ring", d=None, e=None)}),
-    ("masked_attention", {"masked_attention": dict(h="split", i="split", j=None, d=None, e=None)}),
+    ("masked_attention", {"masked_attention": dict(h="split", i="split", j="ring", d=None, e=None)}),
     ("masked_matmul", {"masked_matmul": dict(m="split", n="split", k="sum")}),
     ("masked_backward", {"masked_matmul_dx": dict(m="split", k="split", n="sum"), "masked_matmul_dy": dict(k="split", n="split", m="sum")}),
     ("dsd_matmul", {"dsd_matmul": dict(m="split", n="split", k="sum")}),
@@ -467,14 +535,14 @@ REFUSALS = [
     (BATCHED, {"q": "data"}, "the spec has no index 'q' (its indices: b, m, n, k)"),
     (BATCHED, {"b": "rows"}, "index b is mapped to 'rows', which is not an axis of the mesh (its axes: data, model)"),
     (BATCHED, {"b": "data", "k": "data"}, "mesh axis 'data' is given to both b and k; an axis splits one index"),
-    ("causal_attention", {"j": "data"}, "the key index j is split with the query index i, as a ring: map both to one mesh axis "
-     "(sharded(mesh, i=AXIS, j=AXIS)); alone it would need i to have a size of its own"),
-    ("causal_attention", {"i": "data", "j": "model"}, "the key index j is split with the query index i, as a ring: map both to "
-     "one mesh axis (sharded(mesh, i=AXIS, j=AXIS))"),
+    ("causal_attention", {"i": "data", "j": "model"}, "the key index j and the query index i are split over two mesh axes: "
+     "map both to one (a ring: sharded(mesh, i=AXIS, j=AXIS)) or split the key index alone (sharded(mesh, j=AXIS))"),
     ("causal_attention", {"b": ("data", "zigzag")}, "index b is mapped to ('data', 'zigzag'), which is not an axis of the mesh "
      "(its axes: data, model)"),
-    ("masked_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting "
-     "it (a ring, with i) is not supported yet: keep is read along both i and j, so it can neither travel nor stay"),
+    ("masked_attention", {"i": "data", "j": "data"}, "the key index j cannot travel with the query index i as a ring: keep "
+     "is read along both i and j, so it can neither travel nor stay; it may be split alone (sharded(mesh, j=AXIS))"),
+    ("masked_attention", {"i": "data", "j": "model"}, "the key index j and the query index i are split over two mesh axes: "
+     "split the key index alone (sharded(mesh, j=AXIS))"),
     ("causal_attention", {"d": "data"}, "index d cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i, d] * "
      "k[b, h, j, d] * 0.08838834764831845 where i >= j`), which a nonlinear step reads (softmax, an elementwise function): "
      "partial sums cannot be added after it"),
