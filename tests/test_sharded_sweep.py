@@ -17,7 +17,7 @@ same as at the spec's own tiles), one block along every size no split divides, N
 (2N for a zigzag ring) along those one does. By default a representative part runs
 (`representative`: per kind of split, the case of all the examples' that exercises the most
 machinery; and a case of every kind of walk, grid, row and paged); SPARSEGEN_SWEEP=1 runs
-every case. (The whole sweep: 55 cases, about 330 CPU-seconds; the default part: 6, about 45.)
+every case. (The whole sweep: 55 cases, about 300 CPU-seconds; the default part: 6, about 42.)
 
 Also here: a coo input's stored blocks dealt by their coordinates (`_on_mesh_coo`,
 `_coo_deal`), values and gradients, in the TPU simulator on the same mesh runner.
