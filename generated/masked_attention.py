@@ -2166,6 +2166,13 @@ def _ring_merge_across(part, axis):
     ]
 
 
+def _ring_lockstep(live, interpret):
+    """Whether a pair's kernels run: where it sees something, and on every device where
+    `interpret` simulates the devices in lockstep (the TPU simulator: each kernel
+    call waits for every device to make it); a pair that sees nothing gives nothing."""
+    return jnp.asarray(True) if not isinstance(interpret, bool) else live
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _ring(arrays, sizes, interpret, ring):
     return _ring_forward(arrays, sizes, interpret, ring)[0]
@@ -2177,6 +2184,7 @@ def _ring_forward(arrays, sizes, interpret, ring):
     acc = [None] * m
     for t, perm, pairs, chunk in _ring_steps(arrays, sizes, ring):
         for a, b, args, keys, origin, live in pairs:
+            live = _ring_lockstep(live, interpret)
             if shapes is None:
                 shapes = jax.eval_shape(
                     lambda x, y, o: _impl(
@@ -2249,6 +2257,7 @@ def _ring_backward(sizes, interpret, ring, residuals, cotangent):
             for g, role in zip(grads, _RING_ROLES)
         ]
         for a, b, args, keys, origin, live in pairs:
+            live = _ring_lockstep(live, interpret)
             res = (*args, *(rows(x, d, a) for x, d in zip(kept, _RING_ROWS)), perturbed)
             cot = tuple(
                 rows(c, _RING_ROWS[r], a) for c, r in zip(cotangent, _RING_DECLARED)
