@@ -287,22 +287,27 @@ def _mesh_placement(kernel, mesh, axes):
         taken[axis] = index
         placed[index] = axis
     query, key = placed.get(_RING_QUERY), placed.get(_RING_KEY)
-    # The key index alone (each device's keys, merged across the axis) needs the rows whole,
-    # so a size of their own; with the rows, one axis (a ring).
-    alone = key is not None and query is None and _RING_LENGTHS[0] != _RING_LENGTHS[1]
-    if (
-        (key is not None or _MESH_RULES[_RING_QUERY][0] == "ring")
-        and query != key
-        and not alone
-    ):
+    # The key index alone: each device's keys against every row, merged across the axis;
+    # with the rows, one axis (a ring).
+    if query is not None and key is None and _MESH_RULES[_RING_QUERY][0] == "ring":
         _fail(
             f"sharded: the key index {_RING_KEY} is split with the query index {_RING_QUERY}, as a ring: map both to "
             f"one mesh axis (sharded(mesh, {_RING_QUERY}=AXIS, {_RING_KEY}=AXIS))"
-            + (
-                ""
-                if key is None or query is not None
-                else f"; alone it would need {_RING_QUERY} to have a size of its own"
-            )
+        )
+    if query is not None and key is not None and query != key:
+        ring = (
+            ""
+            if _RING_TRAVEL is not None
+            else f"map both to one (a ring: sharded(mesh, {_RING_QUERY}=AXIS, {_RING_KEY}=AXIS)) or "
+        )
+        _fail(
+            f"sharded: the key index {_RING_KEY} and the query index {_RING_QUERY} are split over two mesh axes: "
+            f"{ring}split the key index alone (sharded(mesh, {_RING_KEY}=AXIS))"
+        )
+    if query is not None and query == key and _RING_TRAVEL is not None:
+        _fail(
+            f"sharded: the key index {_RING_KEY} cannot travel with the query index {_RING_QUERY} as a ring: "
+            f"{_RING_TRAVEL}; it may be split alone (sharded(mesh, {_RING_KEY}=AXIS))"
         )
     if zigzag and key is None:
         _fail(
@@ -2306,8 +2311,9 @@ def sharded(mesh, /, **axes):
             i and as j)
         j: split with i over one mesh axis, as a ring: each device keeps its rows, the
             key-side arguments travel round the axis (ppermute) and the partial results
-            merge by their logsumexp; alone (where i has a size of its own), each device
-            attends over its keys and the partial results merge across the axis
+            merge by their logsumexp; alone, each device attends over its keys (every
+            row; in chunks of the keys' length where the rows share their size) and the
+            partial results merge across the axis by their logsumexp
         d: cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i,
             d] * k[b, h, j, d] * 0.125 where (seg[b, i] == seg[b, j]) and (i >= j)`),
             which a nonlinear step reads (softmax, an elementwise function): partial
@@ -2343,11 +2349,14 @@ def block_kinds(q, k, v, seg, *, B=None, H=None, S=None, D=None):
     return _classify_blocks(jnp, seg, sizes)
 
 
-# `sharded` with the query index i and the key index j on one mesh
+# `sharded` with the key index j split, alone or with the query index i on one mesh
 # axis (a ring): per positional argument, whether it is read with the rows ("q": it
-# stays), with the keys ("k": it travels) or with neither, and its dimension along them;
-# per result of `_impl`, how partial results merge ("softmax": weighted by the rows'
-# logsumexp, "logsumexp") and its rows' dimension; the sizes of the two indices.
+# stays), with the keys ("k": it travels), an integer with both ("both": the rows keep
+# theirs, the keys' side travels), with the rows and the keys in two dimensions ("qk":
+# alone only) or with neither, and its dimension along them (the rows'); per result of
+# `_impl`, how partial results merge ("softmax": weighted by the rows' logsumexp,
+# "logsumexp") and its rows' dimension; the sizes of the two indices; why the keys cannot
+# travel as a ring (None: they can).
 _RING_QUERY, _RING_KEY = "i", "j"
 _RING_ROLES = ("q", "k", "k", "both")
 _RING_DIMS = (2, 2, 2, 1)
@@ -2356,6 +2365,7 @@ _RING_ROWS = (2, 2)
 _RING_DECLARED = (0,)  # the outputs among `_impl`'s results
 _RING_LSE = 1  # the rows' logsumexp among them
 _RING_LENGTHS = ("S", "S")
+_RING_TRAVEL = None
 
 
 def _ring_device(shards, keywords, interpret, ring):
@@ -2363,8 +2373,22 @@ def _ring_device(shards, keywords, interpret, ring):
     `ring`: (mesh axis, its size n, chunks a device holds: 1, or 2 in zigzag order, and
     whether the key index is split alone: every row here, this device's keys)."""
     local = dict(keywords)
-    *arrays, sizes = _prepare(*shards, *(local[s] for s in _MESH_SIZES))
-    return _ring(tuple(arrays), sizes, interpret, ring)
+    axis, n, m, alone = ring
+    view = shards
+    if alone and _RING_LENGTHS[0] == _RING_LENGTHS[1]:
+        # The rows whole beside a slice of the keys, one size for both: the rows run in n
+        # chunks of the keys' length (each pair a kernel of one size), checked as the first.
+        m = n
+        view = [
+            (
+                x
+                if role not in ("q", "qk", "both")
+                else lax.slice_in_dim(x, 0, x.shape[d] // n, axis=d)
+            )
+            for x, d, role in zip(shards, _RING_DIMS, _RING_ROLES)
+        ]
+    *_, sizes = _prepare(*view, *(local[s] for s in _MESH_SIZES))
+    return _ring(tuple(shards), sizes, interpret, (axis, n, m, alone))
 
 
 def _ring_chunk(device, c, n, m):
@@ -2372,15 +2396,15 @@ def _ring_chunk(device, c, n, m):
     return device if c == 0 else 2 * n - 1 - device
 
 
-def _ring_plan(sizes, n, m):
+def _ring_plan(sizes, n, m, rows=None):
     """Per (row chunk, key chunk) of the n*m, whether any block is visited (numpy, at trace
     time); the chunks' sizes and lengths. A condition reading operands visits every pair.
-    """
+    `rows`: the row chunks looked at (the first; default all n*m)."""
     chunk = tuple(
         v // m if s in _RING_LENGTHS else v for s, v in zip(_MESH_SIZES, sizes)
     )
     lengths = tuple(chunk[_MESH_SIZES.index(s)] for s in _RING_LENGTHS)
-    live = np.ones((n * m, n * m), bool)
+    live = np.ones((n * m if rows is None else rows, n * m), bool)
     return live, chunk, lengths
 
 
@@ -2412,18 +2436,29 @@ def _ring_steps(arrays, sizes, ring):
     axis, n, m, alone = ring
     me = lax.axis_index(axis)
     if alone:
-        # Every row against this device's keys: one pair, skipped where its own (traced)
-        # classification visits nothing; no key travels.
-        chunk = sizes
-        origin = jnp.stack([0, me * chunk[_MESH_SIZES.index(_RING_LENGTHS[1])]]).astype(
-            jnp.int32
+        # Every row against this device's keys, which travel nowhere: the rows in m chunks
+        # (`_ring_device`), a pair (row chunk a, these keys) skipped where it sees nothing.
+        lengths = tuple(sizes[_MESH_SIZES.index(s)] for s in _RING_LENGTHS)
+        cut = [
+            None if role not in ("q", "qk", "both") else jnp.split(x, m, axis=d)
+            for x, d, role in zip(arrays, _RING_DIMS, _RING_ROLES)
+        ]
+        # The key side of integers read along both: this device's keys' slice of them.
+        keys = tuple(
+            lax.dynamic_slice_in_dim(x, me * lengths[1], lengths[1], axis=d)
+            for x, d, role in zip(arrays, _RING_DIMS, _RING_ROLES)
+            if role == "both"
         )
-        keys = tuple(a for a, role in zip(arrays, _RING_ROLES) if role == "both")
-        visited = (
-            _classify_blocks(jnp, arrays[3], chunk, **_ring_keywords(origin, keys))
-            != _EMPTY
-        ).any()
-        yield 0, [], [(0, 0, tuple(arrays), keys, origin, visited)], chunk
+        pairs = []
+        for a in range(m):
+            args = tuple(x if c is None else c[a] for x, c in zip(arrays, cut))
+            origin = jnp.stack([a * lengths[0], me * lengths[1]]).astype(jnp.int32)
+            visited = (
+                _classify_blocks(jnp, args[3], sizes, **_ring_keywords(origin, keys))
+                != _EMPTY
+            ).any()
+            pairs.append((a, 0, args, keys, origin, visited))
+        yield 0, [], pairs, sizes
         return
     live, chunk, lengths = _ring_plan(sizes, n, m)
     cut = [
@@ -2508,6 +2543,13 @@ def _ring_merge_across(part, axis):
     ]
 
 
+def _ring_lockstep(live, interpret):
+    """Whether a pair's kernels run: where it sees something, and on every device where
+    `interpret` simulates the devices in lockstep (the TPU simulator: each kernel
+    call waits for every device to make it); a pair that sees nothing gives nothing."""
+    return jnp.asarray(True) if not isinstance(interpret, bool) else live
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _ring(arrays, sizes, interpret, ring):
     return _ring_forward(arrays, sizes, interpret, ring)[0]
@@ -2519,6 +2561,7 @@ def _ring_forward(arrays, sizes, interpret, ring):
     acc = [None] * m
     for t, perm, pairs, chunk in _ring_steps(arrays, sizes, ring):
         for a, b, args, keys, origin, live in pairs:
+            live = _ring_lockstep(live, interpret)
             if shapes is None:
                 shapes = jax.eval_shape(
                     lambda x, y, o: _impl(
@@ -2543,16 +2586,14 @@ def _ring_forward(arrays, sizes, interpret, ring):
                 origin,
             )
             acc[a] = _ring_merge(acc[a], part)
-    if ring[3]:
-        acc[0] = _ring_merge_across(acc[0], ring[0])
     kept = [
-        (
-            jnp.concatenate([c[r] for c in acc], axis=d).astype(s.dtype)
-            if m > 1
-            else acc[0][r].astype(s.dtype)
-        )
-        for r, (d, s) in enumerate(zip(_RING_ROWS, shapes))
+        jnp.concatenate([c[r] for c in acc], axis=d) if m > 1 else acc[0][r]
+        for r, d in enumerate(_RING_ROWS)
     ]
+    if ring[3]:
+        # The key index alone: every device's partial results (over its keys) as one.
+        kept = _ring_merge_across(kept, ring[0])
+    kept = [x.astype(s.dtype) for x, s in zip(kept, shapes)]
     outs = tuple(kept[r] for r in _RING_DECLARED)
     return outs if len(outs) > 1 else outs[0], (arrays, tuple(kept))
 
@@ -2562,23 +2603,29 @@ def _ring_backward(sizes, interpret, ring, residuals, cotangent):
     outputs), as flash attention's backward computes a block's: the row side's kept here,
     the key side's sent back to the device that owns those keys."""
     arrays, kept = residuals
-    axis, m = ring[0], ring[2]
+    axis, m, alone = ring[0], ring[2], ring[3]
     cotangent = cotangent if len(_RING_DECLARED) > 1 else (cotangent,)
-    if ring[3]:
+    if alone:
         # The key index alone: the outputs are whole on every device of the axis, and
-        # shard_map hands each its share of their cotangent (the rows' gradients it sums).
-        cotangent = tuple(lax.psum(c, axis) for c in cotangent)
+        # shard_map (untyped) hands each the same share of their cotangent, 1/n of it (the
+        # rows' gradients it sums): made whole again on each device, with no exchange.
+        cotangent = tuple(c * ring[1] for c in cotangent)
     rows = lambda x, d, a: x if m == 1 else jnp.split(x, m, axis=d)[a]  # noqa: E731
+    # Each argument's gradient in its chunks (alone, the keys' in one: this device's).
+    pieces = [
+        1 if d is None or alone and role == "k" else m
+        for d, role in zip(_RING_DIMS, _RING_ROLES)
+    ]
     grads = [
         (
             [
                 jnp.zeros(c.shape, jnp.float32)
-                for c in (jnp.split(x, m, axis=d) if d is not None else [x])
+                for c in (jnp.split(x, p, axis=d) if p > 1 else [x])
             ]
             if jnp.issubdtype(x.dtype, jnp.floating)
             else None
         )
-        for x, d in zip(arrays, _RING_DIMS)
+        for x, d, p in zip(arrays, _RING_DIMS, pieces)
     ]
     perturbed = tuple(() for _ in arrays)
     for t, perm, pairs, chunk in _ring_steps(arrays, sizes, ring):
@@ -2587,6 +2634,7 @@ def _ring_backward(sizes, interpret, ring, residuals, cotangent):
             for g, role in zip(grads, _RING_ROLES)
         ]
         for a, b, args, keys, origin, live in pairs:
+            live = _ring_lockstep(live, interpret)
             res = (*args, *(rows(x, d, a) for x, d in zip(kept, _RING_ROWS)), perturbed)
             cot = tuple(
                 rows(c, _RING_ROWS[r], a) for c, r in zip(cotangent, _RING_DECLARED)

@@ -247,6 +247,7 @@ def _mesh_placement(kernel, mesh, axes):
     if not isinstance(mesh, jax.sharding.Mesh):
         _fail(f"sharded: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     taken, placed = {}, {}
+    zigzag = False
     for index, axis in axes.items():
         if index not in _MESH_RULES:
             known = ", ".join(_MESH_RULES)
@@ -256,7 +257,19 @@ def _mesh_placement(kernel, mesh, axes):
         how, why = _MESH_RULES[index]
         if how is None:
             _fail(f"sharded: index {index} cannot be split: {why}")
+        if (
+            index == _RING_QUERY
+            and isinstance(axis, tuple)
+            and len(axis) == 2
+            and axis[1] == "zigzag"
+        ):
+            axis = axis[0]  # chunks r and 2n-1-r on device r: causal work even
+            zigzag = True
         known = ", ".join(mesh.axis_names)
+        if isinstance(axis, tuple) and len(axis) == 2 and axis[1] == "zigzag":
+            _fail(
+                f"sharded: only a ring's query index {_RING_QUERY} may be split in zigzag order"
+            )
         if isinstance(axis, (tuple, list)):
             _fail(
                 f"sharded: index {index} is mapped to {axis!r}, several mesh axes: an index is split over one axis of "
@@ -266,16 +279,44 @@ def _mesh_placement(kernel, mesh, axes):
             _fail(
                 f"sharded: index {index} is mapped to {axis!r}, which is not an axis of the mesh (its axes: {known})"
             )
-        if axis in taken:
+        if axis in taken and {taken[axis], index} != {_RING_QUERY, _RING_KEY}:
             _fail(
                 f"sharded: mesh axis {axis!r} is given to both {taken[axis]} and {index}; an axis splits one index"
             )
         taken[axis] = index
         placed[index] = axis
+    query, key = placed.get(_RING_QUERY), placed.get(_RING_KEY)
+    # The key index alone: each device's keys against every row, merged across the axis;
+    # with the rows, one axis (a ring).
+    if query is not None and key is None and _MESH_RULES[_RING_QUERY][0] == "ring":
+        _fail(
+            f"sharded: the key index {_RING_KEY} is split with the query index {_RING_QUERY}, as a ring: map both to "
+            f"one mesh axis (sharded(mesh, {_RING_QUERY}=AXIS, {_RING_KEY}=AXIS))"
+        )
+    if query is not None and key is not None and query != key:
+        ring = (
+            ""
+            if _RING_TRAVEL is not None
+            else f"map both to one (a ring: sharded(mesh, {_RING_QUERY}=AXIS, {_RING_KEY}=AXIS)) or "
+        )
+        _fail(
+            f"sharded: the key index {_RING_KEY} and the query index {_RING_QUERY} are split over two mesh axes: "
+            f"{ring}split the key index alone (sharded(mesh, {_RING_KEY}=AXIS))"
+        )
+    if query is not None and query == key and _RING_TRAVEL is not None:
+        _fail(
+            f"sharded: the key index {_RING_KEY} cannot travel with the query index {_RING_QUERY} as a ring: "
+            f"{_RING_TRAVEL}; it may be split alone (sharded(mesh, {_RING_KEY}=AXIS))"
+        )
+    if zigzag and key is None:
+        _fail(
+            f"sharded: only a ring's query index {_RING_QUERY} may be split in zigzag order"
+        )
     return (
         kernel,
         mesh,
         tuple((index, placed[index]) for index in _MESH_RULES if index in placed),
+        zigzag,
     )
 
 
@@ -284,9 +325,15 @@ def _local_sizes(placement, sizes):
     divided by its mesh axis's size (which must divide them)."""
     _, mesh, split = placement[:3]
     local = dict(zip(_MESH_SIZES, sizes))
+    divided = set()  # a ring's query and key indices may share their size: divided once
     for index, axis in split:
         n = need = mesh.shape[axis]
+        if placement[3] and index in (_RING_QUERY, _RING_KEY):
+            need = 2 * n  # zigzag: two chunks a device
         for symbol in _MESH_RULES[index][1]:
+            if symbol in divided:
+                continue
+            divided.add(symbol)
             if local[symbol] % need:
                 _fail(
                     f"sharded: index {index} cannot be split over mesh axis {axis!r} of {n} devices: {symbol} = {local[symbol]} is not divisible by {need}"
@@ -308,6 +355,13 @@ def _on_mesh(args, placement, keywords, interpret, typed=None):
     """
     kernel, mesh, split = placement[:3]
     axis = dict(split)
+    ring = axis.get(_RING_KEY)
+    if ring is not None and placement[3]:
+        # Zigzag: device r holds chunks r and 2n-1-r of the rows and of the keys.
+        args = tuple(
+            a if d is None else _zigzag(a, d, mesh.shape[ring])
+            for a, d in zip(args, _RING_DIMS)
+        )
     in_specs = tuple(
         jax.sharding.PartitionSpec(*(axis.get(i) for i in dims)) for dims in _MESH_ARGS
     )
@@ -326,8 +380,9 @@ def _on_mesh(args, placement, keywords, interpret, typed=None):
         # Compiled, shard_map types each value by the mesh axes it varies over (check_vma):
         # the backward then adds up only what differs between devices. Not interpreted
         # (jax's interpreters fail on kernels whose bodies or index maps mix a device's
-        # values with constants, typed).
-        typed = interpret is False
+        # values with constants, typed), nor around a ring (its merges and exchanges
+        # are written for untyped values).
+        typed = interpret is False and ring is None
 
     def one_device(*shards):
         shards = list(shards)
@@ -339,14 +394,53 @@ def _on_mesh(args, placement, keywords, interpret, typed=None):
                     * dict(keywords)[_MESH_RULES[index][1][0]]
                 )
                 shards[n] = shards[n] - start.astype(shards[n].dtype)
-        outs = kernel(*shards, **dict(keywords), interpret=interpret)
+        if ring is not None:
+            # The key index travels: this device's rows against every device's keys.
+            outs = _ring_device(
+                shards,
+                keywords,
+                interpret,
+                (
+                    ring,
+                    mesh.shape[ring],
+                    2 if placement[3] else 1,
+                    _RING_QUERY not in axis,
+                ),
+            )
+        else:
+            outs = kernel(*shards, **dict(keywords), interpret=interpret)
         outs = outs if len(_MESH_OUTPUTS) > 1 else (outs,)
         return tuple(lax.psum(o, s) if s else o for o, s in zip(outs, sums))
 
     outs = jax.shard_map(
         one_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=typed
     )(*args)
+    if ring is not None and placement[3]:
+        # Back in natural order, laid out as the mapping says.
+        outs = tuple(
+            (
+                o
+                if _RING_QUERY not in dims
+                else jax.lax.with_sharding_constraint(
+                    _zigzag(o, dims.index(_RING_QUERY), mesh.shape[ring], undo=True),
+                    jax.sharding.NamedSharding(mesh, spec),
+                )
+            )
+            for o, dims, spec in zip(outs, _MESH_OUTPUTS, out_specs)
+        )
     return outs if len(outs) > 1 else outs[0]
+
+
+def _zigzag(x, dim, n, undo=False):
+    """x's dimension `dim` cut into 2n chunks, reordered 0, 2n-1, 1, 2n-2, ...: device r of
+    n holds chunks r and 2n-1-r (`undo`: back to natural order)."""
+    order = np.array([c for r in range(n) for c in (r, 2 * n - 1 - r)])
+    if undo:
+        order = np.argsort(order)
+    chunks = x.reshape(
+        x.shape[:dim] + (2 * n, x.shape[dim] // (2 * n)) + x.shape[dim + 1 :]
+    )
+    return jnp.take(chunks, order, axis=dim).reshape(x.shape)
 
 
 def _check_smem(entries, what):
@@ -493,6 +587,22 @@ def _to_operand(grad, src, dst, divided):
             grad.shape[:axis] + (grad.shape[axis] // n, n) + grad.shape[axis + 1 :]
         ).sum(axis=axis + 1)
     return jnp.einsum(f"{src}->{dst}", grad)
+
+
+def _lse_weights(lse, max_of=lambda x: x.max(axis=0), sum_of=lambda x: x.sum(axis=0)):
+    """Partial results over disjoint keys, each normalised over its own: each part's weight
+    in the softmax over all the keys, exp(its rows' logsumexp less the merged one), and the
+    merged logsumexp. `max_of`, `sum_of`: the reductions over the parts (by default the
+    first axis, the parts stacked; or a mesh axis's collectives). A part that saw nothing
+    (minus infinity) weighs 0; a row no part saw: every weight 0, the logsumexp minus
+    infinity."""
+    top = max_of(lse)
+    top = jnp.where(jnp.isneginf(top), 0.0, top)
+    total = sum_of(jnp.exp(lse - top))
+    merged = jnp.where(
+        total == 0, -jnp.inf, top + jnp.log(jnp.where(total == 0, 1.0, total))
+    )
+    return jnp.exp(lse - jnp.where(jnp.isneginf(merged), 0.0, merged)), merged
 
 
 def _classify_blocks(xp, keep, sizes):
@@ -1801,10 +1911,7 @@ def reference(q, k, v, keep, *, H=None, S=None, D=None, T=None):
 _MESH_RULES = {
     "h": ("split", ("H",)),
     "i": ("split", ("S",)),
-    "j": (
-        None,
-        "it is the key index of an attention-like kernel: splitting it (a ring, with i) is not supported yet: keep is read along both i and j, so it can neither travel nor stay",
-    ),
+    "j": ("ring", ("T",)),
     "d": (
         None,
         "it is summed into the local s (`s[h, i, j] = q[h, i, d] * k[h, j, d] where keep[i, j]`), which a nonlinear step reads (softmax, an elementwise function): partial sums cannot be added after it",
@@ -1840,9 +1947,10 @@ def sharded(mesh, /, **axes):
 
         h: split: each device runs the kernel on its slice, with no communication
         i: split: each device runs the kernel on its slice, with no communication
-        j: cannot be split: it is the key index of an attention-like kernel: splitting
-            it (a ring, with i) is not supported yet: keep is read along both i and j,
-            so it can neither travel nor stay
+        j: split alone: each device attends over its keys (every row; in chunks of the
+            keys' length where the rows share their size) and the partial results merge
+            across the axis by their logsumexp; not with i as a ring: keep is read along
+            both i and j, so it can neither travel nor stay
         d: cannot be split: it is summed into the local s (`s[h, i, j] = q[h, i, d] *
             k[h, j, d] where keep[i, j]`), which a nonlinear step reads (softmax, an
             elementwise function): partial sums cannot be added after it
@@ -1885,3 +1993,341 @@ def block_kinds(q, k, v, keep, *, H=None, S=None, D=None, T=None):
     """
     q, k, v, keep, sizes = _prepare(q, k, v, keep, H, S, D, T)
     return _classify_blocks(jnp, keep, sizes)
+
+
+# `sharded` with the key index j split, alone or with the query index i on one mesh
+# axis (a ring): per positional argument, whether it is read with the rows ("q": it
+# stays), with the keys ("k": it travels), an integer with both ("both": the rows keep
+# theirs, the keys' side travels), with the rows and the keys in two dimensions ("qk":
+# alone only) or with neither, and its dimension along them (the rows'); per result of
+# `_impl`, how partial results merge ("softmax": weighted by the rows' logsumexp,
+# "logsumexp") and its rows' dimension; the sizes of the two indices; why the keys cannot
+# travel as a ring (None: they can).
+_RING_QUERY, _RING_KEY = "i", "j"
+_RING_ROLES = ("q", "k", "k", "qk")
+_RING_DIMS = (1, 1, 1, 0)
+_RING_MERGES = ("softmax", "logsumexp")
+_RING_ROWS = (1, 1)
+_RING_DECLARED = (0,)  # the outputs among `_impl`'s results
+_RING_LSE = 1  # the rows' logsumexp among them
+_RING_LENGTHS = ("S", "T")
+_RING_TRAVEL = "keep is read along both i and j, so it can neither travel nor stay"
+
+
+def _ring_device(shards, keywords, interpret, ring):
+    """One device's part of a ring, under shard_map: its rows against every device's keys.
+    `ring`: (mesh axis, its size n, chunks a device holds: 1, or 2 in zigzag order, and
+    whether the key index is split alone: every row here, this device's keys)."""
+    local = dict(keywords)
+    axis, n, m, alone = ring
+    view = shards
+    if alone and _RING_LENGTHS[0] == _RING_LENGTHS[1]:
+        # The rows whole beside a slice of the keys, one size for both: the rows run in n
+        # chunks of the keys' length (each pair a kernel of one size), checked as the first.
+        m = n
+        view = [
+            (
+                x
+                if role not in ("q", "qk", "both")
+                else lax.slice_in_dim(x, 0, x.shape[d] // n, axis=d)
+            )
+            for x, d, role in zip(shards, _RING_DIMS, _RING_ROLES)
+        ]
+    *_, sizes = _prepare(*view, *(local[s] for s in _MESH_SIZES))
+    return _ring(tuple(shards), sizes, interpret, (axis, n, m, alone))
+
+
+def _ring_chunk(device, c, n, m):
+    """The sequence chunk a device's c-th chunk is: in order, or zigzag (r and 2n-1-r)."""
+    return device if c == 0 else 2 * n - 1 - device
+
+
+def _ring_plan(sizes, n, m, rows=None):
+    """Per (row chunk, key chunk) of the n*m, whether any block is visited (numpy, at trace
+    time); the chunks' sizes and lengths. A condition reading operands visits every pair.
+    `rows`: the row chunks looked at (the first; default all n*m)."""
+    chunk = tuple(
+        v // m if s in _RING_LENGTHS else v for s, v in zip(_MESH_SIZES, sizes)
+    )
+    lengths = tuple(chunk[_MESH_SIZES.index(s)] for s in _RING_LENGTHS)
+    live = np.ones((n * m if rows is None else rows, n * m), bool)
+    return live, chunk, lengths
+
+
+def _ring_senders(live, t, n, m):
+    """The devices that send their keys t places on (to device s + t): those whose keys the
+    receiver's rows see somewhere. A pair with nothing visible exchanges nothing."""
+    return [
+        s
+        for s in range(n)
+        if any(
+            live[_ring_chunk((s + t) % n, a, n, m), _ring_chunk(s, b, n, m)]
+            for a in range(m)
+            for b in range(m)
+        )
+    ]
+
+
+def _ring_keywords(origin, keys):
+    """What `_impl` and `_run_backward` take of a pair: the first positions of its rows and
+    keys, the key side of arguments read along both."""
+    return {}
+
+
+def _ring_steps(arrays, sizes, ring):
+    """The ring's schedule on this device: per step t, the senders and the key-side arrays
+    it received (its own at t = 0); per (row chunk, key chunk), the chunks' arguments, the
+    key sides of those read along both, their first positions and whether the pair is
+    visited."""
+    axis, n, m, alone = ring
+    me = lax.axis_index(axis)
+    if alone:
+        # Every row against this device's keys, which travel nowhere: the rows in m chunks
+        # (`_ring_device`), a pair (row chunk a, these keys) skipped where it sees nothing.
+        lengths = tuple(sizes[_MESH_SIZES.index(s)] for s in _RING_LENGTHS)
+        cut = [
+            None if role not in ("q", "qk", "both") else jnp.split(x, m, axis=d)
+            for x, d, role in zip(arrays, _RING_DIMS, _RING_ROLES)
+        ]
+        # The key side of integers read along both: this device's keys' slice of them.
+        keys = tuple(
+            lax.dynamic_slice_in_dim(x, me * lengths[1], lengths[1], axis=d)
+            for x, d, role in zip(arrays, _RING_DIMS, _RING_ROLES)
+            if role == "both"
+        )
+        pairs = []
+        for a in range(m):
+            args = tuple(x if c is None else c[a] for x, c in zip(arrays, cut))
+            origin = jnp.stack([a * lengths[0], me * lengths[1]]).astype(jnp.int32)
+            visited = (
+                _classify_blocks(jnp, args[3], sizes, **_ring_keywords(origin, keys))
+                != _EMPTY
+            ).any()
+            pairs.append((a, 0, args, keys, origin, visited))
+        yield 0, [], pairs, sizes
+        return
+    live, chunk, lengths = _ring_plan(sizes, n, m)
+    cut = [
+        None if d is None else jnp.split(a, m, axis=d)
+        for a, d in zip(arrays, _RING_DIMS)
+    ]
+    for t in range(n):
+        senders = _ring_senders(live, t, n, m)
+        if not senders:
+            continue
+        perm = [(s, (s + t) % n) for s in senders]
+        theirs = (
+            cut
+            if t == 0
+            else [
+                (
+                    c
+                    if role not in ("k", "both")
+                    else [lax.ppermute(x, axis, perm) for x in c]
+                )
+                for c, role in zip(cut, _RING_ROLES)
+            ]
+        )
+        src = (me - t) % n
+        pairs = []
+        for a in range(m):
+            for b in range(m):
+                qc, kc = _ring_chunk(me, a, n, m), _ring_chunk(src, b, n, m)
+                args = tuple(
+                    x if role is None else (c[b] if role == "k" else mine[a])
+                    for x, c, mine, role in zip(arrays, theirs, cut, _RING_ROLES)
+                )
+                keys = tuple(
+                    c[b] for c, role in zip(theirs, _RING_ROLES) if role == "both"
+                )
+                origin = jnp.stack([qc * lengths[0], kc * lengths[1]]).astype(jnp.int32)
+                # The condition reads operands: a pair is visited where its blocks are.
+                kinds = _classify_blocks(
+                    jnp, args[3], chunk, **_ring_keywords(origin, keys)
+                )
+                visited = (kinds != _EMPTY).any()
+                pairs.append((a, b, args, keys, origin, visited))
+        yield t, perm, pairs, chunk
+
+
+def _ring_merge(acc, part):
+    """Two partial results over disjoint keys as one (`_lse_weights` over the pair):
+    softmax products weighted by their rows' share of the total."""
+    part = [x.astype(jnp.float32) for x in part]
+    if acc is None:
+        return part
+    pair = jnp.stack([acc[_RING_LSE], part[_RING_LSE]])
+    share, lse = _lse_weights(pair)
+    merged = []
+    for x, y, how, d in zip(acc, part, _RING_MERGES, _RING_ROWS):
+        if how == "logsumexp":
+            merged.append(lse)
+            continue
+        wx, wy = (
+            share[n].reshape(share.shape[1:] + (1,) * (x.ndim - d - 1))
+            for n in range(2)
+        )
+        merged.append(x * wx + y * wy)
+    return merged
+
+
+def _ring_merge_across(part, axis):
+    """Every device's partial results over its keys as one, on every device of the axis
+    (`_lse_weights` over the axis's collectives)."""
+    share, lse = _lse_weights(
+        part[_RING_LSE], lambda x: lax.pmax(x, axis), lambda x: lax.psum(x, axis)
+    )
+    return [
+        (
+            lse
+            if how == "logsumexp"
+            else lax.psum(
+                x * share.reshape(share.shape + (1,) * (x.ndim - d - 1)), axis
+            )
+        )
+        for x, how, d in zip(part, _RING_MERGES, _RING_ROWS)
+    ]
+
+
+def _ring_lockstep(live, interpret):
+    """Whether a pair's kernels run: where it sees something, and on every device where
+    `interpret` simulates the devices in lockstep (the TPU simulator: each kernel
+    call waits for every device to make it); a pair that sees nothing gives nothing."""
+    return jnp.asarray(True) if not isinstance(interpret, bool) else live
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _ring(arrays, sizes, interpret, ring):
+    return _ring_forward(arrays, sizes, interpret, ring)[0]
+
+
+def _ring_forward(arrays, sizes, interpret, ring):
+    m = ring[2]
+    shapes = None
+    acc = [None] * m
+    for t, perm, pairs, chunk in _ring_steps(arrays, sizes, ring):
+        for a, b, args, keys, origin, live in pairs:
+            live = _ring_lockstep(live, interpret)
+            if shapes is None:
+                shapes = jax.eval_shape(
+                    lambda x, y, o: _impl(
+                        *x, chunk, None, interpret, **_ring_keywords(o, y)
+                    ),
+                    args,
+                    keys,
+                    origin,
+                )
+            nothing = [
+                jnp.full(s.shape, -jnp.inf if how == "logsumexp" else 0, s.dtype)
+                for s, how in zip(shapes, _RING_MERGES)
+            ]
+            part = lax.cond(
+                live,
+                lambda x, y, o: list(
+                    _impl(*x, chunk, None, interpret, **_ring_keywords(o, y))
+                ),
+                lambda *_: nothing,
+                args,
+                keys,
+                origin,
+            )
+            acc[a] = _ring_merge(acc[a], part)
+    kept = [
+        jnp.concatenate([c[r] for c in acc], axis=d) if m > 1 else acc[0][r]
+        for r, d in enumerate(_RING_ROWS)
+    ]
+    if ring[3]:
+        # The key index alone: every device's partial results (over its keys) as one.
+        kept = _ring_merge_across(kept, ring[0])
+    kept = [x.astype(s.dtype) for x, s in zip(kept, shapes)]
+    outs = tuple(kept[r] for r in _RING_DECLARED)
+    return outs if len(outs) > 1 else outs[0], (arrays, tuple(kept))
+
+
+def _ring_backward(sizes, interpret, ring, residuals, cotangent):
+    """Each visited pair's gradients from the merged results (the rows' total logsumexp and
+    outputs), as flash attention's backward computes a block's: the row side's kept here,
+    the key side's sent back to the device that owns those keys."""
+    arrays, kept = residuals
+    axis, m, alone = ring[0], ring[2], ring[3]
+    cotangent = cotangent if len(_RING_DECLARED) > 1 else (cotangent,)
+    if alone:
+        # The key index alone: the outputs are whole on every device of the axis, and
+        # shard_map (untyped) hands each the same share of their cotangent, 1/n of it (the
+        # rows' gradients it sums): made whole again on each device, with no exchange.
+        cotangent = tuple(c * ring[1] for c in cotangent)
+    rows = lambda x, d, a: x if m == 1 else jnp.split(x, m, axis=d)[a]  # noqa: E731
+    # Each argument's gradient in its chunks (alone, the keys' in one: this device's).
+    pieces = [
+        1 if d is None or alone and role == "k" else m
+        for d, role in zip(_RING_DIMS, _RING_ROLES)
+    ]
+    grads = [
+        (
+            [
+                jnp.zeros(c.shape, jnp.float32)
+                for c in (jnp.split(x, p, axis=d) if p > 1 else [x])
+            ]
+            if jnp.issubdtype(x.dtype, jnp.floating)
+            else None
+        )
+        for x, d, p in zip(arrays, _RING_DIMS, pieces)
+    ]
+    perturbed = tuple(() for _ in arrays)
+    for t, perm, pairs, chunk in _ring_steps(arrays, sizes, ring):
+        back = [
+            None if g is None or role != "k" else [jnp.zeros_like(c) for c in g]
+            for g, role in zip(grads, _RING_ROLES)
+        ]
+        for a, b, args, keys, origin, live in pairs:
+            live = _ring_lockstep(live, interpret)
+            res = (*args, *(rows(x, d, a) for x, d in zip(kept, _RING_ROWS)), perturbed)
+            cot = tuple(
+                rows(c, _RING_ROWS[r], a) for c, r in zip(cotangent, _RING_DECLARED)
+            )
+            zero = tuple(jnp.zeros(x.shape, jnp.float32) for x in args)
+
+            def pair(res, cot, keys, origin):
+                got = _run_backward(
+                    chunk,
+                    None,
+                    interpret,
+                    res,
+                    cot if len(cot) > 1 else cot[0],
+                    **_ring_keywords(origin, keys),
+                )
+                return tuple(
+                    z if g is None else g.astype(jnp.float32) for g, z in zip(got, zero)
+                )
+
+            got = lax.cond(live, pair, lambda *_: zero, res, cot, keys, origin)
+            for x, g in enumerate(got):
+                if grads[x] is None:
+                    continue
+                role = _RING_ROLES[x]
+                if role == "k":
+                    back[x][b] = back[x][b] + g
+                else:
+                    at = 0 if role is None else a
+                    grads[x][at] = grads[x][at] + g
+        for x, role in enumerate(_RING_ROLES):
+            if back[x] is not None:
+                # The keys' gradients go back to the device that sent the keys.
+                home = [(r, s) for s, r in perm]
+                returned = (
+                    back[x]
+                    if t == 0
+                    else [lax.ppermute(c, axis, home) for c in back[x]]
+                )
+                grads[x] = [g + r for g, r in zip(grads[x], returned)]
+    out = []
+    for x, (a, g, d) in enumerate(zip(arrays, grads, _RING_DIMS)):
+        out.append(
+            None
+            if g is None
+            else (jnp.concatenate(g, axis=d) if len(g) > 1 else g[0]).astype(a.dtype)
+        )
+    return (tuple(out),)
+
+
+_ring.defvjp(_ring_forward, _ring_backward)

@@ -9,8 +9,12 @@ split over a mesh axis, and how, decided once from the IR for every target.
   kernel on its own, with no communication.
 - "sum": a product sums it (an einsum's `k`). Each device sums its slice; the outputs of
   the statements that sum it are added across the axis with `psum`.
+- "ring": the key index of an attention-like kernel (`Ring`), split alone (each device
+  attends over its keys, the partial results merged by their logsumexp across the axis) or
+  with its query index on one axis (a ring, where the keys can travel); that query index
+  where it has no split of its own.
 - refused, with the reason (`MeshPlan.rules[index].why`): summed under a nonlinear step,
-  the key index of an attention-like kernel that cannot travel as a ring, read by a `coo`
+  the key index of an attention-like kernel that the ring's code cannot take, read by a `coo`
   output, or by a `coo` input other than alone and plain, read at an offset, shifted, divided
   by a size or with a modulus, a size fixed by the spec or shared with an index that is not split with it, a
   position or size a condition reads (each shard's offset is not passed to the kernels
@@ -56,16 +60,21 @@ class Rule:
 
 @dataclass(frozen=True)
 class Ring:
-    """The key index split with the query index over one mesh axis (context parallelism):
-    each device keeps its rows and the key-side arguments travel round the axis."""
+    """The key index of an attention-like kernel split over a mesh axis (context
+    parallelism). With the query index on that axis, a ring: each device keeps its rows and
+    the key-side arguments travel round the axis. Alone: each device attends over its keys
+    (every row, in chunks of the keys' length where the two share a size), the partial
+    results merged across the axis by their logsumexp."""
 
     query: str
     key: str
     # per positional argument: "q" (read with the rows), "k" (travels), "both" (an integer
-    # read along both: the rows keep theirs, a copy travels as the key side), None (neither)
+    # read along both: the rows keep theirs, a copy travels as the key side), "qk" (read
+    # along the rows in one dimension and the keys in another: a mask; alone only), None
     roles: tuple[str | None, ...]
-    dims: tuple[int | None, ...]  # per positional argument: its dimension along the ring's index
+    dims: tuple[int | None, ...]  # per positional argument: its dimension along the ring's index ("qk": the rows')
     merges: tuple[str, ...]  # per output: "softmax" (weighted by the rows' logsumexp) or "logsumexp"
+    travel: str = ""  # why the keys cannot travel as a ring (split alone only); "" where they can
 
 
 @dataclass(frozen=True)
@@ -167,12 +176,16 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool | str = Fal
         found = _ring(k, conv, dim_reads, whole)
         if isinstance(found, Ring):
             the_ring = found
-            why = (f"split with {found.query} over one mesh axis, as a ring: each device keeps its rows, the key-side "
-                   "arguments travel round the axis (ppermute) and the partial results merge by their logsumexp; "
-                   f"alone (where {found.query} has a size of its own), each device attends over its keys and the "
-                   "partial results merge across the axis")
+            alone = ("each device attends over its keys (every row; in chunks of the keys' length where the rows "
+                     "share their size) and the partial results merge across the axis by their logsumexp")
+            if found.travel:
+                why = f"split alone: {alone}; not with {found.query} as a ring: {found.travel}"
+            else:
+                why = (f"split with {found.query} over one mesh axis, as a ring: each device keeps its rows, the key-side "
+                       "arguments travel round the axis (ppermute) and the partial results merge by their logsumexp; "
+                       f"alone, {alone}")
             for n, r in enumerate(rules):
-                if r.index == found.key or (r.index == found.query and r.how is None):
+                if r.index == found.key or (r.index == found.query and r.how is None and not found.travel):
                     rules[n] = Rule(r.index, "ring", why if r.index == found.key else
                                     f"split with {found.key} over one mesh axis, as a ring (alone: {r.why})",
                                     (k.index(r.index).size.symbol,))
@@ -248,7 +261,7 @@ def _ring(k: Kernel, conv: Convention, dim_reads, whole) -> Ring | str:
         for sub in r.subs:
             if {i, j} & set(sub.indices) and (sub.offset is not None or sub.shift or sub.modulus is not None or sub.table is not None):
                 return f"{lead} is not possible: {r.text} reads it at an offset or through a table"
-    roles, dims = [], []
+    roles, dims, travel = [], [], ""
     for p in conv.params:
         if p.kind not in ("dense", "mask"):
             return f"{lead} is not supported yet for the {p.kind} argument {p.public}"
@@ -256,15 +269,21 @@ def _ring(k: Kernel, conv: Convention, dim_reads, whole) -> Ring | str:
         found = [(d, dim_reads.get((op.name, d), [None])[0]) for d in range(op.rank)]
         at = [(d, x) for d, x in found if x in (i, j)]
         both = [d for d in range(op.rank) if set(dim_reads.get((op.name, d), ())) == {i, j}]
-        if len({x for _, x in at}) > 1 or (both and len(at) > 1):
+        if both and len(at) > 1 or len(at) > 2:
             return f"{lead} is not supported yet: {op.name} is read along both {i} and {j}, so it can neither travel nor stay"
         if both:  # segment ids: the rows keep theirs, the key side's travel with the keys
             roles.append("both")
             dims.append(both[0])
             continue
+        if len({x for _, x in at}) > 1:
+            # A mask over (rows, keys): split with the keys and cut with the rows, it cannot travel.
+            travel = travel or f"{op.name} is read along both {i} and {j}, so it can neither travel nor stay"
+            roles.append("qk")
+            dims.append(next(d for d, x in at if x == i))
+            continue
         roles.append(None if not at else "q" if at[0][1] == i else "k")
         dims.append(at[0][0] if at else None)
-    return Ring(i, j, tuple(roles), tuple(dims), tuple(merges))
+    return Ring(i, j, tuple(roles), tuple(dims), tuple(merges), travel)
 
 
 def _reads_of(st):

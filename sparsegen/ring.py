@@ -140,4 +140,6 @@ class RingSides:
             "statics": statics,
             "lockstep": lockstep[0] if lockstep else "",
             "lockstep_why": lockstep[1] if lockstep else "",
+            # why the keys cannot travel (the key index split alone only), or None
+            "travel": repr(ring.travel or None),
         }

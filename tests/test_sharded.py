@@ -268,7 +268,8 @@ MESH_JOBS.add("ring",
           *([{**RING, "axes": {"h": "data", "i": ["seq", "zigzag"], "j": "seq"}}] if SWEEP else []),
           {"mesh": [2, 2], "names": ["data", "model"], "axes": {"b": "data", "h": "model"}}]),
         (WINDOWED, dict(B=1, H=8, S=512, D=128), [{**RING, "axes": {"h": "data", "i": "seq", "j": "seq"}},
-                                                  {"mesh": [2], "names": ["model"], "axes": {"h": "model", "b": None}}]),
+                                                  {"mesh": [2], "names": ["model"], "axes": {"h": "model", "b": None}},
+                                                  {**RING, "axes": {"h": "data", "j": "seq"}}]),  # test_self_attention_key_index_alone
         (with_tiles(spec_text("document_attention"), b=1, h=1, i=128, j=128, d=64, e=64), dict(B=2, H=1, S=1024, D=64),
          [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}},
           {**RING, "axes": {"i": ["seq", "zigzag"], "j": "seq"}, "grad": False}]))
@@ -316,6 +317,83 @@ def test_key_index_alone_merges_across_the_axis(mesh_results):
     kernel, env, res = run_on_mesh(mesh_results, "alone")
     assert assert_case(kernel, env, res, 0, ["P('data',)", "P('data',)"], parts=4) == 3
     assert assert_case(kernel, env, res, 1, ["P(None, 'seq')", "P(None, 'seq')"], parts=4) == 3
+
+
+# Self-attention's key index split alone (language v2, section 4; issue 37, item 10): the
+# rows share the keys' size, so each device runs its whole rows in chunks of its keys'
+# length against its keys, and the partial results merge across the axis. S = 384: over 2
+# devices chunks of 192 and over 4 of 96 positions, neither a multiple of the 128-tile.
+def _packed_documents(rng):
+    """document_attention's arguments (B=2, S=384): batch 0 packs four documents (one
+    crossing every device boundary over 2 and 4), batch 1 holds one."""
+    q, k, v = (rng.standard_normal((2, 1, 384, 64)).astype(np.float32).astype(jnp.bfloat16) for _ in range(3))
+    seg = np.stack([np.repeat(np.arange(4, dtype=np.int32), [50, 150, 100, 84]), np.zeros(384, np.int32)])
+    return [q, k, v, seg]
+
+
+def _masked_with_holes(rng, S, T):
+    """masked_attention's arguments (H=2): a random mask with a row that sees no key (its
+    merged logsumexp is minus infinity on every device), a row that sees keys of the last
+    device only, and a 128 x 128 block (the first rows against the second key block) empty.
+    q is scaled by 1/sqrt(D), as attention's scores are (this spec has no scale): scores of
+    standard deviation 11 put logsumexps near 35, whose f32 rounding in the merge reaches
+    dk at 1e-4 (gradients up to 37; unsplit, 4e-5 from `reference`), past f32 tolerances."""
+    q = (rng.standard_normal((2, S, 128)) / np.sqrt(128)).astype(np.float32)
+    k, v = (rng.standard_normal((2, T, 128)).astype(np.float32) for _ in range(2))
+    keep = (rng.random((S, T)) < 0.3).astype(np.int8)
+    keep[:128, 128:256] = 0
+    keep[5] = 0
+    keep[S - 1, : T - T // 4] = 0
+    return [q, k, v, keep]
+
+
+ONE_AXIS = {"mesh": [2], "names": ["seq"]}
+FOUR = {"mesh": [4], "names": ["seq"]}
+MESH_JOBS.add("key_alone",
+              (with_tiles(spec_text("causal_attention"), **RING_TILES), dict(B=2, H=1, S=384, D=128),
+               [{**RING, "axes": {"b": "data", "j": "seq"}}, {**FOUR, "axes": {"j": "seq"}, "interpret": "simulator"},
+                *([{**ONE_AXIS, "axes": {"j": "seq"}}] if SWEEP else [])]),
+              (with_tiles(spec_text("document_attention"), b=1, h=1, i=128, j=128, d=64, e=64), dict(B=2, H=1, S=384, D=64),
+               [{**FOUR, "axes": {"j": "seq"}}, *([{**ONE_AXIS, "axes": {"j": "seq"}}] if SWEEP else [])],
+               _packed_documents(np.random.default_rng(8))),
+              (spec_text("masked_attention"), dict(H=2, S=256, T=256, D=128), [{**ONE_AXIS, "axes": {"j": "seq"}}],
+               _masked_with_holes(np.random.default_rng(9), 256, 256)),
+              *([(spec_text("masked_attention"), dict(H=2, S=128, T=512, D=128), [{**FOUR, "axes": {"j": "seq"}}],
+                  _masked_with_holes(np.random.default_rng(10), 128, 512))] if SWEEP else []))
+
+
+def test_self_attention_key_index_alone(mesh_results):
+    """The key index split alone where the rows share its size: each device attends every
+    row over its keys (the rows in chunks of the keys' length, whose first positions the
+    kernels take: causal and window conditions compare global positions), the partial
+    results merged by their logsumexp across the axis: causal (its `lse` output merged as
+    a logsumexp) over 4 devices beside a batch split, and alone over 4 in the TPU
+    simulator (memory no step writes is NaN; it runs each kernel call on every device
+    together, so every device runs every chunk's kernels), packed documents over 4 (segment
+    ids: the rows' whole, the keys' side this device's slice), a sliding window with
+    grouped heads over 4 beside a head split, and a mask with a row no device sees
+    anything of (minus infinity merged without NaN) and an empty block over 2, rows and
+    keys of equal sizes. Under SPARSEGEN_SWEEP=1 also causal and documents over 2 devices
+    (chunks of 192), and a mask with rows and keys of unequal sizes over 4. Values and
+    every gradient, against the kernel unsplit and `reference`."""
+    causal, document, masked, *unequal = run_on_mesh(mesh_results, "key_alone")
+    kernel, env, res = causal
+    assert assert_case(kernel, env, res, 0, ["P('data',)", "P('data',)"], parts=4) == 3
+    assert assert_case(kernel, env, res, 1, ["P()", "P()"], parts=4) == 3  # in the TPU simulator
+    if SWEEP:
+        assert assert_case(kernel, env, res, 2, ["P()", "P()"], parts=2) == 3
+    kernel, env, res = document
+    for c in range(1 + SWEEP):
+        assert assert_case(kernel, env, res, c, ["P()"], parts=4 // (c + 1)) == 3
+    kernel, env, res = run_on_mesh(mesh_results, "ring")[1]  # the window, beside a head split
+    assert assert_case(kernel, env, res, 2, ["P(None, 'data')"], parts=4) == 3
+    kernel, env, res = masked
+    assert assert_case(kernel, env, res, 0, ["P()"], parts=2) == 3
+    assert all(np.isfinite(res[f"case0_{x}"]).all() for x in ("out0", "grad0", "grad1", "grad2"))
+    assert not res["case0_out0"][:, 5].any()  # the row that sees nothing
+    assert len(unequal) == SWEEP
+    for kernel, env, res in unequal:
+        assert assert_case(kernel, env, res, 0, ["P()"], parts=4) == 3
 
 
 def test_ring_pairs_that_see_nothing_exchange_and_compute_nothing():
@@ -381,7 +459,7 @@ def plan_of(name: str):
 @pytest.mark.parametrize("name,expected", [
     ("causal_attention", {"causal_attention": dict(b="split", h="split", i="ring", j="ring", d=None, e=None)}),
     ("document_attention", {"document_attention": dict(b="split", h="split", i="ring", j="ring", d=None, e=None)}),
-    ("masked_attention", {"masked_attention": dict(h="split", i="split", j=None, d=None, e=None)}),
+    ("masked_attention", {"masked_attention": dict(h="split", i="split", j="ring", d=None, e=None)}),
     ("masked_matmul", {"masked_matmul": dict(m="split", n="split", k="sum")}),
     ("masked_backward", {"masked_matmul_dx": dict(m="split", k="split", n="sum"), "masked_matmul_dy": dict(k="split", n="split", m="sum")}),
     ("dsd_matmul", {"dsd_matmul": dict(m="split", n="split", k="sum")}),
@@ -475,10 +553,12 @@ REFUSALS = [
     (BATCHED, {"q": "data"}, "the spec has no index 'q' (its indices: b, m, n, k)"),
     (BATCHED, {"b": "rows"}, "index b is mapped to 'rows', which is not an axis of the mesh (its axes: data, model)"),
     (BATCHED, {"b": "data", "k": "data"}, "mesh axis 'data' is given to both b and k; an axis splits one index"),
-    ("causal_attention", {"j": "data"}, "the key index j is split with the query index i, as a ring: map both to one mesh axis "
-     "(sharded(mesh, i=AXIS, j=AXIS)); alone it would need i to have a size of its own"),
-    ("causal_attention", {"i": "data", "j": "model"}, "the key index j is split with the query index i, as a ring: map both to "
-     "one mesh axis (sharded(mesh, i=AXIS, j=AXIS))"),
+    ("causal_attention", {"i": "data", "j": "model"}, "the key index j and the query index i are split over two mesh axes: "
+     "map both to one (a ring: sharded(mesh, i=AXIS, j=AXIS)) or split the key index alone (sharded(mesh, j=AXIS))"),
+    ("masked_attention", {"i": "data", "j": "data"}, "the key index j cannot travel with the query index i as a ring: keep "
+     "is read along both i and j, so it can neither travel nor stay; it may be split alone (sharded(mesh, j=AXIS))"),
+    ("masked_attention", {"i": "data", "j": "model"}, "the key index j and the query index i are split over two mesh axes: "
+     "split the key index alone (sharded(mesh, j=AXIS))"),
     ("causal_attention", {"b": ("data", "zigzag")}, "only a ring's query index i may be split in zigzag order"),
     # The reason was "reads its position other than compared with an integer input's values".
     (GROUPED_U32, {"g": "data"}, "index g cannot be split: `o[m, n] = x[m, k] * w[g, k, n] where gid[m] == g` compares its "
@@ -487,8 +567,6 @@ REFUSALS = [
     # A tuple of mesh axes was "not an axis of the mesh".
     (BATCHED, {"b": ("data", "model")}, "index b is mapped to ('data', 'model'), several mesh axes: an index is split over "
      "one axis of the mesh (its axes: data, model)"),
-    ("masked_attention", {"j": "data"}, "index j cannot be split: it is the key index of an attention-like kernel: splitting "
-     "it (a ring, with i) is not supported yet: keep is read along both i and j, so it can neither travel nor stay"),
     ("causal_attention", {"d": "data"}, "index d cannot be split: it is summed into the local s (`s[b, h, i, j] = q[b, h, i, d] * "
      "k[b, h, j, d] * 0.08838834764831845 where i >= j`), which a nonlinear step reads (softmax, an elementwise function): "
      "partial sums cannot be added after it"),

@@ -15,7 +15,10 @@ What is expected, and why (per index's rule, sparsegen/mesh.py):
   slice of the inputs gets its own slice of the gradient);
 - a coo input read by split indices: every device deals the stored blocks itself (no
   collective in the forward); in the backward, each device's bucket's gradient goes back
-  to the caller's order, added across the mesh axes that dealt them (all-reduce).
+  to the caller's order, added across the mesh axes that dealt them (all-reduce);
+- an attention's key index split alone: no key moves; the rows' partial results merge
+  across its axis (all-reduces of their logsumexp and outputs), and in the backward the
+  rows' gradient (dq) is added across it.
 
 The numbers (that the split kernels equal the unsplit ones, values and gradients) are
 tests/test_sharded.py's, on 8 host CPU devices; here only what the TPU compile makes of it.
@@ -142,7 +145,7 @@ def compile_on_topology(text: str, target: str, sizes: tuple, axes: tuple, patte
 
 
 def check_on_topology(text: str, target: str, sizes: dict, axes: dict, forward, backward,
-                      key: str | None = None, pattern: str = "random"):
+                      key: str | None = None, pattern: str = "random", chunks: dict | None = None):
     """Compile `sharded(mesh, **axes)` for the target's topology, forward and backward
     (`compile_on_topology`), and assert what its HLO holds:
 
@@ -154,7 +157,9 @@ def check_on_topology(text: str, target: str, sizes: dict, axes: dict, forward, 
       split output's one-device shape (at least one output must be split);
     - `key` (an attention's key index): no all-gather, forward or backward, whose result is
       as large as a key/value argument's one-device slice with that index whole (the whole
-      sequence gathered onto every device, which context parallelism exists to avoid)."""
+      sequence gathered onto every device, which context parallelism exists to avoid);
+    - `chunks`: index -> the pieces each device's kernels cut it in (the rows of a key
+      index split alone, run in chunks of the keys' length)."""
     mesh = topology_mesh(target)
     mod, args, outs, fwd, bwd = compile_on_topology(text, target, tuple(sizes.items()), tuple(axes.items()), pattern)
     found = {"forward": collectives(fwd, mesh), "backward": collectives(bwd, mesh)}
@@ -171,7 +176,8 @@ def check_on_topology(text: str, target: str, sizes: dict, axes: dict, forward, 
                     assert not (op == "all-gather" and any(np.prod(s) >= whole for s in shapes)), (
                         f"{name}: an all-gather over {ax} of argument {p}'s whole sequence ({key}): {shapes}")
     split = [local(o.shape, dims, axes, mesh) for o, dims in zip(outs, mod._MESH_OUTPUTS)]
-    split = [s for s, o in zip(split, outs) if s != o.shape]
+    split = [tuple(n // (chunks or {}).get(i, 1) for n, i in zip(s, dims)) for s, o, dims in zip(split, outs, mod._MESH_OUTPUTS)
+             if s != o.shape]
     assert split, "no output is split: the kernels' shapes would prove nothing"
     # A kernel may return an output with a unit dimension more (lse as [b, h, 1, s]).
     squeeze = lambda shape: tuple(d for d in shape if d != 1)
@@ -233,6 +239,13 @@ CASES = [
     # home. Never a whole sequence gathered.
     ("causal-ring", CAUSAL, dict(B=1, H=4, S=2048, D=128), dict(h="model", i="data", j="data"),
      [(CP, "data")] * 2, [(CP, "data")] * 4, dict(key="j")),
+    # The key index alone over data (heads over model): no key moves; each device runs
+    # its rows in 2 chunks against its keys, and the partial results merge across data:
+    # the rows' logsumexp (pmax, then psum of the shares) and the weighted outputs (psum).
+    # The backward recomputes the forward (those 3) and adds dq across data (shard_map:
+    # q is whole on each device); the outputs' cotangents are made whole with no exchange.
+    ("causal-j-alone", CAUSAL, dict(B=1, H=4, S=2048, D=128), dict(h="model", j="data"),
+     [(AR, "data")] * 3, [(AR, "data")] * 4, dict(key="j", chunks={"i": 2})),
 ]
 # Each case for one topology by default, in turn (the collectives expected are the same on
 # both: only the mesh's shape differs), the first and the ring for both; every case for both

@@ -62,16 +62,19 @@ def assert_gpu_case(kernel, env, res, c: int, specs) -> int:
     return len(grads)
 
 
-# document_attention in order beside a batch split (4 devices); under SPARSEGEN_SWEEP=1
-# causal_attention too, in order and in zigzag order (four pairs a step over a 2-device
-# ring) beside batch and head splits.
+# document_attention in order beside a batch split (4 devices), and its key index alone
+# (the rows in chunks of 96 positions, one and a half tiles, against each device's keys:
+# issue 37, item 10); under SPARSEGEN_SWEEP=1 causal_attention too, in order and in zigzag
+# order (four pairs a step over a 2-device ring) beside batch and head splits, and alone.
 CUBE = {"mesh": [2, 2, 2], "names": ["data", "model", "seq"]}
 MESH_JOBS.add("gpu_ring",
-              (with_tiles(spec_text("document_attention"), **GPU_TILES), dict(B=2, H=1, S=256, D=64),
-               [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}}], "random", 0, "h200"),
+              (with_tiles(spec_text("document_attention"), **GPU_TILES), dict(B=2, H=1, S=192, D=64),
+               [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}},
+                {"mesh": [2], "names": ["seq"], "axes": {"j": "seq"}}], "random", 0, "h200"),
               *([(with_tiles(spec_text("causal_attention"), **GPU_TILES), dict(B=2, H=2, S=256, D=64),
                   [{**RING, "axes": {"b": "data", "i": "seq", "j": "seq"}},
-                   {**CUBE, "axes": {"b": "data", "h": "model", "i": ["seq", "zigzag"], "j": "seq"}}], "random", 0, "h200")]
+                   {**CUBE, "axes": {"b": "data", "h": "model", "i": ["seq", "zigzag"], "j": "seq"}},
+                   {**RING, "axes": {"h": "data", "j": "seq"}}], "random", 0, "h200")]
                 if SWEEP else []))
 
 
@@ -79,13 +82,17 @@ def test_gpu_ring_attention_document_causal_and_zigzag(mesh_results):
     """document_attention (and under SPARSEGEN_SWEEP=1 causal_attention) built for H200, the
     key index split with the rows over one mesh axis: in order beside a batch split (4
     devices), segment ids' key side travelling with the keys; causal in zigzag order beside
-    batch and head splits (2 devices)."""
+    batch and head splits (2 devices). The key index alone: every row over each device's
+    keys, merged across the axis (document: segment ids' key side sliced on each device;
+    causal beside a head split, its `lse` merged as a logsumexp)."""
     (k1, env1, res1), *causal = mesh_results["gpu_ring"]
     assert assert_gpu_case(k1, env1, res1, 0, ["P('data', None, 'seq')"]) == 3
+    assert assert_gpu_case(k1, env1, res1, 1, ["P()"]) == 3
     assert len(causal) == SWEEP
     for k2, env2, res2 in causal:
         assert assert_gpu_case(k2, env2, res2, 0, ["P('data', None, 'seq')"] * 2) == 3
         assert assert_gpu_case(k2, env2, res2, 1, ["P('data', 'model', 'seq')"] * 2) == 3
+        assert assert_gpu_case(k2, env2, res2, 2, ["P(None, 'data')"] * 2) == 3
 
 
 # paged_decode built for H200 (its hand-written double-buffered page walk) split over the

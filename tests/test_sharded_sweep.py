@@ -3,9 +3,9 @@
 For every kernel of every spec in specs/ (built fresh from its text), the indices that
 `sparsegen/mesh.py`'s `mesh_plan` allows to split (the rule `sharded` enforces through the
 module's `_MESH_RULES`): each one split alone over a mesh axis of N devices (a "split"
-index, a "sum" index added with psum), and where the rule allows a ring, the key index with
-the query index on one axis, in order and in zigzag order (and the key index alone where
-the rows have a size of their own). On 8 host CPU devices, in the CPU interpreter, in the
+index, a "sum" index added with psum), and where the rule has a ring, the key index alone
+and (where its keys can travel) with the query index on one axis, in order and in zigzag
+order. On 8 host CPU devices, in the CPU interpreter, in the
 module's one `tests/mesh_runner.py` process (`tests/mesh_jobs.py`): values and `jax.grad`
 (of every argument whose gradient the module derives: a paged walk's none yet, issue 19)
 equal the kernel unsplit and `reference` (`assert_case`), each output laid out as the split
@@ -17,7 +17,7 @@ same as at the spec's own tiles), one block along every size no split divides, N
 (2N for a zigzag ring) along those one does. By default a representative part runs
 (`representative`: per kind of split, the case of all the examples' that exercises the most
 machinery; and a case of every kind of walk, grid, row and paged); SPARSEGEN_SWEEP=1 runs
-every case. (The whole sweep: 44 cases, about 300 CPU-seconds; the default part: 5, about 40.)
+every case. (The whole sweep: 55 cases, about 300 CPU-seconds; the default part: 6, about 42.)
 
 Also here: a coo input's stored blocks dealt by their coordinates (`_on_mesh_coo`,
 `_coo_deal`), values and gradients, in the TPU simulator on the same mesh runner.
@@ -93,10 +93,10 @@ def cases_of(kernel, mod) -> list[tuple[str, str, dict]]:
     cases = [(how, index, {index: AXIS}) for index, (how, _) in mod._MESH_RULES.items() if how in ("split", "sum")]
     query, key = getattr(mod, "_RING_QUERY", None), getattr(mod, "_RING_KEY", None)
     if key is not None:
-        cases.append(("ring", f"{query}+{key}", {query: AXIS, key: AXIS}))
-        cases.append(("zigzag", f"{query}+{key}", {query: [AXIS, "zigzag"], key: AXIS}))
-        if mod._RING_LENGTHS[0] != mod._RING_LENGTHS[1]:
-            cases.append(("alone", key, {key: AXIS}))
+        if mod._RING_TRAVEL is None:
+            cases.append(("ring", f"{query}+{key}", {query: AXIS, key: AXIS}))
+            cases.append(("zigzag", f"{query}+{key}", {query: [AXIS, "zigzag"], key: AXIS}))
+        cases.append(("alone", key, {key: AXIS}))
     return cases
 
 
@@ -235,16 +235,15 @@ def test_the_sweep_covers_what_the_rule_allows():
             {r.index: r.how for r in plan.rules}, f"{kernel.name}: capping its tiles changed its rule"
         count = sum(r.how in ("split", "sum") for r in plan.rules)
         if plan.ring is not None:
-            assert (mod._RING_QUERY, mod._RING_KEY) == (plan.ring.query, plan.ring.key)
-            alone = kernel.index(plan.ring.query).size.symbol != kernel.index(plan.ring.key).size.symbol
-            count += 2 + alone
+            assert (mod._RING_QUERY, mod._RING_KEY, mod._RING_TRAVEL) == (plan.ring.query, plan.ring.key, plan.ring.travel or None)
+            count += 1 + (0 if plan.ring.travel else 2)  # the key index alone; a ring in order and in zigzag order
         assert len(cases) == count, (kernel.name, cases)
         expected += count
         total += len(cases)
     assert total == expected and len(KERNELS) == sum(len(lower_source(SourceFile(p.name, p.read_text()), "v5e"))
                                                      for p in SPECS.glob("*.spk"))
     kinds = {kind for *_, cases, _ in KERNELS for kind, _, _ in cases}
-    assert {"split", "sum", "ring", "zigzag"} <= kinds <= set(KINDS), kinds
+    assert set(KINDS) == kinds, kinds
     assert {case[0] for *_, case in RUNS} == kinds, RUNS
     walks = {walk_of(small(text)) for _, text, _, _, cases, _ in KERNELS if cases}
     assert {walk_of(small(text)) for _, text, kernel, *_ in KERNELS if any(name == kernel.name for name, _, _ in RUNS)} == walks
@@ -269,17 +268,21 @@ RINGS = [(kernel.name, mod) for _, _, kernel, mod, _, _ in KERNELS if getattr(mo
 
 @pytest.mark.parametrize("name,mod", RINGS, ids=[n for n, _ in RINGS])
 def test_ring_index_alone_or_apart_raises_naming_both(name, mod):
-    """A ring's index without its partner (the query index, or the key index where the rows
-    share its size), or the two on different axes, is refused with both named."""
+    """A ring's query index without its key index (where it has no split of its own), the
+    two on different axes, or on one where the keys cannot travel, is refused with both
+    named; the key index alone is taken."""
     query, key = mod._RING_QUERY, mod._RING_KEY
-    both = f"the key index {key} is split with the query index {query}, as a ring: map both to one mesh axis " \
-           f"(sharded(mesh, {query}=AXIS, {key}=AXIS))"
+    ring = "" if mod._RING_TRAVEL else f"map both to one (a ring: sharded(mesh, {query}=AXIS, {key}=AXIS)) or "
     mesh = one_device_mesh()
-    attempts = [({query: "data", key: "model"}, both)]
+    attempts = [({query: "data", key: "model"}, f"the key index {key} and the query index {query} are split over two mesh "
+                                                  f"axes: {ring}split the key index alone (sharded(mesh, {key}=AXIS))")]
     if mod._MESH_RULES[query][0] == "ring":
-        attempts.append(({query: "data"}, both))
-    if mod._RING_LENGTHS[0] == mod._RING_LENGTHS[1]:
-        attempts.append(({key: "data"}, f"{both}; alone it would need {query} to have a size of its own"))
+        attempts.append(({query: "data"}, f"the key index {key} is split with the query index {query}, as a ring: map both "
+                                          f"to one mesh axis (sharded(mesh, {query}=AXIS, {key}=AXIS))"))
+    if mod._RING_TRAVEL:
+        attempts.append(({query: "data", key: "data"}, f"the key index {key} cannot travel with the query index {query} as "
+                                                       f"a ring: {mod._RING_TRAVEL}; it may be split alone (sharded(mesh, {key}=AXIS))"))
+    assert callable(mod.sharded(mesh, **{key: "data"}))
     for axes, message in attempts:
         with pytest.raises(ValueError) as info:
             mod.sharded(mesh, **axes)

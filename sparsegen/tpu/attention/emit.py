@@ -259,13 +259,15 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
             keywords=self.shard_keywords,
             primal="residuals=False" if primal else "",
         )
-        # `sharded`'s plan, a ring where mesh.py allows one (the kernels take first positions).
+        # `sharded`'s plan, a ring where mesh.py allows one (the kernels take first positions);
+        # the TPU simulator runs each kernel call on every device together: no device skips a pair.
         mesh = mesh_plan(k, conv, self.wrapper.spans, ring=len(conv.impl_args) == len(conv.params))
         text = self.wrapper.module(
             "tpu/attention.py.j2", source_name, m.target.name, doc, call_doc, glue, prepare_lines, reference_lines,
             keywords=("max_steps",) if data else (),
             mesh=mesh,
-            ring_tables=self.ring_tables(glue, mesh.ring, "chunk, None, interpret"),
+            ring_tables=self.ring_tables(glue, mesh.ring, "chunk, None, interpret",
+                                         lockstep=("not isinstance(interpret, bool)", "the TPU simulator")),
             smem=m.target.smem_bytes,
             classify_fn=classify_fn,
             classify_params=classify_reads,
