@@ -264,11 +264,16 @@ class ConditionWalk(StepWalk):
         dense = f"{render(rows, 'host')} * {render(cols, 'host')}"
         bound = self.grouped_bound(cond, out_c, sum_c)
         self.counts.append((n_steps, bound or dense))
+        # With a bound, the dense walk runs in pieces of rows (`rows`: those of one piece).
         self.host += [f"# The walk's steps, from the condition's blocks (traced: tables of {n_steps} steps; the grid runs those needed).",
                       f"{kinds} = {call}",
-                      f"({names}), _, _ = _row_walk(jnp, {kinds}, {n_steps})"]
+                      f"({names}), _, _ = _row_walk(jnp, {kinds}, {n_steps}{', rows' if bound else ''})"]
         self.cond_host(kind)
-        self.fallback = Fallback(n_steps, self.n_run, self.local("needed"), f"_row_walk(jnp, {call}, 1)[2][0]", bound, dense)
+        steps = [t for t in self.tables if isinstance(t.length, Var) and t.length.name == n_steps]
+        other = [render(t.length, "host") for t in self.tables if t not in steps]
+        self.fallback = Fallback(n_steps, self.n_run, self.local("needed"), f"_row_walk(jnp, {call}, 1)[2][0]", bound, dense,
+                                 render(rows, "host"), render(cols, "host"), len(steps), " + ".join(other) or "0",
+                                 self.local("walk_kinds"), call)
 
     def cond_host(self, kind: str) -> None:
         if self.cond_step is not None:
