@@ -45,7 +45,7 @@ Plan (target v5e):
       o[m, n] = x[m, k] * w[g, k, n] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
       grid (ceil(N / 512), n_run, ceil(K / 512))
         n_run: the steps the data needs (traced), at most n_steps, the tables' length
-        n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E (lax.cond: correct for any ids)
+        n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E, in calls whose tables fit SMEM (lax.cond: correct for any ids)
         n: output blocks along n [parallel]
         step: the non-empty (m blocks x g blocks) of the condition, each output block's in a run [arbitrary]
         k: the sum over k, which the condition does not use, inside each step [arbitrary]
@@ -84,7 +84,7 @@ Plan (target v5e):
       pass 1: d_x[m, k] = g_o[m, n] * w[g, k, n] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
         grid (ceil(K / 512), n_run, ceil(N / 512))
           n_run: the steps the data needs (traced), at most n_steps, the tables' length
-          n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E (lax.cond: correct for any ids)
+          n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E, in calls whose tables fit SMEM (lax.cond: correct for any ids)
           k: output blocks along k [parallel]
           step: the non-empty (m blocks x g blocks) of the condition, each output block's in a run [arbitrary]
           n: the sum over n, which the condition does not use, inside each step [arbitrary]
@@ -122,7 +122,7 @@ Plan (target v5e):
       pass 2: d_w[g, k, n] = g_o[m, n] * x[m, k] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
         grid (ceil(K / 512), ceil(N / 512), n_run)
           n_run: the steps the data needs (traced), at most n_steps, the tables' length
-          n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else E * pl.cdiv(M, 512) (lax.cond: correct for any ids)
+          n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else E * pl.cdiv(M, 512), in calls whose tables fit SMEM (lax.cond: correct for any ids)
           k: output blocks along k [parallel]
           n: output blocks along n [parallel]
           step: the non-empty (g blocks x m blocks) of the condition, each output block's in a run [arbitrary]
@@ -688,14 +688,14 @@ def _classify(xp, gid, sizes):
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 
-def _prefetch(x, w, gid, sizes, n_steps=None, rows=None):
+def _prefetch(x, w, gid, sizes, n_steps=None, piece=None):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, E, N = sizes
     n_steps = pl.cdiv(M, 512) + E - 1 if n_steps is None else n_steps
     # The walk's steps, from the condition's blocks (traced: tables of n_steps steps; the grid runs those needed).
     kinds = _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
-        jnp, kinds, n_steps, rows
+        jnp, kinds, n_steps, piece
     )
     step_cond = _next_live(step_kind == _PARTIAL)
     return (step_row, step_read, step_col, step_kind, step_flags, step_cond)
@@ -784,14 +784,14 @@ def _d_x_d_x_index_map(k, step, n, step_row, *_):
     return (step_row[step], k)
 
 
-def _d_x_prefetch(x, w, gid, g_o, sizes, n_steps=None, rows=None):
+def _d_x_prefetch(x, w, gid, g_o, sizes, n_steps=None, piece=None):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, E, N = sizes
     n_steps = pl.cdiv(M, 512) + E - 1 if n_steps is None else n_steps
     # The walk's steps, from the condition's blocks (traced: tables of n_steps steps; the grid runs those needed).
     kinds = _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
-        jnp, kinds, n_steps, rows
+        jnp, kinds, n_steps, piece
     )
     step_cond = _next_live(step_kind == _PARTIAL)
     return (step_row, step_read, step_col, step_kind, step_flags, step_cond)
@@ -888,14 +888,14 @@ def _d_w_classify(xp, gid, sizes):
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 
-def _d_w_prefetch(x, w, gid, g_o, sizes, n_steps=None, rows=None):
+def _d_w_prefetch(x, w, gid, g_o, sizes, n_steps=None, piece=None):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, E, N = sizes
     n_steps = pl.cdiv(M, 512) + E - 1 if n_steps is None else n_steps
     # The walk's steps, from the condition's blocks (traced: tables of n_steps steps; the grid runs those needed).
     kinds = _d_w_classify(jnp, gid, (M, K, E, N)).reshape((1, E, pl.cdiv(M, 512)))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
-        jnp, kinds, n_steps, rows
+        jnp, kinds, n_steps, piece
     )
     step_cond = _next_live(step_kind == _PARTIAL)
     return (step_row, step_read, step_col, step_kind, step_flags, step_cond)
@@ -930,11 +930,11 @@ def _impl(x, w, gid, sizes, interpret):
     walk_kinds = _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
     needed = _row_walk(jnp, walk_kinds, 1)[2][0]
 
-    def _walk(n_steps, rows=None, into=None):
-        # The pass over tables of n_steps steps; `rows` (first, end): over those rows of
-        # the walk alone, writing into `into`, the output of the call over other rows.
+    def _walk(n_steps, piece=None, written=None):
+        # The pass over tables of n_steps steps; `piece` (first, end): over those rows of
+        # the walk alone, writing into `written`, the output of the calls over other rows.
         n_run = jnp.minimum(
-            needed if rows is None else _row_walk(jnp, walk_kinds, 1, rows)[2][0],
+            needed if piece is None else _row_walk(jnp, walk_kinds, 1, piece)[2][0],
             n_steps,
         )
         grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -950,7 +950,7 @@ def _impl(x, w, gid, sizes, interpret):
                 ),
                 pl.BlockSpec((512, 128), _gid_index_map),
                 *(
-                    [] if into is None else [pl.BlockSpec(memory_space=pl.ANY)]
+                    [] if written is None else [pl.BlockSpec(memory_space=pl.ANY)]
                 ),  # the output so far
             ],
             out_specs=pl.BlockSpec((512, 512), _o_index_map),
@@ -959,14 +959,14 @@ def _impl(x, w, gid, sizes, interpret):
         return pl.pallas_call(
             (
                 functools.partial(_kernel, K=K)
-                if into is None
+                if written is None
                 else _skipping(functools.partial(_kernel, K=K), 9)
             ),
             grid_spec=grid_spec,
             out_shape=_typed(
                 (
                     jax.ShapeDtypeStruct((M, N), jnp.bfloat16)
-                    if rows is None
+                    if piece is None
                     else jax.ShapeDtypeStruct(
                         (pl.cdiv(M, 512) * 512, pl.cdiv(N, 512) * 512), jnp.bfloat16
                     )
@@ -985,13 +985,13 @@ def _impl(x, w, gid, sizes, interpret):
                 + 2 * M * N,
             ),
             interpret=interpret,
-            input_output_aliases={} if into is None else {9: 0},
+            input_output_aliases={} if written is None else {9: 0},
         )(
-            *_prefetch(x, w, gid, sizes, n_steps, rows),
+            *_prefetch(x, w, gid, sizes, n_steps, piece),
             x,
             w,
             gid_rows,
-            *(() if into is None else (into,)),
+            *(() if written is None else (written,)),
         )
 
     # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes the dense walk
@@ -1013,11 +1013,11 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
     walk_kinds = _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
     needed = _row_walk(jnp, walk_kinds, 1)[2][0]
 
-    def _walk(n_steps, rows=None, into=None):
-        # The pass over tables of n_steps steps; `rows` (first, end): over those rows of
-        # the walk alone, writing into `into`, the output of the call over other rows.
+    def _walk(n_steps, piece=None, written=None):
+        # The pass over tables of n_steps steps; `piece` (first, end): over those rows of
+        # the walk alone, writing into `written`, the output of the calls over other rows.
         n_run = jnp.minimum(
-            needed if rows is None else _row_walk(jnp, walk_kinds, 1, rows)[2][0],
+            needed if piece is None else _row_walk(jnp, walk_kinds, 1, piece)[2][0],
             n_steps,
         )
         grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -1034,7 +1034,7 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
                 ),
                 pl.BlockSpec((512, 128), _d_x_gid_index_map),
                 *(
-                    [] if into is None else [pl.BlockSpec(memory_space=pl.ANY)]
+                    [] if written is None else [pl.BlockSpec(memory_space=pl.ANY)]
                 ),  # the output so far
             ],
             out_specs=pl.BlockSpec((512, 512), _d_x_d_x_index_map),
@@ -1043,14 +1043,14 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
         return pl.pallas_call(
             (
                 functools.partial(_d_x_kernel, N=N)
-                if into is None
+                if written is None
                 else _skipping(functools.partial(_d_x_kernel, N=N), 9)
             ),
             grid_spec=grid_spec,
             out_shape=_typed(
                 (
                     jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
-                    if rows is None
+                    if piece is None
                     else jax.ShapeDtypeStruct(
                         (pl.cdiv(M, 512) * 512, pl.cdiv(K, 512) * 512), jnp.bfloat16
                     )
@@ -1069,13 +1069,13 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
                 + 2 * M * K,
             ),
             interpret=interpret,
-            input_output_aliases={} if into is None else {9: 0},
+            input_output_aliases={} if written is None else {9: 0},
         )(
-            *_d_x_prefetch(x, w, gid, g_o, sizes, n_steps, rows),
+            *_d_x_prefetch(x, w, gid, g_o, sizes, n_steps, piece),
             g_o,
             w,
             gid_rows,
-            *(() if into is None else (into,)),
+            *(() if written is None else (written,)),
         )
 
     # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes the dense walk
@@ -1097,11 +1097,11 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
     walk_kinds = _d_w_classify(jnp, gid, (M, K, E, N)).reshape((1, E, pl.cdiv(M, 512)))
     needed = _row_walk(jnp, walk_kinds, 1)[2][0]
 
-    def _walk(n_steps, rows=None, into=None):
-        # The pass over tables of n_steps steps; `rows` (first, end): over those rows of
-        # the walk alone, writing into `into`, the output of the call over other rows.
+    def _walk(n_steps, piece=None, written=None):
+        # The pass over tables of n_steps steps; `piece` (first, end): over those rows of
+        # the walk alone, writing into `written`, the output of the calls over other rows.
         n_run = jnp.minimum(
-            needed if rows is None else _row_walk(jnp, walk_kinds, 1, rows)[2][0],
+            needed if piece is None else _row_walk(jnp, walk_kinds, 1, piece)[2][0],
             n_steps,
         )
         grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -1112,7 +1112,7 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
                 pl.BlockSpec((512, 512), _d_w_x_index_map),
                 pl.BlockSpec((512, 128), _d_w_gid_index_map),
                 *(
-                    [] if into is None else [pl.BlockSpec(memory_space=pl.ANY)]
+                    [] if written is None else [pl.BlockSpec(memory_space=pl.ANY)]
                 ),  # the output so far
             ],
             out_specs=pl.BlockSpec((None, 512, 512), _d_w_d_w_index_map),
@@ -1121,14 +1121,14 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
         return pl.pallas_call(
             (
                 functools.partial(_d_w_kernel, M=M)
-                if into is None
+                if written is None
                 else _skipping(functools.partial(_d_w_kernel, M=M), 9)
             ),
             grid_spec=grid_spec,
             out_shape=_typed(
                 (
                     jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16)
-                    if rows is None
+                    if piece is None
                     else jax.ShapeDtypeStruct(
                         (E, pl.cdiv(K, 512) * 512, pl.cdiv(N, 512) * 512), jnp.bfloat16
                     )
@@ -1147,13 +1147,13 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
                 + 2 * E * K * N,
             ),
             interpret=interpret,
-            input_output_aliases={} if into is None else {9: 0},
+            input_output_aliases={} if written is None else {9: 0},
         )(
-            *_d_w_prefetch(x, w, gid, g_o, sizes, n_steps, rows),
+            *_d_w_prefetch(x, w, gid, g_o, sizes, n_steps, piece),
             g_o,
             x,
             gid_rows,
-            *(() if into is None else (into,)),
+            *(() if written is None else (written,)),
         )
 
     # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes the dense walk

@@ -264,10 +264,10 @@ class ConditionWalk(StepWalk):
         dense = f"{render(rows, 'host')} * {render(cols, 'host')}"
         bound = self.grouped_bound(cond, out_c, sum_c)
         self.counts.append((n_steps, bound or dense))
-        # With a bound, the dense walk runs in pieces of rows (`rows`: those of one piece).
+        # With a bound, the dense walk runs in pieces of rows (`piece`: the rows of one).
         self.host += [f"# The walk's steps, from the condition's blocks (traced: tables of {n_steps} steps; the grid runs those needed).",
                       f"{kinds} = {call}",
-                      f"({names}), _, _ = _row_walk(jnp, {kinds}, {n_steps}{', rows' if bound else ''})"]
+                      f"({names}), _, _ = _row_walk(jnp, {kinds}, {n_steps}{', piece' if bound else ''})"]
         self.cond_host(kind)
         steps = [t for t in self.tables if isinstance(t.length, Var) and t.length.name == n_steps]
         other = [render(t.length, "host") for t in self.tables if t not in steps]

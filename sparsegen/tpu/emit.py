@@ -160,7 +160,7 @@ class _Emitter:
             "reads": list(dict.fromkeys(reads)),
             "pre": list(p.pre),
             "guard": guard,
-            "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes{', ' + p.fallback.count + ', rows' if p.fallback and p.fallback.bound else ''}), "
+            "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes{', ' + p.fallback.count + ', piece' if p.fallback and p.fallback.bound else ''}), "
                         if p.tables else "",
             "fallback": p.fallback,
             "tables": len(p.tables),
