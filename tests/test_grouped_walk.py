@@ -150,6 +150,53 @@ def test_u32_lengths_past_int32_mean_their_value(interpret, dtype):
     assert_matches(kernel, mod.reference(x, y, lens), want)
 
 
+BOUNDS = """kernel bounded_sum {{
+    in  x: f32[M, K]
+    in  y: f32[K, N]
+    in  lim: i32[M]
+    in  off: i32[M]
+    out o: f32[M, N]
+
+    o[m, n] = x[m, k] * y[k, n] where {cond}
+
+    tile m = 128, k = 128, n = 128
+}}
+"""
+
+EXTREME_CONDITIONS = {  # condition: its truth over (m, k) given lim[m], off[m] (int64)
+    "k <= lim[m] and off[m] > k - 1000": lambda k, lim, off: (k <= lim) & (off > k - 1000),
+    "k + 300 > lim[m] and k + 1 != off[m]": lambda k, lim, off: (k + 300 > lim) & (k + 1 != off),
+    "lim[m] >= off[m] and k < 200": lambda k, lim, off: (lim >= off) & (k < 200),
+    "k >= lim[m] and k < off[m]": lambda k, lim, off: (k >= lim) & (k < off),
+}
+
+
+@pytest.mark.parametrize(*in_both_modes(sorted(EXTREME_CONDITIONS), ["k >= lim[m] and k < off[m]"], "cond"), indirect=["interpret"])
+def test_operand_values_at_the_ends_of_int32_in_conditions(interpret, cond):
+    """Per-row bounds holding INT32_MIN and INT32_MAX beside ordinary values: a block is never
+    full where a term is absent, nor empty where one is present, and the values match (the
+    classification wrote `k_hi - lim_min <= 0`, which INT32_MIN wrapped: full, the condition
+    dropped). Two bounds from operands (`k >= lim[m] and k < off[m]`) compare their values
+    with each other saturating (`_sat_sub`)."""
+    kernel, mod = build(BOUNDS.format(cond=cond))
+    rng = np.random.default_rng(10)
+    m, kk, n = 384, 384, 128
+    pick = rng.integers(0, 4, m)
+    lim = np.where(pick == 0, I32_MIN, np.where(pick == 1, I32_MAX, rng.integers(-5, kk + 5, m)))
+    off = np.where(rng.integers(0, 4, m) == 0, I32_MIN, np.where(rng.integers(0, 3, m) == 0, I32_MAX, rng.integers(-5, kk + 5, m)))
+    lim[:128], off[:128] = I32_MIN, I32_MAX  # a whole row block at the ends
+    lim, off = lim.astype(np.int32), off.astype(np.int32)
+    x, y = rng.standard_normal((m, kk), dtype=np.float32), rng.standard_normal((kk, n), dtype=np.float32)
+    present = EXTREME_CONDITIONS[cond](np.arange(kk)[None, :], lim.astype(np.int64)[:, None], off.astype(np.int64)[:, None])
+    kinds = np.asarray(mod._classify(jnp, jnp.asarray(lim), jnp.asarray(off), (m, kk, n)))
+    blocks = present.reshape(m // 128, 128, kk // 128, 128)
+    assert not ((kinds == 2) & ~blocks.all(axis=(1, 3))).any()
+    assert not ((kinds == 0) & blocks.any(axis=(1, 3))).any()
+    want = np.einsum("mk,mk,kn->mn", present.astype(np.float64), f64(x), f64(y))
+    assert_matches(kernel, mod.bounded_sum(x, y, lim, off, interpret=interpret), want)
+    assert_matches(kernel, mod.reference(x, y, lim, off), want)
+
+
 # ------------------------------------------------------------------ item 7: exact pairs
 
 
