@@ -248,7 +248,7 @@ class Classifier:
 
     def atom_range(self, atom) -> tuple[Expr, Expr, bool] | None:
         """An atom's least and greatest value per block, and whether they come from operand
-        data (any int32: compared, never added to positions; see `decide`)."""
+        data (any int32: compared, never added to positions; see `_le`)."""
         if isinstance(atom, str):
             lo, hi = self.index_range(atom)
             origin = self.origins.get(atom)

@@ -14,8 +14,8 @@ alone, out of the value written).
 The number of steps: known at trace time when the classification depends on sizes only
 (numpy); with traced operands, the dense count, or for grouped ids (`gid[m] == g`, `g`
 walked one value at a time) the bound `row blocks + groups - 1` that sorted ids meet,
-with a fallback to the dense count where the data needs more (unsorted ids: correct,
-slower).
+with a fallback to the dense walk where the data needs more (unsorted ids: correct,
+slower), in calls over as many rows as SMEM holds the tables of (both branches compile).
 """
 
 from __future__ import annotations
