@@ -41,6 +41,7 @@ No timed assertion anywhere: this prints tables and writes bench/results/grouped
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -202,6 +203,54 @@ def megablox_walk(M: int, sizes: np.ndarray, side: str) -> dict:
     nbytes = sum(copies.values()) * block_bytes((TILE, TILE), BF16)
     return {"grid": list(grid), "steps": math.prod(grid), "num_active_tiles": active, "computing": computing,
             "copies": copies, "hbm_bytes": nbytes}
+
+
+# ------------------------------------------------------------------ 1b. many experts
+
+
+@contextlib.contextmanager
+def shaped(gen, tile: int, k: int, n: int):
+    """The walk functions above at another module, tile and K = N (they read these globals)."""
+    g = globals()
+    saved = {name: g[name] for name in ("GEN", "TILE", "TILING", "K", "N")}
+    g.update(GEN=gen, TILE=tile, TILING=(tile,) * 3, K=k, N=n)
+    try:
+        yield
+    finally:
+        g.update(saved)
+
+
+def module_with_tiles(tile: int):
+    """specs/grouped_matmul.spk retiled (m, k, n = tile), built in memory."""
+    import re
+    import types
+
+    from sparsegen.compiler import compile_source
+    from sparsegen.source import SourceFile
+
+    text = re.sub(r"tile m = \d+, k = \d+, n = \d+", f"tile m = {tile}, k = {tile}, n = {tile}", (ROOT / "specs" / "grouped_matmul.spk").read_text())
+    (built,) = compile_source(SourceFile("grouped_matmul.spk", text), "v5e")
+    mod = types.ModuleType(f"grouped_matmul_{tile}")
+    exec(compile(built.code, f"<grouped_matmul tile {tile}>", "exec"), mod.__dict__)
+    return mod
+
+
+def many_experts() -> list[dict]:
+    """Issue 37's case: 256 sorted rows over 4,096 experts, 250 of them used, tiles of 128
+    (two row blocks), K = N = 128: per pass, both walks' grid steps and block copies. Before
+    the classification counted each (row block, expert) pair's rows, the forward ran every
+    expert between a block's least and greatest id (4,059 steps and weight copies here)."""
+    rng = np.random.default_rng(37)
+    E, M = 4096, 256
+    used = np.sort(rng.choice(E, 250, replace=False))
+    sizes = np.zeros(E, np.int32)
+    sizes[used] = 1 + np.bincount(rng.choice(250, M - 250), minlength=250)
+    rows = []
+    with shaped(module_with_tiles(128), 128, 128, 128):
+        for side in ("fwd", "dx", "dw"):
+            rows.append({"E": E, "M": M, "used": 250, "side": side, "sparsegen": ours_walk(M, E, gid_of(sizes), side),
+                         "megablox": megablox_walk(M, sizes, side)})
+    return rows
 
 
 # ------------------------------------------------------------------ 2. AOT
@@ -509,6 +558,15 @@ def print_tables(result: dict) -> None:
     console.print("  grid steps: sparsegen's grid runs the steps the data needs (a traced extent, as megablox's num_active_tiles), over tables of row blocks + E - 1 steps "
                   "(sorted ids need at most that). partial: sparsegen steps that evaluate the "
                   "condition (megablox masks the store of every step). Cycles: the branch sorted ids take.")
+    if result.get("many_experts"):
+        e = Table(title="Many experts: M = 256 sorted rows, E = 4,096 (250 used), tiles 128, K = N = 128 (ours / theirs)")
+        for c in ("pass", "grid steps", "computing", "block copies (per operand)"):
+            e.add_column(c, justify="left" if c in ("pass", "block copies (per operand)") else "right")
+        for row in result["many_experts"]:
+            o, m = row["sparsegen"], row["megablox"]
+            copies = " ".join(f"{k} {o['copies'][k]}/{m['copies'].get(k, '-')}" for k in o["copies"])
+            e.add_row(row["side"], f"{o['steps']:,} / {m['steps']:,}", f"{o['computing']:,} / {m['computing']:,}", copies)
+        console.print(e)
     if result.get("aot"):
         a = Table(title="Ahead-of-time compiles: scoped VMEM per Mosaic kernel (MiB), compile seconds (ours / theirs)")
         for c in ("E", "chip", "pass", "sparsegen VMEM", "megablox VMEM", "compile s"):
@@ -547,6 +605,8 @@ def main() -> int:
         for side in ("fwd", "dx", "dw"):
             result["walk"].append({"E": E, "dist": dist, "side": side, "sparsegen": ours_walk(M, E, gid_of(sizes), side),
                                    "megablox": megablox_walk(M, sizes, side)})
+    print("1b. Many experts (issue 37: 256 rows, 4,096 experts, 250 used, tiles 128)", flush=True)
+    result["many_experts"] = many_experts()
     if not a.no_aot:
         print("2. Ahead-of-time compiles", flush=True)
         t0 = time.perf_counter()

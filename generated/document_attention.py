@@ -467,7 +467,7 @@ def _zeros_for_none(cotangents, outputs):
     )
 
 
-def _row_walk(xp, kinds, bound=None):
+def _row_walk(xp, kinds, bound=None, rows=None):
     """The walk's tables from block kinds (groups x row blocks x key blocks): per step, the
     row block it writes, the key block and row block it reads, its kind, and whether it is
     its row's first (1) or last (2). Each row visits its non-empty key blocks in order; a
@@ -477,7 +477,10 @@ def _row_walk(xp, kinds, bound=None):
     With numpy (kinds known at trace time) the walk has exactly these steps; with traced
     kinds `bound` steps per group (default: the dense count), the extra ones empty and
     trailing; a group that needs more loses its last steps (the caller checks `ends`).
-    """
+    `rows` (first, end): the walk of those rows alone, numbered as in the whole."""
+    first_row = 0 if rows is None else rows[0]
+    if rows is not None:
+        kinds = kinds[:, rows[0] : rows[1]]
     groups, n_rows, n_cols = kinds.shape
     nonempty = kinds != _EMPTY
     count = nonempty.sum(axis=-1)
@@ -486,7 +489,14 @@ def _row_walk(xp, kinds, bound=None):
     starts = ends - steps
     total = int(ends[:, -1].max()) if xp is np else (bound or n_rows * n_cols)
     t = xp.arange(total)[None, :]
-    row = xp.minimum((starts[:, None, :] <= t[:, :, None]).sum(axis=-1) - 1, n_rows - 1)
+    # The row of each step: the rows starting at or before it, less one (every row takes a
+    # step, so they start in order): O(steps + rows).
+    marks = _add_at(
+        xp.zeros((groups, total + 1), xp.int32),
+        (xp.arange(groups)[:, None], xp.minimum(starts, total)),
+        1,
+    )
+    row = xp.minimum(xp.cumsum(marks[:, :total], axis=-1) - 1, n_rows - 1)
     pos = t - xp.take_along_axis(starts, row, axis=-1)
     live = (pos < xp.take_along_axis(count, row, axis=-1)) & (t < ends[:, -1:])
     if xp is np:
@@ -513,6 +523,7 @@ def _row_walk(xp, kinds, bound=None):
     first = (pos == 0) & inside
     last = (pos == xp.take_along_axis(steps, row, axis=-1) - 1) & inside
     flags = first.astype(xp.int32) + 2 * last.astype(xp.int32)
+    row, read_row = row + first_row, read_row + first_row
     tables = tuple(
         x.reshape(-1).astype(xp.int32) for x in (row, col, read_row, kind, flags)
     )
@@ -521,13 +532,39 @@ def _row_walk(xp, kinds, bound=None):
 
 def _block_min_max(x, tiles):
     """Per block of `x` (blocks of `tiles`; a partial last block holds what exists), the
-    least and the greatest value."""
+    least and the greatest value, as int32 (`_int32`)."""
+    x = _int32(x)
     pad = [(0, -(-n // t) * t - n) for n, t in zip(x.shape, tiles)]
     lo = jnp.pad(x, pad, mode="edge").reshape(
         [v for n, t in zip(x.shape, tiles) for v in (-(-n // t), t)]
     )
     axes = tuple(range(1, 2 * len(tiles), 2))
     return lo.min(axis=axes), lo.max(axis=axes)
+
+
+def _int32(x):
+    """Integer values as int32: a u32 value of 2**31 or more is saturated to 2**31 - 1, which
+    compares as it does with every position, size and signed value below that (values are
+    their declared type's; int32 holds all others exactly)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.uint32:
+        x = jnp.minimum(x, 2**31 - 1)
+    return x.astype(jnp.int32)
+
+
+def _add_at(target, index, value):
+    """target[index] += value, repeated indices adding up, on numpy or jax arrays."""
+    if isinstance(target, np.ndarray):
+        np.add.at(target, index, value)
+        return target
+    return target.at[index].add(value)
+
+
+def _sat_sub(a, b):
+    """a - b on int32, saturated as `_sat_add`."""
+    a, b = jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32)
+    s = a - b
+    return jnp.where(((a ^ b) & (a ^ s)) < 0, jnp.where(a < 0, -(2**31), 2**31 - 1), s)
 
 
 def _row_vector(column):
@@ -629,14 +666,14 @@ def _classify_blocks(xp, seg, sizes, origin=None, keys=None, split=False):
     j_lo = j_block * 256
     j_hi = xp.minimum(j_lo + 256, S) - 1
     can = xp.broadcast_to(
-        (seg_max_bi - seg_keys_min_bj >= 0)
-        & (seg_min_bi - seg_keys_max_bj <= 0)
+        (_sat_sub(seg_keys_min_bj, seg_max_bi) <= 0)
+        & (_sat_sub(seg_min_bi, seg_keys_max_bj) <= 0)
         & (i_hi + i_origin - (j_lo + j_origin) >= 0),
         (B, -(-S // 256), -(-S // 256)),
     )
     must = xp.broadcast_to(
-        (seg_min_bi - seg_keys_max_bj >= 0)
-        & (seg_max_bi - seg_keys_min_bj <= 0)
+        (_sat_sub(seg_keys_max_bj, seg_min_bi) <= 0)
+        & (_sat_sub(seg_max_bi, seg_keys_min_bj) <= 0)
         & (i_lo + i_origin - (j_hi + j_origin) >= 0)
         & xp.logical_not((i_lo + 256 > S) | (j_lo + 256 > S)),
         (B, -(-S // 256), -(-S // 256)),
@@ -649,8 +686,8 @@ def _classify_blocks(xp, seg, sizes, origin=None, keys=None, split=False):
         (
             xp.broadcast_to(
                 xp.logical_not(
-                    (seg_min_bi - seg_keys_max_bj >= 0)
-                    & (seg_max_bi - seg_keys_min_bj <= 0)
+                    (_sat_sub(seg_keys_max_bj, seg_min_bi) <= 0)
+                    & (_sat_sub(seg_max_bi, seg_keys_min_bj) <= 0)
                 ),
                 (B, -(-S // 256), -(-S // 256)),
             ),

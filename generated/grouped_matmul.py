@@ -45,7 +45,7 @@ Plan (target v5e):
       o[m, n] = x[m, k] * w[g, k, n] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
       grid (ceil(N / 512), n_run, ceil(K / 512))
         n_run: the steps the data needs (traced), at most n_steps, the tables' length
-        n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E (lax.cond: correct for any ids)
+        n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E, in calls whose tables fit SMEM (lax.cond: correct for any ids)
         n: output blocks along n [parallel]
         step: the non-empty (m blocks x g blocks) of the condition, each output block's in a run [arbitrary]
         k: the sum over k, which the condition does not use, inside each step [arbitrary]
@@ -84,7 +84,7 @@ Plan (target v5e):
       pass 1: d_x[m, k] = g_o[m, n] * w[g, k, n] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
         grid (ceil(K / 512), n_run, ceil(N / 512))
           n_run: the steps the data needs (traced), at most n_steps, the tables' length
-          n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E (lax.cond: correct for any ids)
+          n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else pl.cdiv(M, 512) * E, in calls whose tables fit SMEM (lax.cond: correct for any ids)
           k: output blocks along k [parallel]
           step: the non-empty (m blocks x g blocks) of the condition, each output block's in a run [arbitrary]
           n: the sum over n, which the condition does not use, inside each step [arbitrary]
@@ -122,7 +122,7 @@ Plan (target v5e):
       pass 2: d_w[g, k, n] = g_o[m, n] * x[m, k] where gid[m] == g  (condition: the non-empty blocks of the condition `gid[m] == g`)
         grid (ceil(K / 512), ceil(N / 512), n_run)
           n_run: the steps the data needs (traced), at most n_steps, the tables' length
-          n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else E * pl.cdiv(M, 512) (lax.cond: correct for any ids)
+          n_steps = pl.cdiv(M, 512) + E - 1 when the data allows (sorted group ids), else E * pl.cdiv(M, 512), in calls whose tables fit SMEM (lax.cond: correct for any ids)
           k: output blocks along k [parallel]
           n: output blocks along n [parallel]
           step: the non-empty (g blocks x m blocks) of the condition, each output block's in a run [arbitrary]
@@ -469,7 +469,7 @@ def _mask_tail(value, axis, limit):
     return jnp.where(inside, value, jnp.zeros_like(value))
 
 
-def _row_walk(xp, kinds, bound=None):
+def _row_walk(xp, kinds, bound=None, rows=None):
     """The walk's tables from block kinds (groups x row blocks x key blocks): per step, the
     row block it writes, the key block and row block it reads, its kind, and whether it is
     its row's first (1) or last (2). Each row visits its non-empty key blocks in order; a
@@ -479,7 +479,10 @@ def _row_walk(xp, kinds, bound=None):
     With numpy (kinds known at trace time) the walk has exactly these steps; with traced
     kinds `bound` steps per group (default: the dense count), the extra ones empty and
     trailing; a group that needs more loses its last steps (the caller checks `ends`).
-    """
+    `rows` (first, end): the walk of those rows alone, numbered as in the whole."""
+    first_row = 0 if rows is None else rows[0]
+    if rows is not None:
+        kinds = kinds[:, rows[0] : rows[1]]
     groups, n_rows, n_cols = kinds.shape
     nonempty = kinds != _EMPTY
     count = nonempty.sum(axis=-1)
@@ -488,7 +491,14 @@ def _row_walk(xp, kinds, bound=None):
     starts = ends - steps
     total = int(ends[:, -1].max()) if xp is np else (bound or n_rows * n_cols)
     t = xp.arange(total)[None, :]
-    row = xp.minimum((starts[:, None, :] <= t[:, :, None]).sum(axis=-1) - 1, n_rows - 1)
+    # The row of each step: the rows starting at or before it, less one (every row takes a
+    # step, so they start in order): O(steps + rows).
+    marks = _add_at(
+        xp.zeros((groups, total + 1), xp.int32),
+        (xp.arange(groups)[:, None], xp.minimum(starts, total)),
+        1,
+    )
+    row = xp.minimum(xp.cumsum(marks[:, :total], axis=-1) - 1, n_rows - 1)
     pos = t - xp.take_along_axis(starts, row, axis=-1)
     live = (pos < xp.take_along_axis(count, row, axis=-1)) & (t < ends[:, -1:])
     if xp is np:
@@ -515,21 +525,73 @@ def _row_walk(xp, kinds, bound=None):
     first = (pos == 0) & inside
     last = (pos == xp.take_along_axis(steps, row, axis=-1) - 1) & inside
     flags = first.astype(xp.int32) + 2 * last.astype(xp.int32)
+    row, read_row = row + first_row, read_row + first_row
     tables = tuple(
         x.reshape(-1).astype(xp.int32) for x in (row, col, read_row, kind, flags)
     )
     return tables, total, ends[:, -1]
 
 
-def _block_min_max(x, tiles):
-    """Per block of `x` (blocks of `tiles`; a partial last block holds what exists), the
-    least and the greatest value."""
-    pad = [(0, -(-n // t) * t - n) for n, t in zip(x.shape, tiles)]
-    lo = jnp.pad(x, pad, mode="edge").reshape(
-        [v for n, t in zip(x.shape, tiles) for v in (-(-n // t), t)]
-    )
-    axes = tuple(range(1, 2 * len(tiles), 2))
-    return lo.min(axis=axes), lo.max(axis=axes)
+def _int32(x):
+    """Integer values as int32: a u32 value of 2**31 or more is saturated to 2**31 - 1, which
+    compares as it does with every position, size and signed value below that (values are
+    their declared type's; int32 holds all others exactly)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.uint32:
+        x = jnp.minimum(x, 2**31 - 1)
+    return x.astype(jnp.int32)
+
+
+def _group_presence(ids, tile, groups, shift):
+    """Per block of `tile` ids and per group v (0 <= v < groups): whether some id of the
+    block plus `shift` is v, and whether every one is (a partial last block: those it holds).
+    A scatter, O(ids + blocks x groups): exact for ids in any order, where a block's least
+    and greatest id would count every group between them."""
+    ids = _int32(ids)
+    n = ids.shape[0]
+    blocks = -(-n // tile)
+    inside = (ids >= -shift) & (
+        ids < groups - shift
+    )  # compared, not added: no overflow
+    at = jnp.where(inside, ids + shift, groups)  # no group: a column cut off below
+    count = _add_at(
+        jnp.zeros((blocks, groups + 1), jnp.int32), (jnp.arange(n) // tile, at), 1
+    )[:, :groups]
+    rows = jnp.minimum(tile, n - tile * jnp.arange(blocks))
+    return count > 0, count == rows[:, None]
+
+
+def _add_at(target, index, value):
+    """target[index] += value, repeated indices adding up, on numpy or jax arrays."""
+    if isinstance(target, np.ndarray):
+        np.add.at(target, index, value)
+        return target
+    return target.at[index].add(value)
+
+
+def _pieces(walk, rows, cols, tables, other, shape):
+    """The dense walk of `rows` x `cols` steps in calls over consecutive rows, as many rows a
+    call as SMEM holds `tables` tables of their steps beside `other` entries (one call where
+    all fit). Each call writes its rows' output blocks into the output of the call before
+    (aliased; padded to whole blocks, cut to `shape` at the end), so the calls make one.
+    """
+    per = max(1, (_SMEM_BYTES // 4 - other) // (tables * cols))
+    calls = -(-rows // per)
+    if calls == 1:
+        return walk(rows * cols)
+    per = -(
+        -rows // calls
+    )  # as even as whole rows allow; one table length for every call
+    out = None
+    for first in range(0, rows, per):
+        out = walk(per * cols, (first, min(rows, first + per)), out)
+    return out[tuple(slice(0, n) for n in shape)]
+
+
+def _skipping(kernel, at):
+    """`kernel`, called with one more ref at position `at` that it does not read (the output
+    so far, aliased to the output it writes)."""
+    return lambda *refs: kernel(*refs[:at], *refs[at + 1 :])
 
 
 def _walk(keys, n_keys):
@@ -625,28 +687,20 @@ def _o_index_map(n, step, k, step_row, *_):
 def _classify(xp, gid, sizes):
     """Per (row block, column block) of the condition: empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands)."""
     M, K, E, N = sizes
-    g_block = xp.reshape(xp.arange(E), (1, -1))
-    g_lo = g_block
-    gid_min, gid_max = _block_min_max(gid, (512,))
-    gid_min_m = _expand(gid_min, "a", "az")
-    gid_max_m = _expand(gid_max, "a", "az")
-    can = xp.broadcast_to(
-        (-g_lo + gid_max_m >= 0) & (-g_lo + gid_min_m <= 0), (-(-M // 512), E)
-    )
-    must = xp.broadcast_to(
-        (-g_lo + gid_min_m >= 0) & (-g_lo + gid_max_m <= 0), (-(-M // 512), E)
-    )
+    gid_present, gid_whole = _group_presence(gid, 512, E, 0)
+    can = xp.broadcast_to(gid_present, (-(-M // 512), E))
+    must = xp.broadcast_to(gid_whole, (-(-M // 512), E))
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 
-def _prefetch(x, w, gid, sizes, n_steps=None):
+def _prefetch(x, w, gid, sizes, n_steps=None, piece=None):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, E, N = sizes
     n_steps = pl.cdiv(M, 512) + E - 1 if n_steps is None else n_steps
     # The walk's steps, from the condition's blocks (traced: tables of n_steps steps; the grid runs those needed).
     kinds = _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
-        jnp, kinds, n_steps
+        jnp, kinds, n_steps, piece
     )
     step_cond = _next_live(step_kind == _PARTIAL)
     return (step_row, step_read, step_col, step_kind, step_flags, step_cond)
@@ -735,14 +789,14 @@ def _d_x_d_x_index_map(k, step, n, step_row, *_):
     return (step_row[step], k)
 
 
-def _d_x_prefetch(x, w, gid, g_o, sizes, n_steps=None):
+def _d_x_prefetch(x, w, gid, g_o, sizes, n_steps=None, piece=None):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, E, N = sizes
     n_steps = pl.cdiv(M, 512) + E - 1 if n_steps is None else n_steps
     # The walk's steps, from the condition's blocks (traced: tables of n_steps steps; the grid runs those needed).
     kinds = _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
-        jnp, kinds, n_steps
+        jnp, kinds, n_steps, piece
     )
     step_cond = _next_live(step_kind == _PARTIAL)
     return (step_row, step_read, step_col, step_kind, step_flags, step_cond)
@@ -831,28 +885,22 @@ def _d_w_d_w_index_map(k, n, step, step_row, *_):
 def _d_w_classify(xp, gid, sizes):
     """Per (row block, column block) of the condition: empty, partial or full (xp: numpy when only sizes matter, jax.numpy for traced operands)."""
     M, K, E, N = sizes
-    g_block = xp.reshape(xp.arange(E), (-1, 1))
-    g_lo = g_block
-    gid_min, gid_max = _block_min_max(gid, (512,))
-    gid_min_m = _expand(gid_min, "a", "za")
-    gid_max_m = _expand(gid_max, "a", "za")
-    can = xp.broadcast_to(
-        (-g_lo + gid_max_m >= 0) & (-g_lo + gid_min_m <= 0), (E, -(-M // 512))
-    )
-    must = xp.broadcast_to(
-        (-g_lo + gid_min_m >= 0) & (-g_lo + gid_max_m <= 0), (E, -(-M // 512))
-    )
+    gid_present, gid_whole = _group_presence(gid, 512, E, 0)
+    gid_present_mg = _expand(gid_present, "ab", "ba")
+    gid_whole_mg = _expand(gid_whole, "ab", "ba")
+    can = xp.broadcast_to(gid_present_mg, (E, -(-M // 512)))
+    must = xp.broadcast_to(gid_whole_mg, (E, -(-M // 512)))
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 
-def _d_w_prefetch(x, w, gid, g_o, sizes, n_steps=None):
+def _d_w_prefetch(x, w, gid, g_o, sizes, n_steps=None, piece=None):
     """The scalar-prefetch tables (SMEM) of one call; also read by `sparsegen plan --pattern`."""
     M, K, E, N = sizes
     n_steps = pl.cdiv(M, 512) + E - 1 if n_steps is None else n_steps
     # The walk's steps, from the condition's blocks (traced: tables of n_steps steps; the grid runs those needed).
     kinds = _d_w_classify(jnp, gid, (M, K, E, N)).reshape((1, E, pl.cdiv(M, 512)))
     (step_row, step_col, step_read, step_kind, step_flags), _, _ = _row_walk(
-        jnp, kinds, n_steps
+        jnp, kinds, n_steps, piece
     )
     step_cond = _next_live(step_kind == _PARTIAL)
     return (step_row, step_read, step_col, step_kind, step_flags, step_cond)
@@ -884,13 +932,16 @@ def _impl(x, w, gid, sizes, interpret):
         gid.astype(jnp.int32)[:, None], (M, 128)
     )  # gid[m] per row: a column in the kernel
     # The steps the data needs: the grid runs exactly those (a traced grid dimension).
-    needed = _row_walk(
-        jnp, _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E)), 1
-    )[2][0]
+    walk_kinds = _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
+    needed = _row_walk(jnp, walk_kinds, 1)[2][0]
 
-    def _walk(n_steps):
-        # The pass over tables of n_steps steps.
-        n_run = jnp.minimum(needed, n_steps)
+    def _walk(n_steps, piece=None, written=None):
+        # The pass over tables of n_steps steps; `piece` (first, end): over those rows of
+        # the walk alone, writing into `written`, the output of the calls over other rows.
+        n_run = jnp.minimum(
+            needed if piece is None else _row_walk(jnp, walk_kinds, 1, piece)[2][0],
+            n_steps,
+        )
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(pl.cdiv(N, 512), n_run, pl.cdiv(K, 512)),
@@ -903,15 +954,31 @@ def _impl(x, w, gid, sizes, interpret):
                     functools.partial(_w_index_map, n_k=pl.cdiv(K, 512)),
                 ),
                 pl.BlockSpec((512, 128), _gid_index_map),
+                *(
+                    [] if written is None else [pl.BlockSpec(memory_space=pl.ANY)]
+                ),  # the output so far
             ],
             out_specs=pl.BlockSpec((512, 512), _o_index_map),
             scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
         )
         return pl.pallas_call(
-            functools.partial(_kernel, K=K),
+            (
+                functools.partial(_kernel, K=K)
+                if written is None
+                else _skipping(functools.partial(_kernel, K=K), 9)
+            ),
             grid_spec=grid_spec,
             out_shape=_typed(
-                jax.ShapeDtypeStruct((M, N), jnp.bfloat16), x, w, gid_rows
+                (
+                    jax.ShapeDtypeStruct((M, N), jnp.bfloat16)
+                    if piece is None
+                    else jax.ShapeDtypeStruct(
+                        (pl.cdiv(M, 512) * 512, pl.cdiv(N, 512) * 512), jnp.bfloat16
+                    )
+                ),
+                x,
+                w,
+                gid_rows,
             ),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "arbitrary", "arbitrary"),
@@ -923,14 +990,21 @@ def _impl(x, w, gid, sizes, interpret):
                 + 2 * M * N,
             ),
             interpret=interpret,
-        )(*_prefetch(x, w, gid, sizes, n_steps), x, w, gid_rows)
+            input_output_aliases={} if written is None else {9: 0},
+        )(
+            *_prefetch(x, w, gid, sizes, n_steps, piece),
+            x,
+            w,
+            gid_rows,
+            *(() if written is None else (written,)),
+        )
 
-    # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes tables of the
-    # dense count (correct for any ids).
+    # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes the dense walk
+    # (correct for any ids), in calls over as many rows as SMEM holds the tables of.
     return lax.cond(
         needed <= pl.cdiv(M, 512) + E - 1,
         lambda: _walk(pl.cdiv(M, 512) + E - 1),
-        lambda: _walk(pl.cdiv(M, 512) * E),
+        lambda: _pieces(_walk, pl.cdiv(M, 512), E, 6, 0, (M, N)),
     )
 
 
@@ -941,13 +1015,16 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
         gid.astype(jnp.int32)[:, None], (M, 128)
     )  # gid[m] per row: a column in the kernel
     # The steps the data needs: the grid runs exactly those (a traced grid dimension).
-    needed = _row_walk(
-        jnp, _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E)), 1
-    )[2][0]
+    walk_kinds = _classify(jnp, gid, (M, K, E, N)).reshape((1, pl.cdiv(M, 512), E))
+    needed = _row_walk(jnp, walk_kinds, 1)[2][0]
 
-    def _walk(n_steps):
-        # The pass over tables of n_steps steps.
-        n_run = jnp.minimum(needed, n_steps)
+    def _walk(n_steps, piece=None, written=None):
+        # The pass over tables of n_steps steps; `piece` (first, end): over those rows of
+        # the walk alone, writing into `written`, the output of the calls over other rows.
+        n_run = jnp.minimum(
+            needed if piece is None else _row_walk(jnp, walk_kinds, 1, piece)[2][0],
+            n_steps,
+        )
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(pl.cdiv(K, 512), n_run, pl.cdiv(N, 512)),
@@ -961,15 +1038,31 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
                     functools.partial(_d_x_w_index_map, n_n=pl.cdiv(N, 512)),
                 ),
                 pl.BlockSpec((512, 128), _d_x_gid_index_map),
+                *(
+                    [] if written is None else [pl.BlockSpec(memory_space=pl.ANY)]
+                ),  # the output so far
             ],
             out_specs=pl.BlockSpec((512, 512), _d_x_d_x_index_map),
             scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
         )
         return pl.pallas_call(
-            functools.partial(_d_x_kernel, N=N),
+            (
+                functools.partial(_d_x_kernel, N=N)
+                if written is None
+                else _skipping(functools.partial(_d_x_kernel, N=N), 9)
+            ),
             grid_spec=grid_spec,
             out_shape=_typed(
-                jax.ShapeDtypeStruct((M, K), jnp.bfloat16), g_o, w, gid_rows
+                (
+                    jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
+                    if piece is None
+                    else jax.ShapeDtypeStruct(
+                        (pl.cdiv(M, 512) * 512, pl.cdiv(K, 512) * 512), jnp.bfloat16
+                    )
+                ),
+                g_o,
+                w,
+                gid_rows,
             ),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "arbitrary", "arbitrary"),
@@ -981,14 +1074,21 @@ def _d_x_call(x, w, gid, g_o, sizes, interpret):
                 + 2 * M * K,
             ),
             interpret=interpret,
-        )(*_d_x_prefetch(x, w, gid, g_o, sizes, n_steps), g_o, w, gid_rows)
+            input_output_aliases={} if written is None else {9: 0},
+        )(
+            *_d_x_prefetch(x, w, gid, g_o, sizes, n_steps, piece),
+            g_o,
+            w,
+            gid_rows,
+            *(() if written is None else (written,)),
+        )
 
-    # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes tables of the
-    # dense count (correct for any ids).
+    # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes the dense walk
+    # (correct for any ids), in calls over as many rows as SMEM holds the tables of.
     return lax.cond(
         needed <= pl.cdiv(M, 512) + E - 1,
         lambda: _walk(pl.cdiv(M, 512) + E - 1),
-        lambda: _walk(pl.cdiv(M, 512) * E),
+        lambda: _pieces(_walk, pl.cdiv(M, 512), E, 6, 0, (M, K)),
     )
 
 
@@ -999,13 +1099,16 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
         gid.astype(jnp.int32)[:, None], (M, 128)
     )  # gid[m] per row: a column in the kernel
     # The steps the data needs: the grid runs exactly those (a traced grid dimension).
-    needed = _row_walk(
-        jnp, _d_w_classify(jnp, gid, (M, K, E, N)).reshape((1, E, pl.cdiv(M, 512))), 1
-    )[2][0]
+    walk_kinds = _d_w_classify(jnp, gid, (M, K, E, N)).reshape((1, E, pl.cdiv(M, 512)))
+    needed = _row_walk(jnp, walk_kinds, 1)[2][0]
 
-    def _walk(n_steps):
-        # The pass over tables of n_steps steps.
-        n_run = jnp.minimum(needed, n_steps)
+    def _walk(n_steps, piece=None, written=None):
+        # The pass over tables of n_steps steps; `piece` (first, end): over those rows of
+        # the walk alone, writing into `written`, the output of the calls over other rows.
+        n_run = jnp.minimum(
+            needed if piece is None else _row_walk(jnp, walk_kinds, 1, piece)[2][0],
+            n_steps,
+        )
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(pl.cdiv(K, 512), pl.cdiv(N, 512), n_run),
@@ -1013,15 +1116,31 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
                 pl.BlockSpec((512, 512), _d_w_g_o_index_map),
                 pl.BlockSpec((512, 512), _d_w_x_index_map),
                 pl.BlockSpec((512, 128), _d_w_gid_index_map),
+                *(
+                    [] if written is None else [pl.BlockSpec(memory_space=pl.ANY)]
+                ),  # the output so far
             ],
             out_specs=pl.BlockSpec((None, 512, 512), _d_w_d_w_index_map),
             scratch_shapes=[pltpu.VMEM((512, 512), jnp.float32)],
         )
         return pl.pallas_call(
-            functools.partial(_d_w_kernel, M=M),
+            (
+                functools.partial(_d_w_kernel, M=M)
+                if written is None
+                else _skipping(functools.partial(_d_w_kernel, M=M), 9)
+            ),
             grid_spec=grid_spec,
             out_shape=_typed(
-                jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16), g_o, x, gid_rows
+                (
+                    jax.ShapeDtypeStruct((E, K, N), jnp.bfloat16)
+                    if piece is None
+                    else jax.ShapeDtypeStruct(
+                        (E, pl.cdiv(K, 512) * 512, pl.cdiv(N, 512) * 512), jnp.bfloat16
+                    )
+                ),
+                g_o,
+                x,
+                gid_rows,
             ),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "arbitrary"),
@@ -1033,14 +1152,21 @@ def _d_w_call(x, w, gid, g_o, sizes, interpret):
                 + 2 * E * K * N,
             ),
             interpret=interpret,
-        )(*_d_w_prefetch(x, w, gid, g_o, sizes, n_steps), g_o, x, gid_rows)
+            input_output_aliases={} if written is None else {9: 0},
+        )(
+            *_d_w_prefetch(x, w, gid, g_o, sizes, n_steps, piece),
+            g_o,
+            x,
+            gid_rows,
+            *(() if written is None else (written,)),
+        )
 
-    # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes tables of the
-    # dense count (correct for any ids).
+    # Sorted group ids need at most pl.cdiv(M, 512) + E - 1 steps; other data takes the dense walk
+    # (correct for any ids), in calls over as many rows as SMEM holds the tables of.
     return lax.cond(
         needed <= pl.cdiv(M, 512) + E - 1,
         lambda: _walk(pl.cdiv(M, 512) + E - 1),
-        lambda: _walk(E * pl.cdiv(M, 512)),
+        lambda: _pieces(_walk, E, pl.cdiv(M, 512), 6, 0, (E, K, N)),
     )
 
 

@@ -466,7 +466,7 @@ def _zeros_for_none(cotangents, outputs):
     )
 
 
-def _row_walk(xp, kinds, bound=None):
+def _row_walk(xp, kinds, bound=None, rows=None):
     """The walk's tables from block kinds (groups x row blocks x key blocks): per step, the
     row block it writes, the key block and row block it reads, its kind, and whether it is
     its row's first (1) or last (2). Each row visits its non-empty key blocks in order; a
@@ -476,7 +476,10 @@ def _row_walk(xp, kinds, bound=None):
     With numpy (kinds known at trace time) the walk has exactly these steps; with traced
     kinds `bound` steps per group (default: the dense count), the extra ones empty and
     trailing; a group that needs more loses its last steps (the caller checks `ends`).
-    """
+    `rows` (first, end): the walk of those rows alone, numbered as in the whole."""
+    first_row = 0 if rows is None else rows[0]
+    if rows is not None:
+        kinds = kinds[:, rows[0] : rows[1]]
     groups, n_rows, n_cols = kinds.shape
     nonempty = kinds != _EMPTY
     count = nonempty.sum(axis=-1)
@@ -485,7 +488,14 @@ def _row_walk(xp, kinds, bound=None):
     starts = ends - steps
     total = int(ends[:, -1].max()) if xp is np else (bound or n_rows * n_cols)
     t = xp.arange(total)[None, :]
-    row = xp.minimum((starts[:, None, :] <= t[:, :, None]).sum(axis=-1) - 1, n_rows - 1)
+    # The row of each step: the rows starting at or before it, less one (every row takes a
+    # step, so they start in order): O(steps + rows).
+    marks = _add_at(
+        xp.zeros((groups, total + 1), xp.int32),
+        (xp.arange(groups)[:, None], xp.minimum(starts, total)),
+        1,
+    )
+    row = xp.minimum(xp.cumsum(marks[:, :total], axis=-1) - 1, n_rows - 1)
     pos = t - xp.take_along_axis(starts, row, axis=-1)
     live = (pos < xp.take_along_axis(count, row, axis=-1)) & (t < ends[:, -1:])
     if xp is np:
@@ -512,6 +522,7 @@ def _row_walk(xp, kinds, bound=None):
     first = (pos == 0) & inside
     last = (pos == xp.take_along_axis(steps, row, axis=-1) - 1) & inside
     flags = first.astype(xp.int32) + 2 * last.astype(xp.int32)
+    row, read_row = row + first_row, read_row + first_row
     tables = tuple(
         x.reshape(-1).astype(xp.int32) for x in (row, col, read_row, kind, flags)
     )
@@ -526,6 +537,14 @@ def _block_any_all(x, tiles):
     anyv = jnp.pad(x, pad, constant_values=False).reshape(shape).any(axis=axes)
     allv = jnp.pad(x, pad, constant_values=True).reshape(shape).all(axis=axes)
     return anyv, allv
+
+
+def _add_at(target, index, value):
+    """target[index] += value, repeated indices adding up, on numpy or jax arrays."""
+    if isinstance(target, np.ndarray):
+        np.add.at(target, index, value)
+        return target
+    return target.at[index].add(value)
 
 
 def _row_vector(column):

@@ -370,13 +370,24 @@ def _expand(value, src, dst):
 
 def _block_min_max(x, tiles):
     """Per block of `x` (blocks of `tiles`; a partial last block holds what exists), the
-    least and the greatest value."""
+    least and the greatest value, as int32 (`_int32`)."""
+    x = _int32(x)
     pad = [(0, -(-n // t) * t - n) for n, t in zip(x.shape, tiles)]
     lo = jnp.pad(x, pad, mode="edge").reshape(
         [v for n, t in zip(x.shape, tiles) for v in (-(-n // t), t)]
     )
     axes = tuple(range(1, 2 * len(tiles), 2))
     return lo.min(axis=axes), lo.max(axis=axes)
+
+
+def _int32(x):
+    """Integer values as int32: a u32 value of 2**31 or more is saturated to 2**31 - 1, which
+    compares as it does with every position, size and signed value below that (values are
+    their declared type's; int32 holds all others exactly)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.uint32:
+        x = jnp.minimum(x, 2**31 - 1)
+    return x.astype(jnp.int32)
 
 
 def _softmax_rows(s):
@@ -448,17 +459,17 @@ def _classify_pages(xp, lens, sizes):
     """Per (row block, page): empty, partial or full. xp is numpy when only sizes matter,
     jax.numpy under jit."""
     B, H, D, G, P, T, NP = sizes
+    lens_min, lens_max = _block_min_max(lens, (1,))
+    lens_min_b = _expand(lens_min, "a", "azz")
+    lens_max_b = _expand(lens_max, "a", "azz")
     i_block = xp.reshape(xp.arange(1), (1, -1, 1))
     i_lo = i_block * 4
     i_hi = xp.minimum(i_lo + 4, 4) - 1
     j_block = xp.reshape(xp.arange(-(-(NP * T) // T)), (1, 1, -1))
     j_lo = j_block * T
     j_hi = xp.minimum(j_lo + T, NP * T) - 1
-    lens_min, lens_max = _block_min_max(lens, (1,))
-    lens_min_b = _expand(lens_min, "a", "azz")
-    lens_max_b = _expand(lens_max, "a", "azz")
-    can = xp.broadcast_to(-i_hi + j_lo - lens_max_b <= -4, (B, 1, -(-(NP * T) // T)))
-    must = xp.broadcast_to(-i_lo + j_hi - lens_min_b <= -4, (B, 1, -(-(NP * T) // T)))
+    can = xp.broadcast_to(lens_max_b >= 4 - (i_hi - j_lo), (B, 1, -(-(NP * T) // T)))
+    must = xp.broadcast_to(lens_min_b >= 4 - (i_lo - j_hi), (B, 1, -(-(NP * T) // T)))
     return xp.where(can, xp.where(must, 2, 1), 0).astype(xp.int32)
 
 

@@ -370,13 +370,31 @@ def _expand(value, src, dst):
 
 def _block_min_max(x, tiles):
     """Per block of `x` (blocks of `tiles`; a partial last block holds what exists), the
-    least and the greatest value."""
+    least and the greatest value, as int32 (`_int32`)."""
+    x = _int32(x)
     pad = [(0, -(-n // t) * t - n) for n, t in zip(x.shape, tiles)]
     lo = jnp.pad(x, pad, mode="edge").reshape(
         [v for n, t in zip(x.shape, tiles) for v in (-(-n // t), t)]
     )
     axes = tuple(range(1, 2 * len(tiles), 2))
     return lo.min(axis=axes), lo.max(axis=axes)
+
+
+def _int32(x):
+    """Integer values as int32: a u32 value of 2**31 or more is saturated to 2**31 - 1, which
+    compares as it does with every position, size and signed value below that (values are
+    their declared type's; int32 holds all others exactly)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.uint32:
+        x = jnp.minimum(x, 2**31 - 1)
+    return x.astype(jnp.int32)
+
+
+def _sat_sub(a, b):
+    """a - b on int32, saturated as `_sat_add`."""
+    a, b = jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32)
+    s = a - b
+    return jnp.where(((a ^ b) & (a ^ s)) < 0, jnp.where(a < 0, -(2**31), 2**31 - 1), s)
 
 
 def _softmax_rows(s):
@@ -422,23 +440,25 @@ def _classify_pages(xp, lens, sizes):
     """Per (row block, page): empty, partial or full. xp is numpy when only sizes matter,
     jax.numpy under jit."""
     B, H, D, G, P, T, NP = sizes
-    j_block = xp.reshape(xp.arange(-(-(NP * T) // T)), (1, 1, -1))
-    j_lo = j_block * T
-    j_hi = xp.minimum(j_lo + T, NP * T) - 1
     lens_min, lens_max = _block_min_max(lens, (1,))
     lens_min_b = _expand(lens_min, "a", "azz")
     lens_max_b = _expand(lens_max, "a", "azz")
     lens_min_b_ = _expand(lens_min, "a", "azz")
     lens_max_b_ = _expand(lens_max, "a", "azz")
+    j_block = xp.reshape(xp.arange(-(-(NP * T) // T)), (1, 1, -1))
+    j_lo = j_block * T
+    j_hi = xp.minimum(j_lo + T, NP * T) - 1
     h_block = xp.reshape(xp.arange(-(-H // 8)), (1, -1, 1))
     h_lo = h_block * 8
     can = xp.broadcast_to(
-        (j_lo - lens_max_b <= -1) & (j_hi - lens_min_b_ >= -1024),
+        (lens_min_b_ <= j_hi + 1024)
+        & (lens_max_b >= j_lo + 1)
+        & (_sat_sub(lens_min_b_, lens_max_b) <= 1023),
         (B, -(-H // 8), -(-(NP * T) // T)),
     )
     must = xp.broadcast_to(
-        (j_hi - lens_min_b <= -1)
-        & (j_lo - lens_max_b_ >= -1024)
+        (lens_max_b_ <= j_lo + 1024)
+        & (lens_min_b >= j_hi + 1)
         & xp.logical_not(h_lo + 8 > H),
         (B, -(-H // 8), -(-(NP * T) // T)),
     )

@@ -33,9 +33,10 @@ MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds", "sharded"}
 FIXED_LOCALS = frozenset({"_", "sizes", "compiled", "interpret", "grid_spec", "residuals", "cotangent", "perturbed", "wanted", "mesh", "axes"}) | {
     # the row walk's (attention) fixed names: its kernels' nested functions and parameters,
     # the walk's wrapper locals, the classification's locals
-    "masked", "bound", "overflow", "max_steps", "xp", "can", "must", "origin",
+    "masked", "bound", "overflow", "max_steps", "xp", "can", "must", "origin", "keys",
     "_scores", "_chain", "_step", "_partial", "_full", "_write", "_empty", "_start", "_finish", "_init", "_flush",
     "split",  # the classification's keyword (split kinds), and the phases of a split condition's parts
+    "piece", "written",  # the condition walk's dense fallback in pieces (`_pieces`)
     *(f"_partial_{g}" for g in range(32)),
 }  # fmt: skip
 PYTHON_NAMES = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | frozenset(keyword.softkwlist)

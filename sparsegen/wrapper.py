@@ -40,6 +40,22 @@ def host(e) -> str:
     return render(e, "host")
 
 
+def _condition_only(k: Kernel) -> list:
+    """The operands that conditions read and nothing else does (no factor, value or table)."""
+    conds, others = set(), set()
+    for st in k.statements:
+        cond = getattr(st, "condition", None)
+        in_cond = cond.reads if cond is not None else ()
+        conds |= {r.operand for r in in_cond}
+        reads = [*st.reads, *(r for r in (getattr(st, x, None) for x in ("arg", "scores", "value")) if hasattr(r, "subs"))]
+        for r in reads:
+            if r not in in_cond:
+                others.add(r.operand)
+            others |= {sub.table.operand for sub in r.subs if sub.table is not None}
+            others |= {sub.offset.operand for sub in r.subs if sub.offset is not None}
+    return [op for op in k.operands if op.name in conds - others and op.direction == "in"]
+
+
 class Wrapper:
     def __init__(self, kernel: Kernel, conv: Convention, spans=(), size_table: str = "size", names=None):
         self.k = kernel
@@ -102,6 +118,12 @@ class Wrapper:
                 length = op.dims[0].literal
                 lines.append(f'{name} = _as_array("{p.public}", {name}, 1, None)')
                 lines.append(f'_check_dim({name}.shape[0], {length}, "{p.public} length")')
+        # A u32 operand only conditions read is compared as int32, saturated (`_int32`): the
+        # kernel, the classification and `reference` read the same values.
+        for op in _condition_only(k):
+            if op.dtype.kind == "uint" and op.dtype.bits == 32:
+                name = conv.param(op.name).internal
+                lines.append(f"{name} = _int32({name})")
         for rel in k.relations:
             big = k.index(rel.index).size
             small = rel.dim

@@ -21,10 +21,14 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 # ------------------------------------------------------------- classification
 # A condition is classified per block as two truth arrays over the class axes: `can`
 # (some element may be present) and `must` (every element is). Integer terms become
-# ranges [lo, hi] over a block; a comparison of two terms is one of their difference, an
+# ranges over a block (`Span`); a comparison of two terms is one of their difference, an
 # affine form over independent atoms (index values; other terms are atoms with their own
-# ranges), so a single comparison is exact; an `and` of comparisons of the same affine form
-# is intersected first (a window: i >= j and i - j < 1024), so it is exact too.
+# ranges), so a single comparison is exact; comparisons of one form of positions are
+# intersected first (a window: i >= j and i - j < 1024; offsets: lo[g] <= m < lo[g + 1]),
+# so an `and` of them is exact too. Operand values are compared with positions, never
+# added to them (`_le`): ids padded with INT32_MIN, or u32 ids saturated, cannot wrap.
+# Ids compared with an index walked one value at a time (`gid[m] == g`) are counted per
+# (block, value) (`presence`): exact for ids in any order.
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,36 @@ class Classification:
             tail.append(f"return xp.where(can, xp.where(must, {FULL}, {PARTIAL}), {EMPTY}).astype(xp.int32)")
         lets = [f"{', '.join(names)} = {render(value, 'xp')}" for names, value in self.lets]
         return live_lines(lets, *tail) + tail
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One end (the least or greatest value per block) of an integer term: `bounded` (over
+    positions, sizes and literals: int32 without overflow, as the kernels' own index
+    arithmetic) plus the sum of coefficient times operand value (`ops`: any int32)."""
+
+    bounded: Expr
+    ops: tuple[tuple[int, Expr], ...] = ()
+
+
+@dataclass(frozen=True)
+class Span:
+    """An integer term's range per block: its bounded part's least and greatest value, and
+    per operand value in it, its coefficient and least and greatest value. The two parts
+    are kept apart: ids padded with INT32_MIN added to a position would wrap."""
+
+    lo: Expr
+    hi: Expr
+    ops: tuple[tuple[int, Expr, Expr], ...] = ()
+
+    def least(self) -> Extent:
+        return Extent(self.lo, tuple((c, lo if c > 0 else hi) for c, lo, hi in self.ops))
+
+    def greatest(self) -> Extent:
+        return Extent(self.hi, tuple((c, hi if c > 0 else lo) for c, lo, hi in self.ops))
+
+    def shifted(self, v: int) -> "Span":
+        return Span(self.lo + v, self.hi + v, self.ops)
 
 
 def all_of(parts: list[Expr]) -> Expr:
@@ -212,51 +246,72 @@ class Classifier:
             return {t: 1}
         return {t: 1}  # // % reads: atoms with their own ranges
 
-    def atom_range(self, atom) -> tuple[Expr, Expr] | None:
+    def atom_range(self, atom) -> tuple[Expr, Expr, bool] | None:
+        """An atom's least and greatest value per block, and whether they come from operand
+        data (any int32: compared, never added to positions; see `_le`)."""
         if isinstance(atom, str):
             lo, hi = self.index_range(atom)
             origin = self.origins.get(atom)
-            return (lo, hi) if origin is None else (lo + origin, hi + origin)
+            return (lo, hi, False) if origin is None else (lo + origin, hi + origin, False)
         t: Term = atom
         if t.op == "read":
-            return self.read_range(t.read)
+            return (*self.read_range(t.read), True)
         if t.op in ("//", "%") and t.args[1].op == "num" and t.args[1].value > 0:
-            inner = self.range(t.args[0])
+            inner = self.value_range(t.args[0])
             if inner is None:
                 return None
-            lo, hi = inner
+            lo, hi, data = inner
             c = t.args[1].value
             if t.op == "//":
-                return lo.div(c), hi.div(c)
+                return lo.div(c), hi.div(c), data
             same = lo.div(c).eq(hi.div(c))  # one period: the remainders keep their order
-            return Where(same, lo.rem(c), 0), Where(same, hi.rem(c), c - 1)
+            return Where(same, lo.rem(c), 0), Where(same, hi.rem(c), c - 1), data
         if t.op == "*":
-            a, b = self.range(t.args[0]), self.range(t.args[1])
-            if a is None or b is None:
-                return None
-            corners = [x * y for x in a for y in b]
-            return _extreme("_min_of", corners), _extreme("_max_of", corners)
+            a, b = self.span(t.args[0]), self.span(t.args[1])
+            if a is None or b is None or a.ops or b.ops:
+                return None  # a product of operand values may leave int32: unknown
+            corners = [x * y for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
+            return _extreme("_min_of", corners), _extreme("_max_of", corners), False
         return None
 
-    def range(self, t: Term) -> tuple[Expr, Expr] | None:
-        form = self.affine(t)
-        if form is None:
+    def value_range(self, t: Term) -> tuple[Expr, Expr, bool] | None:
+        """A term's least and greatest value as two arrays: its bounded part alone, or one
+        operand value plus it (added saturating: `_sat_add`); None for anything else."""
+        s = self.span(t)
+        if s is None:
             return None
-        return self.form_range(form)
+        if not s.ops:
+            return s.lo, s.hi, False
+        if len(s.ops) != 1 or s.ops[0][0] != 1:
+            return None
+        _, lo, hi = s.ops[0]
+        if isinstance(s.lo, Const) and s.lo.value == 0 and isinstance(s.hi, Const) and s.hi.value == 0:
+            return lo, hi, True
+        return Call("_sat_add", (lo, s.lo)), Call("_sat_add", (hi, s.hi)), True
 
-    def form_range(self, form: dict) -> tuple[Expr, Expr] | None:
+    def span(self, t: Term) -> Span | None:
+        form = self.affine(t)
+        return None if form is None else self.form_span(form)
+
+    def form_span(self, form: dict) -> Span | None:
+        """An affine form's least and greatest value per block (`Span`)."""
         const = form.get(1, 0)
         lo, hi = ([(1, lift(const))], [(1, lift(const))]) if not (isinstance(const, int) and const == 0) else ([], [])
+        ops = []
         for atom, c in form.items():
             if atom == 1 or (isinstance(c, int) and c == 0):
                 continue
             r = self.atom_range(atom)
             if r is None or not isinstance(c, int):
                 return None
-            a, b = r if c > 0 else r[::-1]
+            a, b, data = r
+            if data:
+                ops.append((c, a, b))
+                continue
+            a, b = (a, b) if c > 0 else (b, a)
             lo.append((c, a))
             hi.append((c, b))
-        return _sum(lo), _sum(hi)
+        return Span(_sum(lo), _sum(hi), tuple(ops))
 
     # Truth values: (can, must) trees.
     def truth(self, t: Term) -> tuple[Expr, Expr]:
@@ -280,12 +335,18 @@ class Classifier:
         return all_of([c for _, c, _ in parts]), all_of([m for _, _, m in parts])
 
     def conjunct_parts(self, flat: list[Term]) -> list[tuple[tuple[int, ...], Expr, Expr]]:
-        """An `and`'s conjuncts (`conjuncts`) as parts: the comparisons of one affine form
-        together (their bounds intersected), each other term alone; per part, the conjuncts
-        it holds (their places in `flat`), its `can` and its `must`."""
-        groups: dict[tuple, list[tuple[int, Expr | None, Expr | None]]] = {}
+        """An `and`'s conjuncts (`conjuncts`) as parts: ids compared with an index walked one
+        value at a time (`presence`), the comparisons of one form of positions together (their
+        bounds intersected: `lo[g] <= m < lo[g + 1]` is one part), each other term alone; per
+        part, the conjuncts it holds (their places in `flat`), its `can` and its `must`."""
+        groups: dict[tuple, list[tuple[int, Span | None, Span | None]]] = {}
         rest: list[tuple[int, Term]] = []
+        found: list[tuple[tuple[int, ...], Expr, Expr]] = []
         for n, t in enumerate(flat):
+            exact = self.presence(t) if t.op == "cmp" else None
+            if exact is not None:
+                found.append(((n,), *exact))
+                continue
             bound = self.bound(t) if t.op == "cmp" else None
             if bound is None:
                 rest.append((n, t))
@@ -295,28 +356,64 @@ class Classifier:
         parts = []
         for key, bounds in groups.items():
             held = tuple(n for n, _, _ in bounds)
-            r = self.form_range(dict(key))
-            if r is None:
+            p = self.form_span(dict(key))
+            if p is None:
                 parts.append((held, TRUE, FALSE))
                 continue
-            lo, hi = r
-            los = [b for _, b, _ in bounds if b is not None]
-            his = [b for _, _, b in bounds if b is not None]
-            low = _extreme("_max_of", los) if los else None
-            high = _extreme("_min_of", his) if his else None
-            # Some value of the form in [low, high] lies in [lo, hi]; every value does.
-            can = [_le(low, hi) if low is not None else None, _le(lo, high) if high is not None else None]
-            must = [_le(low, lo) if low is not None else None, _le(hi, high) if high is not None else None]
-            if low is not None and high is not None:
-                can.append(_le(low, high))
-            parts.append((held, all_of([c for c in can if c is not None]), all_of([m for m in must if m is not None])))
+            lows = _merged([b for _, b, _ in bounds if b is not None], "_max_of")
+            highs = _merged([b for _, _, b in bounds if b is not None], "_min_of")
+            # Some value of the form lies between every low and every high bound; every value does.
+            can = [_le(low.least(), p.greatest(), TRUE) for low in lows] + [_le(p.least(), high.greatest(), TRUE) for high in highs]
+            can += [_le(low.least(), high.greatest(), TRUE) for low in lows for high in highs]
+            must = [_le(low.greatest(), p.least(), FALSE) for low in lows] + [_le(p.greatest(), high.least(), FALSE) for high in highs]
+            parts.append((held, all_of(can), all_of(must)))
         for n, t in rest:
             c, m = self.truth(t) if t.op != "cmp" else self.compare(t)
             parts.append(((n,), c, m))
-        return parts
+        return found + parts
+
+    def presence(self, t: Term) -> tuple[Expr, Expr] | None:
+        """`ids[i] == g (+ c)` with `g` walked one value at a time (a class axis of tile 1) and
+        `i` another class axis: per (block of i, value of g), whether some id of the block is
+        that value and whether every one is (`_group_presence`, a scatter: exact for ids in any
+        order, where ranges count every value between a block's least and greatest id)."""
+        if t.ops != ("==",):
+            return None
+        form = self.affine(Term("-", (t.args[0], t.args[1])))
+        if form is None:
+            return None
+        shift = form.pop(1, 0)
+        atoms = [(a, c) for a, c in form.items() if not (isinstance(c, int) and c == 0)]
+        if not isinstance(shift, int) or abs(shift) >= 1 << 30 or len(atoms) != 2:
+            return None
+        (read, cr), (g, cg) = sorted(atoms, key=lambda ac: isinstance(ac[0], str))
+        if not (isinstance(g, str) and isinstance(read, Term) and read.op == "read" and cr in (1, -1) and cg == -cr):
+            return None
+        r = read.read
+        sub = r.subs[0] if len(r.subs) == 1 else None
+        if (sub is None or not sub.lowered or sub.divisor != 1 or sub.offset is not None or g not in self.axes or self.tile_of(g) != 1
+                or g in self.origins or r.indices[0] not in self.axes or r.indices[0] == g):
+            return None
+        # ids + shift * cr == g: the group of an id is the id plus `shift` (times the ids' sign, +1).
+        i = r.indices[0]
+        keyed = self.array_of(r)
+        param = keyed or self.conv.param(r.operand).internal
+        dims = [render(self.conv.size(d), "host") for d in self.p.kernel.operand(r.operand).dims]
+        ids = Lit(as_read(param, r, dims, [render(self.size_of(i), "host")]))
+        key = ("_group_presence", ids.text, self.tile_of(i), shift * cr)
+        if key not in self.stats:
+            names = tuple(self.local(f"{keyed or r.operand}_{w}") for w in ("present", "whole"))
+            self.lets.append((names, Call("_group_presence", (ids, Const(self.tile_of(i)), self.size_of(g), Const(shift * cr)))))
+            self.stats[key] = names
+        dst = "".join("a" if x == i else "b" if x == g else "z" for x in self.axes)
+        if dst == "ab":
+            return tuple(Var(x) for x in self.stats[key])
+        return tuple(self.let(self.local(f"{x}_{i}{g}"), Call("_expand", (Var(x), Lit('"ab"'), Lit(f'"{dst}"')))) for x in self.stats[key])
 
     def bound(self, t: Term):
-        """A comparison as `low <= form <= high` over an affine form without constant."""
+        """A comparison as `low <= form <= high`: `form` over positions (indices and terms of
+        them, its first coefficient positive: the key), `low` and `high` spans of the rest
+        (operand values, sizes, literals), None where absent."""
         a, b = self.affine(t.args[0]), self.affine(t.args[1])
         if a is None or b is None:
             return None
@@ -327,40 +424,59 @@ class Classifier:
         form = {k: c for k, c in form.items() if not (isinstance(c, int) and c == 0)}
         if not form or not all(isinstance(c, int) for c in form.values()):
             return None
-        key = tuple(sorted(form.items(), key=lambda kv: repr(kv[0])))
-        neg = Const(-const) if isinstance(const, int) else Neg(const)
         op = t.ops[0]
-        # form + const op 0
+        if op == "!=":
+            return None  # no interval
+        data = {k: c for k, c in form.items() if not isinstance(k, str) and _reads_data(k)}
+        key = sorted(((k, c) for k, c in form.items() if k not in data), key=lambda kv: repr(kv[0]))
+        if key and key[0][1] < 0:  # `lo[g] <= m` and `m < lo[g + 1]` bound the same form, m
+            key = [(k, -c) for k, c in key]
+            data = {k: -c for k, c in data.items()}
+            const = _mul(-1, const)
+            op = {">=": "<=", ">": "<", "<=": ">=", "<": ">", "==": "=="}[op]
+        # form + data + const op 0: form op -(data + const)
+        rest = self.form_span({**{k: -c for k, c in data.items()}, 1: _mul(-1, const)})
+        if rest is None:
+            return None
+        key = tuple(key)
         if op == ">=":
-            return key, neg, None
+            return key, rest, None
         if op == ">":
-            return key, neg + 1, None
+            return key, rest.shifted(1), None
         if op == "<=":
-            return key, None, neg
+            return key, None, rest
         if op == "<":
-            return key, None, neg - 1
-        if op == "==":
-            return key, neg, neg
-        return None  # != is no interval
+            return key, None, rest.shifted(-1)
+        return key, rest, rest  # ==
 
     def compare(self, t: Term) -> tuple[Expr, Expr]:
-        r = self.range(Term("-", (t.args[0], t.args[1])))
-        if r is None:
+        s = self.span(Term("-", (t.args[0], t.args[1])))
+        if s is None:
             return TRUE, FALSE
-        lo, hi = r
         op = t.ops[0]
-        if isinstance(lo, Const) and isinstance(hi, Const):  # no index in it: decided here
-            truth = {">=": lo.value >= 0, ">": lo.value > 0, "<=": lo.value <= 0, "<": lo.value < 0, "==": lo.value == 0,
-                     "!=": lo.value != 0}[op]
+        if not s.ops and isinstance(s.lo, Const) and isinstance(s.hi, Const):  # no index in it: decided here
+            lo = s.lo.value
+            truth = {">=": lo >= 0, ">": lo > 0, "<=": lo <= 0, "<": lo < 0, "==": lo == 0, "!=": lo != 0}[op]
             return (TRUE, TRUE) if truth else (FALSE, FALSE)
+        zero = Span(Const(0), Const(0), ())
+
+        def ge(x: Extent, v: int, unknown: Expr) -> Expr:
+            return _le(zero.shifted(v).least(), x, unknown)
+
+        def le(x: Extent, v: int, unknown: Expr) -> Expr:
+            return _le(x, zero.shifted(v).least(), unknown)
+
+        lo, hi = s.least(), s.greatest()
+        if op == "==":
+            return all_of([le(lo, 0, TRUE), ge(hi, 0, TRUE)]), all_of([ge(lo, 0, FALSE), le(hi, 0, FALSE)])
+        if op == "!=":
+            return negation(all_of([ge(lo, 0, FALSE), le(hi, 0, FALSE)])), any_of([ge(lo, 1, FALSE), le(hi, -1, FALSE)])
         return {
-            ">=": (hi.ge(0), lo.ge(0)),
-            ">": (hi.gt(0), lo.gt(0)),
-            "<=": (lo.le(0), hi.le(0)),
-            "<": (lo.lt(0), hi.lt(0)),
-            "==": (lo.le(0) & hi.ge(0), lo.eq(0) & hi.eq(0)),
-            "!=": (negation(lo.eq(0) & hi.eq(0)), lo.gt(0) | hi.lt(0)),
-        }[op]
+            ">=": lambda: (ge(hi, 0, TRUE), ge(lo, 0, FALSE)),
+            ">": lambda: (ge(hi, 1, TRUE), ge(lo, 1, FALSE)),
+            "<=": lambda: (le(lo, 0, TRUE), le(hi, 0, FALSE)),
+            "<": lambda: (le(lo, -1, TRUE), le(hi, -1, FALSE)),
+        }[op]()
 
     def classification(self, ragged: list[str], split: bool = False) -> Classification:
         """The block kinds: EMPTY/PARTIAL/FULL per block over the class axes; `ragged`: the
@@ -408,11 +524,65 @@ def conjuncts(t: Term) -> list[Term]:
     return flat
 
 
-def _le(a: Expr, b: Expr) -> Expr:
-    """a <= b, decided here when both are numbers."""
-    if isinstance(a, Const) and isinstance(b, Const):
-        return TRUE if a.value <= b.value else FALSE
-    return b.ge(a) if isinstance(a, Const) else a.le(b)
+def _le(a: Extent, b: Extent, unknown: Expr) -> Expr:
+    """a <= b per block, decided here when both are numbers. Operand values are compared
+    with the positions' part, never added to it, so nothing overflows int32: one value
+    (its coefficient divided into the other side), or two with coefficients of one added
+    or subtracted saturating (`_sat_add`, `_sat_sub`: exact against a value inside int32);
+    `unknown` for more."""
+    terms = a.ops + tuple((-c, v) for c, v in b.ops)
+    x, y = a.bounded, b.bounded
+    if not terms:
+        if isinstance(x, Const) and isinstance(y, Const):
+            return TRUE if x.value <= y.value else FALSE
+        return y.ge(x) if isinstance(x, Const) else x.le(y)
+    if len(terms) == 1:
+        ((c, v),) = terms
+        if c > 0:  # c v <= y - x
+            t = _diff(y, x)
+            return v.le(t if c == 1 else t.div(c))
+        # -c v >= x - y: v >= ceil((x - y) / -c)
+        return v.ge(_diff(x, y) if c == -1 else _negate(_diff(y, x).div(-c)))
+    if len(terms) == 2 and all(abs(c) == 1 for c, _ in terms):
+        (c1, v1), (c2, v2) = terms
+        if c1 == c2:
+            total = Call("_sat_add", (v1, v2))
+            return total.le(_diff(y, x)) if c1 > 0 else total.ge(_diff(x, y))
+        plus, minus = (v1, v2) if c1 > 0 else (v2, v1)
+        return Call("_sat_sub", (plus, minus)).le(_diff(y, x))
+    return unknown
+
+
+def _diff(a: Expr, b: Expr) -> Expr:
+    """a - b, plainly written (`m_lo + 1`, `-x`)."""
+    if isinstance(b, Const):
+        return a - b.value if b.value >= 0 else a + (-b.value)
+    if isinstance(a, Const) and a.value == 0:
+        return Neg(b)
+    return a - b
+
+
+def _negate(e: Expr) -> Expr:
+    return Const(-e.value) if isinstance(e, Const) else Neg(e)
+
+
+def _reads_data(t: Term) -> bool:
+    """Does an atom's value come from operand data (a read, or a term of one)?"""
+    return any(x.op == "read" for x in t.walk())
+
+
+def _merged(spans: list[Span], fn: str) -> list[Span]:
+    """Bounds of one side: those without operand values merged into one (`_max_of` of the
+    low ones, `_min_of` of the high ones; folded when numbers), the others kept apart."""
+    plain = [s.lo for s in spans if not s.ops]
+    kept = [s for s in spans if s.ops]
+    if len(plain) > 1:
+        if all(isinstance(v, Const) for v in plain):
+            pick = max if fn == "_max_of" else min
+            plain = [Const(pick(v.value for v in plain))]
+        else:
+            plain = [_extreme(fn, plain)]
+    return [Span(v, v, ()) for v in plain] + kept
 
 
 def _sum(terms: list[tuple[int, Expr]]) -> Expr:

@@ -14,8 +14,8 @@ alone, out of the value written).
 The number of steps: known at trace time when the classification depends on sizes only
 (numpy); with traced operands, the dense count, or for grouped ids (`gid[m] == g`, `g`
 walked one value at a time) the bound `row blocks + groups - 1` that sorted ids meet,
-with a fallback to the dense count where the data needs more (unsorted ids: correct,
-slower).
+with a fallback to the dense walk where the data needs more (unsorted ids: correct,
+slower), in calls over as many rows as SMEM holds the tables of (both branches compile).
 """
 
 from __future__ import annotations
@@ -264,11 +264,16 @@ class ConditionWalk(StepWalk):
         dense = f"{render(rows, 'host')} * {render(cols, 'host')}"
         bound = self.grouped_bound(cond, out_c, sum_c)
         self.counts.append((n_steps, bound or dense))
+        # With a bound, the dense walk runs in pieces of rows (`piece`: the rows of one).
         self.host += [f"# The walk's steps, from the condition's blocks (traced: tables of {n_steps} steps; the grid runs those needed).",
                       f"{kinds} = {call}",
-                      f"({names}), _, _ = _row_walk(jnp, {kinds}, {n_steps})"]
+                      f"({names}), _, _ = _row_walk(jnp, {kinds}, {n_steps}{', piece' if bound else ''})"]
         self.cond_host(kind)
-        self.fallback = Fallback(n_steps, self.n_run, self.local("needed"), f"_row_walk(jnp, {call}, 1)[2][0]", bound, dense)
+        steps = [t for t in self.tables if isinstance(t.length, Var) and t.length.name == n_steps]
+        other = [render(t.length, "host") for t in self.tables if t not in steps]
+        self.fallback = Fallback(n_steps, self.n_run, self.local("needed"), f"_row_walk(jnp, {call}, 1)[2][0]", bound, dense,
+                                 render(rows, "host"), render(cols, "host"), len(steps), " + ".join(other) or "0",
+                                 self.local("walk_kinds"), call)
 
     def cond_host(self, kind: str) -> None:
         if self.cond_step is not None:

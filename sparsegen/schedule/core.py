@@ -193,7 +193,8 @@ class Fallback:
     `needed` steps exactly (a traced grid dimension, `run`, as megablox's), over tables of
     `count` entries (static). `count` is the dense count, or a bound the data may exceed
     (`row blocks + groups - 1` for sorted group ids): then where the data needs more the pass
-    runs over tables of `dense` entries instead (`lax.cond`): correct for any data."""
+    runs the dense walk instead (`lax.cond`), in as many calls as its tables need to fit SMEM
+    (both branches are compiled): correct for any data."""
 
     count: str  # the static length of the tables
     run: str  # the grid's traced extent: min(needed, count)
@@ -201,6 +202,17 @@ class Fallback:
     needed_value: str  # host expression (traced) of the steps the data needs
     bound: str | None  # host expressions over the sizes
     dense: str
+    # With a bound, the dense walk runs in pieces of consecutive rows whose tables fit SMEM
+    # (`_pieces`): the walk's rows and columns (host expressions over the sizes), its tables
+    # of `count` entries, the SMEM entries of its other tables, and the steps the data needs
+    # in the rows `rows` (first, end) alone, from the block kinds (`kinds`: its variable
+    # and value).
+    rows: str = ""
+    cols: str = ""
+    tables: int = 0
+    other: str = "0"
+    kinds: str = ""
+    kinds_value: str = ""
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ def describe_pass(m: TpuModule, tp: TpuPass) -> list[str]:
         f = p.fallback
         out.append(f"    {f.run}: the steps the data needs (traced), at most {f.count}, the tables' length")
         if f.bound is not None:
-            out.append(f"    {f.count} = {f.bound} when the data allows (sorted group ids), else {f.dense} (lax.cond: correct for any ids)")
+            out.append(f"    {f.count} = {f.bound} when the data allows (sorted group ids), else {f.dense}, in calls whose tables fit SMEM "
+                       "(lax.cond: correct for any ids)")
         else:
             out.append(f"    {f.count} = {f.dense}")
     elif p.walk == "condition":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..expr import Call, Const, Var, names as expr_names, render, substitute
+from ..expr import Call, Const, Var, lift, names as expr_names, render, substitute
 from ..formatting import format_module
 from ..pytext import needed, parameters, py_tuple
 from ..wrapper import Glue, Wrapper, einsum_glue
@@ -160,7 +160,7 @@ class _Emitter:
             "reads": list(dict.fromkeys(reads)),
             "pre": list(p.pre),
             "guard": guard,
-            "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes{', ' + p.fallback.count if p.fallback and p.fallback.bound else ''}), "
+            "prefetch": f"*{tp.prefetch_fn}({', '.join(conv.impl_args)}, sizes{', ' + p.fallback.count + ', piece' if p.fallback and p.fallback.bound else ''}), "
                         if p.tables else "",
             "fallback": p.fallback,
             "tables": len(p.tables),
@@ -170,6 +170,9 @@ class _Emitter:
             "scratch": f"pltpu.VMEM({py_tuple(map(str, p.body.acc_shape or (1, 1)))}, {p.accumulate.jnp})" if p.body.accumulator else "",
             "kernel": kernel,
             "out_struct": f"jax.ShapeDtypeStruct({view_shape}, {p.out_dtype.jnp})",
+            # A dense walk in pieces writes into an output padded to whole blocks (`_pieces`).
+            "out_view": view_shape,
+            "out_padded": f"jax.ShapeDtypeStruct({self.padded_shape(tp)}, {p.out_dtype.jnp})",
             "reshape_out": out_shape if out.view.reshapes else None,
             "lead": f"{outputs[p.output]} = " if out.view.reshapes else "return ",
             "semantics": py_tuple(f'"{x}"' for x in tp.dimension_semantics),
@@ -188,6 +191,14 @@ class _Emitter:
         kept = needed(p.counts, *outside, *(var for var, _ in needed(unshadowed, *inside)))
         out["guard"] = [f"{var} = {value}" for var, value in kept] + guard
         return out
+
+    def padded_shape(self, tp: TpuPass) -> str:
+        """The output's view shape with each blocked dimension padded to whole blocks."""
+        from .layout import view_shape
+
+        out = tp.out_spec
+        dims = view_shape(tuple(tp.p.out_shape), out.view.inserted)
+        return py_tuple(render(lift(d).cdiv(b) * b if b not in (None, 1) else lift(d), "host") for d, b in zip(dims, out.view.block))
 
     def kernel_of(self, mod: TpuModule):
         return mod.kernel
