@@ -27,10 +27,13 @@ WINDOW_PACKAGES_$(JAX_GPU_OLDEST) := jax==$(JAX_GPU_OLDEST) jaxlib==$(JAX_GPU_OL
 # jax[tpu] 0.12.1 asks for libtpu 0.0.53, which is not out: this end names the newest libtpu.
 WINDOW_PACKAGES_$(JAX_NEWEST) := jax==$(JAX_NEWEST) jaxlib==$(JAX_NEWEST) libtpu==0.0.52
 # What a jax release changes under generated modules: the CPU interpreter and the TPU
-# simulator, gradients, conditions, AOT compiles through libtpu (one chip and a multi-chip
-# mesh); for GPU modules the Mosaic GPU interpreter and lowering under an abstract H200.
+# simulator (einsums, attention, paged decode), gradients under jit, conditions, AOT compiles
+# through libtpu on one chip and on a multi-chip mesh; for GPU modules the Mosaic GPU
+# interpreter and lowering under an abstract H200.
 TPU_WINDOW_TESTS := tests/test_kernels.py tests/test_calls.py tests/test_sum_conditions.py tests/test_aot.py \
-	tests/test_sharded_aot.py
+	tests/test_sharded_aot.py tests/test_attention.py::test_example_matches_numpy \
+	tests/test_attention.py::test_example_gradients tests/test_paged.py::test_paged_decode_against_the_oracle \
+	tests/test_gradients.py::test_vjp_under_jit_gives_every_argument_a_cotangent
 GPU_WINDOW_TESTS := tests/test_gpu_conditions.py
 WINDOW_TESTS_$(JAX_OLDEST) := tests/test_jax_window.py $(TPU_WINDOW_TESTS)
 WINDOW_TESTS_$(JAX_GPU_OLDEST) := tests/test_jax_window.py $(GPU_WINDOW_TESTS)

@@ -7,8 +7,10 @@ import ast
 import importlib.util
 import re
 import tomllib
+import types
 
 import jax
+import numpy as np
 import pytest
 from conftest import GENERATED, ROOT, spec_text
 
@@ -131,3 +133,25 @@ def test_a_module_built_for_either_backend_checks_its_own_window(monkeypatch, tm
     else:
         with pytest.raises(ImportError, match=re.escape(_refused(window, version, "window_built"))):
             _import(path, "window_built")
+
+
+def test_collectives_are_read_in_the_hlo_of_either_end():
+    """tests/test_sharded_aot.py's reader of compiled HLO (the mesh file `make test-window`
+    runs at both ends): jax 0.12's XLA names replica groups by mesh axis; jax 0.11's lists
+    them by device, or over a mesh of its own. Lines as each wrote them for v5e 2x4."""
+    from test_sharded_aot import collectives
+
+    mesh = types.SimpleNamespace(devices=np.zeros((2, 4)), axis_names=("data", "model"), size=8)
+    head = "  ROOT %psum.7 = f32[1,128,128]{2,1,0:T(8,128)} all-reduce(%_impl.1), channel_id=1, replica_groups="
+    lines = {
+        "mesh['data'=2,'model'=4] {'model'}": ("model",),  # jax 0.12
+        "{{0,1,2,3},{4,5,6,7}}": ("model",),  # jax 0.11: by device
+        "{{0,4},{1,5},{2,6},{3,7}}": ("data",),
+        "{{0,1,2,3,4,5,6,7}}": ("data", "model"),
+        "mesh['axis_0'=8,'axis_1'=1] {'axis_0'}": ("data", "model"),  # jax 0.11: a mesh of XLA's own
+        "mesh['axis_0'=2,'axis_1'=4] {'axis_1'}": ("model",),
+        "mesh['axis_0'=2,'axis_1'=4] {'axis_0'}": ("data",),
+    }
+    for groups, axes in lines.items():
+        assert collectives(head + groups + ", use_global_device_ids=true, to_apply=%region_0.1", mesh) == [
+            ("all-reduce", axes, [(1, 128, 128)])], groups
