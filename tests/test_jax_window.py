@@ -16,7 +16,7 @@ from conftest import GENERATED, ROOT, spec_text
 
 from sparsegen.compiler import compile_source
 from sparsegen.jaxwindow import SUPPORTED, WINDOWS, as_tuple, window_for
-from sparsegen.source import SourceFile
+from sparsegen.source import SourceFile, SpecError
 
 EXAMPLE_KERNELS = ROOT / "examples" / "moe_transformer" / "kernels"
 TPU, GPU = WINDOWS["tpu"], WINDOWS["gpu"]
@@ -155,3 +155,11 @@ def test_collectives_are_read_in_the_hlo_of_either_end():
     for groups, axes in lines.items():
         assert collectives(head + groups + ", use_global_device_ids=true, to_apply=%region_0.1", mesh) == [
             ("all-reduce", axes, [(1, 128, 128)])], groups
+
+
+def test_the_check_s_name_is_reserved():
+    """`_JAX_VERSION`, the module-level name the check binds, is the module's own: a kernel
+    named so is refused at its name, as every name the module defines is."""
+    text = spec_text("dsd_matmul").replace("kernel dsd_matmul", "kernel _JAX_VERSION")
+    with pytest.raises(SpecError, match=r"dsd_matmul.spk:3:8: error: kernel name '_JAX_VERSION' is taken by the generated module"):
+        compile_source(SourceFile("dsd_matmul.spk", text), "v5e")
