@@ -15,8 +15,32 @@ EXAMPLE_SPECS := $(wildcard examples/moe_transformer/specs/*.spk)
 export TPU_SKIP_MDS_QUERY := 1
 # Parallel test workers each load libtpu (for AOT compiles only); let them share it.
 export ALLOW_MULTIPLE_LIBTPU_LOAD := 1
+# The supported-JAX window's ends (sparsegen/jaxwindow.py; tests/test_jax_window.py keeps them
+# equal): `make test-window` runs the suite's fast subset under each, in a venv of its own.
+# TPU modules need jax >= 0.11.0, GPU modules >= 0.11.2. $(VENV) takes the newest jax[tpu] the
+# window resolves to; CI's `make test` runs the whole suite there.
+JAX_OLDEST := 0.11.0
+JAX_GPU_OLDEST := 0.11.2
+JAX_NEWEST := 0.12.1
+WINDOW_PACKAGES_$(JAX_OLDEST) := 'jax[tpu]==$(JAX_OLDEST)'
+WINDOW_PACKAGES_$(JAX_GPU_OLDEST) := jax==$(JAX_GPU_OLDEST) jaxlib==$(JAX_GPU_OLDEST)
+# jax[tpu] 0.12.1 asks for libtpu 0.0.53, which is not out: this end names the newest libtpu.
+WINDOW_PACKAGES_$(JAX_NEWEST) := jax==$(JAX_NEWEST) jaxlib==$(JAX_NEWEST) libtpu==0.0.52
+# What a jax release changes under generated modules: the CPU interpreter and the TPU
+# simulator (einsums, attention, paged decode), gradients under jit, conditions, AOT compiles
+# through libtpu on one chip and on a multi-chip mesh; for GPU modules the Mosaic GPU
+# interpreter and lowering under an abstract H200.
+TPU_WINDOW_TESTS := tests/test_kernels.py tests/test_calls.py tests/test_sum_conditions.py tests/test_aot.py \
+	tests/test_sharded_aot.py tests/test_attention.py::test_example_matches_numpy \
+	tests/test_attention.py::test_example_gradients tests/test_paged.py::test_paged_decode_against_the_oracle \
+	tests/test_gradients.py::test_vjp_under_jit_gives_every_argument_a_cotangent
+GPU_WINDOW_TESTS := tests/test_gpu_conditions.py
+WINDOW_TESTS_$(JAX_OLDEST) := tests/test_jax_window.py $(TPU_WINDOW_TESTS)
+WINDOW_TESTS_$(JAX_GPU_OLDEST) := tests/test_jax_window.py $(GPU_WINDOW_TESTS)
+WINDOW_TESTS_$(JAX_NEWEST) := tests/test_jax_window.py $(TPU_WINDOW_TESTS) $(GPU_WINDOW_TESTS)
+WINDOW_ENDS := $(JAX_OLDEST) $(JAX_GPU_OLDEST) $(JAX_NEWEST)
 
-.PHONY: run test build check clean venv gpu-venv
+.PHONY: run test test-window build check clean venv gpu-venv
 
 $(BIN)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: Python >= 3.12 not found (JAX 0.12 needs it); install it or set PYTHON=..." >&2; exit 2; }
@@ -52,5 +76,19 @@ run: build
 test: venv gpu-venv
 	$(BIN)/python -m pytest -n 2 --dist worksteal --durations=30 $(PYTEST_ARGS)
 
+.venv-jax-%/.installed: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: Python >= 3.12 not found" >&2; exit 2; }
+	$(PYTHON) -m venv .venv-jax-$*
+	.venv-jax-$*/bin/pip install --quiet --upgrade pip
+	.venv-jax-$*/bin/pip install --quiet -e '.[tools]' $(WINDOW_PACKAGES_$*)
+	touch $@
+
+# Every end runs, each with its time; it fails if any does.
+test-window: $(foreach v,$(WINDOW_ENDS),.venv-jax-$(v)/.installed)
+	@status=0; $(foreach v,$(WINDOW_ENDS),\
+	  echo "== jax $(v): $(WINDOW_TESTS_$(v))"; start=$$(date +%s); \
+	  .venv-jax-$(v)/bin/python -m pytest -n 2 --dist worksteal -q -p no:cacheprovider $(WINDOW_TESTS_$(v)) $(PYTEST_ARGS) \
+	    || status=1; echo "== jax $(v): $$(( $$(date +%s) - start )) s"; ) exit $$status
+
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(GPU_VENV) $(foreach v,$(WINDOW_ENDS),.venv-jax-$(v)) .pytest_cache .hypothesis

@@ -26,7 +26,7 @@ HELPERS = frozenset(
     "_MESH_RULES", "_MESH_ARGS", "_MESH_OUTPUTS", "_MESH_SUMS", "_MESH_SIZES", "_MESH_SHIFTS", "_MESH_COO", "_placement",
     "_kernel", "_impl", "_reference", "_prepare", "_prefetch", "_init", "_compute", "_flush",
     "_RING_QUERY", "_RING_KEY", "_RING_ROLES", "_RING_DIMS", "_RING_MERGES", "_RING_ROWS", "_RING_DECLARED", "_RING_LSE",
-    "_RING_LENGTHS", "_FUSED_MAX_ROWS",
+    "_RING_LENGTHS", "_FUSED_MAX_ROWS", "_JAX_VERSION",
 }  # fmt: skip
 MODULE_NAMES = IMPORTS | HELPERS | {"reference", "block_kinds", "sharded"}
 # Fixed parameter and local names of the generated functions.

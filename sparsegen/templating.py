@@ -12,6 +12,7 @@ import re
 import jinja2
 
 from .expr import render
+from .jaxwindow import window_for
 from .pytext import py_tuple
 from .resources import resource_dir
 
@@ -32,6 +33,7 @@ def environment() -> jinja2.Environment:
     env.filters["quote"] = lambda text: f'"{text}"'
     # Names as the targets of an assignment, or a return's tuple: "a, b", or "a," for one.
     env.filters["targets"] = lambda names: ", ".join(names) + ("," if len(names) == 1 else "")
+    env.globals["jax_window"] = window_for  # the jax a target's modules state in their header and check
     return env
 
 

@@ -65,28 +65,45 @@ def collectives(hlo: str, mesh: jax.sharding.Mesh) -> list[tuple[str, tuple[str,
     shapes of its result). An async pair counts once (its -start). Axes: from the replica
     groups, which XLA names by mesh axis (`replica_groups=mesh['data'=2,'model'=4] {'model'}`),
     or for a permute from its (source, target) device pairs: the axes along which they differ
-    (logical device n is the mesh's n-th device, row-major)."""
+    (logical device n is the mesh's n-th device, row-major). The XLA of jax 0.11 lists some
+    groups by device instead (`replica_groups={{0,1,2,3},{4,5,6,7}}`), or over a mesh of its
+    own (`mesh['axis_0'=8,'axis_1'=1] {'axis_0'}`): the axes a group's devices differ along."""
     out = []
     for line in hlo.splitlines():
         m = _OP.match(line)
         if m is None:
             continue
-        groups = re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line)
+        groups = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
         pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+        listed = re.search(r"replica_groups=\{((?:\{[\d,]+\},?)*)\}", line)
         if groups:
-            axes = tuple(sorted(a.strip("' ") for a in groups.group(1).split(",")))
+            over = [a.strip("' ") for a in groups.group(2).split(",")]
+            sizes = {n.strip("' "): int(k) for n, k in (a.split("=") for a in groups.group(1).split(","))}
+            if set(sizes) <= set(mesh.axis_names):
+                axes = tuple(sorted(over))
+            else:  # XLA's own mesh: its groups by device, each the devices along its axes `over`
+                ids = np.moveaxis(np.arange(mesh.size).reshape(tuple(sizes.values())), [list(sizes).index(a) for a in over],
+                                  range(-len(over), 0))
+                axes = _differ_along(ids.reshape(-1, int(np.prod([sizes[a] for a in over]))), mesh)
+        elif listed:
+            axes = _differ_along([[int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", listed.group(1))], mesh)
         elif pairs:
-            moved = set()
-            for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)):
-                ca, cb = np.unravel_index(int(a), mesh.devices.shape), np.unravel_index(int(b), mesh.devices.shape)
-                moved |= {mesh.axis_names[d] for d in range(len(ca)) if ca[d] != cb[d]}
-            axes = tuple(sorted(moved))
+            axes = _differ_along([[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))], mesh)
         else:
             raise AssertionError(f"a collective whose mesh axes are not recognised: {line[:300]}")
         # A -start's result is (operands, results, context): its shapes, as written.
         shapes = [tuple(int(d) for d in dims.split(",") if d) for _, dims in _SHAPE.findall(m.group("type"))]
         out.append((m.group("op"), axes, shapes))
     return out
+
+
+def _differ_along(groups, mesh) -> tuple[str, ...]:
+    """The mesh axes along which the logical devices of some group differ."""
+    moved = set()
+    for group in groups:
+        coords = [np.unravel_index(int(d), mesh.devices.shape) for d in group]
+        moved |= {mesh.axis_names[d] for d in range(mesh.devices.ndim) if len({c[d] for c in coords}) > 1}
+    return tuple(sorted(moved))
 
 
 def kernel_results(hlo: str) -> list[tuple[int, ...]]:
