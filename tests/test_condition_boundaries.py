@@ -10,8 +10,11 @@ from the math, in the TPU simulator and the Mosaic GPU interpreter:
   lo[E] < M);
 - a sliding window on attention's keys (`i >= j and i - j < 100`) at the same sizes.
 
-Gradients of the grouped walk at the same boundaries: padding rows and empty groups get
-zero gradients, the others that of the oracle.
+The products' factors are small nonzero integers (exact in bf16) and their outputs f32: every
+product and sum is exact, so the kernel must equal the oracle exactly and a single term
+missing or added (one row of a block, one element of a diagonal) fails, where a tolerance
+for rounding would let a term of order one through. Gradients of the grouped walk at the
+same boundaries: padding rows and empty groups get zero gradients, the others the oracle's.
 """
 
 from __future__ import annotations
@@ -20,16 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SWEEP, assert_matches, build, spec_text, with_tiles
+from conftest import SWEEP, build, spec_text, with_tiles
 
 TILE = 128
 SIZES = [2 * TILE - 1, 2 * TILE + 1]
-TRIL = with_tiles(spec_text("tril_matmul"), m=TILE, k=TILE, n=TILE)
-GROUPED = with_tiles(spec_text("grouped_matmul"), m=TILE, k=TILE, n=TILE, g=1)
+# The examples with f32 outputs (exact sums of the integer factors' products).
+TRIL = with_tiles(spec_text("tril_matmul"), m=TILE, k=TILE, n=TILE).replace("out o: bf16", "out o: f32")
+GROUPED = with_tiles(spec_text("grouped_matmul"), m=TILE, k=TILE, n=TILE, g=1).replace("out o: bf16", "out o: f32")
 BAND = f"""kernel band_matmul {{
     in  x: bf16[M, M]
     in  y: bf16[M, N]
-    out o: bf16[M, N]
+    out o: f32[M, N]
     o[m, n] = x[m, k] * y[k, n] where k <= m and m - k < 100
     tile m = {TILE}, k = {TILE}, n = {TILE}
 }}"""
@@ -37,7 +41,7 @@ OFFSETS = f"""kernel gmm_offsets {{
     in  x: bf16[M, K]
     in  w: bf16[E, K, N]
     in  lo: i32[E1]
-    out o: bf16[M, N]
+    out o: f32[M, N]
     o[m, n] = x[m, k] * w[g, k, n] where lo[g] <= m < lo[g + 1]
     tile m = {TILE}, k = {TILE}, n = {TILE}, g = 1
 }}"""
@@ -85,12 +89,17 @@ def bf16(rng, shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
 
 
+def ints(rng, shape):
+    """Factors in {-2, -1, 1, 2}: exact in bf16, never zero (a missing term always shows)."""
+    return jnp.asarray(rng.choice([-2, -1, 1, 2], shape), jnp.bfloat16)
+
+
 def f64(x):
     return np.asarray(x, np.float64)
 
 
-def masked_matmul_oracle(x, y, keep):
-    return (f64(x) * keep) @ f64(y)
+def assert_exact(out, want):
+    np.testing.assert_array_equal(f64(out), want)
 
 
 @pytest.mark.parametrize("name,M,target", pairs(*[(n, M) for n in ("tril", "band") for M in SIZES],
@@ -99,24 +108,34 @@ def test_triangle_and_band_one_row_off_a_whole_block(name, M, target):
     """The diagonal's last block holds 127 rows, or one; the band (k in (m - 100, m]) cuts
     the blocks below the diagonal too. NaN where the condition is false: never multiplied."""
     rng = np.random.default_rng(M)
-    x, y = bf16(rng, (M, M)), bf16(rng, (M, TILE))
+    x, y = ints(rng, (M, M)), ints(rng, (M, TILE))
     m, k = np.arange(M)[:, None], np.arange(M)[None, :]
     keep = (k <= m) & ((m - k < 100) if name == "band" else True)
     x_nan = jnp.where(keep, x, jnp.nan).astype(jnp.bfloat16)
-    kernel, out, mod = run(TRIL if name == "tril" else BAND, target, x_nan, y)
-    want = masked_matmul_oracle(jnp.where(keep, x, 0), y, keep)
-    assert np.isfinite(f64(out)).all()
-    assert_matches(kernel, out, want)
-    assert_matches(kernel, mod.reference(x, y), want)
+    _, out, mod = run(TRIL if name == "tril" else BAND, target, x_nan, y)
+    want = (f64(x) * keep) @ f64(y)
+    assert_exact(out, want)
+    assert_exact(mod.reference(x, y), want)
 
 
-def group_ids(M, layout, E=4, before=7, after=9):
-    """Per row, its group: `before` rows of one padding id, groups 1 and 2 (0 and 3 empty, the
-    first and the last), `after` rows of the other padding id. "sorted": -1 first, E last;
-    "swapped": E first, -1 last (unsorted)."""
-    first = (M - before - after) // 2 + 3  # group 1 ends inside a block, not at its edge
-    ids = np.repeat([-1, 1, 2, E], [before, first, M - before - after - first, after]).astype(np.int32)
-    return ids if layout == "sorted" else np.where(ids == -1, E, np.where(ids == E, -1, ids)).astype(np.int32)
+def offsets(M, before=7):
+    """lo for E = 4 groups: rows before lo[0] and from lo[4] on belong to none, groups 0 and 3
+    are empty; group 2 starts at the first block's last row and ends at the second block's
+    last row (a block whose rows all belong to a group but its last: partial, not full), the
+    rows past it (one, or two: at 257 the last block's one row) belong to none."""
+    end = 2 * TILE - 1 - (M < 2 * TILE)
+    return np.array([before, before, TILE - 1, end, end], np.int32)
+
+
+def group_ids(M, layout, E=4):
+    """Per row, its group, as `offsets` lays them out; the rows of no group are -1 before the
+    groups and E after them ("sorted"), or E before and -1 after ("swapped": unsorted)."""
+    lo = offsets(M)
+    ids = np.full(M, -1 if layout == "sorted" else E, np.int32)
+    ids[lo[-1]:] = E if layout == "sorted" else -1
+    for g in range(E):
+        ids[lo[g] : lo[g + 1]] = g
+    return ids
 
 
 def grouped_oracle(x, w, gid):
@@ -138,34 +157,23 @@ GROUP_CASES = [(M, layout) for M in SIZES for layout in ("sorted", "swapped") if
 def test_grouped_empty_first_and_last_groups_padding_at_both_ends(M, layout, target):
     rng = np.random.default_rng(M)
     gid = group_ids(M, layout)
-    x, w = bf16(rng, (M, TILE)), bf16(rng, (4, TILE, TILE))
-    kernel, out, mod = run(GROUPED, target, x, w, gid)
+    x, w = ints(rng, (M, TILE)), ints(rng, (4, TILE, TILE))
+    _, out, mod = run(GROUPED, target, x, w, gid)
     want = grouped_oracle(x, w, gid)
-    assert not f64(out)[(gid < 0) | (gid >= 4)].any(), "a row of no group is not zero"
-    assert_matches(kernel, out, want)
-    assert_matches(kernel, mod.reference(x, w, gid), want)
-
-
-def offsets(M, before=7, after=9):
-    """lo for E = 4 groups: rows before lo[0] and from lo[4] on belong to none; groups 0 and
-    3 are empty; group 1 ends inside a block."""
-    first = (M - before - after) // 2 + 3
-    return np.array([before, before, before + first, M - after, M - after], np.int32)
+    assert_exact(out, want)
+    assert_exact(mod.reference(x, w, gid), want)
 
 
 @pytest.mark.parametrize("M,target", pairs(*[(M,) for M in SIZES], gpu_at=lambda M: M == SIZES[0]))
 def test_group_offsets_empty_first_and_last_groups_padding_at_both_ends(M, target):
     rng = np.random.default_rng(M + 1)
     lo = offsets(M)
-    gid = np.full(M, -1, np.int32)
-    for g in range(4):
-        gid[lo[g] : lo[g + 1]] = g
-    x, w = bf16(rng, (M, TILE)), bf16(rng, (4, TILE, TILE))
-    kernel, out, mod = run(OFFSETS, target, x, w, lo)
+    gid = group_ids(M, "sorted")
+    x, w = ints(rng, (M, TILE)), ints(rng, (4, TILE, TILE))
+    _, out, mod = run(OFFSETS, target, x, w, lo)
     want = grouped_oracle(x, w, gid)
-    assert not f64(out)[gid < 0].any(), "a row of no group is not zero"
-    assert_matches(kernel, out, want)
-    assert_matches(kernel, mod.reference(x, w, lo), want)
+    assert_exact(out, want)
+    assert_exact(mod.reference(x, w, lo), want)
 
 
 @pytest.mark.parametrize("S,target", pairs(*[(S,) for S in SIZES], gpu_at=lambda S: S == SIZES[1]))
