@@ -131,8 +131,20 @@ def pattern_of(kernel) -> str:
 
 
 def draw(kernel, sizes, seed_text):
+    """example_args, but for what it draws as plain integers: group ids sorted (as a router
+    sorts tokens: ragged groups, blocks straddling two, whole blocks of one), and a paged
+    kernel's lengths over both key blocks (the last cut one key into it), not a few tokens."""
     rng = np.random.default_rng(zlib.crc32(seed_text.encode()))
-    return example_args(kernel, sizes, pattern_of(kernel), rng)
+    args, keywords = example_args(kernel, sizes, pattern_of(kernel), rng)
+    env = resolve_sizes(kernel, sizes)
+    names = [op.name for op in kernel.inputs]
+    if "gid" in names:
+        args[names.index("gid")] = np.sort(rng.integers(0, env["E"], env["M"])).astype(np.int32)
+    if "lens" in names:
+        keys = env["NP"] * env["T"]
+        j = kernel.index("j").tile
+        args[names.index("lens")] = np.array([keys, (keys - 1) // j * j + 1][: env["B"]], np.int32)
+    return args, keywords
 
 
 def test_the_tables_cover_every_example():
