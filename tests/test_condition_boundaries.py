@@ -192,7 +192,9 @@ def test_sliding_window_one_row_off_a_whole_block(S, target):
     np.testing.assert_allclose(f64(mod.reference(q, k, v)), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("target", TARGETS)
+# The GPU's under SPARSEGEN_SWEEP=1 (tests/test_shipped_tiles.py runs its grouped gradient
+# at 256-row blocks, tests/test_gpu_conditions.py with an empty group).
+@pytest.mark.parametrize("target", [t for t in TARGETS if t != "gpu" or SWEEP])
 def test_grouped_gradients_with_empty_groups_and_padding_at_both_ends(target):
     """dx of a padding row and dw of an empty group are zero; the rest is the oracle's."""
     M = SIZES[1]
