@@ -11,15 +11,18 @@ group-id tile, a block's offset along an axis, the last block cut short) passes 
   ragged where the size may be (TPU_SIZES), in the simulator (NaN-filled memory, bounds and
   revisit checks);
 - GPU: every example that builds for h200, in the Mosaic GPU interpreter. By default at
-  blocks of 256 rows where the spec's are larger (two CTA row tiles a block, or two
-  consumer warpgroups of 64 rows a CTA), the columns and `k` as the spec's where that keeps
-  several CTA column tiles and k steps a block, ragged rows (GPU_DEFAULT); at the spec's own
-  tiles and TPU_SIZES under SPARSEGEN_SWEEP=1 (minutes a case in the interpreter);
+  blocks of 256 rows where the spec's are larger (two CTA row tiles of 128 a block, or two
+  CTAs of two 64-row consumer warpgroups), columns of 512 where the spec's are (two CTA
+  column tiles), k tiles of 128 (two steps of 64), two blocks of rows, the second ragged
+  (GPU_DEFAULT); at the spec's own tiles and TPU_SIZES under SPARSEGEN_SWEEP=1 (a minute or
+  more a case in the interpreter);
 - gradients: jax.grad through the kernel against jax.grad through `reference`, for an
   einsum (dsd_matmul, with padding entries), a condition walk (grouped_matmul) and a row
   walk (causal_attention); paged kernels are forward only.
 
 `test_the_tables_cover_every_example` fails when an example is added without its sizes here.
+An example another test already runs so (COVERED_TPU, COVERED_GPU, which name it) runs here
+under SPARSEGEN_SWEEP=1 only.
 """
 
 from __future__ import annotations
@@ -125,6 +128,24 @@ GPU_GRADIENT = {"dsd_matmul": (dict(m=256, n=256, k=128), dict(M=300, K=128, N=2
                 "causal_attention": (dict(b=1, h=1, i=256, j=256, d=128, e=128), dict(B=1, H=1, S=300, D=128))}
 
 
+# Examples other tests already run at their own tiles, two blocks along every axis and a
+# ragged end (or fixed sizes), in the same mode: here under SPARSEGEN_SWEEP=1 only.
+COVERED_TPU = {
+    "block_slice": "tests/test_kernels.py::test_kernel_matches_reference (the simulator at its tiles, three offsets)",
+    "paged_decode": "tests/test_paged.py::test_paged_decode_against_the_oracle (the simulator: 5 sequences up to 640 keys, "
+                    "2 groups of 8 heads)",
+    "paged_window_decode": "tests/test_paged.py::test_serving_examples_in_the_simulator (1100 keys, past the window)",
+}
+COVERED_GPU = {
+    "block_slice": "tests/test_gpu.py::test_example_matches_reference_in_the_gpu_interpreter (its tiles)",
+    "paged_decode": "tests/test_gpu_decode.py::test_paged_decode_in_the_gpu_interpreter (5 sequences up to the whole table, "
+                    "2 groups of 8 heads)",
+    "paged_window_decode": "tests/test_gpu_decode.py::test_serving_examples_in_the_gpu_interpreter (1100 and 1283 keys)",
+    "paged_gqa_speculative_decode": "tests/test_gpu_decode.py::test_heads_packed_with_new_tokens_in_the_gpu_interpreter "
+                                    "(2 groups of 16 heads, 530 keys)",
+}
+
+
 def pattern_of(kernel) -> str:
     """Padding entries among random blocks where an operand is coo; random elsewhere."""
     return "padded" if any(op.sparsity == "coo" for op in kernel.operands) else "random"
@@ -153,6 +174,7 @@ def test_the_tables_cover_every_example():
     name every example the GPU takes, and those it refuses are refused."""
     assert set(TPU_SIZES) == set(EXAMPLES), set(EXAMPLES) ^ set(TPU_SIZES)
     assert set(GPU_DEFAULT) == set(EXAMPLES) - set(GPU_REFUSED)
+    assert set(COVERED_TPU) <= set(EXAMPLES) and set(COVERED_GPU) <= set(GPU_DEFAULT)
     for name, text in EXAMPLES.items():
         kernel, _ = build(text)
         env = resolve_sizes(kernel, TPU_SIZES[name])
@@ -169,7 +191,7 @@ def test_the_tables_cover_every_example():
 
 # ------------------------------------------------------------------ TPU: the simulator
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.parametrize("name", [n for n in sorted(EXAMPLES) if SWEEP or n not in COVERED_TPU])
 def test_tpu_example_at_its_tiles(name, interpret):
     kernel, mod = build(EXAMPLES[name])
     sizes = TPU_SIZES[name]
@@ -189,7 +211,8 @@ def gpu_case(name: str, shipped: bool):
 
 
 # Under SPARSEGEN_SWEEP=1 every example at its own tiles and TPU_SIZES too.
-GPU_CASES = [(name, False) for name in sorted(GPU_DEFAULT)] + [(name, True) for name in sorted(GPU_DEFAULT) if SWEEP]
+GPU_CASES = [(name, False) for name in sorted(GPU_DEFAULT) if SWEEP or name not in COVERED_GPU] + [
+    (name, True) for name in sorted(GPU_DEFAULT) if SWEEP]
 
 
 @pytest.mark.parametrize("name,shipped", GPU_CASES, ids=[f"{n}-{'shipped' if s else 'default'}" for n, s in GPU_CASES])
