@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, build, spec_text, with_tiles
+from mesh_jobs import one_device_mesh
 
 from sparsegen.testing import example_args
 
@@ -105,10 +106,6 @@ MESSAGES = source_messages()
 
 
 # ------------------------------------------------------------------ the modules the cases call
-
-def one_device_mesh():
-    return jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])
-
 
 def two_device_mesh():
     """A mesh whose axis has two devices (this process has one: listed twice). `sharded`'s
