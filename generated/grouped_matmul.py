@@ -69,7 +69,7 @@ Plan (target v5e):
         init accumulator when (step_flags[step] & 1 != 0) & (k == 0)
         accumulate the product of x and w summed over k, g when step_kind_here != _EMPTY
           past K along k (a partial last block) the factors are zero
-        in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of x
+        in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of the step's product
         write output when (step_flags[step] & 2 != 0) & (k == n_k - 1): accumulator
       VMEM estimate: 5.6 MiB of 128 MiB on v5e
         x block: 2 x 512x512 bf16 = 1 MiB
@@ -108,7 +108,7 @@ Plan (target v5e):
           init accumulator when (step_flags[step] & 1 != 0) & (n == 0)
           accumulate the product of g_o and w summed over n, g when step_kind_here != _EMPTY
             past N along n (a partial last block) the factors are zero
-          in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of g_o
+          in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of the step's product
           write output when (step_flags[step] & 2 != 0) & (n == n_n - 1): accumulator
         VMEM estimate: 5.6 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB
@@ -146,7 +146,7 @@ Plan (target v5e):
           init accumulator when step_flags[step] & 1 != 0
           accumulate the product of g_o and x summed over m when step_kind_here != _EMPTY
             past M along m (a partial last block) the factors are zero
-          in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of g_o
+          in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of g_o and x
           write output when step_flags[step] & 2 != 0: accumulator
         VMEM estimate: 5.6 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB
@@ -568,13 +568,14 @@ def _kernel(
     def _compute_partial():
         # Some terms absent: the condition selects them out.
         x_ = x_ref[...]
-        present = gid_ref[:, 0:1] == step_col[step]
-        x_ = jnp.where(present, x_.astype(jnp.float32), 0.0).astype(x_.dtype)
         w_ = w_ref[...]
         if K % 512:  # a partial last block: what lies past the end is absent
             x_ = _mask_tail(x_, 1, K - k * 512)
             w_ = _mask_tail(w_, 0, K - k * 512)
-        acc_ref[...] += jnp.dot(x_, w_, preferred_element_type=jnp.float32)
+        part = jnp.dot(x_, w_, preferred_element_type=jnp.float32)
+        present = gid_ref[:, 0:1] == step_col[step]
+        part = jnp.where(present, part, jnp.zeros_like(part))
+        acc_ref[...] += part
 
     @pl.when(step_kind_here == _FULL)
     def _compute_full():
@@ -677,15 +678,16 @@ def _d_x_kernel(
     def _compute_partial():
         # Some terms absent: the condition selects them out.
         g_o_ = g_o_ref[...]
-        present = gid_ref[:, 0:1] == step_col[step]
-        g_o_ = jnp.where(present, g_o_.astype(jnp.float32), 0.0).astype(g_o_.dtype)
         w_ = w_ref[...]
         if N % 512:  # a partial last block: what lies past the end is absent
             g_o_ = _mask_tail(g_o_, 1, N - n * 512)
             w_ = _mask_tail(w_, 1, N - n * 512)
-        acc_ref[...] += lax.dot_general(
+        part = lax.dot_general(
             g_o_, w_, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
+        present = gid_ref[:, 0:1] == step_col[step]
+        part = jnp.where(present, part, jnp.zeros_like(part))
+        acc_ref[...] += part
 
     @pl.when(step_kind_here == _FULL)
     def _compute_full():
@@ -774,6 +776,7 @@ def _d_w_kernel(
         present = gid_ref[:, 0:1] == step_read[step]
         g_o_ = jnp.where(present, g_o_.astype(jnp.float32), 0.0).astype(g_o_.dtype)
         x_ = x_ref[...]
+        x_ = jnp.where(present, x_.astype(jnp.float32), 0.0).astype(x_.dtype)
         if M % 512:  # a partial last block: what lies past the end is absent
             g_o_ = _mask_tail(g_o_, 0, M - step_col[step] * 512)
             x_ = _mask_tail(x_, 0, M - step_col[step] * 512)
@@ -1094,16 +1097,14 @@ def _reference(x, w, gid, sizes):
     M, K, E, N = sizes
     present = _expand(gid, "a", "ad") == jnp.arange(E).reshape((1, -1))
     o = jnp.einsum(
-        "acd,dcb->ab",
-        jnp.where(
-            jnp.broadcast_to(_expand(present, "ad", "acd"), (M, K, E)),
-            _expand(x.astype(jnp.float32), "ac", "acd"),
-            0,
-        ),
+        "ac,dcb->abd",
+        x.astype(jnp.float32),
         w.astype(jnp.float32),
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )
+    o = jnp.where(_expand(present, "ad", "abd"), o, 0)
+    o = o.sum(axis=(2,))
     o = o.astype(jnp.bfloat16)
     return o
 

@@ -49,6 +49,7 @@ _OPTIONAL = {
     "matrix": "_matrix", "rows": "_rows", "width": "_width", "pad_to": "_pad_to", "unmatrix": "_unmatrix", "walk": "_walk", "deal": "_deal", "add_pieces": "_add_pieces", "gpu_interpret": "_gpu_interpret", "ring": "_ring_device",
     "coo_mesh": "_on_mesh_coo", "typed": "_typed", "typed_gradients": "_typed_gradients",
     "key_splits": "_key_splits", "lse_weights": "_lse_weights", "merge_splits": "_merge_splits", "split_lse": "_split_lse",
+    "add_present": "_add_present", "present_sum": "_present_sum", "present_dot": "_present_dot",
 }  # fmt: skip
 
 

@@ -58,7 +58,8 @@ def condition_axes(st) -> tuple[list[str], list[str], list[str]]:
 def select_target(st, tile: dict[str, int], used: list[str]) -> tuple[str, int]:
     """Where absent terms are selected out: the sum's group whose factors hold every index
     of the condition that a block spans (an index walked one value at a time is a scalar),
-    else the value written when those are all the output's."""
+    else the value written when those are all the output's. (The GPU backend's rule; the
+    TPU condition walk follows `selection`, language v3 section 0.)"""
     spanned = {i for i in used if tile[i] > 1}
     for g, grp in enumerate(st.summed_groups):
         if spanned <= set(st.factors[grp.main].indices):
@@ -68,6 +69,42 @@ def select_target(st, tile: dict[str, int], used: list[str]) -> tuple[str, int]:
     holders = ", ".join(sorted(spanned))
     raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({holders}) "
                                             "that a block spans; a condition on summed indices needs one factor with all of them"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Where a condition's absent terms are selected out, so that nothing an absent term's
+    factors hold (NaN, Inf) reaches a result (language v3, section 0):
+
+    - "flush": the condition uses no summed index: the value written (every term of an
+      output element is present or none is);
+    - "product": every index of the condition a block spans is an output index (a summed
+      one it uses is walked one value at a time, a scalar at a step): each partial step's
+      product, before it is accumulated (each step with its own value of that index);
+    - "groups": the condition spans a summed index: every group of the sum that holds
+      all the indices it spans. `exposed` is the other group, if any: it lacks one of them,
+      so its non-finite values meet absent terms (0 * NaN); those steps are recomputed
+      exactly (`_present_sum`)."""
+
+    target: str  # "flush" | "product" | "groups"
+    groups: tuple[int, ...] = ()
+    exposed: int | None = None
+
+
+def selection(st, tile: dict[str, int], used: list[str]) -> Selection:
+    """The rule (`Selection`) for a statement whose condition uses `used` (tiles by index)."""
+    if not any(i in st.summed for i in used):
+        return Selection("flush")
+    spanned = {i for i in used if tile[i] > 1}
+    if spanned <= set(st.out_indices):
+        return Selection("product")
+    groups = tuple(g for g, grp in enumerate(st.summed_groups) if spanned <= set(st.factors[grp.main].indices))
+    if not groups:
+        holders = ", ".join(sorted(spanned))
+        raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({holders}) "
+                                                "that a block spans; a condition on summed indices needs one factor with all of them"))
+    exposed = next((g for g in range(len(st.summed_groups)) if g not in groups), None)
+    return Selection("groups", groups, exposed)
 
 
 class ConditionWalk(StepWalk):
@@ -105,7 +142,7 @@ class ConditionWalk(StepWalk):
         for n in range(len(st.factors)):
             b = self.natural_block(n, read_coord, "Steps that compute nothing hold the blocks of the last step that did: no copy.")
             blocks[b.key] = b
-        select_on, group = self.select_target(used)
+        rule = self.selection(used)
         reads, scalars = [], []
         for n, r in enumerate(dict.fromkeys(cond.reads)):
             if any(sub.shift and self.tile[sub.index] != 1 for sub in r.subs):
@@ -115,7 +152,7 @@ class ConditionWalk(StepWalk):
                 # One element per step (`lens[b]`, `lo[g]`): read from scalar memory.
                 scalars.append((r, self.scalar_read(r, read_coord)))
                 continue
-            b = self.condition_block(n, r, cond_coord, select_on, group, blocks)
+            b = self.condition_block(n, r, cond_coord, rule, blocks)
             blocks[b.key] = b
             reads.append((r, b.key))
         blocks["out"] = self.out_block(self.coords(st.target, write_coord))
@@ -126,13 +163,13 @@ class ConditionWalk(StepWalk):
         here = self.local("step_kind_here")
         partial = Var(here).eq(Var("_PARTIAL"))
         sizes = tuple((t.name, self.conv.size_var(t.name)) for t in cond.walk() if t.op == "size")
-        select = Select(cond, select_on, group, coord_at, tuple(reads), tuple(scalars), partial, Var(here).eq(Var("_FULL")), Var(here).ne(Var("_PARTIAL")), tuple(dict.fromkeys(sizes)))
+        select = Select(cond, rule.target, rule.groups, rule.exposed, coord_at, tuple(reads), tuple(scalars), partial, Var(here).eq(Var("_FULL")), Var(here).ne(Var("_PARTIAL")), tuple(dict.fromkeys(sizes)))
         summed, end = self.products(blocks)
         out = blocks["out"]
         acc_live, acc_shape = self.acc_layout(out, summed)
         notes = ("A run of steps accumulates one output block; a step with nothing present computes nothing.",)
         if st.summed:
-            cases = (FlushCase(None, end, "flush", "Write the block (zeros if nothing was present).", select=select_on == "flush"),)
+            cases = (FlushCase(None, end, "flush", "Write the block (zeros if nothing was present).", select=rule.target == "flush"),)
             body = Body(True, first, Var(here).ne(Var("_EMPTY")), summed, (), last, cases, st.summed, acc_live, acc_shape, out.live,
                         tails=self.tails(compute_coord), notes=notes, lets=((here, Load(kind, step)),), select=select)
         else:
@@ -167,8 +204,8 @@ class ConditionWalk(StepWalk):
         if self.out.sparsity == "coo":
             raise ScheduleError(Diagnostic(st.target.span, "not supported yet: a condition on a statement with a coo output"))
 
-    def select_target(self, used: list[str]) -> tuple[str, int]:
-        return select_target(self.st, self.tile, used)
+    def selection(self, used: list[str]) -> Selection:
+        return selection(self.st, self.tile, used)
 
     def scalar_read(self, r: Read, coord) -> Expr:
         """An integer operand every index of whose read walks one value at a time: a table
@@ -186,29 +223,36 @@ class ConditionWalk(StepWalk):
             at = at * self.conv.size(op.dims[d]) + c if d else c
         return Load(self.scalar_tables[op.name], at)
 
-    def condition_block(self, n: int, r: Read, coord, target: str, group: int, blocks) -> Block:
-        """The block of an integer operand a condition reads, laid out as the value it selects
-        in sees it: its own layout when it has that value's indices in order; a 1-index read
-        as a column (lane-broadcast copy) or a row (sublane-broadcast copy)."""
+    def condition_block(self, n: int, r: Read, coord, rule: Selection, blocks) -> Block:
+        """The block of an integer operand a condition reads, laid out as the values it selects
+        in see it: its own layout when it has their indices in order; a 1-index read as a
+        column (lane-broadcast copy) or a row (sublane-broadcast copy)."""
         st, k = self.st, self.k
         op = k.operand(r.operand)
-        if target == "group":
-            axes = blocks[f"f{st.summed_groups[group].main}"].live
-        else:
-            axes = tuple(i for i in st.out_indices if self.tile[i] > 1)
+        if rule.target == "groups":
+            values = [blocks[f"f{st.summed_groups[g].main}"].live for g in rule.groups]
+        else:  # the step's product or the value written: the output block's indices
+            values = [tuple(i for i in st.out_indices if self.tile[i] > 1)]
         live = tuple(i for i in r.indices if self.tile[i] > 1)
         dims = self.dims(r)
         coords = self.coords(r, coord)
         param = self.conv.param(op.name).internal
-        if live == axes or not live:
-            layout, array = "natural", param
-        elif len(live) == 1 and len(axes) >= 2 and live[0] == axes[-2]:
-            layout = "rows"
-        elif len(live) == 1 and len(axes) >= 2 and live[0] == axes[-1]:
-            layout = "cols"
-        else:
-            raise ScheduleError(Diagnostic(r.span, f"not supported yet: the condition reads '{op.name}' with indices that are not "
-                                                   f"those of the block it selects in ({', '.join(axes)})"))
+        layouts = set()
+        for axes in values:
+            if live == axes or not live:
+                layouts.add("natural")
+            elif len(live) == 1 and len(axes) >= 2 and live[0] == axes[-2]:
+                layouts.add("rows")
+            elif len(live) == 1 and len(axes) >= 2 and live[0] == axes[-1]:
+                layouts.add("cols")
+            else:
+                raise ScheduleError(Diagnostic(r.span, f"not supported yet: the condition reads '{op.name}' with indices that are not "
+                                                       f"those of the block it selects in ({', '.join(axes)})"))
+        if len(layouts) > 1:
+            raise ScheduleError(Diagnostic(r.span, f"not supported yet: the condition reads '{op.name}' along an index that the "
+                                                   "factors it selects in lay out differently"))
+        (layout,) = layouts
+        array = param
         if layout != "natural":
             array = self.local(f"{op.name}_{layout}")
             if len(r.indices) != 1:
@@ -314,4 +358,4 @@ class ConditionWalk(StepWalk):
         return None
 
 
-__all__ = ["ConditionWalk", "condition_axes", "condition_indices", "select_target"]
+__all__ = ["ConditionWalk", "Selection", "condition_axes", "condition_indices", "select_target", "selection"]

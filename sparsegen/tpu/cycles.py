@@ -417,6 +417,7 @@ class _CompilePl(types.ModuleType):
         self.flops: list[int] = []
         self.body_flops = 0  # dots outside every region: run at every step
         self._region = None
+        self._rare = False  # inside a region finite data never run (its dots are no work)
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -424,6 +425,8 @@ class _CompilePl(types.ModuleType):
     def when(self, condition):
         import jax.numpy as jnp
 
+        if self._region is not None:
+            return self._nested(condition)
         n = len(self.flops)
         self.flops.append(0)
         if self._bits is not None:
@@ -442,7 +445,32 @@ class _CompilePl(types.ModuleType):
 
         return region
 
+    def _nested(self, condition):
+        """A region inside a region: its condition reads block data (the host cannot walk it,
+        and the estimator counts it as run). Generated code has one kind, `_add_present`'s:
+        `_finite` runs wherever its enclosing region does on finite data (kept as it is,
+        its dots the enclosing region's), `_nonfinite` never does: its condition is and-ed
+        with `program_id(0) < 0`, false at every step, which the estimator resolves (the
+        check it reads stays in the program), and its dots are not counted."""
+
+        def region(body):
+            rare = body.__name__ == "_nonfinite"
+            inner = self._real.when(condition & (self._real.program_id(0) < 0) if rare else condition)
+
+            def traced():
+                saved, self._rare = self._rare, self._rare or rare
+                try:
+                    body()
+                finally:
+                    self._rare = saved
+
+            return inner(traced)
+
+        return region
+
     def count_dot(self, flops: int) -> None:
+        if self._rare:
+            return
         if self._region is None:
             self.body_flops += flops
         else:
