@@ -259,3 +259,25 @@ def test_tril_d_y_with_nan_in_the_cotangent(interpret):
     want = termwise("mk,mn->kn", x, g_o, present=lambda k, n, m: k <= m)
     assert np.isnan(want[:101]).all() and np.isfinite(want[101:]).all()
     assert_termwise(d_y, want)
+
+
+def test_present_dot_counts_every_kind_of_non_finite_term():
+    """The recomputation itself (`_present_dot`, the kernel's and reference's), on random
+    terms: zeros in x, NaN and infinities of both signs in y, a random present set; x finite
+    (where x is infinite too, see docs/limits.md)."""
+    _, mod = build(TRIL)
+    rng = np.random.default_rng(9)
+    for _ in range(20):
+        x = rng.standard_normal((8, 16)) * (rng.random((8, 16)) < 0.7)
+        y = rng.standard_normal((16, 8))
+        special = rng.random((16, 8))
+        y[special < 0.05], y[(special >= 0.05) & (special < 0.1)], y[(special >= 0.1) & (special < 0.15)] = np.nan, np.inf, -np.inf
+        keep = rng.random((8, 16)) < 0.5
+        xs = np.where(keep, x, 0.0)
+
+        def dot(a, b):
+            return jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST)
+
+        got = mod._present_dot(dot, jnp.asarray(xs, jnp.float32), jnp.asarray(xs, jnp.float32), jnp.asarray(keep), jnp.asarray(y, jnp.float32))
+        want = termwise("mk,kn->mn", x, y, present=lambda m, n, k: keep[m, k])
+        assert_termwise(got, want, 1e-5, 1e-5)

@@ -28,6 +28,11 @@ selects per step (one per 32 steps of the grid axes the conditions vary along); 
 (the raw figure is given, marked).
 A grid extent the generated code traces (the steps a walk needs) is compiled as the number
 it had for these tables: left a traced value, the estimator walked a grid of its own size.
+A region nested in a region reads block data (the host cannot evaluate it, and the
+estimator counts such a region as run: measured). Generated code has one kind,
+`_add_present`'s (a condition's partial step whose other factor may hold NaN or Inf):
+`_finite` runs wherever the enclosing region does, `_nonfinite` is walked as finite data
+take it, never (`_CompilePl._nested`): the estimate is that of finite data.
 
 Like libtpu's flags, the profile must be set before libtpu loads, so the compiles run in a
 separate process (`python -m sparsegen.cycles REQUEST.json`), one for all kernels. That
