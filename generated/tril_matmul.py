@@ -61,7 +61,7 @@ Plan (target v5e):
         accumulate the product of x and y summed over k when step_kind_here != _EMPTY
           past M along k (a partial last block) the factors are zero
         in a partial step (step_kind_here == _PARTIAL) the terms where not (k <= m) are selected out of x
-          where y holds a NaN or Inf there (one row of the product checked), the step is recomputed over the present terms
+          where y holds a NaN or Inf there (one slice of the product checked), the step is recomputed over the present terms
         write output when step_flags[step] & 2 != 0: accumulator
       VMEM estimate: 5.1 MiB of 128 MiB on v5e
         x block: 2 x 512x512 bf16 = 1 MiB
@@ -126,7 +126,7 @@ Plan (target v5e):
           accumulate the product of g_o and x summed over m when step_kind_here != _EMPTY
             past M along m (a partial last block) the factors are zero
           in a partial step (step_kind_here == _PARTIAL) the terms where not (k <= m) are selected out of x
-            where g_o holds a NaN or Inf there (one row of the product checked), the step is recomputed over the present terms
+            where g_o holds a NaN or Inf there (one slice of the product checked), the step is recomputed over the present terms
           write output when step_flags[step] & 2 != 0: accumulator
         VMEM estimate: 5.1 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB

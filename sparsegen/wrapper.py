@@ -252,8 +252,8 @@ class Wrapper:
         any of its factors holds (language v3, section 0), selected out where the kernel
         selects it (`schedule.condition.selection`, so the two agree, NaN for NaN): the value
         written for a condition on the output's indices; the product kept along the summed
-        indices the condition uses, selected, then summed; or the groups of the sum that
-        hold the indices it spans, with `_present_sum` where the other group lacks one."""
+        indices the condition uses, selected, then summed; or one group of the sum that
+        holds the indices it spans, with `_present_sum` for the other."""
         from .schedule.condition import condition_indices, selection
         from .terms import as_read, render_term
 
@@ -297,8 +297,8 @@ class Wrapper:
             if inner != out:
                 lines.append(f"{var} = {var}.sum(axis={py_tuple(str(d) for d in range(len(out), len(inner)))})")
         else:
-            # The groups that hold every index the condition spans have their absent terms
-            # selected out (extended along the condition's other indices).
+            # The group chosen has its absent terms selected out (extended along the
+            # condition's other indices); the other is met by `_present_sum`.
             values, gspecs, keeps = [], [], {}
             for g, grp in enumerate(st.summed_groups):
                 spec = specs[grp.main]
@@ -306,7 +306,7 @@ class Wrapper:
                     value = f'jnp.einsum("{",".join(specs[n] for n in grp.members)}->{spec}", {", ".join(views[n] for n in grp.members)}, {pref})'
                 else:
                     value = views[grp.main]
-                if g in rule.groups:
+                if g == rule.group:
                     dst = spec + "".join(c for c in src if c not in spec)
                     keeps[g] = along(present, src, dst)
                     value = f"jnp.where({keeps[g]}, {along(value, spec, dst)}, 0)"
@@ -318,9 +318,8 @@ class Wrapper:
             contract = ",".join(gspecs) + "->" + out
             lines.append(f'{var} = jnp.einsum("{contract}", {", ".join(values)}, {pref})')
             if rule.exposed is not None and acc.is_float:
-                # The other group lacks an index the condition spans: where it holds a NaN or
-                # Inf, the sum over the present terms alone.
-                chosen, exposed = rule.groups[0], rule.exposed
+                # Where the other group holds a NaN or Inf, the sum over the present terms alone.
+                chosen, exposed = rule.group, rule.exposed
                 a, b = self.local("a"), self.local("b")
                 params = {chosen: a, exposed: b}
                 dot = f'jnp.einsum("{contract}", {", ".join(params[g] for g in range(len(values)))}, {pref})'

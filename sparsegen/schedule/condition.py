@@ -81,13 +81,14 @@ class Selection:
     - "product": every index of the condition a block spans is an output index (a summed
       one it uses is walked one value at a time, a scalar at a step): each partial step's
       product, before it is accumulated (each step with its own value of that index);
-    - "groups": the condition spans a summed index: every group of the sum that holds
-      all the indices it spans. `exposed` is the other group, if any: it lacks one of them,
-      so its non-finite values meet absent terms (0 * NaN); those steps are recomputed
-      exactly (`_present_sum`)."""
+    - "group": the condition spans a summed index: the group of the sum `group`, which holds
+      all the indices it spans. The other group, `exposed`, if any, may hold a NaN or Inf
+      that meets an absent term (0 * NaN): a step where it does is recomputed over the
+      present terms (`_add_present`). Where both groups hold those indices, one is
+      selected and the other checked so (one select per step, not two)."""
 
-    target: str  # "flush" | "product" | "groups"
-    groups: tuple[int, ...] = ()
+    target: str  # "flush" | "product" | "group"
+    group: int | None = None
     exposed: int | None = None
 
 
@@ -98,13 +99,23 @@ def selection(st, tile: dict[str, int], used: list[str]) -> Selection:
     spanned = {i for i in used if tile[i] > 1}
     if spanned <= set(st.out_indices):
         return Selection("product")
-    groups = tuple(g for g, grp in enumerate(st.summed_groups) if spanned <= set(st.factors[grp.main].indices))
-    if not groups:
-        holders = ", ".join(sorted(spanned))
-        raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({holders}) "
+    mains = [set(st.factors[grp.main].indices) for grp in st.summed_groups]
+    holders = [g for g, held in enumerate(mains) if spanned <= held]
+    if not holders:
+        names = ", ".join(sorted(spanned))
+        raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({names}) "
                                                 "that a block spans; a condition on summed indices needs one factor with all of them"))
-    exposed = next((g for g in range(len(st.summed_groups)) if g not in groups), None)
-    return Selection("groups", groups, exposed)
+
+    def first_own(g: int) -> int:
+        """The first output index (with a tile above 1) that group g holds and the other does
+        not: the exposed group is checked on one slice of the product along it (a block's
+        row, where it is the output's first)."""
+        own = mains[g] - set().union(*(m for n, m in enumerate(mains) if n != g))
+        return min((n for n, i in enumerate(st.out_indices) if i in own and tile[i] > 1), default=len(st.out_indices))
+
+    group = min(holders, key=lambda g: (first_own(g), g))
+    exposed = next((g for g in range(len(st.summed_groups)) if g != group), None)
+    return Selection("group", group, exposed)
 
 
 class ConditionWalk(StepWalk):
@@ -163,7 +174,7 @@ class ConditionWalk(StepWalk):
         here = self.local("step_kind_here")
         partial = Var(here).eq(Var("_PARTIAL"))
         sizes = tuple((t.name, self.conv.size_var(t.name)) for t in cond.walk() if t.op == "size")
-        select = Select(cond, rule.target, rule.groups, rule.exposed, coord_at, tuple(reads), tuple(scalars), partial, Var(here).eq(Var("_FULL")), Var(here).ne(Var("_PARTIAL")), tuple(dict.fromkeys(sizes)))
+        select = Select(cond, rule.target, rule.group, rule.exposed, coord_at, tuple(reads), tuple(scalars), partial, Var(here).eq(Var("_FULL")), Var(here).ne(Var("_PARTIAL")), tuple(dict.fromkeys(sizes)))
         summed, end = self.products(blocks)
         out = blocks["out"]
         acc_live, acc_shape = self.acc_layout(out, summed)
@@ -229,8 +240,8 @@ class ConditionWalk(StepWalk):
         column (lane-broadcast copy) or a row (sublane-broadcast copy)."""
         st, k = self.st, self.k
         op = k.operand(r.operand)
-        if rule.target == "groups":
-            values = [blocks[f"f{st.summed_groups[g].main}"].live for g in rule.groups]
+        if rule.target == "group":
+            values = [blocks[f"f{st.summed_groups[rule.group].main}"].live]
         else:  # the step's product or the value written: the output block's indices
             values = [tuple(i for i in st.out_indices if self.tile[i] > 1)]
         live = tuple(i for i in r.indices if self.tile[i] > 1)

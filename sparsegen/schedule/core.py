@@ -116,16 +116,16 @@ class Select:
     factors holds reaches a result (language v3, section 0; the rule: `condition.Selection`).
 
     `target`: "flush" (the value written: a condition on the output's indices only),
-    "product" (each partial step's product before it is accumulated), or "groups" (the
-    sum's groups `groups`, before the sum; `exposed`, the other group, lacks an index the
-    condition spans: a step where it holds a non-finite value is recomputed exactly).
+    "product" (each partial step's product before it is accumulated), or "group" (the
+    sum's group `group`, before the sum; `exposed`, the other group: a step where it holds
+    a non-finite value is recomputed over the present terms).
     Element positions are block coordinate x tile + offset in the block; an index walked
     one value at a time is a scalar; a read of an integer operand is its block `reads[read]`."""
 
     condition: Term
-    target: str  # "flush" | "product" | "groups"
-    groups: tuple[int, ...]  # "groups": the sum's groups selected
-    exposed: int | None  # "groups": the sum's group that lacks an index the condition spans
+    target: str  # "flush" | "product" | "group"
+    group: int | None  # "group": the sum's group selected
+    exposed: int | None  # "group": the sum's other group (checked for NaN and Inf)
     coords: tuple[tuple[str, Expr], ...]  # each index of the condition: its block coordinate at the step
     reads: tuple[tuple[object, str], ...]  # (ir.Read, Block.key) of each operand block the condition reads
     scalars: tuple[tuple[object, Expr], ...]  # (ir.Read, its element at the step): one value per step, from SMEM

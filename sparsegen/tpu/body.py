@@ -274,7 +274,7 @@ class BodyWriter:
         tails = body.tails
         self._present = {}
         sel = body.select if partial else None
-        selected = sel.groups if sel is not None and sel.target == "groups" else ()
+        selected = (sel.group,) if sel is not None and sel.target == "group" else ()
         needs_locals = any(t.index in v.axes for v in vals for t in tails) or bool(selected)
         exposed = sel is not None and sel.exposed is not None and vals[sel.exposed].dtype.is_float
         lines: list[str] = []
@@ -306,7 +306,7 @@ class BodyWriter:
             elif exposed:
                 # Added by `_add_present` (no value for the caller to add).
                 assert not body.step
-                chosen = sel.groups[0]
+                chosen = sel.group
                 # The chosen group's values in f32, read again from its blocks where the step is
                 # recomputed: widening the selected 16-bit block that feeds the matrix product,
                 # Mosaic selects it packed (as int16), which libtpu's cycle profiler rejects on v5e.
@@ -323,14 +323,17 @@ class BodyWriter:
         return lines, " * ".join(parts)
 
     def present_sum(self, value: str, vals: list[Val], chosen: int, exposed: int, keep: str, wide: str) -> list[str]:
-        """Lines adding the step's product `value` to the accumulator where the group `exposed`
-        lacks an index the condition spans: a NaN or Inf it holds meets the absent terms
-        selected out of `chosen` (0 * NaN). Checked on one row of the product (along
-        `chosen`'s own indices); only where that is not finite is the step recomputed over
-        the present terms (`_add_present`; `wide`: a function giving `chosen`'s values in f32)."""
+        """Lines adding the step's product `value` to the accumulator where the absent terms
+        are selected out of the group `chosen` alone: a NaN or Inf the group `exposed` holds
+        meets them (0 * NaN). Checked on one slice of the product (at the first of `chosen`'s
+        own indices); only where that is not finite is the step recomputed over the present
+        terms (`_add_present`; `wide`: a function giving `chosen`'s values in f32)."""
         part = self.tp_local("part")
         mine = set(vals[chosen].axes) - set(vals[exposed].axes)
-        probe = f"{part}[{', '.join('0:1' if a in mine else ':' for a in self.body.acc_live)}]" if self.body.acc_live else part
+        # A non-finite entry of `exposed` reaches every value of `chosen`'s own indices (0 * NaN
+        # and 0 * Inf are NaN): one of them suffices (the first: a block's row where it can be).
+        first = next((a for a in self.body.acc_live if a in mine), None)
+        probe = f"{part}[{', '.join('0:1' if a == first else ':' for a in self.body.acc_live)}]" if first else part
         a, b = self.tp_local("a"), self.tp_local("b")
         params = {chosen: a, exposed: b}
         dot = self.contraction([Val(params[n], v.axes, v.dtype, True) for n, v in enumerate(vals)])
