@@ -146,8 +146,8 @@ Plan (target v5e):
           init accumulator when step_flags[step] & 1 != 0
           accumulate the product of g_o and x summed over m when step_kind_here != _EMPTY
             past M along m (a partial last block) the factors are zero
-          in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of x
-            where g_o holds a NaN or Inf there (one slice of the product checked), the step is recomputed over the present terms
+          in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of g_o
+            where x holds a NaN or Inf there (one slice of the product checked), the step is recomputed over the present terms
           write output when step_flags[step] & 2 != 0: accumulator
         VMEM estimate: 5.6 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB
@@ -543,10 +543,11 @@ def _add_present(acc, value, probe, dot, x, wide, keep, y):
     """`acc[...] += value`, where `value` is dot(x, y) with the absent terms selected out of x
     (0 where `keep` is false), unless y holds a NaN or Inf that meets an absent term (0 * NaN,
     0 * Inf: NaN): then the sum of the present terms (`_present_dot`; `wide()`: x's values in
-    f32, read again there). `probe`: a part of `value` that every entry of y reaches whatever x holds (one row
-    along x's own indices: a non-finite y[k, n] makes column n non-finite in every row), so
-    finite data pay one check of a row. A kernel's only region whose condition reads block
-    data (`sparsegen verify --cycles` counts `_nonfinite` as not run: finite data)."""
+    f32, read again there). `probe`: a slice of `value` that every entry of y reaches
+    whatever x holds (one value of an index of x's own: a non-finite y[k, n] makes column n
+    non-finite in every row), so finite data pay one check of a row or column. A kernel's
+    only region whose condition reads block data (`sparsegen verify --cycles` counts
+    `_nonfinite` as not run: finite data)."""
     finite = jnp.all(jnp.isfinite(probe))
 
     @pl.when(finite)
@@ -827,9 +828,9 @@ def _d_w_kernel(
     def _compute_partial():
         # Some terms absent: the condition selects them out.
         g_o_ = g_o_ref[...]
-        x_ = x_ref[...]
         present = gid_ref[:, 0:1] == step_read[step]
-        x_ = jnp.where(present, x_.astype(jnp.float32), 0.0).astype(x_.dtype)
+        g_o_ = jnp.where(present, g_o_.astype(jnp.float32), 0.0).astype(g_o_.dtype)
+        x_ = x_ref[...]
         if M % 512:  # a partial last block: what lies past the end is absent
             g_o_ = _mask_tail(g_o_, 0, M - step_col[step] * 512)
             x_ = _mask_tail(x_, 0, M - step_col[step] * 512)
@@ -839,14 +840,14 @@ def _d_w_kernel(
         _add_present(
             acc_ref,
             part,
-            part[0:1, :],
+            part[:, 0:1],
             lambda a, b: lax.dot_general(
-                a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                b, a, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
             ),
-            x_,
-            lambda: x_ref[...].astype(jnp.float32),
-            present,
             g_o_,
+            lambda: g_o_ref[...].astype(jnp.float32),
+            present,
+            x_,
         )
 
     @pl.when(step_kind_here == _FULL)

@@ -488,10 +488,11 @@ def _add_present(acc, value, probe, dot, x, wide, keep, y):
     """`acc[...] += value`, where `value` is dot(x, y) with the absent terms selected out of x
     (0 where `keep` is false), unless y holds a NaN or Inf that meets an absent term (0 * NaN,
     0 * Inf: NaN): then the sum of the present terms (`_present_dot`; `wide()`: x's values in
-    f32, read again there). `probe`: a part of `value` that every entry of y reaches whatever x holds (one row
-    along x's own indices: a non-finite y[k, n] makes column n non-finite in every row), so
-    finite data pay one check of a row. A kernel's only region whose condition reads block
-    data (`sparsegen verify --cycles` counts `_nonfinite` as not run: finite data)."""
+    f32, read again there). `probe`: a slice of `value` that every entry of y reaches
+    whatever x holds (one value of an index of x's own: a non-finite y[k, n] makes column n
+    non-finite in every row), so finite data pay one check of a row or column. A kernel's
+    only region whose condition reads block data (`sparsegen verify --cycles` counts
+    `_nonfinite` as not run: finite data)."""
     finite = jnp.all(jnp.isfinite(probe))
 
     @pl.when(finite)

@@ -195,8 +195,8 @@ def test_inf_in_a_used_experts_matrix_reaches_its_rows_only(interpret):
 
 @both_modes
 def test_nan_in_rows_of_no_group_stays_out_of_d_w(interpret):
-    """Padding rows (gid -1) hold NaN: the forward is clean, and d_w (which selected the
-    cotangent, not x) too, as jax.grad of the math is."""
+    """Padding rows (gid -1) hold NaN in x and Inf in the cotangent: the forward is clean, and
+    d_w (which selected the cotangent, not x) too, as jax.grad of the math is."""
     _, mod = build(GROUPED)
     rng = np.random.default_rng(5)
     gid = np.array([0] * 50 + [1] * 50 + [-1] * 28, np.int32)
@@ -208,6 +208,7 @@ def test_nan_in_rows_of_no_group_stays_out_of_d_w(interpret):
     assert_termwise(mod.grouped_matmul(as_bf16(x), as_bf16(w), gid, interpret=interpret), want)
     assert_termwise(mod.reference(as_bf16(x), as_bf16(w), gid), want)
     g_o = bf16(rng, (128, 128))
+    g_o[120:] = np.inf  # the cotangent of padding rows too (selected: the other factor is checked)
     d_w = jax.vjp(lambda w: mod.grouped_matmul(as_bf16(x), w, gid, interpret=interpret), as_bf16(w))[1](as_bf16(g_o))[0]
     assert_termwise(d_w, termwise("mn,mk->gkn", g_o, x, present=lambda g, k, n, m: gid[m] == g, g=2))
 
