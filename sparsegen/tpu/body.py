@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import DType
-from ..expr import render
+from ..expr import Var, render
 from ..pytext import py_tuple as _tuple
 from ..schedule.core import Factor, Product, Tail
 from .lower import Spec, TpuPass
@@ -194,7 +194,7 @@ class BodyWriter:
         lines = []
         for t in tails:
             if t.index in v.axes:
-                limit = f"{t.size} - {render(t.coord, 'py')} * {t.tile}"
+                limit = render(Var(t.size) - t.coord * t.tile, "py")  # a tree: the coordinate may be a sum
                 lines.append(f"{name} = _mask_tail({name}, {v.axes.index(t.index)}, {limit})")
         return lines
 
