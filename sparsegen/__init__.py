@@ -8,4 +8,8 @@ def __getattr__(name):
         from . import inprocess
 
         return getattr(inprocess, name)
+    if name == "SpecError":  # what `compile` raises for a spec problem
+        from .source import SpecError
+
+        return SpecError
     raise AttributeError(f"module 'sparsegen' has no attribute {name!r}")

@@ -86,3 +86,15 @@ def test_several_kernels_are_named(fresh_cache):
         sparsegen.compile(TWO, kernel="mm3")
     with pytest.raises(ValueError, match="unknown target 'v9'"):
         sparsegen.compile(MM, target="v9")
+
+
+def test_the_readme_example_runs(monkeypatch):
+    """The README's notebook example, as printed there (a band matmul against its reference),
+    and `sparsegen.SpecError` is the class `compile` raises."""
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "README.md").read_text()
+    example = text.split("## Kernels from Python, without files")[1].split("```python")[1].split("```")[0]
+    scope: dict = {}
+    exec(compile(example, "README.md", "exec"), scope)
+    assert scope["banded"].__name__.startswith("sparsegen_compiled.banded_")
+    assert sparsegen.SpecError is SpecError
