@@ -60,7 +60,7 @@ MUTANTS: list[Mutant] = [
            "init and flush swapped: an output block is written at its first step, zeroed at its last"),
     Mutant("next-live-past-end", "templates/helpers.py.j2",
            "return jnp.where(ahead < n, ahead, jnp.maximum(behind, 0)).astype(jnp.int32)",
-           "return jnp.where(ahead < n, ahead, 0).astype(jnp.int32)", ("tests/test_kernels.py", "tests/test_sum_conditions.py"),
+           "return jnp.where(ahead < n, ahead, 0).astype(jnp.int32)", ("tests/test_plan_rules.py", "tests/test_kernels.py"),
            "past the last live step, prefetch block 0 rather than the last one: a copy no step uses"),
     Mutant("tail-mask-one-past", "templates/helpers.py.j2",
            "inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit",

@@ -116,3 +116,15 @@ def test_coo_run_counts_the_steps_the_walk_runs():
         rows = jnp.asarray(np.where(pad, -1, rows))
         kind, _, _ = mod._coo_steps(rows, n_rows, jnp.asarray(pad))
         assert int(mod._coo_run(rows, n_rows, jnp.asarray(pad))) == int(np.sum(np.asarray(kind) != mod._SKIP)), (rows, pad)
+
+
+def test_next_live_never_points_a_prefetch_at_a_block_no_step_uses():
+    """`_next_live` (prefetch maps over skipped steps): each position's next live position at
+    or after it; past the last live one, that last one (the block already in VMEM: no copy);
+    0 when none is live. Against a loop over every mask of 6 steps."""
+    _, mod = build(spec_text("dsd_matmul"))
+    for bits in range(1 << 6):
+        live = np.array([(bits >> p) & 1 for p in range(6)], bool)
+        where = np.flatnonzero(live)
+        want = [next((q for q in where if q >= p), where[-1] if len(where) else 0) for p in range(6)]
+        np.testing.assert_array_equal(np.asarray(mod._next_live(jnp.asarray(live))), want, err_msg=str(live))
