@@ -123,23 +123,25 @@ MUTANTS: list[Mutant] = [
 
 # Planted after the list above was caught in full, by someone who had not read the tests.
 T_EINSUM = ("tests/test_einsum.py::test_feature_matches_reference_and_oracle",)
+# The classification's own tests first: the boundaries' GPU cases take minutes.
+T_SUM_COND = ("tests/test_sum_conditions.py", "tests/test_condition_boundaries.py")
 FRESH: list[Mutant] = [
     Mutant("classify-not-swapped", "sparsegen/schedule/classify.py",
-           "return negation(must), negation(can)", "return negation(can), negation(must)", T_COND,
+           "return negation(must), negation(can)", "return negation(can), negation(must)", T_SUM_COND,
            "`not c` classified as not-can/not-must (can and must swapped): a block where c is partial called empty"),
     Mutant("classify-negative-coefficient", "sparsegen/schedule/classify.py",
-           "a, b = (a, b) if c > 0 else (b, a)", "a, b = (a, b)", T_COND,
+           "a, b = (a, b) if c > 0 else (b, a)", "a, b = (a, b)", T_SUM_COND,
            "an atom with a negative coefficient (the j of i - j) ranged from its least to its greatest, not reversed"),
     Mutant("steps-flush-first-inner", "sparsegen/schedule/steps.py",
            "value = value & Var(a.var).eq(Var(a.static) - 1)", "value = value & Var(a.var).eq(0)",
-           T_COND + ("tests/test_condition_sizes.py",),
+           ("tests/test_sum_conditions.py", "tests/test_condition_sizes.py", "tests/test_condition_boundaries.py"),
            "a condition walk's flush at the first block of an inner sum (one the condition does not use), not the last"),
     Mutant("coo-init-current-step", "sparsegen/schedule/coo_input.py",
            "(Load(kind, Max(step - 1, 0)) & Var(\"_FLUSH\")).ne(0)", "(Load(kind, step) & Var(\"_FLUSH\")).ne(0)",
            T_EINSUM + ("tests/test_kernels.py",),
            "the coo walk's init keyed to this step's kind, not the step before: a run's last block zeroes the run"),
     Mutant("body-select-no-tile", "sparsegen/tpu/body.py",
-           "= {coord} * {tile} + lax.broadcasted_iota(", "= {coord} + lax.broadcasted_iota(", T_COND,
+           "= {coord} * {tile} + lax.broadcasted_iota(", "= {coord} + lax.broadcasted_iota(", T_SUM_COND,
            "a condition's element positions from the block coordinate without times the tile"),
     Mutant("body-tail-limit-no-tile", "sparsegen/tpu/body.py",
            "render(Var(t.size) - t.coord * t.tile, \"py\")", "render(Var(t.size) - t.coord, \"py\")",
