@@ -168,7 +168,7 @@ FRESH: list[Mutant] = [
     Mutant("reference-offset-no-tile", "sparsegen/wrapper.py",
            "starts.append(f\"{conv.offsets}[{slot}] * {k.index(s.index).tile}\")\n                    sizes.append(",
            "starts.append(f\"{conv.offsets}[{slot}]\")\n                    sizes.append(",
-           ("tests/test_window.py",) + T_EINSUM,
+           ("tests/test_fresh_reference.py", "tests/test_window.py") + T_EINSUM,
            "`reference` reads a factor at an offset in elements, not blocks (offset not times the tile)"),
     Mutant("reference-cut-one-past", "templates/helpers.py.j2",
            "inside = inside & (start + lax.broadcasted_iota(jnp.int32, blocks.shape, d + 1) < s)",

@@ -52,3 +52,28 @@ def test_nan_past_a_ragged_end_of_stored_blocks_is_absent(interpret):
     assert np.isfinite(np.asarray(ref)).all(), "reference kept an element past the end of a stored block"
     assert_matches(kernel, ref, want)
     assert_matches(kernel, mod.fresh_ragged_coo(*args, M=M, interpret=interpret), want)
+
+
+# A factor read at an offset (`x[s[0] + i, d]`): the offset is given in elements, aligned
+# to the tile, and kept in blocks (`_check_offsets`); `reference` must slice at the element
+# (blocks times the tile: `reference-offset-no-tile`). An offset of 0 hides the difference.
+OFFSET_READ = """
+kernel fresh_offset_read {
+    in  x: f32[L, D]
+    in  s: index[2]
+    out o: f32[M, D]
+    o[i, d] = x[s[1] + i, d]
+    tile i = 8, d = 128
+}
+"""
+
+
+@pytest.mark.parametrize("interpret", ["cpu", "sim"], indirect=True)
+@pytest.mark.parametrize("start", [8, 24])
+def test_a_factor_read_at_an_offset_starts_there(start, interpret):
+    kernel, mod = build(OFFSET_READ)
+    x = np.random.default_rng(start).integers(-3, 4, (40, 128)).astype(np.float32)
+    s = np.array([0, start], np.int32)
+    want = x[start:start + 16]
+    np.testing.assert_array_equal(np.asarray(mod.reference(x, s, M=16)), want)
+    np.testing.assert_array_equal(np.asarray(mod.fresh_offset_read(x, s, M=16, interpret=interpret)), want)
