@@ -173,7 +173,7 @@ FRESH: list[Mutant] = [
     Mutant("reference-cut-one-past", "templates/helpers.py.j2",
            "inside = inside & (start + lax.broadcasted_iota(jnp.int32, blocks.shape, d + 1) < s)",
            "inside = inside & (start + lax.broadcasted_iota(jnp.int32, blocks.shape, d + 1) <= s)",
-           T_EINSUM + ("tests/test_kernels.py",),
+           ("tests/test_fresh_reference.py",) + T_EINSUM + ("tests/test_kernels.py",),
            "`reference` keeps one element past the end of a ragged stored block"),
     Mutant("window-one-block-more", "templates/helpers.py.j2",
            "(at >= start) & (at < start + count)", "(at >= start) & (at <= start + count)",
