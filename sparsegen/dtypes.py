@@ -89,13 +89,13 @@ def value_range(d: DType) -> tuple[int, int] | None:
 def covered_dtype(main: DType, covered: tuple[DType, ...]) -> tuple[DType, str | None]:
     """The dtype in which a factor (`main`) times the factors it covers (`covered`, multiplied
     into it elementwise before the sum) is handed to the matrix unit, and why when that is not
-    `main`'s dtype (None otherwise). The one rule every stage follows (kernels, plan, docs).
+    `main`'s dtype or says it stays (None for a float factor or nothing covered). The one rule every stage follows (kernels, plan, docs).
 
     A float factor keeps its dtype (the product is rounded to it, as a kernel of that dtype
     would). An integer factor keeps its dtype where the product cannot leave it (an `i8`
     factor times a `bool` mask); else the product is formed wider, as the math (`reference`)
     multiplies: bf16 where every value it can take is an integer bf16 holds exactly (|x| <=
-    256), f32 otherwise."""
+    256), f32 otherwise. The reason is given for every integer factor that covers another."""
     if main.is_float or not covered:
         return main, None
     lo, hi = value_range(main)
@@ -109,7 +109,7 @@ def covered_dtype(main: DType, covered: tuple[DType, ...]) -> tuple[DType, str |
     own = value_range(main)
     names = " times ".join(d.name for d in (main, *covered))
     if lo is not None and own[0] <= lo and hi <= own[1]:
-        return main, None
+        return main, f"{names} stays within {main.name}: formed in {main.name}"
     if lo is None:
         return DTYPES["f32"], f"{names} is not an integer: formed in f32"
     reach = f"{names} reaches {lo}..{hi}, past {main.name}"
