@@ -131,3 +131,17 @@ def test_a_sum_is_never_kept_in_bool():
     spec = text("bool").replace("    tile", "    accumulate bool\n    tile")
     with pytest.raises(SpecError, match="unknown accumulate dtype 'bool'"):
         lower_source(SourceFile("b.spk", spec), "v5e")
+
+
+def test_a_float_mask_times_an_i8_factor_is_not_truncated():
+    """A bf16 mask of 0, 0.5, 1.5 times an i8 g (the sum in f32): the product is formed in f32
+    (it was cast back to i8, truncating 0.5 * g), in the CPU interpreter, exact here."""
+    spec = text("bf16").replace("out dx: i32[M, K]", "out dx: f32[M, K]")
+    kernel, mod = build(spec)
+    rng = np.random.default_rng(0)
+    g, y = rng.integers(-4, 5, (M, N)).astype(np.int8), rng.integers(-4, 5, (K, N)).astype(np.int8)
+    keep = rng.choice([0.0, 0.5, 1.5], (M, N)).astype(np.float32)
+    keep[:128, :128] = 0
+    want = np.einsum("mn,mn,kn->mk", g.astype(np.float64), keep, y.astype(np.float64))
+    got = getattr(mod, kernel.name)(g, jnp.asarray(keep, jnp.bfloat16), y, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
