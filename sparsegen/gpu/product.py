@@ -238,6 +238,8 @@ class ProductLowering:
             if extras:
                 fail(extras[0].span, f"'{extras[0].text}' multiplies the coo operand '{op.name}': not lowered for GPUs yet")
             blocks = self.ctx.source(main)
+            if self.wide and op.dtype != dt:
+                blocks = f"{blocks}.astype({dt.jnp})"  # the other side of a product formed wider: exact in it
             if any(op.dims[d].literal is None and self.tile[i] != 1 for d, i in enumerate(main.indices)):
                 # A ragged size: what lies past the array's end in a stored block is absent
                 # (zeroed, as `reference` does; the dense side's padding alone would turn a NaN there into NaN).
