@@ -14,7 +14,7 @@ import sys
 
 from . import syntax as ast
 from .allocation import no_cycle_collection
-from .dtypes import DATA_DTYPES, DTYPES
+from .dtypes import ACCUMULATE_DTYPES, DATA_DTYPES, DTYPES
 from .flow import flow_statement
 from .ir import Einsum, Group, Index, Kernel, Local, Number, OffsetRef, Operand, Read, Relation, Size, Sub, group_factors, summed_indices
 from .names import HELPERS, MODULE_NAMES, PYTHON_NAMES
@@ -27,7 +27,6 @@ SHADOWED_MODULES = frozenset(sys.stdlib_module_names) | {
     "jax", "jaxlib", "numpy", "ml_dtypes", "opt_einsum", "scipy", "libtpu", "sparsegen", "generated", "__init__", "__main__",
 }  # fmt: skip
 SPARSITIES = ("coo", "mask")
-ACCUMULATE_DTYPES = tuple(DATA_DTYPES)
 # Sizes and tiles index arrays with int32 (grid coordinates, prefetch tables, offsets).
 INT32_MAX = 2**31 - 1
 LATER = "conditions, expressions, reductions and local tensors (language v1, sections 3-5) arrive with the attention kernels"
@@ -118,12 +117,16 @@ class _KernelChecker:
                 continue
             if op.direction == "out" and dtype == "index":
                 self.error(op.dtype.span, "an output cannot have dtype 'index' (index operands are read-only scalars)")
+            if op.direction == "out" and dtype == "bool":
+                self.error(op.dtype.span, "an output cannot have dtype 'bool' (bool holds an input's 0 or 1, a mask's say)")
             if op.sparsity is not None:
                 s = op.sparsity.text
                 if s not in SPARSITIES:
                     self.error(op.sparsity.span, f"unknown sparsity '{s}'; expected 'coo' or 'mask'")
                 elif dtype == "index":
                     self.error(op.sparsity.span, f"an index operand cannot be {s}: it is a small array of scalars")
+                elif dtype == "bool" and s == "coo":
+                    self.error(op.sparsity.span, "a bool operand is dense or a mask, not coo (its stored blocks would be data)")
                 elif op.direction == "out" and s == "mask":
                     self.error(op.sparsity.span, "an output cannot be 'mask' sparse; a sparse output is 'coo' (only given blocks are computed)")
             if dtype == "index" and op.name.text in self.offset_operands:

@@ -78,8 +78,11 @@ class Wrapper:
             name = p.internal
             if p.kind in ("dense", "mask"):
                 # An `index` operand takes any integer dtype, as a table or offsets do.
-                dtype = "None" if op.dtype.kind == "index" else op.dtype.jnp
+                dtype = "None" if op.dtype.kind == "index" else "jnp.bool_" if op.dtype.kind == "bool" else op.dtype.jnp
                 lines.append(f'{name} = _as_array("{p.public}", {name}, {op.rank}, {dtype})')
+                if op.dtype.kind == "bool":
+                    # A bool array (0 or 1 by construction) reaches the kernels as int8.
+                    lines.append(f"{name} = {name}.astype({op.dtype.jnp})")
                 for d, dim in enumerate(op.dims):
                     what = f"{p.public} dim {d}"
                     if dim.symbol is not None:

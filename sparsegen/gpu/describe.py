@@ -64,6 +64,7 @@ def describe_pass(p: GpuPass, target) -> list[str]:
         f"a block shared by several CTAs stores each piece's {p.acc_dtype.name} partial sum, added in a fixed order by the wrapper",
         f"  per step: TMA copies of a {t.tm}x{t.tk} tile of {mat(p.a)} and a {t.tk}x{t.cta_n} tile of {mat(p.b)} into shared memory "
         f"({t.stages} in flight), one WGMMA{' per consumer' if t.wgs > 1 else ''} into an {p.acc_dtype.name} accumulator in registers",
+        *(f"  {line}" for line in p.covered),
         *([f"  a partial step: {p.selection.about}" + ("" if p.selection.on == "step" else ", in shared memory before its WGMMA")]
           if p.selection is not None and p.selection.about else []),
         "  flush: the accumulator" + (f" times {p.scale}" if p.scale is not None else "")

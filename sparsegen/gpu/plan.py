@@ -162,6 +162,7 @@ class ProductPass:
     smem: int
     selection: Selection | None = None  # a condition walk's partial steps (or blocks)
     vectors: tuple[EndVector, ...] = ()  # factors after the sum along the rows or the columns alone
+    covered: tuple[str, ...] = ()  # the dtype each integer factor's covered product is formed in, and why (`covered_dtype`)
 
     @property
     def classifies(self) -> bool:

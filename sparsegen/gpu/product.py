@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..dtypes import DTYPES, covered_dtype, matrix_dtype
 from ..expr import Const, Expr, Lit, Load, Min, Neg, Var, Where, flat, names as expr_names, render
 from ..ir import Einsum, Read
 from ..pytext import py_tuple
@@ -94,6 +95,7 @@ class ProductLowering:
         self.cond = st.condition if walk.name == "condition" else None
         self.cond_sums: list[str] = []
         self.fused: tuple[str, Read] | None = None  # ("a" | "b", a covered mask multiplied in by the kernel)
+        self.wide = None  # the float dtype both sides take where a covered product can leave an integer factor's
 
     # ------------------------------------------------------------ helpers
     def kernel_expr(self, e: Expr) -> Expr:
@@ -208,15 +210,16 @@ class ProductLowering:
                             "nor an index of the output: not lowered for GPUs")
         if op.dtype.name not in DTYPES_WGMMA:
             fail(op.dtype_span, f"WGMMA multiplies bf16, f16, f32 (as tf32) or i8 (into i32) factors; '{op.name}' is {op.dtype.name}")
+        dt = self.wide or op.dtype  # the dtype WGMMA takes this side in
         mine = self.coords_of(main)
         stored_cr = main.indices.index(col) < main.indices.index(row)  # stored (col, row)
         # 16-bit tiles are read either way (WGMMA reads a transposed view MN-major); tf32 and
         # s8 WGMMA take K-major tiles only: A as (m, k), B as (n, k). Several summed
         # indices flatten into one contraction: (rows, k..) for A, (k.., columns) for B.
-        transposed = stored_cr if op.dtype.itemsize == 2 and not self.extra_sums else is_b and op.dtype.itemsize != 2
+        transposed = stored_cr if dt.itemsize == 2 and not self.extra_sums else is_b and dt.itemsize != 2
         copied = transposed != stored_cr
         why = ("  # the summed indices flattened into one contraction: a copy" if self.extra_sums else
-               f"  # {'tf32' if op.dtype.is_float else 's8'} WGMMA reads K-major tiles: a transposed copy") if copied else ""
+               f"  # {'tf32' if dt.is_float else 's8'} WGMMA reads K-major tiles: a transposed copy") if copied else ""
         extras = [st.factors[e] for e in group.extras]
         divisors = {s.index: s.divisor for s in main.subs}
         for e in extras:
@@ -235,6 +238,8 @@ class ProductLowering:
             if extras:
                 fail(extras[0].span, f"'{extras[0].text}' multiplies the coo operand '{op.name}': not lowered for GPUs yet")
             blocks = self.ctx.source(main)
+            if self.wide and op.dtype != dt:
+                blocks = f"{blocks}.astype({dt.jnp})"  # the other side of a product formed wider: exact in it
             if any(op.dims[d].literal is None and self.tile[i] != 1 for d, i in enumerate(main.indices)):
                 # A ragged size: what lies past the array's end in a stored block is absent
                 # (zeroed, as `reference` does; the dense side's padding alone would turn a NaN there into NaN).
@@ -255,17 +260,20 @@ class ProductLowering:
         # wrapper forms no product over the whole operand.
         # A mask lacking some of the factor's coordinates (a batch index) is read by each of
         # their values, its block kinds broadcast along them.
-        fused = self.fuse and mask is not None and extras == [mask] and set(main.indices) - set(mask.indices) <= set(self.coords)
+        fused = self.fuse and mask is not None and extras == [mask] and set(main.indices) - set(mask.indices) <= set(self.coords) and not self.wide
         if fused:
             self.fused = (("b" if is_b else "a"), mask)
         if extras and not fused:
             letters = {i: _LETTERS[n] for n, i in enumerate(main.indices)}
-            terms = ", ".join([src] + [f"{self.ctx.source(e)}.astype({src}.dtype)" for e in extras])
+            into = dt.jnp if self.wide else f"{src}.dtype"  # a product formed wider (`covered_dtype`), or in the factor's
+            terms = ", ".join([f"{src}.astype({into})" if self.wide else src] + [f"{self.ctx.source(e)}.astype({into})" for e in extras])
             spec = ",".join("".join(letters[i] for i in r.indices) for r in (main, *extras))
             product = names.local(f"{main.operand}_product")
             host.append(f"# {' * '.join(r.text for r in (main, *extras))}, formed once (XLA fuses it into one pass)")
             host.append(f'{product} = jnp.einsum("{spec}->{"".join(letters[i] for i in main.indices)}", {terms})')
             src = product
+        elif self.wide and op.dtype != dt:
+            src = f"{src}.astype({dt.jnp})"  # the other side of a product formed wider: exact in it
         contraction = [*self.extra_sums, self.kidx]
         pair = [col, row] if transposed else [row, col]
         order = [c.index for c in mine] + [x for i in pair for x in (contraction if i == self.kidx else [i])]
@@ -867,17 +875,28 @@ class ProductLowering:
         self.roles()
         m, n, kidx = self.m, self.n, self.kidx
         out_op = k.operand(st.target.operand)
+        # An integer product whose covered factor can leave the factor's dtype (`covered_dtype`):
+        # both sides in a float dtype WGMMA takes, formed by the wrapper, summed in f32.
+        rules = [(g, covered_dtype(k.operand(st.factors[g.main].operand).dtype,
+                                   tuple(k.operand(st.factors[e].operand).dtype for e in g.extras))) for g in (self.ga, self.gb)]
+        wide = matrix_dtype(tuple(d for _, (d, _) in rules), k.accumulate)
+        self.wide = wide if wide.is_float and not k.accumulate.is_float else None
+        covered = tuple(f"{' * '.join(st.factors[i].operand for i in (g.main, *g.extras))} for WGMMA: {why}"
+                        for g, (_, why) in rules if why is not None)
+        if self.wide:
+            covered += (f"both sides in {wide.name}, summed in f32" + (" (tf32: exact for integers up to 2048)" if wide.name == "f32" else ""),)
         self.a, self.a_mask = self.side(self.ga, m, kidx, False)
         self.b, self.b_mask = self.side(self.gb, kidx, n, True)
-        da, db = k.operand(self.a.operand).dtype, k.operand(self.b.operand).dtype
+        da, db = (self.wide, self.wide) if self.wide else (k.operand(self.a.operand).dtype, k.operand(self.b.operand).dtype)
         if da.name != db.name:
             fail(k.operand(self.b.operand).dtype_span, f"WGMMA multiplies two factors of one dtype; '{self.a.operand}' is {da.name}, "
                                                        f"'{self.b.operand}' is {db.name}")
         integer = not da.is_float  # s8 factors: WGMMA accumulates in s32
         want = "i32" if integer else "f32"
-        if k.accumulate.name != want:
+        acc = DTYPES["f32"] if self.wide else k.accumulate  # a wide product's sum: f32, cast to the i32 output
+        if acc.name != want:
             fail(k.accumulate_span or k.tile_span, f"accumulate {k.accumulate.name}: WGMMA accumulates {da.name} products in {want}")
-        if not out_op.dtype.is_float and not (integer and out_op.dtype.name == "i32"):
+        if not out_op.dtype.is_float and not ((integer or self.wide) and out_op.dtype.name == "i32"):
             fail(out_op.dtype_span, f"the GPU backend writes float outputs (or i32 for i8 factors); '{out_op.name}' is {out_op.dtype.name}")
         self.after_sum()
         if integer and (self.end is not None or st.scale is not None):
@@ -957,7 +976,7 @@ class ProductLowering:
             finish = [f"{out_var} = _unmatrix({raw}, {py_tuple(dims)}, {py_tuple(host[i] for i in order)}, {py_tuple(map(str, inv))})"]
         return ProductPass(
             statement=st, output=out_op.name, walk=walk, sparse=sparse, a=self.a, b=self.b, end=self.end,
-            end_mask=self.end_mask, tiles=t, in_dtype=da, acc_dtype=k.accumulate, out_dtype=out_op.dtype, scale=st.scale,
+            end_mask=self.end_mask, tiles=t, in_dtype=da, acc_dtype=acc, out_dtype=out_op.dtype, scale=st.scale,
             cell_coords=tuple((i, self.cell_extent(i)) for i in (*self.coords, m, n)), cells=ncells, host=self.host,
             guard=self.guard, tables=self.tables, kernel_lets=self.kernel_lets, a_index=a_index, b_index=b_index,
             out_index=out_index, end_index=end_index, step_lets=self.step_lets, steps=self.count, kind_table=kind_table, finish=finish,
@@ -966,7 +985,7 @@ class ProductLowering:
             block_products=self.block_products if walk != "coo output" else ncells * self.KB, flops_per_product=2 * t.bm * t.bn * t.bk,
             smem=smem_bytes(t, da.itemsize, out_op.dtype.itemsize, end_dtype.itemsize if end_dtype else 0,
                             held(t), vectors),
-            selection=selection, vectors=vecs,
+            selection=selection, vectors=vecs, covered=covered,
         )
 
     def vector_tile(self, v: EndVector) -> EndVector:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..dtypes import DType
+from ..dtypes import DType, covered_dtype
 from ..expr import Expr
 from ..ir import Einsum, Number, Term
 
@@ -97,6 +97,12 @@ class Product:
     @property
     def indices(self) -> set[str]:
         return set().union(*(f.live for f in self.factors))
+
+    @property
+    def fed(self) -> tuple[DType, str | None]:
+        """The dtype the matrix unit takes this product in, and why where it is not the first
+        factor's (`dtypes.covered_dtype`: the product formed wider than it can wrap)."""
+        return covered_dtype(self.factors[0].dtype, tuple(f.dtype for f in self.factors[1:]))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dtypes import DType
+from ..dtypes import DTYPES, DType, matrix_dtype
 from ..expr import Var, render
 from ..pytext import py_tuple as _tuple
 from ..schedule.core import Factor, Product, Tail
@@ -95,8 +95,9 @@ class BodyWriter:
             code = align(v, axes)
             parts.append(cast(code if v.simple or code == v.code else f"({code})", v.dtype, self.acc))
         code = " * ".join(parts)
-        if for_mxu and main.dtype != self.acc:
-            return Val(f"({code}).astype({main.dtype.jnp})", axes, main.dtype, False)
+        fed, _ = q.fed  # the factor's dtype, or wider where the product could wrap in it
+        if for_mxu and fed != self.acc:
+            return Val(f"({code}).astype({fed.jnp})", axes, fed, False)
         return Val(code, axes, self.acc, False)
 
     def widened(self, v: Val, axes: tuple[str, ...]) -> str:
@@ -117,7 +118,17 @@ class BodyWriter:
         return align(Val(value, target, acc, simple), self.body.acc_live)
 
     def _contraction(self, vals: list[Val], target: tuple[str, ...]) -> str:
-        acc = self.acc
+        wide = matrix_dtype(tuple(v.dtype for v in vals), self.acc) if len(vals) == 2 else self.acc
+        if wide.is_float and not self.acc.is_float:
+            # An integer sum meeting a covered product formed wider (`Product.fed`): both sides
+            # in that float dtype (exact for what they hold), the step's sum in f32, then added
+            # to the integer accumulator.
+            vals = [Val(cast(v.code if v.simple else f"({v.code})", v.dtype, wide), v.axes, wide, v.dtype == wide and v.simple)
+                    for v in vals]
+            return f"({self._contraction_in(vals, target, DTYPES['f32'])}).astype({self.acc.jnp})"
+        return self._contraction_in(vals, target, self.acc)
+
+    def _contraction_in(self, vals: list[Val], target: tuple[str, ...], acc: DType) -> str:
         summed = set(self.body.summed_indices)
         pref = f"preferred_element_type={acc.jnp}"
         if any(v.dtype.name == "f32" for v in vals):

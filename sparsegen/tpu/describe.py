@@ -34,6 +34,11 @@ def _calls(tp: TpuPass) -> list[str]:
             what = "the product " + " * ".join(f.operand for q in body.step for f in q.factors)
         when = f" when {render(body.compute_when, 'text')}" if body.compute_when is not None else " every step"
         lines.append(f"accumulate {what}{when}")
+        if body.matrix_product:
+            for q in body.summed:
+                fed, why = q.fed
+                if why is not None:
+                    lines.append(f"  {' * '.join(f.operand for f in q.factors)} for the matrix unit: {why}")
         for t in body.tails:
             lines.append(f"  past {t.size} along {t.index} (a partial last block) the factors are zero")
         if body.split is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import SimpleNamespace
 
+from ..dtypes import matrix_dtype
 from ..expr import evaluate
 from ..ir import Kernel
 from ..source import Diagnostic
@@ -126,8 +127,8 @@ def check_module(m, suggest: Callable[[], Kernel | None] | None = None) -> list[
         if not body.matrix_product:
             continue
         ops = [k.operand(q.factors[0].operand) for q in body.summed]
-        dtypes = {op.dtype.name for op in ops}
-        fed = ops[0].dtype.name if len(dtypes) == 1 else k.accumulate.name
+        dtypes = {q.fed[0].name for q in body.summed}  # a covered product may be formed wider
+        fed = matrix_dtype(tuple(q.fed[0] for q in body.summed), k.accumulate).name
         if fed in ("f32", "bf16") or (fed == "i8" and target.int8_matmul):
             continue
         op = next((op for op in ops if op.dtype.name == fed), ops[0])
