@@ -234,8 +234,8 @@ class _Emitter:
         elif sel is not None:
             # The tile a partial step rewrites: A's, or B's (warp-specialized, the consumer's columns).
             cols = _ds(Var("wg"), t.tn)
-            tile = a_smem if sel.on == "a" else (f"{b_smem}.at[{cols}]" if p.b.transposed else f"{b_smem}.at[:, {cols}]") if ws else b_smem
-            lines = [line.replace("@TILE@", tile) for line in sel.lines]
+            b_tile = (f"{b_smem}.at[{cols}]" if p.b.transposed else f"{b_smem}.at[:, {cols}]") if ws else b_smem
+            lines = [line.replace("@A@", a_smem).replace("@B@", b_tile) for line in sel.lines]
             what = p.a.operand if sel.on == "a" else p.b.operand
             about = sel.about or f"Some terms absent: the condition selects them out of {what}'s tile before the WGMMA."
             select = (head + [f"{name} = {value}" for name, value in _needed(sel.step_lets, repr([sel.kind] + lines))]
