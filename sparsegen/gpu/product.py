@@ -1001,6 +1001,7 @@ class ProductLowering:
             smem=smem_bytes(t, da.itemsize, out_op.dtype.itemsize, end_dtype.itemsize if end_dtype else 0,
                             held(t), vectors),
             selection=selection, vectors=vecs,
+            exposed=self.cond is not None and self.exposed is not None and k.accumulate.is_float,
         )
 
     def vector_tile(self, v: EndVector) -> EndVector:
