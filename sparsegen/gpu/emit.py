@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..expr import Call, Const, Expr, Var, render
 from ..formatting import format_module
 from ..pytext import needed as _needed, parameters, py_tuple, words
-from ..wrapper import Glue, Wrapper, einsum_glue
+from ..wrapper import Glue, Wrapper, _widen, einsum_glue
 from .describe import describe, persistent_ctas
 from .plan import ElementwisePass, GpuModule, GpuPass, ds
 from .rules import MEMORY_REGISTERS
@@ -234,8 +234,8 @@ class _Emitter:
         elif sel is not None:
             # The tile a partial step rewrites: A's, or B's (warp-specialized, the consumer's columns).
             cols = _ds(Var("wg"), t.tn)
-            tile = a_smem if sel.on == "a" else (f"{b_smem}.at[{cols}]" if p.b.transposed else f"{b_smem}.at[:, {cols}]") if ws else b_smem
-            lines = [line.replace("@TILE@", tile) for line in sel.lines]
+            b_tile = (f"{b_smem}.at[{cols}]" if p.b.transposed else f"{b_smem}.at[:, {cols}]") if ws else b_smem
+            lines = [line.replace("@A@", a_smem).replace("@B@", b_tile) for line in sel.lines]
             what = p.a.operand if sel.on == "a" else p.b.operand
             about = sel.about or f"Some terms absent: the condition selects them out of {what}'s tile before the WGMMA."
             select = (head + [f"{name} = {value}" for name, value in _needed(sel.step_lets, repr([sel.kind] + lines))]
@@ -298,7 +298,7 @@ class _Emitter:
             "step_select": step_select,
             "held_scoped": [h[3] for h in held] if not ws else [],
             "held_names": [name for h in held for name in h[2]],
-            "finish": p.finish,
+            "finish": p.finish + (self.present_check(p, mod) if p.exposed else []),
             "out_var": p.out_var,
             "end_dtype": k.operand(p.end.operand).dtype.jnp if p.end else None,
             "piece_at": at(piece_at),
@@ -354,6 +354,32 @@ class _Emitter:
         return (f"{p.statement.text}: persistent; each CTA runs its chunks of the work list, a chunk a run of the "
                 f"steps of a {t.tm}x{t.tn} tile of an output block, which walks {walk}, one WGMMA per {p.a.col} tile "
                 f"of {t.tk}.")
+
+    def present_check(self, p, mod: GpuModule) -> list[str]:
+        """Wrapper lines after a pass whose condition leaves a factor exposed (`exposed`: its
+        absent terms selected out of one factor's tiles, the other lacking an index they span,
+        `k <= m`'s y[k, n]): where the result is not finite, the statement over its present
+        terms alone (`reference`'s lines, language v3 section 0: a NaN or Inf an absent term's
+        factor holds never reaches it); finite data pay one check of the result."""
+        st, k = p.statement, mod.kernel
+        writer = Wrapper(k, mod.conv, (), self.wrapper.size, mod.names)
+        writer.scope = p.names
+        var = p.names.local(f"{p.output}_present")
+        fn = p.names.local(f"_{p.output}_present")
+        acc = k.accumulate
+        letters = {i: "abcdefghijklmnopqrstuvwxyz"[n] for n, i in enumerate(st.indices)}
+        body: list[str] = []
+        views = [_widen(writer.view(st, n, body, {}), k.operand(r.operand).dtype, acc) for n, r in enumerate(st.factors)]
+        specs = ["".join(letters[i] for i in f.indices) for f in st.factors]
+        body += writer.conditioned(st, var, views, specs, letters, ", precision=lax.Precision.HIGHEST")
+        if st.scale is not None:
+            body.append(f"{var} = {var} * {_number(st.scale)}")
+        body.append(f"return {var}.astype({p.out_dtype.jnp})")
+        out = p.out_var
+        return ["", f"def {fn}():",
+                "    # A NaN or Inf met an absent term (or a present one): the sum of the present terms.",
+                *("    " + line for line in body), "",
+                f"{out} = lax.cond(jnp.all(jnp.isfinite({out})), lambda: {out}, {fn})"]
 
     def gradient(self) -> tuple[Glue, list[dict]]:
         """The custom_vjp glue (residuals: the inputs), and the backward's passes."""

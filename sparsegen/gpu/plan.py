@@ -163,6 +163,9 @@ class ProductPass:
     selection: Selection | None = None  # a condition walk's partial steps (or blocks)
     vectors: tuple[EndVector, ...] = ()  # factors after the sum along the rows or the columns alone
     covered: tuple[str, ...] = ()  # the dtype each integer factor's covered product is formed in, and why (`covered_dtype`)
+    # The condition's absent terms are selected out of one factor's tiles; the other lacks an index
+    # they span (`k <= m`: y[k, n]), so a NaN or Inf there meets them: the wrapper checks the result.
+    exposed: bool = False
 
     @property
     def classifies(self) -> bool:

@@ -55,7 +55,7 @@ from ..schedule.attention import Point
 from ..schedule.build import ScheduleError
 from ..schedule.choice import Source, Walk
 from ..schedule.classify import Classifier, Conditions
-from ..schedule.condition import condition_axes, select_target
+from ..schedule.condition import condition_axes, selection
 from ..terms import render_term
 from .plan import Coord, EndVector, GpuError, Matrix, ProductPass, Selection, ds
 from .rules import DTYPES_WGMMA, fail, product_tiles, smem_bytes
@@ -546,14 +546,19 @@ class ProductLowering:
     # ------------------------------------------------------------ the condition walk
     def condition_plan(self):
         """Where a `where` condition's absent terms are selected out (the schedule's rule,
-        `select_target`), and the operands it reads:
-        - "a" / "b": a factor holds every index of the condition a block spans: its tile at a
-          partial step;
+        `schedule.condition.selection`, language v3 section 0: an absent term never reaches a
+        result, whatever any of its factors holds), and the operands it reads:
+        - "a" / "b": the indices of the condition a block spans are a factor's: its tile at a
+          partial step; where the other factor holds them too, its tile as well (`both`), so
+          neither's NaN or Inf meets an absent term;
         - "out": the condition reads no summed index: the accumulator, once, before the store;
         - "step": the indices it spans are the output's, but a summed index is walked one value
-          at a time beside it (read: `n < width[g]`, `m < rows[b]`; or not: then the walk's
-          columns): each step's product, computed apart and selected at a partial step before
-          it is added, as the value of the summed index changes from step to step."""
+          at a time beside it (read: `gid[m] == g`, `n < width[g]`, `m < rows[b]`; or not:
+          then the walk's columns): each step's product, computed apart and selected at a
+          partial step before it is added, as the value of the summed index changes from
+          step to step (a factor's tile selected there would leave 0 * Inf from the other's).
+        A condition no factor's tile can select alone (`k <= m`: y[k, n] lacks m) leaves the
+        other factor `exposed`: the wrapper checks the result (`_present_sum`)."""
         st, k, cond = self.st, self.k, self.cond
         for r in st.factors:
             op = k.operand(r.operand)
@@ -563,11 +568,18 @@ class ProductLowering:
             fail(st.target.span, "a `where` condition on a statement with a coo output is not lowered for GPUs yet")
         self.used, self.out_c, self.sum_c = condition_axes(st)
         try:
-            on, group = select_target(st, self.tile, self.used)
+            rule = selection(st, self.tile, self.used)
         except ScheduleError as exc:
             raise GpuError([exc.diagnostic]) from None
-        if on == "group":
-            self.sel_on = "a" if st.summed_groups[group] is self.ga else "b"
+        self.both, self.exposed = False, None
+        if rule.target == "group":
+            self.sel_on = "a" if st.summed_groups[rule.group] is self.ga else "b"
+            if rule.exposed is not None:
+                spanned = {i for i in self.used if self.tile[i] > 1}
+                if spanned <= set(st.factors[st.summed_groups[rule.exposed].main].indices):
+                    self.both = True  # both tiles hold what the condition spans: both selected
+                else:
+                    self.exposed = rule
         else:  # the value written: once, or per step where a summed index is walked one value at a time
             self.sel_on = "step" if self.cond_sums else "out"
         inner = [i for i in st.summed if i not in self.sum_c]
@@ -589,18 +601,27 @@ class ProductLowering:
                              f"index of the tile it masks ({masked}), not shifted; not lowered for GPUs yet")
             self.held_reads.append(r)
 
-    def mask_dims(self, t) -> tuple[tuple[str, int], tuple[str, int]]:
-        """The masked tile's dimensions (index, length) as it lies in shared memory (or the accumulator's)."""
-        if self.sel_on in ("out", "step"):
+    def masked_sides(self) -> tuple[str, ...]:
+        """The tiles a partial step selects in: "a", "b" or both, or the product ("out", "step")."""
+        return ("a", "b") if self.both else (self.sel_on,)
+
+    def mask_dims(self, t, on: str | None = None) -> tuple[tuple[str, int], tuple[str, int]]:
+        """The masked tile's dimensions (index, length) as it lies in shared memory (or the
+        accumulator's); `on`: the side ("a" or "b"), by default the selection's."""
+        on = on or self.sel_on
+        if on in ("out", "step"):
             return (self.m, t.tm), (self.n, t.tn)
-        mat = self.a if self.sel_on == "a" else self.b
-        dims = ((mat.row, t.tm), (mat.col, t.tk)) if self.sel_on == "a" else ((mat.row, t.tk), (mat.col, t.cta_n))
+        mat = self.a if on == "a" else self.b
+        dims = ((mat.row, t.tm), (mat.col, t.tk)) if on == "a" else ((mat.row, t.tk), (mat.col, t.cta_n))
         return dims[::-1] if mat.transposed else dims
 
     def held(self, t) -> tuple[int, int]:
-        """Shared memory the condition's operand tiles take (int32, the masked tile's shape) and their barriers."""
-        (_, d0), (_, d1) = self.mask_dims(t)
-        return len(self.held_reads) * d0 * d1 * 4, len(self.held_reads)
+        """Shared memory the condition's operand tiles take (int32, each masked tile's shape) and their barriers."""
+        bytes_ = 0
+        for on in self.masked_sides():
+            (_, d0), (_, d1) = self.mask_dims(t, on)
+            bytes_ += len(self.held_reads) * d0 * d1 * 4
+        return bytes_, len(self.held_reads) * len(self.masked_sides())
 
     # ------------------------------------------------------------ a covered mask, in the kernel
     def fused_dims(self, t) -> tuple[int, int]:
@@ -642,20 +663,21 @@ class ProductLowering:
             alloc = f"{smem}=plgpu.SMEM(({d0}, {d1}), {mop.dtype.jnp}), {barrier}=plgpu.Barrier()"
         lines = [f"plgpu.copy_gmem_to_smem({ref}.at[{at}], {smem}{mine}, {barrier}{mine})",
                  f"plgpu.barrier_wait({barrier}{mine})"]
+        tile = f"@{on.upper()}@"  # the tile the emitter names
         chunk = _fused_chunk(d0, d1)
         at_rows = "" if chunk == d0 else ".at[rows]"
         if self.k.operand(mat.operand).dtype.itemsize == 1:
             # Mosaic GPU has no 8-bit arithmetic: in int32, rounded back (an i8 product wraps, as the operand must be i8).
-            value = f"(@TILE@{at_rows}[...].astype(jnp.int32) * {smem}{mine}{at_rows}[...].astype(jnp.int32)).astype({dtype})"
+            value = f"({tile}{at_rows}[...].astype(jnp.int32) * {smem}{mine}{at_rows}[...].astype(jnp.int32)).astype({dtype})"
         else:
-            value = f"@TILE@{at_rows}[...] * {smem}{mine}{at_rows}[...].astype({dtype})"
+            value = f"{tile}{at_rows}[...] * {smem}{mine}{at_rows}[...].astype({dtype})"
         if chunk == d0:
-            lines.append(f"@TILE@[...] = {value}")
+            lines.append(f"{tile}[...] = {value}")
         else:
             lines += [f"for r in range(0, {d0}, {chunk}):",
                       f"    # {chunk} rows at a time: the tiles' registers beside the accumulator's stay in the budget",
                       f"    rows = pl.ds(r, {chunk})",
-                      f"    @TILE@{at_rows}[...] = {value}"]
+                      f"    {tile}{at_rows}[...] = {value}"]
         lines.append("plgpu.commit_smem()  # the product, visible to the WGMMA")
         bytes_, barriers = self.fused_held(t)
         return Selection(on, f"{self.fused_kinds}[step] == _PARTIAL", lines, list(self.step_lets),
@@ -677,10 +699,10 @@ class ProductLowering:
             return Var(self.var_of[i])
         fail(self.st.span, f"the condition's index '{i}' is neither a coordinate nor spanned by the tile it masks: not lowered for GPUs yet")
 
-    def condition_lines(self) -> tuple[list[str], list[tuple]]:
-        """The condition evaluated over the masked tile (`present`), and what it copies."""
+    def condition_lines(self, on: str | None = None) -> tuple[list[str], list[tuple]]:
+        """The condition evaluated over the masked tile of side `on` (`present`), and what it copies."""
         names, cond, k = self.names, self.cond, self.k
-        dims = self.mask_dims(self.t)
+        dims = self.mask_dims(self.t, on)
         shape = py_tuple(str(d) for _, d in dims)
         lines, pos, held, smem_of = [], {}, [], {}
         for r in self.held_reads:
@@ -813,23 +835,35 @@ class ProductLowering:
 
     def selection(self, kind_t: str) -> Selection:
         """The condition at a partial step (or on the accumulator): kernel lines."""
-        lines, held = self.condition_lines()
+        if self.sel_on in ("out", "step"):
+            lines, held = self.condition_lines()
         if self.sel_on == "out":
             lines.append(f"acc = jnp.where(present, acc, jnp.zeros({py_tuple(map(str, (self.t.tm, self.t.tn)))}, acc.dtype))")
             return Selection("out", "", lines, [], [])
-        dims = self.mask_dims(self.t)
-        shape = py_tuple(str(d) for _, d in dims)
         bytes_, barriers = self.held(self.t)
         kind = f"{kind_t}[step] == _PARTIAL"
         if self.sel_on == "step":
+            shape = py_tuple(str(d) for _, d in self.mask_dims(self.t))
             lines.append(f"return jnp.where(present, value, jnp.zeros({shape}, value.dtype))")
             return Selection("step", kind, lines, list(self.step_lets), held, bytes_, barriers,
                              about="its product (every step's is computed apart, in a second accumulator, then added to the running "
                                    "one) zeroed where the condition is false before it is added")
-        dtype = self.k.operand((self.a if self.sel_on == "a" else self.b).operand).dtype.jnp
-        lines.append(f"@TILE@[...] = jnp.where(present, @TILE@[...], jnp.zeros({shape}, {dtype}))")
+        lines, held = [], []
+        for on in self.masked_sides():
+            # `@A@`, `@B@`: the tile the emitter names (warp-specialized, the consumer's columns).
+            more, kept = self.condition_lines(on)
+            dtype = self.k.operand((self.a if on == "a" else self.b).operand).dtype.jnp
+            shape = py_tuple(str(d) for _, d in self.mask_dims(self.t, on))
+            tile = f"@{on.upper()}@"
+            lines += more + [f"{tile}[...] = jnp.where(present, {tile}[...], jnp.zeros({shape}, {dtype}))"]
+            held += kept
         lines.append("plgpu.commit_smem()  # the masked tile, visible to the WGMMA")
-        return Selection(self.sel_on, kind, lines, list(self.step_lets), held, bytes_, barriers)
+        about = ""
+        if self.both:
+            # Both factors hold the indices the condition spans: a NaN or Inf in either never meets an absent term.
+            about = (f"Some terms absent: the condition selects them out of both {self.a.operand}'s and {self.b.operand}'s "
+                     "tiles before the WGMMA (a NaN or Inf in either never meets an absent term).")
+        return Selection(self.sel_on, kind, lines, list(self.step_lets), held, bytes_, barriers, about=about)
 
     # ------------------------------------------------------------ tiles each step reads
     def sub(self, name: str, count: int) -> Expr:
@@ -986,6 +1020,7 @@ class ProductLowering:
             smem=smem_bytes(t, da.itemsize, out_op.dtype.itemsize, end_dtype.itemsize if end_dtype else 0,
                             held(t), vectors),
             selection=selection, vectors=vecs, covered=covered,
+            exposed=self.cond is not None and self.exposed is not None and k.accumulate.is_float,
         )
 
     def vector_tile(self, v: EndVector) -> EndVector:

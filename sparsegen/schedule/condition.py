@@ -55,22 +55,6 @@ def condition_axes(st) -> tuple[list[str], list[str], list[str]]:
     return used, out_c, sum_c
 
 
-def select_target(st, tile: dict[str, int], used: list[str]) -> tuple[str, int]:
-    """Where absent terms are selected out: the sum's group whose factors hold every index
-    of the condition that a block spans (an index walked one value at a time is a scalar),
-    else the value written when those are all the output's. (The GPU backend's rule; the
-    TPU condition walk follows `selection`, language v3 section 0.)"""
-    spanned = {i for i in used if tile[i] > 1}
-    for g, grp in enumerate(st.summed_groups):
-        if spanned <= set(st.factors[grp.main].indices):
-            return "group", g
-    if spanned <= set(st.out_indices):
-        return "flush", 0
-    holders = ", ".join(sorted(spanned))
-    raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({holders}) "
-                                            "that a block spans; a condition on summed indices needs one factor with all of them"))
-
-
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """Where a condition's absent terms are selected out, so that nothing an absent term's
@@ -397,4 +381,4 @@ class ConditionWalk(StepWalk):
         return None
 
 
-__all__ = ["ConditionWalk", "Selection", "condition_axes", "condition_indices", "select_target", "selection"]
+__all__ = ["ConditionWalk", "Selection", "condition_axes", "condition_indices", "selection"]
