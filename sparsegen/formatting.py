@@ -52,11 +52,29 @@ def format_module(source: str, names: tuple[str, ...] = ()) -> str:
     """
     stand_ins = [(name, "Z" * len(name)) for name in names if name and "Z" * len(name) not in source]
     for name, stand_in in stand_ins:
-        source = re.sub(rf"\b{re.escape(name)}\b", stand_in, source)
-    text = _format_module(source)
+        source = _swap(source, name, stand_in)
+    text = _format_whole(source)
     for name, stand_in in stand_ins:
-        text = re.sub(rf"\b{stand_in}\b", name, text)
+        text = _swap(text, stand_in, name)
     return text
+
+
+_WORD_CHAR = re.compile(r"\w")
+
+
+def _swap(text: str, old: str, new: str) -> str:
+    """`old` replaced by `new` as a word, or as the start of one the module derives from it
+    (`NAME_on_mesh`); no stand-in occurs in the source, so each is put back exactly where it
+    was put. (The word start is checked by hand: a leading `\\b` makes the regex slow.)"""
+    found = re.compile(rf"{re.escape(old)}(?=\b|_)")
+    return found.sub(lambda m: m.group() if m.start() and _WORD_CHAR.match(text, m.start() - 1) else new, text)
+
+
+@functools.lru_cache(maxsize=64)
+def _format_whole(source: str) -> str:
+    """A whole module (its names stood in for), cached: kernels that differ in name only (a
+    spec of many alike, variants revisited) are formatted once."""
+    return _format_module(source)
 
 
 def _format_module(source: str) -> str:
@@ -123,6 +141,7 @@ def _left_alone(shape: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=4096)
 def _skeleton(chunk: str) -> tuple[str, tuple[_Run, ...]]:
     """The chunk with each run of plain lines black leaves alone replaced by one stand-in
     line, and the runs; the chunk itself and () where it has none."""

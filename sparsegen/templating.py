@@ -58,12 +58,30 @@ _OPTIONAL = {
 def with_helpers(main: str) -> str:
     """A module's text with the helpers it calls in place of `{helpers}` (helpers that
     helpers call included)."""
+    used = frozenset(fn for fn in _called(main) if fn in _OPTIONAL_NAMES)
+    return main.replace("{helpers}", _helpers_text(used), 1)
+
+
+_OPTIONAL_NAMES = frozenset(_OPTIONAL.values())
+_CALL = re.compile(r"_\w+\(")
+_WORD_CHAR = re.compile(r"\w")
+
+
+def _called(text: str) -> set[str]:
+    """The names `_name(` called in `text`, as `\\b(_\\w+)\\(` finds them (a leading `\\b` makes
+    that regex slow; the word boundary is checked by hand)."""
+    return {m.group()[:-1] for m in _CALL.finditer(text) if not m.start() or not _WORD_CHAR.match(text, m.start() - 1)}
+
+
+@functools.lru_cache(maxsize=256)
+def _helpers_text(used: frozenset[str]) -> str:
+    """The helpers of a module that calls the optional helpers `used`, rendered once per set
+    (a spec of many kernels asks for a handful of sets)."""
     env = environment()
     uses = {key: False for key in _OPTIONAL}
-    text = main
+    called = set(used)
     for _ in range(3):  # helpers call helpers: until nothing new is used
-        called = set(re.findall(r"\b(_\w+)\(", text))
         for key, fn in _OPTIONAL.items():
             uses[key] = uses[key] or fn in called
-        text = main + env.get_template("helpers.py.j2").render(uses=uses)
-    return main.replace("{helpers}", env.get_template("helpers.py.j2").render(uses=uses).strip(), 1)
+        called = set(used) | _called(env.get_template("helpers.py.j2").render(uses=uses))
+    return env.get_template("helpers.py.j2").render(uses=uses).strip()

@@ -24,6 +24,7 @@ import numpy as np
 from ..callconv import operand_indices
 from ..expr import Bin, Call, Const, Expr, Load, Max, Min, Var, Where, evaluate
 from ..ir import Kernel
+from ..patterns import LazyMask
 
 from .arguments import pattern_args
 from .lower import TpuModule, TpuPass, block_bytes, lower
@@ -87,7 +88,28 @@ def load_module(plan: TpuModule, name: str | None = None, host: bool = True, bac
     if host:
         module.jnp, module.lax = _HOST_JNP, _HOST_LAX
         module.pl = _HOST_PL
+        if hasattr(module, "_block_kinds"):
+            module._block_kinds = _host_block_kinds(module)
     return module
+
+
+def _host_block_kinds(module):
+    """The module's `_block_kinds`, reading a `LazyMask`'s blocks where the pattern knows them
+    (its elements are never made), else the module's own on the elements. What it returns is
+    what the module's own returns (test_simulate's test_host_block_kinds_agree checks it)."""
+    own = module._block_kinds
+
+    def block_kinds(mask, tiles, ones):
+        found = mask.blocks(tiles) if isinstance(mask, LazyMask) else None
+        if found is None:
+            return own(np.asarray(mask), tiles, ones)
+        nonzero, all_ones = found
+        kind = np.where(nonzero, module._PARTIAL, module._EMPTY)
+        if ones:
+            kind = np.where(all_ones, module._FULL, kind)
+        return kind.astype(np.int32)
+
+    return block_kinds
 
 
 class _HostNumpy(types.ModuleType):
@@ -376,8 +398,8 @@ def analyse_einsum(plan: TpuModule, sizes: dict[str, int], pattern: str, targets
     """Simulate a plan on a pattern and its dense twin on everything; estimate both per target."""
     k = plan.kernel
     env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
+    args, by_operand = pattern_args(plan, env, pattern, seed, lazy=module is None or getattr(module, "jnp", None) is _HOST_JNP)
     module = module or load_module(plan)
-    args, by_operand = pattern_args(plan, env, pattern, seed)
     sim = simulate(plan, module, args, env, keep_trace=trace)
     dense_plan = dense_twin(plan)
     dense_module = load_module(dense_plan)
@@ -408,6 +430,9 @@ def _block_picture(plan: TpuModule, env: dict[str, int], by_operand: dict) -> np
     shape = [d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims]
     grid = [-(-s // t) for s, t in zip(shape, tiles)]
     if sparse.sparsity == "mask":
+        found = by_operand[sparse.name].blocks(tiles) if isinstance(by_operand[sparse.name], LazyMask) else None
+        if found is not None:
+            return np.where(found[1], 2, found[0].astype(int))
         mask = np.pad(np.asarray(by_operand[sparse.name]), [(0, -s % t) for s, t in zip(shape, tiles)])
         blocks = mask.reshape(grid[0], tiles[0], grid[1], tiles[1])
         nonzero = (blocks != 0).any(axis=(1, 3))
