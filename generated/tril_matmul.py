@@ -62,6 +62,7 @@ Plan (target v5e):
         accumulate the product of x and y summed over k when step_kind_here != _EMPTY
           past M along k (a partial last block) the factors are zero
         in a partial step (step_kind_here == _PARTIAL) the terms where not (k <= m) are selected out of x
+          where y holds a NaN or Inf there (one slice of the product checked), the step is recomputed over the present terms
         write output when step_flags[step] & 2 != 0: accumulator
       VMEM estimate: 5.1 MiB of 128 MiB on v5e
         x block: 2 x 512x512 bf16 = 1 MiB
@@ -126,6 +127,7 @@ Plan (target v5e):
           accumulate the product of g_o and x summed over m when step_kind_here != _EMPTY
             past M along m (a partial last block) the factors are zero
           in a partial step (step_kind_here == _PARTIAL) the terms where not (k <= m) are selected out of x
+            where g_o holds a NaN or Inf there (one slice of the product checked), the step is recomputed over the present terms
           write output when step_flags[step] & 2 != 0: accumulator
         VMEM estimate: 5.1 MiB of 128 MiB on v5e
           g_o block: 2 x 512x512 bf16 = 1 MiB
@@ -517,6 +519,70 @@ def _add_at(target, index, value):
     return target.at[index].add(value)
 
 
+def _add_present(acc, value, probe, dot, x, wide, keep, y):
+    """`acc[...] += value`, where `value` is dot(x, y) with the absent terms selected out of x
+    (0 where `keep` is false), unless y holds a NaN or Inf that meets an absent term (0 * NaN,
+    0 * Inf: NaN): then the sum of the present terms (`_present_dot`; `wide()`: x's values in
+    f32, read again there). `probe`: a slice of `value` that every entry of y reaches
+    whatever x holds (one value of an index of x's own: a non-finite y[k, n] makes column n
+    non-finite in every row), so finite data pay one check of a row or column. A kernel's
+    only region whose condition reads block data (`sparsegen verify --cycles` counts
+    `_nonfinite` as not run: finite data)."""
+    finite = jnp.all(jnp.isfinite(probe))
+
+    @pl.when(finite)
+    def _finite():
+        acc[...] += value
+
+    @pl.when(jnp.logical_not(finite))
+    def _nonfinite():
+        acc[...] += _present_dot(dot, x, wide(), keep, y)
+
+
+def _present_sum(value, dot, x, keep, y):
+    """`value` (dot(x, y), the absent terms selected out of x: whole arrays), or where it is
+    not finite the sum of the present terms (`_present_dot`)."""
+    return lax.cond(
+        jnp.all(jnp.isfinite(value)),
+        lambda: value,
+        lambda: _present_dot(dot, x, x, keep, y),
+    )
+
+
+def _present_dot(dot, x, x32, keep, y):
+    """dot(x, y) over the present terms alone (`keep`, broadcast to x; x holds 0 at the
+    absent ones; `x32`: its values in f32, read at the present ones), with y's NaN and Inf:
+    its finite part through `dot`, its non-finite entries counted over the present terms by
+    0/1 products (exact counts). A NaN term (y NaN, or y infinite where x is 0), or
+    infinities of both signs, give NaN; else the infinities' sign. Where x and y are both
+    infinite at a present term the result is NaN (IEEE says an infinity): the finite part
+    multiplies x by 0 there."""
+    y32 = y.astype(jnp.float32)
+    present = jnp.where(keep, 1.0, 0.0)
+
+    # 0/1 as products, not selects: libtpu's cycle profiler rejects a select of two f32
+    # blocks rounded to bf16 on v5e (Mosaic selects it packed, as int16).
+    def on_x(where):  # 0/1 over the present terms, in x's dtype
+        return (jnp.where(where, 1.0, 0.0) * present).astype(x.dtype)
+
+    def on_y(where):
+        return jnp.where(where, 1.0, 0.0).astype(y.dtype)
+
+    up, down = y32 == jnp.inf, y32 == -jnp.inf
+    above, below = on_x(x32 > 0), on_x(x32 < 0)
+    every = jnp.broadcast_to(present, x.shape).astype(x.dtype)
+    nan = dot(every, on_y(jnp.isnan(y32))) + dot(on_x(x32 == 0), on_y(up | down))
+    pos = dot(above, on_y(up)) + dot(below, on_y(down))
+    neg = dot(above, on_y(down)) + dot(below, on_y(up))
+    finite = dot(x, jnp.where(jnp.isfinite(y32), y32, 0.0).astype(y.dtype))
+    special = jnp.where(
+        (nan > 0) | ((pos > 0) & (neg > 0)),
+        jnp.nan,
+        jnp.where(pos > 0, jnp.inf, jnp.where(neg > 0, -jnp.inf, 0.0)),
+    )
+    return finite + special
+
+
 def _kernel(
     step_row,
     step_read,
@@ -551,7 +617,17 @@ def _kernel(
         if M % 512:  # a partial last block: what lies past the end is absent
             x_ = _mask_tail(x_, 1, M - step_col[step] * 512)
             y_ = _mask_tail(y_, 0, M - step_col[step] * 512)
-        acc_ref[...] += jnp.dot(x_, y_, preferred_element_type=jnp.float32)
+        part = jnp.dot(x_, y_, preferred_element_type=jnp.float32)
+        _add_present(
+            acc_ref,
+            part,
+            part[0:1, :],
+            lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32),
+            x_,
+            lambda: x_ref[...].astype(jnp.float32),
+            present,
+            y_,
+        )
 
     @pl.when(step_kind_here == _FULL)
     def _compute_full():
@@ -738,8 +814,20 @@ def _d_y_kernel(
         if M % 512:  # a partial last block: what lies past the end is absent
             g_o_ = _mask_tail(g_o_, 0, M - step_col[step] * 512)
             x_ = _mask_tail(x_, 0, M - step_col[step] * 512)
-        acc_ref[...] += lax.dot_general(
+        part = lax.dot_general(
             x_, g_o_, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        _add_present(
+            acc_ref,
+            part,
+            part[0:1, :],
+            lambda a, b: lax.dot_general(
+                a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            ),
+            x_,
+            lambda: x_ref[...].astype(jnp.float32),
+            present,
+            g_o_,
         )
 
     @pl.when(step_kind_here == _FULL)
@@ -990,16 +1078,27 @@ _run.defvjp(_run_forward, _run_backward, symbolic_zeros=True)
 def _reference(x, y, sizes):
     M, N = sizes
     present = jnp.arange(M).reshape((-1, 1)) <= jnp.arange(M).reshape((1, -1))
+    o_0 = jnp.where(_expand(present, "ca", "ac"), x.astype(jnp.float32), 0)
+    o_1 = y.astype(jnp.float32)
     o = jnp.einsum(
         "ac,cb->ab",
-        jnp.where(
-            jnp.broadcast_to(_expand(present, "ca", "ac"), (M, M)),
-            x.astype(jnp.float32),
-            0,
-        ),
-        y.astype(jnp.float32),
+        o_0,
+        o_1,
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
+    )
+    o = _present_sum(
+        o,
+        lambda a, b: jnp.einsum(
+            "ac,cb->ab",
+            a,
+            b,
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        ),
+        o_0,
+        _expand(present, "ca", "ac"),
+        o_1,
     )
     o = o.astype(jnp.bfloat16)
     return o

@@ -228,9 +228,10 @@ class Wrapper:
                 views = [_widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, acc) for n, r in enumerate(st.factors)]
                 specs = ["".join(letters[i] for i in f.indices) for f in st.factors]
                 if st.condition is not None:
-                    self.select_terms(st, views, specs, letters, lines)
-                spec = ",".join(specs) + "->" + "".join(letters[i] for i in st.out_indices)
-                lines.append(f'{var} = jnp.einsum("{spec}", {", ".join(views)}, preferred_element_type={acc.jnp}{precision})')
+                    lines += self.conditioned(st, var, views, specs, letters, precision)
+                else:
+                    spec = ",".join(specs) + "->" + "".join(letters[i] for i in st.out_indices)
+                    lines.append(f'{var} = jnp.einsum("{spec}", {", ".join(views)}, preferred_element_type={acc.jnp}{precision})')
                 if sparse is not None:
                     # A mask applied after the sum: its all-zero blocks are skipped, so what
                     # the sum gives there (NaN too) is not multiplied: zeros.
@@ -270,15 +271,22 @@ class Wrapper:
     def local(self, preferred: str) -> str:
         return self.scope.local(preferred) if self.scope is not None else preferred
 
-    def select_terms(self, st: Einsum, views: list[str], specs: list[str], letters: dict, lines: list[str]) -> None:
-        """A condition on the statement's terms: the factor holding most of its indices has
-        its absent terms replaced by 0, extended over the condition's other indices."""
-        from .schedule.condition import condition_indices
+    def conditioned(self, st: Einsum, var: str, views: list[str], specs: list[str], letters: dict, precision: str) -> list[str]:
+        """A statement with a condition on its terms: an absent term adds nothing, whatever
+        any of its factors holds (language v3, section 0), selected out where the kernel
+        selects it (`schedule.condition.selection`, so the two agree, NaN for NaN): the value
+        written for a condition on the output's indices; the product kept along the summed
+        indices the condition uses, selected, then summed; or one group of the sum that
+        holds the indices it spans, with `_present_sum` for the other."""
+        from .schedule.condition import condition_indices, selection
         from .terms import as_read, render_term
 
-        k, conv = self.k, self.conv
+        k, conv, acc = self.k, self.conv, self.k.accumulate
         used = condition_indices(st.condition)
+        rule = selection(st, {i: k.index(i).tile for i in st.indices}, used)
         src = "".join(letters[i] for i in used)
+        out = "".join(letters[i] for i in st.out_indices)
+        pref = f"preferred_element_type={acc.jnp}{precision}"
 
         def leaf(t) -> str:
             if t.op == "size":
@@ -293,16 +301,58 @@ class Wrapper:
             value = f'_expand({value}, "{here}", "{src}")' if here != src else value
             return f"({value} != 0)" if t.op == "truth" else value
 
+        def along(value: str, have: str, dst: str) -> str:
+            return f'_expand({value}, "{have}", "{dst}")' if have != dst else value
+
         present = self.local("present")
-        lines.append(f"{present} = {render_term(st.condition, leaf)}")
-        n = max(range(len(st.factors)), key=lambda n: (len(set(st.factors[n].indices) & set(used)), -n))
-        dst = specs[n] + "".join(c for c in src if c not in specs[n])
-        shape = py_tuple(host(conv.size(k.index(i).size)) for i in (*st.factors[n].indices, *(i for i in used if letters[i] not in specs[n])))
-        # Selected, not multiplied: what an absent term holds (NaN too) does not count.
-        value = f'_expand({views[n]}, "{specs[n]}", "{dst}")' if dst != specs[n] else views[n]
-        mask = f'_expand({present}, "{src}", "{dst}")' if dst != src else present
-        views[n] = f"jnp.where(jnp.broadcast_to({mask}, {shape}), {value}, 0)"
-        specs[n] = dst
+        lines = [f"{present} = {render_term(st.condition, leaf)}"]
+        if rule.target == "flush":
+            # Every term of an output element is present or none is: the sum, then selected.
+            lines.append(f'{var} = jnp.einsum("{",".join(specs)}->{out}", {", ".join(views)}, {pref})')
+            lines.append(f"{var} = jnp.where({along(present, src, out)}, {var}, 0)")
+            return lines
+        members = [n for g in st.summed_groups for n in g.members]
+        if rule.target == "product":
+            # Kept along the summed indices the condition uses: each element of the product
+            # is then all present or all absent; selected, then summed.
+            inner = out + "".join(letters[i] for i in used if i in st.summed)
+            lines.append(f'{var} = jnp.einsum("{",".join(specs[n] for n in members)}->{inner}", {", ".join(views[n] for n in members)}, {pref})')
+            lines.append(f"{var} = jnp.where({along(present, src, inner)}, {var}, 0)")
+            if inner != out:
+                lines.append(f"{var} = {var}.sum(axis={py_tuple(str(d) for d in range(len(out), len(inner)))})")
+        else:
+            # The group chosen has its absent terms selected out (extended along the
+            # condition's other indices); the other is met by `_present_sum`.
+            values, gspecs, keeps = [], [], {}
+            for g, grp in enumerate(st.summed_groups):
+                spec = specs[grp.main]
+                if grp.extras:
+                    value = f'jnp.einsum("{",".join(specs[n] for n in grp.members)}->{spec}", {", ".join(views[n] for n in grp.members)}, {pref})'
+                else:
+                    value = views[grp.main]
+                if g == rule.group:
+                    dst = spec + "".join(c for c in src if c not in spec)
+                    keeps[g] = along(present, src, dst)
+                    value = f"jnp.where({keeps[g]}, {along(value, spec, dst)}, 0)"
+                    spec = dst
+                name = self.local(f"{var}_{g}")
+                lines.append(f"{name} = {value}")
+                values.append(name)
+                gspecs.append(spec)
+            contract = ",".join(gspecs) + "->" + out
+            lines.append(f'{var} = jnp.einsum("{contract}", {", ".join(values)}, {pref})')
+            if rule.exposed is not None and acc.is_float:
+                # Where the other group holds a NaN or Inf, the sum over the present terms alone.
+                chosen, exposed = rule.group, rule.exposed
+                a, b = self.local("a"), self.local("b")
+                params = {chosen: a, exposed: b}
+                dot = f'jnp.einsum("{contract}", {", ".join(params[g] for g in range(len(values)))}, {pref})'
+                lines.append(f"{var} = _present_sum({var}, lambda {a}, {b}: {dot}, {values[chosen]}, {keeps[chosen]}, {values[exposed]})")
+        ends = [g.main for g in st.end_groups]
+        if ends:
+            # Factors with no summed index multiply the sum (as in the kernel, at the flush).
+            lines.append(f'{var} = jnp.einsum("{",".join([out] + [specs[n] for n in ends])}->{out}", {var}, {", ".join(views[n] for n in ends)}, {pref})')
+        return lines
 
     def block_products(self, st: Einsum, sparse: int, var: str, letters, outputs, precision) -> list[str]:
         """The statement as a sum of per-block products over the sparse operand's blocks (a

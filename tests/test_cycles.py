@@ -44,6 +44,8 @@ JOBS = {
             "shapes": {"M": 1024, "K": 1024, "N": 1024}, "pattern": "density=0.25", "backward": True},
     "dsd": {"spec": str(SPECS / "dsd_matmul.spk"), "kernel": "dsd_matmul", "target": "v5e",
             "shapes": {"M": 1024, "K": 1024, "N": 1024}, "pattern": "density=0.25", "backward": True},
+    "tril_cond": {"spec": str(SPECS / "tril_matmul.spk"), "kernel": "tril_matmul", "target": "v5e",
+                  "shapes": {"M": 1024, "N": 512}, "pattern": "density=1"},
     "attention": {"spec": str(SPECS / "causal_attention.spk"), "kernel": "causal_attention", "target": "v5e",
                   "shapes": {"B": 1, "H": 1, "S": 1000, "D": 128}, "pattern": "tril", "backward": True},
 }
@@ -229,3 +231,19 @@ def test_coo_walks_with_a_moving_output_are_estimated(estimates):
         for p in every:
             assert p.cycles is not None and p.steps > 0, (name, p.kernel, p.note)
             assert p.cycles > p.mxu_cycles > 0, (name, p.kernel)
+
+
+def test_the_non_finite_path_of_a_condition_is_not_walked(estimates):
+    """tril_matmul (`k <= m`: y lacks m) at M = 1024, 512 tiles: two diagonal (partial) steps
+    and one full. A partial step checks one row of its product and adds it (`_add_present`'s
+    `_finite`); its `_nonfinite` region (7 more products, run only where y holds a NaN or
+    Inf) is not walked or counted: the partial region's MXU work is its one product, and the
+    estimate stays near the product's minimum (the estimator would count the region as run,
+    and libtpu's v5e profiler aborted on it before it read x's values from its block again)."""
+    found = _found(estimates, "tril_cond")
+    (p,) = found.forward
+    assert p.cycles is not None, p.note
+    regions = {r.name: (r.count, r.flops) for r in p.regions}
+    assert regions["_compute_partial"] == (2, 2 * 512**3) and regions["_compute_full"] == (1, 2 * 512**3)
+    assert p.mxu_cycles == 3 * 2048
+    assert p.mxu_cycles < p.cycles < p.raw + 2 * p.mxu_cycles, (p.cycles, p.raw, p.walk, p.zero)

@@ -16,8 +16,13 @@ DSD = with_tiles(spec_text("dsd_matmul"), m=128, n=128, k=128)
 
 
 def test_no_output_is_aliased_so_the_simulator_checks_revisits():
+    """An aliased output starts as its input, so the simulator's NaN fill could not show a block
+    left unwritten. Only a walk split into SMEM-sized pieces aliases (each piece writes into the
+    output of the pieces before it); its single call, the one every test runs, never does."""
     for path in GENERATED.glob("*.py"):
-        assert "input_output_aliases" not in path.read_text(), path.name
+        for line in path.read_text().splitlines():
+            if "input_output_aliases" in line:
+                assert "input_output_aliases={} if written is None else" in line, (path.name, line)
 
 
 def test_simulator_catches_a_non_consecutive_output_revisit(monkeypatch):

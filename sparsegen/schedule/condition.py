@@ -58,7 +58,8 @@ def condition_axes(st) -> tuple[list[str], list[str], list[str]]:
 def select_target(st, tile: dict[str, int], used: list[str]) -> tuple[str, int]:
     """Where absent terms are selected out: the sum's group whose factors hold every index
     of the condition that a block spans (an index walked one value at a time is a scalar),
-    else the value written when those are all the output's."""
+    else the value written when those are all the output's. (The GPU backend's rule; the
+    TPU condition walk follows `selection`, language v3 section 0.)"""
     spanned = {i for i in used if tile[i] > 1}
     for g, grp in enumerate(st.summed_groups):
         if spanned <= set(st.factors[grp.main].indices):
@@ -68,6 +69,53 @@ def select_target(st, tile: dict[str, int], used: list[str]) -> tuple[str, int]:
     holders = ", ".join(sorted(spanned))
     raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({holders}) "
                                             "that a block spans; a condition on summed indices needs one factor with all of them"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Where a condition's absent terms are selected out, so that nothing an absent term's
+    factors hold (NaN, Inf) reaches a result (language v3, section 0):
+
+    - "flush": the condition uses no summed index: the value written (every term of an
+      output element is present or none is);
+    - "product": every index of the condition a block spans is an output index (a summed
+      one it uses is walked one value at a time, a scalar at a step): each partial step's
+      product, before it is accumulated (each step with its own value of that index);
+    - "group": the condition spans a summed index: the group of the sum `group`, which holds
+      all the indices it spans. The other group, `exposed`, if any, may hold a NaN or Inf
+      that meets an absent term (0 * NaN): a step where it does is recomputed over the
+      present terms (`_add_present`). Where both groups hold those indices, one is
+      selected and the other checked so (one select per step, not two)."""
+
+    target: str  # "flush" | "product" | "group"
+    group: int | None = None
+    exposed: int | None = None
+
+
+def selection(st, tile: dict[str, int], used: list[str]) -> Selection:
+    """The rule (`Selection`) for a statement whose condition uses `used` (tiles by index)."""
+    if not any(i in st.summed for i in used):
+        return Selection("flush")
+    spanned = {i for i in used if tile[i] > 1}
+    if spanned <= set(st.out_indices):
+        return Selection("product")
+    mains = [set(st.factors[grp.main].indices) for grp in st.summed_groups]
+    holders = [g for g, held in enumerate(mains) if spanned <= held]
+    if not holders:
+        names = ", ".join(sorted(spanned))
+        raise ScheduleError(Diagnostic(st.span, f"not supported yet: no factor holds every index of the condition ({names}) "
+                                                "that a block spans; a condition on summed indices needs one factor with all of them"))
+
+    def first_own(g: int) -> int:
+        """The first output index (with a tile above 1) that group g holds and the other does
+        not: the exposed group is checked on one slice of the product along it (a block's
+        row, where it is the output's first)."""
+        own = mains[g] - set().union(*(m for n, m in enumerate(mains) if n != g))
+        return min((n for n, i in enumerate(st.out_indices) if i in own and tile[i] > 1), default=len(st.out_indices))
+
+    group = min(holders, key=lambda g: (first_own(g), g))
+    exposed = next((g for g in range(len(st.summed_groups)) if g != group), None)
+    return Selection("group", group, exposed)
 
 
 class ConditionWalk(StepWalk):
@@ -105,7 +153,7 @@ class ConditionWalk(StepWalk):
         for n in range(len(st.factors)):
             b = self.natural_block(n, read_coord, "Steps that compute nothing hold the blocks of the last step that did: no copy.")
             blocks[b.key] = b
-        select_on, group = self.select_target(used)
+        rule = self.selection(used)
         reads, scalars = [], []
         for n, r in enumerate(dict.fromkeys(cond.reads)):
             if any(sub.shift and self.tile[sub.index] != 1 for sub in r.subs):
@@ -115,7 +163,7 @@ class ConditionWalk(StepWalk):
                 # One element per step (`lens[b]`, `lo[g]`): read from scalar memory.
                 scalars.append((r, self.scalar_read(r, read_coord)))
                 continue
-            b = self.condition_block(n, r, cond_coord, select_on, group, blocks)
+            b = self.condition_block(n, r, cond_coord, rule, blocks)
             blocks[b.key] = b
             reads.append((r, b.key))
         blocks["out"] = self.out_block(self.coords(st.target, write_coord))
@@ -126,13 +174,13 @@ class ConditionWalk(StepWalk):
         here = self.local("step_kind_here")
         partial = Var(here).eq(Var("_PARTIAL"))
         sizes = tuple((t.name, self.conv.size_var(t.name)) for t in cond.walk() if t.op == "size")
-        select = Select(cond, select_on, group, coord_at, tuple(reads), tuple(scalars), partial, Var(here).eq(Var("_FULL")), Var(here).ne(Var("_PARTIAL")), tuple(dict.fromkeys(sizes)))
+        select = Select(cond, rule.target, rule.group, rule.exposed, coord_at, tuple(reads), tuple(scalars), partial, Var(here).eq(Var("_FULL")), Var(here).ne(Var("_PARTIAL")), tuple(dict.fromkeys(sizes)))
         summed, end = self.products(blocks)
         out = blocks["out"]
         acc_live, acc_shape = self.acc_layout(out, summed)
         notes = ("A run of steps accumulates one output block; a step with nothing present computes nothing.",)
         if st.summed:
-            cases = (FlushCase(None, end, "flush", "Write the block (zeros if nothing was present).", select=select_on == "flush"),)
+            cases = (FlushCase(None, end, "flush", "Write the block (zeros if nothing was present).", select=rule.target == "flush"),)
             body = Body(True, first, Var(here).ne(Var("_EMPTY")), summed, (), last, cases, st.summed, acc_live, acc_shape, out.live,
                         tails=self.tails(compute_coord), notes=notes, lets=((here, Load(kind, step)),), select=select)
         else:
@@ -167,8 +215,31 @@ class ConditionWalk(StepWalk):
         if self.out.sparsity == "coo":
             raise ScheduleError(Diagnostic(st.target.span, "not supported yet: a condition on a statement with a coo output"))
 
-    def select_target(self, used: list[str]) -> tuple[str, int]:
-        return select_target(self.st, self.tile, used)
+    def selection(self, used: list[str]) -> Selection:
+        """The rule; where both groups of the sum hold the condition's spanned indices, the one
+        selected is one the matrix product takes as it lies (its summed index last if it is
+        the left operand, first if the right): measured (libtpu's estimate, grouped_matmul's
+        d_w on v6e, ids straddling blocks), a transposed left operand selected cost 5% more
+        per pass, the right one nothing. Either gives the same result (`Selection`)."""
+        rule = selection(self.st, self.tile, used)
+        if rule.target != "group" or rule.exposed is None:
+            return rule
+        spanned = {i for i in used if self.tile[i] > 1}
+        other = self.st.factors[self.st.summed_groups[rule.exposed].main]
+        if spanned <= set(other.indices) and not self.as_it_lies(rule.group) and self.as_it_lies(rule.exposed):
+            return Selection("group", rule.exposed, rule.group)
+        return rule
+
+    def as_it_lies(self, group: int) -> bool:
+        """Does the matrix product take this group's block as it lies (no transpose)?"""
+        st = self.st
+        live = [i for i in st.factors[st.summed_groups[group].main].indices if self.tile[i] > 1]
+        rows = [i for i in st.out_indices if self.tile[i] > 1][:1]
+        summed = [i for i in live if i in st.summed]
+        if not live or not summed:
+            return True
+        left = bool(rows) and rows[0] in live
+        return live[-1] in summed if left else live[0] in summed
 
     def scalar_read(self, r: Read, coord) -> Expr:
         """An integer operand every index of whose read walks one value at a time: a table
@@ -186,29 +257,36 @@ class ConditionWalk(StepWalk):
             at = at * self.conv.size(op.dims[d]) + c if d else c
         return Load(self.scalar_tables[op.name], at)
 
-    def condition_block(self, n: int, r: Read, coord, target: str, group: int, blocks) -> Block:
-        """The block of an integer operand a condition reads, laid out as the value it selects
-        in sees it: its own layout when it has that value's indices in order; a 1-index read
-        as a column (lane-broadcast copy) or a row (sublane-broadcast copy)."""
+    def condition_block(self, n: int, r: Read, coord, rule: Selection, blocks) -> Block:
+        """The block of an integer operand a condition reads, laid out as the values it selects
+        in see it: its own layout when it has their indices in order; a 1-index read as a
+        column (lane-broadcast copy) or a row (sublane-broadcast copy)."""
         st, k = self.st, self.k
         op = k.operand(r.operand)
-        if target == "group":
-            axes = blocks[f"f{st.summed_groups[group].main}"].live
-        else:
-            axes = tuple(i for i in st.out_indices if self.tile[i] > 1)
+        if rule.target == "group":
+            values = [blocks[f"f{st.summed_groups[rule.group].main}"].live]
+        else:  # the step's product or the value written: the output block's indices
+            values = [tuple(i for i in st.out_indices if self.tile[i] > 1)]
         live = tuple(i for i in r.indices if self.tile[i] > 1)
         dims = self.dims(r)
         coords = self.coords(r, coord)
         param = self.conv.param(op.name).internal
-        if live == axes or not live:
-            layout, array = "natural", param
-        elif len(live) == 1 and len(axes) >= 2 and live[0] == axes[-2]:
-            layout = "rows"
-        elif len(live) == 1 and len(axes) >= 2 and live[0] == axes[-1]:
-            layout = "cols"
-        else:
-            raise ScheduleError(Diagnostic(r.span, f"not supported yet: the condition reads '{op.name}' with indices that are not "
-                                                   f"those of the block it selects in ({', '.join(axes)})"))
+        layouts = set()
+        for axes in values:
+            if live == axes or not live:
+                layouts.add("natural")
+            elif len(live) == 1 and len(axes) >= 2 and live[0] == axes[-2]:
+                layouts.add("rows")
+            elif len(live) == 1 and len(axes) >= 2 and live[0] == axes[-1]:
+                layouts.add("cols")
+            else:
+                raise ScheduleError(Diagnostic(r.span, f"not supported yet: the condition reads '{op.name}' with indices that are not "
+                                                       f"those of the block it selects in ({', '.join(axes)})"))
+        if len(layouts) > 1:
+            raise ScheduleError(Diagnostic(r.span, f"not supported yet: the condition reads '{op.name}' along an index that the "
+                                                   "factors it selects in lay out differently"))
+        (layout,) = layouts
+        array = param
         if layout != "natural":
             array = self.local(f"{op.name}_{layout}")
             if len(r.indices) != 1:
@@ -319,4 +397,4 @@ class ConditionWalk(StepWalk):
         return None
 
 
-__all__ = ["ConditionWalk", "condition_axes", "condition_indices", "select_target"]
+__all__ = ["ConditionWalk", "Selection", "condition_axes", "condition_indices", "select_target", "selection"]

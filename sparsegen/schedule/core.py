@@ -112,16 +112,20 @@ class Tail:
 @dataclass(frozen=True)
 class Select:
     """A condition on a statement's terms (language v2, section 1): in a partial step the
-    entries of one value where it is false are replaced by 0 (selected, not multiplied).
+    absent terms are selected out (`jnp.where`, not multiplied), so nothing any of their
+    factors holds reaches a result (language v3, section 0; the rule: `condition.Selection`).
 
-    `target` is the value: "group" (the sum's group `group`, before the sum) or "flush" (the
-    value written, for a condition on the output's indices only). Element positions are
-    block coordinate x tile + offset in the block; an index walked one value at a time is
-    a scalar; a read of an integer operand is its block `reads[read]`."""
+    `target`: "flush" (the value written: a condition on the output's indices only),
+    "product" (each partial step's product before it is accumulated), or "group" (the
+    sum's group `group`, before the sum; `exposed`, the other group: a step where it holds
+    a non-finite value is recomputed over the present terms).
+    Element positions are block coordinate x tile + offset in the block; an index walked
+    one value at a time is a scalar; a read of an integer operand is its block `reads[read]`."""
 
     condition: Term
-    target: str  # "group" | "flush"
-    group: int
+    target: str  # "flush" | "product" | "group"
+    group: int | None  # "group": the sum's group selected
+    exposed: int | None  # "group": the sum's other group (checked for NaN and Inf)
     coords: tuple[tuple[str, Expr], ...]  # each index of the condition: its block coordinate at the step
     reads: tuple[tuple[object, str], ...]  # (ir.Read, Block.key) of each operand block the condition reads
     scalars: tuple[tuple[object, Expr], ...]  # (ir.Read, its element at the step): one value per step, from SMEM

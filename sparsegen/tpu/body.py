@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import DType
-from ..expr import render
+from ..expr import Var, render
 from ..pytext import py_tuple as _tuple
 from ..schedule.core import Factor, Product, Tail
 from .lower import Spec, TpuPass
@@ -194,7 +194,7 @@ class BodyWriter:
         lines = []
         for t in tails:
             if t.index in v.axes:
-                limit = f"{t.size} - {render(t.coord, 'py')} * {t.tile}"
+                limit = render(Var(t.size) - t.coord * t.tile, "py")  # a tree: the coordinate may be a sum
                 lines.append(f"{name} = _mask_tail({name}, {v.axes.index(t.index)}, {limit})")
         return lines
 
@@ -207,10 +207,11 @@ class BodyWriter:
         return [f"if {cond}:  # a partial last block: what lies past the end is absent", *("    " + line for line in lines)]
 
     # ------------------------------------------------------------ conditions
-    def select_lines(self, name: str, v: Val) -> list[str]:
+    def select_lines(self, name: str, v: Val) -> tuple[list[str], str]:
         """`name` (a value over v.axes) with the entries where the body's condition is false
         replaced by 0: positions from the step's block coordinates, integer operands from
-        their blocks, an index walked one value at a time as a scalar."""
+        their blocks, an index walked one value at a time as a scalar. Also the name of the
+        condition's value (broadcastable to v)."""
         from ..terms import render_term
 
         sel = self.body.select
@@ -248,15 +249,18 @@ class BodyWriter:
             return f"({value} != 0)" if t.op == "truth" else value
 
         present = render_term(sel.condition, leaf)
-        keep = self.tp_local("present")
-        lines.append(f"{keep} = {present}")
+        if present in self._present:  # the same condition selects another value: computed once
+            keep = self._present[present]
+        else:
+            keep = self._present[present] = self.tp_local("present")
+            lines.append(f"{keep} = {present}")
         if v.dtype.is_float and v.dtype.bits == 16:
             # Via f32 (exact): Mosaic selects a packed bf16 block as int16, which libtpu's
             # cycle profiler rejects as a matmul's left operand (attention's kernels do the same).
             lines.append(f"{name} = jnp.where({keep}, {name}.astype(jnp.float32), 0.0).astype({name}.dtype)")
         else:
             lines.append(f"{name} = jnp.where({keep}, {name}, jnp.zeros_like({name}))")
-        return lines
+        return lines, keep
 
     def compute_lines(self, partial: bool = False, groups=None) -> tuple[list[str], str]:
         """Lines before the accumulation, and the accumulated value; `partial`: in a step
@@ -268,9 +272,13 @@ class BodyWriter:
         # stay wide (the reference rounds nothing before the sum).
         vals = [self.product(q, for_mxu=body.matrix_product) for q in groups]
         tails = body.tails
-        selected = body.select.group if partial and body.select is not None and body.select.target == "group" else None
-        needs_locals = any(t.index in v.axes for v in vals for t in tails) or selected is not None
+        self._present = {}
+        sel = body.select if partial else None
+        selected = (sel.group,) if sel is not None and sel.target == "group" else ()
+        needs_locals = any(t.index in v.axes for v in vals for t in tails) or bool(selected)
+        exposed = sel is not None and sel.exposed is not None and vals[sel.exposed].dtype.is_float
         lines: list[str] = []
+        keeps = {}
         if needs_locals:
             masked = []
             named = []
@@ -279,13 +287,32 @@ class BodyWriter:
                 lines.append(f"{name} = {v.code}")
                 named.append(Val(name, v.axes, v.dtype, True))
                 masked += self.tail_lines(name, named[-1], tails)
-                if n == selected:
+                if n in selected:
                     # The condition's absent terms: selected out, so what they hold never counts.
-                    lines += self.select_lines(name, named[-1])
+                    more, keeps[n] = self.select_lines(name, named[-1])
+                    lines += more
             lines += self.guarded(tails, masked)
             vals = named
         if body.summed:
             value = self.contraction(vals)
+            if sel is not None and sel.target == "product":
+                # Every term of an element of the step's product is present or none is: the
+                # product is selected (each step with its own value of a summed scalar index).
+                part = self.tp_local("part")
+                lines.append(f"{part} = {value}")
+                more, _ = self.select_lines(part, Val(part, body.acc_live, self.acc))
+                lines += more
+                value = part
+            elif exposed:
+                # Added by `_add_present` (no value for the caller to add).
+                assert not body.step
+                chosen = sel.group
+                # The chosen group's values in f32, read again from its blocks where the step is
+                # recomputed: widening the selected 16-bit block that feeds the matrix product,
+                # Mosaic selects it packed (as int16), which libtpu's cycle profiler rejects on v5e.
+                wide = self.product(groups[chosen])
+                wide = f"lambda: {cast(wide.code if wide.simple else f'({wide.code})', wide.dtype, self.acc)}"
+                return lines + self.present_sum(value, vals, chosen, sel.exposed, keeps[chosen], wide), ""
             if body.step:
                 # Factors outside the sum read at this step (a coo operand's own block).
                 scale = [self.product(q) for q in body.step]
@@ -294,6 +321,25 @@ class BodyWriter:
         # No sum: an elementwise product, accumulated per step.
         parts = [self.widened(v, body.acc_live) for v in vals]
         return lines, " * ".join(parts)
+
+    def present_sum(self, value: str, vals: list[Val], chosen: int, exposed: int, keep: str, wide: str) -> list[str]:
+        """Lines adding the step's product `value` to the accumulator where the absent terms
+        are selected out of the group `chosen` alone: a NaN or Inf the group `exposed` holds
+        meets them (0 * NaN). Checked on one slice of the product (at the first of `chosen`'s
+        own indices); only where that is not finite is the step recomputed over the present
+        terms (`_add_present`; `wide`: a function giving `chosen`'s values in f32)."""
+        part = self.tp_local("part")
+        mine = set(vals[chosen].axes) - set(vals[exposed].axes)
+        # A non-finite entry of `exposed` reaches every value of `chosen`'s own indices (0 * NaN
+        # and 0 * Inf are NaN): one of them suffices (the first: a block's row where it can be).
+        first = next((a for a in self.body.acc_live if a in mine), None)
+        probe = f"{part}[{', '.join('0:1' if a == first else ':' for a in self.body.acc_live)}]" if first else part
+        a, b = self.tp_local("a"), self.tp_local("b")
+        params = {chosen: a, exposed: b}
+        dot = self.contraction([Val(params[n], v.axes, v.dtype, True) for n, v in enumerate(vals)])
+        x, y = vals[chosen].code, vals[exposed].code
+        return [f"{part} = {value}",
+                f"_add_present({self.tp.acc_ref}, {part}, {probe}, lambda {a}, {b}: {dot}, {x}, {wide}, {keep}, {y})"]
 
     def tp_local(self, operand: str) -> str:
         name = operand if operand.isidentifier() else "v"
@@ -306,6 +352,7 @@ class BodyWriter:
         return name
 
     _locals: set = set()
+    _present: dict = {}  # a condition's text -> its local, in the lines being written
 
     def flush_value(self, products: tuple[Product, ...] | None, select: bool = False) -> tuple[list[str], str]:
         """The value written to the output block at a flush (zeros for None); `select`: the
@@ -333,10 +380,12 @@ class BodyWriter:
             # Factors that lack some of the output's indices: the block repeats along them.
             value = f"jnp.broadcast_to({value}, {_tuple(map(str, self.body.acc_shape))})"
         lines = []
+        self._present = {}
         if select and body.select is not None and body.select.target == "flush":
             name = self.tp_local("value")
             lines.append(f"{name} = {value}")
-            lines += self.select_lines(name, Val(name, body.out_live, self.acc))
+            more, _ = self.select_lines(name, Val(name, body.out_live, self.acc))
+            lines += more
             value = name
         if body.out_tails and any(t.index in body.out_live for t in body.out_tails):
             name = self.tp_local("value")

@@ -28,6 +28,11 @@ selects per step (one per 32 steps of the grid axes the conditions vary along); 
 (the raw figure is given, marked).
 A grid extent the generated code traces (the steps a walk needs) is compiled as the number
 it had for these tables: left a traced value, the estimator walked a grid of its own size.
+A region nested in a region reads block data (the host cannot evaluate it, and the
+estimator counts such a region as run: measured). Generated code has one kind,
+`_add_present`'s (a condition's partial step whose other factor may hold NaN or Inf):
+`_finite` runs wherever the enclosing region does, `_nonfinite` is walked as finite data
+take it, never (`_CompilePl._nested`): the estimate is that of finite data.
 
 Like libtpu's flags, the profile must be set before libtpu loads, so the compiles run in a
 separate process (`python -m sparsegen.cycles REQUEST.json`), one for all kernels. That
@@ -417,6 +422,7 @@ class _CompilePl(types.ModuleType):
         self.flops: list[int] = []
         self.body_flops = 0  # dots outside every region: run at every step
         self._region = None
+        self._rare = False  # inside a region finite data never run (its dots are no work)
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -424,6 +430,8 @@ class _CompilePl(types.ModuleType):
     def when(self, condition):
         import jax.numpy as jnp
 
+        if self._region is not None:
+            return self._nested(condition)
         n = len(self.flops)
         self.flops.append(0)
         if self._bits is not None:
@@ -442,7 +450,32 @@ class _CompilePl(types.ModuleType):
 
         return region
 
+    def _nested(self, condition):
+        """A region inside a region: its condition reads block data (the host cannot walk it,
+        and the estimator counts it as run). Generated code has one kind, `_add_present`'s:
+        `_finite` runs wherever its enclosing region does on finite data (kept as it is,
+        its dots the enclosing region's), `_nonfinite` never does: its condition is and-ed
+        with `program_id(0) < 0`, false at every step, which the estimator resolves (the
+        check it reads stays in the program), and its dots are not counted."""
+
+        def region(body):
+            rare = body.__name__ == "_nonfinite"
+            inner = self._real.when(condition & (self._real.program_id(0) < 0) if rare else condition)
+
+            def traced():
+                saved, self._rare = self._rare, self._rare or rare
+                try:
+                    body()
+                finally:
+                    self._rare = saved
+
+            return inner(traced)
+
+        return region
+
     def count_dot(self, flops: int) -> None:
+        if self._rare:
+            return
         if self._region is None:
             self.body_flops += flops
         else:

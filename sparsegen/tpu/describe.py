@@ -40,8 +40,12 @@ def _calls(tp: TpuPass) -> list[str]:
             lines.append(f"  in a full step ({render(body.split.full, 'text')}) {body.split.mask} is all ones: not read, not multiplied")
     if body.select is not None:
         sel = body.select
-        on = "the value written" if sel.target == "flush" else " * ".join(f.operand for f in body.summed[sel.group].factors)
+        on = {"flush": "the value written", "product": "the step's product"}.get(sel.target) or \
+            " * ".join(f.operand for f in body.summed[sel.group].factors)
         lines.append(f"in a partial step ({render(sel.when, 'text')}) the terms where not ({sel.condition.text}) are selected out of {on}")
+        if sel.exposed is not None:
+            other = " * ".join(f.operand for f in body.summed[sel.exposed].factors)
+            lines.append(f"  where {other} holds a NaN or Inf there (one slice of the product checked), the step is recomputed over the present terms")
     for case in body.flush_cases:
         when = [render(e, "text") for e in (body.flush_when, case.when) if e is not None]
         cond = " and ".join(when) if when else "every step"

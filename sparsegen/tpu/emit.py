@@ -51,7 +51,7 @@ class _Emitter:
         computes = []
         if body.accumulator:
             compute_lines, compute_value = w.compute_lines()
-            if body.select is not None and body.select.target == "group":
+            if body.select is not None and body.select.target != "flush":
                 # A partial step selects the absent terms out; a full one needs no condition.
                 partial = render(body.select.when, "py")
                 lines, value = w.compute_lines(partial=True)

@@ -70,7 +70,7 @@ Plan (target v5e):
         init accumulator when (step_flags[step] & 1 != 0) & (k == 0)
         accumulate the product of x and w summed over k, g when step_kind_here != _EMPTY
           past K along k (a partial last block) the factors are zero
-        in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of x
+        in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of the step's product
         write output when (step_flags[step] & 2 != 0) & (k == n_k - 1): accumulator
       VMEM estimate: 576 KiB of 128 MiB on v5e
         x block: 2 x 128x128 bf16 = 64 KiB
@@ -109,7 +109,7 @@ Plan (target v5e):
           init accumulator when (step_flags[step] & 1 != 0) & (n == 0)
           accumulate the product of g_o and w summed over n, g when step_kind_here != _EMPTY
             past N along n (a partial last block) the factors are zero
-          in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of g_o
+          in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of the step's product
           write output when (step_flags[step] & 2 != 0) & (n == n_n - 1): accumulator
         VMEM estimate: 576 KiB of 128 MiB on v5e
           g_o block: 2 x 128x128 bf16 = 64 KiB
@@ -148,6 +148,7 @@ Plan (target v5e):
           accumulate the product of g_o and x summed over m when step_kind_here != _EMPTY
             past M along m (a partial last block) the factors are zero
           in a partial step (step_kind_here == _PARTIAL) the terms where not (gid[m] == g) are selected out of g_o
+            where x holds a NaN or Inf there (one slice of the product checked), the step is recomputed over the present terms
           write output when step_flags[step] & 2 != 0: accumulator
         VMEM estimate: 576 KiB of 128 MiB on v5e
           g_o block: 2 x 128x128 bf16 = 64 KiB
@@ -616,6 +617,60 @@ def _walk(keys, n_keys):
     return order, start.astype(jnp.int32), (end - start).astype(jnp.int32)
 
 
+def _add_present(acc, value, probe, dot, x, wide, keep, y):
+    """`acc[...] += value`, where `value` is dot(x, y) with the absent terms selected out of x
+    (0 where `keep` is false), unless y holds a NaN or Inf that meets an absent term (0 * NaN,
+    0 * Inf: NaN): then the sum of the present terms (`_present_dot`; `wide()`: x's values in
+    f32, read again there). `probe`: a slice of `value` that every entry of y reaches
+    whatever x holds (one value of an index of x's own: a non-finite y[k, n] makes column n
+    non-finite in every row), so finite data pay one check of a row or column. A kernel's
+    only region whose condition reads block data (`sparsegen verify --cycles` counts
+    `_nonfinite` as not run: finite data)."""
+    finite = jnp.all(jnp.isfinite(probe))
+
+    @pl.when(finite)
+    def _finite():
+        acc[...] += value
+
+    @pl.when(jnp.logical_not(finite))
+    def _nonfinite():
+        acc[...] += _present_dot(dot, x, wide(), keep, y)
+
+
+def _present_dot(dot, x, x32, keep, y):
+    """dot(x, y) over the present terms alone (`keep`, broadcast to x; x holds 0 at the
+    absent ones; `x32`: its values in f32, read at the present ones), with y's NaN and Inf:
+    its finite part through `dot`, its non-finite entries counted over the present terms by
+    0/1 products (exact counts). A NaN term (y NaN, or y infinite where x is 0), or
+    infinities of both signs, give NaN; else the infinities' sign. Where x and y are both
+    infinite at a present term the result is NaN (IEEE says an infinity): the finite part
+    multiplies x by 0 there."""
+    y32 = y.astype(jnp.float32)
+    present = jnp.where(keep, 1.0, 0.0)
+
+    # 0/1 as products, not selects: libtpu's cycle profiler rejects a select of two f32
+    # blocks rounded to bf16 on v5e (Mosaic selects it packed, as int16).
+    def on_x(where):  # 0/1 over the present terms, in x's dtype
+        return (jnp.where(where, 1.0, 0.0) * present).astype(x.dtype)
+
+    def on_y(where):
+        return jnp.where(where, 1.0, 0.0).astype(y.dtype)
+
+    up, down = y32 == jnp.inf, y32 == -jnp.inf
+    above, below = on_x(x32 > 0), on_x(x32 < 0)
+    every = jnp.broadcast_to(present, x.shape).astype(x.dtype)
+    nan = dot(every, on_y(jnp.isnan(y32))) + dot(on_x(x32 == 0), on_y(up | down))
+    pos = dot(above, on_y(up)) + dot(below, on_y(down))
+    neg = dot(above, on_y(down)) + dot(below, on_y(up))
+    finite = dot(x, jnp.where(jnp.isfinite(y32), y32, 0.0).astype(y.dtype))
+    special = jnp.where(
+        (nan > 0) | ((pos > 0) & (neg > 0)),
+        jnp.nan,
+        jnp.where(pos > 0, jnp.inf, jnp.where(neg > 0, -jnp.inf, 0.0)),
+    )
+    return finite + special
+
+
 def _kernel(
     step_row,
     step_read,
@@ -646,13 +701,14 @@ def _kernel(
     def _compute_partial():
         # Some terms absent: the condition selects them out.
         x_ = x_ref[...]
-        present = gid_ref[:, 0:1] == step_col[step]
-        x_ = jnp.where(present, x_.astype(jnp.float32), 0.0).astype(x_.dtype)
         w_ = w_ref[...]
         if K % 128:  # a partial last block: what lies past the end is absent
             x_ = _mask_tail(x_, 1, K - k * 128)
             w_ = _mask_tail(w_, 0, K - k * 128)
-        acc_ref[...] += jnp.dot(x_, w_, preferred_element_type=jnp.float32)
+        part = jnp.dot(x_, w_, preferred_element_type=jnp.float32)
+        present = gid_ref[:, 0:1] == step_col[step]
+        part = jnp.where(present, part, jnp.zeros_like(part))
+        acc_ref[...] += part
 
     @pl.when(step_kind_here == _FULL)
     def _compute_full():
@@ -747,15 +803,16 @@ def _d_x_kernel(
     def _compute_partial():
         # Some terms absent: the condition selects them out.
         g_o_ = g_o_ref[...]
-        present = gid_ref[:, 0:1] == step_col[step]
-        g_o_ = jnp.where(present, g_o_.astype(jnp.float32), 0.0).astype(g_o_.dtype)
         w_ = w_ref[...]
         if N % 128:  # a partial last block: what lies past the end is absent
             g_o_ = _mask_tail(g_o_, 1, N - n * 128)
             w_ = _mask_tail(w_, 1, N - n * 128)
-        acc_ref[...] += lax.dot_general(
+        part = lax.dot_general(
             g_o_, w_, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
+        present = gid_ref[:, 0:1] == step_col[step]
+        part = jnp.where(present, part, jnp.zeros_like(part))
+        acc_ref[...] += part
 
     @pl.when(step_kind_here == _FULL)
     def _compute_full():
@@ -847,8 +904,20 @@ def _d_w_kernel(
         if M % 128:  # a partial last block: what lies past the end is absent
             g_o_ = _mask_tail(g_o_, 0, M - step_col[step] * 128)
             x_ = _mask_tail(x_, 0, M - step_col[step] * 128)
-        acc_ref[...] += lax.dot_general(
+        part = lax.dot_general(
             x_, g_o_, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        _add_present(
+            acc_ref,
+            part,
+            part[:, 0:1],
+            lambda a, b: lax.dot_general(
+                b, a, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            ),
+            g_o_,
+            lambda: g_o_ref[...].astype(jnp.float32),
+            present,
+            x_,
         )
 
     @pl.when(step_kind_here == _FULL)
@@ -1236,16 +1305,14 @@ def _reference(x, w, gid, sizes):
     M, K, E, N = sizes
     present = _expand(gid, "a", "ad") == jnp.arange(E).reshape((1, -1))
     o = jnp.einsum(
-        "acd,dcb->ab",
-        jnp.where(
-            jnp.broadcast_to(_expand(present, "ad", "acd"), (M, K, E)),
-            _expand(x.astype(jnp.float32), "ac", "acd"),
-            0,
-        ),
+        "ac,dcb->abd",
+        x.astype(jnp.float32),
         w.astype(jnp.float32),
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )
+    o = jnp.where(_expand(present, "ad", "abd"), o, 0)
+    o = o.sum(axis=(2,))
     o = o.astype(jnp.bfloat16)
     return o
 
