@@ -200,12 +200,27 @@ def _evaluate(e: Expr, env: dict):
     raise TypeError(e)
 
 
-def _runs(keys: np.ndarray) -> np.ndarray:
-    """Per step: does its key differ from the previous step's (a new run)."""
-    changed = np.ones(keys.shape[-1], bool)
-    if keys.shape[-1] > 1:
-        changed[1:] = np.any(keys[:, 1:] != keys[:, :-1], axis=0)
+def _runs(keys, steps: int | None = None) -> np.ndarray:
+    """Per step: does its key differ from the previous step's (a new run). `keys`: one row
+    per coordinate (a 2-D array, or 1-D arrays of `steps`), compared row by row: a row
+    broadcast from one value (strides 0) never changes and is not compared."""
+    rows = list(keys)
+    changed = np.zeros(len(rows[0]) if steps is None else steps, bool)
+    changed[:1] = True
+    for row in _varying(rows):
+        changed[1:] |= row[1:] != row[:-1]
     return changed
+
+
+def _varying(rows: list[np.ndarray]) -> list[np.ndarray]:
+    """The rows that may change from step to step (not broadcast from one value)."""
+    return [row for row in rows if len(row) > 1 and row.strides[0] != 0]
+
+
+def _coordinate(c, steps: int) -> np.ndarray:
+    """An index map's coordinate at every step (a scalar broadcast, not copied), as integers."""
+    a = np.asarray(c)
+    return np.broadcast_to(a if a.dtype.kind in "iub" else a.astype(np.int64), (steps,))
 
 
 def impl_args(plan: TpuModule, module, args: list) -> list:
@@ -295,16 +310,16 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
         fn = getattr(module, s.fn)
         kwargs = {name: statics[name] for name, _ in s.statics}
         coords = fn(*axes, *prefetch, **kwargs)
-        keys = np.stack([np.broadcast_to(np.asarray(c, np.int64), (steps,)) for c in coords])
-        new = _runs(keys)
+        keys = [_coordinate(c, steps) for c in coords]  # one row per coordinate
+        new = _runs(keys, steps)
         if s.block.is_output:
             write_backs = int(new.sum())
             if keep_trace:
-                trace["out"] = keys
+                trace["out"] = np.stack(keys).astype(np.int64)
             continue
         t = traffic[s.block.operand]
         used = consumers[s.block.key]
-        wasted = count_copies(t, keys, used)
+        wasted = count_copies(t, keys, used, per_step=keep_trace)
         if keep_trace:
             trace[f"copy:{s.block.operand}"] = new
             trace[f"wasted:{s.block.operand}"] = wasted
@@ -314,20 +329,22 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
     return Simulation(grid, steps, products, products * p.flops_per_product, write_backs, out_bytes, prefetch_bytes, traffic, trace)
 
 
-def count_copies(t: Traffic, keys: np.ndarray, used: np.ndarray) -> np.ndarray:
+def count_copies(t: Traffic, keys, used: np.ndarray, per_step: bool = False) -> np.ndarray | None:
     """Set `t`'s copies, ideal and wasted copies from an operand's block index at every step
-    (`keys`, one row per coordinate) and the steps that use its block; per step, whether it
-    starts a wasted copy."""
-    new = _runs(keys)
-    t.copies = int(new.sum())
-    run_id = np.cumsum(new) - 1
-    used_runs = np.zeros(t.copies, bool)
-    np.logical_or.at(used_runs, run_id[used], True)
-    t.wasted = int((~used_runs).sum())
+    (`keys`, one row per coordinate: `_runs`) and the steps that use its block; with
+    `per_step`, return per step whether it starts a wasted copy (for pictures)."""
+    rows = list(keys)
+    steps = len(used)
+    new = _runs(rows, steps)
+    starts = np.flatnonzero(new)  # each run's first step: a copy
+    t.copies = len(starts)
+    # A run is used where any of its steps is (one pass over the steps, not one per run).
+    used_runs = np.logical_or.reduceat(used, starts) if steps else np.zeros(0, bool)
+    t.wasted = int(t.copies - used_runs.sum())
     if not used.any():
         t.wasted -= 1  # the prologue copy: made even when no step uses the block
-    t.ideal = max(1, int(_runs(keys[:, used]).sum())) if used.any() else 1
-    return new & ~used_runs[run_id]
+    t.ideal = max(1, int(_runs([row[used] for row in _varying(rows)], int(used.sum())).sum())) if used.any() else 1
+    return new & ~np.repeat(used_runs, np.diff(starts, append=steps)) if per_step else None
 
 
 # ------------------------------------------------------------------- costs
