@@ -8,7 +8,9 @@ in one build under 15 s, a chain of 2,000 elementwise statements in one kernel u
 
 GROUPs: `specs` (one build per spec file, the default), `long`, `variants`, `all`. With
 `--baseline DIR` (another sparsegen checkout, e.g. a `git archive` of main) every case also
-runs under DIR's sparsegen, alternating with this one's, and the table shows both. Results
+runs under DIR's sparsegen, alternating with this one's, and the table shows both. Each case
+runs as a first build (an empty cache folder) and as a rebuild (black's results kept from the
+first: `sparsegen.formatting`). Results
 go to bench/results/generation.json unless `--json` says otherwise.
 
 Each case runs the command a user would (`python -m sparsegen ...`) in a fresh process:
@@ -151,13 +153,14 @@ def child(argv: list[str]) -> None:
     print(json.dumps({"reference": ref, "command": seconds, "cpu": cpu, "exit": code}))
 
 
-def run_case(case: str, root: Path = ROOT) -> dict:
-    """One run of a case, with `root`'s sparsegen (this checkout's, or a baseline's)."""
+def run_case(case: str, root: Path, cache: Path) -> dict:
+    """One run of a case, with `root`'s sparsegen (this checkout's, or a baseline's) and
+    `cache` as its cache folder (empty: a first build; kept from a run before: a rebuild)."""
     with tempfile.TemporaryDirectory(prefix="sparsegen-bench-") as tmp:
         argv = argv_of(case, Path(tmp))
         start = time.perf_counter()
         done = subprocess.run([sys.executable, __file__, "--child", json.dumps(argv)], cwd=root, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(root)})
+                              env={**os.environ, "PYTHONPATH": str(root), "SPARSEGEN_CACHE_DIR": str(cache)})
         wall = time.perf_counter() - start
     if done.returncode != 0 or not done.stdout.strip():
         raise SystemExit(f"{case}: the command failed:\n{done.stderr[-2000:]}")
@@ -197,21 +200,24 @@ def main() -> int:
         parser.error(f"unknown case {', '.join(unknown)} (--list names them; groups: {', '.join(sorted(groups))})")
     wanted = args.cases or ["specs"]
     cases = [c for c, g in CASES.items() if c in wanted or g in wanted or "all" in wanted]
-    roots = {"this": ROOT} | ({"baseline": Path(args.baseline).resolve()} if args.baseline else {})
+    # "this": a first build (an empty cache folder); "rebuild": the same again, its cache
+    # kept (what a user exploring a spec, `make run` or `sparsegen check` mostly meets).
+    roots = {"this": ROOT, "rebuild": ROOT} | ({"baseline": Path(args.baseline).resolve()} if args.baseline else {})
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     columns = [f"{'case':44}", f"{'goal s':>6}"]
     for label in roots:
         columns += [f"{label + ' wall':>13}", f"{'cpu s':>7}", f"{'ratio':>6}"]
     if args.baseline:
-        columns.append(f"{'cpu this/base':>13}")
+        columns.append(f"{'ratio this/base':>15}")
     print(" ".join(columns))
     results: dict[str, dict] = {}
     totals = {label: {"wall": 0.0, "cpu": 0.0} for label in roots}
     for case in cases:
         runs: dict[str, list] = {label: [] for label in roots}
         for _ in range(args.repeats):
-            for label, root in roots.items():  # alternated: a load that comes and goes hits both
-                runs[label].append(run_case(case, root))
+            with tempfile.TemporaryDirectory(prefix="sparsegen-bench-cache-") as cache:
+                for label, root in roots.items():  # alternated: a load that comes and goes hits both
+                    runs[label].append(run_case(case, root, Path(cache) / ("baseline" if label == "baseline" else "this")))
         med = {label: medians(r) for label, r in runs.items()}
         results[case] = {"runs": runs, "medians": med}
         goal = GOALS.get(case, GOALS.get(case.partition(":")[0].split("-")[0]))
@@ -222,7 +228,7 @@ def main() -> int:
             totals[label]["cpu"] += m["cpu"]
             row += [f"{m['wall']:13.2f}", f"{m['cpu']:7.2f}", f"{m['ratio']:6.1f}"]
         if args.baseline:
-            row.append(f"{med['this']['cpu'] / med['baseline']['cpu']:13.2f}")
+            row.append(f"{med['this']['ratio'] / med['baseline']['ratio']:15.2f}")
         flag = "  over" if goal and med["this"]["wall"] >= goal else ""
         refused = "  refused" if runs["this"][0]["exit"] else ""
         print(" ".join(row) + flag + refused, flush=True)
@@ -230,7 +236,7 @@ def main() -> int:
     for label in roots:
         row += [f"{totals[label]['wall']:13.2f}", f"{totals[label]['cpu']:7.2f}", f"{'':6}"]
     if args.baseline:
-        row.append(f"{totals['this']['cpu'] / totals['baseline']['cpu']:13.2f}")
+        row.append(f"{totals['this']['cpu'] / totals['baseline']['cpu']:15.2f}")
     print(" ".join(row))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

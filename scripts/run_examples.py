@@ -133,8 +133,17 @@ def simulator_rows(spec: Path, only: set[str] | None) -> list[tuple[str, list[st
 
 
 def _job(kind: str, spec: Path, only: set[str] | None, targets: tuple[str, ...]):
-    """One piece of the run, in a worker process (they are independent: spread over the cores)."""
-    return {"aot": lambda: aot_cells(spec, targets), "simulator": lambda: simulator_rows(spec, only), "gpu": lambda: gpu_rows(spec, only)}[kind]()
+    """One piece of the run, in a worker process (they are independent: spread over the
+    cores): its result, and the CPU seconds it took (ptxas's process included)."""
+    before = _cpu()
+    result = {"aot": lambda: aot_cells(spec, targets), "simulator": lambda: simulator_rows(spec, only), "gpu": lambda: gpu_rows(spec, only)}[kind]()
+    return result, _cpu() - before
+
+
+def _cpu() -> float:
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def _init_worker() -> None:
@@ -163,6 +172,10 @@ def main(only: set[str] | None = None, targets: tuple[str, ...] = TARGETS, jobs:
     for column in ("kernel", "walk", "shapes", "pattern", "max |err|", "tolerance", "sim time", "result", *targets):
         table.add_column(column, justify="right" if column in ("max |err|", "sim time") else "left")
     failures = 0
+    cpu = {}
+    for (kind, _), (_, seconds) in done.items():
+        cpu[kind] = cpu.get(kind, 0.0) + seconds
+    done = {key: result for key, (result, _) in done.items()}
     for spec in chosen_specs(only):
         compiles = done["aot", spec]
         failures += sum(not compiled for _, compiled in compiles.values())
@@ -174,7 +187,8 @@ def main(only: set[str] | None = None, targets: tuple[str, ...] = TARGETS, jobs:
             table.add_row(*cells, *aot)
     Console(width=170).print(table)
     failures += print_gpu(only, [done["gpu", spec] for spec in chosen_specs(only)])
-    print(f"{time.perf_counter() - start:.0f} s in {jobs} process{'es' if jobs > 1 else ''}")
+    spent = ", ".join(f"{kind} {cpu[kind]:.0f}" for kind in ("simulator", "aot", "gpu"))
+    print(f"{time.perf_counter() - start:.0f} s in {jobs} process{'es' if jobs > 1 else ''}; CPU seconds: {spent}")
     return 1 if failures else 0
 
 

@@ -118,3 +118,20 @@ def test_names_are_stood_in_for_as_words_and_word_starts():
     (`NAME_on_mesh`), never inside another word; the text is black's."""
     text = "def mm(a):\n    return mm_on_mesh(a)+xmm+mm( a )+mmx\n\n\nmm_ = mm\n"
     assert format_module(text, ("mm",)) == black.format_str(text, mode=BLACK_MODE)
+
+
+def test_templates_are_compiled_once_into_the_cache_folder(tmp_path, monkeypatch):
+    """jinja keeps the compiled templates in sparsegen's cache folder: a new environment (a
+    new process) loads them from there and renders the same module."""
+    from sparsegen import templating
+
+    text = spec_text("dsd_matmul")
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
+    templating.environment.cache_clear()
+    try:
+        first = compile_source(SourceFile("f.spk", text))[0].code
+        assert len(list((tmp_path / "templates").glob("*.cache"))) >= 2
+        templating.environment.cache_clear()
+        assert compile_source(SourceFile("f.spk", text))[0].code == first
+    finally:
+        templating.environment.cache_clear()
