@@ -232,6 +232,7 @@ def main() -> int:
         flag = "  over" if goal and med["this"]["wall"] >= goal else ""
         refused = "  refused" if runs["this"][0]["exit"] else ""
         print(" ".join(row) + flag + refused, flush=True)
+        save(args.json, roots, totals, results)  # after each case: a long run stopped early keeps what it measured
     row = [f"{'total (medians)':44}", f"{'':6}"]
     for label in roots:
         row += [f"{totals[label]['wall']:13.2f}", f"{totals[label]['cpu']:7.2f}", f"{'':6}"]
@@ -239,10 +240,14 @@ def main() -> int:
         row.append(f"{totals['this']['cpu'] / totals['baseline']['cpu']:15.2f}")
     print(" ".join(row))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"load": os.getloadavg(), "cpus": os.cpu_count(), "roots": {k: str(v) for k, v in roots.items()},
-                                           "totals": totals, "cases": results}, indent=2) + "\n")
+    save(args.json, roots, totals, results)
     return 0
+
+
+def save(path: str, roots: dict, totals: dict, results: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"load": os.getloadavg(), "cpus": os.cpu_count(), "roots": {k: str(v) for k, v in roots.items()},
+                                      "totals": totals, "cases": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
