@@ -1,10 +1,12 @@
 """`make run`: every generated kernel against its reference in the TPU simulator, as a table;
 then every kernel the GPU backend takes, built for h200, in the Mosaic GPU interpreter.
 
-    python scripts/run_examples.py [--targets v5e,v6e] [KERNEL ...]
+    python scripts/run_examples.py [--targets v5e,v6e] [--jobs N] [KERNEL ...]
 
 names some kernels (and their specs) only, and the TPU targets compiled ahead of time
-(tests/test_run_examples.py runs one kernel so).
+(tests/test_run_examples.py runs one kernel so). The work (per spec: the simulator, the
+ahead-of-time compiles, the GPU stages) is independent, and runs in one worker process per
+core (`--jobs`); the tables are printed in the specs' order when all is done.
 
 The simulator fills uninitialised memory with NaN and raises on out-of-bounds reads and on
 non-consecutive output revisits, so a pass here is the closest thing to a TPU run. The GPU
@@ -15,6 +17,7 @@ the plugin's environment, its ptxas compile for sm_90a.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,7 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Two to three blocks along each index at the spec's own tiles: small enough for the simulator.
 BLOCKS = 2
 TARGETS = ("v5e", "v6e", "v4")
-failures_aot: list[bool] = []
 
 
 def sizes_for(kernel) -> dict[str, int]:
@@ -86,60 +88,114 @@ def chosen_specs(only: set[str] | None) -> list[Path]:
     return chosen
 
 
-def main(only: set[str] | None = None, targets: tuple[str, ...] = TARGETS) -> int:
+def aot_cells(spec: Path, targets: tuple[str, ...]) -> dict:
+    """Ahead-of-time compiles through libtpu of a spec's kernels, one cell per target
+    (sparsegen verify --quick): {(kernel, target): (cell, compiled)}."""
+    from sparsegen import verify
+
+    return {(r.kernel, r.target): (f"[green]ok[/green] {r.compile_seconds:.1f}s" if r.compiled else "[red]fails[/red]", r.compiled)
+            for r in verify.verify_file(spec, targets, probe=False)[1]}
+
+
+def simulator_rows(spec: Path, only: set[str] | None) -> list[tuple[str, list[str], bool]]:
+    """A spec's kernels against their references in the TPU simulator: (kernel, the row's
+    first cells, ok) per kernel and pattern."""
     import jax
     from jax.experimental.pallas import tpu as pltpu
 
-    from sparsegen import verify
+    rows = []
+    for plan in plans(spec):
+        kernel = plan.kernel
+        if only is not None and kernel.name not in only:
+            continue
+        walk = " + ".join(plan.walks)
+        module = load_generated(kernel.name)
+        sizes = sizes_for(kernel)
+        env = resolve_sizes(kernel, sizes)
+        patterns = {"mask": ("tril", "random"), "dense": ("random",)}.get(walk, ("random", "all_empty"))
+        for pattern in patterns:
+            args, keywords = example_args(kernel, sizes, pattern, np.random.default_rng(0))
+            ref = module.reference(*args, **keywords)
+            start = time.perf_counter()
+            try:
+                out = getattr(module, kernel.name)(*args, **keywords, interpret=pltpu.InterpretParams())
+                out = jax.block_until_ready(out)
+                error, ok = matches(kernel, out, ref, env)
+                result = "[green]ok[/green]" if ok else "[red]MISMATCH[/red]"
+            except Exception as exc:  # report and go on: the table is the point
+                pltpu.reset_tpu_interpret_mode_state()
+                error, ok, result = float("nan"), False, f"[red]{type(exc).__name__}[/red]"
+            elapsed = time.perf_counter() - start
+            shapes = ", ".join(f"{k}={env[k]}" for k in sizes) or "fixed"
+            rtol = max(tolerance(kernel, o.name, env)[0] for o in kernel.outputs)
+            rows.append((kernel.name, [kernel.name, walk, shapes, pattern, f"{error:.3g}", f"rtol {rtol:.2g}", f"{elapsed:.2f} s", result], ok))
+    return rows
 
+
+def _job(kind: str, spec: Path, only: set[str] | None, targets: tuple[str, ...]):
+    """One piece of the run, in a worker process (they are independent: spread over the
+    cores): its result, and the CPU seconds it took (ptxas's process included)."""
+    before = _cpu()
+    result = {"aot": lambda: aot_cells(spec, targets), "simulator": lambda: simulator_rows(spec, only), "gpu": lambda: gpu_rows(spec, only)}[kind]()
+    return result, _cpu() - before
+
+
+def _cpu() -> float:
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def _init_worker() -> None:
+    quiet_libtpu()
+
+
+def run_all(only: set[str] | None, targets: tuple[str, ...], jobs: int) -> dict:
+    """Every job's result, {(kind, spec): result}: in `jobs` worker processes (spawned: jax
+    does not survive a fork), or in this one where `jobs` is 1."""
+    work = [(kind, spec) for spec in chosen_specs(only) for kind in ("gpu", "simulator", "aot")]
+    if jobs <= 1:
+        return {(kind, spec): _job(kind, spec, only, targets) for kind, spec in work}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # each worker loads libtpu (compiles only)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker) as pool:
+        futures = {(kind, spec): pool.submit(_job, kind, spec, only, targets) for kind, spec in work}
+        return {key: future.result() for key, future in futures.items()}
+
+
+def main(only: set[str] | None = None, targets: tuple[str, ...] = TARGETS, jobs: int = 1) -> int:
+    start = time.perf_counter()
+    done = run_all(only, targets, jobs)
     table = Table(title="generated kernels vs reference in the TPU simulator; ahead-of-time compiles per TPU target")
     for column in ("kernel", "walk", "shapes", "pattern", "max |err|", "tolerance", "sim time", "result", *targets):
         table.add_column(column, justify="right" if column in ("max |err|", "sim time") else "left")
-    # Ahead-of-time compiles through libtpu, one column per target (sparsegen verify --quick).
-    compiles = {}
-    for spec in chosen_specs(only):
-        for r in verify.verify_file(spec, targets, probe=False)[1]:
-            compiles[r.kernel, r.target] = f"[green]ok[/green] {r.compile_seconds:.1f}s" if r.compiled else "[red]fails[/red]"
-            failures_aot.append(not r.compiled)
     failures = 0
+    cpu = {}
+    for (kind, _), (_, seconds) in done.items():
+        cpu[kind] = cpu.get(kind, 0.0) + seconds
+    done = {key: result for key, (result, _) in done.items()}
     for spec in chosen_specs(only):
-        for plan in plans(spec):
-            kernel = plan.kernel
-            if only is not None and kernel.name not in only:
-                continue
-            walk = " + ".join(plan.walks)
-            module = load_generated(kernel.name)
-            sizes = sizes_for(kernel)
-            env = resolve_sizes(kernel, sizes)
-            patterns = {"mask": ("tril", "random"), "dense": ("random",)}.get(walk, ("random", "all_empty"))
-            for pattern in patterns:
-                args, keywords = example_args(kernel, sizes, pattern, np.random.default_rng(0))
-                ref = module.reference(*args, **keywords)
-                start = time.perf_counter()
-                try:
-                    out = getattr(module, kernel.name)(*args, **keywords, interpret=pltpu.InterpretParams())
-                    out = jax.block_until_ready(out)
-                    error, ok = matches(kernel, out, ref, env)
-                    result = "[green]ok[/green]" if ok else "[red]MISMATCH[/red]"
-                except Exception as exc:  # report and go on: the table is the point
-                    pltpu.reset_tpu_interpret_mode_state()
-                    error, ok, result = float("nan"), False, f"[red]{type(exc).__name__}[/red]"
-                elapsed = time.perf_counter() - start
-                failures += not ok
-                shapes = ", ".join(f"{k}={env[k]}" for k in sizes) or "fixed"
-                first = pattern == patterns[0]
-                aot = [compiles[kernel.name, t] if first else "" for t in targets]
-                rtol = max(tolerance(kernel, o.name, env)[0] for o in kernel.outputs)
-                table.add_row(kernel.name, walk, shapes, pattern, f"{error:.3g}", f"rtol {rtol:.2g}", f"{elapsed:.2f} s", result, *aot)
+        compiles = done["aot", spec]
+        failures += sum(not compiled for _, compiled in compiles.values())
+        seen = set()
+        for name, cells, ok in done["simulator", spec]:
+            failures += not ok
+            aot = [compiles[name, t][0] if name not in seen else "" for t in targets]  # on the kernel's first row
+            seen.add(name)
+            table.add_row(*cells, *aot)
     Console(width=170).print(table)
-    failures += run_gpu(only)
-    return 1 if failures or any(failures_aot) else 0
+    failures += print_gpu(only, [done["gpu", spec] for spec in chosen_specs(only)])
+    spent = ", ".join(f"{kind} {cpu[kind]:.0f}" for kind in ("simulator", "aot", "gpu"))
+    print(f"{time.perf_counter() - start:.0f} s in {jobs} process{'es' if jobs > 1 else ''}; CPU seconds: {spent}")
+    return 1 if failures else 0
 
 
-def run_gpu(only: set[str] | None = None) -> int:
-    """The examples built for h200 (those the GPU rules refuse left out: a stored score, a
+def gpu_rows(spec: Path, only: set[str] | None = None) -> list[tuple[list[str], bool, str | None]]:
+    """A spec built for h200 (nothing where the GPU rules refuse it: a stored score, a
     kernel over the shared-memory budget), one block along each symbolic index, in the
-    Mosaic GPU interpreter; lowering and ptxas."""
+    Mosaic GPU interpreter; lowering and ptxas: (row, ok, why ptxas was skipped) per kernel."""
     import importlib.util as util
     import tempfile
 
@@ -147,52 +203,65 @@ def run_gpu(only: set[str] | None = None) -> int:
     from sparsegen.gpu.verify import verify_module
     from sparsegen.source import SourceFile, SpecError
 
+    rows = []
+    folder = Path(tempfile.mkdtemp(prefix="sparsegen-gpu-"))
+    source = SourceFile.read(spec)
+    try:
+        built = compile_source(source, "h200", origin=spec.name)
+    except SpecError:
+        return rows  # refused for GPUs (README, "GPUs")
+    for m in built:
+        kernel = m.plan.kernel
+        if only is not None and kernel.name not in only:
+            continue
+        path = folder / f"{m.kernel}.py"
+        path.write_text(m.code)
+        loader = util.spec_from_file_location(f"gpu_{m.kernel}", path)
+        module = util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+        # One block along each blocked index; lead indices (tile 1: batch, heads) keep
+        # their sizes, which relations such as `h // 4` constrain.
+        tiles = {i.size.symbol: i.tile for i in kernel.indices if i.size.symbol}
+        sizes = {k: v if tiles.get(k) == 1 else v // BLOCKS for k, v in sizes_for(kernel).items()}
+        env = resolve_sizes(kernel, sizes)
+        args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(0))
+        start = time.perf_counter()
+        try:
+            out = getattr(module, kernel.name)(*args, **keywords, interpret=True)
+            error, ok = matches(kernel, out, module.reference(*args, **keywords), env)
+            result = "[green]ok[/green]" if ok else "[red]MISMATCH[/red]"
+        except Exception as exc:  # report and go on: the table is the point
+            error, ok, result = float("nan"), False, f"[red]{type(exc).__name__}[/red]"
+        elapsed = time.perf_counter() - start
+        r = verify_module(m.plan, source, "h200")
+        ok &= r.ok
+        registers = "unknown" if r.registers is None else max(r.registers)
+        spilled = "unknown" if r.spill_bytes is None else f"{r.spill_bytes} B"
+        skipped = None if r.compiled is not None else str(r.stage3)
+        ptxas = (f"{registers} registers, {spilled} spilled" if r.compiled else "[red]fails[/red]" if r.compiled is False else "skipped")
+        walks = getattr(m.plan, "walks", None) or dict.fromkeys(p.walk for p in m.plan.passes)  # a row walk, or einsum passes
+        rows.append(([kernel.name, " + ".join(walks), ", ".join(f"{k}={env[k]}" for k in sizes) or "fixed",
+                      f"{error:.3g}", f"{elapsed:.2f} s", result, "[green]yes[/green]" if r.lowered else "[red]no[/red]",
+                      f"{r.smem_used} B", ptxas], ok, skipped))
+    return rows
+
+
+def print_gpu(only: set[str] | None, per_spec: list) -> int:
+    """The GPU table; why ptxas was skipped is said once under it (it is the same for every row)."""
     table = Table(title="the same specs built for h200: Mosaic GPU interpreter; lowering under an abstract H200; ptxas (sm_90a)")
     for column in ("kernel", "walk", "shapes", "max |err|", "interpreter", "result", "lowers", "shared memory", "ptxas"):
         table.add_column(column, justify="right" if column in ("max |err|", "interpreter", "shared memory") else "left")
-    failures = 0
-    folder = Path(tempfile.mkdtemp(prefix="sparsegen-gpu-"))
-    for spec in chosen_specs(only):
-        source = SourceFile.read(spec)
-        try:
-            built = compile_source(source, "h200", origin=spec.name)
-        except SpecError:
-            continue  # refused for GPUs (README, "GPUs")
-        for m in built:
-            kernel = m.plan.kernel
-            if only is not None and kernel.name not in only:
-                continue
-            path = folder / f"{m.kernel}.py"
-            path.write_text(m.code)
-            loader = util.spec_from_file_location(f"gpu_{m.kernel}", path)
-            module = util.module_from_spec(loader)
-            loader.loader.exec_module(module)
-            # One block along each blocked index; lead indices (tile 1: batch, heads) keep
-            # their sizes, which relations such as `h // 4` constrain.
-            tiles = {i.size.symbol: i.tile for i in kernel.indices if i.size.symbol}
-            sizes = {k: v if tiles.get(k) == 1 else v // BLOCKS for k, v in sizes_for(kernel).items()}
-            env = resolve_sizes(kernel, sizes)
-            args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(0))
-            start = time.perf_counter()
-            try:
-                out = getattr(module, kernel.name)(*args, **keywords, interpret=True)
-                error, ok = matches(kernel, out, module.reference(*args, **keywords), env)
-                result = "[green]ok[/green]" if ok else "[red]MISMATCH[/red]"
-            except Exception as exc:  # report and go on: the table is the point
-                error, ok, result = float("nan"), False, f"[red]{type(exc).__name__}[/red]"
-            elapsed = time.perf_counter() - start
-            r = verify_module(m.plan, source, "h200")
-            ok &= r.ok
+    failures, notes = 0, {}
+    for rows in per_spec:
+        for cells, ok, skipped in rows:
             failures += not ok
-            registers = "unknown" if r.registers is None else max(r.registers)
-            spilled = "unknown" if r.spill_bytes is None else f"{r.spill_bytes} B"
-            ptxas = (f"{registers} registers, {spilled} spilled" if r.compiled else
-                     "[red]fails[/red]" if r.compiled is False else f"skipped: {r.stage3}")
-            walks = getattr(m.plan, "walks", None) or dict.fromkeys(p.walk for p in m.plan.passes)  # a row walk, or einsum passes
-            table.add_row(kernel.name, " + ".join(walks), ", ".join(f"{k}={env[k]}" for k in sizes) or "fixed",
-                          f"{error:.3g}", f"{elapsed:.2f} s", result, "[green]yes[/green]" if r.lowered else "[red]no[/red]",
-                          f"{r.smem_used} B", ptxas)
+            if skipped is not None:
+                number = notes.setdefault(skipped, len(notes) + 1)
+                cells = [*cells[:-1], f"skipped (note {number})"]
+            table.add_row(*cells)
     Console(width=170).print(table)
+    for note, number in notes.items():
+        print(f"note {number}: ptxas skipped: {note}")
     return failures
 
 
@@ -202,5 +271,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernels", nargs="*", metavar="KERNEL", help="run these example kernels only (default: all)")
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"TPU targets compiled ahead of time (default: {','.join(TARGETS)})")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per core)")
     args = parser.parse_args()
-    sys.exit(main(set(args.kernels) or None, tuple(args.targets.split(","))))
+    sys.exit(main(set(args.kernels) or None, tuple(args.targets.split(",")), args.jobs))

@@ -25,16 +25,26 @@ checks that on every example and many variants):
   alone is decided once per shape of the line (names and numbers as same-width
   placeholders), and the skeleton is the same for every length of chain and every
   constant in it, so formatting is linear in the module's size and cached across kernels.
+
+What black returns is also kept on disk (`_DiskCache`: the user's cache folder, or
+`SPARSEGEN_CACHE_DIR`), for whole modules and for chunks, keyed by black's version, this
+file's digest and the text: a rebuild, `sparsegen check`, or a variant that differs in tile
+sizes only formats from the cache, in another process too. Values are written whole
+(a rename), so a reader never sees half a file.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import io
 import keyword
+import os
 import re
+import tempfile
 import tokenize
+from pathlib import Path
 
 import black
 from black.mode import VERSION_TO_FEATURES  # black is pinned (pyproject.toml)
@@ -52,11 +62,72 @@ def format_module(source: str, names: tuple[str, ...] = ()) -> str:
     """
     stand_ins = [(name, "Z" * len(name)) for name in names if name and "Z" * len(name) not in source]
     for name, stand_in in stand_ins:
-        source = re.sub(rf"\b{re.escape(name)}\b", stand_in, source)
-    text = _format_module(source)
+        source = _swap(source, name, stand_in)
+    text = _format_whole(source)
     for name, stand_in in stand_ins:
-        text = re.sub(rf"\b{stand_in}\b", name, text)
+        text = _swap(text, stand_in, name)
     return text
+
+
+_WORD_CHAR = re.compile(r"\w")
+
+
+def _swap(text: str, old: str, new: str) -> str:
+    """`old` replaced by `new` as a word, or as the start of one the module derives from it
+    (`NAME_on_mesh`); no stand-in occurs in the source, so each is put back exactly where it
+    was put. (The word start is checked by hand: a leading `\\b` makes the regex slow.)"""
+    found = re.compile(rf"{re.escape(old)}(?=\b|_)")
+    return found.sub(lambda m: m.group() if m.start() and _WORD_CHAR.match(text, m.start() - 1) else new, text)
+
+
+class _DiskCache:
+    """Text kept in files named by a digest of (kind, black's version, this file, key)."""
+
+    def __init__(self):
+        self._folder: Path | None | bool = False  # False: not looked up yet; None: off
+
+    def folder(self) -> Path | None:
+        if self._folder is False:
+            from .inprocess import cache_dir  # one place says where sparsegen caches
+
+            salt = hashlib.sha256(black.__version__.encode() + Path(__file__).read_bytes()).hexdigest()[:16]
+            folder = cache_dir() / f"format-{salt}"
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                folder = None  # a read-only home: format without the cache
+            self._folder = folder
+        return self._folder
+
+    def get(self, kind: str, key: str, make) -> str:
+        folder = self.folder()
+        if folder is None:
+            return make()
+        path = folder / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.py"
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError:
+            pass
+        value = make()
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(value)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a full disk: the value is right, only not kept
+        return value
+
+
+_DISK = _DiskCache()
+
+
+@functools.lru_cache(maxsize=64)
+def _format_whole(source: str) -> str:
+    """A whole module (its names stood in for), cached in memory and on disk: kernels that
+    differ in name only (a spec of many alike, variants revisited) and rebuilds are
+    formatted once."""
+    return _DISK.get("module", source, lambda: _format_module(source))
 
 
 def _format_module(source: str) -> str:
@@ -117,12 +188,17 @@ def _shape(code: str) -> str | None:
 @functools.lru_cache(maxsize=4096)
 def _left_alone(shape: str) -> bool:
     """Does black leave this one-line statement as it is?"""
-    try:
-        return black.format_str(shape, mode=BLACK_MODE) == shape + "\n"
-    except Exception:  # not a statement at all: black cannot parse it
-        return False
+
+    def check() -> str:
+        try:
+            return "1" if black.format_str(shape, mode=BLACK_MODE) == shape + "\n" else "0"
+        except Exception:  # not a statement at all: black cannot parse it
+            return "0"
+
+    return _DISK.get("alone", shape, check) == "1"
 
 
+@functools.lru_cache(maxsize=4096)
 def _skeleton(chunk: str) -> tuple[str, tuple[_Run, ...]]:
     """The chunk with each run of plain lines black leaves alone replaced by one stand-in
     line, and the runs; the chunk itself and () where it has none."""
@@ -231,8 +307,12 @@ def _placeholders(chunk: str) -> tuple[str, tuple[str, ...]]:
 def _features(code: str) -> frozenset:
     """The Python features black's version inference sees in the code (digit-only integers,
     which the placeholders replace, add none)."""
-    node = black.lib2to3_parse(code.lstrip())
-    return frozenset(black.get_features_used(node, future_imports=black.get_future_imports(node)))
+
+    def parse() -> str:
+        node = black.lib2to3_parse(code.lstrip())
+        return "\n".join(sorted(f.name for f in black.get_features_used(node, future_imports=black.get_future_imports(node))))
+
+    return frozenset(black.Feature[name] for name in _DISK.get("features", code, parse).split("\n") if name)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -251,4 +331,5 @@ def _format_chunk(chunk: str, form: str, numbers: tuple[str, ...], versions: fro
 
 @functools.lru_cache(maxsize=4096)
 def _black(chunk: str, versions: frozenset) -> str:
-    return black.format_str(chunk, mode=black.Mode(target_versions=set(versions)))
+    key = ",".join(sorted(v.name for v in versions)) + "\n" + chunk
+    return _DISK.get("chunk", key, lambda: black.format_str(chunk, mode=black.Mode(target_versions=set(versions))))

@@ -40,6 +40,7 @@ The plan is backend-neutral: `wrapper.Wrapper.module` renders it into every modu
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from .callconv import Convention
@@ -148,11 +149,16 @@ def mesh_plan(kernel: Kernel, conv: Convention, spans=(), ring: bool | str = Fal
     local_names = {loc.name for loc in k.locals}
     operands = {op.name: op for op in k.operands}
     read_later: dict[str, str] = {}  # output -> the first later statement reading it
+    readers: dict[str, list[int]] = {}  # name -> the statements reading it, in order (one pass: linear)
     for n, st in enumerate(k.statements):
-        for later in k.statements[n + 1:]:
-            names = {r.operand for r in _reads_of(later)}
-            if st.target.operand in names and st.target.operand not in read_later:
-                read_later[st.target.operand] = _statement(later)
+        for name in dict.fromkeys(r.operand for r in _reads_of(st)):
+            readers.setdefault(name, []).append(n)
+    for n, st in enumerate(k.statements):
+        name = st.target.operand
+        later = readers.get(name, ())
+        first = bisect.bisect_right(later, n)
+        if first < len(later) and name not in read_later:
+            read_later[name] = _statement(k.statements[later[first]])
 
     # Each operand dimension: the indices that read it (one, where the spec is splittable).
     dim_reads: dict[tuple[str, int], list[str]] = {}

@@ -103,11 +103,12 @@ def _load(path: str) -> np.ndarray:
         raise PatternError(f"pattern file {path} is not a readable .npy array: {exc}") from None
 
 
-def sparse_arrays(k: Kernel, env: dict[str, int], pattern: str | Pattern, seed: int = 0, ids=()) -> dict:
+def sparse_arrays(k: Kernel, env: dict[str, int], pattern: str | Pattern, seed: int = 0, ids=(), lazy: bool = False) -> dict:
     """The pattern laid over each sparse operand of `k` at sizes `env`: {name: mask array
     (the operand's dtype) or coordinate arrays (int32)}, and over the integer operands a
     condition reads (`ids`, from `condition_ids`: sorted segment ids). What a backend's
-    function takes for them is the backend's business (`tpu.simulate.pattern_args`)."""
+    function takes for them is the backend's business (`tpu.simulate.pattern_args`).
+    With `lazy`, a mask is a `LazyMask`: its elements are made only if something reads them."""
     from .callconv import operand_indices
 
     pattern = pattern if isinstance(pattern, Pattern) else parse_pattern(pattern)
@@ -120,12 +121,62 @@ def sparse_arrays(k: Kernel, env: dict[str, int], pattern: str | Pattern, seed: 
         shape = tuple(d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims)
         tiles = tuple(tile[i] for i in operand_indices(k, sparse))
         if sparse.sparsity == "mask":
-            mask = _pattern_elements(pattern, shape, tiles, seed)
-            args[sparse.name] = mask.astype(sparse.dtype.np_dtype)
+            mask = LazyMask(pattern, shape, tiles, seed, sparse.dtype.np_dtype)
+            args[sparse.name] = mask if lazy else np.asarray(mask)
         else:
             coords = np.nonzero(_pattern_blocks(pattern, shape, tiles, seed))
             args[sparse.name] = tuple(c.astype(np.int32) for c in coords)
     return args
+
+
+class LazyMask:
+    """A pattern's element mask over an operand (`_pattern_elements`, in the operand's dtype),
+    made only when something reads its elements (`numpy.asarray`). Where the pattern is known
+    per block, `blocks` says which blocks hold a nonzero and which are all ones without it:
+    the simulator classifies a 16384 x 16384 mask's blocks so in microseconds, not seconds
+    (and without its gigabyte)."""
+
+    def __init__(self, pattern: Pattern, shape, tiles, seed: int, dtype):
+        self.pattern, self.shape, self.tiles, self.seed = pattern, tuple(shape), tuple(tiles), seed
+        self.dtype, self.ndim = np.dtype(dtype), len(shape)
+        self._elements: np.ndarray | None = None
+
+    def __array__(self, dtype=None, copy=None):
+        if self._elements is None:
+            self._elements = _pattern_elements(self.pattern, self.shape, self.tiles, self.seed).astype(self.dtype)
+        return self._elements if dtype is None else self._elements.astype(dtype)
+
+    def blocks(self, tiles) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per block of `tiles` (a partial last block padded with zeros): (holds a nonzero,
+        all ones), as the elements would give them; None where only the elements can say."""
+        tiles, shape = tuple(int(t) for t in tiles), self.shape
+        grid = _grid(shape, tiles)
+        # A block is whole where it ends inside the array: only a whole block can be all ones.
+        whole = np.ones(grid, bool)
+        for d, (size, tile) in enumerate(zip(shape, tiles)):
+            if size % tile:
+                index = [slice(None)] * len(grid)
+                index[d] = -1
+                whole[tuple(index)] = False
+        kind = self.pattern.kind
+        if kind == "density" or kind == "file" and self.pattern.data.shape == _grid(shape, self.tiles):
+            if tiles != self.tiles:  # the pattern is drawn per block of the operand's own tiles
+                return None
+            nonzero = _pattern_blocks(self.pattern, shape, tiles, self.seed)
+            return nonzero, nonzero & whole
+        if kind not in ("tril", "band") or len(shape) != 2:
+            return None
+        # Each block's first and last element row and column (a partial block ends at the array's end).
+        first = [np.arange(g) * t for g, t in zip(grid, tiles)]
+        last = [np.minimum(f + t, s) - 1 for f, t, s in zip(first, tiles, shape)]
+        r0, r1 = first[0][:, None], last[0][:, None]
+        c0, c1 = first[1][None, :], last[1][None, :]
+        if kind == "tril":  # i >= j: some element where the last row reaches the first column; all where the first row passes the last
+            return np.broadcast_to(r1 >= c0, grid), (r0 >= c1) & whole
+        # band: |i - j| < W, nearest and farthest pairs of the block
+        nearest = np.maximum(np.maximum(r0 - c1, c0 - r1), 0)
+        farthest = np.maximum(r1 - c0, c1 - r0)
+        return np.broadcast_to(nearest < self.pattern.value, grid), (farthest < self.pattern.value) & whole
 
 
 def condition_ids(plan) -> list:

@@ -21,6 +21,7 @@ from .resources import resource_dir
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(resource_dir("templates"))),
+        bytecode_cache=_bytecode_cache(),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -35,6 +36,20 @@ def environment() -> jinja2.Environment:
     env.filters["targets"] = lambda names: ", ".join(names) + ("," if len(names) == 1 else "")
     env.globals["jax_window"] = window_for  # the jax a target's modules state in their header and check
     return env
+
+
+def _bytecode_cache() -> jinja2.BytecodeCache | None:
+    """The templates compiled to Python once, kept in sparsegen's cache folder (jinja keys
+    each by its name and the digest of its text): a process saves a quarter of a second
+    of template compiling. None where the folder cannot be made."""
+    from .inprocess import cache_dir  # one place says where sparsegen caches
+
+    folder = cache_dir() / "templates"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return jinja2.FileSystemBytecodeCache(str(folder))
 
 
 # Helpers emitted only where the module calls them (helpers calling helpers included).
@@ -59,12 +74,30 @@ _OPTIONAL = {
 def with_helpers(main: str) -> str:
     """A module's text with the helpers it calls in place of `{helpers}` (helpers that
     helpers call included)."""
+    used = frozenset(fn for fn in _called(main) if fn in _OPTIONAL_NAMES)
+    return main.replace("{helpers}", _helpers_text(used), 1)
+
+
+_OPTIONAL_NAMES = frozenset(_OPTIONAL.values())
+_CALL = re.compile(r"_\w+\(")
+_WORD_CHAR = re.compile(r"\w")
+
+
+def _called(text: str) -> set[str]:
+    """The names `_name(` called in `text`, as `\\b(_\\w+)\\(` finds them (a leading `\\b` makes
+    that regex slow; the word boundary is checked by hand)."""
+    return {m.group()[:-1] for m in _CALL.finditer(text) if not m.start() or not _WORD_CHAR.match(text, m.start() - 1)}
+
+
+@functools.lru_cache(maxsize=256)
+def _helpers_text(used: frozenset[str]) -> str:
+    """The helpers of a module that calls the optional helpers `used`, rendered once per set
+    (a spec of many kernels asks for a handful of sets)."""
     env = environment()
     uses = {key: False for key in _OPTIONAL}
-    text = main
+    called = set(used)
     for _ in range(3):  # helpers call helpers: until nothing new is used
-        called = set(re.findall(r"\b(_\w+)\(", text))
         for key, fn in _OPTIONAL.items():
             uses[key] = uses[key] or fn in called
-        text = main + env.get_template("helpers.py.j2").render(uses=uses)
-    return main.replace("{helpers}", env.get_template("helpers.py.j2").render(uses=uses).strip(), 1)
+        called = set(used) | _called(env.get_template("helpers.py.j2").render(uses=uses))
+    return env.get_template("helpers.py.j2").render(uses=uses).strip()

@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from .compiler import compile_source
+from .compiler import compile_source, lower_source
 from .ir import Kernel
 from .wrapper import spec_text
 from .source import SourceFile, SpecError
@@ -29,7 +29,6 @@ class Variant:
     name: str
     tiles: dict[str, int]
     source: SourceFile
-    code: str | None = None
     plan: object | None = None
     rejected: str | None = None  # why the checks or the compiler dropped it
     report: object | None = None
@@ -44,6 +43,17 @@ class Variant:
         return self.report.estimates[self.target]["seconds"] if self.report else math.inf
 
     target: str = "v5e"
+    _code: str | None = field(default=None, repr=False)
+
+    @property
+    def code(self) -> str | None:
+        """The module as `build` writes it, emitted and formatted when first asked for
+        (ranking needs the plan only: a variant nobody writes or times is never formatted)."""
+        if self._code is None and self.plan is not None:
+            from .backends import emit_module
+
+            self._code = emit_module(self.plan, self.source.name)
+        return self._code
 
 
 def parse_tile_options(items: list[str], kernel: Kernel) -> dict[str, list[int]]:
@@ -102,12 +112,11 @@ def default_sizes(kernel: Kernel, options: dict[str, list[int]]) -> dict[str, in
 
 
 def build(variant: Variant, target: str) -> None:
+    """Check and lower the variant (its module is emitted when its `code` is first read)."""
     try:
-        (module,) = compile_source(variant.source, target)
+        (variant.plan,) = lower_source(variant.source, target)
     except SpecError as exc:
         variant.rejected = exc.diagnostics[0].message
-        return
-    variant.code, variant.plan = module.code, module.plan
 
 
 def model(variant: Variant, sizes: dict[str, int], pattern: str, targets: list[str], seed: int) -> None:

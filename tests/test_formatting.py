@@ -79,3 +79,59 @@ def test_target_versions_are_inferred_for_the_whole_module():
 def test_generated_modules_are_black_clean_at_the_default_configuration(path):
     code = path.read_text()
     assert black.format_str(code, mode=black.Mode()) == code
+
+
+def _fresh_caches(monkeypatch, folder):
+    """The formatter as in a new process whose cache folder is `folder`."""
+    from sparsegen import formatting
+
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(folder))
+    monkeypatch.setattr(formatting, "_DISK", formatting._DiskCache())
+    for cached in (formatting._format_whole, formatting._black, formatting._features, formatting._left_alone, formatting._format_chunk):
+        cached.cache_clear()
+
+
+def test_a_rebuild_formats_from_the_disk_cache(tmp_path, monkeypatch):
+    """What black returned is kept on disk: a new process formats the same modules (a spec
+    and a variant of its tiles) without calling black, to the same bytes."""
+    text, name = raw_and_name(spec_text("dsd_matmul"))
+    variant, _ = raw_and_name(with_tiles(spec_text("dsd_matmul"), m=256, n=128, k=512))
+    _fresh_caches(monkeypatch, tmp_path)
+    first = format_module(text, (name,))
+    assert first == black.format_str(text, mode=BLACK_MODE)
+    assert any(tmp_path.rglob("module-*.py")) and any(tmp_path.rglob("chunk-*.py"))
+    expected = black.format_str(variant, mode=BLACK_MODE)
+    assert format_module(variant, (name,)) == expected
+
+    def no_black(*args, **kwargs):
+        raise AssertionError("black was called")
+
+    _fresh_caches(monkeypatch, tmp_path)
+    monkeypatch.setattr(black, "format_str", no_black)
+    monkeypatch.setattr(black, "lib2to3_parse", no_black)
+    assert format_module(text, (name,)) == first
+    assert format_module(variant, (name,)) == expected
+
+
+def test_names_are_stood_in_for_as_words_and_word_starts():
+    """A kernel's name is swapped for a stand-in where it is a word or starts one
+    (`NAME_on_mesh`), never inside another word; the text is black's."""
+    text = "def mm(a):\n    return mm_on_mesh(a)+xmm+mm( a )+mmx\n\n\nmm_ = mm\n"
+    assert format_module(text, ("mm",)) == black.format_str(text, mode=BLACK_MODE)
+
+
+def test_templates_are_compiled_once_into_the_cache_folder(tmp_path, monkeypatch):
+    """jinja keeps the compiled templates in sparsegen's cache folder: a new environment (a
+    new process) loads them from there and renders the same module."""
+    from sparsegen import templating
+
+    text = spec_text("dsd_matmul")
+    monkeypatch.setenv("SPARSEGEN_CACHE_DIR", str(tmp_path))
+    templating.environment.cache_clear()
+    try:
+        first = compile_source(SourceFile("f.spk", text))[0].code
+        assert len(list((tmp_path / "templates").glob("*.cache"))) >= 2
+        templating.environment.cache_clear()
+        assert compile_source(SourceFile("f.spk", text))[0].code == first
+    finally:
+        templating.environment.cache_clear()

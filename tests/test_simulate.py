@@ -196,3 +196,60 @@ def test_a_mask_inside_the_sum_is_read_at_its_partial_blocks_only(kernel, copies
     assert report.sim.wasted_copies == 0
     assert report.sim.traffic["keep"].copies == copies
     assert report.sim.block_products == 10 * 4  # the 10 non-empty keep blocks, each for 4 blocks of the other index
+
+
+def _old_count_copies(keys: np.ndarray, used: np.ndarray) -> tuple[int, int, int, np.ndarray]:
+    """The plain count (one array of every coordinate at every step): the oracle of the
+    row-by-row `count_copies` that skips broadcast rows."""
+
+    def runs(k):
+        changed = np.ones(k.shape[-1], bool)
+        changed[1:] = np.any(k[:, 1:] != k[:, :-1], axis=0) if k.shape[-1] > 1 else changed[1:]
+        return changed
+
+    new = runs(keys)
+    run_id = np.cumsum(new) - 1
+    used_runs = np.zeros(int(new.sum()), bool)
+    np.logical_or.at(used_runs, run_id[used], True)
+    wasted = int((~used_runs).sum()) - (0 if used.any() else 1)
+    ideal = max(1, int(runs(keys[:, used]).sum())) if used.any() else 1
+    return int(new.sum()), wasted, ideal, new & ~used_runs[run_id]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_count_copies_agrees_with_the_plain_count(seed):
+    """Rows broadcast from one value (a coordinate that never moves) are skipped, the runs
+    are reduced in one pass: the counts are the plain count's, with and without per-step flags."""
+    from sparsegen.tpu.simulate import Traffic, _coordinate, count_copies
+
+    rng = np.random.default_rng(seed)
+    steps = int(rng.integers(1, 40))
+    coords = [rng.integers(0, 3, steps) // 2, np.int32(rng.integers(0, 4)), np.sort(rng.integers(0, 5, steps))]
+    keys = [_coordinate(c, steps) for c in coords]
+    used = rng.random(steps) < (0.0 if seed == 0 else 0.5)
+    copies, wasted, ideal, per_step = _old_count_copies(np.stack(keys).astype(np.int64), used)
+    t = Traffic("x", 0)
+    np.testing.assert_array_equal(count_copies(t, keys, used, per_step=True), per_step)
+    assert (t.copies, t.wasted, t.ideal) == (copies, wasted, ideal)
+    assert count_copies(Traffic("x", 0), keys, used) is None
+
+
+@pytest.mark.parametrize("pattern", ["tril", "band=40", "density=0.4", "density=1.0", "file"])
+@pytest.mark.parametrize("tiles", [(32, 16), (48, 64), (100, 100)])
+def test_host_block_kinds_agree(pattern, tiles, tmp_path):
+    """The simulator's host `_block_kinds` reads a lazy mask's blocks from its pattern (never
+    making the elements); what it returns is the module's own on the elements, partial last
+    blocks included, at the mask's own tiles and at others."""
+    from sparsegen.patterns import LazyMask, parse_pattern
+    from sparsegen.tpu.simulate import _host_block_kinds
+
+    (plan,) = plans(SPECS / "masked_matmul.spk")
+    module = load_module(plan)
+    shape, own = (150, 200), (32, 16)
+    if pattern == "file":
+        np.save(tmp_path / "blocks.npy", np.random.default_rng(1).random((5, 13)) < 0.5)
+        pattern = str(tmp_path / "blocks.npy")
+    mask = LazyMask(parse_pattern(pattern), shape, own, 0, np.float32)
+    for ones in (False, True):
+        fast = _host_block_kinds(module)(mask, tiles, ones)
+        np.testing.assert_array_equal(fast, module._block_kinds(np.asarray(mask), tiles, ones))

@@ -10,12 +10,13 @@ from ..patterns import Pattern, condition_ids, sparse_arrays
 from .lower import TpuModule
 
 
-def pattern_args(plan: TpuModule, env: dict[str, int], pattern: str | Pattern, seed: int = 0):
+def pattern_args(plan: TpuModule, env: dict[str, int], pattern: str | Pattern, seed: int = 0, lazy: bool = False):
     """Arguments of `_prefetch` for a sparsity pattern (arrays the tables do not read are None).
 
-    Also the pattern per sparse operand: {name: mask array or coordinate arrays}.
+    Also the pattern per sparse operand: {name: mask array or coordinate arrays}. With
+    `lazy`, masks are `patterns.LazyMask`s (the simulator's host `_block_kinds` reads their blocks).
     """
-    args = sparse_arrays(plan.kernel, env, pattern, seed, condition_ids(plan))
+    args = sparse_arrays(plan.kernel, env, pattern, seed, condition_ids(plan), lazy=lazy)
     out = []
     for p in plan.conv.params:
         if p.kind == "mask":

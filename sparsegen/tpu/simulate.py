@@ -24,6 +24,7 @@ import numpy as np
 from ..callconv import operand_indices
 from ..expr import Bin, Call, Const, Expr, Load, Max, Min, Var, Where, evaluate
 from ..ir import Kernel
+from ..patterns import LazyMask
 
 from .arguments import pattern_args
 from .lower import TpuModule, TpuPass, block_bytes, lower
@@ -87,7 +88,28 @@ def load_module(plan: TpuModule, name: str | None = None, host: bool = True, bac
     if host:
         module.jnp, module.lax = _HOST_JNP, _HOST_LAX
         module.pl = _HOST_PL
+        if hasattr(module, "_block_kinds"):
+            module._block_kinds = _host_block_kinds(module)
     return module
+
+
+def _host_block_kinds(module):
+    """The module's `_block_kinds`, reading a `LazyMask`'s blocks where the pattern knows them
+    (its elements are never made), else the module's own on the elements. What it returns is
+    what the module's own returns (test_simulate's test_host_block_kinds_agree checks it)."""
+    own = module._block_kinds
+
+    def block_kinds(mask, tiles, ones):
+        found = mask.blocks(tiles) if isinstance(mask, LazyMask) else None
+        if found is None:
+            return own(np.asarray(mask), tiles, ones)
+        nonzero, all_ones = found
+        kind = np.where(nonzero, module._PARTIAL, module._EMPTY)
+        if ones:
+            kind = np.where(all_ones, module._FULL, kind)
+        return kind.astype(np.int32)
+
+    return block_kinds
 
 
 class _HostNumpy(types.ModuleType):
@@ -178,12 +200,27 @@ def _evaluate(e: Expr, env: dict):
     raise TypeError(e)
 
 
-def _runs(keys: np.ndarray) -> np.ndarray:
-    """Per step: does its key differ from the previous step's (a new run)."""
-    changed = np.ones(keys.shape[-1], bool)
-    if keys.shape[-1] > 1:
-        changed[1:] = np.any(keys[:, 1:] != keys[:, :-1], axis=0)
+def _runs(keys, steps: int | None = None) -> np.ndarray:
+    """Per step: does its key differ from the previous step's (a new run). `keys`: one row
+    per coordinate (a 2-D array, or 1-D arrays of `steps`), compared row by row: a row
+    broadcast from one value (strides 0) never changes and is not compared."""
+    rows = list(keys)
+    changed = np.zeros(len(rows[0]) if steps is None else steps, bool)
+    changed[:1] = True
+    for row in _varying(rows):
+        changed[1:] |= row[1:] != row[:-1]
     return changed
+
+
+def _varying(rows: list[np.ndarray]) -> list[np.ndarray]:
+    """The rows that may change from step to step (not broadcast from one value)."""
+    return [row for row in rows if len(row) > 1 and row.strides[0] != 0]
+
+
+def _coordinate(c, steps: int) -> np.ndarray:
+    """An index map's coordinate at every step (a scalar broadcast, not copied), as integers."""
+    a = np.asarray(c)
+    return np.broadcast_to(a if a.dtype.kind in "iub" else a.astype(np.int64), (steps,))
 
 
 def impl_args(plan: TpuModule, module, args: list) -> list:
@@ -273,16 +310,16 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
         fn = getattr(module, s.fn)
         kwargs = {name: statics[name] for name, _ in s.statics}
         coords = fn(*axes, *prefetch, **kwargs)
-        keys = np.stack([np.broadcast_to(np.asarray(c, np.int64), (steps,)) for c in coords])
-        new = _runs(keys)
+        keys = [_coordinate(c, steps) for c in coords]  # one row per coordinate
+        new = _runs(keys, steps)
         if s.block.is_output:
             write_backs = int(new.sum())
             if keep_trace:
-                trace["out"] = keys
+                trace["out"] = np.stack(keys).astype(np.int64)
             continue
         t = traffic[s.block.operand]
         used = consumers[s.block.key]
-        wasted = count_copies(t, keys, used)
+        wasted = count_copies(t, keys, used, per_step=keep_trace)
         if keep_trace:
             trace[f"copy:{s.block.operand}"] = new
             trace[f"wasted:{s.block.operand}"] = wasted
@@ -292,20 +329,22 @@ def _simulate_pass(plan: TpuModule, tp: TpuPass, module, args: list, sizes: dict
     return Simulation(grid, steps, products, products * p.flops_per_product, write_backs, out_bytes, prefetch_bytes, traffic, trace)
 
 
-def count_copies(t: Traffic, keys: np.ndarray, used: np.ndarray) -> np.ndarray:
+def count_copies(t: Traffic, keys, used: np.ndarray, per_step: bool = False) -> np.ndarray | None:
     """Set `t`'s copies, ideal and wasted copies from an operand's block index at every step
-    (`keys`, one row per coordinate) and the steps that use its block; per step, whether it
-    starts a wasted copy."""
-    new = _runs(keys)
-    t.copies = int(new.sum())
-    run_id = np.cumsum(new) - 1
-    used_runs = np.zeros(t.copies, bool)
-    np.logical_or.at(used_runs, run_id[used], True)
-    t.wasted = int((~used_runs).sum())
+    (`keys`, one row per coordinate: `_runs`) and the steps that use its block; with
+    `per_step`, return per step whether it starts a wasted copy (for pictures)."""
+    rows = list(keys)
+    steps = len(used)
+    new = _runs(rows, steps)
+    starts = np.flatnonzero(new)  # each run's first step: a copy
+    t.copies = len(starts)
+    # A run is used where any of its steps is (one pass over the steps, not one per run).
+    used_runs = np.logical_or.reduceat(used, starts) if steps else np.zeros(0, bool)
+    t.wasted = int(t.copies - used_runs.sum())
     if not used.any():
         t.wasted -= 1  # the prologue copy: made even when no step uses the block
-    t.ideal = max(1, int(_runs(keys[:, used]).sum())) if used.any() else 1
-    return new & ~used_runs[run_id]
+    t.ideal = max(1, int(_runs([row[used] for row in _varying(rows)], int(used.sum())).sum())) if used.any() else 1
+    return new & ~np.repeat(used_runs, np.diff(starts, append=steps)) if per_step else None
 
 
 # ------------------------------------------------------------------- costs
@@ -376,8 +415,8 @@ def analyse_einsum(plan: TpuModule, sizes: dict[str, int], pattern: str, targets
     """Simulate a plan on a pattern and its dense twin on everything; estimate both per target."""
     k = plan.kernel
     env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
+    args, by_operand = pattern_args(plan, env, pattern, seed, lazy=module is None or getattr(module, "jnp", None) is _HOST_JNP)
     module = module or load_module(plan)
-    args, by_operand = pattern_args(plan, env, pattern, seed)
     sim = simulate(plan, module, args, env, keep_trace=trace)
     dense_plan = dense_twin(plan)
     dense_module = load_module(dense_plan)
@@ -408,6 +447,9 @@ def _block_picture(plan: TpuModule, env: dict[str, int], by_operand: dict) -> np
     shape = [d.literal if d.literal is not None else env[d.symbol] for d in sparse.dims]
     grid = [-(-s // t) for s, t in zip(shape, tiles)]
     if sparse.sparsity == "mask":
+        found = by_operand[sparse.name].blocks(tiles) if isinstance(by_operand[sparse.name], LazyMask) else None
+        if found is not None:
+            return np.where(found[1], 2, found[0].astype(int))
         mask = np.pad(np.asarray(by_operand[sparse.name]), [(0, -s % t) for s, t in zip(shape, tiles)])
         blocks = mask.reshape(grid[0], tiles[0], grid[1], tiles[1])
         nonzero = (blocks != 0).any(axis=(1, 3))
