@@ -487,8 +487,21 @@ class KernelWriter:
                 lines += self.load_block(n, vo, at, tables, "masked", (p.key,))
                 a = accs[c.output]
                 pv, vv, prec = self.mxu(nm["probs"], vo.var, self.dtype_of(vo), in_mxu=True)
-                lines.append(f"    {a}[...] = {lanes(nm['alpha'], self.tile[self.e_of(c)])} * {a}[...] + lax.dot_general({pv}, {vv}, "
-                             f"(((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{prec})")
+                dot = f"lax.dot_general({{}}, {{}}, (((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{prec})"
+                part, write, x = n.local(f"{c.output}_part"), n.local("write"), n.local("x")
+                rescaled = f"{lanes(nm['alpha'], self.tile[self.e_of(c)])} * {a}[...]"
+                lines += [f"    {part} = {dot.format(pv, vv)}",
+                          "    if masked:",
+                          "        # An absent element's weight (0) meets its value: a NaN or Inf there must not",
+                          "        # reach the row (it reaches every row of the product, row 0 included).",
+                          "",
+                          f"        def {write}({x}):",
+                          f"            {a}[...] = {rescaled} + {x}",
+                          "",
+                          f"        _present_step({part}[0:1], {write}, {part}, lambda: _present_dot(lambda {x}, y: {dot.format(x, 'y')}, "
+                          f"{pv}, {nm['probs']}, jnp.logical_not(jnp.isneginf({sv})), {vv}))",
+                          "    else:",
+                          f"        {a}[...] = {rescaled} + {part}"]
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")

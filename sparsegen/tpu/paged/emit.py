@@ -135,7 +135,10 @@ class PagedEmitter(AttentionEmitter):
         row_coords = [lead_vars[s.index] for s in table.subs[:-1]]
         base = n.local("base")
         row_ref = f"{refs['table_hbm']}.at[{', '.join(row_coords)}]" if row_coords else refs["table_hbm"]
-        flat_row = render(flat([Var(c) for c in row_coords], [self.m.conv.size(dim) for dim in table_op.dims[:-1]]), "py") if row_coords else "0"
+        # The step's row of the table as a position in the flattened table (a tree: a
+        # coordinate rendering as a sum keeps its brackets).
+        flat_row = flat([Var(c) for c in row_coords], [self.m.conv.size(dim) for dim in table_op.dims[:-1]]) if row_coords else Const(0)
+        row_start = render(flat_row * self.m.conv.size(table_op.dims[-1]), "py")
         page_var = n.local("page")
         def copies(indent: str, entry_at: str, action: str) -> list[str]:
             out = [f"{indent}{entry} = {refs['table']}[{entry_at}]"]
@@ -158,7 +161,7 @@ class PagedEmitter(AttentionEmitter):
         whole = n.local("whole")
         lines += ["", "", f"def _pages({step_params}, {lo}, {hi}, {kb}, {slot}, {start}):",
                   "    # The copies of a key block's pages (start: begun; else: waited for).",
-                  f"    {base} = 0 if pieces else {flat_row} * {render(self.m.conv.size(table_op.dims[-1]), 'py')}  # the step's row of the table",
+                  f"    {base} = 0 if pieces else {row_start}  # the step's row of the table",
                   f"    {whole} = ({kb} * {ppb} >= {lo}) & ({kb} * {ppb} + {ppb} <= {hi})",
                   "",
                   f"    @pl.when({whole})",
