@@ -109,9 +109,11 @@ def test_causal_attention_forward_keeps_absent_values_out(plant, interpret):
 
 
 @both_modes
-@pytest.mark.parametrize("plant", ["q_nan", "k_nan"] + (["v_nan"] if SWEEP else []))
-def test_causal_attention_gradients_keep_absent_terms_out(plant, interpret):
+@pytest.mark.parametrize("plant,walk", [("q_nan", "fused"), ("k_nan", "two")] + ([("k_nan", "fused"), ("q_nan", "two"), ("v_nan", "fused")] if SWEEP else []))
+def test_causal_attention_gradients_keep_absent_terms_out(plant, walk, interpret, monkeypatch):
     _, mod = build(CAUSAL)
+    if walk == "two":  # the backward's two walks (dq, then dk and dv) instead of the fused one
+        monkeypatch.setattr(mod, "_FUSED_MAX_ROWS", 0)
     q, k, v = planted(plant)
     rng = np.random.default_rng(1)
     g_o = rng.standard_normal(q.shape).astype(np.float32)
@@ -120,3 +122,68 @@ def test_causal_attention_gradients_keep_absent_terms_out(plant, interpret):
     want = jax.vjp(causal_math, q, k, v)[1]((g_o, g_lse))
     for name, a, b in zip("qkv", got, want):
         close(a, b, f"d{name}", rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ the paged walk
+
+PAGED = """kernel pd {
+    in  q: bf16[B, H, D]
+    in  kc: bf16[G, P, T, D]
+    in  vc: bf16[G, P, T, D]
+    in  pages: index[B, NP]
+    in  lens: index[B]
+    out o: bf16[B, H, D]
+    s[b, h, j] = q[b, h, d] * kc[h // 8, pages[b, j // T], j % T, d] * 0.125 where CONDITION
+    o[b, h, e] = softmax(s[b, h, j], j) * vc[h // 8, pages[b, j // T], j % T, e]
+    tile b = 1, h = 8, j = 128, d = 128, e = 128
+}
+"""
+WINDOW = 40  # keys lens - WINDOW <= j < lens
+
+
+def paged_case(window: bool, value):
+    """Two sequences whose last page is partly written (lengths 100 and 37, pages of 16):
+    its unwritten slots hold `value` in both caches, and with `window` the slots before it too."""
+    rng = np.random.default_rng(3)
+    B, H, D, T, NP, P = 2, 8, 128, 16, 8, 20
+    lens = np.array([100, 37], np.int32)
+    q = rng.standard_normal((B, H, D)).astype(np.float32)
+    kc = rng.standard_normal((1, P, T, D)).astype(np.float32)
+    vc = rng.standard_normal((1, P, T, D)).astype(np.float32)
+    pages = rng.permutation(P)[: B * NP].reshape(B, NP).astype(np.int32)
+    for b, n in enumerate(lens):
+        lo = n - WINDOW if window else 0
+        for j in list(range(n, -(-n // T) * T)) + list(range(lo)):
+            kc[0, pages[b, j // T], j % T, :: 5] = value
+            vc[0, pages[b, j // T], j % T, :: 3] = value
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    return bf(q), bf(kc), bf(vc), pages, lens
+
+
+def paged_oracle(q, kc, vc, pages, lens, window: bool):
+    """Each sequence's heads over its present keys only, in float64."""
+    out = np.zeros(q.shape)
+    T = kc.shape[2]
+    for b, n in enumerate(lens):
+        toks = np.arange(max(n - WINDOW, 0) if window else 0, n)
+        k = kc[0, pages[b, toks // T], toks % T].astype(np.float64)
+        v = vc[0, pages[b, toks // T], toks % T].astype(np.float64)
+        s = q[b].astype(np.float64) @ k.T * 0.125
+        w = np.exp(s - s.max(-1, keepdims=True))
+        out[b] = (w / w.sum(-1, keepdims=True)) @ v
+    return out
+
+
+@both_modes
+@pytest.mark.parametrize("window,value", [(False, np.nan), (True, np.inf)] + ([(False, np.inf), (True, np.nan)] if SWEEP else []))
+def test_paged_decode_keeps_unwritten_slots_out(window, value, interpret):
+    cond = f"j < lens[b] and j >= lens[b] - {WINDOW}" if window else "j < lens[b]"
+    _, mod = build(PAGED.replace("CONDITION", cond))
+    q, kc, vc, pages, lens = paged_case(window, value)
+    args = [jnp.asarray(a, jnp.bfloat16) for a in (q, kc, vc)] + [pages, lens]
+    want = paged_oracle(q, kc, vc, pages, lens, window)
+    got = np.asarray(mod.pd(*args, interpret=interpret), np.float64)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+    if interpret is True:
+        np.testing.assert_allclose(np.asarray(mod.reference(*args), np.float64), want, atol=2e-2, rtol=2e-2)

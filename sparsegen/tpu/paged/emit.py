@@ -317,8 +317,8 @@ class PagedEmitter(AttentionEmitter):
         if self.ragged(p.query):
             conds.append(f"({qpos} < {self.size_of(p.query)})")
         conds += [f"({ppos[i]} < {self.size_of(i)})" for i in self.packed if self.ragged(i)]
-        scores = n.local("scores")
-        body.append(f"    {scores} = jnp.where({' & '.join(conds)}, {s}, -jnp.inf)")
+        scores, present = n.local("scores"), n.local("present")
+        body += [f"    {present} = {' & '.join(conds)}", f"    {scores} = jnp.where({present}, {s}, -jnp.inf)"]
         m_new, m_safe, alpha, probs, l_new = (n.local(x) for x in ("m_new", "m_safe", "alpha", "probs", "l_new"))
         body += [f"    {m_new} = jnp.maximum({carry_m}, jnp.max({scores}, axis=1, keepdims=True))",
                  "    # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
@@ -333,9 +333,15 @@ class PagedEmitter(AttentionEmitter):
             e = self.tile[g.inner.index]
             body.append(f"    {vv} = {refs['bufs'][c.value.operand]}[{slot}].reshape({tj}, {e})")
             computed, block, vprec = self.mxu(probs, vv, self.k.operand(c.value.operand).dtype)
-            new = n.local(f"{c.output}_new")
-            body.append(f"    {new} = {alpha} * {a} + lax.dot_general({computed}, {block}, (((1,), (0,)), ((), ())), "
-                        f"preferred_element_type={acc.jnp}{vprec})")
+            new, part, x = n.local(f"{c.output}_new"), n.local(f"{c.output}_part"), n.local("x")
+            dot = "lax.dot_general({}, {}, " + f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{vprec})"
+            # A slot the condition leaves out (past `lens`, before a window) holds anything (a
+            # reused cache, fp8 NaN patterns): its weight 0 must not meet its value. A NaN or
+            # Inf of the block reaches every row of the product, row 0 included.
+            body += [f"    {part} = {dot.format(computed, block)}",
+                     f"    {part} = _present_value({part}[0:1], {part}, lambda: _present_dot(lambda {x}, y: {dot.format(x, 'y')}, "
+                     f"{computed}, {probs}, {present}, {block}))",
+                     f"    {new} = {alpha} * {a} + {part}"]
             news.append(new)
         body.append(f"    return {', '.join([m_new, l_new] + news)}")
         lines += body
