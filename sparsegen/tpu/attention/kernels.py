@@ -939,15 +939,15 @@ class KernelWriter:
                   f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)"]
         return start, finish, [dq_acc]
 
-    def present_add(self, n, target: str, computed: str, block: str, dtype, keep: str, dims: str, prec_scale=None) -> list[str]:
+    def present_add(self, n, target: str, computed: str, block: str, dtype, keep: str, dims: str, scale: str = "") -> list[str]:
         """Lines adding a backward product, `computed` (a block the step computed: 0 at its
         absent elements, unless a NaN of the row's own statistics or of the other product's
         block met it there) by `block`, into `target`. On a partial step an absent element
         must not carry a NaN or Inf of either block into the sum: the product is checked whole
         (a key or row that no element of the block keeps may hold one) and, where it is not
-        finite, taken again over the present elements alone (`_present_step`)."""
+        finite, taken again over the present elements alone (`_present_step`). `dims`: the
+        product's contracting dimensions; `scale`: text multiplying it (" * 0.125")."""
         cx, by, prec = self.mxu(computed, block, dtype)
-        scale = prec_scale or ""
         dot = "lax.dot_general({}, {}, " + f"({dims}, ((), ())), preferred_element_type={self.acc.jnp}{prec})"
         part, write, x = n.local("part"), n.local("write"), n.local("x")
         kept = f"jnp.where({keep}, {computed}, 0.0)"
