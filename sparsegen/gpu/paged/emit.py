@@ -219,18 +219,8 @@ class GpuPagedEmitter(PagedEmitter):
                  f"{m_safe} = jnp.where({m_new} == jnp.full({row_shape}, -jnp.inf, {F32}), jnp.full({row_shape}, 0.0, {F32}), {m_new})",
                  f"{alpha} = jnp.exp({m_prev} - {m_safe})",
                  f"{probs} = jnp.exp({s} - lax.broadcast_in_dim({m_safe}, {shape}, [0]))",
-                 f"{l_new} = {l_prev} * {alpha} + {probs}.sum(axis=1)"]
-        if cshape != shape:
-            # A key the condition leaves out (past `lens`, before a window) holds anything in
-            # the cache (reused, fp8 NaN patterns): its value rows are selected out, not met by
-            # a weight of 0 (0 x NaN). The condition reads no row, so a key is absent for every row.
-            for c in products:
-                o = next(o for g, o in gathers if g.read == c.value)
-                e = self.tile[next(g.inner.index for g, _ in gathers if g.read == c.value)]
-                tile = f"{o.smem}.at[{slot}]"
-                body.append(f"{tile}[...] = jnp.where(lax.broadcast_in_dim({present}, ({tk}, {e}), [0]), {tile}[...], "
-                            f"jnp.zeros(({tk}, {e}), {tile}.dtype))")
-        body += [f"{probs_smem}[...] = {probs}.astype({dtype})", "plgpu.commit_smem()  # the probabilities (WGMMA's A) and the values"]
+                 f"{l_new} = {l_prev} * {alpha} + {probs}.sum(axis=1)",
+                 f"{probs_smem}[...] = {probs}.astype({dtype})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
         news = []
         for c in products:
             g, o = next((g, o) for g, o in gathers if g.read == c.value)
