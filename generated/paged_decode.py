@@ -440,6 +440,48 @@ def _check_page_size(page, tile, what):
         )
 
 
+def _present_dot(dot, x, x32, keep, y):
+    """dot(x, y) over the present terms alone (`keep`, broadcast to x; x holds 0 at the
+    absent ones; `x32`: its values in f32, read at the present ones), with y's NaN and Inf:
+    its finite part through `dot`, its non-finite entries counted over the present terms by
+    0/1 products (exact counts). A NaN term (y NaN, or y infinite where x is 0), or
+    infinities of both signs, give NaN; else the infinities' sign. Where x and y are both
+    infinite at a present term the result is NaN (IEEE says an infinity): the finite part
+    multiplies x by 0 there."""
+    y32 = y.astype(jnp.float32)
+    present = jnp.where(keep, 1.0, 0.0)
+
+    # 0/1 as products, not selects: libtpu's cycle profiler rejects a select of two f32
+    # blocks rounded to bf16 on v5e (Mosaic selects it packed, as int16).
+    def on_x(where):  # 0/1 over the present terms, in x's dtype
+        return (jnp.where(where, 1.0, 0.0) * present).astype(x.dtype)
+
+    def on_y(where):
+        return jnp.where(where, 1.0, 0.0).astype(y.dtype)
+
+    up, down = y32 == jnp.inf, y32 == -jnp.inf
+    above, below = on_x(x32 > 0), on_x(x32 < 0)
+    every = jnp.broadcast_to(present, x.shape).astype(x.dtype)
+    nan = dot(every, on_y(jnp.isnan(y32))) + dot(on_x(x32 == 0), on_y(up | down))
+    pos = dot(above, on_y(up)) + dot(below, on_y(down))
+    neg = dot(above, on_y(down)) + dot(below, on_y(up))
+    finite = dot(x, jnp.where(jnp.isfinite(y32), y32, 0.0).astype(y.dtype))
+    special = jnp.where(
+        (nan > 0) | ((pos > 0) & (neg > 0)),
+        jnp.nan,
+        jnp.where(pos > 0, jnp.inf, jnp.where(neg > 0, -jnp.inf, 0.0)),
+    )
+    return finite + special
+
+
+def _present_value(probe, value, present):
+    """`value` (a product over a whole block, an absent term's weight 0 meeting the other
+    factor), or where `probe` (a slice of it every NaN or Inf of the other factor reaches)
+    is not finite, `present()`: the product over the present terms alone (`_present_dot`).
+    """
+    return lax.cond(jnp.all(jnp.isfinite(probe)), lambda: value, present)
+
+
 def _classify_pages(xp, lens, sizes):
     """Per (row block, page): empty, partial or full. xp is numpy when only sizes matter,
     jax.numpy under jit."""
@@ -625,9 +667,8 @@ def _paged_decode_kernel(*refs, pieces, chained, B, H, T, NP):
         h_pos = row * 8 + lax.broadcasted_iota(jnp.int32, (8, 1), 0)
         j_pos = block * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
         copied = (j_pos >= lo * T) & (j_pos < hi * T)
-        scores = jnp.where(
-            copied & (j_pos < lens_smem[b]) & (h_pos < H), raw_scores, -jnp.inf
-        )
+        present = copied & (j_pos < lens_smem[b]) & (h_pos < H)
+        scores = jnp.where(present, raw_scores, -jnp.inf)
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
         # A row with nothing present yet keeps minus infinity; exp then gives zeros.
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -635,12 +676,26 @@ def _paged_decode_kernel(*refs, pieces, chained, B, H, T, NP):
         probs = jnp.exp(scores - m_safe)
         l_new = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)
         vc_blk = vc_pages[slot].reshape(512, 128)
-        o_new = alpha * o_prev + lax.dot_general(
+        o_part = lax.dot_general(
             probs.astype(vc_blk.dtype),
             vc_blk,
             (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
+        o_part = _present_value(
+            o_part[0:1],
+            o_part,
+            lambda: _present_dot(
+                lambda x, y: lax.dot_general(
+                    x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                ),
+                probs.astype(vc_blk.dtype),
+                probs,
+                present,
+                vc_blk,
+            ),
+        )
+        o_new = alpha * o_prev + o_part
         return m_new, l_new, o_new
 
     m, l, o_sum = lax.fori_loop(

@@ -392,27 +392,36 @@ def _softmax_rows(s):
     return p / jnp.where(l == 0, 1.0, l), lse[..., 0]
 
 
-def _visited_product(probs, values, visited, tiles):
+def _visited_product(probs, values, visited, tiles, keep):
     """probs[..., i, j] times values[..., j, e] summed over j, block by block as the row
     walk sums it: only key blocks the row's block visits (`visited[..., row block, key
-    block]`) take part, so a NaN in a skipped block stays out; inside a visited block an
-    absent element's 0 meets it. Sizes past a partial last block are zero-padded."""
+    block]`) take part, so a NaN in a skipped block stays out; inside a visited block only
+    the present terms (`keep`, over the scores' axes): an absent element's value takes no
+    part, whatever it holds (`_present_sum`). Sizes past a partial last block are zero-padded.
+    """
     ti, tj = tiles
     rows = probs.shape[-2]
     n_i, n_j = -(-rows // ti), -(-probs.shape[-1] // tj)
-    pad = [(0, 0)] * (probs.ndim - 2)
-    probs = jnp.pad(
-        probs, pad + [(0, n_i * ti - probs.shape[-2]), (0, n_j * tj - probs.shape[-1])]
-    )
+    pad = [(0, 0)] * (probs.ndim - 2) + [
+        (0, n_i * ti - probs.shape[-2]),
+        (0, n_j * tj - probs.shape[-1]),
+    ]
+    probs = jnp.pad(probs, pad)
+    keep = jnp.pad(jnp.broadcast_to(keep, probs.shape[:-2] + keep.shape[-2:]), pad)
     values = jnp.pad(
         values,
         [(0, 0)] * (values.ndim - 2) + [(0, n_j * tj - values.shape[-2]), (0, 0)],
     )
     probs = probs.reshape(probs.shape[:-2] + (n_i, ti, n_j, tj))
+    keep = keep.reshape(probs.shape)
     values = values.reshape(values.shape[:-2] + (n_j, tj, values.shape[-1]))
-    parts = jnp.einsum(
-        "...IiJj,...Jje->...IiJe", probs, values, precision=lax.Precision.HIGHEST
-    )
+
+    def blocked(x, y):
+        return jnp.einsum(
+            "...IiJj,...Jje->...IiJe", x, y, precision=lax.Precision.HIGHEST
+        )
+
+    parts = _present_sum(blocked(probs, values), blocked, probs, keep, values)
     parts = jnp.where(visited[..., :, None, :, None], parts, 0.0)
     total = parts.sum(axis=-2)
     return total.reshape(total.shape[:-3] + (n_i * ti, total.shape[-1]))[..., :rows, :]
@@ -444,6 +453,58 @@ def _check_page_size(page, tile, what):
         _fail(
             f"{what} is {page}: pages must divide the key block of {tile} (a block gathers whole pages)"
         )
+
+
+def _present_sum(value, dot, x, keep, y):
+    """`value` (dot(x, y), the absent terms selected out of x: whole arrays), or where it is
+    not finite the sum of the present terms (`_present_dot`)."""
+    return lax.cond(
+        jnp.all(jnp.isfinite(value)),
+        lambda: value,
+        lambda: _present_dot(dot, x, x, keep, y),
+    )
+
+
+def _present_dot(dot, x, x32, keep, y):
+    """dot(x, y) over the present terms alone (`keep`, broadcast to x; x holds 0 at the
+    absent ones; `x32`: its values in f32, read at the present ones), with y's NaN and Inf:
+    its finite part through `dot`, its non-finite entries counted over the present terms by
+    0/1 products (exact counts). A NaN term (y NaN, or y infinite where x is 0), or
+    infinities of both signs, give NaN; else the infinities' sign. Where x and y are both
+    infinite at a present term the result is NaN (IEEE says an infinity): the finite part
+    multiplies x by 0 there."""
+    y32 = y.astype(jnp.float32)
+    present = jnp.where(keep, 1.0, 0.0)
+
+    # 0/1 as products, not selects: libtpu's cycle profiler rejects a select of two f32
+    # blocks rounded to bf16 on v5e (Mosaic selects it packed, as int16).
+    def on_x(where):  # 0/1 over the present terms, in x's dtype
+        return (jnp.where(where, 1.0, 0.0) * present).astype(x.dtype)
+
+    def on_y(where):
+        return jnp.where(where, 1.0, 0.0).astype(y.dtype)
+
+    up, down = y32 == jnp.inf, y32 == -jnp.inf
+    above, below = on_x(x32 > 0), on_x(x32 < 0)
+    every = jnp.broadcast_to(present, x.shape).astype(x.dtype)
+    nan = dot(every, on_y(jnp.isnan(y32))) + dot(on_x(x32 == 0), on_y(up | down))
+    pos = dot(above, on_y(up)) + dot(below, on_y(down))
+    neg = dot(above, on_y(down)) + dot(below, on_y(up))
+    finite = dot(x, jnp.where(jnp.isfinite(y32), y32, 0.0).astype(y.dtype))
+    special = jnp.where(
+        (nan > 0) | ((pos > 0) & (neg > 0)),
+        jnp.nan,
+        jnp.where(pos > 0, jnp.inf, jnp.where(neg > 0, -jnp.inf, 0.0)),
+    )
+    return finite + special
+
+
+def _present_value(probe, value, present):
+    """`value` (a product over a whole block, an absent term's weight 0 meeting the other
+    factor), or where `probe` (a slice of it every NaN or Inf of the other factor reaches)
+    is not finite, `present()`: the product over the present terms alone (`_present_dot`).
+    """
+    return lax.cond(jnp.all(jnp.isfinite(probe)), lambda: value, present)
 
 
 def _classify_pages(xp, lens, sizes):
@@ -631,9 +692,8 @@ def _paged_mqa_decode_kernel(*refs, pieces, chained, B, H, T, NP):
         h_pos = row * 8 + lax.broadcasted_iota(jnp.int32, (8, 1), 0)
         j_pos = block * 512 + lax.broadcasted_iota(jnp.int32, (1, 512), 1)
         copied = (j_pos >= lo * T) & (j_pos < hi * T)
-        scores = jnp.where(
-            copied & (j_pos < lens_smem[b]) & (h_pos < H), raw_scores, -jnp.inf
-        )
+        present = copied & (j_pos < lens_smem[b]) & (h_pos < H)
+        scores = jnp.where(present, raw_scores, -jnp.inf)
         m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
         # A row with nothing present yet keeps minus infinity; exp then gives zeros.
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -641,12 +701,26 @@ def _paged_mqa_decode_kernel(*refs, pieces, chained, B, H, T, NP):
         probs = jnp.exp(scores - m_safe)
         l_new = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)
         vc_blk = vc_pages[slot].reshape(512, 128)
-        o_new = alpha * o_prev + lax.dot_general(
+        o_part = lax.dot_general(
             probs.astype(vc_blk.dtype),
             vc_blk,
             (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
+        o_part = _present_value(
+            o_part[0:1],
+            o_part,
+            lambda: _present_dot(
+                lambda x, y: lax.dot_general(
+                    x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                ),
+                probs.astype(vc_blk.dtype),
+                probs,
+                present,
+                vc_blk,
+            ),
+        )
+        o_new = alpha * o_prev + o_part
         return m_new, l_new, o_new
 
     m, l, o_sum = lax.fori_loop(
@@ -883,6 +957,7 @@ def _reference(q, kc, vc, pages, lens, sizes):
         .astype(jnp.float32),
         _expand(visits != _EMPTY, "abc", "abc"),
         (8, T),
+        jnp.logical_not(jnp.isneginf(s)),
     )
     o_ = o_.astype(jnp.bfloat16)
     return o_

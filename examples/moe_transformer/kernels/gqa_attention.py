@@ -579,27 +579,36 @@ def _softmax_rows(s):
     return p / jnp.where(l == 0, 1.0, l), lse[..., 0]
 
 
-def _visited_product(probs, values, visited, tiles):
+def _visited_product(probs, values, visited, tiles, keep):
     """probs[..., i, j] times values[..., j, e] summed over j, block by block as the row
     walk sums it: only key blocks the row's block visits (`visited[..., row block, key
-    block]`) take part, so a NaN in a skipped block stays out; inside a visited block an
-    absent element's 0 meets it. Sizes past a partial last block are zero-padded."""
+    block]`) take part, so a NaN in a skipped block stays out; inside a visited block only
+    the present terms (`keep`, over the scores' axes): an absent element's value takes no
+    part, whatever it holds (`_present_sum`). Sizes past a partial last block are zero-padded.
+    """
     ti, tj = tiles
     rows = probs.shape[-2]
     n_i, n_j = -(-rows // ti), -(-probs.shape[-1] // tj)
-    pad = [(0, 0)] * (probs.ndim - 2)
-    probs = jnp.pad(
-        probs, pad + [(0, n_i * ti - probs.shape[-2]), (0, n_j * tj - probs.shape[-1])]
-    )
+    pad = [(0, 0)] * (probs.ndim - 2) + [
+        (0, n_i * ti - probs.shape[-2]),
+        (0, n_j * tj - probs.shape[-1]),
+    ]
+    probs = jnp.pad(probs, pad)
+    keep = jnp.pad(jnp.broadcast_to(keep, probs.shape[:-2] + keep.shape[-2:]), pad)
     values = jnp.pad(
         values,
         [(0, 0)] * (values.ndim - 2) + [(0, n_j * tj - values.shape[-2]), (0, 0)],
     )
     probs = probs.reshape(probs.shape[:-2] + (n_i, ti, n_j, tj))
+    keep = keep.reshape(probs.shape)
     values = values.reshape(values.shape[:-2] + (n_j, tj, values.shape[-1]))
-    parts = jnp.einsum(
-        "...IiJj,...Jje->...IiJe", probs, values, precision=lax.Precision.HIGHEST
-    )
+
+    def blocked(x, y):
+        return jnp.einsum(
+            "...IiJj,...Jje->...IiJe", x, y, precision=lax.Precision.HIGHEST
+        )
+
+    parts = _present_sum(blocked(probs, values), blocked, probs, keep, values)
     parts = jnp.where(visited[..., :, None, :, None], parts, 0.0)
     total = parts.sum(axis=-2)
     return total.reshape(total.shape[:-3] + (n_i * ti, total.shape[-1]))[..., :rows, :]
@@ -637,6 +646,68 @@ def _lse_weights(lse, max_of=lambda x: x.max(axis=0), sum_of=lambda x: x.sum(axi
         total == 0, -jnp.inf, top + jnp.log(jnp.where(total == 0, 1.0, total))
     )
     return jnp.exp(lse - jnp.where(jnp.isneginf(merged), 0.0, merged)), merged
+
+
+def _present_sum(value, dot, x, keep, y):
+    """`value` (dot(x, y), the absent terms selected out of x: whole arrays), or where it is
+    not finite the sum of the present terms (`_present_dot`)."""
+    return lax.cond(
+        jnp.all(jnp.isfinite(value)),
+        lambda: value,
+        lambda: _present_dot(dot, x, x, keep, y),
+    )
+
+
+def _present_dot(dot, x, x32, keep, y):
+    """dot(x, y) over the present terms alone (`keep`, broadcast to x; x holds 0 at the
+    absent ones; `x32`: its values in f32, read at the present ones), with y's NaN and Inf:
+    its finite part through `dot`, its non-finite entries counted over the present terms by
+    0/1 products (exact counts). A NaN term (y NaN, or y infinite where x is 0), or
+    infinities of both signs, give NaN; else the infinities' sign. Where x and y are both
+    infinite at a present term the result is NaN (IEEE says an infinity): the finite part
+    multiplies x by 0 there."""
+    y32 = y.astype(jnp.float32)
+    present = jnp.where(keep, 1.0, 0.0)
+
+    # 0/1 as products, not selects: libtpu's cycle profiler rejects a select of two f32
+    # blocks rounded to bf16 on v5e (Mosaic selects it packed, as int16).
+    def on_x(where):  # 0/1 over the present terms, in x's dtype
+        return (jnp.where(where, 1.0, 0.0) * present).astype(x.dtype)
+
+    def on_y(where):
+        return jnp.where(where, 1.0, 0.0).astype(y.dtype)
+
+    up, down = y32 == jnp.inf, y32 == -jnp.inf
+    above, below = on_x(x32 > 0), on_x(x32 < 0)
+    every = jnp.broadcast_to(present, x.shape).astype(x.dtype)
+    nan = dot(every, on_y(jnp.isnan(y32))) + dot(on_x(x32 == 0), on_y(up | down))
+    pos = dot(above, on_y(up)) + dot(below, on_y(down))
+    neg = dot(above, on_y(down)) + dot(below, on_y(up))
+    finite = dot(x, jnp.where(jnp.isfinite(y32), y32, 0.0).astype(y.dtype))
+    special = jnp.where(
+        (nan > 0) | ((pos > 0) & (neg > 0)),
+        jnp.nan,
+        jnp.where(pos > 0, jnp.inf, jnp.where(neg > 0, -jnp.inf, 0.0)),
+    )
+    return finite + special
+
+
+def _present_step(probe, write, value, present):
+    """A row walk's update on a partial step: `write(value)`, `value` holding products over
+    whole blocks, where an absent term's weight (0) meets the other factor (0 x NaN, 0 x
+    Inf: NaN); unless `probe` (the product, or a slice of it that every NaN or Inf of the
+    other factor reaches) is not finite: then `write(present())`, the products over the
+    present terms alone (`_present_dot`). Finite data pay one check; `sparsegen verify
+    --cycles` walks `_nonfinite` as finite data take it (never)."""
+    finite = jnp.all(jnp.isfinite(probe))
+
+    @pl.when(finite)
+    def _finite():
+        write(value)
+
+    @pl.when(jnp.logical_not(finite))
+    def _nonfinite():
+        write(present())
 
 
 def _classify_blocks(xp, sizes, origin=None):
@@ -739,9 +810,35 @@ def _attention_kernel(
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
-        o_acc[...] = (alpha)[:, :64] * o_acc[...] + lax.dot_general(
+        o_part = lax.dot_general(
             probs, v_blk, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
+        if masked:
+            # An absent element's weight (0) meets its value: a NaN or Inf there must not
+            # reach the row (it reaches every row of the product, row 0 included).
+
+            def write(x):
+                o_acc[...] = (alpha)[:, :64] * o_acc[...] + x
+
+            _present_step(
+                o_part[0:1],
+                write,
+                o_part,
+                lambda: _present_dot(
+                    lambda x, y: lax.dot_general(
+                        x,
+                        y,
+                        (((1,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32,
+                    ),
+                    probs,
+                    probs,
+                    jnp.logical_not(jnp.isneginf(scores)),
+                    v_blk,
+                ),
+            )
+        else:
+            o_acc[...] = (alpha)[:, :64] * o_acc[...] + o_part
 
     @pl.when(kind == _PARTIAL)
     def _partial():
@@ -915,7 +1012,7 @@ def _attention_dq_kernel(
             # Past the end of j memory holds anything: zero it.
             inside__ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             k_blk = jnp.where(inside__, k_blk, jnp.zeros_like(k_blk))
-        dq_acc[...] += (
+        part = (
             lax.dot_general(
                 draw.astype(k_blk.dtype),
                 k_blk,
@@ -924,6 +1021,34 @@ def _attention_dq_kernel(
             )
             * 0.125
         )
+        if masked:
+            # Absent elements hold 0 here: a NaN or Inf they meet must not reach the sum.
+
+            def write(x):
+                dq_acc[...] += x
+
+            _present_step(
+                part,
+                write,
+                part,
+                lambda: _present_dot(
+                    lambda x, y: lax.dot_general(
+                        x,
+                        y,
+                        (((1,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32,
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), draw, 0.0).astype(
+                        k_blk.dtype
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), draw, 0.0),
+                    jnp.logical_not(jnp.isneginf(s)),
+                    k_blk,
+                )
+                * 0.125,
+            )
+        else:
+            dq_acc[...] += part
 
     @pl.when(kind == _PARTIAL)
     def _partial():
@@ -1053,13 +1178,40 @@ def _attention_dkv_kernel(
             # Past the end of i memory holds anything: zero it.
             inside__ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
-        dv_o_acc[...] += lax.dot_general(
+        part = lax.dot_general(
             probs.astype(do.dtype),
             do,
             (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
-        dk_acc[...] += (
+        if masked:
+            # Absent elements hold 0 here: a NaN or Inf they meet must not reach the sum.
+
+            def write(x):
+                dv_o_acc[...] += x
+
+            _present_step(
+                part,
+                write,
+                part,
+                lambda: _present_dot(
+                    lambda x, y: lax.dot_general(
+                        x,
+                        y,
+                        (((1,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32,
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), probs, 0.0).astype(
+                        do.dtype
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), probs, 0.0),
+                    jnp.logical_not(jnp.isneginf(s)),
+                    do,
+                ),
+            )
+        else:
+            dv_o_acc[...] += part
+        part_ = (
             lax.dot_general(
                 draw.astype(q_blk.dtype),
                 q_blk,
@@ -1068,6 +1220,34 @@ def _attention_dkv_kernel(
             )
             * 0.125
         )
+        if masked:
+            # Absent elements hold 0 here: a NaN or Inf they meet must not reach the sum.
+
+            def write_(x_):
+                dk_acc[...] += x_
+
+            _present_step(
+                part_,
+                write_,
+                part_,
+                lambda: _present_dot(
+                    lambda x_, y: lax.dot_general(
+                        x_,
+                        y,
+                        (((1,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32,
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), draw, 0.0).astype(
+                        q_blk.dtype
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), draw, 0.0),
+                    jnp.logical_not(jnp.isneginf(s)),
+                    q_blk,
+                )
+                * 0.125,
+            )
+        else:
+            dk_acc[...] += part_
 
     @pl.when(kind == _PARTIAL)
     def _partial():
@@ -1205,13 +1385,40 @@ def _attention_fused_backward_kernel(
             # Past the end of i memory holds anything: zero it.
             inside__ = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             q_blk = jnp.where(inside__, q_blk, jnp.zeros_like(q_blk))
-        dv_o_acc[...] += lax.dot_general(
+        part = lax.dot_general(
             probs.astype(do.dtype),
             do,
             (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
-        dk_acc[...] += (
+        if masked:
+            # Absent elements hold 0 here: a NaN or Inf they meet must not reach the sum.
+
+            def write(x):
+                dv_o_acc[...] += x
+
+            _present_step(
+                part,
+                write,
+                part,
+                lambda: _present_dot(
+                    lambda x, y: lax.dot_general(
+                        x,
+                        y,
+                        (((1,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32,
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), probs, 0.0).astype(
+                        do.dtype
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), probs, 0.0),
+                    jnp.logical_not(jnp.isneginf(s)),
+                    do,
+                ),
+            )
+        else:
+            dv_o_acc[...] += part
+        part_ = (
             lax.dot_general(
                 draw.astype(q_blk.dtype),
                 q_blk,
@@ -1220,6 +1427,34 @@ def _attention_fused_backward_kernel(
             )
             * 0.125
         )
+        if masked:
+            # Absent elements hold 0 here: a NaN or Inf they meet must not reach the sum.
+
+            def write_(x_):
+                dk_acc[...] += x_
+
+            _present_step(
+                part_,
+                write_,
+                part_,
+                lambda: _present_dot(
+                    lambda x_, y: lax.dot_general(
+                        x_,
+                        y,
+                        (((1,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32,
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), draw, 0.0).astype(
+                        q_blk.dtype
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), draw, 0.0),
+                    jnp.logical_not(jnp.isneginf(s)),
+                    q_blk,
+                )
+                * 0.125,
+            )
+        else:
+            dk_acc[...] += part_
         k_blk = k_ref[...]
         if masked and S % 32 != 0:
             # Past the end of j memory holds anything: zero it.
@@ -1228,7 +1463,7 @@ def _attention_fused_backward_kernel(
             )
             k_blk = jnp.where(inside___, k_blk, jnp.zeros_like(k_blk))
         row = pl.multiple_of(cols[at] * 32, 32)
-        dq_acc[pl.ds(row, 32), :] += (
+        part__ = (
             lax.dot_general(
                 draw.astype(k_blk.dtype),
                 k_blk,
@@ -1237,6 +1472,34 @@ def _attention_fused_backward_kernel(
             )
             * 0.125
         )
+        if masked:
+            # Absent elements hold 0 here: a NaN or Inf they meet must not reach the sum.
+
+            def write__(x__):
+                dq_acc[pl.ds(row, 32), :] += x__
+
+            _present_step(
+                part__,
+                write__,
+                part__,
+                lambda: _present_dot(
+                    lambda x__, y: lax.dot_general(
+                        x__,
+                        y,
+                        (((0,), (0,)), ((), ())),
+                        preferred_element_type=jnp.float32,
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), draw, 0.0).astype(
+                        k_blk.dtype
+                    ),
+                    jnp.where(jnp.logical_not(jnp.isneginf(s)), draw, 0.0),
+                    jnp.logical_not(jnp.isneginf(s)),
+                    k_blk,
+                )
+                * 0.125,
+            )
+        else:
+            dq_acc[pl.ds(row, 32), :] += part__
 
     @pl.when(kind == _PARTIAL)
     def _partial():
@@ -1915,6 +2178,7 @@ def _reference(q, k, v, sizes):
         jnp.repeat(v, 2, axis=1).astype(jnp.float32),
         _expand(visits != _EMPTY, "cd", "abcd"),
         (32, 32),
+        jnp.logical_not(jnp.isneginf(s)),
     )
     o_ = o_.astype(jnp.bfloat16)
     return o_

@@ -487,8 +487,21 @@ class KernelWriter:
                 lines += self.load_block(n, vo, at, tables, "masked", (p.key,))
                 a = accs[c.output]
                 pv, vv, prec = self.mxu(nm["probs"], vo.var, self.dtype_of(vo), in_mxu=True)
-                lines.append(f"    {a}[...] = {lanes(nm['alpha'], self.tile[self.e_of(c)])} * {a}[...] + lax.dot_general({pv}, {vv}, "
-                             f"(((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{prec})")
+                dot = f"lax.dot_general({{}}, {{}}, (((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{prec})"
+                part, write, x = n.local(f"{c.output}_part"), n.local("write"), n.local("x")
+                rescaled = f"{lanes(nm['alpha'], self.tile[self.e_of(c)])} * {a}[...]"
+                lines += [f"    {part} = {dot.format(pv, vv)}",
+                          "    if masked:",
+                          "        # An absent element's weight (0) meets its value: a NaN or Inf there must not",
+                          "        # reach the row (it reaches every row of the product, row 0 included).",
+                          "",
+                          f"        def {write}({x}):",
+                          f"            {a}[...] = {rescaled} + {x}",
+                          "",
+                          f"        _present_step({part}[0:1], {write}, {part}, lambda: _present_dot(lambda {x}, y: {dot.format(x, 'y')}, "
+                          f"{pv}, {nm['probs']}, jnp.logical_not(jnp.isneginf({sv})), {vv}))",
+                          "    else:",
+                          f"        {a}[...] = {rescaled} + {part}"]
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")
@@ -723,6 +736,7 @@ class KernelWriter:
         else:
             lines.append(f"    {nm['draw']} = {nm['ds']}")
         dos["floats"] = dict(zip(p.float_reads(), dfe))
+        dos["keep"] = f"jnp.logical_not(jnp.isneginf({nm['s']}))"  # the present elements (`present_add`)
         return lines, nm["probs"], nm["draw"], dos
 
     def dq_call(self) -> CallSpec:
@@ -745,9 +759,7 @@ class KernelWriter:
             step += self.load_block(sn, ko, at, tables, "masked", (p.key,))
             # The product's scale multiplies the (rows x d) result, not the (rows x keys) block.
             scale = f" * {p.scale!r}" if p.scale is not None else ""
-            dr, kv, prec = self.mxu(draw, ko.var, self.dtype_of(ko))
-            step.append(f"    {dq_acc}[...] += lax.dot_general({dr}, {kv}, (((1,), ({kj},)), ((), ())), "
-                        f"preferred_element_type={acc.jnp}{prec}){scale}")
+            step += self.present_add(sn, f"{dq_acc}[...]", draw, ko.var, self.dtype_of(ko), dos["keep"], f"((1,), ({kj},))", scale)
             outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), self.grad_dtype(p.q), self.grad_var("dq_full"),
                                  "the row block's gradient of the score's row factor", vector=False)]
             scratch = [f"pltpu.VMEM(({self.tile[p.query]}, {self.tile[p.summed]}), {acc.jnp})"]
@@ -841,15 +853,11 @@ class KernelWriter:
             if c.kind == "softmax_product":
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
                 do = dos[c.output]
-                pv, dov, prec = self.mxu(probs, do, self.k.operand(c.output).dtype)
-                step.append(f"    {dv[c.output][0]}[...] += lax.dot_general({pv}, {dov}, "
-                            f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{prec}){scale}")
+                step += self.present_add(sn, f"{dv[c.output][0]}[...]", probs, do, self.k.operand(c.output).dtype, dos["keep"], "((1,), (0,))", scale)
         outs, scratch = [], []
         if not p.stored_score:
             scale = f" * {p.scale!r}" if p.scale is not None else ""
-            dr, qv, prec = self.mxu(draw, qo.var, self.dtype_of(qo))
-            step.append(f"    {dk_acc}[...] += lax.dot_general({dr}, {qv}, (((1,), ({qi},)), ((), ())), "
-                        f"preferred_element_type={acc.jnp}{prec}){scale}")
+            step += self.present_add(sn, f"{dk_acc}[...]", draw, qo.var, self.dtype_of(qo), dos["keep"], f"((1,), ({qi},))", scale)
             outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), self.grad_dtype(p.k), self.grad_var("dk_full"),
                                  "the key block's gradient of the score's key factor", vector=False)]
             scratch = [f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[p.summed]}), {acc.jnp})"]
@@ -880,7 +888,7 @@ class KernelWriter:
         accs = ([] if p.stored_score else [dk_acc]) + [a for a, _ in dv.values()] + key_accs
         start, finish, group_accs = [], [], []
         if fused:
-            start, finish, group_accs = self.fused_dq(n, sn, step, at, tables, draw, outs, scratch, post)
+            start, finish, group_accs = self.fused_dq(n, sn, step, at, tables, draw, dos["keep"], outs, scratch, post)
         lines = list(head) + start + ["", f"@pl.when({flag} & 1 != 0)", "def _init():"] + [f"    {a}[...] = jnp.zeros_like({a})" for a in accs]
         lines += ["", "# Blocks are key x row here: each row's statistics are row vectors, and both",
                   "# gradients are plain products with the row blocks."]
@@ -898,7 +906,7 @@ class KernelWriter:
                         self.statics(lines), tables, f"{2 * self.block_elements() * (depth + 2 * e_total)}", f"{self.block_elements()}",
                         about, refs, suffix="_by_key", post=post)
 
-    def fused_dq(self, n, sn, step, at, tables, draw, outs, scratch, post) -> tuple[list[str], list[str], list[str]]:
+    def fused_dq(self, n, sn, step, at, tables, draw, keep, outs, scratch, post) -> tuple[list[str], list[str], list[str]]:
         """dq in the key-side walk (lower.backward_walk says when): each step's row block
         of dq, draw^T k (draw is key x row here), is added into an f32 sum of the whole
         group's rows in VMEM at the step's row block, zeroed at the group's first step and
@@ -911,12 +919,10 @@ class KernelWriter:
         ko = self.m.operands[1]
         kj = self.live(ko.read).index(p.key)
         step += self.load_block(sn, ko, at, tables, "masked", (p.key,), transposed=True)
-        dr, kv, prec = self.mxu(draw, ko.var, self.dtype_of(ko))
         scale = f" * {p.scale!r}" if p.scale is not None else ""
         dq_acc, dq_ref, row = n.local("dq_acc"), n.local("dq_ref"), sn.local("row")
-        step += [f"    {row} = pl.multiple_of({tables.query}[{at}] * {ti}, {ti})",
-                 f"    {dq_acc}[pl.ds({row}, {ti}), :] += lax.dot_general({dr}, {kv}, (((0,), ({kj},)), ((), ())), "
-                 f"preferred_element_type={acc.jnp}{prec}){scale}"]
+        step.append(f"    {row} = pl.multiple_of({tables.query}[{at}] * {ti}, {ti})")
+        step += self.present_add(sn, f"{dq_acc}[pl.ds({row}, {ti}), :]", draw, ko.var, self.dtype_of(ko), keep, f"((0,), ({kj},))", scale)
         rows = self.padded_rows()
         lead_shape = [self.size_of(i) for i in p.lead]
         var = self.grad_var("dq_full")
@@ -932,6 +938,30 @@ class KernelWriter:
         finish = ["", f"@pl.when(pl.program_id({axis}) == pl.num_programs({axis}) - 1)", "def _finish():", "    # The group's last step: every row of dq is whole.",
                   f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)"]
         return start, finish, [dq_acc]
+
+    def present_add(self, n, target: str, computed: str, block: str, dtype, keep: str, dims: str, scale: str = "") -> list[str]:
+        """Lines adding a backward product, `computed` (a block the step computed: 0 at its
+        absent elements, unless a NaN of the row's own statistics or of the other product's
+        block met it there) by `block`, into `target`. On a partial step an absent element
+        must not carry a NaN or Inf of either block into the sum: the product is checked whole
+        (a key or row that no element of the block keeps may hold one) and, where it is not
+        finite, taken again over the present elements alone (`_present_step`). `dims`: the
+        product's contracting dimensions; `scale`: text multiplying it (" * 0.125")."""
+        cx, by, prec = self.mxu(computed, block, dtype)
+        dot = "lax.dot_general({}, {}, " + f"({dims}, ((), ())), preferred_element_type={self.acc.jnp}{prec})"
+        part, write, x = n.local("part"), n.local("write"), n.local("x")
+        kept = f"jnp.where({keep}, {computed}, 0.0)"
+        present = f"_present_dot(lambda {x}, y: {dot.format(x, 'y')}, {self.mxu(kept, block, dtype)[0]}, {kept}, {keep}, {by})"
+        return [f"    {part} = {dot.format(cx, by)}{scale}",
+                "    if masked:",
+                "        # Absent elements hold 0 here: a NaN or Inf they meet must not reach the sum.",
+                "",
+                f"        def {write}({x}):",
+                f"            {target} += {x}",
+                "",
+                f"        _present_step({part}, {write}, {part}, lambda: {present}{scale})",
+                "    else:",
+                f"        {target} += {part}"]
 
     def padded_rows(self) -> str:
         """The query index's size rounded up to its tile (a host expression): dq's rows in VMEM."""

@@ -100,7 +100,7 @@ class ReferenceWriter:
                 keyed = "".join(letters[i] for i in p.lead + (p.key, self.e_of(c)))
                 vals = widen(c.value) if spec(c.value) == keyed else f'_expand({widen(c.value)}, "{spec(c.value)}", "{keyed}")'
                 tiles = py_tuple(self.visit_tiles())
-                lines.append(f"{var} = _visited_product({probs}, {vals}, {visited}, {tiles})")
+                lines.append(f"{var} = _visited_product({probs}, {vals}, {visited}, {tiles}, jnp.logical_not(jnp.isneginf({final})))")
                 if c.scale is not None:
                     lines.append(f"{var} = {var} * {c.scale!r}")
             elif c.kind == "logsumexp":

@@ -135,7 +135,10 @@ class PagedEmitter(AttentionEmitter):
         row_coords = [lead_vars[s.index] for s in table.subs[:-1]]
         base = n.local("base")
         row_ref = f"{refs['table_hbm']}.at[{', '.join(row_coords)}]" if row_coords else refs["table_hbm"]
-        flat_row = render(flat([Var(c) for c in row_coords], [self.m.conv.size(dim) for dim in table_op.dims[:-1]]), "py") if row_coords else "0"
+        # The step's row of the table as a position in the flattened table (a tree: a
+        # coordinate rendering as a sum keeps its brackets).
+        flat_row = flat([Var(c) for c in row_coords], [self.m.conv.size(dim) for dim in table_op.dims[:-1]]) if row_coords else Const(0)
+        row_start = render(flat_row * self.m.conv.size(table_op.dims[-1]), "py")
         page_var = n.local("page")
         def copies(indent: str, entry_at: str, action: str) -> list[str]:
             out = [f"{indent}{entry} = {refs['table']}[{entry_at}]"]
@@ -158,7 +161,7 @@ class PagedEmitter(AttentionEmitter):
         whole = n.local("whole")
         lines += ["", "", f"def _pages({step_params}, {lo}, {hi}, {kb}, {slot}, {start}):",
                   "    # The copies of a key block's pages (start: begun; else: waited for).",
-                  f"    {base} = 0 if pieces else {flat_row} * {render(self.m.conv.size(table_op.dims[-1]), 'py')}  # the step's row of the table",
+                  f"    {base} = 0 if pieces else {row_start}  # the step's row of the table",
                   f"    {whole} = ({kb} * {ppb} >= {lo}) & ({kb} * {ppb} + {ppb} <= {hi})",
                   "",
                   f"    @pl.when({whole})",
@@ -314,8 +317,8 @@ class PagedEmitter(AttentionEmitter):
         if self.ragged(p.query):
             conds.append(f"({qpos} < {self.size_of(p.query)})")
         conds += [f"({ppos[i]} < {self.size_of(i)})" for i in self.packed if self.ragged(i)]
-        scores = n.local("scores")
-        body.append(f"    {scores} = jnp.where({' & '.join(conds)}, {s}, -jnp.inf)")
+        scores, present = n.local("scores"), n.local("present")
+        body += [f"    {present} = {' & '.join(conds)}", f"    {scores} = jnp.where({present}, {s}, -jnp.inf)"]
         m_new, m_safe, alpha, probs, l_new = (n.local(x) for x in ("m_new", "m_safe", "alpha", "probs", "l_new"))
         body += [f"    {m_new} = jnp.maximum({carry_m}, jnp.max({scores}, axis=1, keepdims=True))",
                  "    # A row with nothing present yet keeps minus infinity; exp then gives zeros.",
@@ -330,9 +333,15 @@ class PagedEmitter(AttentionEmitter):
             e = self.tile[g.inner.index]
             body.append(f"    {vv} = {refs['bufs'][c.value.operand]}[{slot}].reshape({tj}, {e})")
             computed, block, vprec = self.mxu(probs, vv, self.k.operand(c.value.operand).dtype)
-            new = n.local(f"{c.output}_new")
-            body.append(f"    {new} = {alpha} * {a} + lax.dot_general({computed}, {block}, (((1,), (0,)), ((), ())), "
-                        f"preferred_element_type={acc.jnp}{vprec})")
+            new, part, x = n.local(f"{c.output}_new"), n.local(f"{c.output}_part"), n.local("x")
+            dot = "lax.dot_general({}, {}, " + f"(((1,), (0,)), ((), ())), preferred_element_type={acc.jnp}{vprec})"
+            # A slot the condition leaves out (past `lens`, before a window) holds anything (a
+            # reused cache, fp8 NaN patterns): its weight 0 must not meet its value. A NaN or
+            # Inf of the block reaches every row of the product, row 0 included.
+            body += [f"    {part} = {dot.format(computed, block)}",
+                     f"    {part} = _present_value({part}[0:1], {part}, lambda: _present_dot(lambda {x}, y: {dot.format(x, 'y')}, "
+                     f"{computed}, {probs}, {present}, {block}))",
+                     f"    {new} = {alpha} * {a} + {part}"]
             news.append(new)
         body.append(f"    return {', '.join([m_new, l_new] + news)}")
         lines += body
