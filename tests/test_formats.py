@@ -451,3 +451,16 @@ def test_routed_grouped_matmul_leaves_dropped_choices_out(form, interpret):
         want[t, c] = xf[t] @ wf[choices[t, c]]
     assert (got[choices < 0] == 0).all()
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=0.1 * np.sqrt(d))
+
+
+def test_from_dense_keeps_blocks_of_negative_and_nan_values():
+    """Nonzero means != 0: a block holding only negative values, or only NaN, is kept; a
+    block of zeros (negative zero too) is not."""
+    dense = np.zeros((256, 256), np.float32)
+    dense[0:128, 128:256] = -1.5  # block (0, 1): negatives only
+    dense[128:256, 0:128] = np.nan  # block (1, 0): NaN only
+    dense[128:256, 128:256] = -0.0  # block (1, 1): negative zeros
+    x = BlockCOO.from_dense(dense, (128, 128))
+    assert [tuple(map(int, c)) for c in zip(*x.coords)] == [(0, 1), (1, 0)]
+    np.testing.assert_array_equal(x.blocks[0], dense[0:128, 128:256])
+    assert np.isnan(x.blocks[1]).all()
