@@ -36,14 +36,17 @@ class Mutant:
     file: str
     old: str
     new: str
-    tests: tuple[str, ...]  # pytest arguments: files, or file::test, -k expressions as "-k", "expr"
+    tests: tuple[str, ...]  # files or node ids (file::test, file::test[id]); no -k: it filters every file
     about: str
 
 
 T_COND = ("tests/test_condition_boundaries.py", "tests/test_sum_conditions.py")
 T_GROUPED = ("tests/test_grouped_walk.py", "tests/test_sum_conditions.py", "tests/test_condition_boundaries.py")
-T_ATT = ("tests/test_shipped_tiles.py", "-k", "causal or document or local or masked", "tests/test_attention.py")
-T_GPU_ATT = ("tests/test_shipped_tiles.py", "-k", "gpu and (causal or document or local or masked)", "tests/test_gpu_attention.py")
+ATTENTION = ("causal_attention", "document_attention", "local_gqa_attention", "masked_attention")
+T_ATT = tuple(f"tests/test_shipped_tiles.py::test_tpu_example_at_its_tiles[sim-{n}]" for n in ATTENTION) + (
+    "tests/test_shipped_tiles.py::test_tpu_gradient_at_its_tiles[sim-causal_attention]", "tests/test_attention.py")
+T_GPU_ATT = tuple(f"tests/test_shipped_tiles.py::test_gpu_example_at_its_tiles[{n}-default]" for n in ATTENTION) + (
+    "tests/test_shipped_tiles.py::test_gpu_gradient_at_its_tiles[causal_attention-default]", "tests/test_gpu_attention.py")
 T_MESH = ("tests/test_sharded.py", "tests/test_ring_boundaries.py")
 T_CHECKS = ("tests/test_runtime_checks.py", "tests/test_calls.py")
 
@@ -65,7 +68,9 @@ MUTANTS: list[Mutant] = [
     Mutant("tail-mask-one-past", "templates/helpers.py.j2",
            "inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit",
            "inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) <= limit",
-           ("tests/test_kernels.py", "tests/test_condition_sizes.py", "tests/test_shipped_tiles.py", "-k", "not gpu"),
+           ("tests/test_condition_boundaries.py::test_triangle_and_band_one_row_off_a_whole_block", "tests/test_kernels.py",
+            "tests/test_condition_sizes.py", "tests/test_shipped_tiles.py::test_tpu_example_at_its_tiles",
+            "tests/test_shipped_tiles.py::test_tpu_gradient_at_its_tiles"),
            "a ragged tail keeps one element past the end (NaN in the simulator)"),
     Mutant("ring-key-origin-rows", "templates/ring.py.j2",
            "origin = jnp.stack([qc * lengths[0], kc * lengths[1]]).astype(jnp.int32)",
@@ -86,7 +91,7 @@ MUTANTS: list[Mutant] = [
            "the page-table check misses a reached negative entry (read as page 0)"),
     Mutant("lse-merge-no-max", "templates/helpers.py.j2",
            "    top = jnp.where(jnp.isneginf(top), 0.0, top)\n    total = sum_of(jnp.exp(lse - top))",
-           "    top = jnp.zeros_like(top)\n    total = sum_of(jnp.exp(lse - top))", T_MESH + ("tests/test_gpu_decode_split.py",),
+           "    top = jnp.zeros_like(top)\n    total = sum_of(jnp.exp(lse - top))", ("tests/test_gpu_decode_split.py",) + T_MESH,
            "merging partial softmaxes without subtracting the maximum (overflows for large logits)"),
     Mutant("route-drop-counts", "sparsegen/formats.py",
            "sizes = xp.bincount(key, length=num_experts + 1)[:num_experts].astype(xp.int32)",
@@ -106,8 +111,9 @@ MUTANTS: list[Mutant] = [
            "rows = jnp.minimum(tile, n - tile * jnp.arange(blocks))", "rows = jnp.full((blocks,), tile)", T_GROUPED,
            "a ragged last row block of one group never called full (its rows counted as a whole tile)"),
     Mutant("presence-shift-dropped", "templates/helpers.py.j2",
-           "at = jnp.where(inside, ids + shift, groups)", "at = jnp.where(inside, ids, groups)", T_GROUPED + T_MESH,
-           "group ids compared without a shard's offset"),
+           "at = jnp.where(inside, ids + shift, groups)", "at = jnp.where(inside, ids, groups)",
+           ("tests/test_grouped_walk.py::test_ids_compared_with_a_shifted_group",) + T_GROUPED,
+           "ids compared with a group plus a literal (`gid[m] == g + 1`) classified without it"),
     Mutant("coords-at-limit-accepted", "templates/helpers.py.j2",
            "bad = np.flatnonzero((host < -1) | (host >= limit))", "bad = np.flatnonzero((host < -1) | (host > limit))", T_CHECKS,
            "a coo coordinate equal to the block count accepted (then clamped: a wrong block)"),
@@ -118,7 +124,8 @@ MUTANTS: list[Mutant] = [
            "an output whose statement sums a split index not added across the mesh axis"),
     Mutant("attention-absent-gradient", "sparsegen/tpu/attention/kernels.py",
            "lines.append(f\"    {nm['draw']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['draw']})  # absent: no gradient\")",
-           "pass", ("tests/test_gradients.py", "tests/test_fused_backward.py", "tests/test_attention_numerics.py"),
+           "pass", ("tests/test_absent_attention.py::test_a_key_masked_by_its_score_gets_no_gradient_from_a_nan_row",
+                    "tests/test_gradients.py", "tests/test_fused_backward.py", "tests/test_attention_numerics.py"),
            "an absent score's raw gradient not zeroed in the fused backward"),
 ]
 
