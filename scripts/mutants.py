@@ -8,7 +8,8 @@
 Each mutant is one small edit (a bound off by one, indices swapped, a sub-tile offset
 dropped, a check removed, a flush at the wrong step) of one file. For each, the tree is
 copied to a temporary folder (the working tree as it is, uncommitted edits included), the
-edit made there, and the tests that own that code run against the copy (`pytest -x`):
+edit made there, and the tests that own that code run against the copy (`pytest -x`, one
+run per entry of its `tests`, in their order, until one fails):
 *caught* if a test fails, *escaped* if they all pass, *stale* if the text to edit is no
 longer in the file exactly once (the list needs updating). Not run in CI: a full run takes
 about an hour on two cores. `docs/testing.md` holds the last table.
@@ -235,20 +236,24 @@ def run_one(m: Mutant, timeout: int) -> tuple[str, float, str]:
         path.write_text(text.replace(m.old, m.new))
         env = dict(os.environ, PYTHONPATH=str(dest), TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
         env.pop("SPARSEGEN_SWEEP", None)
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *m.tests]
-        start = time.perf_counter()
-        try:
-            done = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return "timeout", time.perf_counter() - start, ""
-        seconds = time.perf_counter() - start
-        tail = (done.stdout + done.stderr).strip().splitlines()
-        failed = next((line for line in tail if line.startswith("FAILED") or line.startswith("ERROR")), tail[-1] if tail else "")
-        if done.returncode == 0:
-            return "escaped", seconds, tail[-1] if tail else ""
-        if done.returncode in (1, 2, 3):
-            return "caught", seconds, failed
-        return f"error (exit {done.returncode})", seconds, tail[-1] if tail else ""
+        # One pytest a `tests` entry, in their order, until one fails: within one run
+        # conftest puts the long mesh modules first, ahead of a faster catcher.
+        start, tails = time.perf_counter(), []
+        for entry in m.tests:
+            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", entry]
+            left = timeout - (time.perf_counter() - start)
+            try:
+                done = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=max(left, 1))
+            except subprocess.TimeoutExpired:
+                return "timeout", time.perf_counter() - start, f"in {entry}"
+            tail = (done.stdout + done.stderr).strip().splitlines()
+            tails.append(tail[-1] if tail else "")
+            if done.returncode in (1, 2, 3):
+                failed = next((line for line in tail if line.startswith("FAILED") or line.startswith("ERROR")), tails[-1])
+                return "caught", time.perf_counter() - start, failed
+            if done.returncode != 0:
+                return f"error (exit {done.returncode})", time.perf_counter() - start, f"{entry}: {tails[-1]}"
+        return "escaped", time.perf_counter() - start, "; ".join(tails)
 
 
 def main() -> int:
@@ -270,7 +275,7 @@ def main() -> int:
             print(f"{m.name:28} {'applies' if applies(m) else 'STALE  '} {m.file}: {m.about}")
         return 0
     rows = []
-    print(f"| mutant | file | what it plants | result | seconds | first failure |\n|---|---|---|---|---|---|", flush=True)
+    print("| mutant | file | what it plants | result | seconds | first failure |\n|---|---|---|---|---|---|", flush=True)
     for m in chosen:
         result, seconds, detail = run_one(m, args.timeout)
         rows.append(result)
