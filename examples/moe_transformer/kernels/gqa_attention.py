@@ -584,8 +584,8 @@ def _visited_product(probs, values, visited, tiles, keep):
     walk sums it: only key blocks the row's block visits (`visited[..., row block, key
     block]`) take part, so a NaN in a skipped block stays out; inside a visited block only
     the present terms (`keep`, over the scores' axes): an absent element's value takes no
-    part, whatever it holds (`_present_sum`). Sizes past a partial last block are zero-padded.
-    """
+    part, whatever it holds (`_present_value`). Sizes past a partial last block are
+    zero-padded."""
     ti, tj = tiles
     rows = probs.shape[-2]
     n_i, n_j = -(-rows // ti), -(-probs.shape[-1] // tj)
@@ -608,7 +608,10 @@ def _visited_product(probs, values, visited, tiles, keep):
             "...IiJj,...Jje->...IiJe", x, y, precision=lax.Precision.HIGHEST
         )
 
-    parts = _present_sum(blocked(probs, values), blocked, probs, keep, values)
+    parts = blocked(probs, values)
+    parts = _present_value(
+        parts, parts, lambda: _present_dot(blocked, probs, probs, keep, values)
+    )
     parts = jnp.where(visited[..., :, None, :, None], parts, 0.0)
     total = parts.sum(axis=-2)
     return total.reshape(total.shape[:-3] + (n_i * ti, total.shape[-1]))[..., :rows, :]
@@ -648,16 +651,6 @@ def _lse_weights(lse, max_of=lambda x: x.max(axis=0), sum_of=lambda x: x.sum(axi
     return jnp.exp(lse - jnp.where(jnp.isneginf(merged), 0.0, merged)), merged
 
 
-def _present_sum(value, dot, x, keep, y):
-    """`value` (dot(x, y), the absent terms selected out of x: whole arrays), or where it is
-    not finite the sum of the present terms (`_present_dot`)."""
-    return lax.cond(
-        jnp.all(jnp.isfinite(value)),
-        lambda: value,
-        lambda: _present_dot(dot, x, x, keep, y),
-    )
-
-
 def _present_dot(dot, x, x32, keep, y):
     """dot(x, y) over the present terms alone (`keep`, broadcast to x; x holds 0 at the
     absent ones; `x32`: its values in f32, read at the present ones), with y's NaN and Inf:
@@ -693,12 +686,13 @@ def _present_dot(dot, x, x32, keep, y):
 
 
 def _present_step(probe, write, value, present):
-    """A row walk's update on a partial step: `write(value)`, `value` holding products over
+    """A partial step's update inside a kernel: `write(value)`, `value` holding products over
     whole blocks, where an absent term's weight (0) meets the other factor (0 x NaN, 0 x
     Inf: NaN); unless `probe` (the product, or a slice of it that every NaN or Inf of the
-    other factor reaches) is not finite: then `write(present())`, the products over the
-    present terms alone (`_present_dot`). Finite data pay one check; `sparsegen verify
-    --cycles` walks `_nonfinite` as finite data take it (never)."""
+    other factor reaches whatever the weights hold, so finite data pay one check of a row or
+    column) is not finite: then `write(present())`, the products over the present terms
+    alone (`_present_dot`, its reads made there). Its condition reads block data: `sparsegen
+    verify --cycles` walks `_nonfinite` as finite data take it (never)."""
     finite = jnp.all(jnp.isfinite(probe))
 
     @pl.when(finite)
@@ -708,6 +702,14 @@ def _present_step(probe, write, value, present):
     @pl.when(jnp.logical_not(finite))
     def _nonfinite():
         write(present())
+
+
+def _present_value(probe, value, present):
+    """`value` (products over whole blocks or arrays, an absent term's weight 0 meeting the
+    other factor), or where `probe` (`value`, or a slice of it every NaN or Inf of the other
+    factor reaches) is not finite, `present()`: the products over the present terms alone
+    (`_present_dot`). `_present_step`'s rule as a value (a loop's carry, XLA)."""
+    return lax.cond(jnp.all(jnp.isfinite(probe)), lambda: value, present)
 
 
 def _classify_blocks(xp, sizes, origin=None):
