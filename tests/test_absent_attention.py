@@ -243,3 +243,43 @@ def test_a_key_masked_by_its_score_gets_no_gradient_from_a_nan_row(walk, interpr
     assert np.isfinite(np.asarray(want[1])[0, 0, MASKED_KEY]).all()  # the case is what it says
     for name, a, b in zip("qkv", got, want):
         close(a, b, f"d{name}", rtol=1e-4, atol=1e-4)
+
+
+def biased_case(masked: bool, nan_key: int):
+    """BIASED's operands: a NaN value row at `nan_key`, and with `masked` the bias minus
+    infinity at MASKED_KEY for every row (an absent key on the full block of rows 128..255)."""
+    q, k, v = arrays(2)
+    bias = np.random.default_rng(3).standard_normal((1, S, S)).astype(np.float32)
+    if masked:
+        bias[0, :, MASKED_KEY] = -np.inf
+    v[0, 0, nan_key, ::3] = np.nan
+    return q, k, v, bias
+
+
+@both_modes
+def test_a_value_masked_by_its_score_on_a_full_block_stays_out(interpret):
+    """A NaN value row at the key every row masks by its bias (minus infinity): its weight is
+    0 on every row, so no row sees it. Rows 128..255 meet it on a full block (keys 0..127,
+    no condition evaluated), where the step's product p @ v must still leave it out."""
+    _, mod = build(BIASED)
+    q, k, v, bias = biased_case(True, MASKED_KEY)
+    want = biased_math(q, k, v, bias)
+    assert np.isfinite(np.asarray(want)).all()  # the case is what it says
+    close(mod.cb(q, k, v, bias, interpret=interpret), want, "o")
+    if interpret is True:
+        close(mod.reference(q, k, v, bias), want, "reference o")
+
+
+@both_modes
+@pytest.mark.parametrize("masked", [True, False])
+def test_the_bias_gradient_is_zero_at_absent_elements_of_a_nan_row(masked, interpret):
+    """Rows >= 130 see a NaN value row (key 130, present for them): their statistics are NaN,
+    and so is the bias gradient at their present elements. At their absent ones (j > i by
+    the condition; key 5 by its score with `masked`) the gradient is 0, not 0 x NaN."""
+    _, mod = build(BIASED)
+    q, k, v, bias = biased_case(masked, NAN_KEY)
+    g_o = np.random.default_rng(4).standard_normal(q.shape).astype(np.float32)
+    (got,) = jax.vjp(lambda b: mod.cb(q, k, v, b, interpret=interpret), bias)[1](g_o)
+    (want,) = jax.vjp(lambda b: biased_math(q, k, v, b), bias)[1](g_o)
+    assert np.isfinite(np.asarray(want)[0, NAN_KEY, NAN_KEY + 1 :]).all() and np.isnan(np.asarray(want)[0, NAN_KEY, NAN_KEY])  # the case is what it says
+    close(got, want, "dbias", rtol=1e-4, atol=1e-4)
