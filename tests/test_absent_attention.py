@@ -275,7 +275,9 @@ def test_a_value_masked_by_its_score_on_a_full_block_stays_out(interpret):
 def test_the_bias_gradient_is_zero_at_absent_elements_of_a_nan_row(masked, interpret):
     """Rows >= 130 see a NaN value row (key 130, present for them): their statistics are NaN,
     and so is the bias gradient at their present elements. At their absent ones (j > i by
-    the condition; key 5 by its score with `masked`) the gradient is 0, not 0 x NaN."""
+    the condition; key 5 by its score with `masked`) the gradient is 0, not 0 x NaN; in
+    `reference` too, whose rows < 130 must not meet the NaN row through the derivative of a
+    product they leave it out of."""
     _, mod = build(BIASED)
     q, k, v, bias = biased_case(masked, NAN_KEY)
     g_o = np.random.default_rng(4).standard_normal(q.shape).astype(np.float32)
@@ -283,3 +285,6 @@ def test_the_bias_gradient_is_zero_at_absent_elements_of_a_nan_row(masked, inter
     (want,) = jax.vjp(lambda b: biased_math(q, k, v, b), bias)[1](g_o)
     assert np.isfinite(np.asarray(want)[0, NAN_KEY, NAN_KEY + 1 :]).all() and np.isnan(np.asarray(want)[0, NAN_KEY, NAN_KEY])  # the case is what it says
     close(got, want, "dbias", rtol=1e-4, atol=1e-4)
+    if interpret is True:
+        (ref,) = jax.vjp(lambda b: mod.reference(q, k, v, b), bias)[1](g_o)
+        close(ref, want, "reference dbias", rtol=1e-4, atol=1e-4)
