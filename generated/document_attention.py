@@ -600,7 +600,7 @@ def _visited_product(probs, values, visited, tiles, keep):
     walk sums it: only key blocks the row's block visits (`visited[..., row block, key
     block]`) take part, so a NaN in a skipped block stays out; inside a visited block only
     the present terms (`keep`, over the scores' axes): an absent element's value takes no
-    part, whatever it holds (`_present_value`). Sizes past a partial last block are
+    part, whatever it holds (`_present_dot`). Sizes past a partial last block are
     zero-padded."""
     ti, tj = tiles
     rows = probs.shape[-2]
@@ -624,9 +624,27 @@ def _visited_product(probs, values, visited, tiles, keep):
             "...IiJj,...Jje->...IiJe", x, y, precision=lax.Precision.HIGHEST
         )
 
-    parts = blocked(probs, values)
-    parts = _present_value(
-        parts, parts, lambda: _present_dot(blocked, probs, probs, keep, values)
+    # Over the present terms (`_present_dot`), and differentiated as the math is: a present
+    # term's probability meets its value (NaN included), an absent one's gets no gradient.
+    @jax.custom_vjp
+    def present(x, y, kept):
+        return _present_dot(blocked, x, x, kept > 0, y)
+
+    def present_fwd(x, y, kept):
+        return present(x, y, kept), (x, y, kept)
+
+    def present_bwd(saved, g):
+        x, y, kept = saved
+        dx, dy = jax.vjp(blocked, x, y)[1](g)
+        return jnp.where(kept > 0, dx, 0.0), dy, jnp.zeros_like(kept)
+
+    present.defvjp(present_fwd, present_bwd)
+    # The whole product only where the values are finite, inside the branch: outside it, its
+    # derivative's zero cotangent would meet a NaN value (0 x NaN) when the other is taken.
+    parts = lax.cond(
+        jnp.all(jnp.isfinite(values)),
+        lambda: blocked(probs, values),
+        lambda: present(probs, values, keep.astype(probs.dtype)),
     )
     parts = jnp.where(visited[..., :, None, :, None], parts, 0.0)
     total = parts.sum(axis=-2)
@@ -718,14 +736,6 @@ def _present_step(probe, write, value, present):
     @pl.when(jnp.logical_not(finite))
     def _nonfinite():
         write(present())
-
-
-def _present_value(probe, value, present):
-    """`value` (products over whole blocks or arrays, an absent term's weight 0 meeting the
-    other factor), or where `probe` (`value`, or a slice of it every NaN or Inf of the other
-    factor reaches) is not finite, `present()`: the products over the present terms alone
-    (`_present_dot`). `_present_step`'s rule as a value (a loop's carry, XLA)."""
-    return lax.cond(jnp.all(jnp.isfinite(probe)), lambda: value, present)
 
 
 def _classify_blocks(xp, seg, sizes, origin=None, keys=None, split=False):
@@ -880,32 +890,26 @@ def _attention_kernel(
         o_part = lax.dot_general(
             probs, v_blk, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
-        if masked:
-            # An absent element's weight (0) meets its value: a NaN or Inf there must not
-            # reach the row (it reaches every row of the product, row 0 included).
+        # An absent element's weight (0) meets its value: a NaN or Inf there must not
+        # reach the row (it reaches every row of the product, row 0 included).
 
-            def write(x):
-                o_acc[...] = (alpha)[:, :64] * o_acc[...] + x
+        def write(x):
+            o_acc[...] = (alpha)[:, :64] * o_acc[...] + x
 
-            _present_step(
-                o_part[0:1],
-                write,
-                o_part,
-                lambda: _present_dot(
-                    lambda x, y: lax.dot_general(
-                        x,
-                        y,
-                        (((1,), (0,)), ((), ())),
-                        preferred_element_type=jnp.float32,
-                    ),
-                    probs,
-                    probs,
-                    jnp.logical_not(jnp.isneginf(scores)),
-                    v_blk,
+        _present_step(
+            o_part[0:1],
+            write,
+            o_part,
+            lambda: _present_dot(
+                lambda x, y: lax.dot_general(
+                    x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
                 ),
-            )
-        else:
-            o_acc[...] = (alpha)[:, :64] * o_acc[...] + o_part
+                probs,
+                probs,
+                jnp.logical_not(jnp.isneginf(scores)),
+                v_blk,
+            ),
+        )
 
     @pl.when(kind == _PARTIAL)
     def _partial():
@@ -2508,6 +2512,7 @@ def _reference(q, k, v, seg, sizes):
         s,
         -jnp.inf,
     )
+    s = jnp.where(jnp.isneginf(s), -jnp.inf, s)
     probs, lse = _softmax_rows(s)
     visits = _classify_blocks(jnp, seg, sizes)
     o_ = _visited_product(

@@ -884,7 +884,9 @@ def _reference(x, sizes):
         lower_present,
         -jnp.inf,
     )
+    lower_present = jnp.where(jnp.isneginf(lower_present), -jnp.inf, lower_present)
     x_ = _expand(x, "ab", "ab").astype(jnp.float32)
+    x_ = jnp.where(jnp.isneginf(x_), -jnp.inf, x_)
     probs, lse = _softmax_rows(lower_present)
     p_ = probs
     p_ = p_.astype(jnp.float32)

@@ -417,7 +417,7 @@ def _visited_product(probs, values, visited, tiles, keep):
     walk sums it: only key blocks the row's block visits (`visited[..., row block, key
     block]`) take part, so a NaN in a skipped block stays out; inside a visited block only
     the present terms (`keep`, over the scores' axes): an absent element's value takes no
-    part, whatever it holds (`_present_value`). Sizes past a partial last block are
+    part, whatever it holds (`_present_dot`). Sizes past a partial last block are
     zero-padded."""
     ti, tj = tiles
     rows = probs.shape[-2]
@@ -441,9 +441,27 @@ def _visited_product(probs, values, visited, tiles, keep):
             "...IiJj,...Jje->...IiJe", x, y, precision=lax.Precision.HIGHEST
         )
 
-    parts = blocked(probs, values)
-    parts = _present_value(
-        parts, parts, lambda: _present_dot(blocked, probs, probs, keep, values)
+    # Over the present terms (`_present_dot`), and differentiated as the math is: a present
+    # term's probability meets its value (NaN included), an absent one's gets no gradient.
+    @jax.custom_vjp
+    def present(x, y, kept):
+        return _present_dot(blocked, x, x, kept > 0, y)
+
+    def present_fwd(x, y, kept):
+        return present(x, y, kept), (x, y, kept)
+
+    def present_bwd(saved, g):
+        x, y, kept = saved
+        dx, dy = jax.vjp(blocked, x, y)[1](g)
+        return jnp.where(kept > 0, dx, 0.0), dy, jnp.zeros_like(kept)
+
+    present.defvjp(present_fwd, present_bwd)
+    # The whole product only where the values are finite, inside the branch: outside it, its
+    # derivative's zero cotangent would meet a NaN value (0 x NaN) when the other is taken.
+    parts = lax.cond(
+        jnp.all(jnp.isfinite(values)),
+        lambda: blocked(probs, values),
+        lambda: present(probs, values, keep.astype(probs.dtype)),
     )
     parts = jnp.where(visited[..., :, None, :, None], parts, 0.0)
     total = parts.sum(axis=-2)
@@ -980,6 +998,7 @@ def _reference(q, kc, vc, pages, lens, sizes):
         s,
         -jnp.inf,
     )
+    s = jnp.where(jnp.isneginf(s), -jnp.inf, s)
     probs, lse = _softmax_rows(s)
     visits = _classify_pages(jnp, lens, sizes)
     o_ = _visited_product(

@@ -934,6 +934,7 @@ def _reference(q, kc, vc, pages, lens, sizes):
         s_,
         -jnp.inf,
     )
+    s_ = jnp.where(jnp.isneginf(s_), -jnp.inf, s_)
     probs, lse = _softmax_rows(s_)
     o_ = jnp.einsum(
         "abc,abce->abe",

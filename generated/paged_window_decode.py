@@ -953,6 +953,7 @@ def _reference(q, kc, vc, pages, lens, sizes):
         s,
         -jnp.inf,
     )
+    s = jnp.where(jnp.isneginf(s), -jnp.inf, s)
     probs, lse = _softmax_rows(s)
     o_ = jnp.einsum(
         "abc,abce->abe",
