@@ -2,8 +2,10 @@
 tables and index maps, counted as the einsum walks are (`tpu/simulate.py`).
 
 The generated function runs eagerly on the host with its `pallas_call`s recorded, not run
-(`cycles.capture`): the classification and `_walk_tables` compute the real tables for the
-pattern's data (`patterns.pattern_args`: masks, segment ids), the index maps run on every
+(`cycles.capture`), with numpy in its `jnp` and `lax`'s place (`_host`): the classification
+and `_walk_tables` compute the real tables for the pattern's data (`patterns.pattern_args`:
+masks, segment ids) as jax would, with no XLA compile per operation and array shape (which
+made a variant of a data-dependent walk take seconds), the index maps run on every
 grid step at once (`cycles.block_walks`), and the kernel's own `pl.when` conditions say
 which steps compute (`cycles.region_conditions`: its `_partial*` and `_full` regions). The
 dense baseline is the same module with every block classified partial: every (row block,
@@ -17,7 +19,7 @@ import math
 import numpy as np
 
 from ...schedule.attention import PARTIAL
-from ..simulate import Report, Simulation, Traffic, _runs, count_copies, roofline
+from ..simulate import Report, Simulation, Traffic, _HostLax, _HostNumpy, _runs, count_copies, roofline
 from ..targets import TARGETS
 
 
@@ -47,7 +49,7 @@ def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",
     k, p = plan.kernel, plan.plan
     env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
     args, keywords = concrete_args(plan, env, pattern, seed)
-    module = _load(emit(plan, "<memory>", formatted=False), f"sparsegen_walk_{plan.name}")
+    module = _host(_load(emit(plan, "<memory>", formatted=False), f"sparsegen_walk_{plan.name}"))
     fn = getattr(module, plan.name)
     calls, _ = capture(fn, args, keywords, False, module.pl)
     problem = _layout_problem(plan, calls)
@@ -67,6 +69,40 @@ def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",
         estimates[name] = {"seconds": ours["seconds"], "dense_seconds": base["seconds"],
                            "speedup": base["seconds"] / ours["seconds"] if ours["seconds"] else float("inf"), "bound": ours["bound"]}
     return Report(plan, env, pattern, sim, dense, estimates, None, tuple(notes), products="blocks visited (computing steps)")
+
+
+class _HostJnp(_HostNumpy):
+    """`jnp` for the row walk's wrapper on the host: numpy, and jax.numpy for what numpy
+    lacks (`bfloat16`)."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            import jax.numpy as jnp
+
+            return getattr(jnp, name)
+
+
+class _HostJaxLax(_HostLax):
+    """`lax` on the host: `tpu.simulate`'s numpy functions, jax.lax's for the others."""
+
+    def __getattr__(self, name):
+        import jax
+
+        return getattr(jax.lax, name)
+
+
+_HOST_JNP = _HostJnp("jnp (numpy on the host, for the row walk)")
+_HOST_JAX_LAX = _HostJaxLax("lax (numpy on the host, for the row walk)")
+
+
+def _host(module):
+    """The generated module with numpy for `jnp` and `lax`: the walk's code (`_row_walk`,
+    `_walk_tables`) takes its jax branch (`xp` is not numpy itself), so the tables and the
+    grid are those jax computes (tests/test_simulate.py checks the reports are equal)."""
+    module.jnp, module.lax = _HOST_JNP, _HOST_JAX_LAX
+    return module
 
 
 def _layout_problem(plan, calls) -> str | None:
