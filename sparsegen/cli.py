@@ -18,7 +18,6 @@ from pathlib import Path
 from collections.abc import Callable
 
 from .allocation import no_cycle_collection
-from .allocation import no_cycle_collection
 from .compiler import Module, can_fork, check_source, compile_for_targets, emit_in_parallel, parallel_jobs, plans
 from .source import SourceFile, SpecError
 from .backends import analyse_module, describe_module
@@ -102,10 +101,10 @@ def _compile_all(specs: list[str], target_of: Callable[[str], str], out: Path, j
 
 
 def _in_parallel(specs: list[str], target_of: Callable[[str], str], out: Path, jobs: int | None) -> tuple[dict, dict]:
-    """With more than one job where forking is safe: the specs checked here (a spec with a problem
-    is left for `_compile_all`, which reports it), and their kernels lowered and
-    emitted by worker processes (`compiler.emit_in_parallel`). Returns the modules of the
-    specs whose kernels all came back, and (source, kernels) of those checked."""
+    """With more than one job where forking is safe: the specs checked here, and their
+    kernels lowered and emitted by worker processes (`compiler.emit_in_parallel`). Returns
+    the modules of the specs whose kernels all came back, and (source, kernels) of those
+    checked; `_compile_all` compiles the others itself, which reports their problems."""
     if not can_fork(jobs):
         return {}, {}
     checked = {}
@@ -797,16 +796,6 @@ def _target_list(text: str) -> list[str]:
 
 SPEC_HELP = "a .spk spec file"
 JOBS_HELP = "processes to lower and emit the kernels in, where there are 8 or more (default: the cores available; 1: this one)"
-
-
-def _jobs(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"a positive number of processes, got {text!r}")
-    return n
 SPECS_HELP = ".spk spec files (each may define several kernels)"
 VERIFY_EPILOG = (
     "GPU targets are proven in two stages: stage 2 lowers each kernel under an abstract device (jax alone); "
@@ -815,6 +804,14 @@ VERIFY_EPILOG = (
     "SPARSEGEN_GPU_PYTHON to a Python that has jax, jax-cuda13-plugin and nvidia-cuda-nvcc. Without one, verify "
     "exits 2 saying so; --lower-only runs stage 2 alone."
 )
+
+
+def _jobs(text: str) -> int:
+    """--jobs: a positive number of processes."""
+    n = int(text) if text.strip().isdigit() else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a positive number of processes, got {text!r}")
+    return n
 
 
 def _parser() -> argparse.ArgumentParser:
