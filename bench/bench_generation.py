@@ -19,9 +19,17 @@ is about. That process first times a fixed reference workload (pure Python parsi
 compiling a fixed text, and a numpy sort: the same work in every run and every commit),
 then the command in-process; `ratio` is the command's time over the reference's, taken in
 the same process, so that a loaded machine (this one is shared) slows both: compare ratios
-between runs and commits, seconds against the goals. `cpu` is the command's CPU seconds
-(less sensitive to other load than wall seconds). Each case runs N times (default 3);
-medians are printed, with the load average before and after.
+between runs and commits, seconds against the goals. `cpu` is the command's CPU seconds,
+with those of the worker processes a build of many kernels forks (`sparsegen build -j`):
+less sensitive to other load than wall seconds, and on two idle cores the wall time of a
+build with workers is about its parent's CPU seconds plus half its workers'. Each case
+runs N times (default 3); medians are printed, with the load average before and after.
+The paged kernels have no walk model yet: their `variants` drop all 100 after checking
+and lowering them ("none ranked"), timed all the same.
+
+Before/after: `git archive BASE | tar -x -C /tmp/base` and `--baseline /tmp/base` runs each
+case under the base's sparsegen too, alternating, and prints `ratio this/base` (of the
+ratios to the reference workload, measured in each case's own process).
 """
 
 from __future__ import annotations

@@ -463,3 +463,13 @@ def test_worker_processes_build_the_same_modules_and_report_the_same_problems(tm
     assert one.returncode == two.returncode == 1 and "workers [2]" in two.stdout
     assert "need 2048.1 MiB of VMEM" in one.stderr and one.stderr == two.stderr
     assert not (tmp_path / "bad_one").exists() and not (tmp_path / "bad_two").exists()
+
+
+def test_a_build_in_a_running_process_leaves_the_collector_as_it_was(tmp_path):
+    """`main([...])` (a notebook, a test) pauses the cyclic collector during a build and
+    resumes it; only the program itself (`main()`, about to exit) freezes what is left."""
+    import gc
+
+    frozen = gc.get_freeze_count()
+    assert in_process("build", "specs/dsd_matmul.spk", "-o", tmp_path, "-q").returncode == 0
+    assert gc.isenabled() and gc.get_freeze_count() == frozen

@@ -100,7 +100,7 @@ _HOST_JAX_LAX = _HostJaxLax("lax (numpy on the host, for the row walk)")
 def _host(module):
     """The generated module with numpy for `jnp` and `lax`: the walk's code (`_row_walk`,
     `_walk_tables`) takes its jax branch (`xp` is not numpy itself), so the tables and the
-    grid are those jax computes (tests/test_simulate.py checks the reports are equal)."""
+    grid are those jax computes (test_plan_attention.py checks the reports are equal)."""
     module.jnp, module.lax = _HOST_JNP, _HOST_JAX_LAX
     if hasattr(module, "_block_any_all"):
         module._block_any_all = _unpadded(module._block_any_all)
