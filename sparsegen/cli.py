@@ -795,7 +795,7 @@ def _target_list(text: str) -> list[str]:
 
 
 SPEC_HELP = "a .spk spec file"
-JOBS_HELP = "processes to lower and emit the kernels in, where there are 8 or more (default: the cores available; 1: this one)"
+JOBS_HELP = "processes to lower and emit the kernels in, where there are 8 or more, at most one per 4 kernels (default: the cores available; 1: this one)"
 SPECS_HELP = ".spk spec files (each may define several kernels)"
 VERIFY_EPILOG = (
     "GPU targets are proven in two stages: stage 2 lowers each kernel under an abstract device (jax alone); "

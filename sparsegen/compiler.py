@@ -137,10 +137,10 @@ def can_fork(requested: int | None) -> bool:
 
 
 def parallel_jobs(requested: int | None, units: int) -> int:
-    """Processes to lower and emit `units` kernels in: `requested` (None: the cores), one
-    where there are too few kernels to share (under 8, or 2 a process)."""
-    jobs = requested if requested is not None else _cores()
-    return 1 if units < max(8, 2 * jobs) or not can_fork(jobs) else jobs
+    """Processes to lower and emit `units` kernels in: `requested` (None: the cores), at most
+    one per 4 kernels; one (this process) for fewer than 8."""
+    jobs = min(requested if requested is not None else _cores(), units // 4)
+    return 1 if units < 8 or jobs < 2 or not can_fork(jobs) else jobs
 
 
 def emit_in_parallel(work: list[tuple[Kernel, str, str]], jobs: int) -> list[tuple[str, str] | None]:
