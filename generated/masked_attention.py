@@ -1730,9 +1730,12 @@ def _walk_tables(kinds, bound):
     tables, total, needed = _row_walk(jnp, kinds, bound)
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
     # Under jit the grid's step axis is as long as the data needs, not the tables: steps past
-    # a group's last are empty, and no group's steps past the longest one's are run at all.
+    # a group's last are empty, and no group's steps past the longest one's are run at all
+    # (on numpy arrays, as the pattern simulator runs this, the same count as an int).
     n_run = (
-        total if isinstance(needed, np.ndarray) else jnp.minimum(jnp.max(needed), total)
+        min(int(needed.max()), total)
+        if isinstance(needed, np.ndarray)
+        else jnp.minimum(jnp.max(needed), total)
     )
     return tuple(jnp.asarray(t) for t in tables), n_run, jnp.any(needed > total)
 

@@ -203,7 +203,9 @@ def capture(fn, args: list, keywords: dict, backward: bool, pl_module) -> tuple[
     def recorded(kernel, **kwargs):
         def run(*a):
             calls.append(Call(kernel, kwargs, a))
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), kwargs["out_shape"])
+            # numpy's zeros: jax's would compile a broadcast per output shape (most of the
+            # walk's time on a variant of masked_softmax).
+            return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), kwargs["out_shape"])
 
         return run
 
