@@ -545,8 +545,19 @@ def _block_any_all(x, tiles):
     pad = [(0, -(-n // t) * t - n) for n, t in zip(x.shape, tiles)]
     shape = [v for n, t in zip(x.shape, tiles) for v in (-(-n // t), t)]
     axes = tuple(range(1, 2 * len(tiles), 2))
-    anyv = jnp.pad(x, pad, constant_values=False).reshape(shape).any(axis=axes)
-    allv = jnp.pad(x, pad, constant_values=True).reshape(shape).all(axis=axes)
+    # Padded only where a block runs past the end: a pad by nothing still copies the whole
+    # array on the host (numpy: the pattern simulator's 8192² masks).
+    padded = any(after for _, after in pad)
+    anyv = (
+        (jnp.pad(x, pad, constant_values=False) if padded else x)
+        .reshape(shape)
+        .any(axis=axes)
+    )
+    allv = (
+        (jnp.pad(x, pad, constant_values=True) if padded else x)
+        .reshape(shape)
+        .all(axis=axes)
+    )
     return anyv, allv
 
 

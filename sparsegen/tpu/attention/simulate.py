@@ -147,24 +147,7 @@ def _host(module):
     `_walk_tables`) takes its jax branch (`xp` is not numpy itself), so the tables and the
     grid are those jax computes (test_plan_attention.py checks the reports are equal)."""
     module.jnp, module.lax = _HOST_JNP, _HOST_JAX_LAX
-    if hasattr(module, "_block_any_all"):
-        module._block_any_all = _unpadded(module._block_any_all)
     return module
-
-
-def _unpadded(own):
-    """The module's `_block_any_all` without its padding where the mask's sizes are multiples
-    of the tiles (np.pad copies the whole mask even by nothing: two copies of 64 MiB a call
-    at 8192²); the module's own elsewhere."""
-
-    def block_any_all(x, tiles):
-        if any(n % t for n, t in zip(x.shape, tiles)):
-            return own(x, tiles)
-        blocks = x.reshape([v for n, t in zip(x.shape, tiles) for v in (n // t, t)])
-        axes = tuple(range(1, 2 * len(tiles), 2))
-        return blocks.any(axis=axes), blocks.all(axis=axes)
-
-    return block_any_all
 
 
 def _layout_problem(plan, calls) -> str | None:
