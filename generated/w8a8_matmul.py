@@ -60,7 +60,7 @@ Plan (target v5e):
         init accumulator when k == 0
         accumulate the product of xq and wq summed over k every step
           past K along k (a partial last block) the factors are zero
-        write output when k == n_k - 1: accumulator * sx * sw
+        write output when k == n_k - 1: accumulator (i32, exact) as f32 * sx * sw
       VMEM estimate: 8.1 MiB of 128 MiB on v5e
         xq block: 2 x 512x1024 i8 = 1 MiB
         wq block: 2 x 1024x512 i8 = 1 MiB
