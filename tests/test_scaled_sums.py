@@ -112,3 +112,17 @@ def test_a_float_inside_the_sum_still_needs_a_float_accumulator(statement, needl
     message = str(e.value)
     assert "accumulate i32 cannot hold a sum of float operands" in message and needle in message
     assert "'sx'" not in message.split("\n")[0]
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_the_matrix_unit_takes_int8_at_the_shipped_tiles(topology):
+    """Read back from the lowered Mosaic: every matmul multiplies i8 by i8 (the scales never
+    reach the terms), and the module compiles ahead of time at the example's own tiles."""
+    from aot import compile_for, lower_for, mosaic_matmuls
+
+    _, mod = build(SPEC.read_text())
+    args = data(np.random.default_rng(3), M=1024, K=2048, N=1024)
+    lowered = lower_for(mod.w8a8_matmul, args, topology)
+    matmuls = mosaic_matmuls(lowered)
+    assert matmuls and all("xi8>" in lhs and "xi8>" in rhs for _, lhs, rhs, _ in matmuls), matmuls
+    assert "tpu_custom_call" in compile_for(mod.w8a8_matmul, args, topology).as_text()
