@@ -12,37 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparsegen.jaxenv import quiet_libtpu  # noqa: E402
+from sparsegen.jaxenv import quiet_libtpu, unoptimised_cpu_compiles  # noqa: E402
 
 from crash_rerun import pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary  # noqa: E402,F401
 
 quiet_libtpu()  # also lets test workers share libtpu for ahead-of-time compiles
+# The interpreted kernels' compiles, about 20% less CPU (tests/test_kernels.py: 40 -> 32
+# CPU-seconds, tests/test_attention.py: 159 -> 127); AOT compiles through libtpu unchanged.
+unoptimised_cpu_compiles()
 
-
-def _cpu_compiles_unoptimised() -> None:
-    """XLA's CPU backend without its LLVM optimisations, in the test process only: the
-    interpreted kernels (CPU interpreter, TPU simulator, Mosaic GPU interpreter) are compiled
-    once and run briefly, so compiling is most of their time; unoptimised, about 20% less CPU
-    time (tests/test_kernels.py: 40 -> 32 CPU-seconds). XLA reads XLA_FLAGS once, as jax's
-    backends start; the variable is restored after, so that processes the tests start (ptxas
-    for the H200, libtpu's cycle estimates, the CLI) see the environment they were given.
-    libtpu's ahead-of-time compiles do not read the flag: their executables and memory
-    figures are the same bytes with and without it (checked on dsd_matmul v5e,
-    causal_attention v6e, masked_matmul v4, forward and backward)."""
-    before = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = f"{before or ''} --xla_backend_optimization_level=0".strip()
-    try:
-        import jax
-
-        jax.devices()
-    finally:
-        if before is None:
-            del os.environ["XLA_FLAGS"]
-        else:
-            os.environ["XLA_FLAGS"] = before
-
-
-_cpu_compiles_unoptimised()
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
