@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from sparsegen.jaxenv import quiet_libtpu  # noqa: E402
+from sparsegen.jaxenv import quiet_libtpu, unoptimised_cpu_compiles  # noqa: E402
 
 quiet_libtpu()
 
@@ -154,6 +154,7 @@ def _cpu() -> float:
 
 def _init_worker() -> None:
     quiet_libtpu()
+    unoptimised_cpu_compiles()  # the simulator's and GPU interpreter's compiles; AOT unchanged
 
 
 def run_all(only: set[str] | None, targets: tuple[str, ...], jobs: int) -> dict:
@@ -161,6 +162,7 @@ def run_all(only: set[str] | None, targets: tuple[str, ...], jobs: int) -> dict:
     does not survive a fork), or in this one where `jobs` is 1."""
     work = [(kind, spec) for spec in chosen_specs(only) for kind in ("gpu", "simulator", "aot")]
     if jobs <= 1:
+        unoptimised_cpu_compiles()
         return {(kind, spec): _job(kind, spec, only, targets) for kind, spec in work}
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor

@@ -37,6 +37,9 @@ def test_kernels_are_current(capsys, monkeypatch):
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # XLA's CPU backend unoptimised, as in this process (sparsegen.jaxenv): the programs are
+    # compiled once and run for a few steps, compiling is most of the time.
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     result = subprocess.run(
         [sys.executable, "-m", "examples.moe_transformer.train", "--steps", str(STEPS), "--layers", "1",
          "--batch", str(BATCH), "--seq", str(SEQ), "--d-model", str(D_MODEL), "--d-ff", str(D_FF),
