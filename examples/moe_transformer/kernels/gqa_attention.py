@@ -722,36 +722,20 @@ def _present_dot(dot, x, x32, keep, y):
     return finite + special
 
 
-def _present_step(probe, write, value, present):
-    """A partial step's update inside a kernel: `write(value)`, `value` holding products over
-    whole blocks, where an absent term's weight (0) meets the other factor (0 x NaN, 0 x
-    Inf: NaN); unless `probe` (the product, or a slice of it that every NaN or Inf of the
-    other factor reaches whatever the weights hold, so finite data pay one check of a row or
-    column) is not finite: then `write(present())`, the products over the present terms
-    alone (`_present_dot`, its reads made there). Its condition reads block data: `sparsegen
-    verify --cycles` walks `_nonfinite` as finite data take it (never)."""
-    finite = jnp.all(jnp.isfinite(probe))
-
-    @pl.when(finite)
-    def _finite():
-        write(value)
-
-    @pl.when(jnp.logical_not(finite))
-    def _nonfinite():
-        write(present())
-
-
-def _present_add(ref, value, present):
-    """`ref[...] += value`, a step's product over whole blocks where an absent term's weight
-    (0) meets the other factor (0 x NaN, 0 x Inf: NaN), as the present terms alone give it.
-    A finite element of `value` had every term finite, its absent ones 0: it is added as it
-    is. The others are added as 0, and only where there are any is `present()` taken (the
-    products over the present terms alone, `_present_dot`) and added at them. The add is
-    under no branch: one there cost the attention backward up to 20% in libtpu's estimate,
-    the select and the check next to nothing.
-    `sparsegen verify --cycles` walks `_nonfinite` as finite data take it (never)."""
+def _present_add(ref, value, present, scale=None):
+    """`ref[...] = scale * ref[...] + value` (`scale` None: 1), `value` a step's product over
+    whole blocks where an absent term's weight (0) meets the other factor (0 x NaN, 0 x Inf:
+    NaN), as the present terms alone give it. A finite element of `value` had every term
+    finite, its absent ones 0: it is added as it is. The others are added as 0, and only
+    where there are any is `present()` taken (the products over the present terms alone,
+    `_present_dot`) and added at them. The add is under no branch: one there cost the
+    attention backward up to 20% in libtpu's estimate, the select and the check next to
+    nothing. `sparsegen verify --cycles` walks `_nonfinite` as finite data take it (never).
+    """
     finite = jnp.isfinite(value)
-    ref[...] += jnp.where(finite, value, 0.0)
+    ref[...] = (ref[...] if scale is None else scale * ref[...]) + jnp.where(
+        finite, value, 0.0
+    )
 
     @pl.when(jnp.logical_not(jnp.all(finite)))
     def _nonfinite():
@@ -858,19 +842,16 @@ def _attention_kernel(
             # Past the end of j memory holds anything: zero it.
             inside = cols[at] * 32 + lax.broadcasted_iota(jnp.int32, (32, 1), 0) < S
             v_blk = jnp.where(inside, v_blk, jnp.zeros_like(v_blk))
-        o_part = lax.dot_general(
-            probs, v_blk, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )
         # An absent element's weight (0) meets its value: a NaN or Inf there must not
-        # reach the row (it reaches every row of the product, row 0 included).
-
-        def write(x):
-            o_acc[...] = (alpha)[:, :64] * o_acc[...] + x
-
-        _present_step(
-            o_part[0:1],
-            write,
-            o_part,
+        # reach the row (the running sum rescaled, then the product added).
+        _present_add(
+            o_acc,
+            lax.dot_general(
+                probs,
+                v_blk,
+                (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            ),
             lambda: _present_dot(
                 lambda x, y: lax.dot_general(
                     x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
@@ -880,6 +861,7 @@ def _attention_kernel(
                 jnp.logical_not(jnp.isneginf(scores)),
                 v_blk,
             ),
+            (alpha)[:, :64],
         )
 
     @pl.when(kind == _PARTIAL)

@@ -488,19 +488,14 @@ class KernelWriter:
                 a = accs[c.output]
                 pv, vv, prec = self.mxu(nm["probs"], vo.var, self.dtype_of(vo), in_mxu=True)
                 dot = f"lax.dot_general({{}}, {{}}, (((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{prec})"
-                part, write, x = n.local(f"{c.output}_part"), n.local("write"), n.local("x")
-                rescaled = f"{lanes(nm['alpha'], self.tile[self.e_of(c)])} * {a}[...]"
+                x = n.local("x")
+                rescaled_by = lanes(nm['alpha'], self.tile[self.e_of(c)])
                 # Full steps too: a score of minus infinity from the data (an additive mask)
                 # is absent where no condition is evaluated.
-                lines += [f"    {part} = {dot.format(pv, vv)}",
-                          "    # An absent element's weight (0) meets its value: a NaN or Inf there must not",
-                          "    # reach the row (it reaches every row of the product, row 0 included).",
-                          "",
-                          f"    def {write}({x}):",
-                          f"        {a}[...] = {rescaled} + {x}",
-                          "",
-                          f"    _present_step({part}[0:1], {write}, {part}, lambda: _present_dot(lambda {x}, y: {dot.format(x, 'y')}, "
-                          f"{pv}, {nm['probs']}, jnp.logical_not(jnp.isneginf({sv})), {vv}))"]
+                lines += ["    # An absent element's weight (0) meets its value: a NaN or Inf there must not",
+                          "    # reach the row (the running sum rescaled, then the product added).",
+                          f"    _present_add({a}, {dot.format(pv, vv)}, lambda: _present_dot(lambda {x}, y: {dot.format(x, 'y')}, "
+                          f"{pv}, {nm['probs']}, jnp.logical_not(jnp.isneginf({sv})), {vv}), {rescaled_by})"]
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")
