@@ -1040,7 +1040,6 @@ def _attention_dq_kernel(
         ds = probs * (dprobs - jnp.tile(delta, (1, 4)))
         _, pull = jax.vjp(chain, raw)
         (draw,) = pull(ds)
-        draw = jnp.where(jnp.isneginf(s), 0.0, draw)  # absent: no gradient
         k_blk = k_ref[...]
         if masked and S % 512 != 0:
             # Past the end of j memory holds anything: zero it.
@@ -1196,7 +1195,6 @@ def _attention_dkv_kernel(
         ds = probs * (dprobs - delta)
         _, pull = jax.vjp(chain, raw)
         (draw,) = pull(ds)
-        draw = jnp.where(jnp.isneginf(s), 0.0, draw)  # absent: no gradient
         q_blk = q_ref[...]
         if masked and S % 256 != 0:
             # Past the end of i memory holds anything: zero it.
@@ -1380,7 +1378,6 @@ def _attention_fused_backward_kernel(
         ds = probs * (dprobs - delta_)
         _, pull = jax.vjp(chain, raw)
         (draw,) = pull(ds)
-        draw = jnp.where(jnp.isneginf(s), 0.0, draw)  # absent: no gradient
         q_blk = q_ref[...]
         if masked and S % 256 != 0:
             # Past the end of i memory holds anything: zero it.

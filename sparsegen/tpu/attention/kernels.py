@@ -730,7 +730,8 @@ class KernelWriter:
         elif self.has_chain():
             lines.append(f"    _, {nm['pull']} = jax.vjp({chain}, {nm['raw']}" + (f", *{fes})" if dfe else ")"))
             lines.append(f"    {', '.join([nm['draw']] + dfe)}{',' if not dfe else ''} = {nm['pull']}({nm['ds']})")
-            lines.append(f"    {nm['draw']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['draw']})  # absent: no gradient")
+            # An absent element's raw gradient is 0, or not finite (0 x a NaN of the row's
+            # statistics): not selected here, `present_add` (its only use) keeps it out.
         else:
             lines.append(f"    {nm['draw']} = {nm['ds']}")
         dos["floats"] = dict(zip(p.float_reads(), dfe))
