@@ -455,10 +455,11 @@ class _CompilePl(types.ModuleType):
     def _nested(self, condition):
         """A region inside a region: its condition reads block data (the host cannot walk it,
         and the estimator counts it as run). Generated code has `_present_step`'s and
-        `_present_add`'s: `_finite` runs wherever its enclosing region does on finite data (kept as it is,
-        its dots the enclosing region's), `_nonfinite` never does: its condition is and-ed
-        with `program_id(0) < 0`, false at every step, which the estimator resolves (the
-        check it reads stays in the program), and its dots are not counted."""
+        `_present_add`'s: `_finite` runs wherever its enclosing region does on finite data
+        (kept as it is, its dots the enclosing region's), `_nonfinite` never does: its
+        condition is and-ed with `program_id(0) < 0`, false at every step, which the
+        estimator resolves (the check it reads stays in the program), and its dots are not
+        counted."""
 
         def region(body):
             rare = body.__name__ == "_nonfinite"
