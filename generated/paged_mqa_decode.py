@@ -421,28 +421,47 @@ def _visited_product(probs, values, visited, tiles, keep):
             "...IiJj,...Jje->...IiJe", x, y, precision=lax.Precision.HIGHEST
         )
 
-    # Over the present terms (`_present_dot`), and differentiated as the math is: a present
-    # term's probability meets its value (NaN included), an absent one's gets no gradient.
+    def blocked_t(x, g):  # x transposed times g: the values' gradient
+        return jnp.einsum(
+            "...IiJj,...IiJe->...Jje", x, g, precision=lax.Precision.HIGHEST
+        )
+
+    def over_present(dot, x, keep, y):
+        # The whole product where y is finite (x is 0 at the absent terms), else over the
+        # present terms (`_present_dot`); inside the branch, so that nothing outside it
+        # meets the NaN.
+        return lax.cond(
+            jnp.all(jnp.isfinite(y)),
+            lambda: dot(x, y),
+            lambda: _present_dot(dot, x, x, keep, y),
+        )
+
+    # Over the present terms, and differentiated as the math is: a present term's probability
+    # meets its value and the cotangent (NaN included), an absent one's neither (a NaN
+    # cotangent of a row reaches the values of its present terms only).
     @jax.custom_vjp
     def present(x, y, kept):
-        return _present_dot(blocked, x, x, kept > 0, y)
+        return over_present(blocked, x, kept > 0, y)
 
     def present_fwd(x, y, kept):
         return present(x, y, kept), (x, y, kept)
 
     def present_bwd(saved, g):
         x, y, kept = saved
-        dx, dy = jax.vjp(blocked, x, y)[1](g)
+        dx = jnp.einsum(
+            "...IiJe,...Jje->...IiJj", g, y, precision=lax.Precision.HIGHEST
+        )
+        dy = over_present(blocked_t, jnp.where(kept > 0, x, 0.0), kept > 0, g)
+        # Summed over the axes the values are broadcast along (one head's for many).
+        dy = dy.sum(axis=tuple(range(dy.ndim - y.ndim)))
+        dy = dy.sum(
+            axis=tuple(a for a in range(y.ndim) if y.shape[a] == 1 < dy.shape[a]),
+            keepdims=True,
+        )
         return jnp.where(kept > 0, dx, 0.0), dy, jnp.zeros_like(kept)
 
     present.defvjp(present_fwd, present_bwd)
-    # The whole product only where the values are finite, inside the branch: outside it, its
-    # derivative's zero cotangent would meet a NaN value (0 x NaN) when the other is taken.
-    parts = lax.cond(
-        jnp.all(jnp.isfinite(values)),
-        lambda: blocked(probs, values),
-        lambda: present(probs, values, keep.astype(probs.dtype)),
-    )
+    parts = present(probs, values, keep.astype(probs.dtype))
     parts = jnp.where(visited[..., :, None, :, None], parts, 0.0)
     total = parts.sum(axis=-2)
     return total.reshape(total.shape[:-3] + (n_i * ti, total.shape[-1]))[..., :rows, :]

@@ -220,17 +220,15 @@ def biased_math(q, k, v, bias):
 
 
 @both_modes
-@pytest.mark.parametrize("walk", ["fused", "two"] if SWEEP else ["fused"])
-def test_a_key_masked_by_its_score_gets_no_gradient_from_a_nan_row(walk, interpret, monkeypatch):
+def test_a_key_masked_by_its_score_gets_no_gradient_from_a_nan_row(interpret):
     """An additive mask (`bias` minus infinity at key 5 for every row) makes key 5 absent on
     the full block (rows 128..255, keys 0..127), where no condition is evaluated: the
     elementwise chain's gradient there must be selected out, not just multiplied by the
     weight 0. Rows >= 130 see a NaN value row (key 130, present for them), so their
     statistics (delta = do . o) are NaN, and 0 x NaN would carry it into dk[5], which no
-    present term reaches: it must stay exactly the oracle's (finite)."""
+    present term reaches: it must stay exactly the oracle's (finite). (A bias per block
+    takes the two walks: there is no fused one to compare.)"""
     _, mod = build(BIASED)
-    if walk == "two":
-        monkeypatch.setattr(mod, "_FUSED_MAX_ROWS", 0)
     q, k, v = arrays(2)
     bias = np.random.default_rng(3).standard_normal((1, S, S)).astype(np.float32)
     bias[0, :, MASKED_KEY] = -np.inf
@@ -288,3 +286,66 @@ def test_the_bias_gradient_is_zero_at_absent_elements_of_a_nan_row(masked, inter
     if interpret is True:
         (ref,) = jax.vjp(lambda b: mod.reference(q, k, v, b), bias)[1](g_o)
         close(ref, want, "reference dbias", rtol=1e-4, atol=1e-4)
+
+
+
+EMPTY_ROW, NAN_ROW = 200, 140  # a row whose bias masks every key; a row that sees keys 0..140
+KEYPAD = f"""kernel ck {{
+    in  q: f32[B, H, S, D]
+    in  k: f32[B, H, S, D]
+    in  v: f32[B, H, S, D]
+    in  kbias: f32[B, S]
+    out o: f32[B, H, S, D]
+    raw[b, h, i, j] = q[b, h, i, d] * k[b, h, j, d] * {SCALE}
+    s[b, h, i, j] = raw[b, h, i, j] + kbias[b, j] where i >= j
+    o[b, h, i, e] = softmax(s[b, h, i, j], j) * v[b, h, j, e]
+    tile b = 1, h = 1, i = 128, j = 128, d = 128, e = 128
+}}
+"""
+
+
+@both_modes
+@pytest.mark.parametrize("case", ["empty_row", "masked_key", "padded_key"])
+def test_a_nan_cotangent_reaches_no_value_through_an_absent_term(case, interpret):
+    """A NaN in the cotangent of o at a row reaches the gradients through that row's present
+    terms only. `empty_row`: the bias masks every key of row 200 (its output is 0), so its
+    NaN cotangent reaches no gradient at all; `masked_key`: the bias masks key 5 for every
+    row, and row 140's NaN cotangent reaches dv at its keys 0..140 but not dv[5]. Both take
+    the two walks (a bias per block); `padded_key` is `masked_key` with a bias per key
+    (the fused walk). Each meets the NaN on a full block (keys 0..127 of rows 128..255),
+    where no condition is evaluated and the weight 0 of p^T do must still leave it out
+    (not 0 x NaN). In `reference` too."""
+    rng = np.random.default_rng(3)
+    if case == "padded_key":
+        _, mod = build(KEYPAD)
+        bias = rng.standard_normal((1, S)).astype(np.float32)
+        bias[0, MASKED_KEY] = -np.inf
+        full = np.broadcast_to(bias[:, None, :], (1, S, S))
+        call = lambda q, k, v: mod.ck(q, k, v, bias, interpret=interpret)  # noqa: E731
+    else:
+        _, mod = build(BIASED)
+        bias = full = rng.standard_normal((1, S, S)).astype(np.float32)
+        if case == "empty_row":
+            bias[0, EMPTY_ROW, :] = -np.inf
+        else:
+            bias[0, :, MASKED_KEY] = -np.inf
+        call = lambda q, k, v: mod.cb(q, k, v, bias, interpret=interpret)  # noqa: E731
+    q, k, v = arrays(2)
+    g_o = np.random.default_rng(4).standard_normal(q.shape).astype(np.float32)
+    row = EMPTY_ROW if case == "empty_row" else NAN_ROW
+    g_o[0, 0, row, ::3] = np.nan
+    o, pull = jax.vjp(call, q, k, v)
+    want_o, pull_want = jax.vjp(lambda q, k, v: biased_math(q, k, v, full), q, k, v)
+    close(o, want_o, "o")
+    got, want = pull(g_o), pull_want(g_o)
+    dv = np.asarray(want[2])[0, 0]
+    if case == "empty_row":  # the case is what it says
+        assert all(np.isfinite(np.asarray(w)).all() for w in want)
+    else:
+        assert np.isfinite(dv[MASKED_KEY]).all() and np.isnan(dv[row]).any() and np.isfinite(dv[row + 1 :]).all()
+    for name, a, b in zip("qkv", got, want):
+        close(a, b, f"d{name}", rtol=1e-4, atol=1e-4)
+    if interpret is True:
+        ref = jax.vjp(lambda q, k, v: mod.reference(q, k, v, bias), q, k, v)[1](g_o)
+        for name, a, b in zip("qkv", ref, want):
+            close(a, b, f"reference d{name}", rtol=1e-4, atol=1e-4)

@@ -29,8 +29,8 @@ selects per step (one per 32 steps of the grid axes the conditions vary along); 
 A grid extent the generated code traces (the steps a walk needs) is compiled as the number
 it had for these tables: left a traced value, the estimator walked a grid of its own size.
 A region nested in a region reads block data (the host cannot evaluate it, and the
-estimator counts such a region as run: measured). Generated code has one kind,
-`_present_step`'s (a partial step whose other factor may hold NaN or Inf):
+estimator counts such a region as run: measured). Generated code has those of
+`_present_step` and `_present_add` (a step whose absent terms may meet a NaN or Inf):
 `_finite` runs wherever the enclosing region does, `_nonfinite` is walked as finite data
 take it, never (`_CompilePl._nested`): the estimate is that of finite data.
 
@@ -454,11 +454,12 @@ class _CompilePl(types.ModuleType):
 
     def _nested(self, condition):
         """A region inside a region: its condition reads block data (the host cannot walk it,
-        and the estimator counts it as run). Generated code has one kind, `_present_step`'s:
-        `_finite` runs wherever its enclosing region does on finite data (kept as it is,
-        its dots the enclosing region's), `_nonfinite` never does: its condition is and-ed
-        with `program_id(0) < 0`, false at every step, which the estimator resolves (the
-        check it reads stays in the program), and its dots are not counted."""
+        and the estimator counts it as run). Generated code has `_present_step`'s and
+        `_present_add`'s: `_finite` runs wherever its enclosing region does on finite data
+        (kept as it is, its dots the enclosing region's), `_nonfinite` never does: its
+        condition is and-ed with `program_id(0) < 0`, false at every step, which the
+        estimator resolves (the check it reads stays in the program), and its dots are not
+        counted."""
 
         def region(body):
             rare = body.__name__ == "_nonfinite"

@@ -488,19 +488,14 @@ class KernelWriter:
                 a = accs[c.output]
                 pv, vv, prec = self.mxu(nm["probs"], vo.var, self.dtype_of(vo), in_mxu=True)
                 dot = f"lax.dot_general({{}}, {{}}, (((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{prec})"
-                part, write, x = n.local(f"{c.output}_part"), n.local("write"), n.local("x")
-                rescaled = f"{lanes(nm['alpha'], self.tile[self.e_of(c)])} * {a}[...]"
+                x = n.local("x")
+                rescaled_by = lanes(nm['alpha'], self.tile[self.e_of(c)])
                 # Full steps too: a score of minus infinity from the data (an additive mask)
                 # is absent where no condition is evaluated.
-                lines += [f"    {part} = {dot.format(pv, vv)}",
-                          "    # An absent element's weight (0) meets its value: a NaN or Inf there must not",
-                          "    # reach the row (it reaches every row of the product, row 0 included).",
-                          "",
-                          f"    def {write}({x}):",
-                          f"        {a}[...] = {rescaled} + {x}",
-                          "",
-                          f"    _present_step({part}[0:1], {write}, {part}, lambda: _present_dot(lambda {x}, y: {dot.format(x, 'y')}, "
-                          f"{pv}, {nm['probs']}, jnp.logical_not(jnp.isneginf({sv})), {vv}))"]
+                lines += ["    # An absent element's weight (0) meets its value: a NaN or Inf there must not",
+                          "    # reach the row (the running sum rescaled, then the product added).",
+                          f"    _present_add({a}, {dot.format(pv, vv)}, lambda: _present_dot(lambda {x}, y: {dot.format(x, 'y')}, "
+                          f"{pv}, {nm['probs']}, jnp.logical_not(jnp.isneginf({sv})), {vv}), {rescaled_by})"]
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")
@@ -735,7 +730,8 @@ class KernelWriter:
         elif self.has_chain():
             lines.append(f"    _, {nm['pull']} = jax.vjp({chain}, {nm['raw']}" + (f", *{fes})" if dfe else ")"))
             lines.append(f"    {', '.join([nm['draw']] + dfe)}{',' if not dfe else ''} = {nm['pull']}({nm['ds']})")
-            lines.append(f"    {nm['draw']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['draw']})  # absent: no gradient")
+            # An absent element's raw gradient is 0, or not finite (0 x a NaN of the row's
+            # statistics): not selected here, `present_add` (its only use) keeps it out.
         else:
             lines.append(f"    {nm['draw']} = {nm['ds']}")
         dos["floats"] = dict(zip(p.float_reads(), dfe))
@@ -762,7 +758,7 @@ class KernelWriter:
             step += self.load_block(sn, ko, at, tables, "masked", (p.key,))
             # The product's scale multiplies the (rows x d) result, not the (rows x keys) block.
             scale = f" * {p.scale!r}" if p.scale is not None else ""
-            step += self.present_add(sn, f"{dq_acc}[...]", draw, ko.var, self.dtype_of(ko), dos["keep"], f"((1,), ({kj},))", scale)
+            step += self.present_add(sn, dq_acc, draw, ko.var, self.dtype_of(ko), dos["keep"], f"((1,), ({kj},))", scale)
             outs = [self.out_arr(dq_ref, p.lead + (p.query, p.summed), self.grad_dtype(p.q), self.grad_var("dq_full"),
                                  "the row block's gradient of the score's row factor", vector=False)]
             scratch = [f"pltpu.VMEM(({self.tile[p.query]}, {self.tile[p.summed]}), {acc.jnp})"]
@@ -856,11 +852,11 @@ class KernelWriter:
             if c.kind == "softmax_product":
                 scale = f" * {c.scale!r}" if c.scale is not None else ""
                 do = dos[c.output]
-                step += self.present_add(sn, f"{dv[c.output][0]}[...]", probs, do, self.k.operand(c.output).dtype, dos["keep"], "((1,), (0,))", scale)
+                step += self.present_add(sn, dv[c.output][0], probs, do, self.k.operand(c.output).dtype, dos["keep"], "((1,), (0,))", scale)
         outs, scratch = [], []
         if not p.stored_score:
             scale = f" * {p.scale!r}" if p.scale is not None else ""
-            step += self.present_add(sn, f"{dk_acc}[...]", draw, qo.var, self.dtype_of(qo), dos["keep"], f"((1,), ({qi},))", scale)
+            step += self.present_add(sn, dk_acc, draw, qo.var, self.dtype_of(qo), dos["keep"], f"((1,), ({qi},))", scale)
             outs = [self.out_arr(dk_ref, p.lead + (p.key, p.summed), self.grad_dtype(p.k), self.grad_var("dk_full"),
                                  "the key block's gradient of the score's key factor", vector=False)]
             scratch = [f"pltpu.VMEM(({self.tile[p.key]}, {self.tile[p.summed]}), {acc.jnp})"]
@@ -925,7 +921,7 @@ class KernelWriter:
         scale = f" * {p.scale!r}" if p.scale is not None else ""
         dq_acc, dq_ref, row = n.local("dq_acc"), n.local("dq_ref"), sn.local("row")
         step.append(f"    {row} = pl.multiple_of({tables.query}[{at}] * {ti}, {ti})")
-        step += self.present_add(sn, f"{dq_acc}[pl.ds({row}, {ti}), :]", draw, ko.var, self.dtype_of(ko), keep, f"((0,), ({kj},))", scale)
+        step += self.present_add(sn, f"{dq_acc}.at[pl.ds({row}, {ti}), :]", draw, ko.var, self.dtype_of(ko), keep, f"((0,), ({kj},))", scale)
         rows = self.padded_rows()
         lead_shape = [self.size_of(i) for i in p.lead]
         var = self.grad_var("dq_full")
@@ -942,29 +938,21 @@ class KernelWriter:
                   f"    {dq_ref}[...] = {dq_acc}[...].astype({dq_ref}.dtype)"]
         return start, finish, [dq_acc]
 
-    def present_add(self, n, target: str, computed: str, block: str, dtype, keep: str, dims: str, scale: str = "") -> list[str]:
+    def present_add(self, n, ref: str, computed: str, block: str, dtype, keep: str, dims: str, scale: str = "") -> list[str]:
         """Lines adding a backward product, `computed` (a block the step computed: 0 at its
         absent elements, unless a NaN of the row's own statistics or of the other product's
-        block met it there) by `block`, into `target`. On a partial step an absent element
-        must not carry a NaN or Inf of either block into the sum: the product is checked whole
-        (a key or row that no element of the block keeps may hold one) and, where it is not
-        finite, taken again over the present elements alone (`_present_step`). `dims`: the
-        product's contracting dimensions; `scale`: text multiplying it (" * 0.125")."""
+        block met it there) by `block`, into `ref` (a ref or a view of one). An absent
+        element must not carry a NaN or Inf of either block into the sum, on a partial step
+        or where a score is minus infinity on a full one: `_present_add` adds the finite
+        elements of the product as they are and takes the others again over the present
+        elements alone. `dims`: the product's contracting dimensions; `scale`: text
+        multiplying it (" * 0.125")."""
         cx, by, prec = self.mxu(computed, block, dtype)
         dot = "lax.dot_general({}, {}, " + f"({dims}, ((), ())), preferred_element_type={self.acc.jnp}{prec})"
-        part, write, x = n.local("part"), n.local("write"), n.local("x")
+        x = n.local("x")
         kept = f"jnp.where({keep}, {computed}, 0.0)"
         present = f"_present_dot(lambda {x}, y: {dot.format(x, 'y')}, {self.mxu(kept, block, dtype)[0]}, {kept}, {keep}, {by})"
-        return [f"    {part} = {dot.format(cx, by)}{scale}",
-                "    if masked:",
-                "        # Absent elements hold 0 here: a NaN or Inf they meet must not reach the sum.",
-                "",
-                f"        def {write}({x}):",
-                f"            {target} += {x}",
-                "",
-                f"        _present_step({part}, {write}, {part}, lambda: {present}{scale})",
-                "    else:",
-                f"        {target} += {part}"]
+        return [f"    _present_add({ref}, {dot.format(cx, by)}{scale}, lambda: {present}{scale})"]
 
     def padded_rows(self) -> str:
         """The query index's size rounded up to its tile (a host expression): dq's rows in VMEM."""
