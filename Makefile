@@ -40,7 +40,7 @@ WINDOW_TESTS_$(JAX_GPU_OLDEST) := tests/test_jax_window.py $(GPU_WINDOW_TESTS)
 WINDOW_TESTS_$(JAX_NEWEST) := tests/test_jax_window.py $(TPU_WINDOW_TESTS) $(GPU_WINDOW_TESTS)
 WINDOW_ENDS := $(JAX_OLDEST) $(JAX_GPU_OLDEST) $(JAX_NEWEST)
 
-.PHONY: run test test-window build check clean venv gpu-venv
+.PHONY: run run-all test test-window build check clean venv gpu-venv
 
 $(BIN)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: Python >= 3.12 not found (JAX 0.12 needs it); install it or set PYTHON=..." >&2; exit 2; }
@@ -68,6 +68,11 @@ check: venv
 
 run: build
 	$(BIN)/python scripts/run_examples.py
+
+# Every spec compiled for every TPU target and ptxas on every GPU kernel (`make run` takes the
+# targets in turn and one example of each GPU walk).
+run-all: build
+	$(BIN)/python scripts/run_examples.py --all
 
 # worksteal: each worker takes half the suite in order, and takes from the other's queue when
 # its own runs out; a file's tests mostly stay on one worker, so the per-process build cache

@@ -1,7 +1,7 @@
 """`make run`: every generated kernel against its reference in the TPU simulator, as a table;
 then every kernel the GPU backend takes, built for h200, in the Mosaic GPU interpreter.
 
-    python scripts/run_examples.py [--targets v5e,v6e] [--jobs N] [KERNEL ...]
+    python scripts/run_examples.py [--all] [--targets v5e,v6e] [--jobs N] [KERNEL ...]
 
 names some kernels (and their specs) only, and the TPU targets compiled ahead of time
 (tests/test_run_examples.py runs one kernel so). The work (per spec: the simulator, the
@@ -12,6 +12,12 @@ The simulator fills uninitialised memory with NaN and raises on out-of-bounds re
 non-consecutive output revisits, so a pass here is the closest thing to a TPU run. The GPU
 table adds each kernel's lowering under an abstract H200 and, where `make gpu-venv` made
 the plugin's environment, its ptxas compile for sm_90a.
+
+`make run` compiles each spec ahead of time for one TPU target, the targets taken in turn
+(the next where one refuses the spec: v4 has no int8 matmul), and runs ptxas for one
+example of each GPU walk (PTXAS_EXAMPLES), lowering every one: every kernel still runs in
+the simulator and the GPU interpreter. `make run-all` (`--all`) compiles every spec for every
+target and runs ptxas on every GPU kernel (tests/test_verify.py and the GPU tests do both).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Two to three blocks along each index at the spec's own tiles: small enough for the simulator.
 BLOCKS = 2
 TARGETS = ("v5e", "v6e", "v4")
+# ptxas in `make run`: one example of each GPU walk (a coo input, a coo output, a mask, a
+# condition on the terms, a grouped walk, the row walk, the paged walk); `--all`: every one.
+PTXAS_EXAMPLES = {"dsd_matmul", "sdd_matmul", "masked_matmul", "tril_matmul", "grouped_matmul", "causal_attention", "paged_decode"}
 
 
 def sizes_for(kernel) -> dict[str, int]:
@@ -88,19 +97,31 @@ def chosen_specs(only: set[str] | None) -> list[Path]:
     return chosen
 
 
-def aot_cells(spec: Path, targets: tuple[str, ...]) -> dict:
+def aot_cells(spec: Path, targets: tuple[str, ...], turn: int | None = None) -> dict:
     """Ahead-of-time compiles through libtpu of a spec's kernels, one cell per target
-    (sparsegen verify --quick): {(kernel, target): (cell, compiled)}."""
+    (sparsegen verify --quick): {(kernel, target): (cell, compiled)}. `turn`: one target
+    only, `targets[turn % len]` (the next where it refuses the spec), the others' cells "·"."""
     from sparsegen import verify
+
+    def refused(r) -> bool:  # the target's rule, at the spec (v4: no int8 matmul)
+        return not r.compiled and r.error is not None and r.raw_error is None
 
     def cell(r):
         if r.compiled:
             return f"[green]ok[/green] {r.compile_seconds:.1f}s", True
-        if r.error is not None and r.raw_error is None:  # the target's rule, at the spec (v4: no int8 matmul)
+        if refused(r):
             return f"[yellow]refused[/yellow]: {r.error.message}", True
         return "[red]fails[/red]", False
 
-    return {(r.kernel, r.target): cell(r) for r in verify.verify_file(spec, targets, probe=False)[1]}
+    if turn is None:
+        return {(r.kernel, r.target): cell(r) for r in verify.verify_file(spec, targets, probe=False)[1]}
+    results = []
+    for n in range(len(targets)):
+        results = verify.verify_file(spec, (targets[(turn + n) % len(targets)],), probe=False)[1]
+        if not all(refused(r) for r in results):
+            break
+    cells = {(r.kernel, r.target): cell(r) for r in results}
+    return {(k, t): cells.get((k, t), ("·", True)) for k, _ in cells for t in targets}
 
 
 def simulator_rows(spec: Path, only: set[str] | None) -> list[tuple[str, list[str], bool]]:
@@ -138,11 +159,13 @@ def simulator_rows(spec: Path, only: set[str] | None) -> list[tuple[str, list[st
     return rows
 
 
-def _job(kind: str, spec: Path, only: set[str] | None, targets: tuple[str, ...]):
+def _job(kind: str, spec: Path, only: set[str] | None, targets: tuple[str, ...], every: bool = False):
     """One piece of the run, in a worker process (they are independent: spread over the
     cores): its result, and the CPU seconds it took (ptxas's process included)."""
     before = _cpu()
-    result = {"aot": lambda: aot_cells(spec, targets), "simulator": lambda: simulator_rows(spec, only), "gpu": lambda: gpu_rows(spec, only)}[kind]()
+    turn = None if every else chosen_specs(None).index(spec)
+    result = {"aot": lambda: aot_cells(spec, targets, turn), "simulator": lambda: simulator_rows(spec, only),
+              "gpu": lambda: gpu_rows(spec, only, every)}[kind]()
     return result, _cpu() - before
 
 
@@ -157,25 +180,25 @@ def _init_worker() -> None:
     unoptimised_cpu_compiles()  # the simulator's and GPU interpreter's compiles; AOT unchanged
 
 
-def run_all(only: set[str] | None, targets: tuple[str, ...], jobs: int) -> dict:
+def run_all(only: set[str] | None, targets: tuple[str, ...], jobs: int, every: bool = False) -> dict:
     """Every job's result, {(kind, spec): result}: in `jobs` worker processes (spawned: jax
     does not survive a fork), or in this one where `jobs` is 1."""
     work = [(kind, spec) for spec in chosen_specs(only) for kind in ("gpu", "simulator", "aot")]
     if jobs <= 1:
         unoptimised_cpu_compiles()
-        return {(kind, spec): _job(kind, spec, only, targets) for kind, spec in work}
+        return {(kind, spec): _job(kind, spec, only, targets, every) for kind, spec in work}
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # each worker loads libtpu (compiles only)
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker) as pool:
-        futures = {(kind, spec): pool.submit(_job, kind, spec, only, targets) for kind, spec in work}
+        futures = {(kind, spec): pool.submit(_job, kind, spec, only, targets, every) for kind, spec in work}
         return {key: future.result() for key, future in futures.items()}
 
 
-def main(only: set[str] | None = None, targets: tuple[str, ...] = TARGETS, jobs: int = 1) -> int:
+def main(only: set[str] | None = None, targets: tuple[str, ...] = TARGETS, jobs: int = 1, every: bool = False) -> int:
     start = time.perf_counter()
-    done = run_all(only, targets, jobs)
+    done = run_all(only, targets, jobs, every)
     table = Table(title="generated kernels vs reference in the TPU simulator; ahead-of-time compiles per TPU target")
     for column in ("kernel", "walk", "shapes", "pattern", "max |err|", "tolerance", "sim time", "result", *targets):
         table.add_column(column, justify="right" if column in ("max |err|", "sim time") else "left")
@@ -194,13 +217,15 @@ def main(only: set[str] | None = None, targets: tuple[str, ...] = TARGETS, jobs:
             seen.add(name)
             table.add_row(*cells, *aot)
     Console(width=170).print(table)
+    if not every and len(targets) > 1:
+        print("·: compiled for one TPU target a spec, in turn (make run-all: every target)")
     failures += print_gpu(only, [done["gpu", spec] for spec in chosen_specs(only)])
     spent = ", ".join(f"{kind} {cpu[kind]:.0f}" for kind in ("simulator", "aot", "gpu"))
     print(f"{time.perf_counter() - start:.0f} s in {jobs} process{'es' if jobs > 1 else ''}; CPU seconds: {spent}")
     return 1 if failures else 0
 
 
-def gpu_rows(spec: Path, only: set[str] | None = None) -> list[tuple[list[str], bool, str | None]]:
+def gpu_rows(spec: Path, only: set[str] | None = None, every: bool = True) -> list[tuple[list[str], bool, str | None]]:
     """A spec built for h200 (nothing where the GPU rules refuse it: a stored score, a
     kernel over the shared-memory budget), one block along each symbolic index, in the
     Mosaic GPU interpreter; lowering and ptxas: (row, ok, why ptxas was skipped) per kernel."""
@@ -241,11 +266,12 @@ def gpu_rows(spec: Path, only: set[str] | None = None) -> list[tuple[list[str], 
         except Exception as exc:  # report and go on: the table is the point
             error, ok, result = float("nan"), False, f"[red]{type(exc).__name__}[/red]"
         elapsed = time.perf_counter() - start
-        r = verify_module(m.plan, source, "h200")
+        ptxas = every or spec.stem in PTXAS_EXAMPLES  # else lowered only (`--all`: ptxas too)
+        r = verify_module(m.plan, source, "h200", stage3=ptxas)
         ok &= r.ok
         registers = "unknown" if r.registers is None else max(r.registers)
         spilled = "unknown" if r.spill_bytes is None else f"{r.spill_bytes} B"
-        skipped = None if r.compiled is not None else str(r.stage3)
+        skipped = None if r.compiled is not None else str(r.stage3) if ptxas else "make run compiles one example of each walk (make run-all: every kernel)"
         ptxas = (f"{registers} registers, {spilled} spilled" if r.compiled else "[red]fails[/red]" if r.compiled is False else "skipped")
         walks = getattr(m.plan, "walks", None) or dict.fromkeys(p.walk for p in m.plan.passes)  # a row walk, or einsum passes
         rows.append(([kernel.name, " + ".join(walks), ", ".join(f"{k}={env[k]}" for k in sizes) or "fixed",
@@ -279,6 +305,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernels", nargs="*", metavar="KERNEL", help="run these example kernels only (default: all)")
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"TPU targets compiled ahead of time (default: {','.join(TARGETS)})")
+    parser.add_argument("--all", action="store_true", help="every spec for every TPU target, ptxas for every GPU kernel (make run-all)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per core)")
     args = parser.parse_args()
-    sys.exit(main(set(args.kernels) or None, tuple(args.targets.split(",")), args.jobs))
+    sys.exit(main(set(args.kernels) or None, tuple(args.targets.split(",")), args.jobs, args.all))
