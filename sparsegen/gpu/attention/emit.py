@@ -30,7 +30,8 @@ from ...wrapper import Glue, Wrapper, vjp_tables
 from ...tpu.attention.reference import ReferenceWriter  # backend-neutral: jax.numpy over whole arrays
 from .backward_kernels import BackwardWriter
 from .describe import describe_gpu_attention
-from .lower import MEMORY_REGISTERS, STAGES, GpuAttentionModule, GpuOperand, _free_index, out_through_q
+from .lower import (MEMORY_REGISTERS, SCRATCH_KEYS, STAGES, GpuAttentionModule, GpuOperand, _free_index, out_through_q, partial_steps,
+                    scratch_width)
 
 F32 = "jnp.float32"
 
@@ -69,6 +70,14 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
 
     def e_of(self, c) -> str:
         return _free_index(self.k, self.p, c)
+
+    def partial_conditions(self) -> bool:
+        """Can a step hold absent elements (`lower.partial_steps`)? Its P . V is checked then."""
+        return partial_steps(self.k, self.p)
+
+    def scratch_width(self, c) -> int:
+        """The values' columns a product's checked P . V takes at a time (`lower.scratch_width`)."""
+        return scratch_width(self.tile[self.e_of(c)])
 
     def blocks(self, index: str) -> str:
         return f"(-(-{self.size_of(index)} // {self.tile[index]}))"
@@ -274,6 +283,17 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         lse_smem = n.local("row_lse_smem") if lse_ref else None
         if lse_smem:
             scoped.append(f"{lse_smem}=plgpu.SMEM({py_tuple(per + [str(tq)])}, {F32})")
+        # A partial step's checked product (`_checked_values`): per consumer a tile of 64 keys
+        # of the values' columns and each product's row sums.
+        scratch, probe_smem = {}, None
+        if self.partial_conditions():
+            for c in products:
+                key = (k.operand(c.value.operand).dtype.jnp, self.scratch_width(c))
+                if key not in scratch:
+                    scratch[key] = n.local("values_scratch")
+                    scoped.append(f"{scratch[key]}=plgpu.SMEM({py_tuple(per + [str(key[1]), str(SCRATCH_KEYS)])}, {key[0]})")
+            probe_smem = n.local("probe_smem")
+            scoped.append(f"{probe_smem}=plgpu.SMEM({py_tuple(per + [str(len(products)), str(tq)])}, {F32})")
         arrivals = 1 + len(row_ops)
         scoped.append(f"{barrier}=plgpu.Barrier(" + ", ".join(([f"num_arrivals={arrivals}"] if arrivals > 1 else [])
                                                                 + ([f"num_barriers={wgs}"] if ws else [])) + ")")
@@ -321,6 +341,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         if p.scale is not None:
             step.append(f"{s} = {s} * {p.scale!r}")
         shape = f"({tq}, {tk})"
+        checked = self.partial_conditions()  # a step may hold absent elements: its P . V is checked
         qpos, kpos = sn.local(f"{p.query}_pos"), sn.local(f"{p.key}_pos")
         pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {rows_at} * {rows}, jnp.int32)",
                      f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {key_tile}({t}) * {tk}, jnp.int32)"]
@@ -363,12 +384,21 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         step += [f"{m_new} = jnp.maximum({m_prev}, {sv}.max(axis=1))",
                  "# A row with nothing present yet keeps minus infinity; exp then gives zeros.",
                  f"{m_safe} = jnp.where({m_new} == jnp.full({row}, -jnp.inf, {F32}), jnp.full({row}, 0.0, {F32}), {m_new})",
-                 f"{alpha} = jnp.exp({m_prev} - {m_safe})",
-                 f"{probs} = jnp.exp({sv} - lax.broadcast_in_dim({m_safe}, {shape}, [0]))",
-                 f"{l_new} = {l_prev} * {alpha} + {probs}.sum(axis=1)"]
+                 f"{alpha} = jnp.exp({m_prev} - {m_safe})"]
+        exp = f"jnp.exp({{}} - lax.broadcast_in_dim({m_safe}, {shape}, [0]))"
+        if checked:
+            # A partial step marks its absent elements' weights -0.0 (present ones are +0.0 or
+            # more): the same product, and `_present_values` tells them from present weights
+            # that round to 0.
+            x = sn.local("x")
+            step += [f"{probs} = lax.cond({kind} == _PARTIAL, lambda {x}: jnp.where({x} == jnp.full({shape}, -jnp.inf, {F32}), "
+                     f"jnp.full({shape}, -0.0, {F32}), {exp.format(x)}), lambda {x}: {exp.format(x)}, {sv})"]
+        else:
+            step.append(f"{probs} = {exp.format(sv)}")
+        step.append(f"{l_new} = {l_prev} * {alpha} + {probs}.sum(axis=1)")
         new = {m_prev: m_new, l_prev: l_new}
         stored_dtype = None
-        for c in products:
+        for n_c, c in enumerate(products):
             vo = by_read[read_key(c.value)]
             vd = k.operand(c.value.operand).dtype.jnp
             e = self.e_of(c)
@@ -379,7 +409,22 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             vb = vo.smem if vlive == [p.key, e] else f"{vo.smem}.T"
             new_acc = sn.local(f"{c.output}_new")
             rescaled = f"{accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {self.tile[e]}), [0])"
-            step.append(f"{new_acc} = _mma_add({rescaled}, {mine(probs_smem[vd])}, {vb}, compiled)  # acc * alpha + P . V")
+            if not checked:
+                step.append(f"{new_acc} = _mma_add({rescaled}, {mine(probs_smem[vd])}, {vb}, compiled)  # acc * alpha + P . V")
+                new[accs[c.output]] = new_acc
+                continue
+            scaled = sn.local(f"{c.output}_scaled")
+            # P read again by a later product of these values' dtype: written back after the codes.
+            restore = ", restore=True" if any(k.operand(d.value.operand).dtype.jnp == vd for d in products[n_c + 1:]) else ""
+            probe = f"{probe_smem}.at[{wg}, {n_c}]" if ws else f"{probe_smem}.at[{n_c}]"
+            stored = f", stored={vo.smem}" if vb != vo.smem else ""  # the values lie columns by keys
+            checked_call = (f"_checked_values({scaled}, {mine(probs_smem[vd])}, {vb}, {mine(scratch[(vd, self.scratch_width(c))])}, "
+                            f"{probe}, compiled{restore}{stored})")
+            step += [f"{scaled} = {rescaled}",
+                     "# acc * alpha + P . V; on a partial step an absent element's weight (0) must not meet a NaN or Inf of",
+                     "# its value (`_checked_values`: the product over the present elements where the plain one is not finite).",
+                     f"{new_acc} = lax.cond({kind} == _PARTIAL, lambda: {checked_call}, lambda: _mma_add({scaled}, "
+                     f"{mine(probs_smem[vd])}, {vb}, compiled))"]
             new[accs[c.output]] = new_acc
         for c in p.consumers:
             if c.kind == "sum":
