@@ -77,7 +77,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
 
     def scratch_width(self, c) -> int:
         """The values' columns a product's checked P . V takes at a time (`lower.scratch_width`)."""
-        return scratch_width(self.tile[self.e_of(c)])
+        return scratch_width(self.tile[self.e_of(c)], self.k.operand(c.value.operand).dtype)
 
     def blocks(self, index: str) -> str:
         return f"(-(-{self.size_of(index)} // {self.tile[index]}))"

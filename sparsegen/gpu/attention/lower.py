@@ -292,10 +292,13 @@ def key_steps(tj: int) -> list[int]:
     return [t for t in (128, 64) if tj % t == 0]
 
 
-def scratch_width(columns: int) -> int:
-    """The values' columns a checked product takes at a time (`_present_values`): 64 where
-    they divide the tile (a transposed 64-row tile of f32 takes no other), else all."""
-    return 64 if columns % 64 == 0 else columns
+def scratch_width(columns: int, dtype: DType) -> int:
+    """The values' columns a checked product takes at a time (`_present_values`): 128 bytes
+    of them (a swizzled row: 64 bf16, 32 f32) where that divides the tile, else all. Wider
+    spilled (f32 at 64 columns: 92 bytes, masked_attention as written), narrower too (bf16
+    at 32: 156, two consumers)."""
+    width = 128 // dtype.itemsize
+    return width if columns % width == 0 else columns
 
 
 def partial_steps(k: Kernel, p: RowPlan) -> bool:
@@ -371,7 +374,8 @@ def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, wgs: int, row_lse: 
     if products and (checked if checked is not None else partial_steps(k, p)):
         # A partial step's checked P . V: per consumer a tile of 64 keys of the values'
         # columns (each dtype and width) and each product's row sums.
-        tiles = {(k.operand(c.value.operand).dtype, scratch_width(tile[_free_index(k, p, c)])) for c in products}
+        tiles = {(k.operand(c.value.operand).dtype, scratch_width(tile[_free_index(k, p, c)], k.operand(c.value.operand).dtype))
+                 for c in products}
         walk += sum(_aligned(wgs * w * SCRATCH_KEYS * d.itemsize) for d, w in tiles)
         walk += _aligned(wgs * len(products) * tq * 4)
     through_q = out_through_q(k, p, ops)
