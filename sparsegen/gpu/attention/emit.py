@@ -323,6 +323,14 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         accs = {c.output: sn.local(f"{c.output}_acc") for c in products}
         sums = {c.output: sn.local(f"{c.output}_sum") for c in p.consumers if c.kind == "sum"}
         carried = [m_prev, l_prev] + list(accs.values()) + list(sums.values())
+        # One warpgroup, a step may hold absent elements: the walk carries whether a partial
+        # step's P . V met a NaN or Inf at an absent element (the row block is then walked
+        # again, `exact`: those steps over the present elements alone). The check inline,
+        # beside the plain product, spilled registers there (local_gqa_attention: 60 bytes).
+        again = self.partial_conditions() and not ws
+        met_prev = sn.local("met_prev") if again else None
+        if again:
+            carried.append(met_prev)
         step = [f"{', '.join(carried)} = {carry}", f"({t},) = {idx}"]
         if p.conditions or any(self.ragged(i) for i in (p.query, p.key)):
             kind = sn.local("kind")
@@ -420,11 +428,24 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             stored = f", stored={vo.smem}" if vb != vo.smem else ""  # the values lie columns by keys
             checked_call = (f"_checked_values({scaled}, {mine(probs_smem[vd])}, {vb}, {mine(scratch[(vd, self.scratch_width(c))])}, "
                             f"{probe}, compiled{restore}{stored})")
+            plain = f"_mma_add({scaled}, {mine(probs_smem[vd])}, {vb}, compiled)"
             step += [f"{scaled} = {rescaled}",
-                     "# acc * alpha + P . V; on a partial step an absent element's weight (0) must not meet a NaN or Inf of",
-                     "# its value (`_checked_values`: the product over the present elements where the plain one is not finite).",
-                     f"{new_acc} = lax.cond({kind} == _PARTIAL, lambda: {checked_call}, lambda: _mma_add({scaled}, "
-                     f"{mine(probs_smem[vd])}, {vb}, compiled))"]
+                     "# acc * alpha + P . V; on a partial step an absent element's weight (0) must not meet a NaN or Inf of"]
+            if not again:
+                step += ["# its value (`_checked_values`: the product over the present elements where the plain one is not finite).",
+                         f"{new_acc} = lax.cond({kind} == _PARTIAL, lambda: {checked_call}, lambda: {plain})"]
+            else:
+                met = sn.local("met")
+                present_call = (f"_present_values({scaled}, {mine(probs_smem[vd])}, {vb}, {mine(scratch[(vd, self.scratch_width(c))])}, "
+                                f"compiled{restore}{stored})")
+                step += ["# its value: where one did (`_probed_values`), the walk is taken again, `exact`: the product over the",
+                         "# present elements alone (`_present_values`).",
+                         "if exact:",
+                         f"    {new_acc} = lax.cond({kind} == _PARTIAL, lambda: {present_call}, lambda: {plain})",
+                         "else:",
+                         f"    {new_acc}, {met} = lax.cond({kind} == _PARTIAL, lambda: _probed_values({scaled}, "
+                         f"{mine(probs_smem[vd])}, {vb}, {probe}), lambda: ({plain}, {kind} < 0))",  # (kind < 0: False, traced)
+                         f"    {met_prev} = {met_prev} | {met}"]
             new[accs[c.output]] = new_acc
         for c in p.consumers:
             if c.kind == "sum":
@@ -432,9 +453,12 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                 step.append(f"{new_sum} = {sums[c.output]} + jnp.where({sv} == jnp.full({shape}, -jnp.inf, {F32}), "
                             f"jnp.full({shape}, 0.0, {F32}), {sv}).sum(axis=1)")
                 new[sums[c.output]] = new_sum
+        if again:
+            new[met_prev] = met_prev
         step.append(f"return {', '.join(new[x] for x in carried)}")
         pipe_smems = [o.smem for o in pipe]
-        body += [f"def {step_fn}({', '.join([idx] + pipe_smems + [carry])}):"] + ["    " + line for line in step]
+        body += [f"def {step_fn}({', '.join([idx] + pipe_smems + [carry] + (['exact=False'] if again else []))}):"]
+        body += ["    " + line for line in step]
 
         # A consumer: its tiles copied once, the walk (the pipeline's steps), its outputs.
         cn = n.scope()
@@ -457,7 +481,16 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         init += [f"jnp.zeros(({tq}, {self.tile[self.e_of(c)]}), {F32})" for c in products]
         init += [f"jnp.zeros({row}, {F32})" for _ in sums]
         results = [cn.local("m"), cn.local("l")] + [cn.local(f"{c.output}_acc") for c in products] + [cn.local(f"{c}_sum") for c in sums]
-        cons.append(f"{', '.join(results)} = {over_keys}(({', '.join(init)}))")
+        if again:
+            met = cn.local("met")
+            unmet = f"{count} < 0"  # False (traced: Mosaic GPU takes no constant there)
+            cons.append(f"{', '.join(results + [met])} = {over_keys}(({', '.join(init + [unmet])}))")
+            cons += ["# A partial step's product met a NaN or Inf at an absent element: the row block walked again,",
+                     "# its partial steps over the present elements alone (finite data never take this).",
+                     f"{', '.join(results)} = lax.cond({met}, lambda: {over_keys}(({', '.join(init + [unmet])}), "
+                     f"exact=True)[:-1], lambda: ({', '.join(results)},))"]
+        else:
+            cons.append(f"{', '.join(results)} = {over_keys}(({', '.join(init)}))")
         mm, ll = results[0], results[1]
         res_acc = dict(zip([c.output for c in products], results[2:2 + len(products)]))
         res_sum = dict(zip(list(sums), results[2 + len(products):]))
@@ -514,7 +547,8 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             # and a warp-specialized CTA claims the whole register file (one CTA an SM).
             pn = n.scope()
             driver, init_carry = n.local("_over_keys"), pn.local("carry")
-            body += ["", f"def {driver}({init_carry}):", f"    return plgpu.emit_pipeline(", f"        {step_fn},", f"        grid=({count},),",
+            body += ["", f"def {driver}({init_carry}" + (", exact=False" if again else "") + "):", f"    return plgpu.emit_pipeline(",
+                     f"        functools.partial({step_fn}, exact=exact)," if again else f"        {step_fn},", f"        grid=({count},),",
                      "        in_specs=[" + ", ".join(maps) + "],", f"        max_concurrent_steps={STAGES},", f"        init_carry={init_carry},",
                      f"    )({', '.join(o.ref for o in pipe)})", "", f"{consumer}({driver})"]
         lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)}" + (', collective_axes="wg")' if ws else ")"),
