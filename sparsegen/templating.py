@@ -69,7 +69,7 @@ _OPTIONAL = {
     "int32": "_int32", "group_presence": "_group_presence", "sat_add": "_sat_add", "sat_sub": "_sat_sub", "add_at": "_add_at", "pieces": "_pieces",
     "add_present": "_add_present", "present_sum": "_present_sum", "present_dot": "_present_dot",
     "present_step": "_present_step", "present_value": "_present_value",
-    "nonfinite_row": "_nonfinite_row", "present_values": "_present_values", "mma_update": "_mma_update",
+    "nonfinite": "_nonfinite", "present_values": "_present_values", "mma_update": "_mma_update",
 }  # fmt: skip
 
 

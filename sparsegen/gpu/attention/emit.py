@@ -292,10 +292,10 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                     scoped.append(f"{scratch[key]}=plgpu.SMEM({py_tuple(per + [str(key[1]), str(SCRATCH_KEYS)])}, {key[0]})")
             probe_smem = n.local("probe_smem")
             scoped.append(f"{probe_smem}=plgpu.SMEM({py_tuple(per + [str(len(products)), str(tq)])}, {F32})")
-        met_smem = sync = None
-        if self.partial_conditions() and ws:  # each consumer's verdict, and a barrier of every warpgroup to read them
-            met_smem, sync = n.local("met_smem"), n.local("verdicts")
-            scoped += [f"{met_smem}=plgpu.SMEM(({wgs},), jnp.int32)", f"{sync}=plgpu.Barrier(num_arrivals={wgs + 1})"]
+        sync = None
+        if self.partial_conditions() and ws:  # a barrier of every warpgroup: the consumers' sums read by all
+            sync = n.local("verdicts")
+            scoped.append(f"{sync}=plgpu.Barrier(num_arrivals={wgs + 1})")
         arrivals = 1 + len(row_ops)
         scoped.append(f"{barrier}=plgpu.Barrier(" + ", ".join(([f"num_arrivals={arrivals}"] if arrivals > 1 else [])
                                                                 + ([f"num_barriers={wgs}"] if ws else [])) + ")")
@@ -486,17 +486,16 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         exactly = cn.local("exactly")
         cons.append(f"{', '.join(results)} = {over_keys}(({', '.join(init)}))")
         if checked:
-            met = cn.local("met")
-            probes = [f"_nonfinite_row({res}, {probe_smem}.at[{wg + ', ' if ws else ''}{n_c}])"
-                      for n_c, res in enumerate(results[2:2 + len(products)])]
-            cons += [f"if not {exactly}:",
-                     "    # A NaN or Inf an absent element's weight met in a partial step reached every row of its product:",
-                     "    # the first row decides (finite data pay its sums once).",
-                     f"    {met} = {' | '.join(probes)}"]
-            if ws:  # the consumers' verdicts, read by every warpgroup after the walk
-                cons.append(f"    {met_smem}[{wg}] = {met}.astype(jnp.int32)")
-            else:
-                cons += ["    # The row block walked again, its partial steps over the present elements alone.",
+            # A NaN or Inf an absent element's weight met in a partial step reached every row of its
+            # product and stays: the first row's sums decide (finite data pay them once a walk).
+            cons.append(f"if not {exactly}:")
+            cons += [f"    {probe_smem}.at[{wg + ', ' if ws else ''}{n_c}][...] = {res}.sum(axis=1)"
+                     for n_c, res in enumerate(results[2:2 + len(products)])]
+            if not ws:
+                met = cn.local("met")
+                cons += ["    plgpu.commit_smem()",
+                         f"    {met} = " + " | ".join(f"_nonfinite({probe_smem}[{n_c}, 0])" for n_c in range(len(products))),
+                         "    # The row block walked again, its partial steps over the present elements alone.",
                          f"    {', '.join(results)} = lax.cond({met}, lambda: {over_keys}(({', '.join(init)}), exact=True), "
                          f"lambda: ({', '.join(results)},))"]
         mm, ll = results[0], results[1]
@@ -555,7 +554,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             if checked:
                 # A consumer's partial step met a NaN or Inf at an absent element: every warpgroup
                 # reads the consumers' verdicts, and the CTA walks its rows again, exact.
-                verdicts = " | ".join(f"({met_smem}[{w}] != 0)" for w in range(wgs))
+                verdicts = " | ".join(f"_nonfinite({probe_smem}[{w}, {n_c}, 0])" for w in range(wgs) for n_c in range(len(products)))
                 body += ["plgpu.commit_smem()", f"plgpu.barrier_arrive({sync})", f"plgpu.barrier_wait({sync})", "",
                          f"@pl.when({verdicts})", "def _again():"]
                 body += ["    " + line for line in pipeline(exact, f"functools.partial({consumer}, {exactly}=True)")]

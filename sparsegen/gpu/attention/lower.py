@@ -19,11 +19,10 @@ from ...names import ModuleNames
 from ...schedule.attention import RowPlan, read_key
 from ...source import Diagnostic
 from ..plan import GpuError
-from ..rules import WARPGROUPS  # FlashAttention-3's shape, where the row block holds the consumers' rows
+from ..rules import MEMORY_REGISTERS, WARPGROUPS  # FlashAttention-3's shape, where the row block holds the consumers' rows
 from ..targets import GpuTarget
 from .backward import GpuBackward, plan_backward
 
-MEMORY_REGISTERS = 24  # the producer's registers a thread (setmaxnreg), as the backward's: the consumers take 240 (a partial step's checked P . V needs them)
 PAD_ROWS = 8  # a row block under TQ rows is a multiple of this (a TMA copy into the padded tile: 8-row swizzle atoms)
 TQ = 64  # rows of a consumer warpgroup: one WGMMA M (a 128-row score tile spills: docs/gpu-notes.md)
 STAGES = 2  # pipeline steps in flight (TMA copies of the key-side tiles)
