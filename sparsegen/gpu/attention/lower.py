@@ -385,4 +385,6 @@ def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, wgs: int, row_lse: 
     if row_lse:
         walk += _aligned(wgs * tq * 4)  # each row's logsumexp, kept for the gradients
     pipeline_barriers = 2 * STAGES if wgs > 1 else STAGES
-    return walk + buffers + 2 * ALIGN + 8 * (wgs + pipeline_barriers)
+    # Two consumers' sums read by every warpgroup after the walk: one more barrier.
+    verdicts = 1 if wgs > 1 and products and (checked if checked is not None else partial_steps(k, p)) else 0
+    return walk + buffers + 2 * ALIGN + 8 * (wgs + pipeline_barriers + verdicts)
