@@ -617,26 +617,6 @@ def _walk(keys, n_keys):
     return order, start.astype(jnp.int32), (end - start).astype(jnp.int32)
 
 
-def _add_present(acc, value, probe, dot, x, wide, keep, y):
-    """`acc[...] += value`, where `value` is dot(x, y) with the absent terms selected out of x
-    (0 where `keep` is false), unless y holds a NaN or Inf that meets an absent term (0 * NaN,
-    0 * Inf: NaN): then the sum of the present terms (`_present_dot`; `wide()`: x's values in
-    f32, read again there). `probe`: a slice of `value` that every entry of y reaches
-    whatever x holds (one value of an index of x's own: a non-finite y[k, n] makes column n
-    non-finite in every row), so finite data pay one check of a row or column. A kernel's
-    only region whose condition reads block data (`sparsegen verify --cycles` counts
-    `_nonfinite` as not run: finite data)."""
-    finite = jnp.all(jnp.isfinite(probe))
-
-    @pl.when(finite)
-    def _finite():
-        acc[...] += value
-
-    @pl.when(jnp.logical_not(finite))
-    def _nonfinite():
-        acc[...] += _present_dot(dot, x, wide(), keep, y)
-
-
 def _present_dot(dot, x, x32, keep, y):
     """dot(x, y) over the present terms alone (`keep`, broadcast to x; x holds 0 at the
     absent ones; `x32`: its values in f32, read at the present ones), with y's NaN and Inf:
@@ -669,6 +649,25 @@ def _present_dot(dot, x, x32, keep, y):
         jnp.where(pos > 0, jnp.inf, jnp.where(neg > 0, -jnp.inf, 0.0)),
     )
     return finite + special
+
+
+def _present_step(probe, write, value, present):
+    """A partial step's update inside a kernel: `write(value)`, `value` holding products over
+    whole blocks, where an absent term's weight (0) meets the other factor (0 x NaN, 0 x
+    Inf: NaN); unless `probe` (the product, or a slice of it that every NaN or Inf of the
+    other factor reaches whatever the weights hold, so finite data pay one check of a row or
+    column) is not finite: then `write(present())`, the products over the present terms
+    alone (`_present_dot`, its reads made there). Its condition reads block data: `sparsegen
+    verify --cycles` walks `_nonfinite` as finite data take it (never)."""
+    finite = jnp.all(jnp.isfinite(probe))
+
+    @pl.when(finite)
+    def _finite():
+        write(value)
+
+    @pl.when(jnp.logical_not(finite))
+    def _nonfinite():
+        write(present())
 
 
 def _kernel(
@@ -907,17 +906,23 @@ def _d_w_kernel(
         part = lax.dot_general(
             x_, g_o_, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
-        _add_present(
-            acc_ref,
-            part,
+
+        def write(value):
+            acc_ref[...] += value
+
+        _present_step(
             part[:, 0:1],
-            lambda a, b: lax.dot_general(
-                b, a, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            write,
+            part,
+            lambda: _present_dot(
+                lambda a, b: lax.dot_general(
+                    b, a, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                ),
+                g_o_,
+                g_o_ref[...].astype(jnp.float32),
+                present,
+                x_,
             ),
-            g_o_,
-            lambda: g_o_ref[...].astype(jnp.float32),
-            present,
-            x_,
         )
 
     @pl.when(step_kind_here == _FULL)

@@ -704,9 +704,12 @@ def _walk_tables(kinds, bound):
     )
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
     # Under jit the grid's step axis is as long as the data needs, not the tables: steps past
-    # a group's last are empty, and no group's steps past the longest one's are run at all.
+    # a group's last are empty, and no group's steps past the longest one's are run at all
+    # (on numpy arrays, as the pattern simulator runs this, the same count as an int).
     n_run = (
-        total if isinstance(needed, np.ndarray) else jnp.minimum(jnp.max(needed), total)
+        min(int(needed.max()), total)
+        if isinstance(needed, np.ndarray)
+        else jnp.minimum(jnp.max(needed), total)
     )
     return tuple(jnp.asarray(t) for t in tables), n_run, False
 
@@ -884,7 +887,9 @@ def _reference(x, sizes):
         lower_present,
         -jnp.inf,
     )
+    lower_present = jnp.where(jnp.isneginf(lower_present), -jnp.inf, lower_present)
     x_ = _expand(x, "ab", "ab").astype(jnp.float32)
+    x_ = jnp.where(jnp.isneginf(x_), -jnp.inf, x_)
     probs, lse = _softmax_rows(lower_present)
     p_ = probs
     p_ = p_.astype(jnp.float32)

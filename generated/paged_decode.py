@@ -475,10 +475,10 @@ def _present_dot(dot, x, x32, keep, y):
 
 
 def _present_value(probe, value, present):
-    """`value` (a product over a whole block, an absent term's weight 0 meeting the other
-    factor), or where `probe` (a slice of it every NaN or Inf of the other factor reaches)
-    is not finite, `present()`: the product over the present terms alone (`_present_dot`).
-    """
+    """`value` (products over whole blocks or arrays, an absent term's weight 0 meeting the
+    other factor), or where `probe` (`value`, or a slice of it every NaN or Inf of the other
+    factor reaches) is not finite, `present()`: the products over the present terms alone
+    (`_present_dot`). `_present_step`'s rule as a value (a loop's carry, XLA)."""
     return lax.cond(jnp.all(jnp.isfinite(probe)), lambda: value, present)
 
 
@@ -930,6 +930,7 @@ def _reference(q, kc, vc, pages, lens, sizes):
         s,
         -jnp.inf,
     )
+    s = jnp.where(jnp.isneginf(s), -jnp.inf, s)
     probs, lse = _softmax_rows(s)
     o_ = jnp.einsum(
         "abc,abce->abe",

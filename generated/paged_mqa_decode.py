@@ -397,8 +397,8 @@ def _visited_product(probs, values, visited, tiles, keep):
     walk sums it: only key blocks the row's block visits (`visited[..., row block, key
     block]`) take part, so a NaN in a skipped block stays out; inside a visited block only
     the present terms (`keep`, over the scores' axes): an absent element's value takes no
-    part, whatever it holds (`_present_sum`). Sizes past a partial last block are zero-padded.
-    """
+    part, whatever it holds (`_present_dot`). Sizes past a partial last block are
+    zero-padded."""
     ti, tj = tiles
     rows = probs.shape[-2]
     n_i, n_j = -(-rows // ti), -(-probs.shape[-1] // tj)
@@ -421,7 +421,28 @@ def _visited_product(probs, values, visited, tiles, keep):
             "...IiJj,...Jje->...IiJe", x, y, precision=lax.Precision.HIGHEST
         )
 
-    parts = _present_sum(blocked(probs, values), blocked, probs, keep, values)
+    # Over the present terms (`_present_dot`), and differentiated as the math is: a present
+    # term's probability meets its value (NaN included), an absent one's gets no gradient.
+    @jax.custom_vjp
+    def present(x, y, kept):
+        return _present_dot(blocked, x, x, kept > 0, y)
+
+    def present_fwd(x, y, kept):
+        return present(x, y, kept), (x, y, kept)
+
+    def present_bwd(saved, g):
+        x, y, kept = saved
+        dx, dy = jax.vjp(blocked, x, y)[1](g)
+        return jnp.where(kept > 0, dx, 0.0), dy, jnp.zeros_like(kept)
+
+    present.defvjp(present_fwd, present_bwd)
+    # The whole product only where the values are finite, inside the branch: outside it, its
+    # derivative's zero cotangent would meet a NaN value (0 x NaN) when the other is taken.
+    parts = lax.cond(
+        jnp.all(jnp.isfinite(values)),
+        lambda: blocked(probs, values),
+        lambda: present(probs, values, keep.astype(probs.dtype)),
+    )
     parts = jnp.where(visited[..., :, None, :, None], parts, 0.0)
     total = parts.sum(axis=-2)
     return total.reshape(total.shape[:-3] + (n_i * ti, total.shape[-1]))[..., :rows, :]
@@ -453,16 +474,6 @@ def _check_page_size(page, tile, what):
         _fail(
             f"{what} is {page}: pages must divide the key block of {tile} (a block gathers whole pages)"
         )
-
-
-def _present_sum(value, dot, x, keep, y):
-    """`value` (dot(x, y), the absent terms selected out of x: whole arrays), or where it is
-    not finite the sum of the present terms (`_present_dot`)."""
-    return lax.cond(
-        jnp.all(jnp.isfinite(value)),
-        lambda: value,
-        lambda: _present_dot(dot, x, x, keep, y),
-    )
 
 
 def _present_dot(dot, x, x32, keep, y):
@@ -500,10 +511,10 @@ def _present_dot(dot, x, x32, keep, y):
 
 
 def _present_value(probe, value, present):
-    """`value` (a product over a whole block, an absent term's weight 0 meeting the other
-    factor), or where `probe` (a slice of it every NaN or Inf of the other factor reaches)
-    is not finite, `present()`: the product over the present terms alone (`_present_dot`).
-    """
+    """`value` (products over whole blocks or arrays, an absent term's weight 0 meeting the
+    other factor), or where `probe` (`value`, or a slice of it every NaN or Inf of the other
+    factor reaches) is not finite, `present()`: the products over the present terms alone
+    (`_present_dot`). `_present_step`'s rule as a value (a loop's carry, XLA)."""
     return lax.cond(jnp.all(jnp.isfinite(probe)), lambda: value, present)
 
 
@@ -948,6 +959,7 @@ def _reference(q, kc, vc, pages, lens, sizes):
         s,
         -jnp.inf,
     )
+    s = jnp.where(jnp.isneginf(s), -jnp.inf, s)
     probs, lse = _softmax_rows(s)
     visits = _classify_pages(jnp, lens, sizes)
     o_ = _visited_product(

@@ -519,36 +519,6 @@ def _add_at(target, index, value):
     return target.at[index].add(value)
 
 
-def _add_present(acc, value, probe, dot, x, wide, keep, y):
-    """`acc[...] += value`, where `value` is dot(x, y) with the absent terms selected out of x
-    (0 where `keep` is false), unless y holds a NaN or Inf that meets an absent term (0 * NaN,
-    0 * Inf: NaN): then the sum of the present terms (`_present_dot`; `wide()`: x's values in
-    f32, read again there). `probe`: a slice of `value` that every entry of y reaches
-    whatever x holds (one value of an index of x's own: a non-finite y[k, n] makes column n
-    non-finite in every row), so finite data pay one check of a row or column. A kernel's
-    only region whose condition reads block data (`sparsegen verify --cycles` counts
-    `_nonfinite` as not run: finite data)."""
-    finite = jnp.all(jnp.isfinite(probe))
-
-    @pl.when(finite)
-    def _finite():
-        acc[...] += value
-
-    @pl.when(jnp.logical_not(finite))
-    def _nonfinite():
-        acc[...] += _present_dot(dot, x, wide(), keep, y)
-
-
-def _present_sum(value, dot, x, keep, y):
-    """`value` (dot(x, y), the absent terms selected out of x: whole arrays), or where it is
-    not finite the sum of the present terms (`_present_dot`)."""
-    return lax.cond(
-        jnp.all(jnp.isfinite(value)),
-        lambda: value,
-        lambda: _present_dot(dot, x, x, keep, y),
-    )
-
-
 def _present_dot(dot, x, x32, keep, y):
     """dot(x, y) over the present terms alone (`keep`, broadcast to x; x holds 0 at the
     absent ones; `x32`: its values in f32, read at the present ones), with y's NaN and Inf:
@@ -581,6 +551,33 @@ def _present_dot(dot, x, x32, keep, y):
         jnp.where(pos > 0, jnp.inf, jnp.where(neg > 0, -jnp.inf, 0.0)),
     )
     return finite + special
+
+
+def _present_step(probe, write, value, present):
+    """A partial step's update inside a kernel: `write(value)`, `value` holding products over
+    whole blocks, where an absent term's weight (0) meets the other factor (0 x NaN, 0 x
+    Inf: NaN); unless `probe` (the product, or a slice of it that every NaN or Inf of the
+    other factor reaches whatever the weights hold, so finite data pay one check of a row or
+    column) is not finite: then `write(present())`, the products over the present terms
+    alone (`_present_dot`, its reads made there). Its condition reads block data: `sparsegen
+    verify --cycles` walks `_nonfinite` as finite data take it (never)."""
+    finite = jnp.all(jnp.isfinite(probe))
+
+    @pl.when(finite)
+    def _finite():
+        write(value)
+
+    @pl.when(jnp.logical_not(finite))
+    def _nonfinite():
+        write(present())
+
+
+def _present_value(probe, value, present):
+    """`value` (products over whole blocks or arrays, an absent term's weight 0 meeting the
+    other factor), or where `probe` (`value`, or a slice of it every NaN or Inf of the other
+    factor reaches) is not finite, `present()`: the products over the present terms alone
+    (`_present_dot`). `_present_step`'s rule as a value (a loop's carry, XLA)."""
+    return lax.cond(jnp.all(jnp.isfinite(probe)), lambda: value, present)
 
 
 def _kernel(
@@ -618,15 +615,21 @@ def _kernel(
             x_ = _mask_tail(x_, 1, M - step_col[step] * 512)
             y_ = _mask_tail(y_, 0, M - step_col[step] * 512)
         part = jnp.dot(x_, y_, preferred_element_type=jnp.float32)
-        _add_present(
-            acc_ref,
-            part,
+
+        def write(value):
+            acc_ref[...] += value
+
+        _present_step(
             part[0:1, :],
-            lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32),
-            x_,
-            lambda: x_ref[...].astype(jnp.float32),
-            present,
-            y_,
+            write,
+            part,
+            lambda: _present_dot(
+                lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32),
+                x_,
+                x_ref[...].astype(jnp.float32),
+                present,
+                y_,
+            ),
         )
 
     @pl.when(step_kind_here == _FULL)
@@ -817,17 +820,23 @@ def _d_y_kernel(
         part = lax.dot_general(
             x_, g_o_, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
-        _add_present(
-            acc_ref,
-            part,
+
+        def write(value):
+            acc_ref[...] += value
+
+        _present_step(
             part[0:1, :],
-            lambda a, b: lax.dot_general(
-                a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            write,
+            part,
+            lambda: _present_dot(
+                lambda a, b: lax.dot_general(
+                    a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                ),
+                x_,
+                x_ref[...].astype(jnp.float32),
+                present,
+                g_o_,
             ),
-            x_,
-            lambda: x_ref[...].astype(jnp.float32),
-            present,
-            g_o_,
         )
 
     @pl.when(step_kind_here == _FULL)
@@ -1087,18 +1096,22 @@ def _reference(x, y, sizes):
         preferred_element_type=jnp.float32,
         precision=lax.Precision.HIGHEST,
     )
-    o = _present_sum(
+    o = _present_value(
         o,
-        lambda a, b: jnp.einsum(
-            "ac,cb->ab",
-            a,
-            b,
-            preferred_element_type=jnp.float32,
-            precision=lax.Precision.HIGHEST,
+        o,
+        lambda: _present_dot(
+            lambda a, b: jnp.einsum(
+                "ac,cb->ab",
+                a,
+                b,
+                preferred_element_type=jnp.float32,
+                precision=lax.Precision.HIGHEST,
+            ),
+            o_0,
+            o_0,
+            _expand(present, "ca", "ac"),
+            o_1,
         ),
-        o_0,
-        _expand(present, "ca", "ac"),
-        o_1,
     )
     o = o.astype(jnp.bfloat16)
     return o

@@ -8,7 +8,8 @@
 Each mutant is one small edit (a bound off by one, indices swapped, a sub-tile offset
 dropped, a check removed, a flush at the wrong step) of one file. For each, the tree is
 copied to a temporary folder (the working tree as it is, uncommitted edits included), the
-edit made there, and the tests that own that code run against the copy (`pytest -x`):
+edit made there, and the tests that own that code run against the copy (`pytest -x`, one
+run per entry of its `tests`, in their order, until one fails):
 *caught* if a test fails, *escaped* if they all pass, *stale* if the text to edit is no
 longer in the file exactly once (the list needs updating). Not run in CI: a full run takes
 about an hour on two cores. `docs/testing.md` holds the last table.
@@ -36,14 +37,17 @@ class Mutant:
     file: str
     old: str
     new: str
-    tests: tuple[str, ...]  # pytest arguments: files, or file::test, -k expressions as "-k", "expr"
+    tests: tuple[str, ...]  # files or node ids (file::test, file::test[id]); no -k: it filters every file
     about: str
 
 
 T_COND = ("tests/test_condition_boundaries.py", "tests/test_sum_conditions.py")
 T_GROUPED = ("tests/test_grouped_walk.py", "tests/test_sum_conditions.py", "tests/test_condition_boundaries.py")
-T_ATT = ("tests/test_shipped_tiles.py", "-k", "causal or document or local or masked", "tests/test_attention.py")
-T_GPU_ATT = ("tests/test_shipped_tiles.py", "-k", "gpu and (causal or document or local or masked)", "tests/test_gpu_attention.py")
+ATTENTION = ("causal_attention", "document_attention", "local_gqa_attention", "masked_attention")
+T_ATT = tuple(f"tests/test_shipped_tiles.py::test_tpu_example_at_its_tiles[sim-{n}]" for n in ATTENTION) + (
+    "tests/test_shipped_tiles.py::test_tpu_gradient_at_its_tiles[sim-causal_attention]", "tests/test_attention.py")
+T_GPU_ATT = tuple(f"tests/test_shipped_tiles.py::test_gpu_example_at_its_tiles[{n}-default]" for n in ATTENTION) + (
+    "tests/test_shipped_tiles.py::test_gpu_gradient_at_its_tiles[causal_attention-default]", "tests/test_gpu_attention.py")
 T_MESH = ("tests/test_sharded.py", "tests/test_ring_boundaries.py")
 T_CHECKS = ("tests/test_runtime_checks.py", "tests/test_calls.py")
 
@@ -65,7 +69,9 @@ MUTANTS: list[Mutant] = [
     Mutant("tail-mask-one-past", "templates/helpers.py.j2",
            "inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) < limit",
            "inside = lax.broadcasted_iota(jnp.int32, value.shape, axis) <= limit",
-           ("tests/test_kernels.py", "tests/test_condition_sizes.py", "tests/test_shipped_tiles.py", "-k", "not gpu"),
+           ("tests/test_condition_boundaries.py::test_triangle_and_band_one_row_off_a_whole_block", "tests/test_kernels.py",
+            "tests/test_condition_sizes.py", "tests/test_shipped_tiles.py::test_tpu_example_at_its_tiles",
+            "tests/test_shipped_tiles.py::test_tpu_gradient_at_its_tiles"),
            "a ragged tail keeps one element past the end (NaN in the simulator)"),
     Mutant("ring-key-origin-rows", "templates/ring.py.j2",
            "origin = jnp.stack([qc * lengths[0], kc * lengths[1]]).astype(jnp.int32)",
@@ -86,7 +92,8 @@ MUTANTS: list[Mutant] = [
            "the page-table check misses a reached negative entry (read as page 0)"),
     Mutant("lse-merge-no-max", "templates/helpers.py.j2",
            "    top = jnp.where(jnp.isneginf(top), 0.0, top)\n    total = sum_of(jnp.exp(lse - top))",
-           "    top = jnp.zeros_like(top)\n    total = sum_of(jnp.exp(lse - top))", T_MESH + ("tests/test_gpu_decode_split.py",),
+           "    top = jnp.zeros_like(top)\n    total = sum_of(jnp.exp(lse - top))",
+           ("tests/test_gpu_decode_split.py::test_parts_with_logits_past_the_exponents_range_merge",) + T_MESH,
            "merging partial softmaxes without subtracting the maximum (overflows for large logits)"),
     Mutant("route-drop-counts", "sparsegen/formats.py",
            "sizes = xp.bincount(key, length=num_experts + 1)[:num_experts].astype(xp.int32)",
@@ -106,8 +113,9 @@ MUTANTS: list[Mutant] = [
            "rows = jnp.minimum(tile, n - tile * jnp.arange(blocks))", "rows = jnp.full((blocks,), tile)", T_GROUPED,
            "a ragged last row block of one group never called full (its rows counted as a whole tile)"),
     Mutant("presence-shift-dropped", "templates/helpers.py.j2",
-           "at = jnp.where(inside, ids + shift, groups)", "at = jnp.where(inside, ids, groups)", T_GROUPED + T_MESH,
-           "group ids compared without a shard's offset"),
+           "at = jnp.where(inside, ids + shift, groups)", "at = jnp.where(inside, ids, groups)",
+           ("tests/test_grouped_walk.py::test_ids_compared_with_a_shifted_group",) + T_GROUPED,
+           "ids compared with a group plus a literal (`gid[m] == g + 1`) classified without it"),
     Mutant("coords-at-limit-accepted", "templates/helpers.py.j2",
            "bad = np.flatnonzero((host < -1) | (host >= limit))", "bad = np.flatnonzero((host < -1) | (host > limit))", T_CHECKS,
            "a coo coordinate equal to the block count accepted (then clamped: a wrong block)"),
@@ -118,7 +126,8 @@ MUTANTS: list[Mutant] = [
            "an output whose statement sums a split index not added across the mesh axis"),
     Mutant("attention-absent-gradient", "sparsegen/tpu/attention/kernels.py",
            "lines.append(f\"    {nm['draw']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['draw']})  # absent: no gradient\")",
-           "pass", ("tests/test_gradients.py", "tests/test_fused_backward.py", "tests/test_attention_numerics.py"),
+           "pass", ("tests/test_absent_attention.py::test_a_key_masked_by_its_score_gets_no_gradient_from_a_nan_row",
+                    "tests/test_gradients.py", "tests/test_fused_backward.py", "tests/test_attention_numerics.py"),
            "an absent score's raw gradient not zeroed in the fused backward"),
 ]
 
@@ -227,20 +236,24 @@ def run_one(m: Mutant, timeout: int) -> tuple[str, float, str]:
         path.write_text(text.replace(m.old, m.new))
         env = dict(os.environ, PYTHONPATH=str(dest), TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
         env.pop("SPARSEGEN_SWEEP", None)
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", *m.tests]
-        start = time.perf_counter()
-        try:
-            done = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return "timeout", time.perf_counter() - start, ""
-        seconds = time.perf_counter() - start
-        tail = (done.stdout + done.stderr).strip().splitlines()
-        failed = next((line for line in tail if line.startswith("FAILED") or line.startswith("ERROR")), tail[-1] if tail else "")
-        if done.returncode == 0:
-            return "escaped", seconds, tail[-1] if tail else ""
-        if done.returncode in (1, 2, 3):
-            return "caught", seconds, failed
-        return f"error (exit {done.returncode})", seconds, tail[-1] if tail else ""
+        # One pytest a `tests` entry, in their order, until one fails: within one run
+        # conftest puts the long mesh modules first, ahead of a faster catcher.
+        start, tails = time.perf_counter(), []
+        for entry in m.tests:
+            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", entry]
+            left = timeout - (time.perf_counter() - start)
+            try:
+                done = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=max(left, 1))
+            except subprocess.TimeoutExpired:
+                return "timeout", time.perf_counter() - start, f"in {entry}"
+            tail = (done.stdout + done.stderr).strip().splitlines()
+            tails.append(tail[-1] if tail else "")
+            if done.returncode in (1, 2, 3):
+                failed = next((line for line in tail if line.startswith("FAILED") or line.startswith("ERROR")), tails[-1])
+                return "caught", time.perf_counter() - start, failed
+            if done.returncode != 0:
+                return f"error (exit {done.returncode})", time.perf_counter() - start, f"{entry}: {tails[-1]}"
+        return "escaped", time.perf_counter() - start, "; ".join(tails)
 
 
 def main() -> int:
@@ -262,7 +275,7 @@ def main() -> int:
             print(f"{m.name:28} {'applies' if applies(m) else 'STALE  '} {m.file}: {m.about}")
         return 0
     rows = []
-    print(f"| mutant | file | what it plants | result | seconds | first failure |\n|---|---|---|---|---|---|", flush=True)
+    print("| mutant | file | what it plants | result | seconds | first failure |\n|---|---|---|---|---|---|", flush=True)
     for m in chosen:
         result, seconds, detail = run_one(m, args.timeout)
         rows.append(result)

@@ -271,15 +271,21 @@ class Term:
     ops: tuple[str, ...] = ()
 
     def walk(self):
-        yield self
-        for a in self.args:
-            yield from a.walk()
+        """Every node, in preorder (a loop, not nested generators: a long chain's terms are
+        walked many times)."""
+        stack = [self]
+        while stack:
+            t = stack.pop()
+            yield t
+            stack.extend(reversed(t.args))
 
-    @property
+    # Kept once found (a term never changes): the checks, the schedule and the mesh rules
+    # ask a statement's term for them again and again.
+    @functools.cached_property
     def reads(self) -> tuple[Read, ...]:
         return tuple(t.read for t in self.walk() if t.read is not None and t.op in ("read", "truth"))
 
-    @property
+    @functools.cached_property
     def locals(self) -> tuple[Read, ...]:
         return tuple(t.read for t in self.walk() if t.op == "local")
 

@@ -280,7 +280,7 @@ class Wrapper:
         selects it (`schedule.condition.selection`, so the two agree, NaN for NaN): the value
         written for a condition on the output's indices; the product kept along the summed
         indices the condition uses, selected, then summed; or one group of the sum that
-        holds the indices it spans, with `_present_sum` for the other."""
+        holds the indices it spans, with `_present_value` for the other."""
         from .schedule.condition import condition_indices, selection
         from .terms import as_read, render_term
 
@@ -325,7 +325,7 @@ class Wrapper:
                 lines.append(f"{var} = {var}.sum(axis={py_tuple(str(d) for d in range(len(out), len(inner)))})")
         else:
             # The group chosen has its absent terms selected out (extended along the
-            # condition's other indices); the other is met by `_present_sum`.
+            # condition's other indices); the other is met by `_present_value`.
             values, gspecs, keeps = [], [], {}
             for g, grp in enumerate(st.summed_groups):
                 spec = specs[grp.main]
@@ -350,7 +350,8 @@ class Wrapper:
                 a, b = self.local("a"), self.local("b")
                 params = {chosen: a, exposed: b}
                 dot = f'jnp.einsum("{contract}", {", ".join(params[g] for g in range(len(values)))}, {pref})'
-                lines.append(f"{var} = _present_sum({var}, lambda {a}, {b}: {dot}, {values[chosen]}, {keeps[chosen]}, {values[exposed]})")
+                alone = f"_present_dot(lambda {a}, {b}: {dot}, {values[chosen]}, {values[chosen]}, {keeps[chosen]}, {values[exposed]})"
+                lines.append(f"{var} = _present_value({var}, {var}, lambda: {alone})")
         ends = [g.main for g in st.end_groups]
         if ends:
             # Factors with no summed index multiply the sum (as in the kernel, at the flush).

@@ -14,6 +14,8 @@ import pytest
 
 from sparsegen.jaxenv import quiet_libtpu  # noqa: E402
 
+from crash_rerun import pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary  # noqa: E402,F401
+
 quiet_libtpu()  # also lets test workers share libtpu for ahead-of-time compiles
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -188,3 +188,103 @@ def test_paged_decode_keeps_unwritten_slots_out(window, value, interpret):
     if interpret is True:
         np.testing.assert_allclose(np.asarray(mod.reference(*args), np.float64), want, atol=2e-2, rtol=2e-2)
 
+
+
+# ------------------------------------- a score of minus infinity on a full block
+
+BIASED = f"""kernel cb {{
+    in  q: f32[B, H, S, D]
+    in  k: f32[B, H, S, D]
+    in  v: f32[B, H, S, D]
+    in  bias: f32[H, S, S]
+    out o: f32[B, H, S, D]
+    raw[b, h, i, j] = q[b, h, i, d] * k[b, h, j, d] * {SCALE}
+    s[b, h, i, j] = raw[b, h, i, j] + bias[h, i, j] where i >= j
+    o[b, h, i, e] = softmax(s[b, h, i, j], j) * v[b, h, j, e]
+    tile b = 1, h = 1, i = 128, j = 128, d = 128, e = 128
+}}
+"""
+MASKED_KEY, NAN_KEY = 5, 130  # a key every row masks by its bias; a value row seen by rows >= 130
+
+
+def biased_math(q, k, v, bias):
+    """BIASED in plain jnp, a term present where i >= j and its score is not minus infinity,
+    every factor of an absent term selected before the products (the gradients' oracle)."""
+    present = (jnp.arange(S)[:, None] >= jnp.arange(S)[None, :]) & ~jnp.isneginf(bias[0])
+    pm = present[None, None, :, :, None]
+    qb = jnp.where(pm, q[:, :, :, None, :], 0.0)
+    kb = jnp.where(pm, k[:, :, None, :, :], 0.0)
+    s = jnp.where(present, jnp.sum(qb * kb, -1) * SCALE + jnp.where(present, bias[0], 0.0), -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.sum(jnp.where(pm, p[..., None], 0.0) * jnp.where(pm, v[:, :, None, :, :], 0.0), axis=3)
+
+
+@both_modes
+@pytest.mark.parametrize("walk", ["fused", "two"] if SWEEP else ["fused"])
+def test_a_key_masked_by_its_score_gets_no_gradient_from_a_nan_row(walk, interpret, monkeypatch):
+    """An additive mask (`bias` minus infinity at key 5 for every row) makes key 5 absent on
+    the full block (rows 128..255, keys 0..127), where no condition is evaluated: the
+    elementwise chain's gradient there must be selected out, not just multiplied by the
+    weight 0. Rows >= 130 see a NaN value row (key 130, present for them), so their
+    statistics (delta = do . o) are NaN, and 0 x NaN would carry it into dk[5], which no
+    present term reaches: it must stay exactly the oracle's (finite)."""
+    _, mod = build(BIASED)
+    if walk == "two":
+        monkeypatch.setattr(mod, "_FUSED_MAX_ROWS", 0)
+    q, k, v = arrays(2)
+    bias = np.random.default_rng(3).standard_normal((1, S, S)).astype(np.float32)
+    bias[0, :, MASKED_KEY] = -np.inf
+    v[0, 0, NAN_KEY, ::3] = np.nan
+    g_o = np.random.default_rng(4).standard_normal(q.shape).astype(np.float32)
+    o, pull = jax.vjp(lambda q, k, v: mod.cb(q, k, v, bias, interpret=interpret), q, k, v)
+    want_o, pull_want = jax.vjp(lambda q, k, v: biased_math(q, k, v, bias), q, k, v)
+    close(o, want_o, "o")
+    got, want = pull(g_o), pull_want(g_o)
+    assert np.isfinite(np.asarray(want[1])[0, 0, MASKED_KEY]).all()  # the case is what it says
+    for name, a, b in zip("qkv", got, want):
+        close(a, b, f"d{name}", rtol=1e-4, atol=1e-4)
+
+
+def biased_case(masked: bool, nan_key: int):
+    """BIASED's operands: a NaN value row at `nan_key`, and with `masked` the bias minus
+    infinity at MASKED_KEY for every row (an absent key on the full block of rows 128..255)."""
+    q, k, v = arrays(2)
+    bias = np.random.default_rng(3).standard_normal((1, S, S)).astype(np.float32)
+    if masked:
+        bias[0, :, MASKED_KEY] = -np.inf
+    v[0, 0, nan_key, ::3] = np.nan
+    return q, k, v, bias
+
+
+@both_modes
+def test_a_value_masked_by_its_score_on_a_full_block_stays_out(interpret):
+    """A NaN value row at the key every row masks by its bias (minus infinity): its weight is
+    0 on every row, so no row sees it. Rows 128..255 meet it on a full block (keys 0..127,
+    no condition evaluated), where the step's product p @ v must still leave it out."""
+    _, mod = build(BIASED)
+    q, k, v, bias = biased_case(True, MASKED_KEY)
+    want = biased_math(q, k, v, bias)
+    assert np.isfinite(np.asarray(want)).all()  # the case is what it says
+    close(mod.cb(q, k, v, bias, interpret=interpret), want, "o")
+    if interpret is True:
+        close(mod.reference(q, k, v, bias), want, "reference o")
+
+
+@both_modes
+@pytest.mark.parametrize("masked", [True, False])
+def test_the_bias_gradient_is_zero_at_absent_elements_of_a_nan_row(masked, interpret):
+    """Rows >= 130 see a NaN value row (key 130, present for them): their statistics are NaN,
+    and so is the bias gradient at their present elements. At their absent ones (j > i by
+    the condition; key 5 by its score with `masked`) the gradient is 0, not 0 x NaN; in
+    `reference` too, whose rows < 130 must not meet the NaN row through the derivative of a
+    product they leave it out of."""
+    _, mod = build(BIASED)
+    q, k, v, bias = biased_case(masked, NAN_KEY)
+    g_o = np.random.default_rng(4).standard_normal(q.shape).astype(np.float32)
+    (got,) = jax.vjp(lambda b: mod.cb(q, k, v, b, interpret=interpret), bias)[1](g_o)
+    (want,) = jax.vjp(lambda b: biased_math(q, k, v, b), bias)[1](g_o)
+    assert np.isfinite(np.asarray(want)[0, NAN_KEY, NAN_KEY + 1 :]).all() and np.isnan(np.asarray(want)[0, NAN_KEY, NAN_KEY])  # the case is what it says
+    close(got, want, "dbias", rtol=1e-4, atol=1e-4)
+    if interpret is True:
+        (ref,) = jax.vjp(lambda b: mod.reference(q, k, v, b), bias)[1](g_o)
+        close(ref, want, "reference dbias", rtol=1e-4, atol=1e-4)

@@ -422,3 +422,54 @@ def test_check_says_a_module_comes_from_another_spec_with_the_same_kernel(tmp_pa
     result = in_process("check", "specs/dsd_matmul.spk", "specs/sdd_matmul.spk", "-o", "generated", cwd=tmp_path)
     assert result.stdout.splitlines() == ["stale: generated/dsd_matmul.py (from specs/dsd_matmul.spk)",
                                           "1 module out of date; run: sparsegen build specs/dsd_matmul.spk -o generated"]
+
+
+def _matmuls(tiles: list[int]) -> str:
+    """One small matmul kernel per tile of m (8192: m, n and k, which needs 2 GiB of VMEM)."""
+    return "\n".join(f"kernel mm{n} {{\n    in  x: f32[M, K]\n    in  y: f32[K, N]\n    out o: f32[M, N]\n\n    o[m, n] = x[m, k] * y[k, n]\n\n"
+                     f"    tile m = {t}, n = {128 if t < 8192 else t}, k = {128 if t < 8192 else t}\n}}\n" for n, t in enumerate(tiles))
+
+
+def test_worker_processes_build_the_same_modules_and_report_the_same_problems(tmp_path):
+    """Ten kernels: with -j 2 two forked workers lower and emit them (the parallel path is
+    taken: counted), the modules are byte for byte those of -j 1; a kernel the lowering
+    refuses (VMEM) among them is reported as one process reports it, and nothing is written."""
+    good = tmp_path / "good.spk"
+    good.write_text(_matmuls([128, 256, 512, 8, 16, 32, 64, 1024, 128, 256]))
+    bad = tmp_path / "bad.spk"
+    bad.write_text(_matmuls([128, 256, 8192, 16, 32, 64, 128, 256, 512]))
+    run = (
+        "import sys\n"
+        "import sparsegen.compiler as c\n"
+        "real, calls = c.emit_in_parallel, []\n"
+        "c.emit_in_parallel = lambda work, jobs: calls.append(jobs) or real(work, jobs)\n"
+        "from sparsegen.cli import main\n"
+        "code = main(sys.argv[1:])\n"
+        "print('workers', calls)\n"
+        "sys.exit(code)\n"
+    )
+
+    def build(spec, out, jobs):
+        return subprocess.run([sys.executable, "-c", run, "build", spec, "-o", out, "-q", "-j", str(jobs)], cwd=ROOT, capture_output=True, text=True)
+
+    one, two = build(good, tmp_path / "one", 1), build(good, tmp_path / "two", 2)
+    assert one.returncode == two.returncode == 0, one.stderr + two.stderr
+    assert "workers []" in one.stdout and "workers [2]" in two.stdout
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(f"mm{n}.py" for n in range(10)) == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    one, two = build(bad, tmp_path / "bad_one", 1), build(bad, tmp_path / "bad_two", 2)
+    assert one.returncode == two.returncode == 1 and "workers [2]" in two.stdout
+    assert "need 2048.1 MiB of VMEM" in one.stderr and one.stderr == two.stderr
+    assert not (tmp_path / "bad_one").exists() and not (tmp_path / "bad_two").exists()
+
+
+def test_a_build_in_a_running_process_leaves_the_collector_as_it_was(tmp_path):
+    """`main([...])` (a notebook, a test) pauses the cyclic collector during a build and
+    resumes it; only the program itself (`main()`, about to exit) freezes what is left."""
+    import gc
+
+    frozen = gc.get_freeze_count()
+    assert in_process("build", "specs/dsd_matmul.spk", "-o", tmp_path, "-q").returncode == 0
+    assert gc.isenabled() and gc.get_freeze_count() == frozen

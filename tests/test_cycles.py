@@ -235,7 +235,7 @@ def test_coo_walks_with_a_moving_output_are_estimated(estimates):
 
 def test_the_non_finite_path_of_a_condition_is_not_walked(estimates):
     """tril_matmul (`k <= m`: y lacks m) at M = 1024, 512 tiles: two diagonal (partial) steps
-    and one full. A partial step checks one row of its product and adds it (`_add_present`'s
+    and one full. A partial step checks one row of its product and adds it (`_present_step`'s
     `_finite`); its `_nonfinite` region (7 more products, run only where y holds a NaN or
     Inf) is not walked or counted: the partial region's MXU work is its one product, and the
     estimate stays near the product's minimum (the estimator would count the region as run,

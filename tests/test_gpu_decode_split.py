@@ -7,6 +7,7 @@ blocks on 132 SMs) is lowered and compiled by tests/test_gpu_decode.py.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_gpu_decode import _close, _module
@@ -35,6 +36,19 @@ def test_key_parts_merge_to_the_softmax_over_every_key(splits):
     got = mod._impl(*args, sizes, True, splits=splits)
     _close(got, _oracle(q, kc, vc, pages, lens))
     assert not np.asarray(got[0], np.float32).any()
+
+
+def test_parts_with_logits_past_the_exponents_range_merge():
+    """Scores near 1,000 (queries times 300): every part's logsumexp is past where f32's
+    exp overflows (88), so the merge weighs the parts from their largest logsumexp
+    (`_lse_weights`), not from 0: exp(1,000) would be infinite and every weight 0 or NaN."""
+    kernel, mod = _module("paged_decode.spk")
+    lens = [5, 200, 384]
+    q, kc, vc, pages, lens = _cache(np.random.default_rng(7), len(lens), 8, 1, 128, 16, 24, 120, lens, poison=True)
+    q = jnp.asarray(np.asarray(q, np.float32) * 300, jnp.bfloat16)
+    *args, sizes = mod._prepare(q, kc, vc, pages, lens, *(None for _ in mod._MESH_SIZES))
+    got = mod._impl(*args, sizes, True, splits=2)
+    _close(got, _oracle(q, kc, vc, pages, lens))
 
 
 def test_a_lone_sequence_is_split_by_default():

@@ -198,6 +198,29 @@ def test_operand_values_at_the_ends_of_int32_in_conditions(interpret, cond):
     assert_matches(kernel, mod.reference(x, y, lim, off), want)
 
 
+# One-based ids (0: no expert): the group of an id is the id less 1, a shift the
+# classification adds to every id before it compares (`_group_presence`).
+ONE_BASED = GROUPED.replace("where gid[m] == g", "where gid[m] == g + 1").replace("kernel grouped_matmul", "kernel grouped_one_based")
+
+
+@pytest.mark.parametrize(*in_both_modes(["sorted", "unsorted"], ["sorted"], "order", alone=True), indirect=["interpret"])
+def test_ids_compared_with_a_shifted_group(interpret, order):
+    """`gid[m] == g + 1` over 300 rows (a ragged last block), ids 0..4 with 0 a padding row
+    in no group: the classification is the brute force's for the ids less 1 (a block of
+    expert 1's ids is group 0's, full), and the kernel and `reference` equal the oracle."""
+    kernel, mod = build(ONE_BASED)
+    rng = np.random.default_rng(6)
+    x, w = bf16(rng, (300, 128)), bf16(rng, (4, 128, 128))
+    gid = np.repeat(np.arange(5), [20, 140, 30, 60, 50]).astype(np.int32)  # rows 20..147: expert 1
+    if order == "unsorted":
+        gid = rng.permutation(gid)
+    kinds = np.asarray(mod._classify(jnp, jnp.asarray(gid), (300, 128, 4, 128)))
+    np.testing.assert_array_equal(kinds, brute_kinds(gid.astype(np.int64) - 1, 128, 4))
+    want = grouped_oracle(x, w, gid.astype(np.int64) - 1)
+    assert_matches(kernel, mod.grouped_one_based(x, w, gid, interpret=interpret), want)
+    assert_matches(kernel, mod.reference(x, w, gid), want)
+
+
 # ------------------------------------------------------------------ item 7: exact pairs
 
 

@@ -99,3 +99,36 @@ def test_png_is_refused_for_attention(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert main(["plan", str(SPECS / "causal_attention.spk"), "--pattern", "tril", "--png", str(tmp_path / "x.png")]) == 2
     assert "is attention-like" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("spec", "tiles", "shape", "pattern"), [
+    ("document_attention.spk", {"i": 128, "j": 256}, dict(B=2, H=1, S=1000), "band=300"),
+    ("document_attention.spk", {"i": 256, "j": 128}, dict(B=1, H=2, S=768), "density=0.3"),
+    ("masked_attention.spk", {"i": 128, "j": 128}, dict(H=2, S=512, T=640), "tril"),
+    ("masked_softmax.spk", {"i": 64, "j": 128}, dict(S=300, T=512), "density=0.2"),
+    ("causal_attention.spk", {"i": 128, "j": 256}, dict(B=1, H=2, S=1000), "tril"),
+])
+def test_the_walk_on_numpy_is_the_walk_on_jax(monkeypatch, spec, tiles, shape, pattern):
+    """The simulator runs the generated wrapper, without its backward, with numpy for `jnp`
+    and `lax` (no XLA compile per operation and shape: variants of a data-dependent walk took
+    seconds each), classifying once per set of arguments; its report is the one running the
+    whole module on jax gives, classifying at every call, grid extent, tables and notes
+    included."""
+    from sparsegen.compiler import lower_source
+    from sparsegen.source import SourceFile
+    from sparsegen.tpu.attention import simulate as walk
+
+    from sparsegen.variants import default_sizes, expand
+
+    (plan,) = lower_source(SourceFile(spec, (SPECS / spec).read_text()))
+    options = {k: [v] for k, v in tiles.items()}
+    (variant,) = expand(plan.kernel, spec, options)
+    (plan,) = lower_source(variant.source)
+    shape = {**default_sizes(plan.kernel, options), **shape}
+    on_numpy = walk.analyse_attention(plan, shape, pattern).to_json()
+    monkeypatch.setattr(walk, "_host", lambda module: module)  # the generated module as written: jax
+    monkeypatch.setattr(walk, "_forward_only", lambda plan: plan)  # and all of it
+    monkeypatch.setattr(walk, "_once", lambda classify, found: classify)  # classifying at every call
+    on_jax = walk.analyse_attention(plan, shape, pattern).to_json()
+    assert on_numpy == on_jax
+    assert on_numpy["grid_steps"] < on_numpy["dense_block_products"] or spec == "masked_softmax.spk"

@@ -558,7 +558,7 @@ class ProductLowering:
           partial step before it is added, as the value of the summed index changes from
           step to step (a factor's tile selected there would leave 0 * Inf from the other's).
         A condition no factor's tile can select alone (`k <= m`: y[k, n] lacks m) leaves the
-        other factor `exposed`: the wrapper checks the result (`_present_sum`)."""
+        other factor `exposed`: the wrapper checks the result (`_present_value`)."""
         st, k, cond = self.st, self.k, self.cond
         for r in st.factors:
             op = k.operand(r.operand)

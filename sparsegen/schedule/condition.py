@@ -68,7 +68,7 @@ class Selection:
     - "group": the condition spans a summed index: the group of the sum `group`, which holds
       all the indices it spans. The other group, `exposed`, if any, may hold a NaN or Inf
       that meets an absent term (0 * NaN): a step where it does is recomputed over the
-      present terms (`_add_present`). Where both groups hold those indices, one is
+      present terms (`_present_step`). Where both groups hold those indices, one is
       selected and the other checked so (one select per step, not two)."""
 
     target: str  # "flush" | "product" | "group"

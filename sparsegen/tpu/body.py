@@ -315,15 +315,15 @@ class BodyWriter:
                 lines += more
                 value = part
             elif exposed:
-                # Added by `_add_present` (no value for the caller to add).
+                # Added by `_present_step` (no value for the caller to add).
                 assert not body.step
                 chosen = sel.group
                 # The chosen group's values in f32, read again from its blocks where the step is
                 # recomputed: widening the selected 16-bit block that feeds the matrix product,
                 # Mosaic selects it packed (as int16), which libtpu's cycle profiler rejects on v5e.
                 wide = self.product(groups[chosen])
-                wide = f"lambda: {cast(wide.code if wide.simple else f'({wide.code})', wide.dtype, self.acc)}"
-                return lines + self.present_sum(value, vals, chosen, sel.exposed, keeps[chosen], wide), ""
+                wide = cast(wide.code if wide.simple else f'({wide.code})', wide.dtype, self.acc)
+                return lines + self.present_step(value, vals, chosen, sel.exposed, keeps[chosen], wide), ""
             if body.step:
                 # Factors outside the sum read at this step (a coo operand's own block).
                 scale = [self.product(q) for q in body.step]
@@ -333,13 +333,13 @@ class BodyWriter:
         parts = [self.widened(v, body.acc_live) for v in vals]
         return lines, " * ".join(parts)
 
-    def present_sum(self, value: str, vals: list[Val], chosen: int, exposed: int, keep: str, wide: str) -> list[str]:
+    def present_step(self, value: str, vals: list[Val], chosen: int, exposed: int, keep: str, wide: str) -> list[str]:
         """Lines adding the step's product `value` to the accumulator where the absent terms
         are selected out of the group `chosen` alone: a NaN or Inf the group `exposed` holds
         meets them (0 * NaN). Checked on one slice of the product (at the first of `chosen`'s
         own indices); only where that is not finite is the step recomputed over the present
-        terms (`_add_present`; `wide`: a function giving `chosen`'s values in f32)."""
-        part = self.tp_local("part")
+        terms (`_present_step`; `wide`: `chosen`'s values in f32, read there alone)."""
+        part, write, arg = self.tp_local("part"), self.tp_local("write"), self.tp_local("value")
         mine = set(vals[chosen].axes) - set(vals[exposed].axes)
         # A non-finite entry of `exposed` reaches every value of `chosen`'s own indices (0 * NaN
         # and 0 * Inf are NaN): one of them suffices (the first: a block's row where it can be).
@@ -350,7 +350,11 @@ class BodyWriter:
         dot = self.contraction([Val(params[n], v.axes, v.dtype, True) for n, v in enumerate(vals)])
         x, y = vals[chosen].code, vals[exposed].code
         return [f"{part} = {value}",
-                f"_add_present({self.tp.acc_ref}, {part}, {probe}, lambda {a}, {b}: {dot}, {x}, {wide}, {keep}, {y})"]
+                "",
+                f"def {write}({arg}):",
+                f"    {self.tp.acc_ref}[...] += {arg}",
+                "",
+                f"_present_step({probe}, {write}, {part}, lambda: _present_dot(lambda {a}, {b}: {dot}, {x}, {wide}, {keep}, {y}))"]
 
     def tp_local(self, operand: str) -> str:
         name = operand if operand.isidentifier() else "v"

@@ -30,7 +30,7 @@ A grid extent the generated code traces (the steps a walk needs) is compiled as 
 it had for these tables: left a traced value, the estimator walked a grid of its own size.
 A region nested in a region reads block data (the host cannot evaluate it, and the
 estimator counts such a region as run: measured). Generated code has one kind,
-`_add_present`'s (a condition's partial step whose other factor may hold NaN or Inf):
+`_present_step`'s (a partial step whose other factor may hold NaN or Inf):
 `_finite` runs wherever the enclosing region does, `_nonfinite` is walked as finite data
 take it, never (`_CompilePl._nested`): the estimate is that of finite data.
 
@@ -203,7 +203,9 @@ def capture(fn, args: list, keywords: dict, backward: bool, pl_module) -> tuple[
     def recorded(kernel, **kwargs):
         def run(*a):
             calls.append(Call(kernel, kwargs, a))
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), kwargs["out_shape"])
+            # numpy's zeros: jax's would compile a broadcast per output shape (most of the
+            # walk's time on a variant of masked_softmax).
+            return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), kwargs["out_shape"])
 
         return run
 
@@ -452,7 +454,7 @@ class _CompilePl(types.ModuleType):
 
     def _nested(self, condition):
         """A region inside a region: its condition reads block data (the host cannot walk it,
-        and the estimator counts it as run). Generated code has one kind, `_add_present`'s:
+        and the estimator counts it as run). Generated code has one kind, `_present_step`'s:
         `_finite` runs wherever its enclosing region does on finite data (kept as it is,
         its dots the enclosing region's), `_nonfinite` never does: its condition is and-ed
         with `program_id(0) < 0`, false at every step, which the estimator resolves (the

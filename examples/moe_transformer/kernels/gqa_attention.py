@@ -584,8 +584,8 @@ def _visited_product(probs, values, visited, tiles, keep):
     walk sums it: only key blocks the row's block visits (`visited[..., row block, key
     block]`) take part, so a NaN in a skipped block stays out; inside a visited block only
     the present terms (`keep`, over the scores' axes): an absent element's value takes no
-    part, whatever it holds (`_present_sum`). Sizes past a partial last block are zero-padded.
-    """
+    part, whatever it holds (`_present_dot`). Sizes past a partial last block are
+    zero-padded."""
     ti, tj = tiles
     rows = probs.shape[-2]
     n_i, n_j = -(-rows // ti), -(-probs.shape[-1] // tj)
@@ -608,7 +608,28 @@ def _visited_product(probs, values, visited, tiles, keep):
             "...IiJj,...Jje->...IiJe", x, y, precision=lax.Precision.HIGHEST
         )
 
-    parts = _present_sum(blocked(probs, values), blocked, probs, keep, values)
+    # Over the present terms (`_present_dot`), and differentiated as the math is: a present
+    # term's probability meets its value (NaN included), an absent one's gets no gradient.
+    @jax.custom_vjp
+    def present(x, y, kept):
+        return _present_dot(blocked, x, x, kept > 0, y)
+
+    def present_fwd(x, y, kept):
+        return present(x, y, kept), (x, y, kept)
+
+    def present_bwd(saved, g):
+        x, y, kept = saved
+        dx, dy = jax.vjp(blocked, x, y)[1](g)
+        return jnp.where(kept > 0, dx, 0.0), dy, jnp.zeros_like(kept)
+
+    present.defvjp(present_fwd, present_bwd)
+    # The whole product only where the values are finite, inside the branch: outside it, its
+    # derivative's zero cotangent would meet a NaN value (0 x NaN) when the other is taken.
+    parts = lax.cond(
+        jnp.all(jnp.isfinite(values)),
+        lambda: blocked(probs, values),
+        lambda: present(probs, values, keep.astype(probs.dtype)),
+    )
     parts = jnp.where(visited[..., :, None, :, None], parts, 0.0)
     total = parts.sum(axis=-2)
     return total.reshape(total.shape[:-3] + (n_i * ti, total.shape[-1]))[..., :rows, :]
@@ -648,16 +669,6 @@ def _lse_weights(lse, max_of=lambda x: x.max(axis=0), sum_of=lambda x: x.sum(axi
     return jnp.exp(lse - jnp.where(jnp.isneginf(merged), 0.0, merged)), merged
 
 
-def _present_sum(value, dot, x, keep, y):
-    """`value` (dot(x, y), the absent terms selected out of x: whole arrays), or where it is
-    not finite the sum of the present terms (`_present_dot`)."""
-    return lax.cond(
-        jnp.all(jnp.isfinite(value)),
-        lambda: value,
-        lambda: _present_dot(dot, x, x, keep, y),
-    )
-
-
 def _present_dot(dot, x, x32, keep, y):
     """dot(x, y) over the present terms alone (`keep`, broadcast to x; x holds 0 at the
     absent ones; `x32`: its values in f32, read at the present ones), with y's NaN and Inf:
@@ -693,12 +704,13 @@ def _present_dot(dot, x, x32, keep, y):
 
 
 def _present_step(probe, write, value, present):
-    """A row walk's update on a partial step: `write(value)`, `value` holding products over
+    """A partial step's update inside a kernel: `write(value)`, `value` holding products over
     whole blocks, where an absent term's weight (0) meets the other factor (0 x NaN, 0 x
     Inf: NaN); unless `probe` (the product, or a slice of it that every NaN or Inf of the
-    other factor reaches) is not finite: then `write(present())`, the products over the
-    present terms alone (`_present_dot`). Finite data pay one check; `sparsegen verify
-    --cycles` walks `_nonfinite` as finite data take it (never)."""
+    other factor reaches whatever the weights hold, so finite data pay one check of a row or
+    column) is not finite: then `write(present())`, the products over the present terms
+    alone (`_present_dot`, its reads made there). Its condition reads block data: `sparsegen
+    verify --cycles` walks `_nonfinite` as finite data take it (never)."""
     finite = jnp.all(jnp.isfinite(probe))
 
     @pl.when(finite)
@@ -813,32 +825,26 @@ def _attention_kernel(
         o_part = lax.dot_general(
             probs, v_blk, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
-        if masked:
-            # An absent element's weight (0) meets its value: a NaN or Inf there must not
-            # reach the row (it reaches every row of the product, row 0 included).
+        # An absent element's weight (0) meets its value: a NaN or Inf there must not
+        # reach the row (it reaches every row of the product, row 0 included).
 
-            def write(x):
-                o_acc[...] = (alpha)[:, :64] * o_acc[...] + x
+        def write(x):
+            o_acc[...] = (alpha)[:, :64] * o_acc[...] + x
 
-            _present_step(
-                o_part[0:1],
-                write,
-                o_part,
-                lambda: _present_dot(
-                    lambda x, y: lax.dot_general(
-                        x,
-                        y,
-                        (((1,), (0,)), ((), ())),
-                        preferred_element_type=jnp.float32,
-                    ),
-                    probs,
-                    probs,
-                    jnp.logical_not(jnp.isneginf(scores)),
-                    v_blk,
+        _present_step(
+            o_part[0:1],
+            write,
+            o_part,
+            lambda: _present_dot(
+                lambda x, y: lax.dot_general(
+                    x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
                 ),
-            )
-        else:
-            o_acc[...] = (alpha)[:, :64] * o_acc[...] + o_part
+                probs,
+                probs,
+                jnp.logical_not(jnp.isneginf(scores)),
+                v_blk,
+            ),
+        )
 
     @pl.when(kind == _PARTIAL)
     def _partial():
@@ -1752,9 +1758,12 @@ def _walk_tables(kinds, bound):
     )
     _check_smem(5 * tables[0].size, "the walk's scalar-prefetch tables")
     # Under jit the grid's step axis is as long as the data needs, not the tables: steps past
-    # a group's last are empty, and no group's steps past the longest one's are run at all.
+    # a group's last are empty, and no group's steps past the longest one's are run at all
+    # (on numpy arrays, as the pattern simulator runs this, the same count as an int).
     n_run = (
-        total if isinstance(needed, np.ndarray) else jnp.minimum(jnp.max(needed), total)
+        min(int(needed.max()), total)
+        if isinstance(needed, np.ndarray)
+        else jnp.minimum(jnp.max(needed), total)
     )
     return tuple(jnp.asarray(t) for t in tables), n_run, False
 
@@ -2171,6 +2180,7 @@ def _reference(q, k, v, sizes):
         s,
         -jnp.inf,
     )
+    s = jnp.where(jnp.isneginf(s), -jnp.inf, s)
     probs, lse = _softmax_rows(s)
     visits = _classify_blocks(jnp, sizes)
     o_ = _visited_product(

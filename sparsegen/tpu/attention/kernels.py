@@ -490,18 +490,17 @@ class KernelWriter:
                 dot = f"lax.dot_general({{}}, {{}}, (((1,), ({vd},)), ((), ())), preferred_element_type={acc.jnp}{prec})"
                 part, write, x = n.local(f"{c.output}_part"), n.local("write"), n.local("x")
                 rescaled = f"{lanes(nm['alpha'], self.tile[self.e_of(c)])} * {a}[...]"
+                # Full steps too: a score of minus infinity from the data (an additive mask)
+                # is absent where no condition is evaluated.
                 lines += [f"    {part} = {dot.format(pv, vv)}",
-                          "    if masked:",
-                          "        # An absent element's weight (0) meets its value: a NaN or Inf there must not",
-                          "        # reach the row (it reaches every row of the product, row 0 included).",
+                          "    # An absent element's weight (0) meets its value: a NaN or Inf there must not",
+                          "    # reach the row (it reaches every row of the product, row 0 included).",
                           "",
-                          f"        def {write}({x}):",
-                          f"            {a}[...] = {rescaled} + {x}",
+                          f"    def {write}({x}):",
+                          f"        {a}[...] = {rescaled} + {x}",
                           "",
-                          f"        _present_step({part}[0:1], {write}, {part}, lambda: _present_dot(lambda {x}, y: {dot.format(x, 'y')}, "
-                          f"{pv}, {nm['probs']}, jnp.logical_not(jnp.isneginf({sv})), {vv}))",
-                          "    else:",
-                          f"        {a}[...] = {rescaled} + {part}"]
+                          f"    _present_step({part}[0:1], {write}, {part}, lambda: _present_dot(lambda {x}, y: {dot.format(x, 'y')}, "
+                          f"{pv}, {nm['probs']}, jnp.logical_not(jnp.isneginf({sv})), {vv}))"]
             elif c.kind == "sum":
                 lines.append(f"    {accs[c.output]}[...] += jnp.sum(jnp.where(jnp.isneginf({sv}), 0.0, {sv}), axis=1, keepdims=True)")
         lines += self.phases(kind, "_step")
@@ -726,6 +725,10 @@ class KernelWriter:
             lines.append(f"    {nm['ds']} = -{nm['probs']} * {widen(delta)}")
         if "dsum" in extra:
             lines.append(f"    {nm['ds']} = {nm['ds']} + jnp.where(jnp.isneginf({nm['s']}), 0.0, {widen(extra['dsum'] + row)})")
+        if dfe:
+            # The chain's gradient at an absent element is 0 (by the condition or by a score of
+            # minus infinity), not its weight 0 times a NaN of the row's statistics.
+            lines.append(f"    {nm['ds']} = jnp.where(jnp.isneginf({nm['s']}), 0.0, {nm['ds']})")
         if p.stored_score:  # the chain's operands are all there is to differentiate
             lines.append(f"    _, {nm['pull']} = jax.vjp({chain}, *{fes})")
             lines.append(f"    {', '.join(dfe)}{',' if len(dfe) == 1 else ''} = {nm['pull']}({nm['ds']})")

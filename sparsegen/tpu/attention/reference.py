@@ -66,6 +66,9 @@ class ReferenceWriter:
                 lines.append(f"{final} = {values[pt.local]}")
             if pt.condition is not None:
                 lines.append(f"{final} = jnp.where({render_term(pt.condition, lambda x: leaf(x, False))}, {final}, -jnp.inf)")
+            # A score of minus infinity is absent: no gradient reaches its chain (the softmax's
+            # is 0 x NaN there in a row whose statistics are NaN).
+            lines.append(f"{final} = jnp.where(jnp.isneginf({final}), -jnp.inf, {final})")
             finals.append(final)
         stats = {}
         for pt in sorted({c.point for c in p.consumers if c.kind in ("softmax_product", "logsumexp", "softmax_out")}):

@@ -2,8 +2,10 @@
 tables and index maps, counted as the einsum walks are (`tpu/simulate.py`).
 
 The generated function runs eagerly on the host with its `pallas_call`s recorded, not run
-(`cycles.capture`): the classification and `_walk_tables` compute the real tables for the
-pattern's data (`patterns.pattern_args`: masks, segment ids), the index maps run on every
+(`cycles.capture`), with numpy in its `jnp` and `lax`'s place (`_host`): the classification
+and `_walk_tables` compute the real tables for the pattern's data (`patterns.pattern_args`:
+masks, segment ids) as jax would, with no XLA compile per operation and array shape (which
+made a variant of a data-dependent walk take seconds), the index maps run on every
 grid step at once (`cycles.block_walks`), and the kernel's own `pl.when` conditions say
 which steps compute (`cycles.region_conditions`: its `_partial*` and `_full` regions). The
 dense baseline is the same module with every block classified partial: every (row block,
@@ -17,7 +19,7 @@ import math
 import numpy as np
 
 from ...schedule.attention import PARTIAL
-from ..simulate import Report, Simulation, Traffic, _runs, count_copies, roofline
+from ..simulate import Report, Simulation, Traffic, _HostLax, _HostNumpy, _runs, count_copies, roofline
 from ..targets import TARGETS
 
 
@@ -47,19 +49,24 @@ def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",
     k, p = plan.kernel, plan.plan
     env = {s: (lit if lit is not None else sizes[s]) for s, lit in k.symbols}
     args, keywords = concrete_args(plan, env, pattern, seed)
-    module = _load(emit(plan, "<memory>", formatted=False), f"sparsegen_walk_{plan.name}")
+    module = _host(_load(emit(_forward_only(plan), "<memory>", formatted=False), f"sparsegen_walk_{plan.name}"))
     fn = getattr(module, plan.name)
-    calls, _ = capture(fn, args, keywords, False, module.pl)
-    problem = _layout_problem(plan, calls)
-    if problem and strict:
-        raise LayoutRefused(problem)
-    sim = _walk(plan, calls)
-    notes = _notes(p, module, args, keywords, pattern, sim) + ((f"{problem}: the compile will refuse it",) if problem else ())
-    # The dense twin: every block classified partial (visited, the condition evaluated).
     classify = next(n for n in module.block_kinds.__code__.co_names if n.startswith("_classify_blocks"))
-    real = getattr(module, classify)
-    setattr(module, classify, lambda xp, *a, **kw: xp.full_like(real(xp, *a), PARTIAL))
-    dense = _walk(plan, capture(fn, args, keywords, False, module.pl)[0])
+    found: dict = {}
+    real = _once(getattr(module, classify), found)
+    setattr(module, classify, real)
+    try:
+        calls, _ = capture(fn, args, keywords, False, module.pl)
+        problem = _layout_problem(plan, calls)
+        if problem and strict:
+            raise LayoutRefused(problem)
+        sim = _walk(plan, calls)
+        notes = _notes(p, module, args, keywords, pattern, sim) + ((f"{problem}: the compile will refuse it",) if problem else ())
+        # The dense twin: every block classified partial (visited, the condition evaluated).
+        setattr(module, classify, lambda xp, *a, **kw: xp.full_like(real(xp, *a), PARTIAL))
+        dense = _walk(plan, capture(fn, args, keywords, False, module.pl)[0])
+    finally:
+        found.clear()  # the operands it holds (a mask of 64 MiB) go now, not when the module's cycles are collected
     parallel = bool(p.lead)
     estimates = {}
     for name in targets:
@@ -67,6 +74,80 @@ def analyse_attention(plan, sizes: dict[str, int], pattern: str, targets=("v5e",
         estimates[name] = {"seconds": ours["seconds"], "dense_seconds": base["seconds"],
                            "speedup": base["seconds"] / ours["seconds"] if ours["seconds"] else float("inf"), "bound": ours["bound"]}
     return Report(plan, env, pattern, sim, dense, estimates, None, tuple(notes), products="blocks visited (computing steps)")
+
+
+def _once(classify, found: dict):
+    """The module's classification, made once per set of arguments: the walk, its notes and
+    its dense twin each classify the pattern's operands (a pass over a mask of 8192² each
+    time). Arguments are compared as the function binds them (defaults filled in), arrays by
+    their memory, shape and type (jax hands the walk a view of the caller's numpy array);
+    they are kept in `found` with the result, so that no other array takes their memory
+    while it lives."""
+    import inspect
+
+    signature = inspect.signature(classify)
+
+    def key(value):
+        if isinstance(value, np.ndarray):
+            return ("array", value.__array_interface__["data"][0], value.shape, value.strides, value.dtype.str)
+        try:
+            hash(value)
+        except TypeError:
+            return ("id", id(value))
+        return ("value", value)
+
+    def once(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        k = tuple((name, id(v) if name == "xp" else key(v)) for name, v in bound.arguments.items())
+        if k not in found:
+            found[k] = (args, kwargs, classify(*args, **kwargs))
+        return found[k][2]
+
+    return once
+
+
+def _forward_only(plan):
+    """The plan without its backward: the walk is the forward's (a call not differentiated),
+    and the module is half as long to emit and compile (test_plan_attention.py checks the
+    report is the one the whole module gives)."""
+    import dataclasses
+
+    return dataclasses.replace(plan, backward_error="not simulated: the forward's walk is", backward_walk=None)
+
+
+class _HostJnp(_HostNumpy):
+    """`jnp` for the row walk's wrapper on the host: numpy, and jax.numpy for what numpy
+    lacks (`bfloat16`)."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            import jax.numpy as jnp
+
+            return getattr(jnp, name)
+
+
+class _HostJaxLax(_HostLax):
+    """`lax` on the host: `tpu.simulate`'s numpy functions, jax.lax's for the others."""
+
+    def __getattr__(self, name):
+        import jax
+
+        return getattr(jax.lax, name)
+
+
+_HOST_JNP = _HostJnp("jnp (numpy on the host, for the row walk)")
+_HOST_JAX_LAX = _HostJaxLax("lax (numpy on the host, for the row walk)")
+
+
+def _host(module):
+    """The generated module with numpy for `jnp` and `lax`: the walk's code (`_row_walk`,
+    `_walk_tables`) takes its jax branch (`xp` is not numpy itself), so the tables and the
+    grid are those jax computes (test_plan_attention.py checks the reports are equal)."""
+    module.jnp, module.lax = _HOST_JNP, _HOST_JAX_LAX
+    return module
 
 
 def _layout_problem(plan, calls) -> str | None:
