@@ -494,7 +494,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             if not ws:
                 met = cn.local("met")
                 cons += ["    plgpu.commit_smem()",
-                         f"    {met} = " + " | ".join(f"_nonfinite({probe_smem}[{n_c}, 0])" for n_c in range(len(products))),
+                         f"    {met} = " + " | ".join(f"_not_finite({probe_smem}[{n_c}, 0])" for n_c in range(len(products))),
                          "    # The row block walked again, its partial steps over the present elements alone.",
                          f"    {', '.join(results)} = lax.cond({met}, lambda: {over_keys}(({', '.join(init)}), exact=True), "
                          f"lambda: ({', '.join(results)},))"]
@@ -554,7 +554,7 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             if checked:
                 # A consumer's partial step met a NaN or Inf at an absent element: every warpgroup
                 # reads the consumers' verdicts, and the CTA walks its rows again, exact.
-                verdicts = " | ".join(f"_nonfinite({probe_smem}[{w}, {n_c}, 0])" for w in range(wgs) for n_c in range(len(products)))
+                verdicts = " | ".join(f"_not_finite({probe_smem}[{w}, {n_c}, 0])" for w in range(wgs) for n_c in range(len(products)))
                 body += ["plgpu.commit_smem()", f"plgpu.barrier_arrive({sync})", f"plgpu.barrier_wait({sync})", "",
                          f"@pl.when({verdicts})", "def _again():"]
                 body += ["    " + line for line in pipeline(exact, f"functools.partial({consumer}, {exactly}=True)")]

@@ -272,7 +272,7 @@ class GpuPagedEmitter(PagedEmitter):
         walk += ["plgpu.commit_smem()", "", f"def {again}():", f"    @pl.when({first} < {last})", "    def _prefetch_again():",
                  f"        {fetch}({first}, 0)", "",
                  f"    return lax.fori_loop({first}, {last}, functools.partial({step_fn}, exact=True), {start})", "",
-                 f"return lax.cond({' | '.join(f'_nonfinite({probe_smem}[{n_c}, 0])' for n_c in range(len(products)))}, "
+                 f"return lax.cond({' | '.join(f'_not_finite({probe_smem}[{n_c}, 0])' for n_c in range(len(products)))}, "
                  f"{again}, lambda: {walked})"]
 
         def rows_of(o_read_subs_indices, ref, lead=()) -> str:
