@@ -24,3 +24,11 @@ def quiet_libtpu() -> None:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
     # Parallel processes (test workers) may each load libtpu for AOT compiles.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def interpreter_threads(threads: int = 8) -> None:
+    """The Mosaic GPU interpreter runs each warpgroup of a CTA as a computation on XLA:CPU's
+    client thread pool, `NPROC` threads (else one a core), and a barrier wait blocks its
+    thread: on 2 cores a warp-specialized CTA (3 warpgroups) deadlocks once two of them wait
+    for the third, which never gets a thread. Read when jax's CPU client starts: call first."""
+    os.environ.setdefault("NPROC", str(max(threads, os.cpu_count() or 1)))

@@ -279,3 +279,33 @@ def test_two_consumers_lower_and_compile_for_h200():
         for kernel, kk in by_name.items():
             limit = FORWARD_SPILLS.get(name, 0) if kernel == "attention_kernel" else 0
             assert kk["spill_bytes"] <= limit and kk["registers"] <= 255, (name, kk)
+
+
+def test_two_consumers_walk_a_row_block_again_where_an_absent_value_is_nan():
+    """document_attention, two consumers and a producer, S ragged (200): NaN in v at key 199,
+    absent for rows 128..198 (another document below 150, above the diagonal from 150) and
+    present for row 199. The plain walk of row block 1 meets it (0 x NaN) in every row, so the
+    CTA's three warpgroups read the verdicts and walk the block again, exact (a second
+    warp-specialized pipeline): rows 0..198 finite and as the math has them, row 199 NaN in
+    the planted columns only. Against `reference` and numpy in float64, term by term."""
+    tiles, sizes = TWO["document_attention"]
+    kernel, mod = build(example("document_attention", tiles), "h200")
+    S = sizes["S"]
+    rng = np.random.default_rng(2)
+    q, k, v = (np.asarray(jax.numpy.asarray(rng.standard_normal((1, 1, S, 64)), jax.numpy.bfloat16).astype(np.float32)) for _ in range(3))
+    v = v.copy()
+    v[0, 0, 199, ::3] = np.nan
+    seg = (np.arange(S) >= 150).astype(np.int32)[None]
+    args = [jax.numpy.asarray(a, jax.numpy.bfloat16) for a in (q, k, v)] + [seg]
+    got = np.asarray(mod.document_attention(*args, interpret=True), np.float64)
+    ref = np.asarray(mod.reference(*args), np.float64)
+    # The math in float64: a row's softmax over its present keys, an absent term 0 whatever v holds.
+    present = (seg[0][:, None] == seg[0][None, :]) & (np.arange(S)[:, None] >= np.arange(S)[None, :])
+    s = np.where(present, q[0, 0].astype(np.float64) @ k[0, 0].T * 0.125, -np.inf)
+    w = np.where(present, np.exp(s - s.max(-1, keepdims=True)), 0.0)
+    with np.errstate(invalid="ignore"):
+        want = np.where(present[:, :, None], (w / w.sum(-1, keepdims=True))[:, :, None] * v[0, 0].astype(np.float64)[None], 0.0).sum(1)
+    assert np.isfinite(want[:199]).all() and np.isnan(want[199, ::3]).all() and np.isfinite(want[199, 1::3]).all()
+    for what, other in (("math", want[None, None]), ("reference", ref)):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(other), err_msg=f"NaN where the {what} has none, or none where it has")
+        np.testing.assert_allclose(got, other, rtol=3e-2, atol=3e-2, err_msg=what)

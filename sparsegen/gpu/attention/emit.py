@@ -489,7 +489,15 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             # A NaN or Inf an absent element's weight met in a partial step reached every row of its
             # product and stays: the first row's sums decide (finite data pay them once a walk).
             cons.append(f"if not {exactly}:")
-            cons += [f"    {probe_smem}.at[{wg + ', ' if ws else ''}{n_c}][...] = {res}.sum(axis=1)"
+            probe = "{}.sum(axis=1)"
+            if self.ragged(p.query):
+                # A row past the end is never stored: its sums (0 x a NaN of a present key's
+                # value, its rows seeing nothing) must not send the row block round again.
+                stored = cn.local("stored")
+                cons.append(f"    {stored} = lax.broadcasted_iota(jnp.int32, {row}, 0) + jnp.full({row}, {rows_at} * {rows}, "
+                            f"jnp.int32) < jnp.full({row}, {self.size_of(p.query)}, jnp.int32)")
+                probe = f"jnp.where({stored}, {{}}.sum(axis=1), jnp.zeros({row}, {F32}))"
+            cons += [f"    {probe_smem}.at[{wg + ', ' if ws else ''}{n_c}][...] = {probe.format(res)}"
                      for n_c, res in enumerate(results[2:2 + len(products)])]
             if not ws:
                 met = cn.local("met")
