@@ -28,9 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-from sparsegen.jaxenv import quiet_libtpu, unoptimised_cpu_compiles  # noqa: E402
+from sparsegen.jaxenv import interpreter_threads, quiet_libtpu, unoptimised_cpu_compiles  # noqa: E402
 
 quiet_libtpu()
+interpreter_threads()  # warp-specialized CTAs in the GPU interpreter: a thread per warpgroup (inherited by workers)
 
 import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402

@@ -50,3 +50,11 @@ def unoptimised_cpu_compiles() -> None:
             del os.environ["XLA_FLAGS"]
         else:
             os.environ["XLA_FLAGS"] = before
+
+
+def interpreter_threads(threads: int = 8) -> None:
+    """The Mosaic GPU interpreter runs each warpgroup of a CTA as a computation on XLA:CPU's
+    client thread pool, `NPROC` threads (else one a core), and a barrier wait blocks its
+    thread: on 2 cores a warp-specialized CTA (3 warpgroups) deadlocks once two of them wait
+    for the third, which never gets a thread. Read when jax's CPU client starts: call first."""
+    os.environ.setdefault("NPROC", str(max(threads, os.cpu_count() or 1)))

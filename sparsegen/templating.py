@@ -68,6 +68,7 @@ _OPTIONAL = {
     "key_splits": "_key_splits", "lse_weights": "_lse_weights", "merge_splits": "_merge_splits", "split_lse": "_split_lse",
     "int32": "_int32", "group_presence": "_group_presence", "sat_add": "_sat_add", "sat_sub": "_sat_sub", "add_at": "_add_at", "pieces": "_pieces",
     "present_dot": "_present_dot", "present_step": "_present_step", "present_value": "_present_value", "present_add": "_present_add",
+    "not_finite": "_not_finite", "present_values": "_present_values", "mma_update": "_mma_update",
 }  # fmt: skip
 
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparsegen.jaxenv import quiet_libtpu, unoptimised_cpu_compiles  # noqa: E402
+from sparsegen.jaxenv import interpreter_threads, quiet_libtpu, unoptimised_cpu_compiles  # noqa: E402
 
 from crash_rerun import pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary  # noqa: E402,F401
 
 quiet_libtpu()  # also lets test workers share libtpu for ahead-of-time compiles
+interpreter_threads()  # a thread per warpgroup in the Mosaic GPU interpreter, on few cores too
 # The interpreted kernels' compiles, about 20% less CPU (tests/test_kernels.py: 40 -> 32
 # CPU-seconds, tests/test_attention.py: 159 -> 127); AOT compiles through libtpu unchanged.
 unoptimised_cpu_compiles()

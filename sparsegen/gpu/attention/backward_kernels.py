@@ -331,9 +331,18 @@ class BackwardWriter:
             if not dq and len(probs_dtypes) == 1 and probs_dtypes[0] != F32:
                 # Warp-specialized dk/dv: p read back from its 16-bit tile (ds goes to WGMMA as
                 # 16 bits too), so the f32 p is not live beside dk, dv and the dO.V^T product.
-                step.append(f"{ds} = {mine(scratch[probs_dtypes[0]])}[...].astype({F32}) * ({dprobs} - {delta})  # p as dv's WGMMA reads it")
+                weight = sn.local("p")
+                step.append(f"{weight} = {mine(scratch[probs_dtypes[0]])}[...].astype({F32})  # p as dv's WGMMA reads it")
             else:
-                step.append(f"{ds} = {probs} * ({dprobs} - {delta})")
+                weight = probs
+            if conds and not self.has_chain():
+                # An absent element's weight is 0, but a NaN or Inf of its value (in dO . V^T) must
+                # not reach ds there (0 x NaN): selected, not multiplied (a weight rounded to 0
+                # passes no gradient either). With a chain, ds is selected after its derivative.
+                step.append(f"{ds} = jnp.where({weight} == jnp.full({shape}, 0.0, {F32}), jnp.full({shape}, 0.0, {F32}), "
+                            f"{weight} * ({dprobs} - {delta}))")
+            else:
+                step.append(f"{ds} = {weight} * ({dprobs} - {delta})")
         else:
             step.append(f"{ds} = -{probs} * {delta}")
         for c in p.consumers:

@@ -30,7 +30,8 @@ from ...wrapper import Glue, Wrapper, vjp_tables
 from ...tpu.attention.reference import ReferenceWriter  # backend-neutral: jax.numpy over whole arrays
 from .backward_kernels import BackwardWriter
 from .describe import describe_gpu_attention
-from .lower import MEMORY_REGISTERS, STAGES, GpuAttentionModule, GpuOperand, _free_index, out_through_q
+from .lower import (MEMORY_REGISTERS, SCRATCH_KEYS, STAGES, GpuAttentionModule, GpuOperand, _free_index, out_through_q, partial_steps,
+                    scratch_width)
 
 F32 = "jnp.float32"
 
@@ -69,6 +70,14 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
 
     def e_of(self, c) -> str:
         return _free_index(self.k, self.p, c)
+
+    def partial_conditions(self) -> bool:
+        """Can a step hold absent elements (`lower.partial_steps`)? Its P . V is checked then."""
+        return partial_steps(self.k, self.p)
+
+    def scratch_width(self, c) -> int:
+        """The values' columns a product's checked P . V takes at a time (`lower.scratch_width`)."""
+        return scratch_width(self.tile[self.e_of(c)], self.k.operand(c.value.operand).dtype)
 
     def blocks(self, index: str) -> str:
         return f"(-(-{self.size_of(index)} // {self.tile[index]}))"
@@ -217,11 +226,9 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                       f"{start} = {part} * {chunk}",
                       # Once, not an offset per step (that cost 8 spilled bytes at d = 128).
                       f"{col_at} = {slot} * {n_cols} + {start}  # the part's first entry in `cols`",
-                      f"{count} = jnp.maximum(jnp.minimum({count} - {start}, {chunk}), 0)"
-                      + (f" * {ksub}  # pipeline steps: {ksub} per key block" if ksub != 1 else "  # pipeline steps: one per key block")]
+                      f"{count} = jnp.maximum(jnp.minimum({count} - {start}, {chunk}), 0)  # key blocks (a walk's steps: {ksub} each)"]
         else:
-            lines.append(f"{count} = {tables[2]}[{slot}]" + (f" * {ksub}  # pipeline steps: {ksub} per non-empty key block" if ksub != 1
-                                                             else "  # pipeline steps: one per non-empty key block"))
+            lines.append(f"{count} = {tables[2]}[{slot}]  # the non-empty key blocks (a walk's steps: {ksub} each)")
         firsts = self.origin_lines(n, origins, lines)
 
         # Scalars (operands read with lead indices only), read once.
@@ -244,8 +251,8 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
                     parts.append(f"pl.ds(0, {self.tile[i]})")
             return ", ".join(parts)
 
-        def block(o: GpuOperand) -> str:
-            return py_tuple("None" if self.fixed(o, i) else str(tk if i == p.key else tq * wgs if i == p.query else self.tile[i]) for i in self.dims(o))
+        def block(o: GpuOperand, tkw: int) -> str:
+            return py_tuple("None" if self.fixed(o, i) else str(tkw if i == p.key else tq * wgs if i == p.query else self.tile[i]) for i in self.dims(o))
 
         # The walk's scope, shared by the CTA's warpgroups: per consumer its query tile, its
         # per-row operands, its probabilities' tile and its outputs' tiles (indexed by `wg`).
@@ -274,122 +281,185 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         lse_smem = n.local("row_lse_smem") if lse_ref else None
         if lse_smem:
             scoped.append(f"{lse_smem}=plgpu.SMEM({py_tuple(per + [str(tq)])}, {F32})")
+        # A partial step's checked product (`_checked_values`): per consumer a tile of 64 keys
+        # of the values' columns and each product's row sums.
+        scratch, probe_smem = {}, None
+        if self.partial_conditions():
+            for c in products:
+                key = (k.operand(c.value.operand).dtype.jnp, self.scratch_width(c))
+                if key not in scratch:
+                    scratch[key] = n.local("values_scratch")
+                    scoped.append(f"{scratch[key]}=plgpu.SMEM({py_tuple(per + [str(key[1]), str(SCRATCH_KEYS)])}, {key[0]})")
+            probe_smem = n.local("probe_smem")
+            scoped.append(f"{probe_smem}=plgpu.SMEM({py_tuple(per + [str(len(products)), str(tq)])}, {F32})")
+        sync = None
+        if self.partial_conditions() and ws:  # a barrier of every warpgroup: the consumers' sums read by all
+            sync = n.local("verdicts")
+            scoped.append(f"{sync}=plgpu.Barrier(num_arrivals={wgs + 1})")
         arrivals = 1 + len(row_ops)
         scoped.append(f"{barrier}=plgpu.Barrier(" + ", ".join(([f"num_arrivals={arrivals}"] if arrivals > 1 else [])
                                                                 + ([f"num_barriers={wgs}"] if ws else [])) + ")")
         walk = n.local("_shared")
         scope_names = [s.split("=")[0] for s in scoped]
-        key_block, key_tile = n.local("key_block"), n.local("key_tile")
+        checked = self.partial_conditions()  # a step may hold absent elements: its P . V is checked
         t = n.local("t")
-        lines += ["", f"def {key_block}({t}):", f"    # The key block of step {t} (the row block's non-empty ones, in order)",
-                  f"    return {tables[0]}[{col_at} + {t}" + (f" // {ksub}]" if ksub != 1 else "]"),
-                  "", f"def {key_tile}({t}):", f"    # The {tk} keys step {t} reads",
-                  f"    return {key_block}({t}) * {ksub} + {t} % {ksub}" if ksub != 1 else f"    return {key_block}({t})"]
-        maps = []
-        for o in pipe:
-            fn = n.local(f"_{o.read.operand}_tile")
-            coords = []
-            for i in self.dims(o):
-                coords.append(self.lead_coord(o, i) if self.fixed(o, i) else f"{key_tile}({t})" if i == p.key else row_tile if i == p.query else "0")
-            lines += ["", f"def {fn}({t}):", f"    return ({', '.join(coords)},)"]
-            maps.append(f"plgpu.BlockSpec({block(o)}, {fn})")
-        body = []
-
-        # The step, run by each consumer on its rows (the producer only copies).
-        sn = n.scope()
-        idx, carry = sn.local("idx"), sn.local("carry")
-        step_fn = n.local("_key_step")
-        m_prev, l_prev = sn.local("m_prev"), sn.local("l_prev")
-        accs = {c.output: sn.local(f"{c.output}_acc") for c in products}
-        sums = {c.output: sn.local(f"{c.output}_sum") for c in p.consumers if c.kind == "sum"}
-        carried = [m_prev, l_prev] + list(accs.values()) + list(sums.values())
-        step = [f"{', '.join(carried)} = {carry}", f"({t},) = {idx}"]
-        if p.conditions or any(self.ragged(i) for i in (p.query, p.key)):
-            kind = sn.local("kind")
-            step.append(f"{kind} = {tables[1]}[{slot} * {n_cols} + {key_block}({t})]")
-        else:
-            kind = None
-        q_mine = mine(qo.smem)
-        qa = q_mine if self.free(qo) == [p.query, p.summed] else f"{q_mine}.T"
-        ko = m.operand("k")
-        klive = self.free(ko)
-        kb = f"{ko.smem}.T" if klive == [p.key, p.summed] else ko.smem
-        score_fn, acc_ref = sn.local("_score"), sn.local("acc_ref")
-        s = sn.local("s")
-        step += ["", f"def {score_fn}({acc_ref}):", f"    plgpu.wgmma({acc_ref}, {qa}, {kb})", f"    return {acc_ref}[...]", "",
-                 f"{s} = pl.run_scoped({score_fn}, plgpu.ACC(({tq}, {tk}), {F32}))"]
-        if p.scale is not None:
-            step.append(f"{s} = {s} * {p.scale!r}")
-        shape = f"({tq}, {tk})"
-        qpos, kpos = sn.local(f"{p.query}_pos"), sn.local(f"{p.key}_pos")
-        pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {rows_at} * {rows}, jnp.int32)",
-                     f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {key_tile}({t}) * {tk}, jnp.int32)"]
-        gpos = self.global_positions(sn, firsts, {p.query: qpos, p.key: kpos}, shape, pos_lines)
         by_read = {read_key(o.read): o for o in ops}
 
-        def read(r) -> str:
-            """An operand a term reads, as this consumer's tile."""
-            o = by_read[read_key(r)]
-            if o.layout == "tile":
-                # The CTA's tile spans every consumer's rows: this consumer's part.
-                return f"{o.smem}.at[pl.ds({wg} * {tq}, {tq})][...]" if ws else f"{o.smem}[...]"
-            if o.layout == "rows":
-                return f"lax.broadcast_in_dim({mine(o.smem)}[...], {shape}, [0])"
-            if o.layout == "cols":
-                return f"lax.broadcast_in_dim({o.smem}[...], {shape}, [1])"
-            return f"jnp.full({shape}, {scalars[read_key(o.read)]}, {k.operand(o.read.operand).dtype.jnp})"
+        def walk_lines(tkw: int, mode: str) -> dict:
+            """A walk of `tkw` keys a step: its tables' helpers, BlockSpecs and step function.
+            `mode`: "plain" (a partial step's P . V over whole tiles, where an absent
+            element's weight 0 meets its value) or "exact" (over the present elements alone:
+            the walk taken again where a plain one's accumulator is not finite)."""
+            ksub_w = tj // tkw
+            defs = []
+            key_block, key_tile = n.local("key_block"), n.local("key_tile")
+            defs += ["", f"def {key_block}({t}):", f"    # The key block of step {t} (the row block's non-empty ones, in order)",
+                     f"    return {tables[0]}[{col_at} + {t}" + (f" // {ksub_w}]" if ksub_w != 1 else "]"),
+                     "", f"def {key_tile}({t}):", f"    # The {tkw} keys step {t} reads",
+                     f"    return {key_block}({t}) * {ksub_w} + {t} % {ksub_w}" if ksub_w != 1 else f"    return {key_block}({t})"]
+            maps = []
+            for o in pipe:
+                fn = n.local(f"_{o.read.operand}_tile")
+                coords = []
+                for i in self.dims(o):
+                    coords.append(self.lead_coord(o, i) if self.fixed(o, i) else f"{key_tile}({t})" if i == p.key else row_tile if i == p.query else "0")
+                defs += ["", f"def {fn}({t}):", f"    return ({', '.join(coords)},)"]
+                maps.append(f"plgpu.BlockSpec({block(o, tkw)}, {fn})")
+            step_def = []
 
-        terms = ScoreTerms(gpos, self.lv, lambda v: f"jnp.full({shape}, {v}, jnp.int32)", read, F32, self.m.conv.size_var, {p.score: s})
-        uses_pos = any(t_.op == "index" and t_.name in (p.query, p.key) for _, term in p.chain for t_ in term.walk())
-        if uses_pos:
-            step += pos_lines
-        step += terms.chain(p.chain, sn.local)
-        pt = p.points[0]
-        sv = terms.point(pt)
-        conds = [terms.test(pt.condition)] if pt.condition is not None else []
-        conds += [f"{pos} < {self.size_of(i)}" for i, pos in ((p.query, qpos), (p.key, kpos)) if self.ragged(i)]
-        if conds:
-            masked, x = sn.local("_masked"), sn.local("x")
-            step += ["", f"def {masked}({x}):", "    # A partial block: the condition (and the ragged ends) evaluated; absent is minus infinity."]
-            if not uses_pos:
-                step += ["    " + line for line in pos_lines]
-            present = sn.local("present")
-            cond = " & ".join(f"({c})" for c in conds) if len(conds) > 1 else conds[0]
-            step += [f"    {present} = {cond}", f"    return jnp.where({present}, {x}, jnp.full({shape}, -jnp.inf, {F32}))", "",
-                     "# A full block: every element present, the condition not evaluated.",
-                     f"{sv} = lax.cond({kind} == _PARTIAL, {masked}, lambda {x}: {x}, {sv})"]
-        row = f"({tq},)"
-        m_new, m_safe, alpha, probs, l_new = (sn.local(x) for x in ("m_new", "m_safe", "alpha", "probs", "l_new"))
-        step += [f"{m_new} = jnp.maximum({m_prev}, {sv}.max(axis=1))",
-                 "# A row with nothing present yet keeps minus infinity; exp then gives zeros.",
-                 f"{m_safe} = jnp.where({m_new} == jnp.full({row}, -jnp.inf, {F32}), jnp.full({row}, 0.0, {F32}), {m_new})",
-                 f"{alpha} = jnp.exp({m_prev} - {m_safe})",
-                 f"{probs} = jnp.exp({sv} - lax.broadcast_in_dim({m_safe}, {shape}, [0]))",
-                 f"{l_new} = {l_prev} * {alpha} + {probs}.sum(axis=1)"]
-        new = {m_prev: m_new, l_prev: l_new}
-        stored_dtype = None
-        for c in products:
-            vo = by_read[read_key(c.value)]
-            vd = k.operand(c.value.operand).dtype.jnp
-            e = self.e_of(c)
-            if stored_dtype != vd:
-                step += [f"{mine(probs_smem[vd])}[...] = {probs}.astype({vd})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
-                stored_dtype = vd
-            vlive = self.free(vo)
-            vb = vo.smem if vlive == [p.key, e] else f"{vo.smem}.T"
-            new_acc = sn.local(f"{c.output}_new")
-            rescaled = f"{accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {self.tile[e]}), [0])"
-            step.append(f"{new_acc} = _mma_add({rescaled}, {mine(probs_smem[vd])}, {vb}, compiled)  # acc * alpha + P . V")
-            new[accs[c.output]] = new_acc
-        for c in p.consumers:
-            if c.kind == "sum":
-                new_sum = sn.local(f"{c.output}_new")
-                step.append(f"{new_sum} = {sums[c.output]} + jnp.where({sv} == jnp.full({shape}, -jnp.inf, {F32}), "
-                            f"jnp.full({shape}, 0.0, {F32}), {sv}).sum(axis=1)")
-                new[sums[c.output]] = new_sum
-        step.append(f"return {', '.join(new[x] for x in carried)}")
-        pipe_smems = [o.smem for o in pipe]
-        body += [f"def {step_fn}({', '.join([idx] + pipe_smems + [carry])}):"] + ["    " + line for line in step]
+            # The step, run by each consumer on its rows (the producer only copies).
+            sn = n.scope()
+            idx, carry = sn.local("idx"), sn.local("carry")
+            step_fn = n.local("_key_step" if mode != "exact" else "_exact_step")
+            m_prev, l_prev = sn.local("m_prev"), sn.local("l_prev")
+            accs = {c.output: sn.local(f"{c.output}_acc") for c in products}
+            sums = {c.output: sn.local(f"{c.output}_sum") for c in p.consumers if c.kind == "sum"}
+            carried = [m_prev, l_prev] + list(accs.values()) + list(sums.values())
+            step = [f"{', '.join(carried)} = {carry}", f"({t},) = {idx}"]
+            if p.conditions or any(self.ragged(i) for i in (p.query, p.key)):
+                kind = sn.local("kind")
+                step.append(f"{kind} = {tables[1]}[{slot} * {n_cols} + {key_block}({t})]")
+            else:
+                kind = None
+            q_mine = mine(qo.smem)
+            qa = q_mine if self.free(qo) == [p.query, p.summed] else f"{q_mine}.T"
+            ko = m.operand("k")
+            klive = self.free(ko)
+            kb = f"{ko.smem}.T" if klive == [p.key, p.summed] else ko.smem
+            score_fn, acc_ref = sn.local("_score"), sn.local("acc_ref")
+            s = sn.local("s")
+            step += ["", f"def {score_fn}({acc_ref}):", f"    plgpu.wgmma({acc_ref}, {qa}, {kb})", f"    return {acc_ref}[...]", "",
+                     f"{s} = pl.run_scoped({score_fn}, plgpu.ACC(({tq}, {tkw}), {F32}))"]
+            if p.scale is not None:
+                step.append(f"{s} = {s} * {p.scale!r}")
+            shape = f"({tq}, {tkw})"
+            qpos, kpos = sn.local(f"{p.query}_pos"), sn.local(f"{p.key}_pos")
+            pos_lines = [f"{qpos} = lax.broadcasted_iota(jnp.int32, {shape}, 0) + jnp.full({shape}, {rows_at} * {rows}, jnp.int32)",
+                         f"{kpos} = lax.broadcasted_iota(jnp.int32, {shape}, 1) + jnp.full({shape}, {key_tile}({t}) * {tkw}, jnp.int32)"]
+            gpos = self.global_positions(sn, firsts, {p.query: qpos, p.key: kpos}, shape, pos_lines)
+
+            def read(r) -> str:
+                """An operand a term reads, as this consumer's tile."""
+                o = by_read[read_key(r)]
+                if o.layout == "tile":
+                    # The CTA's tile spans every consumer's rows: this consumer's part.
+                    return f"{o.smem}.at[pl.ds({wg} * {tq}, {tq})][...]" if ws else f"{o.smem}[...]"
+                if o.layout == "rows":
+                    return f"lax.broadcast_in_dim({mine(o.smem)}[...], {shape}, [0])"
+                if o.layout == "cols":
+                    return f"lax.broadcast_in_dim({o.smem}[...], {shape}, [1])"
+                return f"jnp.full({shape}, {scalars[read_key(o.read)]}, {k.operand(o.read.operand).dtype.jnp})"
+
+            terms = ScoreTerms(gpos, self.lv, lambda v: f"jnp.full({shape}, {v}, jnp.int32)", read, F32, self.m.conv.size_var, {p.score: s})
+            uses_pos = any(t_.op == "index" and t_.name in (p.query, p.key) for _, term in p.chain for t_ in term.walk())
+            if uses_pos:
+                step += pos_lines
+            step += terms.chain(p.chain, sn.local)
+            pt = p.points[0]
+            sv = terms.point(pt)
+            conds = [terms.test(pt.condition)] if pt.condition is not None else []
+            conds += [f"{pos} < {self.size_of(i)}" for i, pos in ((p.query, qpos), (p.key, kpos)) if self.ragged(i)]
+            if conds:
+                masked, x = sn.local("_masked"), sn.local("x")
+                step += ["", f"def {masked}({x}):", "    # A partial block: the condition (and the ragged ends) evaluated; absent is minus infinity."]
+                if not uses_pos:
+                    step += ["    " + line for line in pos_lines]
+                present = sn.local("present")
+                cond = " & ".join(f"({c})" for c in conds) if len(conds) > 1 else conds[0]
+                step += [f"    {present} = {cond}", f"    return jnp.where({present}, {x}, jnp.full({shape}, -jnp.inf, {F32}))", "",
+                         "# A full block: every element present, the condition not evaluated.",
+                         f"{sv} = lax.cond({kind} == _PARTIAL, {masked}, lambda {x}: {x}, {sv})"]
+            row = f"({tq},)"
+            m_new, m_safe, alpha, probs, l_new = (sn.local(x) for x in ("m_new", "m_safe", "alpha", "probs", "l_new"))
+            step += [f"{m_new} = jnp.maximum({m_prev}, {sv}.max(axis=1))",
+                     "# A row with nothing present yet keeps minus infinity; exp then gives zeros.",
+                     f"{m_safe} = jnp.where({m_new} == jnp.full({row}, -jnp.inf, {F32}), jnp.full({row}, 0.0, {F32}), {m_new})",
+                     f"{alpha} = jnp.exp({m_prev} - {m_safe})"]
+            exp = f"jnp.exp({{}} - lax.broadcast_in_dim({m_safe}, {shape}, [0]))"
+            if mode == "exact":
+                # A partial step marks its absent elements' weights -0.0 (present ones are +0.0 or
+                # more): the same product, and `_present_values` tells them from present weights
+                # that round to 0.
+                x = sn.local("x")
+                step += [f"{probs} = lax.cond({kind} == _PARTIAL, lambda {x}: jnp.where({x} == jnp.full({shape}, -jnp.inf, {F32}), "
+                         f"jnp.full({shape}, -0.0, {F32}), {exp.format(x)}), lambda {x}: {exp.format(x)}, {sv})"]
+            else:
+                step.append(f"{probs} = {exp.format(sv)}")
+            step.append(f"{l_new} = {l_prev} * {alpha} + {probs}.sum(axis=1)")
+            new = {m_prev: m_new, l_prev: l_new}
+            stored_dtype = None
+
+            def probs_of(vd: str) -> str:  # this consumer's probabilities' tile, its first `tkw` keys
+                return mine(probs_smem[vd]) + (f".at[:, pl.ds(0, {tkw})]" if tkw != tk else "")
+
+            for n_c, c in enumerate(products):
+                vo = by_read[read_key(c.value)]
+                vd = k.operand(c.value.operand).dtype.jnp
+                e = self.e_of(c)
+                if stored_dtype != vd:
+                    step += [f"{probs_of(vd)}[...] = {probs}.astype({vd})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
+                    stored_dtype = vd
+                vlive = self.free(vo)
+                vb = vo.smem if vlive == [p.key, e] else f"{vo.smem}.T"
+                new_acc = sn.local(f"{c.output}_new")
+                rescaled = f"{accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {self.tile[e]}), [0])"
+                plain = f"_mma_add({rescaled}, {probs_of(vd)}, {vb}, compiled)"
+                if mode != "exact":
+                    step.append(f"{new_acc} = {plain}  # acc * alpha + P . V")
+                    new[accs[c.output]] = new_acc
+                    continue
+                scaled = sn.local(f"{c.output}_scaled")
+                plain = f"_mma_add({scaled}, {probs_of(vd)}, {vb}, compiled)"
+                step += [f"{scaled} = {rescaled}",
+                         "# acc * alpha + P . V; on a partial step an absent element's weight (0) must not meet a NaN or Inf of"]
+                # P read again by a later product of these values' dtype: written back after the codes.
+                restore = ", restore=True" if any(k.operand(d.value.operand).dtype.jnp == vd for d in products[n_c + 1:]) else ""
+                stored = f", stored={vo.smem}" if vb != vo.smem else ""  # the values lie columns by keys
+                present_call = (f"_present_values({scaled}, {probs_of(vd)}, {vb}, {mine(scratch[(vd, self.scratch_width(c))])}, "
+                                f"compiled{restore}{stored})")
+                step += ["# its value: the product over the present elements alone (`_present_values`).",
+                         f"{new_acc} = lax.cond({kind} == _PARTIAL, lambda: {present_call}, lambda: {plain})"]
+                new[accs[c.output]] = new_acc
+            for c in p.consumers:
+                if c.kind == "sum":
+                    new_sum = sn.local(f"{c.output}_new")
+                    step.append(f"{new_sum} = {sums[c.output]} + jnp.where({sv} == jnp.full({shape}, -jnp.inf, {F32}), "
+                                f"jnp.full({shape}, 0.0, {F32}), {sv}).sum(axis=1)")
+                    new[sums[c.output]] = new_sum
+            step.append(f"return {', '.join(new[x] for x in carried)}")
+            pipe_smems = [o.smem for o in pipe]
+            step_def += [f"def {step_fn}({', '.join([idx] + pipe_smems + [carry])}):"] + ["    " + line for line in step]
+            return {"defs": defs, "step": step_def, "maps": maps, "fn": step_fn, "count": f"{count} * {ksub_w}" if ksub_w != 1 else count}
+
+        first = walk_lines(tk, "plain")
+        # Where the walk's accumulator holds a NaN or Inf in its first row (an absent element's
+        # weight 0 met one in a value, which then reaches every row; or a present term holds one),
+        # the row block is walked again, 64 keys a step (the exact product beside 128 keys'
+        # scores spilled registers), partial steps over the present elements alone.
+        exact = walk_lines(SCRATCH_KEYS, "exact") if checked else None
+        lines += first["defs"] + (exact["defs"] if exact else [])
+        body = ["", *first["step"]] + (["", *exact["step"]] if exact else [])
+        sums = [c.output for c in p.consumers if c.kind == "sum"]
 
         # A consumer: its tiles copied once, the walk (the pipeline's steps), its outputs.
         cn = n.scope()
@@ -408,11 +478,34 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
             cons.append("plgpu.commit_smem()  # before the copies into their first rows")
         cons += [f"plgpu.copy_gmem_to_smem({o.ref}.at[{at(o, rows_at)}], {head(mine(o.smem))}, {mine(barrier)})" for o in [qo] + row_ops]
         cons.append(f"plgpu.barrier_wait({mine(barrier)})")
+        row = f"({tq},)"
         init = [f"jnp.full({row}, -jnp.inf, {F32})", f"jnp.zeros({row}, {F32})"]
         init += [f"jnp.zeros(({tq}, {self.tile[self.e_of(c)]}), {F32})" for c in products]
         init += [f"jnp.zeros({row}, {F32})" for _ in sums]
         results = [cn.local("m"), cn.local("l")] + [cn.local(f"{c.output}_acc") for c in products] + [cn.local(f"{c}_sum") for c in sums]
+        exactly = cn.local("exactly")
         cons.append(f"{', '.join(results)} = {over_keys}(({', '.join(init)}))")
+        if checked:
+            # A NaN or Inf an absent element's weight met in a partial step reached every row of its
+            # product and stays: the first row's sums decide (finite data pay them once a walk).
+            cons.append(f"if not {exactly}:")
+            probe = "{}.sum(axis=1)"
+            if self.ragged(p.query):
+                # A row past the end is never stored: its sums (0 x a NaN of a present key's
+                # value, its rows seeing nothing) must not send the row block round again.
+                stored = cn.local("stored")
+                cons.append(f"    {stored} = lax.broadcasted_iota(jnp.int32, {row}, 0) + jnp.full({row}, {rows_at} * {rows}, "
+                            f"jnp.int32) < jnp.full({row}, {self.size_of(p.query)}, jnp.int32)")
+                probe = f"jnp.where({stored}, {{}}.sum(axis=1), jnp.zeros({row}, {F32}))"
+            cons += [f"    {probe_smem}.at[{wg + ', ' if ws else ''}{n_c}][...] = {probe.format(res)}"
+                     for n_c, res in enumerate(results[2:2 + len(products)])]
+            if not ws:
+                met = cn.local("met")
+                cons += ["    plgpu.commit_smem()",
+                         f"    {met} = " + " | ".join(f"_not_finite({probe_smem}[{n_c}, 0])" for n_c in range(len(products))),
+                         "    # The row block walked again, its partial steps over the present elements alone.",
+                         f"    {', '.join(results)} = lax.cond({met}, lambda: {over_keys}(({', '.join(init)}), exact=True), "
+                         f"lambda: ({', '.join(results)},))"]
         mm, ll = results[0], results[1]
         res_acc = dict(zip([c.output for c in products], results[2:2 + len(products)]))
         res_sum = dict(zip(list(sums), results[2 + len(products):]))
@@ -455,23 +548,41 @@ class GpuAttentionEmitter(RingSides, BackwardWriter, ReferenceWriter):
         cons.append("plgpu.commit_smem()")
         cons += [f"plgpu.copy_smem_to_gmem({head(mine(sm))}, {dst})" for sm, _, dst in copies]
         cons.append("plgpu.wait_smem_to_gmem(0, wait_read_only=True)")
-        body += ["", f"def {consumer}({over_keys}):",
+        body += ["", f"def {consumer}({over_keys}" + (f", {exactly}=False" if checked else "") + "):",
                  f"    # A consumer warpgroup's {rows} rows: its query tile, the walk (`{over_keys}` runs the pipeline's steps), its outputs."]
         body += ["    " + line for line in cons]
         if ws:
-            body += ["", "plgpu.emit_pipeline_warp_specialized(", f"    {step_fn},", f"    grid=({count},),",
-                     "    in_specs=[" + ", ".join(maps) + "],", f"    max_concurrent_steps={STAGES},",
-                     f"    memory_registers={MEMORY_REGISTERS},  # the producer's; the consumers take the rest (setmaxnreg)",
-                     '    wg_axis="wg",', f"    num_compute_wgs={wgs},", f"    compute_context={consumer},",
-                     f")({', '.join(o.ref for o in pipe)})"]
+            def pipeline(walk: dict, context: str) -> list[str]:
+                return ["plgpu.emit_pipeline_warp_specialized(", f"    {walk['fn']},", f"    grid=({walk['count']},),",
+                        "    in_specs=[" + ", ".join(walk["maps"]) + "],", f"    max_concurrent_steps={STAGES},",
+                        f"    memory_registers={MEMORY_REGISTERS},  # the producer's; the consumers take the rest (setmaxnreg)",
+                        '    wg_axis="wg",', f"    num_compute_wgs={wgs},", f"    compute_context={context},",
+                        f")({', '.join(o.ref for o in pipe)})"]
+            body += [""] + pipeline(first, consumer)
+            if checked:
+                # A consumer's partial step met a NaN or Inf at an absent element: every warpgroup
+                # reads the consumers' verdicts, and the CTA walks its rows again, exact.
+                verdicts = " | ".join(f"_not_finite({probe_smem}[{w}, {n_c}, 0])" for w in range(wgs) for n_c in range(len(products)))
+                body += ["plgpu.commit_smem()", f"plgpu.barrier_arrive({sync})", f"plgpu.barrier_wait({sync})", "",
+                         f"@pl.when({verdicts})", "def _again():"]
+                body += ["    " + line for line in pipeline(exact, f"functools.partial({consumer}, {exactly}=True)")]
         else:
             # One warpgroup copies and computes: a 64-row block gives a CTA one consumer only,
             # and a warp-specialized CTA claims the whole register file (one CTA an SM).
             pn = n.scope()
             driver, init_carry = n.local("_over_keys"), pn.local("carry")
-            body += ["", f"def {driver}({init_carry}):", f"    return plgpu.emit_pipeline(", f"        {step_fn},", f"        grid=({count},),",
-                     "        in_specs=[" + ", ".join(maps) + "],", f"        max_concurrent_steps={STAGES},", f"        init_carry={init_carry},",
-                     f"    )({', '.join(o.ref for o in pipe)})", "", f"{consumer}({driver})"]
+
+            def pipeline(walk: dict) -> list[str]:
+                return ["plgpu.emit_pipeline(", f"    {walk['fn']},", f"    grid=({walk['count']},),",
+                        "    in_specs=[" + ", ".join(walk["maps"]) + "],", f"    max_concurrent_steps={STAGES},",
+                        f"    init_carry={init_carry},", f")({', '.join(o.ref for o in pipe)})"]
+            if checked:
+                body += ["", f"def {driver}({init_carry}, exact=False):", "    if exact:"]
+                body += ["        " + ("return " if i == 0 else "") + line for i, line in enumerate(pipeline(exact))]
+                body += ["    " + ("return " if i == 0 else "") + line for i, line in enumerate(pipeline(first))]
+            else:
+                body += ["", f"def {driver}({init_carry}):"] + ["    " + ("return " if i == 0 else "") + line for i, line in enumerate(pipeline(first))]
+            body += ["", f"{consumer}({driver})"]
         lines += ["", f"@functools.partial(pl.run_scoped, {', '.join(scoped)}" + (', collective_axes="wg")' if ws else ")"),
                   f"def {walk}({', '.join(scope_names)}):"]
         lines += ["    " + line for line in body]

@@ -29,6 +29,7 @@ STAGES = 2  # pipeline steps in flight (TMA copies of the key-side tiles)
 ALIGN = 1024  # shared-memory tiles start at 1024-byte boundaries (the 128-byte swizzle's period)
 CONSUMERS = ("softmax_product", "logsumexp", "max", "sum")  # what the GPU walk computes from the rows
 WGMMA_FLOATS = ("bf16", "f16", "f32")  # f32 as tf32: K-major tiles only
+SCRATCH_KEYS = 64  # keys of the values a partial step's checked product takes at a time (`_present_values`: counts of 64 stay apart)
 
 
 
@@ -258,16 +259,18 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
     return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, backward)
 
 
-def cta_shape(k: Kernel, p: RowPlan, ops, rows: int, steps: list[int], target: GpuTarget, row_lse: bool = False) -> tuple[int, int, int]:
+def cta_shape(k: Kernel, p: RowPlan, ops, rows: int, steps: list[int], target: GpuTarget, row_lse: bool = False,
+              checked: bool | None = None) -> tuple[int, int, int]:
     """A CTA's shape: its consumer warpgroups, the keys a step reads (of `steps`, `key_steps`'),
     and its shared memory (`smem_bytes`); the widest that fits shared memory (the first, where
     none does: `fitting` says so). Two consumer warpgroups before one where the row block of
     `rows` holds them (`consumer_warpgroups`: a paged walk's row block, at most 64 rows, takes
     one), then 128 keys a step before 64 (64 halve the key-side buffers: f32 at d = 128 fits
     one warpgroup). `row_lse`: the forward also keeps each row's logsumexp (the backward's
-    residual)."""
+    residual); `checked`: its steps may hold absent elements (default: `partial_steps`; a
+    paged walk's always may)."""
     shapes = [(w, t) for w in dict.fromkeys((consumer_warpgroups(rows), 1)) for t in steps]
-    sized = [(w, t, smem_bytes(k, p, ops, TQ, t, w, row_lse=row_lse)) for w, t in shapes]
+    sized = [(w, t, smem_bytes(k, p, ops, TQ, t, w, row_lse=row_lse, checked=checked)) for w, t in shapes]
     return next((s for s in sized if fits(s, target)), sized[0])
 
 
@@ -286,6 +289,24 @@ def key_steps(tj: int) -> list[int]:
     """The keys a pipeline step may read in a key block of `tj` (WGMMA's N, then P.V's K),
     widest first; none where the block is not a multiple of 64."""
     return [t for t in (128, 64) if tj % t == 0]
+
+
+def scratch_width(columns: int, dtype: DType) -> int:
+    """The values' columns a checked product takes at a time (`_present_values`): 128 bytes
+    of them (a swizzled row: 64 bf16, 32 f32) where that divides the tile, else all. Wider
+    spilled (f32 at 64 columns: 92 bytes, masked_attention as written), narrower too (bf16
+    at 32: 156, two consumers)."""
+    width = 128 // dtype.itemsize
+    return width if columns % width == 0 else columns
+
+
+def partial_steps(k: Kernel, p: RowPlan) -> bool:
+    """Can a step of the row walk hold absent elements: a condition, or a ragged end (sizes
+    not known, or not a multiple of their tile)? Its P . V is checked then."""
+    def ragged(i):
+        idx = k.index(i)
+        return idx.size.literal is None or idx.size.literal % idx.tile != 0
+    return bool(p.conditions) or ragged(p.query) or ragged(p.key)
 
 
 def _free_index(k: Kernel, p: RowPlan, c) -> str:
@@ -320,14 +341,16 @@ def out_through_q(k: Kernel, p: RowPlan, ops) -> str | None:
     return None
 
 
-def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, wgs: int, row_lse: bool = False) -> int:
+def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, wgs: int, row_lse: bool = False, checked: bool | None = None) -> int:
     """Shared memory of one CTA, as Mosaic GPU lays it out (measured under an abstract H200,
     tests/test_gpu_attention.py): the walk's scope, which every warpgroup shares (per
     consumer its query tile, per-row vectors, probabilities' tile and outputs' tiles, each
     allocation from a 1024-byte boundary), then the pipeline's buffers (per key-side operand
     its tiles for every step in flight, from a 1024-byte boundary); then each of the two
     scopes' barriers, 1024 bytes and 8 a barrier (a consumer's query copy; per step in
-    flight the copies' arrival and, warp-specialized, the consumers' release)."""
+    flight the copies' arrival and, warp-specialized, the consumers' release). Where a step
+    may hold absent elements (`checked`, `partial_steps` by default), the walk's scope also
+    holds the checked product's tiles (`_checked_values`)."""
     tile = {i.name: i.tile for i in k.indices}
     walk = 0
     buffers = 0
@@ -346,6 +369,14 @@ def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, wgs: int, row_lse: 
             buffers += _aligned(STAGES * tk * tile[other] * isz)
     dtypes = {k.operand(c.value.operand).dtype.itemsize for c in p.consumers if c.kind == "softmax_product"}
     walk += sum(_aligned(wgs * tq * tk * isz) for isz in dtypes)  # the probabilities, as each values' dtype
+    products = [c for c in p.consumers if c.kind == "softmax_product"]
+    if products and (checked if checked is not None else partial_steps(k, p)):
+        # A partial step's checked P . V: per consumer a tile of 64 keys of the values'
+        # columns (each dtype and width) and each product's row sums.
+        tiles = {(k.operand(c.value.operand).dtype, scratch_width(tile[_free_index(k, p, c)], k.operand(c.value.operand).dtype))
+                 for c in products}
+        walk += sum(_aligned(wgs * w * SCRATCH_KEYS * d.itemsize) for d, w in tiles)
+        walk += _aligned(wgs * len(products) * tq * 4)
     through_q = out_through_q(k, p, ops)
     for c in p.consumers:
         if c.output != through_q:
@@ -354,4 +385,6 @@ def smem_bytes(k: Kernel, p: RowPlan, ops, tq: int, tk: int, wgs: int, row_lse: 
     if row_lse:
         walk += _aligned(wgs * tq * 4)  # each row's logsumexp, kept for the gradients
     pipeline_barriers = 2 * STAGES if wgs > 1 else STAGES
-    return walk + buffers + 2 * ALIGN + 8 * (wgs + pipeline_barriers)
+    # Two consumers' sums read by every warpgroup after the walk: one more barrier.
+    verdicts = 1 if wgs > 1 and products and (checked if checked is not None else partial_steps(k, p)) else 0
+    return walk + buffers + 2 * ALIGN + 8 * (wgs + pipeline_barriers + verdicts)

@@ -27,7 +27,7 @@ from ...terms import ScoreTerms
 from ...wrapper import Glue
 from ...tpu.paged.emit import PagedEmitter
 from ..attention.emit import row_lse
-from ..attention.lower import out_through_q
+from ..attention.lower import SCRATCH_KEYS, out_through_q, scratch_width
 from .describe import describe_gpu_paged
 from .lower import GpuPagedModule
 
@@ -121,7 +121,18 @@ class GpuPagedEmitter(PagedEmitter):
                 e = self.tile[next(g.inner.index for g in pg.gathers if g.read == c.value)]
                 scoped.append(f"{out_smem[c.output]}=plgpu.SMEM(({tq}, {e}), {k.operand(c.output).dtype.jnp})")
         lse_smem = n.local("row_lse_smem")
-        scoped += [f"{lse_smem}=plgpu.SMEM(({tq},), {F32})", f"{barrier}=plgpu.Barrier()"]
+        scoped.append(f"{lse_smem}=plgpu.SMEM(({tq},), {F32})")
+        # The walk taken again where a step's product met a NaN or Inf at an absent element
+        # (`_present_values`): a tile of 64 keys of the values' columns, and each product's row sums.
+        scratch = {}
+        for c in products:
+            vd = k.operand(c.value.operand).dtype
+            key = (vd.jnp, scratch_width(self.tile[next(g.inner.index for g in pg.gathers if g.read == c.value)], vd))
+            if key not in scratch:
+                scratch[key] = n.local("values_scratch")
+                scoped.append(f"{scratch[key]}=plgpu.SMEM(({key[1]}, {SCRATCH_KEYS}), {key[0]})")
+        probe_smem = n.local("probe_smem")
+        scoped += [f"{probe_smem}=plgpu.SMEM(({len(products)}, {tq}), {F32})", f"{barrier}=plgpu.Barrier()"]
         copies = n.local("copies")
         per_step = n.local("per_step")
         bufs = [f"{o.smem}=plgpu.SMEM((2, {tk}, {self.tile[g.inner.index]}), {k.operand(g.read.operand).dtype.jnp})" for g, o in gathers]
@@ -154,7 +165,7 @@ class GpuPagedEmitter(PagedEmitter):
         carry, m_prev, l_prev = sn.local("carry"), sn.local("m_prev"), sn.local("l_prev")
         accs = {c.output: sn.local(f"{c.output}_acc") for c in products}
         carried = [m_prev, l_prev] + list(accs.values())
-        step = ["", f"def {step_fn}({t}, {carry}):", f"    {', '.join(carried)} = {carry}", f"    {slot} = lax.rem({t} - {first}, 2)", "",
+        step = ["", f"def {step_fn}({t}, {carry}, exact=False):", f"    {', '.join(carried)} = {carry}", f"    {slot} = lax.rem({t} - {first}, 2)", "",
                 f"    @pl.when({t} + 1 < {last})", "    def _next():", "        # The next step's pages are copied while this one is computed.",
                 f"        {fetch}({t} + 1, 1 - {slot})", "", f"    plgpu.barrier_wait({copies}.at[{slot}])  # this step's pages have arrived"]
         kg, ko = gathers[0]
@@ -210,8 +221,12 @@ class GpuPagedEmitter(PagedEmitter):
         if cshape == shape:
             body.append(f"{s} = jnp.where({present}, {sv}, jnp.full({shape}, -jnp.inf, {F32}))")
         else:
-            body.append(f"{s} = {sv} + lax.broadcast_in_dim(jnp.where({present}, jnp.full({cshape}, 0.0, {F32}), "
-                        f"jnp.full({cshape}, -jnp.inf, {F32})), {shape}, [1])")
+            # Selected, not added: a key's NaN or Inf score (a cache slot past `lens` holds
+            # anything) is absent too.
+            bias = sn.local("bias")
+            body += [f"{bias} = lax.broadcast_in_dim(jnp.where({present}, jnp.full({cshape}, 0.0, {F32}), "
+                     f"jnp.full({cshape}, -jnp.inf, {F32})), {shape}, [1])",
+                     f"{s} = jnp.where({bias} == jnp.full({shape}, 0.0, {F32}), {sv}, {bias})"]
         row_shape = f"({tq},)"
         m_new, m_safe, alpha, probs, l_new = (sn.local(x) for x in ("m_new", "m_safe", "alpha", "probs", "l_new"))
         body += [f"{m_new} = jnp.maximum({m_prev}, {s}.max(axis=1))",
@@ -219,15 +234,23 @@ class GpuPagedEmitter(PagedEmitter):
                  f"{m_safe} = jnp.where({m_new} == jnp.full({row_shape}, -jnp.inf, {F32}), jnp.full({row_shape}, 0.0, {F32}), {m_new})",
                  f"{alpha} = jnp.exp({m_prev} - {m_safe})",
                  f"{probs} = jnp.exp({s} - lax.broadcast_in_dim({m_safe}, {shape}, [0]))",
+                 "if exact:  # absent elements' weights -0.0: `_present_values` tells them from present ones rounded to 0",
+                 f"    {probs} = jnp.where({s} == jnp.full({shape}, -jnp.inf, {F32}), jnp.full({shape}, -0.0, {F32}), {probs})",
                  f"{l_new} = {l_prev} * {alpha} + {probs}.sum(axis=1)",
                  f"{probs_smem}[...] = {probs}.astype({dtype})", "plgpu.commit_smem()  # the probabilities, as WGMMA's A"]
         news = []
-        for c in products:
+        for n_c, c in enumerate(products):
             g, o = next((g, o) for g, o in gathers if g.read == c.value)
             e = self.tile[g.inner.index]
-            new = sn.local(f"{c.output}_new")
-            body.append(f"{new} = _mma_add({accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {e}), [0]), {probs_smem}, "
-                        f"{o.smem}.at[{slot}], compiled)  # acc * alpha + P . V")
+            new, scaled = sn.local(f"{c.output}_new"), sn.local(f"{c.output}_scaled")
+            vd = k.operand(c.value.operand).dtype
+            restore = ", restore=True" if any(k.operand(d.value.operand).dtype == vd for d in products[n_c + 1:]) else ""
+            body += [f"{scaled} = {accs[c.output]} * lax.broadcast_in_dim({alpha}, ({tq}, {e}), [0])",
+                     "if exact:  # the walk taken again: the product over the present elements alone",
+                     f"    {new} = _present_values({scaled}, {probs_smem}, {o.smem}.at[{slot}], "
+                     f"{scratch[(vd.jnp, scratch_width(e, vd))]}, compiled{restore})",
+                     "else:",
+                     f"    {new} = _mma_add({scaled}, {probs_smem}, {o.smem}.at[{slot}], compiled)  # acc * alpha + P . V"]
             news.append(new)
         body.append(f"return {', '.join([m_new, l_new] + news)}")
         step += ["    " + line for line in body]
@@ -239,7 +262,18 @@ class GpuPagedEmitter(PagedEmitter):
             init.append(f"jnp.zeros(({tq}, {e}), {F32})")
         mm, ll = sn.local("m"), sn.local("l")
         res = [mm, ll] + [sn.local(f"{c.output}_sum") for c in products]
-        walk += ["", f"return lax.fori_loop({first}, {last}, {step_fn}, ({', '.join(init)}))"]
+        walked, again, start = sn.local("walked"), n.local("_again"), sn.local("start")
+        walk += ["", f"{start} = ({', '.join(init)})",
+                 f"{walked} = lax.fori_loop({first}, {last}, {step_fn}, {start})",
+                 "# A NaN or Inf an absent element's weight met in a step's product reached every row of it and stays:",
+                 "# the first row's sums decide (finite data pay them once); where not finite, the walk is taken again,",
+                 "# its steps over the present elements alone."]
+        walk += [f"{probe_smem}.at[{n_c}][...] = {walked}[{2 + n_c}].sum(axis=1)" for n_c in range(len(products))]
+        walk += ["plgpu.commit_smem()", "", f"def {again}():", f"    @pl.when({first} < {last})", "    def _prefetch_again():",
+                 f"        {fetch}({first}, 0)", "",
+                 f"    return lax.fori_loop({first}, {last}, functools.partial({step_fn}, exact=True), {start})", "",
+                 f"return lax.cond({' | '.join(f'_not_finite({probe_smem}[{n_c}, 0])' for n_c in range(len(products)))}, "
+                 f"{again}, lambda: {walked})"]
 
         def rows_of(o_read_subs_indices, ref, lead=()) -> str:
             """The row block of an array (packed heads merged with the query's rows on the host)."""

@@ -104,7 +104,8 @@ def lower_gpu_paged(kernel: Kernel, plan: RowPlan, paged: PagedPlan, target: Gpu
     # consumer warpgroup: the kernel copies and computes in it).
     steps = key_steps(tj)
     # Its rows' logsumexps are stored too: the key parts' merge (flash decoding) weighs by them.
-    tk, smem = cta_shape(k, p, ops, rows, steps, target, row_lse=True)[1:] if steps else (None, 0)
+    # Its steps may hold absent elements (keys past `lens`, outside the bounds): checked.
+    tk, smem = cta_shape(k, p, ops, rows, steps, target, row_lse=True, checked=True)[1:] if steps else (None, 0)
     if tk is None:
         refuse(span[p.key], f"tile {p.key} = {tj}: a step reads 64 or 128 keys (WGMMA's N, then P.V's K); "
                             f"on {target.name} the key block is a multiple of 64")
