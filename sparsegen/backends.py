@@ -31,7 +31,7 @@ class Entry:
 def family_of(kernel: Kernel) -> str:
     """`einsum` (products of operands, conditions included), `row` (attention-like) or
     `paged` (attention-like, its keys and values read through a table)."""
-    from .schedule.paged import reads_through_tables
+    from .callconv import reads_through_tables
 
     if kernel.einsums_only:
         return "einsum"
