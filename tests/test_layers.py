@@ -59,8 +59,6 @@ UPWARD_ALLOWED: dict[tuple[str, str], str] = {
 
 # tpu/ <-> gpu/ imports that stand today; only shrinks.
 SIBLING_ALLOWED: dict[tuple[str, str], str] = {
-    ("gpu.attention.backward", "tpu.attention.lower"): "derived_outputs, gradient_refusals",
-    ("gpu.attention.emit", "tpu.attention.reference"): "ReferenceWriter",
     ("gpu.paged.emit", "tpu.paged.emit"): "GpuPagedEmitter subclasses PagedEmitter",
 }
 # GPU templates that extend, include or import a TPU one (or the reverse); only shrinks.

@@ -16,8 +16,9 @@ from ...ring import RingSides
 from ...wrapper import Glue, Wrapper, vjp_tables
 from .describe import describe_attention
 from .kernels import Arr, CallSpec, KernelWriter, OutArr, lanes
-from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, layout_block
-from .reference import ReferenceWriter
+from .lower import LANES, SUBLANES, AttentionModule, Operand, layout_block
+from ...walks.flash_gradients import derived_outputs
+from ...walks.reference import ReferenceWriter
 
 
 class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):

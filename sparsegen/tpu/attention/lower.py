@@ -10,7 +10,7 @@ import dataclasses
 
 from dataclasses import dataclass
 
-from ...autodiff import Refusal, refusals
+from ...autodiff import refusals
 from ...dtypes import DTYPES
 from ...callconv import Convention, convention
 from ...ir import Kernel, Read
@@ -20,6 +20,7 @@ from ...source import Diagnostic
 from ...expr import Const
 from ...schedule.attention import RowPlan, read_key
 from ...schedule.row import RowWalk, row_walk
+from ...walks.flash_gradients import derived_outputs, gradient_refusals
 from ..targets import Target
 from ..layout import padded_bytes
 from ..vmem import MOSAIC_SCRATCH, VmemItem, attention_vmem, vmem_limit
@@ -155,24 +156,6 @@ def gradient_error(kernel: Kernel, p: RowPlan) -> str | None:
     if p.stored_score and not p.float_reads():
         return "a stored score of integer operands has no gradient"
     return None
-
-
-_NOT_DERIVED = {"max": "a max reduction", "softmax_out": "a stored softmax", "scores_out": "a stored score"}
-
-
-def gradient_refusals(kernel: Kernel, p: RowPlan) -> tuple:
-    """The gradients the flash-attention backward does not derive: through a max reduction
-    or a stored output, for every float operand the score reads (the others' gradients, and
-    every gradient through the other outputs, are derived)."""
-    reads = p.score_operands()
-    operands = [op for op in kernel.operands if op.name in reads and op.dtype.is_float]
-    return tuple(Refusal(op.name, c.output, f"the gradient of '{op.name}' through '{c.output}' ({_NOT_DERIVED[c.kind]}) is not derived yet")
-                 for c in p.consumers if c.kind in _NOT_DERIVED for op in operands)
-
-
-def derived_outputs(p: RowPlan) -> list[str]:
-    """The outputs the backward carries gradients through (in the plan's order)."""
-    return [c.output for c in p.consumers if c.kind not in _NOT_DERIVED]
 
 
 def gradient_dtype(kernel: Kernel, p: RowPlan, read: Read):
