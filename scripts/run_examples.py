@@ -200,7 +200,7 @@ def gpu_rows(spec: Path, only: set[str] | None = None) -> list[tuple[list[str], 
     import tempfile
 
     from sparsegen.compiler import compile_source
-    from sparsegen.gpu.verify import verify_module
+    from sparsegen.verify import verify_gpu_module
     from sparsegen.source import SourceFile, SpecError
 
     rows = []
@@ -233,7 +233,7 @@ def gpu_rows(spec: Path, only: set[str] | None = None) -> list[tuple[list[str], 
         except Exception as exc:  # report and go on: the table is the point
             error, ok, result = float("nan"), False, f"[red]{type(exc).__name__}[/red]"
         elapsed = time.perf_counter() - start
-        r = verify_module(m.plan, source, "h200")
+        r = verify_gpu_module(m.plan, source, "h200")
         ok &= r.ok
         registers = "unknown" if r.registers is None else max(r.registers)
         spilled = "unknown" if r.spill_bytes is None else f"{r.spill_bytes} B"

@@ -498,7 +498,8 @@ def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
     Stage 3 is asked for unless --lower-only: its environment is found first, and without
     one (or where it could not compile) verify exits 2 saying how to provide it."""
     from .compiler import lower_source
-    from .gpu.verify import gpu_python, verify_modules
+    from .gpu.verify import gpu_python
+    from .verify import verify_gpu_modules
 
     python = None
     if not args.lower_only:
@@ -523,7 +524,7 @@ def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
         for m, _, target in found:
             specs[m.name, target], sources[m.name, target] = spec, source
         items += found
-    results = verify_modules(items, shapes, args.nnz, stage3=not args.lower_only, python=python)
+    results = verify_gpu_modules(items, shapes, args.nnz, stage3=not args.lower_only, python=python)
     report = [(specs[r.kernel, r.target], r) for r in results]
     for r in results:
         failed |= not r.ok

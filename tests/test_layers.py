@@ -53,8 +53,6 @@ UPWARD_ALLOWED: dict[tuple[str, str], str] = {
     # A target's backend is known only to the driver's table (targets are two dicts, issue 38
     # item 2); the module template asks it for the JAX window to state.
     ("jaxwindow", "backends"): "backend_of lives in backends",
-    # gpu/verify renders modules through the driver's emit_module; tpu/verify takes `emit=`.
-    ("gpu.verify", "backends"): "gpu/verify calls emit_module itself",
 }
 
 # tpu/ <-> gpu/ imports that stand today; only shrinks.
