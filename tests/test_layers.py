@@ -56,9 +56,7 @@ UPWARD_ALLOWED: dict[tuple[str, str], str] = {
 }
 
 # tpu/ <-> gpu/ imports that stand today; only shrinks.
-SIBLING_ALLOWED: dict[tuple[str, str], str] = {
-    ("gpu.paged.emit", "tpu.paged.emit"): "GpuPagedEmitter subclasses PagedEmitter",
-}
+SIBLING_ALLOWED: dict[tuple[str, str], str] = {}
 # GPU templates that extend, include or import a TPU one (or the reverse); only shrinks.
 TEMPLATE_SIBLING_ALLOWED: dict[tuple[str, str], str] = {}
 
