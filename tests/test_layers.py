@@ -46,10 +46,6 @@ LAYERS: list[tuple[str, list[str]]] = [
 
 # Imports from a layer up that stand today, (importer, imported) with the reason; only shrinks.
 UPWARD_ALLOWED: dict[tuple[str, str], str] = {
-    # Where sparsegen caches is said once, in the driver's `inprocess`; black's cache and the
-    # templates' bytecode cache ask it lazily (closes a cycle through backends and templating).
-    ("formatting", "inprocess"): "cache_dir lives in inprocess",
-    ("templating", "inprocess"): "cache_dir lives in inprocess",
     # A target's backend is known only to the driver's table (targets are two dicts, issue 38
     # item 2); the module template asks it for the JAX window to state.
     ("jaxwindow", "backends"): "backend_of lives in backends",
