@@ -51,6 +51,39 @@ UPWARD_ALLOWED: dict[tuple[str, str], str] = {
     ("jaxwindow", "backends"): "backend_of lives in backends",
 }
 
+# Inside each target the same stages, lowest first (names relative to the target's package; ""
+# is the package itself). The rules sit with the lowering: a TPU lowering calls its rules
+# (`tpu/lower.py`), the rules read the lowered modules (`AttentionModule`), and the GPU
+# lowering calls its rules inside (issue 38 item 3 makes them a stage of the pipeline).
+TARGET_LAYERS: dict[str, list[tuple[str, list[str]]]] = {
+    "tpu": [
+        ("chip facts", ["targets", "layout", "vmem"]),
+        ("lowering and rules", ["lower", "rules", "attention.lower", "paged.lower"]),
+        ("kernel text", ["body", "attention.kernels", "describe", "attention.describe", "paged.describe"]),
+        ("emit", ["emit", "attention.emit", "paged.emit", "attention", "paged"]),
+        ("tools", ["arguments", "simulate", "attention.simulate", "picture", "cycles", "suggest", "verify"]),
+    ],
+    "gpu": [
+        ("chip facts", ["targets"]),
+        (
+            "lowering and rules",
+            [
+                "plan",
+                "rules",
+                "lower",
+                "elementwise",
+                "product",
+                "attention.backward",
+                "attention.lower",
+                "paged.lower",
+            ],
+        ),
+        ("kernel text", ["describe", "attention.describe", "paged.describe", "attention.backward_kernels"]),
+        ("emit", ["emit", "attention.emit", "paged.emit", "attention", "paged", ""]),
+        ("tools", ["verify", "stage3"]),
+    ],
+}
+
 # tpu/ <-> gpu/ imports that stand today; only shrinks.
 SIBLING_ALLOWED: dict[tuple[str, str], str] = {}
 # GPU templates that extend, include or import a TPU one (or the reverse); only shrinks.
@@ -218,6 +251,30 @@ def test_no_import_from_a_layer_up():
     )
     gone = sorted(UPWARD_ALLOWED.keys() - found)
     assert not gone, "no longer imported, remove from UPWARD_ALLOWED: " + ", ".join(f"{a} -> {b}" for a, b in gone)
+
+
+def _target_layer_of(module: str) -> tuple[str, int] | None:
+    """(target, rank) of a module of tpu/ or gpu/, None for others."""
+    family = _family(module)
+    if family is None:
+        return None
+    inner = module.removeprefix(family).removeprefix(".")
+    for rank, (_, members) in enumerate(TARGET_LAYERS[family]):
+        if inner in members:
+            return family, rank
+    raise AssertionError(f"sparsegen.{module} is in no layer of its target: add it to TARGET_LAYERS in {__file__}")
+
+
+def test_no_import_from_a_layer_up_inside_a_target():
+    found = []
+    for a, targets in _imports().items():
+        here = _target_layer_of(a)
+        for b in targets:
+            there = _target_layer_of(b)
+            if here and there and here[0] == there[0] and there[1] > here[1]:
+                layers = TARGET_LAYERS[here[0]]
+                found.append(f"{_show(a)} ({layers[here[1]][0]}) -> {_show(b)} ({layers[there[1]][0]})")
+    assert not found, "imports from a layer up inside a target: " + ", ".join(sorted(found))
 
 
 def test_the_checker_sees_lazy_and_relative_imports():
