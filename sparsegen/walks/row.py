@@ -47,6 +47,8 @@ class RowHost(RingSides, ReferenceWriter):
         maps = self.n.scope()  # the index maps' parameters
         self.grid_vars = [maps.local(i) for i in self.p.lead]
         self.t = maps.local("t")
+        # The TPU backward's per-row arrays and gradients (the GPU paged emitter takes these names
+        # too, unused, as when it stood on the TPU emitter: its modules keep their bytes).
         self.row_hosts = {"row_lse": self.n.local("row_lse_rows"), "delta": self.n.local("delta_rows")}
         self.col_hosts = {"row_lse": self.n.local("row_lse_cols"), "delta": self.n.local("delta_cols")}
         if any(c.kind == "sum" for c in self.p.consumers):
