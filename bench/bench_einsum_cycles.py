@@ -64,6 +64,8 @@ CASES = [
      "lower-triangular x (the spec's k <= m; the pattern is not read)"),
     ("grouped_matmul", "grouped_matmul.spk", "grouped_matmul", {"M": 8192, "K": 2048, "N": 2048, "E": 8}, "GROUPS",
      f"gid sorted, E = 8 groups of {'/'.join(map(str, GROUP_SIZES))} rows"),
+    ("w8a8_matmul", "w8a8_matmul.spk", "w8a8_matmul", {"M": 4096, "K": 4096, "N": 4096}, "density=1",
+     "dense int8 x int8, i32 sum, f32 scales per row and column after it"),
     ("block_slice", "block_slice.spk", "block_slice", {}, "density=1",
      "fixed 512x512 -> 128x128 i32 slice (no product)"),
 ]

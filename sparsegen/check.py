@@ -716,12 +716,31 @@ class _KernelChecker:
         acc = k.accumulates[0].dtype
         if acc.text not in ACCUMULATE_DTYPES:
             self.error(acc.span, f"unknown accumulate dtype '{acc.text}'; expected one of {', '.join(ACCUMULATE_DTYPES)}")
-        elif floats and not DTYPES[acc.text].is_float:
-            self.error(acc.span, f"accumulate {acc.text} cannot hold a sum of float operands; use f32")
+        elif not DTYPES[acc.text].is_float and (summed_floats := self.floats_in_sums()):
+            self.error(acc.span, f"accumulate {acc.text} cannot hold a sum of float operands ({summed_floats}); use f32",
+                       "a float factor without a summed index (a scale) multiplies the sum after it, and may stay")
         elif fractions and not DTYPES[acc.text].is_float:
             self.error(fractions[0].span, f"the number {fractions[0].text} is not an integer, but this kernel accumulates in {acc.text}")
         else:
             self.accumulate = DTYPES[acc.text]
+
+    def floats_in_sums(self) -> str:
+        """The float operands an integer accumulator would have to sum (language v3, section 1:
+        a factor holding none of a sum's indices multiplies the sum, after it), named; "" if
+        none. Statements without a sum, with a condition or a sparse operand (not yet), and
+        elementwise chains count whole: their float operands would meet the integer tiles."""
+        names: list[str] = []
+        if any(f.needs_float for f in self.flow.values()):
+            return "a function or reduction's float values"
+        for e in self.einsums:
+            sparse = any(r.operand in self.operands and self.operands[r.operand].sparsity is not None for r in e.reads)
+            if isinstance(e, Einsum) and e.summed and e.condition is None and not sparse:
+                reads = [e.factors[m] for g in e.summed_groups for m in g.members]  # a condition selects, sums nothing
+            else:
+                reads = list(e.reads)
+            ops = [self.operands[r.operand] for r in reads if r.operand in self.operands]
+            names += [op.name.text for op in ops if op.dtype.text in DATA_DTYPES and DTYPES[op.dtype.text].is_float and op.name.text not in names]
+        return ", ".join(f"'{n}'" for n in names)
 
     # ---------------------------------------------------------------- result
     def build(self) -> Kernel:

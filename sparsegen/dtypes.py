@@ -130,3 +130,14 @@ def matrix_dtype(fed: tuple[DType, ...], acc: DType) -> DType:
     exact = all(d.name == "bf16" or (value_range(d) is not None and max(-value_range(d)[0], value_range(d)[1]) <= _BF16_EXACT)
                 for d in fed)
     return DTYPES["bf16" if exact else "f32"]
+
+
+def after_sum_dtype(acc: DType, factors: tuple[DType, ...]) -> DType:
+    """The dtype a finished sum meets the factors after it in (language v3, section 1: a factor
+    holding none of the summed indices multiplies the sum, not its terms): the accumulator's,
+    unless an integer sum (`accumulate i32` over int8 tiles) meets a float factor (a
+    quantisation scale): then f32, the exact i32 sum converted once. One rule for every
+    target and for `reference`."""
+    if acc.is_float or not any(d.is_float for d in factors):
+        return acc
+    return DTYPES["f32"]

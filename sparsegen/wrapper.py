@@ -13,6 +13,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 from .callconv import Convention
+from .dtypes import after_sum_dtype
 from .expr import render
 from .ir import Einsum, Kernel
 from .mesh import MeshPlan, mesh_plan
@@ -228,9 +229,23 @@ class Wrapper:
             else:
                 # Every factor in the accumulate dtype: exact for narrower data, and one dtype
                 # for XLA's dot (its CPU backend lacks some mixed-dtype forms).
-                views = [_widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, acc) for n, r in enumerate(st.factors)]
+                after = self.after_sum(st)
+                views = [_widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, acc if n not in after else after[n])
+                         for n, r in enumerate(st.factors)]
                 specs = ["".join(letters[i] for i in f.indices) for f in st.factors]
-                if st.condition is not None:
+                if after and st.condition is None:
+                    # An integer sum, then the float factors after it (language v3, section 1):
+                    # the sum exact in the accumulator, converted once, then scaled.
+                    inner = [n for n in range(len(st.factors)) if n not in after]
+                    held = [i for i in st.out_indices if any(i in st.factors[n].indices for n in inner)]
+                    total = self.local("total")
+                    spec = ",".join(specs[n] for n in inner) + "->" + "".join(letters[i] for i in held)
+                    lines.append(f'{total} = jnp.einsum("{spec}", {", ".join(views[n] for n in inner)}, preferred_element_type={acc.jnp})')
+                    wide = next(iter(after.values()))
+                    spec = ",".join(["".join(letters[i] for i in held)] + [specs[n] for n in after]) + "->" + "".join(letters[i] for i in st.out_indices)
+                    lines.append(f'{var} = jnp.einsum("{spec}", {_widen(total, acc, wide)}, {", ".join(views[n] for n in after)}, '
+                                 f"preferred_element_type={wide.jnp}, precision=lax.Precision.HIGHEST)")
+                elif st.condition is not None:
                     lines += self.conditioned(st, var, views, specs, letters, precision)
                 else:
                     spec = ",".join(specs) + "->" + "".join(letters[i] for i in st.out_indices)
@@ -270,6 +285,17 @@ class Wrapper:
         result = [values[o.name] for o in k.outputs]
         lines.append(f"return {result[0]}" if len(result) == 1 else f"return {', '.join(result)}")
         return lines
+
+    def after_sum(self, st: Einsum) -> dict[int, object]:
+        """The factors after `st`'s sum (its end groups), by position, with the dtype they meet
+        the sum in, where that is not the accumulator's (`after_sum_dtype`: an integer sum
+        meeting a float scale); {} otherwise: every factor then joins one einsum."""
+        acc = self.k.accumulate
+        if not st.summed:
+            return {}
+        ends = [m for g in st.end_groups for m in g.members]
+        wide = after_sum_dtype(acc, tuple(self.k.operand(st.factors[m].operand).dtype for m in ends))
+        return {m: wide for m in ends} if wide != acc else {}
 
     def local(self, preferred: str) -> str:
         return self.scope.local(preferred) if self.scope is not None else preferred

@@ -84,6 +84,7 @@ TPU_SIZES = {
     "paged_window_decode": dict(PAGED, NP=10, P=24),  # past its window of 1024 keys
     "sdd_matmul": dict(M=200, K=600, N=200),
     "tril_matmul": dict(M=612, N=612),
+    "w8a8_matmul": dict(M=612, K=1100, N=612),
 }
 
 # The GPU's refusals (said at the spec; tests/test_gpu.py, tests/test_gpu_attention.py).
@@ -115,6 +116,7 @@ GPU_DEFAULT = {
     "masked_matmul_dy": (dict(m=128, n=256, k=256), dict(M=200, K=300, N=256)),  # dy's rows are k
     "sdd_matmul": (None, dict(M=200, K=300, N=128)),  # as shipped: 128-row blocks, one CTA each
     "tril_matmul": (dict(m=256, k=256, n=256), dict(M=300, N=256)),
+    "w8a8_matmul": (dict(m=256, n=512, k=128), dict(M=300, K=300, N=512)),
     # Paged kernels as shipped, one block of 8 heads (a CTA's rows either way).
     **{name: (None, {k: v for k, v in dict(sizes, H=8, G=1).items() if k in sizes})
        for name, sizes in TPU_SIZES.items() if name.startswith("paged")},

@@ -37,6 +37,10 @@ ON_EVERY_TARGET = ["dsd_matmul", "masked_matmul", "causal_attention"]
 VARIANTS = [e for e in EXAMPLES if Path(e).stem not in ON_EVERY_TARGET]
 PAIRS = [(e, t) for e in EXAMPLES for t in ("v5e", "v6e", "v4")
          if e not in VARIANTS or SWEEP or t == ("v5e", "v6e", "v4")[VARIANTS.index(e) % 3]]
+# What a target refuses at the spec (its rule's message), checked where the rotation gives it;
+# the example then compiles on v5e as well.
+REFUSED = {("w8a8_matmul", "v4"): "v4 has no int8 matmul"}
+PAIRS += [(e, "v5e") for e, t in PAIRS if (Path(e).stem, t) in REFUSED and (e, "v5e") not in PAIRS]
 
 
 def four_blocks(kernel) -> dict[str, int] | None:
@@ -58,6 +62,9 @@ def four_blocks(kernel) -> dict[str, int] | None:
 def test_every_example_compiles_for_v5e_v6e_v4(spec, target):
     shapes = None if SWEEP else {s: v for k in load(spec)[1] for s, v in four_blocks(k).items()}
     source, results = verify_file(spec, [target], shapes=shapes, probe=False)
+    if (Path(spec).stem, target) in REFUSED:
+        assert results and all(not r.compiled and REFUSED[Path(spec).stem, target] in r.error.message for r in results)
+        return
     # One result per kernel of the spec (masked_backward.spk has two).
     assert [r.kernel for r in results] == [k.name for k in load(spec)[1]]
     assert all(r.compiled for r in results), [(r.kernel, r.target, r.raw_error) for r in results if not r.compiled]
@@ -81,7 +88,10 @@ def test_every_example_compiles_for_v5e_v6e_v4(spec, target):
         expected = f"not derived: {m.backward_error}" if m.backward_error else "compiles" if m.has_backward else None
         assert r.backward == expected, (r.kernel, r.backward)
     # Paged kernels are for inference: their gradients are refused (issue 19).
-    no_backward = Path(spec).stem in ("block_slice", "masked_softmax") or Path(spec).stem.startswith("paged_")
+    # w8a8_matmul: its int8 inputs take no gradient, and its scales' (a reduction of the
+    # cotangent against the recomputed sum, language v3 section 1) is not derived yet: refused
+    # when asked for, saying why (issue 39).
+    no_backward = Path(spec).stem in ("block_slice", "masked_softmax", "w8a8_matmul") or Path(spec).stem.startswith("paged_")
     assert sum(r.backward == "compiles" for r in results) >= (0 if no_backward else 1)
 
 

@@ -187,7 +187,7 @@ class _Emitter:
         if ws:
             # Each consumer's epilogue tiles, side by side (indexed by `wg`), beside the pipeline's buffers.
             scoped = [f"out_smem=plgpu.SMEM(({t.wgs}, {t.tm}, {epi}), {p.out_dtype.jnp})",
-                      f"piece_smem=plgpu.SMEM(({t.wgs}, {t.tm}, {epi}), {p.acc_dtype.jnp})"]
+                      f"piece_smem=plgpu.SMEM(({t.wgs}, {t.tm}, {epi}), {p.after_dtype.jnp})"]
             scoped_names = ["out_smem", "piece_smem"]
             if p.end is not None:
                 scoped += [f"end_smem=plgpu.SMEM(({t.wgs}, {t.tm}, {epi}), {k.operand(p.end.operand).dtype.jnp})",
@@ -265,6 +265,7 @@ class _Emitter:
             "any_maps": ", ".join("any_tile" if len(i) == 2 else f"lambda s: (s,) * {len(i)}" for i in (p.a_index, p.b_index)),
             "tile": f"({t.tm}, {t.tn})",
             "acc": p.acc_dtype.jnp,  # WGMMA's accumulator: f32, or s32 for s8 products
+            "after": p.after_dtype.jnp,  # the sum times the factors after it: s32 meeting a float scale is f32
             "scale": _number(p.scale) if p.scale is not None else None,
             "out_index": ", ".join(_py(p.out_index[-2:])),
             "scoped": ", ".join(scoped),

@@ -134,6 +134,7 @@ class ProductPass:
     tiles: Tiles
     in_dtype: DType
     acc_dtype: DType  # WGMMA's accumulator (the kernel's `accumulate`): f32, or i32 for i8 factors
+    after_dtype: DType  # the sum times the factors after it (`after_sum_dtype`): pieces and stores of that value
     out_dtype: DType
     scale: float | int | None
     cell_coords: tuple[tuple[str, Expr], ...]  # the output's block coordinates, per cell, in grid order

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..dtypes import DTYPES, covered_dtype, matrix_dtype
+from ..dtypes import DTYPES, after_sum_dtype, covered_dtype, matrix_dtype
 from ..expr import Const, Expr, Lit, Load, Min, Neg, Var, Where, flat, names as expr_names, render
 from ..ir import Einsum, Read
 from ..pytext import py_tuple
@@ -1011,6 +1011,7 @@ class ProductLowering:
         return ProductPass(
             statement=st, output=out_op.name, walk=walk, sparse=sparse, a=self.a, b=self.b, end=self.end,
             end_mask=self.end_mask, tiles=t, in_dtype=da, acc_dtype=acc, out_dtype=out_op.dtype, scale=st.scale,
+            after_dtype=after_sum_dtype(acc, tuple(v.dtype for v in self.vectors) + ((end_dtype,) if end_dtype else ())),
             cell_coords=tuple((i, self.cell_extent(i)) for i in (*self.coords, m, n)), cells=ncells, host=self.host,
             guard=self.guard, tables=self.tables, kernel_lets=self.kernel_lets, a_index=a_index, b_index=b_index,
             out_index=out_index, end_index=end_index, step_lets=self.step_lets, steps=self.count, kind_table=kind_table, finish=finish,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dtypes import DTYPES, DType, matrix_dtype
+from ..dtypes import DTYPES, DType, after_sum_dtype, matrix_dtype
 from ..expr import Var, render
 from ..pytext import py_tuple as _tuple
 from ..schedule.core import Factor, Product, Tail
@@ -70,9 +70,11 @@ class BodyWriter:
             return Val(code, f.live, f.dtype, False)
         return Val(code, f.live, f.dtype)
 
-    def product(self, q: Product, for_mxu: bool = False) -> Val:
-        """The factors of `q` multiplied, in the accumulator's dtype; `for_mxu`: rounded back to
-        the first factor's dtype, to feed the MXU a narrow operand (as a bf16 kernel would)."""
+    def product(self, q: Product, for_mxu: bool = False, dtype: DType | None = None) -> Val:
+        """The factors of `q` multiplied, in the accumulator's dtype (or `dtype`: the flush's,
+        `after_sum_dtype`); `for_mxu`: rounded back to the first factor's dtype, to feed the MXU
+        a narrow operand (as a bf16 kernel would)."""
+        acc = self.acc if dtype is None else dtype
         vals = [self.read(f) for f in q.factors]
         main = vals[0]
         if len(vals) == 1:
@@ -89,20 +91,21 @@ class BodyWriter:
             axes = main.axes
         parts = []
         for v in vals:
-            if v.axes != axes and v.dtype != self.acc:
+            if v.axes != axes and v.dtype != acc:
                 # Widened before it is broadcast: Mosaic cannot broadcast packed (bf16) sublanes.
-                v = Val(cast(v.code if v.simple else f"({v.code})", v.dtype, self.acc), v.axes, self.acc, False)
+                v = Val(cast(v.code if v.simple else f"({v.code})", v.dtype, acc), v.axes, acc, False)
             code = align(v, axes)
-            parts.append(cast(code if v.simple or code == v.code else f"({code})", v.dtype, self.acc))
+            parts.append(cast(code if v.simple or code == v.code else f"({code})", v.dtype, acc))
         code = " * ".join(parts)
         fed, _ = q.fed  # the factor's dtype, or wider where the product could wrap in it
-        if for_mxu and fed != self.acc:
+        if for_mxu and fed != acc:
             return Val(f"({code}).astype({fed.jnp})", axes, fed, False)
-        return Val(code, axes, self.acc, False)
+        return Val(code, axes, acc, False)
 
-    def widened(self, v: Val, axes: tuple[str, ...]) -> str:
-        """`v` laid out along `axes` (broadcast where it lacks one), in the accumulate dtype."""
-        return cast(align(v, axes) if v.simple else f"({align(v, axes)})", v.dtype, self.acc)
+    def widened(self, v: Val, axes: tuple[str, ...], dtype: DType | None = None) -> str:
+        """`v` laid out along `axes` (broadcast where it lacks one), in the accumulate dtype
+        (or `dtype`)."""
+        return cast(align(v, axes) if v.simple else f"({align(v, axes)})", v.dtype, self.acc if dtype is None else dtype)
 
     # ------------------------------------------------------------ the sum
     def contraction(self, vals: list[Val]) -> str:
@@ -378,11 +381,13 @@ class BodyWriter:
             return [], f"jnp.zeros_like({ref})"
         body = self.body
         parts = []
+        # An integer sum meeting a float factor after it (a scale) is converted once, here.
+        epi = after_sum_dtype(self.acc, tuple(f.dtype for q in products for f in q.factors)) if body.accumulator else self.acc
         if body.accumulator:
-            parts.append(align(Val(f"{self.tp.acc_ref}[...]", body.acc_live, self.acc), body.out_live))
+            parts.append(self.widened(Val(f"{self.tp.acc_ref}[...]", body.acc_live, self.acc), body.out_live, epi))
         for q in products:
-            v = self.product(q)
-            parts.append(self.widened(v, body.out_live))
+            v = self.product(q, dtype=epi)
+            parts.append(self.widened(v, body.out_live, epi))
         if not parts:  # every factor is all ones here (a full mask block)
             parts = [f"jnp.ones({_tuple(map(str, body.acc_shape))}, {self.acc.jnp})"]
         if self.p.scale is not None:
@@ -399,13 +404,13 @@ class BodyWriter:
         if select and body.select is not None and body.select.target == "flush":
             name = self.tp_local("value")
             lines.append(f"{name} = {value}")
-            more, _ = self.select_lines(name, Val(name, body.out_live, self.acc))
+            more, _ = self.select_lines(name, Val(name, body.out_live, epi))
             lines += more
             value = name
         if body.out_tails and any(t.index in body.out_live for t in body.out_tails):
             name = self.tp_local("value")
             lines.append(f"{name} = {value}")
-            masked = self.tail_lines(name, Val(name, body.out_live, self.acc), body.out_tails)
+            masked = self.tail_lines(name, Val(name, body.out_live, epi), body.out_tails)
             lines += self.guarded(body.out_tails, masked)
             value = name
         shape = tuple(d.extent for d in out.block.dims if d.live)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..dtypes import after_sum_dtype
 from ..expr import render
 from .lower import TpuModule, TpuPass
 from .rules import smem_entries
@@ -57,7 +58,12 @@ def _calls(tp: TpuPass) -> list[str]:
         if case.products is None:
             value = "zeros"
         else:
-            parts = (["accumulator"] if body.accumulator else []) + [f.operand for q in case.products for f in q.factors]
+            acc = "accumulator"
+            if body.accumulator:
+                wide = after_sum_dtype(tp.p.accumulate, tuple(f.dtype for q in case.products for f in q.factors))
+                if wide != tp.p.accumulate:  # an exact integer sum meeting a float scale
+                    acc = f"accumulator ({tp.p.accumulate.name}, exact) as {wide.name}"
+            parts = ([acc] if body.accumulator else []) + [f.operand for q in case.products for f in q.factors]
             if tp.p.scale is not None:
                 parts.append(tp.p.scale.text)
             value = " * ".join(parts) if parts else "ones"
