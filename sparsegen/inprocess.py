@@ -24,7 +24,7 @@ from types import ModuleType
 from .compiler import compile_source
 from .resources import cache_dir
 from .source import SourceFile
-from .tpu.targets import DEFAULT_TARGET
+from .targets import DEFAULT_TARGET
 
 _PACKAGE = Path(__file__).resolve().parent
 
