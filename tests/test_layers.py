@@ -35,10 +35,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("IR", ["ir", "flow", "check", "callconv", "autodiff", "terms", "patterns"]),
     # Which blocks each walk visits, in what order, through which tables.
     ("schedule", ["schedule.*"]),
-    # What every target shares above the schedule: shapes and argument makers, the mesh plan,
-    # the ring, the wrapper and the Jinja environment (`templating`, `jaxwindow`), and the
-    # walks' backend-neutral halves (`walks.*`).
-    ("block program", ["shapes", "testing", "mesh", "ring", "wrapper", "templating", "jaxwindow", "walks.*"]),
+    # What every target shares above the schedule: the base of every lowered module, shapes
+    # and argument makers, the mesh plan, the ring, the wrapper and the Jinja environment
+    # (`templating`, `jaxwindow`), and the walks' backend-neutral halves (`walks.*`).
+    ("block program", ["lowered", "shapes", "testing", "mesh", "ring", "wrapper", "templating", "jaxwindow", "walks.*"]),
     # The targets, siblings: neither imports the other (test_tpu_and_gpu_are_siblings).
     ("targets", ["tpu.*", "gpu.*"]),
     # One path from spec to module, and the commands around it.

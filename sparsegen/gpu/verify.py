@@ -28,6 +28,7 @@ import numpy as np
 
 from ..shapes import _load, concrete, differentiated
 from ..source import Diagnostic, SourceFile
+from .attention.lower import GpuWalkModule
 from .plan import GpuModule
 from .targets import GPU_TARGETS, target_config
 
@@ -148,9 +149,9 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
     # The (first) kernel's shared memory as Mosaic GPU sizes it at its launch: what its limit
     # check compares (read in the one lowering, not measured by a second one under a 0-byte limit).
     result.smem_used = launched[0] if launched else 0
-    own = getattr(m, "has_backward", None)  # the row walk's backward kernels are its own (an einsum's: a backward module)
+    own = isinstance(m, GpuWalkModule)  # the row walk's backward kernels are its own (an einsum's: a backward module)
     argnums = None
-    if m.backward_error or not (own if own is not None else getattr(m, "backward_module", None) is not None):
+    if m.backward_error or not m.has_backward:
         result.backward = f"not derived: {m.backward_error or 'no input has a gradient'}"
     else:
         argnums = differentiated(m.conv, [s.dtype for s in structs], m.refused)

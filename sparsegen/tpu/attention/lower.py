@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from ...autodiff import refusals
 from ...dtypes import DTYPES
-from ...callconv import Convention, convention
+from ...callconv import convention
 from ...ir import Kernel, Read
+from ...lowered import LoweredModule
 from ...names import ModuleNames
 from ...schedule.build import ScheduleError
 from ...source import Diagnostic
@@ -44,23 +45,15 @@ class Operand:
 
 
 @dataclass(frozen=True)
-class AttentionModule:
-    kernel: Kernel
+class AttentionModule(LoweredModule):
     target: Target
-    conv: Convention
-    names: ModuleNames
     plan: RowPlan
     walk: RowWalk
     operands: tuple[Operand, ...]
     vmem: tuple[VmemItem, ...]
-    backward_error: str | None = None  # why jax.grad cannot go through this kernel at all
     vmem_limit_override: int | None = None  # verify's probe
     refused: tuple = ()  # autodiff.Refusal: every gradient not derived, each raised only where needed
     backward_walk: "BackwardWalk | None" = None  # fused or two passes (`backward_walk`), None without a backward
-
-    @property
-    def name(self) -> str:
-        return self.kernel.name
 
     @property
     def vmem_bytes(self) -> int:
@@ -126,7 +119,7 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
         add(r, "extra")
     vmem = attention_vmem(kernel, p, ops)
     error = gradient_error(kernel, plan)
-    return AttentionModule(kernel, target, conv, names, plan, walk, tuple(ops), vmem, error,
+    return AttentionModule(kernel, target, conv, names, plan, walk, tuple(ops), vmem, backward_error=error,
                            refused=refusals(kernel, None, error) + gradient_refusals(kernel, plan),  # the kernel-wide reason first
                            backward_walk=backward_walk(kernel, plan, target, ops) if error is None and derived_outputs(plan) else None)
 
