@@ -86,7 +86,7 @@ MUTANTS: list[Mutant] = [
     Mutant("gpu-attention-row-block", "sparsegen/gpu/attention/emit.py",
            'row_block = f"{row_tile} // {rsub}" if rsub != 1 else row_tile', "row_block = row_tile", T_GPU_ATT,
            "a GPU attention CTA's row block taken as its row tile (right with one sub-tile only)"),
-    Mutant("paged-negative-page", "templates/tpu/paged.py.j2",
+    Mutant("paged-negative-page", "templates/common/paged.py.j2",
            "bad = reached & ((entries < 0) | (entries >= {{ check.size }}))",
            "bad = reached & (entries >= {{ check.size }})", T_CHECKS,
            "the page-table check misses a reached negative entry (read as page 0)"),

@@ -234,7 +234,7 @@ def gpu_rows(spec: Path, only: set[str] | None = None, every: bool = True) -> li
     import tempfile
 
     from sparsegen.compiler import compile_source
-    from sparsegen.gpu.verify import verify_module
+    from sparsegen.verify import verify_gpu_module
     from sparsegen.source import SourceFile, SpecError
 
     rows = []
@@ -268,7 +268,7 @@ def gpu_rows(spec: Path, only: set[str] | None = None, every: bool = True) -> li
             error, ok, result = float("nan"), False, f"[red]{type(exc).__name__}[/red]"
         elapsed = time.perf_counter() - start
         ptxas = every or spec.stem in PTXAS_EXAMPLES  # else lowered only (`--all`: ptxas too)
-        r = verify_module(m.plan, source, "h200", stage3=ptxas)
+        r = verify_gpu_module(m.plan, source, "h200", stage3=ptxas)
         ok &= r.ok
         registers = "unknown" if r.registers is None else max(r.registers)
         spilled = "unknown" if r.spill_bytes is None else f"{r.spill_bytes} B"

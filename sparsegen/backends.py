@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from .ir import Kernel, Read, Term
 from .source import Diagnostic
+from .targets import backend_of
 
 
 @dataclass(frozen=True)
@@ -31,24 +32,19 @@ class Entry:
 def family_of(kernel: Kernel) -> str:
     """`einsum` (products of operands, conditions included), `row` (attention-like) or
     `paged` (attention-like, its keys and values read through a table)."""
-    from .schedule.paged import reads_through_tables
+    from .callconv import reads_through_tables
 
     if kernel.einsums_only:
         return "einsum"
     return "paged" if reads_through_tables(kernel) else "row"
 
 
-def backend_of(target: str) -> str:
-    from .gpu.targets import is_gpu
-
-    return "gpu" if is_gpu(target) else "tpu"
-
-
 def chip_of(target: str):
+    """A target's chip facts, from its backend (a KeyError for a name that is no target)."""
     from .gpu.targets import GPU_TARGETS
     from .tpu.targets import TARGETS
 
-    return GPU_TARGETS[target] if backend_of(target) == "gpu" else TARGETS[target]
+    return {"tpu": TARGETS, "gpu": GPU_TARGETS}[backend_of(target)][target]
 
 
 # ------------------------------------------------------------------ entries

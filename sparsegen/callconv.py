@@ -133,6 +133,11 @@ def table_operands(kernel: Kernel) -> set[str]:
     return found
 
 
+def reads_through_tables(kernel: Kernel) -> bool:
+    """Does some read of the kernel address an operand through a table?"""
+    return bool(table_operands(kernel))
+
+
 def carried_symbols(kernel: Kernel) -> dict[str, list[str]]:
     """Per symbol, the dense arguments whose shapes carry it (directly or through `h // n`)."""
     carried: dict[str, list[str]] = {s: [] for s, _ in kernel.symbols}

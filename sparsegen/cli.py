@@ -21,10 +21,7 @@ from .allocation import no_cycle_collection
 from .compiler import Module, can_fork, check_source, compile_for_targets, emit_in_parallel, parallel_jobs, plans
 from .source import SourceFile, SpecError
 from .backends import analyse_module, describe_module
-from .gpu import GPU_TARGETS, is_gpu
-from .tpu.targets import DEFAULT_TARGET, TARGETS
-
-ALL_TARGETS = {**TARGETS, **GPU_TARGETS}
+from .targets import BACKEND_OF, DEFAULT_TARGET, is_gpu, names_of
 
 
 def describe(m) -> list[str]:
@@ -236,7 +233,7 @@ def _generated_modules(out: Path) -> list[Path]:
 def _recorded_target(path: Path) -> str | None:
     """The target a generated module records in its header (None: no module, or no known target)."""
     found = _RECORDED_TARGET.search(_header(path) or "")
-    return found[1] if found and found[1] in ALL_TARGETS else None
+    return found[1] if found and found[1] in BACKEND_OF else None
 
 
 def _build_commands(modules: list[tuple[str, Module]], out: str) -> str:
@@ -351,7 +348,7 @@ def cmd_plan(args) -> int:
             print(f"sparsegen plan: give --shape {','.join(f'{m}=...' for m in missing)}", file=sys.stderr)
             return 2
         try:
-            reports.append(analyse_module(p, sizes, args.pattern, targets=tuple(sorted(TARGETS)), seed=args.seed, trace=bool(args.png)))
+            reports.append(analyse_module(p, sizes, args.pattern, targets=tuple(names_of("tpu")), seed=args.seed, trace=bool(args.png)))
         except ValueError as exc:
             print(f"sparsegen plan: {exc}", file=sys.stderr)
             return 2
@@ -422,10 +419,10 @@ def _verify_options(args) -> dict[str, int] | None:
 
 def cmd_verify(args) -> int:
     targets = _target_list(args.target)
-    unknown = [t for t in targets if t not in TARGETS and not is_gpu(t)]
+    unknown = [t for t in targets if t not in BACKEND_OF]
     if unknown or not targets:
-        print(f"sparsegen verify: unknown target {', '.join(unknown) or '(none)'}; choose from {', '.join(sorted(TARGETS))} (TPU) "
-              f"or {', '.join(sorted(GPU_TARGETS))} (GPU)", file=sys.stderr)
+        print(f"sparsegen verify: unknown target {', '.join(unknown) or '(none)'}; choose from {', '.join(names_of('tpu'))} (TPU) "
+              f"or {', '.join(names_of('gpu'))} (GPU)", file=sys.stderr)
         return 2
     if any(is_gpu(t) for t in targets):
         if not all(is_gpu(t) for t in targets):
@@ -498,7 +495,8 @@ def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
     Stage 3 is asked for unless --lower-only: its environment is found first, and without
     one (or where it could not compile) verify exits 2 saying how to provide it."""
     from .compiler import lower_source
-    from .gpu.verify import gpu_python, verify_modules
+    from .gpu.verify import gpu_python
+    from .verify import verify_gpu_modules
 
     python = None
     if not args.lower_only:
@@ -523,7 +521,7 @@ def _verify_gpu(args, targets: list[str], shapes: dict[str, int]) -> int:
         for m, _, target in found:
             specs[m.name, target], sources[m.name, target] = spec, source
         items += found
-    results = verify_modules(items, shapes, args.nnz, stage3=not args.lower_only, python=python)
+    results = verify_gpu_modules(items, shapes, args.nnz, stage3=not args.lower_only, python=python)
     report = [(specs[r.kernel, r.target], r) for r in results]
     for r in results:
         failed |= not r.ok
@@ -639,8 +637,8 @@ def cmd_variants(args) -> int:
     if not _have_jax("variants"):
         return 2
     targets = _target_list(args.target)
-    if not targets or any(t not in TARGETS for t in targets):
-        print(f"sparsegen variants: --target takes TPU chips from {', '.join(sorted(TARGETS))} (GPU variants are not ranked yet: build each with --target h200 and run bench/bench_gpu.py)", file=sys.stderr)
+    if not targets or any(BACKEND_OF.get(t) != "tpu" for t in targets):
+        print(f"sparsegen variants: --target takes TPU chips from {', '.join(names_of('tpu'))} (GPU variants are not ranked yet: build each with --target h200 and run bench/bench_gpu.py)", file=sys.stderr)
         return 2
     if args.output and (problem := _output_problem(Path(args.output))):
         print(f"sparsegen variants: {problem}", file=sys.stderr)
@@ -818,8 +816,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsegen", description="Compile .spk specs into Pallas kernel modules (TPU, or Mosaic GPU for H100/H200).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="`sparsegen COMMAND --help` lists its options")
-    targets = sorted(TARGETS) + sorted(GPU_TARGETS)
-    tpu_names, gpu_names = ", ".join(sorted(TARGETS)), ", ".join(sorted(GPU_TARGETS))
+    targets = names_of("tpu") + names_of("gpu")
+    tpu_names, gpu_names = ", ".join(names_of("tpu")), ", ".join(names_of("gpu"))
 
     build = sub.add_parser("build", help="write one module per kernel (nothing is written if any spec fails)")
     build.add_argument("specs", nargs="+", metavar="SPEC", help=SPECS_HELP)

@@ -19,7 +19,7 @@ from .ir import Kernel
 from .source import Diagnostic, SourceFile, SpecError
 from .syntax import parse
 from .tpu.lower import TpuModule
-from .tpu.targets import DEFAULT_TARGET
+from .targets import DEFAULT_TARGET
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class _DiskCache:
 
     def folder(self) -> Path | None:
         if self._folder is False:
-            from .inprocess import cache_dir  # one place says where sparsegen caches
+            from .resources import cache_dir  # one place says where sparsegen caches
 
             salt = hashlib.sha256(black.__version__.encode() + Path(__file__).read_bytes()).hexdigest()[:16]
             folder = cache_dir() / f"format-{salt}"

@@ -22,20 +22,11 @@ from pathlib import Path
 from types import ModuleType
 
 from .compiler import compile_source
+from .resources import cache_dir
 from .source import SourceFile
-from .tpu.targets import DEFAULT_TARGET
+from .targets import DEFAULT_TARGET
 
 _PACKAGE = Path(__file__).resolve().parent
-
-
-def cache_dir() -> Path:
-    """Where compiled modules are kept: `SPARSEGEN_CACHE_DIR`, else the user's cache folder."""
-    chosen = os.environ.get("SPARSEGEN_CACHE_DIR")
-    if chosen:
-        return Path(chosen)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("sparsegen"))
 
 
 @functools.cache

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .targets import backend_of
+
 
 def as_tuple(version: str) -> tuple[int, ...]:
     """A version's numeric parts, read as jax reads its own (`jax.__version_info__`):
@@ -68,6 +70,4 @@ SUPPORTED = Window(
 
 def window_for(target: str) -> Window:
     """The window of the modules built for `target` (v5e, h200, ...)."""
-    from .backends import backend_of
-
     return WINDOWS[backend_of(target)]

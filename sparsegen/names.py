@@ -19,7 +19,7 @@ IMPORTS = frozenset({"functools", "jax", "jnp", "np", "lax", "pl", "pltpu", "plg
 # is written), the module's constants, and its fixed functions.
 HELPERS = frozenset(
     name for template in ("helpers.py.j2", "module.py.j2", "tpu/module.py.j2", "tpu/attention.py.j2", "tpu/paged.py.j2", "gpu/module.py.j2",
-                     "gpu/attention.py.j2", "gpu/paged.py.j2")
+                     "gpu/attention.py.j2", "gpu/paged.py.j2", "common/paged.py.j2")
     for name in re.findall(r"^def (_\w+)\(", read_resource("templates", template), re.M)
 ) | {
     "_NAME", "_BLOCK", "_FLUSH", "_LAST", "_EMPTY", "_PARTIAL", "_FULL", "_SKIP", "_SMEM_BYTES", "_PARTIALS", "_REFUSED",

@@ -1,7 +1,9 @@
-"""Where the grammar and templates live: inside the package in a wheel, beside it in a checkout."""
+"""Where the grammar and templates live (inside the package in a wheel, beside it in a checkout),
+and where sparsegen caches (`cache_dir`)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -17,3 +19,13 @@ def resource_dir(kind: str) -> Path:
 
 def read_resource(kind: str, name: str) -> str:
     return (resource_dir(kind) / name).read_text(encoding="utf-8")
+
+
+def cache_dir() -> Path:
+    """Where compiled modules are kept: `SPARSEGEN_CACHE_DIR`, else the user's cache folder."""
+    chosen = os.environ.get("SPARSEGEN_CACHE_DIR")
+    if chosen:
+        return Path(chosen)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("sparsegen"))

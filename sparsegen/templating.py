@@ -42,7 +42,7 @@ def _bytecode_cache() -> jinja2.BytecodeCache | None:
     """The templates compiled to Python once, kept in sparsegen's cache folder (jinja keys
     each by its name and the digest of its text): a process saves a quarter of a second
     of template compiling. None where the folder cannot be made."""
-    from .inprocess import cache_dir  # one place says where sparsegen caches
+    from .resources import cache_dir  # one place says where sparsegen caches
 
     folder = cache_dir() / "templates"
     try:

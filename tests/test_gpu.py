@@ -288,13 +288,13 @@ COMPILED = EXAMPLES if SWEEP else ["dsd_matmul", "dds_matmul", "sdd_matmul", "ma
 
 def test_every_example_lowers_and_compiles_for_h200():
     """Stage 2 for LOWERED (and their backward), then stage 3 for COMPILED in one process."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     items = []
     for name in LOWERED:
         source = SourceFile(f"{name}.spk", example_text(name))
         items += [(m, source, "h200") for m in lower_source(source, "h200")]
-    results = verify_modules(items, stage3={n.split(":")[-1] for n in COMPILED})
+    results = verify_gpu_modules(items, stage3={n.split(":")[-1] for n in COMPILED})
     assert [r.kernel for r in results] == [n.split(":")[-1] for n in LOWERED]
     for name, result in zip(LOWERED, results):
         assert result.lowered, (name, result.raw_error)

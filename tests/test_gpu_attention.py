@@ -141,7 +141,7 @@ kernel biased {
 def test_biases_slopes_and_per_key_terms_in_the_chain():
     """Float operands the chain reads: a bias tile per step, a slope per head (a scalar read
     from GMEM), a per-key term (a vector per step); interpreted, and lowered for H200."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     kernel, mod = build(BIASED, "h200")
     rng = np.random.default_rng(5)
@@ -149,7 +149,7 @@ def test_biases_slopes_and_per_key_terms_in_the_chain():
     args += [jnp.asarray(rng.random(2), jnp.float32), jnp.asarray(rng.standard_normal(128), jnp.float32)]
     assert_matches(kernel, mod.biased(*args, interpret=True), mod.reference(*args), {"H": 2, "S": 128, "D": 64})
     (m,) = lower_source(SourceFile("biased.spk", BIASED), "h200")
-    (r,) = verify_modules([(m, SourceFile("biased.spk", BIASED), "h200")], stage3=False)
+    (r,) = verify_gpu_modules([(m, SourceFile("biased.spk", BIASED), "h200")], stage3=False)
     assert r.lowered and r.smem_used == r.smem_estimate, (r.raw_error, r.smem_used, r.smem_estimate)
 
 
@@ -267,7 +267,7 @@ def test_masked_attention_verbatim_takes_the_shape_that_fits():
     64 keys a step fits (the widest shape that does). Its values in the interpreter, its
     shared memory measured under an abstract H200, and ptxas; the backward is refused by
     name (dq alone needs more than the chip has)."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     text = spec_text("masked_attention")
     (m,) = lower_source(SourceFile("masked_attention.spk", text), "h200")
@@ -278,7 +278,7 @@ def test_masked_attention_verbatim_takes_the_shape_that_fits():
     args, keywords = example_args(kernel, sizes, "random", np.random.default_rng(3))
     out = mod.masked_attention(*args, **keywords, interpret=True)
     assert_matches(kernel, out, mod.reference(*args, **keywords), resolve_sizes(kernel, sizes))
-    (r,) = verify_modules([(m, SourceFile("masked_attention.spk", text), "h200")])
+    (r,) = verify_gpu_modules([(m, SourceFile("masked_attention.spk", text), "h200")])
     assert r.lowered and r.smem_used == r.smem_estimate == m.smem, (r.raw_error, r.smem_used, r.smem_estimate)
     if r.compiled is None:
         pytest.skip(f"stage 3 (ptxas for sm_90a) not run: {r.stage3}")
@@ -313,13 +313,13 @@ def test_examples_lower_and_compile_for_h200():
     """Stage 2 for each example and its gradient (shared memory measured per kernel: the
     rules' estimates are what Mosaic GPU allocates), then stage 3 for all in one process:
     registers and spills per kernel (the forward, dq, dk/dv) of COMPILED."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     items = []
     for name, tiles in LOWERED.items():
         source = SourceFile(f"{name}.spk", with_tiles(spec_text(name), **tiles))
         items += [(m, source, "h200") for m in lower_source(source, "h200")]
-    results = verify_modules(items, stage3=COMPILED)
+    results = verify_gpu_modules(items, stage3=COMPILED)
     assert [r.kernel for r in results] == list(LOWERED)
     for r in results:
         assert r.lowered, (r.kernel, r.raw_error)

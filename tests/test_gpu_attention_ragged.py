@@ -185,12 +185,12 @@ def test_ragged_causal_lowers_for_h200_with_the_estimated_shared_memory(S):
     """Lowering under an abstract H200 at the ragged S (the forward and its gradient: Mosaic
     GPU takes the unpadded arrays, 200 rows a multiple of 8), each kernel's shared memory as
     Mosaic GPU allocates it equal to the rules' estimate; at S = 197, ptxas for sm_90a."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     source = SourceFile("causal_attention.spk", causal(TILES))
     (m,) = lower_source(source, "h200")
     compile_ = S == 197  # stage 3 once (about 10 CPU-seconds)
-    (r,) = verify_modules([(m, source, "h200")], shapes=dict(B=1, H=2, S=S, D=64), stage3={"causal_attention"} if compile_ else False)
+    (r,) = verify_gpu_modules([(m, source, "h200")], shapes=dict(B=1, H=2, S=S, D=64), stage3={"causal_attention"} if compile_ else False)
     assert r.lowered, r.raw_error
     assert r.smem_used == r.smem_estimate <= r.smem_limit, (r.smem_used, r.smem_estimate)
     assert r.backward == "lowers", r.backward
@@ -228,7 +228,7 @@ def test_a_ragged_index_outside_the_last_two_dimensions_is_read_unpadded():
     lower under an abstract H200 at S = 197 with the estimated shared memory."""
     import inspect
 
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     kernel, mod = build(BSHD, "h200")
     for fn in (mod._impl, mod._backward):
@@ -250,6 +250,6 @@ def test_a_ragged_index_outside_the_last_two_dimensions_is_read_unpadded():
         np.testing.assert_allclose(g, r, atol=0.05 * np.abs(r).max() + 0.02)
     source = SourceFile("bshd.spk", BSHD)
     (m,) = lower_source(source, "h200")
-    (r,) = verify_modules([(m, source, "h200")], shapes=dict(B=1, H=2, S=197, D=64), stage3=False)
+    (r,) = verify_gpu_modules([(m, source, "h200")], shapes=dict(B=1, H=2, S=197, D=64), stage3=False)
     assert r.lowered and r.backward == "lowers", (r.raw_error, r.backward)
     assert r.smem_used == r.smem_estimate and r.backward_smem_used == r.backward_smem_estimate

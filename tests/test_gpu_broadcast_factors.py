@@ -78,13 +78,13 @@ def test_gradients_through_a_mask_lacking_the_batch_index():
 
 
 def test_lowered_for_an_abstract_h200_with_the_backward():
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     items = []
     for text, _ in CASES:
         source = SourceFile("broadcast.spk", text)
         items += [(m, source, "h200") for m in lower_source(source, "h200")]
-    for result in verify_modules(items, stage3=False):
+    for result in verify_gpu_modules(items, stage3=False):
         assert result.lowered, result.raw_error
         assert result.backward == "lowers", (result.kernel, result.backward)
 

@@ -206,7 +206,7 @@ def test_step_selections_lower_and_compile_for_h200_without_spilling():
     for the widths, 688 for the ragged sum). Stage 2 lowers each (forward and backward), its
     shared memory as `rules.smem_bytes` says; stage 3 compiles the widths' kernel (a copy of
     gid's tile at partial steps beside the two accumulators)."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     items = []
     for name, text in (("expert_width", WIDTH), ("ragged_sum", RAGGED), ("grouped_prefix", PREFIX)):
@@ -215,7 +215,7 @@ def test_step_selections_lower_and_compile_for_h200_without_spilling():
             steps = [p for p in (*m.passes, *m.backward_module.passes) if p.selection is not None and p.selection.on == "step"]
             assert steps and all((p.tiles.tm, p.tiles.tn) == (64, 128) for p in steps), [(p.output, p.tiles) for p in steps]
             items.append((m, source, "h200"))
-    results = verify_modules(items, stage3={"expert_width"})
+    results = verify_gpu_modules(items, stage3={"expert_width"})
     for r in results:
         assert r.lowered, (r.kernel, r.raw_error)
         assert r.backward == "lowers", (r.kernel, r.backward)

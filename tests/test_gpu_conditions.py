@@ -109,13 +109,13 @@ def test_the_examples_lower_and_compile_for_h200():
     """Language v2's examples verbatim: they lower (forward and backward) under an abstract
     H200, their shared memory exactly as `rules.smem_bytes` says (grouped holds an int32 tile
     of gid beside the pipeline); stage 3 compiles tril's forward kernel through ptxas."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     items = []
     for name in ("tril_matmul", "grouped_matmul"):
         source = SourceFile(f"{name}.spk", spec_text(name))
         items += [(m, source, "h200") for m in lower_source(source, "h200")]
-    results = verify_modules(items, stage3={"tril_matmul"})
+    results = verify_gpu_modules(items, stage3={"tril_matmul"})
     assert [r.kernel for r in results] == ["tril_matmul", "grouped_matmul"]
     for r in results:
         assert r.lowered, (r.kernel, r.raw_error)

@@ -219,10 +219,10 @@ def test_a_key_block_the_gpu_cannot_step_is_refused_with_pages_of_a_literal_size
 def _verified(sources: list[SourceFile]):
     """Stage 2 (shared memory measured = estimated) and, where `.venv-gpu` is, stage 3 for
     every kernel of the sources, in one process; the results by kernel."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     items = [(m, s, "h200") for s in sources for m in lower_source(s, "h200")]
-    results = {r.kernel: r for r in verify_modules(items)}
+    results = {r.kernel: r for r in verify_gpu_modules(items)}
     for r in results.values():
         assert r.lowered, (r.kernel, r.raw_error)
         assert r.smem_used == r.smem_estimate <= r.smem_limit, (r.kernel, r.smem_used, r.smem_estimate)
@@ -250,10 +250,10 @@ def test_decoding_kernels_lower_and_compile_for_h200():
 
 def test_pages_larger_than_a_step_lower_for_h200():
     """Pages of 256 (a 128-key step copies half a page): stage 2, shared memory as estimated."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     source = SourceFile("paged_decode.spk", (SPECS / "paged_decode.spk").read_text())
-    (r,) = verify_modules([(m, source, "h200") for m in lower_source(source, "h200")], shapes={"T": 256, "NP": 16}, stage3=False)
+    (r,) = verify_gpu_modules([(m, source, "h200") for m in lower_source(source, "h200")], shapes={"T": 256, "NP": 16}, stage3=False)
     assert r.lowered and r.shapes["T"] == 256 and r.smem_used == r.smem_estimate, (r.raw_error, r.smem_used, r.smem_estimate)
 
 
@@ -262,7 +262,7 @@ def test_a_paged_walk_whose_128_key_steps_overflow_shared_memory_steps_64_keys()
     CTA (h200: 232,448); the CTA's shape is the row walk's rule (`cta_shape`: the widest
     that fits), 64 keys a step. Stage 2: it lowers, shared memory as estimated; in the
     interpreter (pages of 16: a step gathers 4) it matches the oracle."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     text = (SPECS / "paged_decode.spk").read_text().replace("d = 128, e = 128", "d = 256, e = 256")
     source = SourceFile("wide.spk", text)
@@ -270,7 +270,7 @@ def test_a_paged_walk_whose_128_key_steps_overflow_shared_memory_steps_64_keys()
     # With the rows' logsumexps (the key parts' merge), and the walk taken again where an absent
     # slot's NaN or Inf met a weight 0: a 64 x 64 tile of values and the row sums (9,216 bytes).
     assert (m.tk, m.smem_bytes) == (64, 184344), (m.tk, m.smem_bytes)
-    (r,) = verify_modules([(m, source, "h200")], shapes={"D": 256}, stage3=False)
+    (r,) = verify_gpu_modules([(m, source, "h200")], shapes={"D": 256}, stage3=False)
     assert r.lowered and r.smem_used == r.smem_estimate <= r.smem_limit, (r.raw_error, r.smem_used, r.smem_estimate)
     kernel, mod = build(text, "h200")
     rng = np.random.default_rng(5)

@@ -124,7 +124,7 @@ def test_gradients_through_warp_specialized_passes():
 
 
 def test_lowers_with_the_shared_memory_the_rules_say_and_compiles_without_spills():
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     texts = {"bf16 out": with_tiles(example_text("dsd_matmul"), **WS), "after the sum": AFTER_SUM, "int8": INT8}
     items = []
@@ -133,7 +133,7 @@ def test_lowers_with_the_shared_memory_the_rules_say_and_compiles_without_spills
         (m,) = lower_source(source, "h200")
         assert all(p.tiles.wgs == WARPGROUPS for p in m.passes), name
         items.append((m, source, "h200"))
-    results = verify_modules(items)
+    results = verify_gpu_modules(items)
     for name, r in zip(texts, results):
         assert r.lowered, (name, r.raw_error)
         assert r.smem_used == r.smem_estimate, (name, r.smem_used, r.smem_estimate)

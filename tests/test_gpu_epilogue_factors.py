@@ -260,14 +260,14 @@ def test_lowered_for_an_abstract_h200_with_the_shared_memory_the_rules_say():
     warpgroup (the vectors in a scope of their own: no more than without them), two (each
     consumer's vectors beside its epilogue tiles, each from a 1,024-byte boundary), with a
     mask, i8. Stage 3 (ptxas for sm_90a) on the warp-specialized one: no spills."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     texts = {"row": ROW, "batched": BATCHED, "masked": MASKED, "int8": INT8, "tile after": TILE_AFTER}
     items = []
     for name, text in texts.items():
         source = SourceFile(f"{name}.spk", text)
         items += [(m, source, "h200") for m in lower_source(source, "h200")]
-    results = verify_modules(items, stage3={"batched_scaled"})
+    results = verify_gpu_modules(items, stage3={"batched_scaled"})
     for name, r in zip(texts, results):
         assert r.lowered, (name, r.raw_error)
         assert r.smem_used == r.smem_estimate, (name, r.smem_used, r.smem_estimate)

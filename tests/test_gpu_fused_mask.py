@@ -124,10 +124,10 @@ def modules(texts):
 def test_lowers_with_the_shared_memory_the_rules_say():
     """Stage 2 under an abstract H200: the mask's tiles take what `rules.smem_bytes` counts,
     at every case's tiles and with a mask lacking b."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     texts = [with_tiles(example_text(name), **tiles) for name, tiles, _, _ in CASES] + list(BATCHED.values())
-    for r in verify_modules(modules(texts), stage3=SWEEP):
+    for r in verify_gpu_modules(modules(texts), stage3=SWEEP):
         assert r.lowered, r.raw_error
         assert r.smem_used == r.smem_estimate, (r.kernel, r.smem_used, r.smem_estimate)
         assert r.compiled is not False and not r.spill_bytes, (r.kernel, r.raw_error, r.registers, r.spill_bytes)
@@ -137,9 +137,9 @@ def test_the_examples_as_written_compile_without_spills():
     """The verbatim masked_backward, through ptxas for sm_90a: dx (one warpgroup, a 128x128
     accumulator beside the multiply) and dy (warp-specialized, 64x128 a consumer: 128x128
     spilled) keep every register."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
-    results = verify_modules(modules([example_text(DX), example_text(DY)]))
+    results = verify_gpu_modules(modules([example_text(DX), example_text(DY)]))
     for r in results:
         assert r.lowered, r.raw_error
         assert r.smem_used == r.smem_estimate, (r.kernel, r.smem_used, r.smem_estimate)

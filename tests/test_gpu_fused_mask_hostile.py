@@ -370,14 +370,14 @@ def test_a_tile_the_chunks_do_not_divide_is_multiplied_whole_or_refused(text, si
 )
 def test_an_i8_factor_with_a_covered_mask_lowers_for_the_gpu(text):
     """Stage 2 (lowering under an abstract H200, no ptxas): the kernel lowers, or the spec is refused clearly."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     source = SourceFile("hostile.spk", text)
     try:
         (m,) = lower_source(source, "h200")
     except (SpecError, GpuError):
         return
-    (r,) = verify_modules([(m, source, "h200")], stage3=False)
+    (r,) = verify_gpu_modules([(m, source, "h200")], stage3=False)
     assert r.lowered, r.raw_error
 
 

@@ -59,13 +59,13 @@ def test_coo_int8_is_exact():
 
 
 def test_lowered_and_compiled_for_an_h200():
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     items = []
     for text in (DENSE, COO):
         source = SourceFile("int8.spk", text)
         items += [(m, source, "h200") for m in lower_source(source, "h200")]
-    results = verify_modules(items)
+    results = verify_gpu_modules(items)
     for r in results:
         assert r.lowered, r.raw_error
         assert r.smem_used == r.smem_estimate, (r.kernel, r.smem_used, r.smem_estimate)

@@ -83,11 +83,11 @@ def test_unpadded_operands_and_outputs_lower_for_h200():
     have size smaller or a multiple of its tiling 8"); the outputs o (1000, 992), dy (1008,
     992) written at their own columns, 992 a multiple of the epilogues' 32- and 16-column
     store tiles. Stage 3 (ptxas) too under SPARSEGEN_SWEEP=1."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     source = SourceFile("masked_matmul.spk", spec_text("masked_matmul"))
     items = [(m, source, "h200") for m in lower_source(source, "h200")]
-    (result,) = verify_modules(items, shapes=dict(M=1000, K=1004, N=992), stage3=SWEEP)
+    (result,) = verify_gpu_modules(items, shapes=dict(M=1000, K=1004, N=992), stage3=SWEEP)
     assert result.lowered, result.raw_error
     assert result.backward == "lowers", result.backward
     if SWEEP and result.compiled is not None:
@@ -149,11 +149,11 @@ def test_gradients_with_rows_ragged_per_batch():
 def test_rows_ragged_per_batch_lower_for_h200():
     """Stage 2 (stage 3 too under SPARSEGEN_SWEEP=1) with 3-D TMA copies at ragged sizes, the
     backward too: batched_dsd (its dense y, the output, the backward's g and y)."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     source = SourceFile("batched_dsd.spk", spec_text("batched_dsd"))
     items = [(m, source, "h200") for m in lower_source(source, "h200")]
-    (result,) = verify_modules(items, shapes=dict(B=2, M=1000, K=1004, N=992), stage3=SWEEP)
+    (result,) = verify_gpu_modules(items, shapes=dict(B=2, M=1000, K=1004, N=992), stage3=SWEEP)
     assert result.lowered, result.raw_error
     assert result.backward == "lowers", result.backward
     if SWEEP and result.compiled is not None:

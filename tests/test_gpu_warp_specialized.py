@@ -261,14 +261,14 @@ def test_two_consumers_lower_and_compile_for_h200():
     """Shared memory to the byte (Mosaic GPU's count against the rules', the forward's and
     each backward kernel's), then ptxas: every kernel without spills (registers at launch; a
     warp-specialized kernel's consumers take more by setmaxnreg)."""
-    from sparsegen.gpu.verify import verify_modules
+    from sparsegen.verify import verify_gpu_modules
 
     items = []
     for name, tiles in LOWERED.items():
         source = SourceFile(f"{name}.spk", example(name, tiles))
         items += [(m, source, "h200") for m in lower_source(source, "h200")]
     assert [warpgroups(m) for m, _, _ in items] == [(2, 2, 2), (2, 2, 1), (2, 2, 2)]
-    results = verify_modules(items)
+    results = verify_gpu_modules(items)
     for r in results:
         assert r.lowered and r.smem_used == r.smem_estimate <= r.smem_limit, (r.kernel, r.raw_error, r.smem_used, r.smem_estimate)
         assert r.backward == "lowers" and r.backward_smem_used == r.backward_smem_estimate, (r.kernel, r.backward)

@@ -2,6 +2,6 @@
 
 from .lower import lower_gpu
 from .plan import GpuError, GpuModule
-from .targets import GPU_TARGETS, is_gpu
+from .targets import GPU_TARGETS
 
-__all__ = ["GPU_TARGETS", "GpuError", "GpuModule", "is_gpu", "lower_gpu"]
+__all__ = ["GPU_TARGETS", "GpuError", "GpuModule", "lower_gpu"]

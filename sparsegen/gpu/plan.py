@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..callconv import Convention
 from ..dtypes import DType
 from ..expr import Call, Expr, lift
-from ..ir import Einsum, Kernel
+from ..ir import Einsum
+from ..lowered import LoweredModule
 from ..names import ModuleNames
 from ..source import Diagnostic
 from .targets import GpuTarget
@@ -208,27 +208,12 @@ class ElementwisePass:
 
 
 @dataclass(frozen=True)
-class GpuModule:
-    kernel: Kernel
+class GpuModule(LoweredModule):
     target: GpuTarget
-    conv: Convention
-    names: ModuleNames
     passes: tuple["ProductPass | ElementwisePass", ...]
     outputs: tuple[tuple[str, str], ...]
     backward: object | None = None  # autodiff.Backward: how the gradients are derived
     backward_module: "GpuModule | None" = None  # its passes, lowered like any kernel's
-    backward_error: str | None = None  # why `jax.grad` cannot go through this kernel at all
-
-    @property
-    def name(self) -> str:
-        return self.kernel.name
-
-    @property
-    def refused(self) -> tuple:
-        """The gradients not derived (autodiff.Refusal), each raised only where it is needed."""
-        from ..autodiff import refusals
-
-        return refusals(self.kernel, self.backward, self.backward_error)
 
     @property
     def smem_bytes(self) -> int:

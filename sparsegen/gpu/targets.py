@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..targets import chips_for
+
 
 @dataclass(frozen=True)
 class GpuTarget:
@@ -21,17 +23,13 @@ class GpuTarget:
     hbm_bytes: int
 
 
-GPU_TARGETS: dict[str, GpuTarget] = {
-    t.name: t
-    for t in (
+GPU_TARGETS: dict[str, GpuTarget] = chips_for(
+    "gpu",
+    (
         GpuTarget("h100", "NVIDIA H100 80GB HBM3", 232448, 132, 989e12, 3.35e12, 80 << 30),
         GpuTarget("h200", "NVIDIA H200", 232448, 132, 989e12, 4.8e12, 141 << 30),
-    )
-}
-
-
-def is_gpu(target: str) -> bool:
-    return target in GPU_TARGETS
+    ),
+)
 
 
 def target_config(t: GpuTarget) -> str:

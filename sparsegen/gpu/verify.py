@@ -28,7 +28,7 @@ import numpy as np
 
 from ..shapes import _load, concrete, differentiated
 from ..source import Diagnostic, SourceFile
-from ..backends import emit_module
+from .attention.lower import GpuWalkModule
 from .plan import GpuModule
 from .targets import GPU_TARGETS, target_config
 
@@ -123,16 +123,17 @@ def explain(m: GpuModule, target: str, message: str) -> Diagnostic:
     return Diagnostic(m.kernel.tile_span, f"Mosaic GPU refuses the kernel for {target}: {first}")
 
 
-def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: float = 0.1) -> tuple[GpuResult, dict | None]:
+def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: float = 0.1, *, emit) -> tuple[GpuResult, dict | None]:
     """Lower the kernel (and its backward) under an abstract device; measure its shared
-    memory. `m`: an einsum's GpuModule or the row walk's GpuAttentionModule. Returns the result and, if it lowered, the stage-3 job that compiles it."""
+    memory. `m`: an einsum's GpuModule or the row walk's GpuAttentionModule. Returns the result and, if it lowered, the stage-3 job that compiles it.
+    `emit(module, origin)` writes a module's source (the pipeline's `backends.emit_module`, as for `tpu/verify.py`)."""
     import jax
 
     k = m.kernel
     env, nb, args, keywords = concrete(k, shapes, nnz)
     chip = GPU_TARGETS[target]
     result = GpuResult(k.name, target, False, {s: env[s] for s, _ in k.symbols}, nb, m.smem_bytes, chip.smem_bytes)
-    code = emit_module(m, source.name)  # an einsum's passes or the row walk's kernel
+    code = emit(m, source.name)  # an einsum's passes or the row walk's kernel
     fn = getattr(_load(code, f"verify_{k.name}"), k.name)
     structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in args]
     start = time.perf_counter()
@@ -148,9 +149,9 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
     # The (first) kernel's shared memory as Mosaic GPU sizes it at its launch: what its limit
     # check compares (read in the one lowering, not measured by a second one under a 0-byte limit).
     result.smem_used = launched[0] if launched else 0
-    own = getattr(m, "has_backward", None)  # the row walk's backward kernels are its own (an einsum's: a backward module)
+    own = isinstance(m, GpuWalkModule)  # the row walk's backward kernels are its own (an einsum's: a backward module)
     argnums = None
-    if m.backward_error or not (own if own is not None else getattr(m, "backward_module", None) is not None):
+    if m.backward_error or not m.has_backward:
         result.backward = f"not derived: {m.backward_error or 'no input has a gradient'}"
     else:
         argnums = differentiated(m.conv, [s.dtype for s in structs], m.refused)
@@ -171,14 +172,14 @@ def stage2(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: floa
     return result, job
 
 
-def verify_modules(items, shapes=None, nnz: float = 0.1, stage3=True, python: str | None = None) -> list[GpuResult]:
+def verify_modules(items, shapes=None, nnz: float = 0.1, stage3=True, python: str | None = None, *, emit) -> list[GpuResult]:
     """Stage 2 for each (module, source, target), then stage 3 for all that lowered, in one
     process of the plugin's environment (`python`, found by gpu_python() if not given).
     `stage3`: True, False (--lower-only), or the names of the kernels to compile (the
     others are lowered only)."""
     results, jobs = [], []
     for m, source, target in items:
-        result, job = stage2(m, source, target, shapes, nnz)
+        result, job = stage2(m, source, target, shapes, nnz, emit=emit)
         results.append(result)
         if stage3 is not True and (not stage3 or result.kernel not in stage3):
             result.stage3 = "not asked for"  # --lower-only
@@ -213,8 +214,8 @@ def verify_modules(items, shapes=None, nnz: float = 0.1, stage3=True, python: st
     return results
 
 
-def verify_module(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: float = 0.1, stage3: bool = True) -> GpuResult:
-    return verify_modules([(m, source, target)], shapes, nnz, stage3)[0]
+def verify_module(m: GpuModule, source: SourceFile, target: str, shapes=None, nnz: float = 0.1, stage3: bool = True, *, emit) -> GpuResult:
+    return verify_modules([(m, source, target)], shapes, nnz, stage3, emit=emit)[0]
 
 
 def launch_smem(lower) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..callconv import reads_through_tables
 from ..ir import Einsum, Elementwise, Kernel, Read, Reduction, SoftmaxProduct, Term
 from ..source import Diagnostic
 from .build import ScheduleError
@@ -332,8 +333,6 @@ def whole_sizes(kernel: Kernel) -> dict[str, int]:
     free index): each must equal its tile. Empty for other kernels."""
     if not is_row_kernel(kernel):
         return {}
-    from .paged import reads_through_tables
-
     try:
         plan = row_plan(kernel, packed_rows=reads_through_tables(kernel))  # a paged walk packs heads into its rows
     except ScheduleError:

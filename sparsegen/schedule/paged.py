@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..callconv import table_operands
 from ..ir import Kernel, Read, Sub
 from ..source import Diagnostic
 from .attention import RowPlan
@@ -58,11 +57,6 @@ class PagedPlan:
     @property
     def key_tile(self) -> int:
         return self.row.kernel.index(self.row.key).tile
-
-
-def reads_through_tables(kernel: Kernel) -> bool:
-    """Does some read of the kernel address an operand through a table?"""
-    return bool(table_operands(kernel))
 
 
 def _values(st) -> tuple[Read, ...]:

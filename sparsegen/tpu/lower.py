@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..callconv import Convention, convention
 from ..expr import Const, Expr, names as expr_names
 from ..ir import Kernel
+from ..lowered import LoweredModule
 from ..names import ModuleNames
 from ..schedule import Pass, Schedule, schedule
 from ..schedule.core import Block
@@ -74,38 +75,18 @@ class TpuPass:
 
 
 @dataclass(frozen=True)
-class TpuModule:
+class TpuModule(LoweredModule):
     """Everything the emitter, `plan`, `verify` and the simulator need to know about one kernel."""
 
-    kernel: Kernel
     target: Target
-    conv: Convention
-    names: ModuleNames
     schedule: Schedule
     passes: tuple[TpuPass, ...]
     backward: object | None = None  # autodiff.Backward: how the gradients are derived
     backward_module: "TpuModule | None" = None  # its passes, lowered like any kernel's
-    backward_error: str | None = None  # why `jax.grad` cannot go through this kernel at all
-
-    @property
-    def name(self) -> str:
-        return self.kernel.name
-
-    @property
-    def has_backward(self) -> bool:
-        """Are there backward passes (a float input with a derived gradient)?"""
-        return self.backward_module is not None
 
     def with_vmem_limit(self, limit: int) -> "TpuModule":
         """The module compiled with `vmem_limit_bytes=limit` in every pass (verify's probe)."""
         return dataclasses.replace(self, passes=tuple(dataclasses.replace(tp, vmem_limit_override=limit) for tp in self.passes))
-
-    @property
-    def refused(self) -> tuple:
-        """The gradients not derived (autodiff.Refusal), each raised only where it is needed."""
-        from ..autodiff import refusals
-
-        return refusals(self.kernel, self.backward, self.backward_error)
 
     @property
     def vmem_bytes(self) -> int:

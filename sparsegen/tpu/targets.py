@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..targets import chips_for
+
 KiB = 1 << 10
 MiB = 1 << 20
 
@@ -41,17 +43,15 @@ class Target:
     transpose_copies: int = 3
 
 
-TARGETS: dict[str, Target] = {
-    t.name: t
-    for t in (
+TARGETS: dict[str, Target] = chips_for(
+    "tpu",
+    (
         Target("v4", "v4:2x2x1", 16 * MiB, 16 * MiB, MiB - 8 * KiB, False, 2, 275e12, 0.0, 1200e9, transpose_copies=32),
         Target("v5e", "v5e:2x2", 128 * MiB, 16 * MiB, MiB - 8 * KiB, True, 1, 197e12, 394e12, 819e9),
         Target("v5p", "v5p:2x2x1", 64 * MiB - 64 * KiB, 16 * MiB, MiB - 8 * KiB, True, 2, 459e12, 918e12, 2765e9),
         Target("v6e", "v6e:2x2", 128 * MiB - 64 * KiB, 32 * MiB, MiB - 8 * KiB, True, 1, 918e12, 1836e12, 1640e9),
-    )
-}
-
-DEFAULT_TARGET = "v5e"
+    ),
+)
 
 
 def format_bytes(n: int) -> str:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ...autodiff import Refusal
 from ...ir import Kernel, Read
 from ...schedule.attention import RowPlan
-from ...tpu.attention.lower import derived_outputs, gradient_refusals  # backend-neutral: which gradients the flash backward derives
+from ...walks.flash_gradients import derived_outputs, gradient_refusals
 from ..rules import WARPGROUPS  # consumer warpgroups of a warp-specialized CTA, where the block holds their rows (keys)
 
 TB = 64  # rows of a dq consumer and keys of a dk/dv one (one warpgroup's WGMMA M), and a step of either

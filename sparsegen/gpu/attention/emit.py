@@ -27,7 +27,7 @@ from ...ring import RingSides
 from ...schedule.attention import read_key
 from ...terms import ScoreTerms
 from ...wrapper import Glue, Wrapper, vjp_tables
-from ...tpu.attention.reference import ReferenceWriter  # backend-neutral: jax.numpy over whole arrays
+from ...walks.reference import ReferenceWriter
 from .backward_kernels import BackwardWriter
 from .describe import describe_gpu_attention
 from .lower import (MEMORY_REGISTERS, SCRATCH_KEYS, STAGES, GpuAttentionModule, GpuOperand, _free_index, out_through_q, partial_steps,

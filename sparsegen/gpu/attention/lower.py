@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...autodiff import refusals
-from ...callconv import Convention, convention
+from ...callconv import convention
 from ...dtypes import DType
 from ...ir import Kernel, Read
+from ...lowered import LoweredModule
 from ...names import ModuleNames
 from ...schedule.attention import RowPlan, read_key
 from ...source import Diagnostic
@@ -46,16 +47,12 @@ class GpuOperand:
     swapped: bool  # the wrapper swaps its two tile dimensions (tf32 WGMMA reads K-major tiles only; a mask stored key-major)
 
 
-class GpuWalkModule:
+class GpuWalkModule(LoweredModule):
     """What a GPU walk's module answers alike (the compiler, `verify`, `describe`): the row
-    walk's here, the paged walk's (gpu/paged/lower.py). Its `kernel`, `smem` (one CTA's
-    shared memory), `operands` and `backward` (the paged walk: none) are its own."""
+    walk's here, the paged walk's (gpu/paged/lower.py). Its `smem` (one CTA's shared
+    memory), `operands` and `backward` (the paged walk: none) are its own."""
 
     backward = None
-
-    @property
-    def name(self) -> str:
-        return self.kernel.name
 
     @property
     def smem_bytes(self) -> int:
@@ -80,10 +77,7 @@ class GpuWalkModule:
 
 @dataclass(frozen=True)
 class GpuAttentionModule(GpuWalkModule):
-    kernel: Kernel
     target: GpuTarget
-    conv: Convention
-    names: ModuleNames
     plan: RowPlan
     operands: tuple[GpuOperand, ...]
     tq: int  # a consumer warpgroup's rows (a CTA holds `warpgroups` of them, a row block ti // tq)
@@ -91,7 +85,6 @@ class GpuAttentionModule(GpuWalkModule):
     warpgroups: int  # 2: two consumer warpgroups and a producer (row blocks of 128 rows); 1: one warpgroup
     smem: int  # shared memory of one CTA (rules' estimate)
     backward: GpuBackward | None = None  # the dq and dk/dv kernels
-    backward_error: str | None = None  # why jax.grad cannot go through the kernel at all
     rows: int = TQ  # rows a CTA stores: `tq`, or a row block under 64 rows (decoding) padded to `tq` in shared memory
     splits: bool = False  # flash decoding: the forward walks each row block's key steps in parts (chosen at call time)
     walks = ("row walk",)
@@ -241,9 +234,9 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
         splits = fits(split, target) and split[:2] == (wgs, tk)
         if splits:
             smem = split[2]
-        return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None,
+        return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None, rows, splits, backward_error=(
                                   f"the GPU backward walks row blocks of {TQ} rows and one key head each; '{k.name}' has {why}: "
-                                  f"it is not differentiated on {target.name} (decoding kernels are for inference)", rows, splits)
+                                  f"it is not differentiated on {target.name} (decoding kernels are for inference)"))
     backward, error = plan_backward(k, p, ops, target.smem_bytes), None
     for bk, what in ((backward.dq, "dq"), (backward.dkv, "dk/dv")):
         if bk.smem > target.smem_bytes and error is None:
@@ -255,7 +248,7 @@ def lower_gpu_attention(kernel: Kernel, plan: RowPlan, target: GpuTarget) -> Gpu
                  f"{target.name}: use smaller tiles of {p.summed} or the values' columns to differentiate '{k.name}'")
     wgs, tk, smem = shaped(error is None)
     if error is not None:
-        return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None, error)
+        return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, None, backward_error=error)
     return GpuAttentionModule(k, target, conv, names, p, tuple(ops), TQ, tk, wgs, smem, backward)
 
 

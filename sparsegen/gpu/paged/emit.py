@@ -1,6 +1,6 @@
-"""Emission of a paged walk's module on Mosaic GPU (templates/gpu/paged.py.j2): the TPU
-paged module's classification per page, page bounds, table checks and `reference` (its
-emitter, `tpu/paged/emit.py`, is backend-neutral there), with a Mosaic GPU kernel.
+"""Emission of a paged walk's module on Mosaic GPU (templates/gpu/paged.py.j2): the paged
+walk's host side of every target (`walks/paged.py`: the classification per page, page
+bounds and `reference` through the table), with a Mosaic GPU kernel.
 
 The kernel, one CTA (one warpgroup) per (lead values, row block): the query rows copied
 once into a tile of WGMMA's 64 rows (the rest zeros, never stored); then a loop over the
@@ -25,7 +25,7 @@ from ...formatting import format_module
 from ...pytext import py_tuple
 from ...terms import ScoreTerms
 from ...wrapper import Glue
-from ...tpu.paged.emit import PagedEmitter
+from ...walks.paged import PagedHost
 from ..attention.emit import row_lse
 from ..attention.lower import SCRATCH_KEYS, out_through_q, scratch_width
 from .describe import describe_gpu_paged
@@ -34,7 +34,7 @@ from .lower import GpuPagedModule
 F32 = "jnp.float32"
 
 
-class GpuPagedEmitter(PagedEmitter):
+class GpuPagedEmitter(PagedHost):
     def __init__(self, m: GpuPagedModule):
         super().__init__(m)
 

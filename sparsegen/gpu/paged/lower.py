@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...autodiff import Refusal
-from ...callconv import Convention, convention
+from ...callconv import convention
 from ...ir import Kernel
 from ...names import ModuleNames
 from ...schedule.attention import RowPlan
@@ -32,10 +32,7 @@ GRADIENT_REFUSED = ("the gradient through a read through a table ('{read}') is n
 
 @dataclass(frozen=True)
 class GpuPagedModule(GpuWalkModule):
-    kernel: Kernel
     target: GpuTarget
-    conv: Convention
-    names: ModuleNames
     plan: RowPlan
     walk: RowWalk  # its names only (the lead axes), as the TPU's paged module
     paged: PagedPlan
@@ -44,7 +41,6 @@ class GpuPagedModule(GpuWalkModule):
     tk: int  # keys a step (64 or 128: the row walk's rule, `cta_shape`)
     smem: int
     refused: tuple = ()
-    backward_error: str | None = None
     tq = TQ
     walks = ("paged walk",)
 
@@ -128,4 +124,4 @@ def lower_gpu_paged(kernel: Kernel, plan: RowPlan, paged: PagedPlan, target: Gpu
     refused += tuple(Refusal(op.name, None, f"the gradient of '{op.name}' in a paged walk is not derived on GPU targets (issue 19)")
                      for op in k.inputs if op.dtype.is_float and op.name not in {g.read.operand for g in pg.gathers})
     error = "gradients through reads through tables are not derived on GPU targets (issue 19): paged kernels are for inference"
-    return GpuPagedModule(k, target, conv, names, p, walk, pg, tuple(ops), rows, tk, smem, refused, error)
+    return GpuPagedModule(k, target, conv, names, p, walk, pg, tuple(ops), rows, tk, smem, refused, backward_error=error)

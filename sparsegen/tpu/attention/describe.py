@@ -45,7 +45,7 @@ def describe_attention(m) -> list[str]:
     for item in m.vmem:
         lines.append(f"  {item.what}: {item.bytes / 1024:.0f} KiB")
     from ...autodiff import Partial, gradient_lines
-    from .lower import derived_outputs
+    from ...walks.flash_gradients import derived_outputs
 
     derived = derived_outputs(p) if not m.backward_error else []
     if derived and p.stored_score:

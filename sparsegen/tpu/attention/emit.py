@@ -12,75 +12,16 @@ from ...schedule.row import SLOT, STEP
 from ...ir import Read
 from ...mesh import mesh_plan
 from ...pytext import live_lines, parameters, py_tuple, words
-from ...ring import RingSides
-from ...wrapper import Glue, Wrapper, vjp_tables
+from ...wrapper import Glue
 from .describe import describe_attention
 from .kernels import Arr, CallSpec, KernelWriter, OutArr, lanes
-from .lower import LANES, SUBLANES, AttentionModule, Operand, derived_outputs, layout_block
-from .reference import ReferenceWriter
+from .lower import LANES, SUBLANES, AttentionModule, Operand, layout_block
+from ...walks.flash_gradients import derived_outputs
+from ...walks.row import RowHost
 
 
-class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
-    origin_supported = True  # `_impl` takes the arrays' first positions (not the paged walk's)
+class AttentionEmitter(RowHost, KernelWriter):
     split_conjuncts = True  # a partial step evaluates only the part of the condition that may fail
-
-    def __init__(self, m: AttentionModule):
-        self.m = m
-        self.k = m.kernel
-        self.p = m.plan
-        self.n = m.names
-        self.tile = {i.name: i.tile for i in self.k.indices}
-        self.wrapper = Wrapper(m.kernel, m.conv, (), m.names.local("size"), m.names)
-        self.sizes = [s.internal for s in m.conv.sizes]
-        self.acc = self.k.accumulate
-        # Module-level names shared by the calls.
-        self.w = m.walk
-        self.tables = [t.var for t in self.w.tables]
-        self.walk_tables = list(self.tables)
-        # A condition (or the chain) comparing query or key positions compares global ones:
-        # `_impl(..., origin=...)` gives the first position of the arrays passed (a shard on a
-        # mesh, `sharded`'s ring), in scalar memory after the walk's tables; integers read
-        # along both indices take their key side from `keys=` (sparsegen/ring.py).
-        self.shard_sides(self.origin_supported)
-        if self.positions:
-            self.tables.append(self.origins)
-        self.steps = self.w.step.static
-        # A walk classified under jit (operands read by the condition, or a shard's traced
-        # first positions) runs a traced number of steps: the most any group needs, with
-        # tables of the bound's length (the dense count by default).
-        self.dynamic = bool(self.p.data_dependent or self.positions)
-        self.n_run = self.n.local("n_run") if self.dynamic else self.steps
-        maps = self.n.scope()  # the index maps' parameters
-        self.grid_vars = [maps.local(i) for i in self.p.lead]
-        self.t = maps.local("t")
-        self.row_hosts = {"row_lse": self.n.local("row_lse_rows"), "delta": self.n.local("delta_rows")}
-        self.col_hosts = {"row_lse": self.n.local("row_lse_cols"), "delta": self.n.local("delta_cols")}
-        if any(c.kind == "sum" for c in self.p.consumers):
-            self.row_hosts["dsum"] = self.n.local("dsum_rows")
-            self.col_hosts["dsum"] = self.n.local("dsum_cols")
-        self._fns: dict[object, str] = {}
-        self.float_grads: list = []  # (read, variable in _backward, the indices it is laid out over)
-        self.grad_vars: dict[str, str] = {}  # `grad_var`: a gradient's variable, shared by the two backward walks
-
-    def fn(self, preferred: str, key: object = None) -> str:
-        """A module-level function name, the same for the same `key` (default: the preferred
-        name, for the walk's fixed maps). A name derived from a spec name is keyed by what it
-        maps: an output named `row_lse_rows` prefers the name of the row statistics' map, and
-        must not be given it."""
-        key = preferred if key is None else key
-        if key not in self._fns:
-            self._fns[key] = self.n.function(preferred)
-        return self._fns[key]
-
-    def size_of(self, index: str) -> str:
-        size = self.k.index(index).size
-        if size.product and size.literal is None:  # `j // T`, `j % T`: NP * T
-            return f"({render(self.m.conv.size(size), 'host')})"
-        return str(size.literal) if size.literal is not None else self.m.conv.size_var(size.symbol)
-
-    def ragged(self, index: str) -> bool:
-        idx = self.k.index(index)
-        return idx.size.literal is None or idx.size.literal % idx.tile != 0
 
     def live(self, read: Read) -> list[str]:
         return [s.index for s in read.subs if s.index not in self.p.lead]
@@ -297,16 +238,6 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
         )
         return format_module(text, names=(m.name,)) if formatted else text
 
-    def gradient_tables(self, backward: dict, derived: list[str]) -> str:
-        """`_PARTIALS` (every gradient the backward computes: argument, output) and `_REFUSED`
-        (those not derived, raised only where needed), as in the einsum modules."""
-        args = list(self.m.conv.impl_args)
-        outputs = [o.name for o in self.k.outputs]
-        arg = {p_.operand: args.index(p_.internal) for p_ in self.m.conv.params if p_.internal in args}
-        table = [f"({arg[op]}, {outputs.index(o)})" for op in backward.get("grads", ()) for o in derived]
-        return vjp_tables(["# The gradients the backward computes: (argument, output whose cotangent carries it)."], table,
-                          self.m.refused, arg.__getitem__, outputs)
-
     def all_maps(self, calls) -> list[dict]:
         """Every index map of the module, once each (the forward and dq walks share theirs)."""
         out: dict[str, dict] = {}
@@ -379,11 +310,6 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
         return {"lines": lines, "results": results, "returns": returns, "cotangents": [self.cotangents[o.name] for o in k.outputs], "grads": floats,
                 "args": list(conv.impl_args) + do_args + list(self.row_hosts.values()) + list(self.col_hosts.values())}
 
-    def prepare_lines(self) -> list[str]:
-        lines = self.wrapper.prepare_lines([])
-        checks = self.wrapper.whole_checks([o.read for o in self.m.operands], self.p.inner, self.tile)
-        return lines[:-1] + checks + lines[-1:]
-
     def about(self, o: Operand) -> str:
         return {"q": "the row block the step reads", "k": "the key block the step reads", "value": "the key block the step reads",
                 "extra": {"natural": "the step's block", "rows": "per row, broadcast along lanes", "cols": "per key, broadcast along sublanes",
@@ -403,10 +329,6 @@ class AttentionEmitter(RingSides, KernelWriter, ReferenceWriter):
         if o.layout == "cols":
             return f"jnp.broadcast_to({x}[..., None, :], {py_tuple(shape[:-1] + [str(SUBLANES), shape[-1]])})"
         return f"jnp.broadcast_to({x}[..., None, None], {py_tuple(shape + [str(SUBLANES), str(LANES)])})"
-
-    def dim_size(self, read: Read, d: int) -> str:
-        dim = self.k.operand(read.operand).dims[d]
-        return str(dim.literal) if dim.literal is not None else self.m.conv.size_var(dim.symbol)
 
     def precision(self, *dtypes) -> str:
         """A product's precision, from the dtypes its operands enter it with: the MXU rounds

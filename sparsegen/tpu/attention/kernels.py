@@ -428,9 +428,6 @@ class KernelWriter:
     def consumer_value(self, c) -> Operand:
         return self.operand_of(c.value)
 
-    def e_of(self, c) -> str:
-        return next(i for i in self.k.statement_of(c.output).target.indices if i not in self.p.lead and i != self.p.query)
-
     def phases(self, kind: str, step: str) -> list[str]:
         lines = ["", f"@pl.when({kind} == _PARTIAL)", "def _partial():", "    # Some elements absent: evaluate the condition.", f"    {step}(True)"]
         for g, k in enumerate(self.split_kinds()):

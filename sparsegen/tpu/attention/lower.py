@@ -10,16 +10,18 @@ import dataclasses
 
 from dataclasses import dataclass
 
-from ...autodiff import Refusal, refusals
+from ...autodiff import refusals
 from ...dtypes import DTYPES
-from ...callconv import Convention, convention
+from ...callconv import convention
 from ...ir import Kernel, Read
+from ...lowered import LoweredModule
 from ...names import ModuleNames
 from ...schedule.build import ScheduleError
 from ...source import Diagnostic
 from ...expr import Const
 from ...schedule.attention import RowPlan, read_key
 from ...schedule.row import RowWalk, row_walk
+from ...walks.flash_gradients import derived_outputs, gradient_refusals
 from ..targets import Target
 from ..layout import padded_bytes
 from ..vmem import MOSAIC_SCRATCH, VmemItem, attention_vmem, vmem_limit
@@ -43,23 +45,15 @@ class Operand:
 
 
 @dataclass(frozen=True)
-class AttentionModule:
-    kernel: Kernel
+class AttentionModule(LoweredModule):
     target: Target
-    conv: Convention
-    names: ModuleNames
     plan: RowPlan
     walk: RowWalk
     operands: tuple[Operand, ...]
     vmem: tuple[VmemItem, ...]
-    backward_error: str | None = None  # why jax.grad cannot go through this kernel at all
     vmem_limit_override: int | None = None  # verify's probe
     refused: tuple = ()  # autodiff.Refusal: every gradient not derived, each raised only where needed
     backward_walk: "BackwardWalk | None" = None  # fused or two passes (`backward_walk`), None without a backward
-
-    @property
-    def name(self) -> str:
-        return self.kernel.name
 
     @property
     def vmem_bytes(self) -> int:
@@ -125,7 +119,7 @@ def lower_attention(kernel: Kernel, plan: RowPlan, target: Target) -> AttentionM
         add(r, "extra")
     vmem = attention_vmem(kernel, p, ops)
     error = gradient_error(kernel, plan)
-    return AttentionModule(kernel, target, conv, names, plan, walk, tuple(ops), vmem, error,
+    return AttentionModule(kernel, target, conv, names, plan, walk, tuple(ops), vmem, backward_error=error,
                            refused=refusals(kernel, None, error) + gradient_refusals(kernel, plan),  # the kernel-wide reason first
                            backward_walk=backward_walk(kernel, plan, target, ops) if error is None and derived_outputs(plan) else None)
 
@@ -155,24 +149,6 @@ def gradient_error(kernel: Kernel, p: RowPlan) -> str | None:
     if p.stored_score and not p.float_reads():
         return "a stored score of integer operands has no gradient"
     return None
-
-
-_NOT_DERIVED = {"max": "a max reduction", "softmax_out": "a stored softmax", "scores_out": "a stored score"}
-
-
-def gradient_refusals(kernel: Kernel, p: RowPlan) -> tuple:
-    """The gradients the flash-attention backward does not derive: through a max reduction
-    or a stored output, for every float operand the score reads (the others' gradients, and
-    every gradient through the other outputs, are derived)."""
-    reads = p.score_operands()
-    operands = [op for op in kernel.operands if op.name in reads and op.dtype.is_float]
-    return tuple(Refusal(op.name, c.output, f"the gradient of '{op.name}' through '{c.output}' ({_NOT_DERIVED[c.kind]}) is not derived yet")
-                 for c in p.consumers if c.kind in _NOT_DERIVED for op in operands)
-
-
-def derived_outputs(p: RowPlan) -> list[str]:
-    """The outputs the backward carries gradients through (in the plan's order)."""
-    return [c.output for c in p.consumers if c.kind not in _NOT_DERIVED]
 
 
 def gradient_dtype(kernel: Kernel, p: RowPlan, read: Read):

@@ -55,7 +55,7 @@ def lower_paged(kernel: Kernel, plan: RowPlan, paged: PagedPlan, target: Target)
     refused += tuple(Refusal(op.name, None, f"the gradient of '{op.name}' in a paged walk is not derived yet (issue 19)")
                      for op in kernel.inputs if op.dtype.is_float and op.name not in {g.read.operand for g in paged.gathers})
     error = "gradients through reads through tables are not derived yet on TPU (issue 19): paged kernels are for inference"
-    return PagedModule(kernel, target, conv, names, plan, walk, tuple(ops), vmem, error, refused=refused, paged=paged)
+    return PagedModule(kernel, target, conv, names, plan, walk, tuple(ops), vmem, backward_error=error, refused=refused, paged=paged)
 
 
 def paged_vmem(kernel: Kernel, p: RowPlan, paged: PagedPlan) -> tuple[VmemItem, ...]:

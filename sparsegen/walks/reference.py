@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from ...ir import Read, Term
-from ...pytext import py_tuple
-from ...terms import ScoreTerms, render_term
+from ..ir import Read, Term
+from ..pytext import py_tuple
+from ..terms import ScoreTerms, render_term
 
 
 class ReferenceWriter:
