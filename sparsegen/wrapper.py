@@ -229,8 +229,8 @@ class Wrapper:
             else:
                 # Every factor in the accumulate dtype: exact for narrower data, and one dtype
                 # for XLA's dot (its CPU backend lacks some mixed-dtype forms).
-                after = self.after_sum(st)
-                views = [_widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, acc if n not in after else after[n])
+                after, wide = self.after_sum(st)
+                views = [_widen(self.view(st, n, lines, outputs), k.operand(r.operand).dtype, wide if n in after else acc)
                          for n, r in enumerate(st.factors)]
                 specs = ["".join(letters[i] for i in f.indices) for f in st.factors]
                 if after and st.condition is None:
@@ -241,7 +241,6 @@ class Wrapper:
                     total = self.local("total")
                     spec = ",".join(specs[n] for n in inner) + "->" + "".join(letters[i] for i in held)
                     lines.append(f'{total} = jnp.einsum("{spec}", {", ".join(views[n] for n in inner)}, preferred_element_type={acc.jnp})')
-                    wide = next(iter(after.values()))
                     spec = ",".join(["".join(letters[i] for i in held)] + [specs[n] for n in after]) + "->" + "".join(letters[i] for i in st.out_indices)
                     lines.append(f'{var} = jnp.einsum("{spec}", {_widen(total, acc, wide)}, {", ".join(views[n] for n in after)}, '
                                  f"preferred_element_type={wide.jnp}, precision=lax.Precision.HIGHEST)")
@@ -286,16 +285,14 @@ class Wrapper:
         lines.append(f"return {result[0]}" if len(result) == 1 else f"return {', '.join(result)}")
         return lines
 
-    def after_sum(self, st: Einsum) -> dict[int, object]:
-        """The factors after `st`'s sum (its end groups), by position, with the dtype they meet
-        the sum in, where that is not the accumulator's (`after_sum_dtype`: an integer sum
-        meeting a float scale); {} otherwise: every factor then joins one einsum."""
+    def after_sum(self, st: Einsum) -> tuple[tuple[int, ...], object]:
+        """The positions of the factors after `st`'s sum (its end groups) and the dtype they
+        meet the sum in, where that is not the accumulator's (`after_sum_dtype`: an integer sum
+        meeting a float scale); no positions otherwise: every factor then joins one einsum."""
         acc = self.k.accumulate
-        if not st.summed:
-            return {}
-        ends = [m for g in st.end_groups for m in g.members]
+        ends = tuple(m for g in st.end_groups for m in g.members) if st.summed else ()
         wide = after_sum_dtype(acc, tuple(self.k.operand(st.factors[m].operand).dtype for m in ends))
-        return {m: wide for m in ends} if wide != acc else {}
+        return (ends, wide) if wide != acc else ((), acc)
 
     def local(self, preferred: str) -> str:
         return self.scope.local(preferred) if self.scope is not None else preferred
